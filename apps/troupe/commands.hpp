@@ -1,0 +1,15 @@
+// Each subcommand of `troupe` registers itself on the CLI and returns the
+// function that runs it (exit status).
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <functional>
+
+namespace troupe::app {
+
+using Command = std::function<int()>;
+
+Command add_forward(CLI::App& app);
+Command add_init_model(CLI::App& app);
+
+}  // namespace troupe::app

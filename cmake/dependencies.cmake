@@ -1,0 +1,16 @@
+# Every external library troupe links, found the way that works on Debian 12
+# (see docs/architecture.md and ../shared/docs/STACK.md).
+find_package(Threads REQUIRED)
+find_package(PkgConfig REQUIRED)
+find_package(GTest 1.12 REQUIRED)
+find_package(benchmark 1.7 REQUIRED)
+find_package(nlohmann_json 3.10 REQUIRED)
+find_package(spdlog 1.10 REQUIRED)
+find_package(CLI11 QUIET)
+
+# OpenBLAS: Debian's cblas.h lives in /usr/include/x86_64-linux-gnu/openblas-pthread.
+pkg_check_modules(OPENBLAS REQUIRED IMPORTED_TARGET openblas)
+add_library(troupe_blas INTERFACE)
+target_link_libraries(troupe_blas INTERFACE PkgConfig::OPENBLAS)
+
+pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)

@@ -1,0 +1,64 @@
+// The DeepSeek-V4 forward pass over a batch of sequence chunks.
+//
+// One call runs any mix of prefill chunks and decode tokens of different
+// sequences: the per-token work (projections, mHC, MoE) runs over all tokens at
+// once; the per-sequence work (window, compression, indexer, attention) reads
+// and writes each sequence's SequenceState. Feeding a sequence in pieces gives
+// the same logits as one call over the whole sequence.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kernels/backend.hpp"
+#include "model/config.hpp"
+#include "model/state.hpp"
+#include "model/weights.hpp"
+
+namespace troupe::model {
+
+enum class LogitsWanted : uint8_t { none, last, all };
+
+struct Chunk {
+  SequenceState* state = nullptr;   // the chunk starts at state->length()
+  std::span<const int32_t> ids;     // at least one token
+  LogitsWanted logits = LogitsWanted::last;
+};
+
+class Model {
+ public:
+  // Loads config.json and the safetensors weights of `dir` onto `backend`.
+  // Throws troupe::Error with a one-line reason.
+  static std::unique_ptr<Model> load(const std::string& dir, kernels::Backend& backend);
+  Model(ModelConfig config, std::unique_ptr<Weights> weights, kernels::Backend& backend);
+  ~Model();
+
+  const ModelConfig& config() const { return config_; }
+  kernels::Backend& backend() const { return backend_; }
+
+  // Runs the chunks and returns the wanted logits rows (host, fp32, row-major
+  // [rows, vocab]) in chunk order. Checks ids against the vocabulary and throws
+  // troupe::Error(invalid_argument) before touching any state.
+  std::vector<float> forward(std::span<const Chunk> chunks);
+
+  std::unique_ptr<SequenceState> new_dense_state() const;
+
+ private:
+  struct Batch;
+  void run_layer(int layer, Batch& b);
+  void attention_block(int layer, Batch& b, const float* h, float* out);
+  void compress_block(int layer, Batch& b, const CompressorWeights& cw, Ring ring, const float* h,
+                      bool to_index_keys);
+  void moe_block(int layer, Batch& b, const float* h, float* out);
+
+  ModelConfig config_;
+  std::unique_ptr<Weights> weights_;
+  kernels::Backend& backend_;
+  float* rope_main_ = nullptr;      // inv_freq tables in backend memory
+  float* rope_compress_ = nullptr;
+};
+
+}  // namespace troupe::model

@@ -1,0 +1,232 @@
+#include "model/init.hpp"
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <vector>
+
+#include "base/error.hpp"
+#include "model/safetensors.hpp"
+
+namespace troupe::model {
+namespace {
+
+using json = nlohmann::json;
+
+// splitmix64 + Box-Muller: the same numbers on every machine.
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : s_(seed * 0x9e3779b97f4a7c15ull + 0x1234567ull) {}
+  uint64_t next() {
+    uint64_t z = (s_ += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  double uniform() { return static_cast<double>(next() >> 11) * (1.0 / 9007199254740992.0); }
+  float normal() {
+    double u1 = uniform(), u2 = uniform();
+    if (u1 < 1e-300) u1 = 1e-300;
+    return static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(2 * M_PI * u2));
+  }
+
+ private:
+  uint64_t s_;
+};
+
+json preset_config(const InitOptions& o) {
+  json c;
+  if (o.preset == "tiny") {
+    c = {{"vocab_size", 129280}, {"hidden_size", 256}, {"num_hidden_layers", 4}, {"num_attention_heads", 8},
+         {"head_dim", 64}, {"q_lora_rank", 128}, {"o_groups", 2}, {"o_lora_rank", 64}, {"sliding_window", 32},
+         {"layer_types", {"sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                          "compressed_sparse_attention"}},
+         {"mlp_layer_types", {"hash_moe", "moe", "moe", "moe"}},
+         {"compress_rates", {{"compressed_sparse_attention", 4}, {"heavily_compressed_attention", 16}}},
+         {"index_n_heads", 4}, {"index_head_dim", 32}, {"index_topk", 16}, {"n_routed_experts", 8},
+         {"num_experts_per_tok", 2}, {"moe_intermediate_size", 128}, {"partial_rotary_factor", 0.25},
+         {"rope_parameters", {{"main", {{"rope_type", "default"}, {"rope_theta", 10000.0}, {"partial_rotary_factor", 0.25}}},
+                              {"compress", {{"rope_type", "yarn"}, {"rope_theta", 160000.0}, {"partial_rotary_factor", 0.25},
+                                            {"factor", 16.0}, {"original_max_position_embeddings", 4096},
+                                            {"beta_fast", 32}, {"beta_slow", 1}, {"attention_factor", 1.0}}}}},
+         {"max_position_embeddings", 65536}};
+  } else if (o.preset == "flash-shaped") {
+    c = {{"vocab_size", 129280}, {"hidden_size", 4096}, {"num_hidden_layers", 4}, {"num_attention_heads", 64},
+         {"head_dim", 512}, {"q_lora_rank", 1024}, {"o_groups", 8}, {"o_lora_rank", 1024}, {"sliding_window", 128},
+         {"layer_types", {"heavily_compressed_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                          "compressed_sparse_attention"}},
+         {"mlp_layer_types", {"moe", "moe", "moe", "moe"}},
+         {"compress_rates", {{"compressed_sparse_attention", 4}, {"heavily_compressed_attention", 128}}},
+         {"index_n_heads", 64}, {"index_head_dim", 128}, {"index_topk", 512}, {"n_routed_experts", 16},
+         {"num_experts_per_tok", 6}, {"moe_intermediate_size", 2048}, {"partial_rotary_factor", 0.125},
+         {"rope_parameters", {{"main", {{"rope_type", "default"}, {"rope_theta", 10000.0}, {"partial_rotary_factor", 0.125}}},
+                              {"compress", {{"rope_type", "yarn"}, {"rope_theta", 160000.0}, {"partial_rotary_factor", 0.125},
+                                            {"factor", 16.0}, {"original_max_position_embeddings", 65536},
+                                            {"beta_fast", 32}, {"beta_slow", 1}, {"attention_factor", 1.0}}}}},
+         {"max_position_embeddings", 1048576}};
+  } else {
+    raise(ErrorCode::invalid_argument, "unknown preset '{}' (tiny, flash-shaped)", o.preset);
+  }
+  c["model_type"] = "deepseek_v4";
+  c["architectures"] = {"DeepseekV4ForCausalLM"};
+  c["num_key_value_heads"] = 1;
+  c["hc_mult"] = 4;
+  c["hc_sinkhorn_iters"] = 20;
+  c["hc_eps"] = 1e-6;
+  c["rms_norm_eps"] = 1e-6;
+  c["scoring_func"] = "sqrtsoftplus";
+  c["routed_scaling_factor"] = 1.5;
+  c["swiglu_limit"] = 10.0;
+  c["n_shared_experts"] = 1;
+  c["rope_theta"] = 10000.0;
+  c["compress_rope_theta"] = 160000.0;
+  c["tie_word_embeddings"] = false;
+  c["bos_token_id"] = 0;
+  c["eos_token_id"] = 1;
+  if (o.layers > 0) {
+    json lt = json::array(), mt = json::array();
+    for (int64_t i = 0; i < o.layers; ++i) {
+      lt.push_back(c["layer_types"][static_cast<size_t>(i) % c["layer_types"].size()]);
+      mt.push_back(c["mlp_layer_types"][static_cast<size_t>(i) % c["mlp_layer_types"].size()]);
+    }
+    c["num_hidden_layers"] = o.layers;
+    c["layer_types"] = lt;
+    c["mlp_layer_types"] = mt;
+  }
+  if (o.experts > 0) c["n_routed_experts"] = o.experts;
+  if (o.vocab > 0) c["vocab_size"] = o.vocab;
+  return c;
+}
+
+}  // namespace
+
+void init_model(const std::string& dir, const InitOptions& o) {
+  namespace fs = std::filesystem;
+  if (o.dtype != DType::f32 && o.dtype != DType::bf16) raise(ErrorCode::invalid_argument, "init-model: dtype must be f32 or bf16");
+  const json c = preset_config(o);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) raise(ErrorCode::invalid_argument, "cannot create {}: {}", dir, ec.message());
+
+  Rng rng(o.seed);
+  struct Owned {
+    std::string name;
+    DType dtype;
+    std::vector<int64_t> shape;
+    std::vector<float> f;
+    std::vector<uint16_t> h;
+    std::vector<int64_t> i;
+  };
+  std::vector<Owned> tensors;
+  auto matrix = [&](const std::string& name, std::vector<int64_t> shape, float std) {
+    Owned t{name, o.dtype, shape, {}, {}, {}};
+    const int64_t n = std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
+    if (o.dtype == DType::f32) {
+      t.f.resize(static_cast<size_t>(n));
+      for (auto& v : t.f) v = rng.normal() * std;
+    } else {
+      t.h.resize(static_cast<size_t>(n));
+      for (auto& v : t.h) v = f32_to_bf16(rng.normal() * std);
+    }
+    tensors.push_back(std::move(t));
+  };
+  auto vec = [&](const std::string& name, std::vector<int64_t> shape, float mean, float std) {
+    Owned t{name, DType::f32, shape, {}, {}, {}};
+    const int64_t n = std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
+    t.f.resize(static_cast<size_t>(n));
+    for (auto& v : t.f) v = mean + rng.normal() * std;
+    tensors.push_back(std::move(t));
+  };
+  const int64_t V = c["vocab_size"], D = c["hidden_size"], L = c["num_hidden_layers"], H = c["num_attention_heads"];
+  const int64_t hd = c["head_dim"], qr = c["q_lora_rank"], G = c["o_groups"], olr = c["o_lora_rank"];
+  const int64_t E = c["n_routed_experts"], K = c["num_experts_per_tok"], I = c["moe_intermediate_size"];
+  const int64_t nih = c["index_n_heads"], ihd = c["index_head_dim"], hc = c["hc_mult"];
+  const int64_t n_mix = (2 + hc) * hc;
+  auto inv = [](int64_t fan_in) { return 1.0f / std::sqrt(static_cast<float>(fan_in)); };
+
+  matrix("model.embed_tokens.weight", {V, D}, 1.0f);
+  matrix("lm_head.weight", {V, D}, inv(D));
+  vec("model.norm.weight", {D}, 1.0f, 0.1f);
+  matrix("model.hc_head.hc_fn", {hc, hc * D}, inv(hc * D));
+  vec("model.hc_head.hc_base", {hc}, 0.0f, 0.5f);
+  vec("model.hc_head.hc_scale", {1}, 1.0f, 0.2f);
+  for (int64_t l = 0; l < L; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    for (const char* site : {"attn_hc.", "ffn_hc."}) {
+      matrix(p + site + "fn", {n_mix, hc * D}, inv(hc * D));
+      vec(p + site + "base", {n_mix}, 0.0f, 0.5f);
+      vec(p + site + "scale", {3}, 1.0f, 0.2f);
+    }
+    vec(p + "input_layernorm.weight", {D}, 1.0f, 0.1f);
+    vec(p + "post_attention_layernorm.weight", {D}, 1.0f, 0.1f);
+    const std::string a = p + "self_attn.";
+    matrix(a + "q_a_proj.weight", {qr, D}, inv(D));
+    vec(a + "q_a_norm.weight", {qr}, 1.0f, 0.1f);
+    matrix(a + "q_b_proj.weight", {H * hd, qr}, inv(qr));
+    matrix(a + "kv_proj.weight", {hd, D}, inv(D));
+    vec(a + "kv_norm.weight", {hd}, 1.0f, 0.1f);
+    matrix(a + "o_a_proj.weight", {G * olr, H * hd / G}, inv(H * hd / G));
+    matrix(a + "o_b_proj.weight", {D, G * olr}, inv(G * olr));
+    vec(a + "sinks", {H}, 0.0f, 1.0f);
+    const std::string type = c["layer_types"][static_cast<size_t>(l)];
+    const int64_t rate = type == "compressed_sparse_attention" ? c["compress_rates"]["compressed_sparse_attention"].get<int64_t>()
+                                                                : c["compress_rates"]["heavily_compressed_attention"].get<int64_t>();
+    if (type != "sliding_attention") {
+      const int64_t w = type == "compressed_sparse_attention" ? 2 * hd : hd;
+      matrix(a + "compressor.kv_proj.weight", {w, D}, inv(D));
+      matrix(a + "compressor.gate_proj.weight", {w, D}, inv(D));
+      vec(a + "compressor.position_bias", {rate, w}, 0.0f, 0.5f);
+      vec(a + "compressor.kv_norm.weight", {hd}, 1.0f, 0.1f);
+    }
+    if (type == "compressed_sparse_attention") {
+      const std::string ip = a + "compressor.indexer.";
+      matrix(ip + "kv_proj.weight", {2 * ihd, D}, inv(D));
+      matrix(ip + "gate_proj.weight", {2 * ihd, D}, inv(D));
+      vec(ip + "position_bias", {rate, 2 * ihd}, 0.0f, 0.5f);
+      vec(ip + "kv_norm.weight", {ihd}, 1.0f, 0.1f);
+      matrix(ip + "q_b_proj.weight", {nih * ihd, qr}, inv(qr));
+      matrix(ip + "scorer.weights_proj.weight", {nih, D}, inv(D));
+    }
+    const std::string m = p + "mlp.";
+    matrix(m + "gate.weight", {E, D}, inv(D));
+    if (c["mlp_layer_types"][static_cast<size_t>(l)] == "hash_moe") {
+      Owned t{m + "gate.tid2eid", DType::i64, {V, K}, {}, {}, {}};
+      t.i.resize(static_cast<size_t>(V * K));
+      for (int64_t v = 0; v < V; ++v) {  // K distinct experts per token
+        for (int64_t j = 0; j < K; ++j) {
+          int64_t e;
+          bool dup;
+          do {
+            e = static_cast<int64_t>(rng.next() % static_cast<uint64_t>(E));
+            dup = false;
+            for (int64_t q = 0; q < j; ++q) dup |= t.i[static_cast<size_t>(v * K + q)] == e;
+          } while (dup);
+          t.i[static_cast<size_t>(v * K + j)] = e;
+        }
+      }
+      tensors.push_back(std::move(t));
+    } else {
+      vec(m + "gate.e_score_correction_bias", {E}, 0.0f, 0.1f);
+    }
+    matrix(m + "experts.gate_up_proj", {E, 2 * I, D}, inv(D));
+    matrix(m + "experts.down_proj", {E, D, I}, inv(I));
+    matrix(m + "shared_experts.gate_proj.weight", {I, D}, inv(D));
+    matrix(m + "shared_experts.up_proj.weight", {I, D}, inv(D));
+    matrix(m + "shared_experts.down_proj.weight", {D, I}, inv(I));
+  }
+  std::vector<TensorToWrite> out;
+  for (const auto& t : tensors) {
+    const void* data = t.dtype == DType::i64 ? static_cast<const void*>(t.i.data())
+                       : t.dtype == DType::bf16 ? static_cast<const void*>(t.h.data())
+                                                : static_cast<const void*>(t.f.data());
+    out.push_back({t.name, t.dtype, t.shape, data});
+  }
+  write_safetensors((fs::path(dir) / "model.safetensors").string(), out);
+  json cfg = c;
+  cfg["dtype"] = o.dtype == DType::f32 ? "float32" : "bfloat16";
+  std::ofstream(fs::path(dir) / "config.json") << cfg.dump(2) << "\n";
+}
+
+}  // namespace troupe::model

@@ -1,0 +1,26 @@
+// Random-weight DeepSeek-V4 models for tests, benchmarks and the embedded
+// default: a config.json plus model.safetensors in transformers' layout,
+// generated deterministically from a seed.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "base/dtype.hpp"
+
+namespace troupe::model {
+
+struct InitOptions {
+  std::string preset = "tiny";  // tiny | flash-shaped
+  uint64_t seed = 0;
+  DType dtype = DType::f32;     // f32 or bf16 for matrices
+  int64_t layers = -1;          // override num_hidden_layers (layer types cycle the preset's)
+  int64_t experts = -1;         // override n_routed_experts
+  int64_t vocab = -1;           // override vocab_size
+};
+
+// Writes config.json and model.safetensors into `dir` (created if missing).
+// Throws troupe::Error on an unknown preset or an unwritable directory.
+void init_model(const std::string& dir, const InitOptions& options);
+
+}  // namespace troupe::model

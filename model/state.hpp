@@ -1,0 +1,81 @@
+// Where a sequence's per-layer state lives between forward calls: the five
+// kinds of V4 state (docs/architecture.md, "State").
+//
+//   SWA window    raw kv of the last sliding_window tokens       swa_row(layer, pos)
+//   entries       compressed entries (CSA or HCA layers)         entry_row(layer, i)
+//   index keys    CSA indexer keys                               index_key_row(layer, i)
+//   inflight      compressor kv+score of the open windows        ring_row(layer, ring, pos)
+//
+// The model reads and writes rows through this interface and never owns the
+// memory: DenseState (below) keeps it in plain vectors for `troupe forward`;
+// cache/ keeps it in paged pools shared through the radix tree.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "model/config.hpp"
+
+namespace troupe::model {
+
+enum class Ring : uint8_t { compressor = 0, indexer = 1 };
+
+// Sizes of one layer's rows and rings, from the config.
+struct LayerShape {
+  LayerType type = LayerType::sliding;
+  int64_t rate = 0;            // compress rate (0 for sliding layers)
+  int64_t head_dim = 0;
+  int64_t index_head_dim = 0;  // CSA only
+  int64_t ring_slots = 0;      // 2*rate with overlap (CSA), rate (HCA)
+  int64_t ring_width = 0;      // floats per compressor ring row: kv + score
+  int64_t index_ring_width = 0;
+
+  static LayerShape of(const ModelConfig& c, int layer);
+};
+
+class SequenceState {
+ public:
+  virtual ~SequenceState() = default;
+  // Tokens already folded into the state: the position of the next token.
+  virtual int64_t length() const = 0;
+  // Makes rows available for tokens [length(), new_length). Pointers returned
+  // earlier may move. May throw troupe::Error(resource_exhausted).
+  virtual void reserve(int64_t new_length) = 0;
+  // Declares tokens [length(), new_length) written.
+  virtual void commit(int64_t new_length) = 0;
+
+  // Row addresses (backend memory). swa_row is valid for positions in
+  // [length()-sliding_window, reserved end); entry and index-key rows for
+  // i < reserved_end / rate; ring rows for any position (slot pos % ring_slots).
+  virtual float* swa_row(int layer, int64_t pos) = 0;
+  virtual float* entry_row(int layer, int64_t i) = 0;
+  virtual float* index_key_row(int layer, int64_t i) = 0;
+  virtual float* ring_row(int layer, Ring ring, int64_t pos) = 0;
+};
+
+// Plain host vectors: the state of one sequence for the CPU backend.
+class DenseState final : public SequenceState {
+ public:
+  explicit DenseState(const ModelConfig& config);
+  int64_t length() const override { return length_; }
+  void reserve(int64_t new_length) override;
+  void commit(int64_t new_length) override { length_ = new_length; }
+  float* swa_row(int layer, int64_t pos) override;
+  float* entry_row(int layer, int64_t i) override;
+  float* index_key_row(int layer, int64_t i) override;
+  float* ring_row(int layer, Ring ring, int64_t pos) override;
+
+ private:
+  struct Layer {
+    LayerShape shape;
+    std::vector<float> swa;       // ring of sliding_window rows
+    std::vector<float> entries;
+    std::vector<float> index_keys;
+    std::vector<float> ring[2];
+  };
+  int64_t window_ = 0;
+  int64_t length_ = 0;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace troupe::model

@@ -1,0 +1,110 @@
+// `troupe forward`: the CLI contract and a clear one-line error for every bad input.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "tests/model/fixtures.hpp"
+#include "tests/support/process.hpp"
+
+namespace troupe::testing {
+namespace {
+
+std::string join(const std::vector<int32_t>& ids) {
+  std::string s;
+  for (size_t i = 0; i < ids.size(); ++i) s += (i ? "," : "") + std::to_string(ids[i]);
+  return s;
+}
+
+// A bad input: non-zero exit, one line on stderr naming the problem.
+void expect_error(const CommandResult& r, const std::string& phrase) {
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("troupe: error:"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find(phrase), std::string::npos) << "stderr was: " << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+}
+
+class ForwardCli : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new TempDir();
+    auto r = run_command(troupe_binary() + " init-model --preset tiny --vocab 512 --layers 2 --out " + model());
+    ASSERT_EQ(r.status, 0) << r.err;
+  }
+  static void TearDownTestSuite() { delete dir_; }
+  static std::string model() { return dir_->path() + "/tiny"; }
+  static std::string forward(const std::string& model_dir, const std::string& ids, const std::string& extra = "") {
+    return troupe_binary() + " forward --model " + model_dir + " --ids " + ids + " --out " + dir_->path() +
+           "/out.npy " + extra;
+  }
+  static TempDir* dir_;
+};
+TempDir* ForwardCli::dir_ = nullptr;
+
+TEST_F(ForwardCli, writes_logits_rows_equal_to_transformers) {
+  const Fixture f = load_fixture("yarn_hc3");
+  const int64_t p = f.meta.at("prefill").get<int64_t>();
+  auto r = run_command(forward(f.dir, join(f.ids), "--prefill " + std::to_string(p)));
+  ASSERT_EQ(r.status, 0) << r.err;
+  auto got = read_npy(dir_->path() + "/out.npy");
+  ASSERT_EQ(got.descr, "<f4");
+  ASSERT_EQ(got.shape, (std::vector<int64_t>{static_cast<int64_t>(f.ids.size()), f.vocab}));
+  auto v = got.as_f32();
+  EXPECT_LE(max_abs_diff(v.data(), f.logits.data(), v.size()), 1e-3);
+}
+
+TEST_F(ForwardCli, missing_model_directory) {
+  expect_error(run_command(forward("/nonexistent/model", "1,2,3")), "does not exist");
+}
+
+TEST_F(ForwardCli, truncated_safetensors) {
+  TempDir d;
+  std::filesystem::copy(model(), d.path(), std::filesystem::copy_options::recursive);
+  const auto file = d.path() + "/model.safetensors";
+  std::filesystem::resize_file(file, std::filesystem::file_size(file) / 2);
+  expect_error(run_command(forward(d.path(), "1,2,3")), "truncated");
+}
+
+TEST_F(ForwardCli, tensor_with_the_wrong_shape) {
+  TempDir d;
+  std::filesystem::copy(model(), d.path(), std::filesystem::copy_options::recursive);
+  auto cfg = nlohmann::json::parse(read_text_file(d.path() + "/config.json"));
+  cfg["q_lora_rank"] = 96;  // the checkpoint holds 128
+  std::ofstream(d.path() + "/config.json") << cfg.dump();
+  expect_error(run_command(forward(d.path(), "1,2,3")), "q_a_proj.weight' has shape [128, 256], expected [96, 256]");
+}
+
+TEST_F(ForwardCli, token_id_beyond_the_vocabulary) {
+  expect_error(run_command(forward(model(), "1,2,512")), "token id 512 is out of range for a vocabulary of 512");
+}
+
+TEST_F(ForwardCli, prefill_larger_than_the_ids) {
+  expect_error(run_command(forward(model(), "1,2,3", "--prefill 4")), "--prefill 4 is larger than the 3 ids given");
+}
+
+TEST_F(ForwardCli, malformed_ids) {
+  expect_error(run_command(forward(model(), "1,x,3")), "'x' is not a token id");
+}
+
+TEST_F(ForwardCli, unknown_and_missing_config_fields) {
+  TempDir d;
+  std::filesystem::copy(model(), d.path(), std::filesystem::copy_options::recursive);
+  auto cfg = nlohmann::json::parse(read_text_file(d.path() + "/config.json"));
+  auto bad = cfg;
+  bad["attention_temperature"] = 2.0;
+  std::ofstream(d.path() + "/config.json") << bad.dump();
+  expect_error(run_command(forward(d.path(), "1,2")), "field 'attention_temperature' is unknown");
+  bad = cfg;
+  bad.erase("sliding_window");
+  std::ofstream(d.path() + "/config.json") << bad.dump();
+  expect_error(run_command(forward(d.path(), "1,2")), "field 'sliding_window' is missing");
+}
+
+TEST_F(ForwardCli, missing_shard_listed_in_the_index) {
+  TempDir d;
+  std::filesystem::copy(fixtures_dir() + "/hf_names_sharded", d.path(), std::filesystem::copy_options::recursive);
+  std::filesystem::remove(d.path() + "/model-00003-of-00010.safetensors");
+  expect_error(run_command(forward(d.path(), "1,2")), "model-00003-of-00010.safetensors listed in the index is missing");
+}
+
+}  // namespace
+}  // namespace troupe::testing

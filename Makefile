@@ -29,7 +29,7 @@ serve: build
 	$(BUILD)/bin/troupe serve --port $(PORT)
 
 bench: build
-	scripts/bench
+	bench/run.sh
 
 clean:
 	rm -rf $(BUILD)

@@ -95,6 +95,20 @@ json preset_config(const InitOptions& o) {
     c["layer_types"] = lt;
     c["mlp_layer_types"] = mt;
   }
+  if (!o.layer_types.empty()) {
+    json lt = json::array(), mt = json::array();
+    for (size_t i = 0; i < o.layer_types.size(); ++i) {
+      const std::string& t = o.layer_types[i];
+      if (t == "sliding") lt.push_back("sliding_attention");
+      else if (t == "csa") lt.push_back("compressed_sparse_attention");
+      else if (t == "hca") lt.push_back("heavily_compressed_attention");
+      else raise(ErrorCode::invalid_argument, "init-model: layer type '{}' is not sliding, csa or hca", t);
+      mt.push_back(c["mlp_layer_types"][i % c["mlp_layer_types"].size()]);
+    }
+    c["num_hidden_layers"] = o.layer_types.size();
+    c["layer_types"] = lt;
+    c["mlp_layer_types"] = mt;
+  }
   if (o.experts > 0) c["n_routed_experts"] = o.experts;
   if (o.vocab > 0) c["vocab_size"] = o.vocab;
   return c;

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "base/dtype.hpp"
 
@@ -15,6 +16,7 @@ struct InitOptions {
   uint64_t seed = 0;
   DType dtype = DType::f32;     // f32 or bf16 for matrices
   int64_t layers = -1;          // override num_hidden_layers (layer types cycle the preset's)
+  std::vector<std::string> layer_types;  // override: sliding|csa|hca per layer (sets the layer count)
   int64_t experts = -1;         // override n_routed_experts
   int64_t vocab = -1;           // override vocab_size
 };

@@ -16,6 +16,8 @@ Command add_init_model(CLI::App& app) {
   cmd->add_option("--seed", o->init.seed, "random seed");
   cmd->add_option("--dtype", o->dtype, "f32 or bf16 matrices")->check(CLI::IsMember({"f32", "bf16"}));
   cmd->add_option("--layers", o->init.layers, "number of layers (types cycle the preset's)");
+  cmd->add_option("--layer-types", o->init.layer_types, "layer types, e.g. csa,hca,sliding (sets the layer count)")
+      ->delimiter(',');
   cmd->add_option("--experts", o->init.experts, "number of routed experts");
   cmd->add_option("--vocab", o->init.vocab, "vocabulary size");
   return [o] {

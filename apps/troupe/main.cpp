@@ -8,8 +8,10 @@
 #include "apps/troupe/commands.hpp"
 #include "base/check.hpp"
 #include "base/error.hpp"
+#include "kernels/cpu/cpu_backend.hpp"
 
 int main(int argc, char** argv) {
+  troupe::kernels::cpu::ensure_blas_kernels(argv);
   CLI::App app{"troupe: a DeepSeek-V4 serving runtime"};
   app.require_subcommand(1);
   spdlog::set_pattern("[%H:%M:%S.%e] [%^%l%$] %v");

@@ -53,6 +53,13 @@ class CpuBackend final : public Backend {
   void add(float* y, const float* x, int64_t n) override;
 };
 
+// OpenBLAS 0.3.21 (Debian 12) does not recognise recent Xeons and falls back to
+// its generic "Prescott" kernels, 4x slower here. OpenBLAS reads its kernel choice
+// once, when it loads, from OPENBLAS_CORETYPE; so when the variable is unset and
+// the CPU has AVX2/AVX-512, this sets it and re-executes the program (argv[0] via
+// /proc/self/exe). Call first thing in main(). Returns normally otherwise.
+void ensure_blas_kernels(char** argv);
+
 // Helpers shared by the CPU kernels (also used by tests as the plain reference).
 // Turns one rope slice (rope.rope_dim floats) to `position`.
 void rope_row(float* x, const RopeTable& rope, int64_t position, bool inverse);

@@ -1,11 +1,13 @@
 // Dense math of the CPU backend: memory, GEMMs, norms, RoPE, row moves.
 #include <cblas.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <new>
 #include <stdexcept>
+#include <string>
 
 #include "kernels/cpu/cpu_backend.hpp"
 
@@ -17,6 +19,16 @@ const float* f32_data(const Weight& w) {
   return static_cast<const float*>(w.data);
 }
 }  // namespace
+
+void ensure_blas_kernels(char** argv) {
+  if (std::getenv("OPENBLAS_CORETYPE") != nullptr) return;
+  const std::string core = openblas_get_corename();
+  if (core != "Prescott" && core != "prescott" && core != "Unknown" && core != "unknown") return;
+  const char* want = __builtin_cpu_supports("avx512f") ? "SkylakeX" : __builtin_cpu_supports("avx2") ? "Haswell" : nullptr;
+  if (want == nullptr) return;
+  ::setenv("OPENBLAS_CORETYPE", want, 1);
+  ::execv("/proc/self/exe", argv);  // only returns on failure: carry on with the generic kernels
+}
 
 void* CpuBackend::alloc(size_t bytes) {
   void* p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
@@ -30,6 +42,13 @@ void CpuBackend::copy(void* dst, const void* src, size_t bytes) { std::memmove(d
 
 void CpuBackend::linear(const float* x, int64_t m, const Weight& w, float* y, float beta) {
   if (m == 0) return;
+  if (m <= 4) {  // decode-sized: GEMV reads the weights once instead of packing them
+    for (int64_t r = 0; r < m; ++r) {
+      cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<int>(w.rows), static_cast<int>(w.cols), 1.0f, f32_data(w),
+                  static_cast<int>(w.cols), x + r * w.cols, 1, beta, y + r * w.rows, 1);
+    }
+    return;
+  }
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m), static_cast<int>(w.rows),
               static_cast<int>(w.cols), 1.0f, x, static_cast<int>(w.cols), f32_data(w), static_cast<int>(w.cols),
               beta, y, static_cast<int>(w.rows));
@@ -39,6 +58,16 @@ void CpuBackend::linear_grouped(const float* x, int64_t m, const Weight& w, int 
   if (m == 0) return;
   const float* wd = f32_data(w);
   const int64_t out = w.rows / groups;
+  if (m <= 4) {
+    for (int64_t r = 0; r < m; ++r) {
+      for (int g = 0; g < groups; ++g) {
+        cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<int>(out), static_cast<int>(w.cols), 1.0f,
+                    wd + g * out * w.cols, static_cast<int>(w.cols), x + r * groups * w.cols + g * w.cols, 1, 0.0f,
+                    y + r * groups * out + g * out, 1);
+      }
+    }
+    return;
+  }
   for (int g = 0; g < groups; ++g) {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m), static_cast<int>(out),
                 static_cast<int>(w.cols), 1.0f, x + g * w.cols, static_cast<int>(groups * w.cols),

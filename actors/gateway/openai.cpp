@@ -1,0 +1,285 @@
+#include "actors/gateway/openai.hpp"
+
+#include <limits>
+
+namespace troupe::gateway {
+namespace {
+
+using json = nlohmann::json;
+
+ApiError bad(const std::string& param, const std::string& message) {
+  return ApiError{400, message, "invalid_request_error", param, ""};
+}
+
+// Reads optional typed fields, recording the first error.
+class Fields {
+ public:
+  explicit Fields(const json& j) : j_(j) {}
+  std::optional<ApiError> error;
+
+  bool has(const char* k) const { return j_.contains(k) && !j_.at(k).is_null(); }
+
+  template <class F>
+  void number(const char* k, F&& set, double lo, double hi) {
+    if (error || !has(k)) return;
+    const auto& v = j_.at(k);
+    if (!v.is_number() || v.is_boolean()) {
+      error = bad(k, std::string("'") + k + "' must be a number");
+      return;
+    }
+    const double d = v.get<double>();
+    if (!(d >= lo && d <= hi)) {
+      error = bad(k, fmt::format("'{}' must be between {} and {}, got {}", k, lo, hi, d));
+      return;
+    }
+    set(d);
+  }
+  template <class F>
+  void integer(const char* k, F&& set, int64_t lo, int64_t hi) {
+    if (error || !has(k)) return;
+    const auto& v = j_.at(k);
+    if (!v.is_number_integer()) {
+      error = bad(k, std::string("'") + k + "' must be an integer");
+      return;
+    }
+    const auto d = v.get<int64_t>();
+    if (d < lo || d > hi) {
+      error = bad(k, fmt::format("'{}' must be between {} and {}, got {}", k, lo, hi, d));
+      return;
+    }
+    set(d);
+  }
+  void boolean(const char* k, bool& out) {
+    if (error || !has(k)) return;
+    if (!j_.at(k).is_boolean()) {
+      error = bad(k, std::string("'") + k + "' must be true or false");
+      return;
+    }
+    out = j_.at(k).get<bool>();
+  }
+  void token_ids(const char* k, std::vector<int32_t>& out) {
+    if (error || !has(k)) return;
+    const auto& v = j_.at(k);
+    if (!v.is_array()) {
+      error = bad(k, std::string("'") + k + "' must be a list of token ids");
+      return;
+    }
+    for (const auto& e : v) {
+      if (!e.is_number_integer() || e.get<int64_t>() < 0 || e.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
+        error = bad(k, std::string("'") + k + "' must hold non-negative integer token ids");
+        return;
+      }
+      out.push_back(static_cast<int32_t>(e.get<int64_t>()));
+    }
+  }
+
+ private:
+  const json& j_;
+};
+
+std::string escape_for_error(const std::string& s) { return s.size() > 200 ? s.substr(0, 200) + "..." : s; }
+
+}  // namespace
+
+std::string error_body(const ApiError& e) {
+  json j = {{"error",
+             {{"message", e.message},
+              {"type", e.type},
+              {"param", e.param.empty() ? json(nullptr) : json(e.param)},
+              {"code", e.code.empty() ? json(nullptr) : json(e.code)}}}};
+  return j.dump();
+}
+
+ApiError to_api_error(const Error& e) {
+  switch (e.code()) {
+    case ErrorCode::invalid_argument: return {400, e.what(), "invalid_request_error", "", ""};
+    case ErrorCode::not_found: return {404, e.what(), "invalid_request_error", "", "model_not_found"};
+    case ErrorCode::resource_exhausted: return {429, e.what(), "rate_limit_error", "", ""};
+    case ErrorCode::unavailable: return {503, e.what(), "service_unavailable", "", ""};
+    case ErrorCode::deadline_exceeded: return {504, e.what(), "timeout", "", ""};
+    case ErrorCode::cancelled: return {499, e.what(), "cancelled", "", ""};
+    default: return {500, e.what(), "internal_error", "", ""};
+  }
+}
+
+std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKind kind) {
+  json j;
+  try {
+    j = json::parse(body);
+  } catch (const json::parse_error& e) {
+    return bad("", std::string("request body is not valid JSON: ") + e.what());
+  }
+  if (!j.is_object()) return bad("", "request body must be a JSON object");
+  ApiRequest r;
+  r.kind = kind;
+  if (!j.contains("model") || !j["model"].is_string()) return bad("model", "'model' is required and must be a string");
+  r.model = j["model"].get<std::string>();
+
+  Fields f(j);
+  if (kind == ApiKind::completion) {
+    if (!j.contains("prompt")) return bad("prompt", "'prompt' is required");
+    const auto& p = j["prompt"];
+    if (p.is_string()) {
+      r.prompt_text = p.get<std::string>();
+    } else if (p.is_array() && !p.empty() && p[0].is_number_integer()) {
+      std::vector<int32_t> ids;
+      f.token_ids("prompt", ids);
+      r.prompt_ids = std::move(ids);
+    } else if (p.is_array() && p.size() == 1 && p[0].is_string()) {
+      r.prompt_text = p[0].get<std::string>();
+    } else if (p.is_array() && p.size() == 1 && p[0].is_array()) {
+      json inner = {{"prompt", p[0]}};
+      Fields fi(inner);
+      std::vector<int32_t> ids;
+      fi.token_ids("prompt", ids);
+      if (fi.error) return *fi.error;
+      r.prompt_ids = std::move(ids);
+    } else if (p.is_array() && p.size() > 1) {
+      return bad("prompt", "batched prompts are not supported: send one prompt per request");
+    } else {
+      return bad("prompt", "'prompt' must be a string or a list of token ids");
+    }
+    if (r.prompt_ids && r.prompt_ids->empty()) return bad("prompt", "'prompt' must not be empty");
+    f.boolean("echo", r.echo);
+  } else {
+    if (!j.contains("messages") || !j["messages"].is_array() || j["messages"].empty()) {
+      return bad("messages", "'messages' is required and must be a non-empty list");
+    }
+    for (const auto& m : j["messages"]) {
+      if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) {
+        return bad("messages", "each message must be an object with a string 'role'");
+      }
+      const std::string role = m["role"];
+      if (role != "system" && role != "user" && role != "assistant" && role != "tool" && role != "developer") {
+        return bad("messages", "unknown message role '" + escape_for_error(role) + "'");
+      }
+      if (m.contains("content") && !m["content"].is_null() && !m["content"].is_string() && !m["content"].is_array()) {
+        return bad("messages", "message 'content' must be a string or a list of content parts");
+      }
+    }
+    r.messages = j["messages"];
+    if (j.contains("tools")) r.tools = j["tools"];
+    f.boolean("add_generation_prompt", r.add_generation_prompt);
+  }
+
+  auto& s = r.sampling;
+  f.number("temperature", [&](double v) { s.temperature = static_cast<float>(v); }, 0.0, 2.0);
+  f.number("top_p", [&](double v) { s.top_p = static_cast<float>(v); }, 0.0, 1.0);
+  if (!f.error && s.top_p <= 0.0f && f.has("top_p")) f.error = bad("top_p", "'top_p' must be greater than 0");
+  f.integer("top_k", [&](int64_t v) { s.top_k = static_cast<int32_t>(v); }, -1, 1 << 20);
+  f.integer("seed", [&](int64_t v) { s.seed = static_cast<uint64_t>(v); }, std::numeric_limits<int64_t>::min(),
+            std::numeric_limits<int64_t>::max());
+  const char* max_key = f.has("max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
+  f.integer(max_key, [&](int64_t v) { s.max_tokens = v; }, 1, int64_t{1} << 40);
+  f.integer("min_tokens", [&](int64_t v) { s.min_tokens = v; }, 0, int64_t{1} << 40);
+  f.boolean("ignore_eos", s.ignore_eos);
+  f.boolean("stream", r.stream);
+  f.boolean("return_token_ids", r.return_token_ids);
+  f.token_ids("stop_token_ids", s.stop_token_ids);
+  f.integer("n", [&](int64_t v) {
+    if (v != 1) f.error = bad("n", "only n = 1 is supported");
+  }, 1, 128);
+  if (f.error) return *f.error;
+  if (s.max_tokens && s.min_tokens > *s.max_tokens) return bad("min_tokens", "'min_tokens' must not exceed 'max_tokens'");
+  if (j.contains("stop") && !j["stop"].is_null()) {
+    const auto& st = j["stop"];
+    if (st.is_string()) {
+      s.stop.push_back(st.get<std::string>());
+    } else if (st.is_array()) {
+      for (const auto& e : st) {
+        if (!e.is_string()) return bad("stop", "'stop' must be a string or a list of strings");
+        s.stop.push_back(e.get<std::string>());
+      }
+      if (s.stop.size() > 16) return bad("stop", "at most 16 stop strings");
+    } else {
+      return bad("stop", "'stop' must be a string or a list of strings");
+    }
+    for (const auto& x : s.stop) {
+      if (x.empty()) return bad("stop", "stop strings must not be empty");
+    }
+  }
+  if (j.contains("stream_options") && j["stream_options"].is_object()) {
+    const auto& so = j["stream_options"];
+    if (so.contains("include_usage")) {
+      if (!so["include_usage"].is_boolean()) return bad("stream_options", "'include_usage' must be true or false");
+      r.include_usage = so["include_usage"].get<bool>();
+    }
+  }
+  if (j.contains("logprobs") && !j["logprobs"].is_null() && !(j["logprobs"].is_boolean() && !j["logprobs"].get<bool>())) {
+    return bad("logprobs", "logprobs are not supported yet");
+  }
+  return r;
+}
+
+json usage_json(const ApiResult& r) {
+  const auto p = static_cast<int64_t>(r.prompt_ids.size()), c = static_cast<int64_t>(r.token_ids.size());
+  return {{"prompt_tokens", p},
+          {"completion_tokens", c},
+          {"total_tokens", p + c},
+          {"prompt_tokens_details", {{"cached_tokens", r.cached_tokens}}}};
+}
+
+std::string response_body(const ApiRequest& req, const ApiResult& r) {
+  json choice = {{"index", 0}, {"finish_reason", r.finish_reason}, {"logprobs", nullptr}};
+  json j = {{"id", r.id}, {"created", r.created}, {"model", r.model}, {"usage", usage_json(r)}};
+  if (req.kind == ApiKind::chat) {
+    j["object"] = "chat.completion";
+    choice["message"] = {{"role", "assistant"}, {"content", r.text}};
+  } else {
+    j["object"] = "text_completion";
+    choice["text"] = r.text;
+  }
+  if (req.return_token_ids) {
+    choice["token_ids"] = r.token_ids;
+    choice["prompt_token_ids"] = r.prompt_ids;
+  }
+  j["choices"] = json::array({choice});
+  return j.dump();
+}
+
+std::string stream_delta(const ApiRequest& req, const ApiResult& r, const std::string& delta,
+                         const std::vector<int32_t>& delta_ids, bool first) {
+  json choice = {{"index", 0}, {"finish_reason", nullptr}, {"logprobs", nullptr}};
+  json j = {{"id", r.id}, {"created", r.created}, {"model", r.model}};
+  if (req.kind == ApiKind::chat) {
+    j["object"] = "chat.completion.chunk";
+    json d = {{"content", delta}};
+    if (first) d["role"] = "assistant";
+    choice["delta"] = d;
+  } else {
+    j["object"] = "text_completion";
+    choice["text"] = delta;
+  }
+  if (req.return_token_ids) {
+    choice["token_ids"] = delta_ids;
+    if (first) choice["prompt_token_ids"] = r.prompt_ids;
+  }
+  j["choices"] = json::array({choice});
+  return "data: " + j.dump() + "\n\n";
+}
+
+std::string stream_finish(const ApiRequest& req, const ApiResult& r) {
+  json choice = {{"index", 0}, {"finish_reason", r.finish_reason}, {"logprobs", nullptr}};
+  json j = {{"id", r.id}, {"created", r.created}, {"model", r.model}};
+  if (req.kind == ApiKind::chat) {
+    j["object"] = "chat.completion.chunk";
+    choice["delta"] = json::object();
+  } else {
+    j["object"] = "text_completion";
+    choice["text"] = "";
+  }
+  if (req.return_token_ids) choice["token_ids"] = json::array();
+  j["choices"] = json::array({choice});
+  std::string out = "data: " + j.dump() + "\n\n";
+  if (req.include_usage) {
+    json u = {{"id", r.id}, {"created", r.created}, {"model", r.model},
+              {"object", req.kind == ApiKind::chat ? "chat.completion.chunk" : "text_completion"},
+              {"choices", json::array()}, {"usage", usage_json(r)}};
+    out += "data: " + u.dump() + "\n\n";
+  }
+  return out + "data: [DONE]\n\n";
+}
+
+std::string stream_error(const ApiError& e) { return "data: " + error_body(e) + "\n\ndata: [DONE]\n\n"; }
+
+}  // namespace troupe::gateway

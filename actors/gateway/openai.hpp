@@ -1,0 +1,85 @@
+// The OpenAI-compatible API: request parsing and validation, and the JSON of
+// responses, stream chunks and errors. No I/O here.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <variant>
+#include <string>
+#include <vector>
+
+#include "base/error.hpp"
+
+namespace troupe::gateway {
+
+// Sampling as OpenAI names it, with the vLLM/SGLang extensions.
+struct SamplingSpec {
+  float temperature = 1.0f;
+  float top_p = 1.0f;
+  int32_t top_k = -1;                 // -1 or 0: off
+  std::optional<uint64_t> seed;
+  std::optional<int64_t> max_tokens;  // unset: up to the context limit
+  int64_t min_tokens = 0;
+  std::vector<std::string> stop;      // stop strings (not included in the output)
+  std::vector<int32_t> stop_token_ids;
+  bool ignore_eos = false;
+};
+
+enum class ApiKind { completion, chat };
+
+struct ApiRequest {
+  ApiKind kind = ApiKind::completion;
+  std::string model;
+  // completion: text or token ids; chat: messages (OpenAI format, rendered by the chat template)
+  std::optional<std::string> prompt_text;
+  std::optional<std::vector<int32_t>> prompt_ids;
+  nlohmann::json messages;
+  nlohmann::json tools;               // optional tool definitions (chat)
+  bool add_generation_prompt = true;
+  SamplingSpec sampling;
+  bool stream = false;
+  bool include_usage = false;         // stream_options.include_usage
+  bool return_token_ids = false;
+  bool echo = false;                  // completions: prepend the prompt text
+};
+
+// An error as the API reports it: HTTP status + OpenAI error body.
+struct ApiError {
+  int status = 400;
+  std::string message;
+  std::string type = "invalid_request_error";
+  std::string param;  // empty: null
+  std::string code;   // empty: null
+};
+
+std::string error_body(const ApiError& e);
+ApiError to_api_error(const Error& e);
+
+// Parses and validates a /v1/completions or /v1/chat/completions body.
+// Never throws; malformed JSON, wrong types and out-of-range values give a 400
+// that names the parameter.
+std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKind kind);
+
+// What the gateway knows when it answers.
+struct ApiResult {
+  std::string id;          // "cmpl-..." or "chatcmpl-..."
+  int64_t created = 0;
+  std::string model;
+  std::string text;
+  std::vector<int32_t> prompt_ids;
+  std::vector<int32_t> token_ids;
+  std::string finish_reason;  // "stop", "length", "abort"
+  int64_t cached_tokens = 0;
+};
+
+nlohmann::json usage_json(const ApiResult& r);
+std::string response_body(const ApiRequest& req, const ApiResult& r);
+// One SSE event ("data: {...}\n\n") carrying a text delta (and token ids when asked).
+std::string stream_delta(const ApiRequest& req, const ApiResult& r, const std::string& delta,
+                         const std::vector<int32_t>& delta_ids, bool first);
+// The closing events: finish reason, optional usage, then "data: [DONE]".
+std::string stream_finish(const ApiRequest& req, const ApiResult& r);
+std::string stream_error(const ApiError& e);
+
+}  // namespace troupe::gateway

@@ -56,8 +56,8 @@ int run_check(const std::string& path, const std::string& node) {
     std::string where = n.workload == deploy::Workload::deployment
                             ? std::string("deployment (no stable address)")
                             : t->transport_endpoint(inst, discovery).to_string();
-    std::cout << fmt::format("  {:<14} {:<24} devices {}  http {}  [{}]\n", inst.name, where, n.devices, n.ports.http,
-                             actor_list(n));
+    std::cout << fmt::format("  {:<12} [{}]  devices {}  http {}  transport {}\n", inst.name, actor_list(n), n.devices,
+                             n.ports.http, where);
     if (!node.empty()) {
       std::string peers;
       for (auto& p : t->required_peers(inst)) peers += (peers.empty() ? "" : ", ") + p;

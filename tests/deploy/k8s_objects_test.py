@@ -66,6 +66,35 @@ def check_validator_rejects():
             pass
 
 
+def check_dockerfile(source, tmp):
+    """deploy/Dockerfile builds the image the objects name, runs as the user
+    the pods require, and installs Debian packages that exist."""
+    text = open(os.path.join(source, "deploy/Dockerfile")).read()
+    images = set()
+    for f in glob.glob(os.path.join(tmp, "*.yaml", "*.yaml")):
+        for d in yaml.safe_load_all(open(f)):
+            if d and d["kind"] in ("StatefulSet", "Deployment"):
+                images.add(d["spec"]["template"]["spec"]["containers"][0]["image"])
+                if d["spec"]["template"]["spec"]["securityContext"]["runAsUser"] != 10001:
+                    fail(f"{f}: runAsUser is not the Dockerfile's USER 10001")
+    for image in images:
+        if f"-t {image} " not in text:
+            fail(f"deploy/Dockerfile does not say how to build {image}")
+    if "USER 10001:10001" not in text:
+        fail("deploy/Dockerfile does not run as USER 10001:10001")
+    runtime = text[text.rindex("FROM "):]
+    start = runtime.index("--no-install-recommends") + len("--no-install-recommends")
+    packages = runtime[start:runtime.index("&&", start)].replace("\\", " ").split()
+    apt = shutil.which("apt-cache")
+    if not apt or subprocess.run([apt, "show", "libc6"], capture_output=True).returncode != 0:
+        print("SKIP Dockerfile packages: no apt package lists here")
+        return
+    missing = [p for p in packages if subprocess.run([apt, "show", p], capture_output=True).returncode != 0]
+    if missing:
+        fail(f"deploy/Dockerfile installs packages apt does not know: {missing}")
+    print(f"ok deploy/Dockerfile: image {', '.join(sorted(images))}, user 10001, {len(packages)} runtime packages known to apt")
+
+
 def check_examples(troupe, source, tmp):
     total = 0
     examples = sorted(glob.glob(os.path.join(source, "deploy/examples/*.yaml")))
@@ -146,6 +175,7 @@ def main():
     check_validator_rejects()
     with tempfile.TemporaryDirectory() as tmp:
         rendered = check_examples(a.troupe, a.source, tmp)
+        check_dockerfile(a.source, tmp)
         check_kustomize_tree(a.troupe, a.source, tmp)
         kustomized = check_kubectl_kustomize(a.source)
     print(f"{rendered} rendered objects and {kustomized} kustomized objects validated against Kubernetes {K8S_VERSION}")

@@ -191,6 +191,35 @@ class MapReader {
   std::map<std::string, std::pair<YAML::Node, YAML::Node>> entries_;
 };
 
+// Every field of the format, by the mapping it belongs to ("[]": each item of
+// a list). The reader accepts exactly these; docs/manifest.md documents them all.
+const std::map<std::string, std::vector<std::string_view>>& field_table() {
+  static const std::map<std::string, std::vector<std::string_view>> table = {
+      {"", {"version", "name", "model", "discovery", "ports", "pools", "nodes", "policies", "drain", "kubernetes"}},
+      {"model", {"path"}},
+      {"ports", {"http", "transport", "transport_range"}},
+      {"pools", {"memory_budget", "context_mix", "ratios", "host_tier"}},
+      {"pools.context_mix[]", {"prompt_tokens", "output_tokens", "share"}},
+      {"pools.ratios", {"swa", "csa_entries", "index_keys", "hca_entries", "inflight"}},
+      {"nodes[]", {"name", "actors", "replicas", "devices", "address", "ports", "workload", "cpu", "memory"}},
+      {"policies", {"restart", "long_tail", "scale", "disaggregation"}},
+      {"policies.restart", {"max_restarts", "window_s"}},
+      {"policies.long_tail", {"pressure_threshold", "resume_threshold", "max_deferrals"}},
+      {"policies.scale[]",
+       {"node", "min_workers", "max_workers", "queue_depth_high", "queue_depth_low", "kv_use_high", "kv_use_low",
+        "outstanding_handoffs_high", "cooldown_s"}},
+      {"policies.disaggregation", {"prefill", "decode", "handoff_transport", "handoff_timeout_s"}},
+      {"drain", {"timeout_s"}},
+      {"kubernetes",
+       {"namespace", "image", "image_pull_policy", "cluster_domain", "gateway_service", "model_volume", "gpu_resource"}},
+      {"kubernetes.gateway_service", {"type", "port"}},
+      {"kubernetes.model_volume", {"claim", "mount"}},
+  };
+  return table;
+}
+
+const std::vector<std::string_view>& fields_of(const std::string& section) { return field_table().at(section); }
+
 // ---------------------------------------------------------------------------
 // Scalars.
 
@@ -395,9 +424,7 @@ class ManifestReader {
   explicit ManifestReader(Reader& r) : r_(r) {}
 
   void read(const YAML::Node& doc, Topology& t) {
-    MapReader top(r_, doc, "",
-                  {"version", "name", "model", "discovery", "ports", "pools", "nodes", "policies", "drain",
-                   "kubernetes"});
+    MapReader top(r_, doc, "", fields_of(""));
     if (!top.valid()) return;
     if (auto v = read_int(r_, top.get("version"), "version", 1, 1000)) {
       if (*v != 1) r_.error(top.get("version").Mark(), "version", fmt::format("{} is not supported (this troupe reads version 1)", *v));
@@ -419,7 +446,7 @@ class ManifestReader {
     nodes_given_ = top.get("nodes");
     if (top.get("policies").IsDefined()) read_policies(top.get("policies"), t.policies);
     if (top.get("drain").IsDefined()) {
-      MapReader d(r_, top.get("drain"), "drain", {"timeout_s"});
+      MapReader d(r_, top.get("drain"), "drain", fields_of("drain"));
       if (d.valid()) {
         if (auto v = read_number(r_, d.get("timeout_s"), d.field("timeout_s"), {0, 3600, true})) t.drain.timeout_s = *v;
       }
@@ -439,7 +466,7 @@ class ManifestReader {
 
  private:
   void read_model(const YAML::Node& n, ModelSpec& m) {
-    MapReader mr(r_, n, "model", {"path"});
+    MapReader mr(r_, n, "model", fields_of("model"));
     if (!mr.valid()) return;
     if (!mr.has("path")) {
       mr.missing("path", "a model directory, or 'embedded' for the built-in tiny model");
@@ -452,7 +479,7 @@ class ManifestReader {
   }
 
   void read_ports(const YAML::Node& n, const std::string& path, Ports& p) {
-    MapReader mr(r_, n, path, {"http", "transport", "transport_range"});
+    MapReader mr(r_, n, path, fields_of("ports"));
     if (!mr.valid()) return;
     if (auto v = read_port(r_, mr.get("http"), mr.field("http"))) p.http = *v;
     if (auto v = read_port(r_, mr.get("transport"), mr.field("transport"))) p.transport = *v;
@@ -460,7 +487,7 @@ class ManifestReader {
   }
 
   void read_pools(const YAML::Node& n, Pools& p) {
-    MapReader mr(r_, n, "pools", {"memory_budget", "context_mix", "ratios", "host_tier"});
+    MapReader mr(r_, n, "pools", fields_of("pools"));
     if (!mr.valid()) return;
     if (YAML::Node b = mr.get("memory_budget"); b.IsDefined()) {
       auto s = read_string(r_, b, "pools.memory_budget");
@@ -481,7 +508,7 @@ class ManifestReader {
       }
     }
     for_each_item(r_, mr.get("context_mix"), "pools.context_mix", [&](const YAML::Node& c, const std::string& f, size_t) {
-      MapReader cr(r_, c, f, {"prompt_tokens", "output_tokens", "share"});
+      MapReader cr(r_, c, f, fields_of("pools.context_mix[]"));
       if (!cr.valid()) return;
       ContextClass cc;
       for (auto key : {"prompt_tokens", "output_tokens", "share"}) {
@@ -493,7 +520,7 @@ class ManifestReader {
       p.context_mix.push_back(cc);
     });
     if (YAML::Node rn = mr.get("ratios"); rn.IsDefined()) {
-      MapReader rr(r_, rn, "pools.ratios", {"swa", "csa_entries", "index_keys", "hca_entries", "inflight"});
+      MapReader rr(r_, rn, "pools.ratios", fields_of("pools.ratios"));
       if (rr.valid()) {
         PoolRatios q;
         const Range unit{0, 1};
@@ -509,17 +536,17 @@ class ManifestReader {
   }
 
   void read_policies(const YAML::Node& n, Policies& p) {
-    MapReader mr(r_, n, "policies", {"restart", "long_tail", "scale", "disaggregation"});
+    MapReader mr(r_, n, "policies", fields_of("policies"));
     if (!mr.valid()) return;
     if (YAML::Node rn = mr.get("restart"); rn.IsDefined()) {
-      MapReader rr(r_, rn, "policies.restart", {"max_restarts", "window_s"});
+      MapReader rr(r_, rn, "policies.restart", fields_of("policies.restart"));
       if (rr.valid()) {
         if (auto v = read_int(r_, rr.get("max_restarts"), rr.field("max_restarts"), 0, 1000)) p.restart.max_restarts = static_cast<int32_t>(*v);
         if (auto v = read_number(r_, rr.get("window_s"), rr.field("window_s"), {0, 86400, true})) p.restart.window_s = *v;
       }
     }
     if (YAML::Node ln = mr.get("long_tail"); ln.IsDefined()) {
-      MapReader lr(r_, ln, "policies.long_tail", {"pressure_threshold", "resume_threshold", "max_deferrals"});
+      MapReader lr(r_, ln, "policies.long_tail", fields_of("policies.long_tail"));
       if (lr.valid()) {
         LongTailPolicy l;
         if (auto v = read_number(r_, lr.get("pressure_threshold"), lr.field("pressure_threshold"), {0, 1, true})) l.pressure_threshold = *v;
@@ -529,9 +556,7 @@ class ManifestReader {
       }
     }
     for_each_item(r_, mr.get("scale"), "policies.scale", [&](const YAML::Node& s, const std::string& f, size_t) {
-      MapReader sr(r_, s, f,
-                   {"node", "min_workers", "max_workers", "queue_depth_high", "queue_depth_low", "kv_use_high",
-                    "kv_use_low", "outstanding_handoffs_high", "cooldown_s"});
+      MapReader sr(r_, s, f, fields_of("policies.scale[]"));
       if (!sr.valid()) return;
       ScalePolicy sp;
       sp.source = r_.source_of(f);
@@ -549,7 +574,7 @@ class ManifestReader {
       p.scale.push_back(std::move(sp));
     });
     if (YAML::Node dn = mr.get("disaggregation"); dn.IsDefined()) {
-      MapReader dr(r_, dn, "policies.disaggregation", {"prefill", "decode", "handoff_transport", "handoff_timeout_s"});
+      MapReader dr(r_, dn, "policies.disaggregation", fields_of("policies.disaggregation"));
       if (dr.valid()) {
         auto& d = p.disaggregation;
         d.derived = false;
@@ -570,9 +595,7 @@ class ManifestReader {
   }
 
   void read_kubernetes(const YAML::Node& n, KubernetesSpec& k) {
-    MapReader mr(r_, n, "kubernetes",
-                 {"namespace", "image", "image_pull_policy", "cluster_domain", "gateway_service", "model_volume",
-                  "gpu_resource"});
+    MapReader mr(r_, n, "kubernetes", fields_of("kubernetes"));
     if (!mr.valid()) return;
     if (auto v = read_dns_label(r_, mr.get("namespace"), "kubernetes.namespace")) k.namespace_name = *v;
     if (auto v = read_string(r_, mr.get("image"), "kubernetes.image")) {
@@ -592,14 +615,14 @@ class ManifestReader {
       }
     }
     if (YAML::Node g = mr.get("gateway_service"); g.IsDefined()) {
-      MapReader gr(r_, g, "kubernetes.gateway_service", {"type", "port"});
+      MapReader gr(r_, g, "kubernetes.gateway_service", fields_of("kubernetes.gateway_service"));
       if (gr.valid()) {
         if (auto v = read_choice(r_, gr.get("type"), gr.field("type"), {"ClusterIP", "NodePort", "LoadBalancer"})) k.gateway_service_type = *v;
         if (auto v = read_port(r_, gr.get("port"), gr.field("port"))) k.gateway_service_port = *v;
       }
     }
     if (YAML::Node m = mr.get("model_volume"); m.IsDefined()) {
-      MapReader vr(r_, m, "kubernetes.model_volume", {"claim", "mount"});
+      MapReader vr(r_, m, "kubernetes.model_volume", fields_of("kubernetes.model_volume"));
       if (vr.valid()) {
         if (!vr.has("claim")) vr.missing("claim", "the PersistentVolumeClaim that holds the weights");
         if (auto v = read_string(r_, vr.get("claim"), vr.field("claim"))) {
@@ -629,8 +652,7 @@ class ManifestReader {
   }
 
   void read_node(const YAML::Node& n, const std::string& path, Node& node) {
-    MapReader mr(r_, n, path,
-                 {"name", "actors", "replicas", "devices", "address", "ports", "workload", "cpu", "memory"});
+    MapReader mr(r_, n, path, fields_of("nodes[]"));
     if (!mr.valid()) return;
     node.source = r_.source_of(path);
     if (!mr.has("name")) mr.missing("name", "every node has a name");
@@ -942,6 +964,14 @@ void check(Reader& r, Topology& t, bool disaggregation_given) {
 }
 
 }  // namespace
+
+std::vector<std::string> manifest_fields() {
+  std::vector<std::string> out;
+  for (const auto& [section, fields] : field_table()) {
+    for (auto f : fields) out.push_back(section.empty() ? std::string(f) : section + "." + std::string(f));
+  }
+  return out;
+}
 
 ParsedManifest parse_manifest(std::string_view yaml_text, std::string source_name) {
   Reader r(source_name);

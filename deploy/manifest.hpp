@@ -30,6 +30,10 @@ struct ParsedManifest {
   std::string report() const;
 };
 
+// Every field of the format as a path ("policies.scale[].cooldown_s"), for
+// documentation and its test.
+std::vector<std::string> manifest_fields();
+
 // Parses and validates manifest text; `source_name` names it in diagnostics.
 ParsedManifest parse_manifest(std::string_view yaml_text, std::string source_name);
 // Reads and parses a file; an unreadable file is a diagnostic too.

@@ -232,3 +232,30 @@ TEST(DeployManifest, discovery_environment_overrides_the_manifest) {
 
 }  // namespace
 }  // namespace troupe::deploy
+
+namespace troupe::deploy {
+namespace {
+
+TEST(DeployManifest, docs_manifest_md_documents_every_field) {
+  std::string docs = test::read_text(test::source("docs/manifest.md"));
+  for (size_t p; (p = docs.find("[]")) != std::string::npos;) docs.erase(p, 2);
+  auto fields = manifest_fields();
+  EXPECT_GT(fields.size(), 50u);
+  for (std::string f : fields) {
+    // Documented as `leaf` in its section's table, or by a longer dotted
+    // path (`gateway_service.type`, `drain.timeout_s`).
+    for (size_t p; (p = f.find("[]")) != std::string::npos;) f.erase(p, 2);
+    bool found = false;
+    for (size_t dot = f.size(); !found;) {
+      dot = dot == 0 ? std::string::npos : f.rfind('.', dot - 1);
+      const std::string suffix = dot == std::string::npos ? f : f.substr(dot + 1);
+      found = docs.find("`" + suffix + "`") != std::string::npos;
+      if (dot == std::string::npos) break;
+    }
+    EXPECT_TRUE(found) << f << " is not in docs/manifest.md";
+  }
+  for (auto a : kAllActorKinds) EXPECT_NE(docs.find(std::string("`") + to_string(a) + "`"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace troupe::deploy

@@ -14,6 +14,7 @@
 #include <regex>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include "base/error.hpp"
 
@@ -993,11 +994,19 @@ ParsedManifest parse_manifest(std::string_view yaml_text, std::string source_nam
     t.source_path = source_name;
     t.source_text = std::string(yaml_text);
     ManifestReader mr(r);
-    mr.read(docs[0], t);
-    if (!r.failed()) check(r, t, mr.disaggregation_given_);
+    try {
+      mr.read(docs[0], t);
+      if (!r.failed()) check(r, t, mr.disaggregation_given_);
+    } catch (const YAML::Exception& e) {
+      r.error(e.mark, "", fmt::format("cannot read this YAML: {}", e.msg));
+    }
     if (!r.failed()) out.topology = std::move(t);
   }
   out.errors = r.take_errors();
+  // In file order; the two passes find them out of order.
+  std::stable_sort(out.errors.begin(), out.errors.end(), [](const Diagnostic& a, const Diagnostic& b) {
+    return std::tie(a.line, a.column) < std::tie(b.line, b.column);
+  });
   return out;
 }
 

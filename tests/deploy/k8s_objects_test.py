@@ -128,6 +128,7 @@ def check_examples(troupe, source, tmp):
 
 def check_kustomize_tree(troupe, source, tmp):
     sys.path.insert(0, os.path.join(source, "deploy", "k8s"))
+    sys.dont_write_bytecode = True  # leave the source tree as it is
     import generate  # noqa: E402
 
     fresh = os.path.join(tmp, "k8s")

@@ -7,6 +7,7 @@ find_package(benchmark 1.7 REQUIRED)
 find_package(nlohmann_json 3.10 REQUIRED)
 find_package(spdlog 1.10 REQUIRED)
 find_package(CLI11 QUIET)
+find_package(yaml-cpp 0.7 REQUIRED)   # target: yaml-cpp (topology manifests)
 
 # OpenBLAS: Debian's cblas.h lives in /usr/include/x86_64-linux-gnu/openblas-pthread.
 pkg_check_modules(OPENBLAS REQUIRED IMPORTED_TARGET openblas)

@@ -24,6 +24,7 @@ int main(int argc, char** argv) {
   };
   reg(troupe::app::add_forward);
   reg(troupe::app::add_init_model);
+  reg(troupe::app::add_deploy);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

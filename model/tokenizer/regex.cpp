@@ -1,0 +1,119 @@
+#include "model/tokenizer/regex.hpp"
+
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+
+#include "base/check.hpp"
+#include "base/error.hpp"
+
+namespace troupe::tokenizer {
+namespace {
+
+// Unicode White_Space, which is what Oniguruma's \s matches.
+constexpr std::string_view kSpaceSet =
+    "\\t\\n\\x{0B}\\f\\r \\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}";
+
+// Per-thread match state: PCRE2 match data must not be shared between threads,
+// and the JIT stack is grown past its 32 KiB default for long pieces.
+struct MatchState {
+  pcre2_match_data* data = pcre2_match_data_create(1, nullptr);
+  pcre2_jit_stack* stack = pcre2_jit_stack_create(32 * 1024, 8 * 1024 * 1024, nullptr);
+  pcre2_match_context* context = pcre2_match_context_create(nullptr);
+  MatchState() {
+    TROUPE_CHECK(data && stack && context, "PCRE2 could not allocate its match state");
+    pcre2_jit_stack_assign(context, nullptr, stack);
+  }
+  ~MatchState() {
+    pcre2_match_context_free(context);
+    pcre2_jit_stack_free(stack);
+    pcre2_match_data_free(data);
+  }
+};
+
+MatchState& match_state() {
+  thread_local MatchState state;
+  return state;
+}
+
+std::string pcre2_message(int code) {
+  PCRE2_UCHAR buf[256];
+  pcre2_get_error_message(code, buf, sizeof buf);
+  return reinterpret_cast<const char*>(buf);
+}
+
+}  // namespace
+
+std::string translate_oniguruma(std::string_view p) {
+  std::string out;
+  out.reserve(p.size() + 64);
+  bool in_class = false;
+  for (size_t i = 0; i < p.size(); ++i) {
+    const char c = p[i];
+    if (c == '\\' && i + 1 < p.size()) {
+      const char e = p[++i];
+      switch (e) {
+        case 's':
+          out += in_class ? std::string(kSpaceSet) : "[" + std::string(kSpaceSet) + "]";
+          continue;
+        case 'S':
+          if (in_class) raise(ErrorCode::unsupported, "regex '{}': \\S inside a character class is not supported", p);
+          out += "[^" + std::string(kSpaceSet) + "]";
+          continue;
+        case 'h': case 'H': case 'w': case 'W': case 'b': case 'B': case 'R': case 'X': case 'K': case 'G':
+          raise(ErrorCode::unsupported, "regex '{}': \\{} means different things to Oniguruma and PCRE2", p, e);
+        default:
+          out += c;
+          out += e;
+          continue;
+      }
+    }
+    if (!in_class && c == '[') {
+      in_class = true;
+      out += c;
+      // A ']' right after '[' or '[^' is a literal member, not the end.
+      if (i + 1 < p.size() && p[i + 1] == '^') out += p[++i];
+      if (i + 1 < p.size() && p[i + 1] == ']') out += p[++i];
+      continue;
+    }
+    if (in_class && c == '[') {
+      raise(ErrorCode::unsupported, "regex '{}': nested character classes are not supported", p);
+    }
+    if (in_class && c == ']') in_class = false;
+    out += c;
+  }
+  return out;
+}
+
+Regex::Regex(std::string_view pattern, bool literal) : source_(pattern) {
+  const std::string translated = literal ? std::string(pattern) : translate_oniguruma(pattern);
+  int err = 0;
+  PCRE2_SIZE where = 0;
+  uint32_t options = PCRE2_UTF | PCRE2_UCP | PCRE2_NO_UTF_CHECK;
+  if (literal) options |= PCRE2_LITERAL;
+  code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(translated.data()), translated.size(), options, &err, &where,
+                        nullptr);
+  if (!code_) {
+    raise(ErrorCode::invalid_file, "regex '{}' does not compile (offset {}): {}", source_, where, pcre2_message(err));
+  }
+  // Without JIT (an unusual PCRE2 build) matching still works, only slower.
+  pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE);
+}
+
+Regex::~Regex() { pcre2_code_free(code_); }
+
+Regex::Regex(Regex&& other) noexcept : source_(std::move(other.source_)), code_(other.code_) { other.code_ = nullptr; }
+
+std::optional<Match> Regex::find(std::string_view subject, size_t start) const {
+  auto& state = match_state();
+  const int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(subject.data()), subject.size(), start,
+                             PCRE2_NO_UTF_CHECK, state.data, state.context);
+  if (rc == PCRE2_ERROR_NOMATCH) return std::nullopt;
+  if (rc < 0) {
+    raise(ErrorCode::resource_exhausted, "regex '{}' failed on a piece of {} bytes: {}", source_, subject.size(),
+          pcre2_message(rc));
+  }
+  const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(state.data);
+  return Match{ov[0], ov[1]};
+}
+
+}  // namespace troupe::tokenizer

@@ -10,9 +10,6 @@ namespace troupe::tokenizer {
 namespace {
 
 constexpr uint64_t kEmpty = ~0ull;
-// Pieces longer than this go through the heap; shorter ones scan for the best
-// pair, which is faster when a piece has a handful of symbols.
-constexpr size_t kShortPiece = 48;
 // The cache holds recent pieces up to this many; past it, pieces are merged
 // again rather than letting adversarial text grow memory without bound.
 constexpr size_t kCacheEntries = 1 << 18;
@@ -133,13 +130,16 @@ void Bpe::merge_long(std::vector<int32_t>& s) const {
   s.resize(w);
 }
 
-std::vector<int32_t> Bpe::merge_uncached(std::string_view bytes) const {
+std::vector<int32_t> Bpe::merge_uncached(std::string_view bytes, Loop loop) const {
   std::vector<int32_t> symbols;
   symbols.reserve(bytes.size());
   for (unsigned char b : bytes) {
     if (byte_ids_[b] >= 0) symbols.push_back(byte_ids_[b]);
   }
-  if (symbols.size() <= kShortPiece) {
+  // Short pieces scan for the best pair, which beats a heap when a piece has a
+  // handful of symbols; long ones (a run of letters, base64) use the heap.
+  if (loop == Loop::scan || (loop == Loop::automatic && symbols.size() <= kShortPiece)) {
+    TROUPE_CHECK(symbols.size() <= kShortPiece, "the scanning merge loop takes at most kShortPiece symbols");
     merge_short(symbols);
   } else {
     merge_long(symbols);

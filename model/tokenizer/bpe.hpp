@@ -30,8 +30,11 @@ class Bpe {
   // Appends the ids of one piece. Thread-safe.
   void encode_piece(std::string_view bytes, std::vector<int32_t>& out) const;
 
-  // The same without the cache (tests compare the two merge loops with it).
-  std::vector<int32_t> merge_uncached(std::string_view bytes) const;
+  // The same without the cache. `loop` picks the merge loop (tests check that
+  // both give the same ids); scan takes at most kShortPiece symbols.
+  enum class Loop { automatic, scan, heap };
+  static constexpr size_t kShortPiece = 48;
+  std::vector<int32_t> merge_uncached(std::string_view bytes, Loop loop = Loop::automatic) const;
 
  private:
   struct Rule {

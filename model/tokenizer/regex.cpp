@@ -9,6 +9,21 @@
 namespace troupe::tokenizer {
 namespace {
 
+#include "model/tokenizer/unicode_additions.inc"
+
+// The code points Oniguruma's Unicode 16 tables put in a general category
+// that PCRE2's older tables leave unassigned (see unicode_additions.inc).
+std::string_view additions(char category) {
+  switch (category) {
+    case 'L': return kAddedL;
+    case 'M': return kAddedM;
+    case 'N': return kAddedN;
+    case 'P': return kAddedP;
+    case 'S': return kAddedS;
+    default: return {};
+  }
+}
+
 // Unicode White_Space, which is what Oniguruma's \s matches.
 constexpr std::string_view kSpaceSet =
     "\\t\\n\\x{0B}\\f\\r \\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}";
@@ -59,6 +74,35 @@ std::string translate_oniguruma(std::string_view p) {
           if (in_class) raise(ErrorCode::unsupported, "regex '{}': \\S inside a character class is not supported", p);
           out += "[^" + std::string(kSpaceSet) + "]";
           continue;
+        case 'p':
+        case 'P': {
+          // \p{X} or \pX for a one-letter general category gets Unicode 16's
+          // newer members; other properties pass through unchanged.
+          char category = 0;
+          size_t len = 0;  // characters after the 'p'
+          if (i + 3 < p.size() && p[i + 1] == '{' && p[i + 3] == '}') {
+            category = p[i + 2];
+            len = 3;
+          } else if (i + 1 < p.size() && p[i + 1] != '{') {
+            category = p[i + 1];
+            len = 1;
+          }
+          const std::string_view extra = additions(category);
+          if (extra.empty()) {
+            out += c;
+            out += e;
+            continue;
+          }
+          const std::string member = "\\p{" + std::string(1, category) + "}" + std::string(extra);
+          if (e == 'P') {
+            if (in_class) raise(ErrorCode::unsupported, "regex '{}': \\P inside a character class is not supported", p);
+            out += "[^" + member + "]";
+          } else {
+            out += in_class ? member : "[" + member + "]";
+          }
+          i += len;
+          continue;
+        }
         case 'h': case 'H': case 'w': case 'W': case 'b': case 'B': case 'R': case 'X': case 'K': case 'G':
           raise(ErrorCode::unsupported, "regex '{}': \\{} means different things to Oniguruma and PCRE2", p, e);
         default:

@@ -2,10 +2,14 @@
 //
 // tokenizer.json patterns are written for Oniguruma (what the `tokenizers`
 // library runs). PCRE2 reads the same syntax for everything these tokenizers
-// use, with one difference that changes ids: PCRE2's \s also matches U+180E
-// (MONGOLIAN VOWEL SEPARATOR), Oniguruma's does not. So \s and \S are rewritten
-// to Oniguruma's set (Unicode White_Space), and escapes whose meaning differs
-// between the engines (\h, \w, \b, ...) are refused rather than guessed.
+// use, with two differences that change ids, both rewritten away here:
+//  - PCRE2's \s also matches U+180E (MONGOLIAN VOWEL SEPARATOR), Oniguruma's
+//    does not: \s and \S become Oniguruma's set (Unicode White_Space);
+//  - Oniguruma 6.9.10 knows Unicode 16.0, Debian 12's PCRE2 Unicode 14.0:
+//    \p{L} \p{M} \p{N} \p{P} \p{S} get the code points assigned since
+//    (unicode_additions.inc, made by tools/make_unicode_tables.py).
+// Escapes whose meaning differs between the engines (\h, \w, \b, ...) are
+// refused rather than guessed.
 #pragma once
 
 #include <cstddef>

@@ -103,7 +103,13 @@ std::unique_ptr<Tokenizer> Tokenizer::load(const std::string& path) {
       t->token_kind_[id] = std::max<uint8_t>(t->token_kind_[id], kind);
       t->token_ids_[token] = static_cast<int32_t>(id);
     };
-    for (const auto& [token, id] : model.at("vocab").items()) define(token, id.get<int64_t>(), kVocab);
+    const json& vocab = model.at("vocab");
+    std::unordered_map<std::string, int32_t> vocab_ids;  // merges name vocabulary entries only
+    vocab_ids.reserve(vocab.size());
+    for (const auto& [token, id] : vocab.items()) {
+      define(token, id.get<int64_t>(), kVocab);
+      vocab_ids.emplace(token, id.get<int32_t>());
+    }
     std::vector<AddedToken> added;
     for (const auto& a : j.value("added_tokens", json::array())) {
       AddedToken tok{a.at("content").get<std::string>(), a.at("id").get<int32_t>(), a.value("special", false),
@@ -121,7 +127,7 @@ std::unique_ptr<Tokenizer> Tokenizer::load(const std::string& path) {
     std::vector<Bpe::Merge> merges;
     const json& merge_list = model.at("merges");
     merges.reserve(merge_list.size());
-    const json& vocab = model.at("vocab");
+    std::string joined;
     for (const auto& m : merge_list) {
       std::string left, right;
       if (m.is_string()) {  // "left right"
@@ -137,11 +143,14 @@ std::unique_ptr<Tokenizer> Tokenizer::load(const std::string& path) {
         right = m.at(1).get<std::string>();
       }
       auto id_of = [&](const std::string& token) {
-        auto it = vocab.find(token);
-        if (it == vocab.end()) raise(ErrorCode::invalid_file, "{}: merge token '{}' is not in the vocabulary", file, token);
-        return it->get<int32_t>();
+        auto it = vocab_ids.find(token);
+        if (it == vocab_ids.end()) {
+          raise(ErrorCode::invalid_file, "{}: merge token '{}' is not in the vocabulary", file, token);
+        }
+        return it->second;
       };
-      merges.push_back({id_of(left), id_of(right), id_of(left + right)});
+      joined.assign(left).append(right);
+      merges.push_back({id_of(left), id_of(right), id_of(joined)});
     }
     t->bpe_ = std::make_unique<Bpe>(byte_ids, merges);
   } catch (const json::exception& e) {

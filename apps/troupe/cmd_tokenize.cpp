@@ -46,8 +46,8 @@ std::vector<std::string_view> split_lines(std::string_view all) {
   return lines;
 }
 
-std::string encode_lines(const tk::Tokenizer& tok, const std::vector<std::string_view>& lines, const std::string& source,
-                         bool special) {
+std::string encode_lines(const tk::Tokenizer& tok, const std::vector<std::string_view>& lines,
+                         const std::string& source, bool special) {
   // Check every line first, so bad input produces an error and no partial output.
   for (size_t i = 0; i < lines.size(); ++i) {
     if (auto bad = tk::find_invalid_utf8(lines[i])) {
@@ -69,8 +69,8 @@ std::string encode_lines(const tk::Tokenizer& tok, const std::vector<std::string
   return out;
 }
 
-std::string decode_lines(const tk::Tokenizer& tok, const std::vector<std::string_view>& lines, const std::string& source,
-                         bool skip_special) {
+std::string decode_lines(const tk::Tokenizer& tok, const std::vector<std::string_view>& lines,
+                         const std::string& source, bool skip_special) {
   std::string out;
   tk::DecodeOptions options;
   options.skip_special = skip_special;
@@ -120,7 +120,8 @@ Command add_tokenize(CLI::App& app) {
   };
   auto o = std::make_shared<Opts>();
   auto* cmd = app.add_subcommand("tokenize", "encode lines of text to token ids, or decode lines of ids (--decode)");
-  cmd->add_option("--tokenizer", o->tokenizer, "tokenizer.json or a directory holding one (default: shipped DeepSeek-V4)");
+  cmd->add_option("--tokenizer", o->tokenizer,
+                  "tokenizer.json or a directory holding one (default: shipped DeepSeek-V4)");
   cmd->add_option("--text-file", o->text_file, "input file (default: standard input)");
   cmd->add_flag("--decode", o->decode, "read lines of token ids and print their text");
   cmd->add_flag("--special", o->special, "encode: added tokens written in the text (<｜User｜>) become their ids");

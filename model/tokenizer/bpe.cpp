@@ -12,8 +12,8 @@ namespace {
 constexpr uint64_t kEmpty = ~0ull;
 // The cache holds recent pieces up to this many; past it, pieces are merged
 // again rather than letting adversarial text grow memory without bound.
-constexpr size_t kCacheEntries = 1 << 18;
-constexpr size_t kCacheablePiece = 256;
+constexpr size_t kCacheEntries = 1 << 16;
+constexpr size_t kCacheablePiece = 64;
 
 uint64_t pair_key(int32_t left, int32_t right) {
   return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) | static_cast<uint32_t>(right);
@@ -149,7 +149,8 @@ std::vector<int32_t> Bpe::merge_uncached(std::string_view bytes, Loop loop) cons
 
 void Bpe::encode_piece(std::string_view bytes, std::vector<int32_t>& out) const {
   if (bytes.size() == 1) {
-    if (byte_ids_[static_cast<unsigned char>(bytes[0])] >= 0) out.push_back(byte_ids_[static_cast<unsigned char>(bytes[0])]);
+    if (byte_ids_[static_cast<unsigned char>(bytes[0])] >= 0)
+      out.push_back(byte_ids_[static_cast<unsigned char>(bytes[0])]);
     return;
   }
   const bool cacheable = bytes.size() <= kCacheablePiece;

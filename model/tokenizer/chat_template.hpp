@@ -15,10 +15,10 @@
 namespace troupe::tokenizer {
 
 struct ToolCall {
-  std::string id;                // not rendered by this template
+  std::string id;  // not rendered by this template
   std::string type = "function";
   std::string name;
-  std::string arguments;         // JSON text, rendered verbatim
+  std::string arguments;  // JSON text, rendered verbatim
 };
 
 struct Message {

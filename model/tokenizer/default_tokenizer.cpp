@@ -48,8 +48,8 @@ std::string default_tokenizer_dir() {
     if (fs::exists(dir / "tokenizer.json", ec)) return fs::weakly_canonical(dir, ec).string();
     looked += (looked.empty() ? "" : ", ") + dir.string();
   }
-  raise(ErrorCode::not_found, "the shipped DeepSeek-V4 tokenizer was not found (looked in {}); set TROUPE_TOKENIZER_DIR",
-        looked);
+  raise(ErrorCode::not_found,
+        "the shipped DeepSeek-V4 tokenizer was not found (looked in {}); set TROUPE_TOKENIZER_DIR", looked);
 }
 
 }  // namespace troupe::tokenizer

@@ -35,7 +35,8 @@ PreTokenizer PreTokenizer::from_json(const json& j) {
     if (t == "Split") {
       const json& pattern = p->at("pattern");
       const bool literal = pattern.contains("String");
-      const std::string source = literal ? pattern.at("String").get<std::string>() : pattern.at("Regex").get<std::string>();
+      const std::string source =
+          literal ? pattern.at("String").get<std::string>() : pattern.at("Regex").get<std::string>();
       const std::string behavior = p->value("behavior", "");
       if (flag(*p, "invert", false)) {
         raise(ErrorCode::unsupported, "tokenizer.json: Split with invert=true is not supported");
@@ -46,7 +47,8 @@ PreTokenizer PreTokenizer::from_json(const json& j) {
       } else if (behavior == "Removed") {
         b = Behavior::removed;
       } else {
-        raise(ErrorCode::unsupported, "tokenizer.json: Split behavior '{}' is not supported (Isolated, Removed)", behavior);
+        raise(ErrorCode::unsupported, "tokenizer.json: Split behavior '{}' is not supported (Isolated, Removed)",
+              behavior);
       }
       pt.steps_.push_back(Step{Regex(source, literal), b});
     } else if (t == "ByteLevel") {

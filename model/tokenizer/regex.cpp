@@ -3,6 +3,9 @@
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 
+#include <algorithm>
+#include <cstdint>
+
 #include "base/check.hpp"
 #include "base/error.hpp"
 
@@ -50,6 +53,19 @@ MatchState& match_state() {
   return state;
 }
 
+// A pattern as one printable line for error messages (patterns hold raw \r\n).
+std::string printable(std::string_view pattern) {
+  std::string out;
+  for (char c : pattern) {
+    if (static_cast<unsigned char>(c) < 0x20) {
+      out += fmt::format("\\x{:02x}", static_cast<unsigned char>(c));
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
 std::string pcre2_message(int code) {
   PCRE2_UCHAR buf[256];
   pcre2_get_error_message(code, buf, sizeof buf);
@@ -67,11 +83,11 @@ std::string translate_oniguruma(std::string_view p) {
     if (c == '\\' && i + 1 < p.size()) {
       const char e = p[++i];
       switch (e) {
-        case 's':
-          out += in_class ? std::string(kSpaceSet) : "[" + std::string(kSpaceSet) + "]";
-          continue;
+        case 's': out += in_class ? std::string(kSpaceSet) : "[" + std::string(kSpaceSet) + "]"; continue;
         case 'S':
-          if (in_class) raise(ErrorCode::unsupported, "regex '{}': \\S inside a character class is not supported", p);
+          if (in_class) {
+            raise(ErrorCode::unsupported, "regex '{}': \\S inside a character class is not supported", printable(p));
+          }
           out += "[^" + std::string(kSpaceSet) + "]";
           continue;
         case 'p':
@@ -95,7 +111,9 @@ std::string translate_oniguruma(std::string_view p) {
           }
           const std::string member = "\\p{" + std::string(1, category) + "}" + std::string(extra);
           if (e == 'P') {
-            if (in_class) raise(ErrorCode::unsupported, "regex '{}': \\P inside a character class is not supported", p);
+            if (in_class) {
+              raise(ErrorCode::unsupported, "regex '{}': \\P inside a character class is not supported", printable(p));
+            }
             out += "[^" + member + "]";
           } else {
             out += in_class ? member : "[" + member + "]";
@@ -103,8 +121,18 @@ std::string translate_oniguruma(std::string_view p) {
           i += len;
           continue;
         }
-        case 'h': case 'H': case 'w': case 'W': case 'b': case 'B': case 'R': case 'X': case 'K': case 'G':
-          raise(ErrorCode::unsupported, "regex '{}': \\{} means different things to Oniguruma and PCRE2", p, e);
+        case 'h':
+        case 'H':
+        case 'w':
+        case 'W':
+        case 'b':
+        case 'B':
+        case 'R':
+        case 'X':
+        case 'K':
+        case 'G':
+          raise(ErrorCode::unsupported, "regex '{}': \\{} means different things to Oniguruma and PCRE2", printable(p),
+                e);
         default:
           out += c;
           out += e;
@@ -120,7 +148,7 @@ std::string translate_oniguruma(std::string_view p) {
       continue;
     }
     if (in_class && c == '[') {
-      raise(ErrorCode::unsupported, "regex '{}': nested character classes are not supported", p);
+      raise(ErrorCode::unsupported, "regex '{}': nested character classes are not supported", printable(p));
     }
     if (in_class && c == ']') in_class = false;
     out += c;
@@ -134,10 +162,11 @@ Regex::Regex(std::string_view pattern, bool literal) : source_(pattern) {
   PCRE2_SIZE where = 0;
   uint32_t options = PCRE2_UTF | PCRE2_UCP | PCRE2_NO_UTF_CHECK;
   if (literal) options |= PCRE2_LITERAL;
-  code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(translated.data()), translated.size(), options, &err, &where,
-                        nullptr);
+  code_ =
+      pcre2_compile(reinterpret_cast<PCRE2_SPTR>(translated.data()), translated.size(), options, &err, &where, nullptr);
   if (!code_) {
-    raise(ErrorCode::invalid_file, "regex '{}' does not compile (offset {}): {}", source_, where, pcre2_message(err));
+    raise(ErrorCode::invalid_file, "regex '{}' does not compile (offset {}): {}", printable(source_), where,
+          pcre2_message(err));
   }
   // Without JIT (an unusual PCRE2 build) matching still works, only slower.
   pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE);
@@ -149,11 +178,16 @@ Regex::Regex(Regex&& other) noexcept : source_(std::move(other.source_)), code_(
 
 std::optional<Match> Regex::find(std::string_view subject, size_t start) const {
   auto& state = match_state();
+  // PCRE2's default match limit (10M backtracking steps) is hit by a
+  // whitespace run of a few MB (\s*[\r\n]+ backtracks over it once); the
+  // tokenizer patterns are linear in the piece, so the limit grows with it.
+  const size_t limit = std::min<size_t>(UINT32_MAX, std::max<size_t>(10'000'000, 64 * subject.size()));
+  pcre2_set_match_limit(state.context, static_cast<uint32_t>(limit));
   const int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(subject.data()), subject.size(), start,
                              PCRE2_NO_UTF_CHECK, state.data, state.context);
   if (rc == PCRE2_ERROR_NOMATCH) return std::nullopt;
   if (rc < 0) {
-    raise(ErrorCode::resource_exhausted, "regex '{}' failed on a piece of {} bytes: {}", source_, subject.size(),
+    raise(ErrorCode::resource_exhausted, "a pre-tokenizer regex failed on a piece of {} bytes: {}", subject.size(),
           pcre2_message(rc));
   }
   const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(state.data);

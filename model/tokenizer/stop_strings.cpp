@@ -2,7 +2,6 @@
 
 #include <algorithm>
 
-
 namespace troupe::tokenizer {
 
 StopStrings::StopStrings(std::vector<std::string> stops) {

@@ -13,8 +13,8 @@ namespace troupe::tokenizer {
 class StopStrings {
  public:
   struct Step {
-    std::string text;     // safe to send now
-    bool stopped = false; // a stop string ended the stream; `text` ends before it
+    std::string text;      // safe to send now
+    bool stopped = false;  // a stop string ended the stream; `text` ends before it
   };
 
   // Empty stop strings are ignored.

@@ -74,8 +74,8 @@ std::unique_ptr<Tokenizer> Tokenizer::load(const std::string& path) {
   {
     MappedFile mapped(file);
     const auto bytes = mapped.bytes();
-    j = json::parse(reinterpret_cast<const char*>(bytes.data()), reinterpret_cast<const char*>(bytes.data()) + bytes.size(),
-                    nullptr, /*allow_exceptions=*/false);
+    j = json::parse(reinterpret_cast<const char*>(bytes.data()),
+                    reinterpret_cast<const char*>(bytes.data()) + bytes.size(), nullptr, /*allow_exceptions=*/false);
   }
   if (j.is_discarded() || !j.is_object() || !j.contains("model")) {
     raise(ErrorCode::invalid_file, "{}: not a tokenizer.json (no JSON object with a 'model')", file);

@@ -90,9 +90,9 @@ class Tokenizer {
   std::unique_ptr<Bpe> bpe_;
   std::unique_ptr<AddedVocabulary> added_;
   std::optional<ChatTemplate> chat_template_;
-  std::string chat_template_error_;  // why chat_template_ is empty
-  std::vector<std::string> token_bytes_;  // by id
-  std::vector<uint8_t> token_kind_;       // by id: 0 none, 1 vocabulary, 2 added, 3 added special
+  std::string chat_template_error_;                     // why chat_template_ is empty
+  std::vector<std::string> token_bytes_;                // by id
+  std::vector<uint8_t> token_kind_;                     // by id: 0 none, 1 vocabulary, 2 added, 3 added special
   std::unordered_map<std::string, int32_t> token_ids_;  // vocabulary and added strings
   std::optional<int32_t> bos_id_, eos_id_;
 };

@@ -44,7 +44,8 @@ TokenizerConfig TokenizerConfig::from_file(const std::string& path) {
       c.chat_template = it->get<std::string>();
     } else if (it->is_array()) {  // named templates: transformers uses "default"
       for (const auto& t : *it) {
-        if (t.value("name", "") == "default" && t.contains("template")) c.chat_template = t.at("template").get<std::string>();
+        if (t.value("name", "") == "default" && t.contains("template"))
+          c.chat_template = t.at("template").get<std::string>();
       }
     } else {
       raise(ErrorCode::invalid_file, "{}: 'chat_template' must be a string or a list of named templates", path);

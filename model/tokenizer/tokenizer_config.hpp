@@ -7,8 +7,8 @@
 namespace troupe::tokenizer {
 
 struct TokenizerConfig {
-  std::string bos_token;      // empty: none
-  std::string eos_token;      // empty: none
+  std::string bos_token;  // empty: none
+  std::string eos_token;  // empty: none
   bool add_bos_token = false;
   bool add_eos_token = false;
   std::string chat_template;  // Jinja source; empty: none

@@ -9,8 +9,8 @@ namespace {
 // how many bytes of a sequence starting at `s` are a valid prefix, and whether
 // that prefix is a whole character. `n` bytes are available.
 struct Prefix {
-  size_t valid = 0;     // bytes that are a valid (possibly partial) prefix
-  size_t needed = 0;    // bytes a whole character starting here needs (0: lead byte invalid)
+  size_t valid = 0;   // bytes that are a valid (possibly partial) prefix
+  size_t needed = 0;  // bytes a whole character starting here needs (0: lead byte invalid)
 };
 
 Prefix scan(const unsigned char* s, size_t n) {
@@ -22,12 +22,12 @@ Prefix scan(const unsigned char* s, size_t n) {
     need = 2;
   } else if (b0 >= 0xE0 && b0 <= 0xEF) {
     need = 3;
-    if (b0 == 0xE0) lo = 0xA0;        // no overlong forms
-    if (b0 == 0xED) hi = 0x9F;        // no surrogates
+    if (b0 == 0xE0) lo = 0xA0;  // no overlong forms
+    if (b0 == 0xED) hi = 0x9F;  // no surrogates
   } else if (b0 >= 0xF0 && b0 <= 0xF4) {
     need = 4;
-    if (b0 == 0xF0) lo = 0x90;        // no overlong forms
-    if (b0 == 0xF4) hi = 0x8F;        // nothing above U+10FFFF
+    if (b0 == 0xF0) lo = 0x90;  // no overlong forms
+    if (b0 == 0xF4) hi = 0x8F;  // nothing above U+10FFFF
   } else {
     return {0, 0};
   }

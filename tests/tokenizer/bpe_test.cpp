@@ -1,11 +1,12 @@
 // The building blocks: both merge loops agree, merges apply lowest rank and
 // leftmost first, and regexes are translated from Oniguruma faithfully.
+#include "model/tokenizer/bpe.hpp"
+
 #include <gtest/gtest.h>
 
 #include <random>
 
 #include "base/error.hpp"
-#include "model/tokenizer/bpe.hpp"
 #include "model/tokenizer/regex.hpp"
 
 namespace troupe::tokenizer {
@@ -49,7 +50,7 @@ TEST(TokenizerBpe, lowest_rank_first_then_leftmost) {
   Bpe bpe(bytes, {{0, 0, 2}, {0, 1, 3}, {2, 3, 4}});
   EXPECT_EQ(bpe.merge_uncached("aaa"), (std::vector<int32_t>{2, 0}));  // leftmost pair first
   EXPECT_EQ(bpe.merge_uncached("aab"), (std::vector<int32_t>{2, 1}));  // a+a outranks a+b
-  EXPECT_EQ(bpe.merge_uncached("aaab"), (std::vector<int32_t>{4}));  // then a+b, then 2+3
+  EXPECT_EQ(bpe.merge_uncached("aaab"), (std::vector<int32_t>{4}));    // then a+b, then 2+3
   EXPECT_EQ(bpe.merge_uncached("ab"), (std::vector<int32_t>{3}));
   EXPECT_EQ(bpe.merge_uncached("xa"), (std::vector<int32_t>{0}));  // a byte without a token is dropped
 }
@@ -67,21 +68,22 @@ TEST(TokenizerBpe, cached_and_uncached_pieces_agree) {
 TEST(TokenizerRegex, whitespace_classes_follow_oniguruma) {
   // Oniguruma's \s is Unicode White_Space: U+180E is not in it, U+0085 is.
   Regex space("\\s+", false);
-  EXPECT_FALSE(space.find("\xE1\xA0\x8E", 0));          // U+180E
-  EXPECT_TRUE(space.find("\xC2\x85", 0));               // U+0085
-  EXPECT_TRUE(space.find("\xE3\x80\x80", 0));           // U+3000
+  EXPECT_FALSE(space.find("\xE1\xA0\x8E", 0));  // U+180E
+  EXPECT_TRUE(space.find("\xC2\x85", 0));       // U+0085
+  EXPECT_TRUE(space.find("\xE3\x80\x80", 0));   // U+3000
   Regex not_space("\\S", false);
   EXPECT_TRUE(not_space.find("\xE1\xA0\x8E", 0));
-  EXPECT_EQ(translate_oniguruma("[\\s]"),
-            "[\\t\\n\\x{0B}\\f\\r \\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}]");
+  EXPECT_EQ(
+      translate_oniguruma("[\\s]"),
+      "[\\t\\n\\x{0B}\\f\\r \\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}]");
 }
 
 TEST(TokenizerRegex, categories_know_unicode_16_like_oniguruma) {
   Regex letter("\\p{L}", false), symbol("[\\p{P}\\p{S}]", false), not_letter("\\P{L}", false);
-  EXPECT_TRUE(letter.find("\xE1\xB2\x89", 0));          // U+1C89, a letter since Unicode 16
+  EXPECT_TRUE(letter.find("\xE1\xB2\x89", 0));  // U+1C89, a letter since Unicode 16
   EXPECT_FALSE(not_letter.find("\xE1\xB2\x89", 0));
-  EXPECT_TRUE(symbol.find("\xE2\xBF\xBC", 0));          // U+2FFC, a symbol since Unicode 15.1
-  EXPECT_FALSE(letter.find("\xF0\x90\xA5\x80", 0));    // U+10940: Unicode 17, unknown to both engines
+  EXPECT_TRUE(symbol.find("\xE2\xBF\xBC", 0));       // U+2FFC, a symbol since Unicode 15.1
+  EXPECT_FALSE(letter.find("\xF0\x90\xA5\x80", 0));  // U+10940: Unicode 17, unknown to both engines
   EXPECT_TRUE(letter.find("a", 0));
 }
 
@@ -101,6 +103,23 @@ TEST(TokenizerRegex, lookahead_stays_inside_the_subject) {
   m = r.find(std::string_view("   x").substr(0, 3), 0);
   ASSERT_TRUE(m);
   EXPECT_EQ(m->end, 3u);  // the piece ends before x: nothing follows the spaces
+}
+
+}  // namespace
+}  // namespace troupe::tokenizer
+
+namespace troupe::tokenizer {
+namespace {
+
+TEST(TokenizerRegex, a_whitespace_run_of_megabytes_still_matches) {
+  // \s*[\r\n]+ backtracks over the whole run once: past PCRE2's default match
+  // limit (10M steps) unless the limit grows with the piece.
+  Regex r("\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+", false);
+  const std::string run(12'000'000, ' ');
+  auto m = r.find(run, 0);
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->begin, 0u);
+  EXPECT_EQ(m->end, run.size());
 }
 
 }  // namespace

@@ -20,9 +20,7 @@ struct Outcome {
 
 std::string temp(const std::string& name) { return ::testing::TempDir() + "troupe_tokenize_" + name; }
 
-void write(const std::string& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary) << bytes;
-}
+void write(const std::string& path, const std::string& bytes) { std::ofstream(path, std::ios::binary) << bytes; }
 
 // Runs `troupe <args>` through the shell; stdin from `input` when given.
 Outcome troupe(const std::string& args, const std::string* input = nullptr) {
@@ -111,18 +109,22 @@ TEST(TokenizerCli, reads_text_from_stdin_and_uses_the_shipped_tokenizer_by_defau
 }
 
 TEST(TokenizerCli, bad_input_gets_a_one_line_error_and_a_failing_exit) {
-  expect_one_line_error(troupe("tokenize " + tok_arg() + " --text-file /nonexistent/input.txt"), "/nonexistent/input.txt");
+  expect_one_line_error(troupe("tokenize " + tok_arg() + " --text-file /nonexistent/input.txt"),
+                        "/nonexistent/input.txt");
   write(temp("ok.txt"), "fine\n");
-  expect_one_line_error(troupe("tokenize --tokenizer /nonexistent/dir --text-file " + temp("ok.txt")), "/nonexistent/dir");
+  expect_one_line_error(troupe("tokenize --tokenizer /nonexistent/dir --text-file " + temp("ok.txt")),
+                        "/nonexistent/dir");
   expect_one_line_error(troupe("tokenize --tokenizer " + temp("ok.txt") + " --text-file " + temp("ok.txt")),
                         "tokenizer.json");
   write(temp("bad_utf8.txt"), "good line\nbad \xFF line\n");
-  expect_one_line_error(troupe("tokenize " + tok_arg() + " --text-file " + temp("bad_utf8.txt")), ":2: not valid UTF-8");
+  expect_one_line_error(troupe("tokenize " + tok_arg() + " --text-file " + temp("bad_utf8.txt")),
+                        ":2: not valid UTF-8");
   write(temp("bad_ids.txt"), "1 2 3\n12 abc\n");
   expect_one_line_error(troupe("tokenize --decode " + tok_arg() + " --text-file " + temp("bad_ids.txt")),
                         ":2: 'abc' is not a token id");
   write(temp("big_ids.txt"), "999999\n");
-  expect_one_line_error(troupe("tokenize --decode " + tok_arg() + " --text-file " + temp("big_ids.txt")), "out of range");
+  expect_one_line_error(troupe("tokenize --decode " + tok_arg() + " --text-file " + temp("big_ids.txt")),
+                        "out of range");
   write(temp("neg_ids.txt"), "-5\n");
   expect_one_line_error(troupe("tokenize --decode " + tok_arg() + " --text-file " + temp("neg_ids.txt")),
                         "is not a token id");

@@ -64,7 +64,8 @@ TEST(TokenizerCorpus, documents_with_line_breaks_encode_to_hugging_face_ids) {
   ASSERT_GT(docs.size(), 100u);
   for (size_t i = 0; i < docs.size(); ++i) {
     const std::string text = docs[i]["text"];
-    ASSERT_EQ(deepseek().encode(text), docs[i]["ids"].get<std::vector<int32_t>>()) << "document " << i << ": " << hex(text);
+    ASSERT_EQ(deepseek().encode(text), docs[i]["ids"].get<std::vector<int32_t>>())
+        << "document " << i << ": " << hex(text);
     ASSERT_EQ(deepseek().decode(deepseek().encode(text)), text) << "document " << i;
   }
 }

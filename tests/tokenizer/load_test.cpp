@@ -32,7 +32,8 @@ std::string load_error(const std::string& tokenizer_json) {
 std::string tiny(const std::string& extra, const std::string& added_tokens = "[]") {
   return R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2}, "merges": ["a b"]},
              "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "use_regex": true},
-             "decoder": {"type": "ByteLevel"}, "added_tokens": )" + added_tokens + extra + "}";
+             "decoder": {"type": "ByteLevel"}, "added_tokens": )" +
+         added_tokens + extra + "}";
 }
 
 TEST(TokenizerLoad, shipped_tokenizer_is_found_from_the_build) {
@@ -51,9 +52,7 @@ TEST(TokenizerLoad, environment_override_must_hold_a_tokenizer) {
   ::unsetenv("TROUPE_TOKENIZER_DIR");
 }
 
-TEST(TokenizerLoad, a_minimal_byte_level_bpe_loads_and_merges) {
-  EXPECT_EQ(load_error(tiny("")), "(loaded)");
-}
+TEST(TokenizerLoad, a_minimal_byte_level_bpe_loads_and_merges) { EXPECT_EQ(load_error(tiny("")), "(loaded)"); }
 
 TEST(TokenizerLoad, unimplemented_features_are_refused_by_name) {
   EXPECT_NE(load_error(tiny(R"(, "normalizer": {"type": "NFC"})")).find("normalizer"), std::string::npos);
@@ -61,8 +60,7 @@ TEST(TokenizerLoad, unimplemented_features_are_refused_by_name) {
   std::string fallback = tiny("");
   fallback.replace(fallback.find("\"merges\""), 0, "\"byte_fallback\": true, ");
   EXPECT_NE(load_error(fallback).find("byte_fallback"), std::string::npos);
-  EXPECT_NE(load_error(tiny("", R"([{"id": 3, "content": "<x>", "lstrip": true}])")).find("lstrip"),
-            std::string::npos);
+  EXPECT_NE(load_error(tiny("", R"([{"id": 3, "content": "<x>", "lstrip": true}])")).find("lstrip"), std::string::npos);
   EXPECT_NE(load_error("{not json").find("not a tokenizer.json"), std::string::npos);
   std::string bad_merge = tiny("");
   bad_merge.replace(bad_merge.find("\"a b\""), 5, "\"a c\"");

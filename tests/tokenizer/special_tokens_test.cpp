@@ -24,8 +24,12 @@ TEST(TokenizerSpecial, text_with_added_tokens_matches_hugging_face_both_ways) {
 }
 
 TEST(TokenizerSpecial, plain_text_never_yields_an_added_token) {
-  const std::vector<std::string> texts = {"<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>",
-                                          "<｜begin▁of▁sentence｜>", "<｜tool▁sep｜>", "<|EOT|>",
+  const std::vector<std::string> texts = {"<｜User｜>",
+                                          "<｜Assistant｜>",
+                                          "<｜end▁of▁sentence｜>",
+                                          "<｜begin▁of▁sentence｜>",
+                                          "<｜tool▁sep｜>",
+                                          "<|EOT|>",
                                           "a<｜User｜>b<｜end▁of▁sentence｜>c"};
   for (const auto& t : texts) {
     for (int32_t id : deepseek().encode(t)) {

@@ -1,10 +1,11 @@
 // Streaming detokenization: token-by-token output concatenates to decode(),
 // holds back partial characters, and never shows U+FFFD for valid text.
+#include "model/tokenizer/stream_decoder.hpp"
+
 #include <gtest/gtest.h>
 
 #include "model/tokenizer/byte_level.hpp"
 #include "model/tokenizer/stop_strings.hpp"
-#include "model/tokenizer/stream_decoder.hpp"
 #include "model/tokenizer/utf8.hpp"
 #include "tests/tokenizer/support.hpp"
 

@@ -3,7 +3,6 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
-#include "base/check.hpp"
 #include "base/error.hpp"
 #include "base/mapped_file.hpp"
 #include "model/tokenizer/added_vocabulary.hpp"
@@ -121,8 +120,8 @@ std::unique_ptr<Tokenizer> Tokenizer::load(const std::string& path) {
 
     std::array<int32_t, 256> byte_ids;
     for (int b = 0; b < 256; ++b) {
-      auto it = t->token_ids_.find(byte_level_alphabet.encode(static_cast<uint8_t>(b)));
-      byte_ids[b] = it == t->token_ids_.end() ? -1 : it->second;
+      auto it = vocab_ids.find(byte_level_alphabet.encode(static_cast<uint8_t>(b)));
+      byte_ids[b] = it == vocab_ids.end() ? -1 : it->second;
     }
     std::vector<Bpe::Merge> merges;
     const json& merge_list = model.at("merges");

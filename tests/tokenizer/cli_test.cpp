@@ -1,6 +1,7 @@
 // The `troupe tokenize` contract, run on the built binary.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -18,7 +19,10 @@ struct Outcome {
   std::string out, err;
 };
 
-std::string temp(const std::string& name) { return ::testing::TempDir() + "troupe_tokenize_" + name; }
+// Per process: ctest runs the cases of this file in parallel processes.
+std::string temp(const std::string& name) {
+  return ::testing::TempDir() + "troupe_tokenize_" + std::to_string(::getpid()) + "_" + name;
+}
 
 void write(const std::string& path, const std::string& bytes) { std::ofstream(path, std::ios::binary) << bytes; }
 

@@ -1,6 +1,7 @@
 // Loading: the shipped files are found from the binary, and tokenizer.json
 // features that would change ids but are not implemented are refused by name.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -17,7 +18,7 @@ using namespace testing;
 namespace fs = std::filesystem;
 
 std::string load_error(const std::string& tokenizer_json) {
-  const fs::path dir = fs::path(::testing::TempDir()) / "troupe_tokenizer_load";
+  const fs::path dir = fs::path(::testing::TempDir()) / ("troupe_tokenizer_load_" + std::to_string(::getpid()));
   fs::create_directories(dir);
   std::ofstream(dir / "tokenizer.json") << tokenizer_json;
   try {

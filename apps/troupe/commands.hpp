@@ -12,5 +12,6 @@ using Command = std::function<int()>;
 Command add_forward(CLI::App& app);
 Command add_init_model(CLI::App& app);
 Command add_deploy(CLI::App& app);
+Command add_tokenize(CLI::App& app);
 
 }  // namespace troupe::app

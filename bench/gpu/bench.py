@@ -1,0 +1,464 @@
+#!/usr/bin/env python3
+"""Checks and times troupe's fast CUDA kernels next to the PyTorch composition of
+the same math (and torch.topk), in one process on one GPU, and measures the
+card's copy bandwidth in the same run.
+
+Timing: every call is captured CALLS times into a CUDA graph (rotating among
+several input sets, so repeated calls do not just hit L2), the graph is replayed
+REPS times with CUDA events, and the median per call is reported. Both sides are
+measured the same way.
+
+usage: bench.py LIB [--out DIR] [--quick]
+"""
+import argparse
+import ctypes
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+C = ctypes
+vp, lg, it, fl = C.c_void_p, C.c_long, C.c_int, C.c_float
+
+
+def ptr(t):
+    return vp(t.data_ptr()) if t is not None else vp(0)
+
+
+def stream():
+    return vp(torch.cuda.current_stream().cuda_stream)
+
+
+def graph_time(fn, calls=20, reps=25):
+    """Median microseconds per call of fn(i) (i = call index), CUDA-graph replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(3):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fn(i)
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0 / calls)
+    del g
+    return statistics.median(times)
+
+
+def rel_err(got, ref):
+    got, ref = got.double(), ref.double()
+    if not torch.isfinite(got).all():
+        return float("nan")
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+class Bench:
+    def __init__(self, lib, quick):
+        self.lib = C.CDLL(lib)
+        L = self.lib
+        L.tb_topk_ws.restype = lg
+        L.tb_topk_ws.argtypes = [it, lg, it, it]
+        L.tb_ws_init.argtypes = [vp, lg, vp]
+        L.tb_topk.argtypes = [vp, lg, vp, it, lg, it, vp, vp, vp, it, vp]
+        L.tb_topk_profiled.argtypes = [vp, lg, vp, it, lg, it, vp, vp, vp, it, vp, vp]
+        comp = [it, it, lg, vp, vp, fl, vp, lg, fl, vp, vp]
+        L.tb_compress_prefill.argtypes = comp + [lg, lg, vp, vp, it, vp]
+        L.tb_compress_decode.argtypes = comp + [lg, vp, vp, vp, it, vp]
+        L.tb_quantize_e4m3.argtypes = [vp, lg, vp, vp, vp]
+        idx = [vp, vp, it, it, fl, fl, it, vp, vp, vp, vp, lg, vp]
+        L.tb_indexer_scores.argtypes = idx + [vp]
+        L.tb_indexer_topk.argtypes = idx + [it, vp, vp, vp, vp]
+        L.tb_attention_ws.restype = lg
+        L.tb_attention_ws.argtypes = [lg, it, lg, lg, it]
+        L.tb_attention.argtypes = [vp, lg, it, lg, it, vp, vp, lg, vp, fl, vp, it, vp, vp]
+        L.tb_gemv.argtypes = [vp, lg, vp, lg, lg, it, vp, vp]
+        self.quick = quick
+        self.rows = []
+        self.failures = []
+        torch.manual_seed(0)
+
+    def ok(self, rc, what):
+        if rc != 0:
+            raise RuntimeError(f"{what} failed")
+
+    def add(self, **row):
+        self.rows.append(row)
+        items = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+        print(items, flush=True)
+
+    # ---- ceilings ------------------------------------------------------------------
+    def copy_bandwidth(self):
+        """Device-to-device copy, bytes read + written; the best of a copy engine / kernel copy."""
+        n = 1 << 29  # 2 GiB of fp32 each way
+        x = torch.randn(n, device="cuda")
+        y = torch.empty_like(x)
+        for _ in range(5):  # let the clocks come up
+            y.copy_(x)
+        torch.cuda.synchronize()
+        eager = []
+        for _ in range(10):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            y.copy_(x)
+            b.record()
+            b.synchronize()
+            eager.append(a.elapsed_time(b) * 1000.0)
+        t_eager = statistics.median(eager)
+        t_graph = graph_time(lambda i: y.copy_(x), calls=2, reps=10)
+        t_kernel = graph_time(lambda i: torch.mul(x, 1.0, out=y), calls=2, reps=10)
+        t = min(t_eager, t_graph, t_kernel)
+        self.copy_bw = 2 * n * 4 / (t * 1e-6)
+        self.add(kernel="copy", shape="2 GiB fp32 d2d (best of eager/graph/kernel)", ours_us=t,
+                 gbps=self.copy_bw / 1e9, note=f"eager {t_eager:.0f} graph {t_graph:.0f} kernel {t_kernel:.0f} us")
+        del x, y
+
+    # ---- top-k -------------------------------------------------------------------------
+    def topk(self):
+        L = self.lib
+        shapes = [(65536, 512), (262144, 512), (1048576, 2048)]
+        batches = [1, 8, 64] if not self.quick else [1, 64]
+        for n, k in shapes:
+            for rows in batches:
+                bytes_in = rows * n * 4
+                nbuf = max(2, min(32, (256 << 20) // bytes_in))
+                xs = [torch.randn(rows, n, device="cuda") for _ in range(nbuf)]
+                out = torch.empty(rows, k, dtype=torch.int32, device="cuda")
+                cnt = torch.empty(rows, dtype=torch.int32, device="cuda")
+                wsb = L.tb_topk_ws(rows, n, k, 0)
+                ws = torch.zeros(max(wsb, 16), dtype=torch.uint8, device="cuda")
+                # check: the chosen values equal torch.topk's values (ties give equal values)
+                self.ok(L.tb_topk(ptr(xs[0]), n, None, rows, n, k, ptr(out), ptr(cnt), ptr(ws), 0, stream()), "topk")
+                torch.cuda.synchronize()
+                mine = torch.gather(xs[0], 1, out.long()).sort(dim=1).values
+                ref = torch.topk(xs[0], k, dim=1, sorted=False).values.sort(dim=1).values
+                exact = bool(torch.equal(mine, ref)) and bool((cnt == k).all())
+                if not exact:
+                    self.failures.append(f"topk {rows}x{n} k={k}")
+
+                def ours(i):
+                    L.tb_topk(ptr(xs[i % nbuf]), n, None, rows, n, k, ptr(out), ptr(cnt), ptr(ws), 0, stream())
+
+                def theirs(i):
+                    torch.topk(xs[i % nbuf], k, dim=1, sorted=False)
+
+                t_ours = graph_time(ours)
+                t_torch = graph_time(theirs)
+                if rows == 1:  # where the time goes inside one CTA (SM clock stamps)
+                    prof = torch.zeros(16, dtype=torch.int64, device="cuda")
+                    self.ok(L.tb_topk_profiled(ptr(xs[1]), n, None, rows, n, k, ptr(out), ptr(cnt), ptr(ws), 0,
+                                               ptr(prof), stream()), "topk profile")
+                    torch.cuda.synchronize()
+                    st = prof.tolist()
+                    names = ["entry", "wait", "load", "hist", "sync1", "reduce", "sync2", "scan0", "round1", "round2",
+                             "emit", "sync_end", "leader"]
+                    valid = [i for i in range(13) if st[i]]
+                    deltas = [(names[j], (st[j] - st[i]) / 1980.0) for i, j in zip(valid, valid[1:])]
+                    print(f"  topk {rows}x{n} phases (us @1.98GHz): " +
+                          " ".join(f"{nm}={d:.2f}" for nm, d in deltas), flush=True)
+                target = {(262144, 1): 8.0, (262144, 64): 40.0, (1048576, 1): 12.0}.get((n, rows))
+                self.add(kernel="topk", shape=f"{rows}x{n} k={k}", ours_us=t_ours, torch_us=t_torch,
+                         speedup=t_torch / t_ours, target_us=target if target else "", exact=exact)
+                del xs, out, ws
+
+    # ---- fused compressor ---------------------------------------------------------------
+    @staticmethod
+    def rope_table(rope_dim, theta=160000.0):
+        return (theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim)).cuda()
+
+    @staticmethod
+    def torch_rope(x, inv_freq, pos):
+        """Interleaved RoPE on the trailing 2*len(inv_freq) channels; x [E, dim], pos [E]."""
+        r = inv_freq.numel() * 2
+        ang = pos.float()[:, None] * inv_freq[None, :]
+        c, s = torch.cos(ang), torch.sin(ang)
+        tail = x[:, -r:].view(x.shape[0], -1, 2)
+        a, b = tail[..., 0], tail[..., 1]
+        out = x.clone()
+        out[:, -r:] = torch.stack([a * c - b * s, b * c + a * s], dim=-1).view(x.shape[0], r)
+        return out
+
+    def torch_compress(self, kv, score, ape, norm, inv_freq, rate, overlap, dim):
+        """The plain composition: bias, per-channel softmax over the window, weighted sum, rmsnorm, RoPE."""
+        T = kv.shape[0]
+        E = T // rate
+        if overlap:
+            w2 = 2 * dim
+            s = (score[: E * rate].view(E, rate, w2) + ape.view(1, rate, w2))
+            k = kv[: E * rate].view(E, rate, w2)
+            prev_k = torch.cat([torch.zeros_like(k[:1, :, :dim]), k[:-1, :, :dim]], 0)
+            prev_s = torch.cat([torch.full_like(s[:1, :, :dim], float("-inf")), s[:-1, :, :dim]], 0)
+            k = torch.cat([prev_k, k[:, :, dim:]], 1)
+            s = torch.cat([prev_s, s[:, :, dim:]], 1)
+        else:
+            s = score[: E * rate].view(E, rate, dim) + ape.view(1, rate, dim)
+            k = kv[: E * rate].view(E, rate, dim)
+        pooled = (torch.softmax(s, dim=1) * k).sum(1)
+        normed = pooled * torch.rsqrt(pooled.pow(2).mean(-1, keepdim=True) + 1e-6) * norm
+        pos = torch.arange(E, device="cuda") * rate
+        return self_rope(normed, inv_freq, pos)
+
+    def compressor(self):
+        L = self.lib
+        dim, rope_dim = 512, 64
+        inv = self.rope_table(rope_dim)
+        norm = torch.randn(dim, device="cuda")
+        cases = [(65536, 4, True), (65536, 128, False), (262144, 4, True)]
+        if self.quick:
+            cases = cases[:2]
+        for T, rate, overlap in cases:
+            width = 2 * dim if overlap else dim
+            kv = torch.randn(T, width, device="cuda")
+            sc = torch.randn(T, width, device="cuda")
+            ape = torch.randn(rate, width, device="cuda")
+            E = T // rate
+            out = torch.empty(E, dim, device="cuda")
+            rows = (out.data_ptr() + torch.arange(E, dtype=torch.int64, device="cuda") * dim * 4)
+            ring = torch.zeros((2 * rate if overlap else rate), 2 * width, device="cuda")
+
+            def ours(i):
+                L.tb_compress_prefill(rate, int(overlap), dim, ptr(ape), ptr(norm), fl(1e-6), ptr(inv), rope_dim,
+                                      fl(1.0), ptr(kv), ptr(sc), T, 0, ptr(ring), ptr(rows), 0, stream())
+
+            ours(0)
+            torch.cuda.synchronize()
+            ref = self.torch_compress(kv, sc, ape, norm, inv, rate, overlap, dim)
+            err = rel_err(out, ref)
+            if not err < 1e-4:
+                self.failures.append(f"compressor T={T} rate={rate}: rel err {err}")
+            t_ours = graph_time(ours, calls=3, reps=10)
+            t_torch = graph_time(lambda i: self.torch_compress(kv, sc, ape, norm, inv, rate, overlap, dim), calls=1,
+                                 reps=5)
+            nbytes = 2 * T * width * 4 + E * dim * 4
+            bw = nbytes / (t_ours * 1e-6)
+            self.add(kernel="compressor prefill", shape=f"{T} tok rate {rate}{' overlap' if overlap else ''}",
+                     ours_us=t_ours, torch_us=t_torch, speedup=t_torch / t_ours, gbps=bw / 1e9,
+                     pct_copy=100 * bw / self.copy_bw, target="80% copy", rel_err=err)
+            del kv, sc, out, ring
+
+        # Decode: 64 sequences append one token each; either every one closes a window
+        # (worst case) or, as in steady decoding, one sequence in `rate` does.
+        for rate, overlap in [(4, True), (128, False)]:
+            for mode in ("all close", "1 in rate closes"):
+                B = 64
+                width = 2 * dim if overlap else dim
+                slots = 2 * rate if overlap else rate
+                ape = torch.randn(rate, width, device="cuda")
+                kv = torch.randn(B, width, device="cuda")
+                sc = torch.randn(B, width, device="cuda")
+                rings = torch.randn(B, slots, 2 * width, device="cuda")
+                b_idx = torch.arange(B, device="cuda", dtype=torch.int64)
+                phase = rate - 1 if mode == "all close" else b_idx % rate
+                pos = (b_idx * 7 + 3) * rate + phase
+                out = torch.empty(B, dim, device="cuda")
+                ring_rows = rings.data_ptr() + b_idx * slots * 2 * width * 4
+                out_rows = out.data_ptr() + b_idx * dim * 4
+
+                def ours(i):
+                    L.tb_compress_decode(rate, int(overlap), dim, ptr(ape), ptr(norm), fl(1e-6), ptr(inv), rope_dim,
+                                         fl(1.0), ptr(kv), ptr(sc), B, ptr(pos), ptr(ring_rows), ptr(out_rows), 0,
+                                         stream())
+
+                t = graph_time(ours)
+                self.add(kernel="compressor decode", shape=f"batch {B} rate {rate}, {mode}", ours_us=t, target_us=5.0)
+
+    # ---- lightning indexer -----------------------------------------------------------------
+    def indexer(self):
+        L = self.lib
+        H, D, k = 64, 128, 512
+        cases = [(32768, 1), (262144, 1), (32768, 32), (262144, 32)]
+        if self.quick:
+            cases = [(262144, 1), (262144, 32)]
+        for n, B in cases:
+            keys = torch.randn(B * n, D, device="cuda")
+            keys_bf = keys.to(torch.bfloat16)
+            q = torch.randn(B, H, D, device="cuda")
+            w = torch.randn(B, H, device="cuda")
+            start = torch.arange(B, dtype=torch.int64, device="cuda") * n
+            nk = torch.full((B,), n, dtype=torch.int32, device="cuda")
+            scores = torch.empty(B, n, device="cuda")
+            out = torch.empty(B, k, dtype=torch.int32, device="cuda")
+            cnt = torch.empty(B, dtype=torch.int32, device="cuda")
+            wsb = L.tb_topk_ws(B, n, k, 0)
+            ws = torch.zeros(max(wsb, 16), dtype=torch.uint8, device="cuda")
+            scale, wscale = 1 / math.sqrt(D), 1 / math.sqrt(H)
+            q8 = torch.empty(B * n, D, dtype=torch.uint8, device="cuda")
+            s8 = torch.empty(B * n, device="cuda")
+            self.ok(L.tb_quantize_e4m3(ptr(keys), B * n, ptr(q8), ptr(s8), stream()), "quantize")
+            if B * n * D * 4 > (1 << 32):
+                del keys
+                keys = None
+
+            for fp8 in (0, 1):
+                kp, sp = (ptr(q8), ptr(s8)) if fp8 else (ptr(keys_bf), vp(0))
+
+                def ours(i):
+                    L.tb_indexer_topk(ptr(q), ptr(w), B, H, fl(scale), fl(wscale), fp8, kp, sp, ptr(start), ptr(nk), n,
+                                      ptr(scores), k, ptr(out), ptr(cnt), ptr(ws), stream())
+
+                ours(0)
+                torch.cuda.synchronize()
+                # check: scores against torch on the same (rounded) operands; top-k values exact on our scores
+                if fp8:
+                    kf = (q8.view(torch.float8_e4m3fn).float() * s8[:, None]).view(B, n, D)
+                    qf = q.half().float()
+                else:
+                    kf = keys_bf.float().view(B, n, D)
+                    qf = q.bfloat16().float()
+                ref = (torch.relu(torch.einsum("bhd,bnd->bhn", qf, kf)) * scale * (w * wscale)[:, :, None]).sum(1)
+                err = rel_err(scores, ref)
+                del kf, ref
+                mine = torch.gather(scores, 1, out.long()).sort(dim=1).values
+                exact = bool(torch.equal(mine, torch.topk(scores, k, dim=1).values.sort(dim=1).values))
+                if not (err < 1e-3 and exact):
+                    self.failures.append(f"indexer n={n} B={B} fp8={fp8}: err {err} exact {exact}")
+                t_ours = graph_time(ours, calls=5, reps=10)
+                key_bytes = B * n * (D + 4 if fp8 else 2 * D)
+                bw = key_bytes / (t_ours * 1e-6)
+                row = dict(kernel="indexer+topk " + ("e4m3" if fp8 else "bf16"), shape=f"{n * 4 // 1024}K ctx x {B}",
+                           ours_us=t_ours, gbps=bw / 1e9, pct_copy=100 * bw / self.copy_bw, rel_err=err, exact=exact)
+                if not fp8:
+                    def torch_bf16(i):
+                        s = torch.einsum("bhd,bnd->bhn", q.bfloat16(), keys_bf.view(B, n, D)).float()
+                        s = (torch.relu(s) * scale * (w * wscale)[:, :, None]).sum(1)
+                        torch.topk(s, k, dim=1, sorted=False)
+                    row["torch_bf16_us"] = graph_time(torch_bf16, calls=1, reps=5)
+                    row["speedup"] = row["torch_bf16_us"] / t_ours
+                    if n == 262144 and B == 1:
+                        row["target_us"] = 25.0
+                elif n == 262144 and B == 1:
+                    row["target_us"] = 15.0
+                self.add(**row)
+            del keys_bf, q8, s8, scores, keys
+
+    # ---- attention ------------------------------------------------------------------------------
+    def attention(self):
+        L = self.lib
+        H, D = 64, 512
+        cases = [("CSA decode", 1, 640), ("CSA decode", 64, 640), ("HCA 1M decode", 1, 128 + 8192),
+                 ("HCA 1M decode", 64, 128 + 8192), ("CSA prefill", 2048, 640)]
+        if self.quick:
+            cases = cases[:3]
+        pool_rows = 200000
+        pool = torch.randn(pool_rows, D, device="cuda").to(torch.bfloat16)
+        sinks = torch.randn(H, device="cuda")
+        scale = 1 / math.sqrt(D)
+        for name, B, n in cases:
+            q = torch.randn(B, H, D, device="cuda") * 0.5
+            idx = torch.randint(0, pool_rows, (B, n), device="cuda")
+            rows = pool.data_ptr() + idx.flatten() * D * 2
+            offsets = torch.arange(B + 1, dtype=torch.int64, device="cuda") * n
+            out = torch.empty(B, H, D, device="cuda")
+            wsb = L.tb_attention_ws(B, H, D, n, 0)
+            ws = torch.empty(max(wsb, 16), dtype=torch.uint8, device="cuda")
+
+            def ours(i):
+                L.tb_attention(ptr(q), B, H, D, 1, ptr(rows), ptr(offsets), n, ptr(sinks), fl(scale), ptr(out), 0,
+                               ptr(ws), stream())
+
+            def composed(qq, keys):
+                logits = torch.einsum("bhd,bnd->bhn", qq, keys).float() * scale
+                logits = torch.cat([logits, sinks.view(1, H, 1).expand(B, H, 1)], -1)
+                p = torch.softmax(logits, -1)[..., :-1]
+                return torch.einsum("bhn,bnd->bhd", p.to(keys.dtype), keys)
+
+            ours(0)
+            torch.cuda.synchronize()
+            keys = pool[idx]
+            ref = composed(q.double(), keys.double()) if B * n <= 64 * 640 else composed(q, keys.float())
+            err = rel_err(out, ref)
+            if not err < 1e-2:
+                self.failures.append(f"attention {name} B={B}: rel err {err}")
+            t_ours = graph_time(ours, calls=5 if B * n < 100000 else 2, reps=10)
+            t_torch = graph_time(lambda i: composed(q.bfloat16(), pool[idx]), calls=1, reps=5)
+            flops = 4.0 * B * H * n * D
+            bytes_ = B * n * D * 2
+            self.add(kernel="attention " + name, shape=f"batch {B} keys {n} heads {H}x{D}", ours_us=t_ours,
+                     torch_us=t_torch, speedup=t_torch / t_ours, tflops=flops / (t_ours * 1e-6) / 1e12,
+                     gbps=bytes_ / (t_ours * 1e-6) / 1e9, rel_err=err)
+            del q, idx, rows, out, ws, keys
+
+    # ---- GEMV (decode linear layers) -----------------------------------------------------------
+    def gemv(self):
+        L = self.lib
+        for n, k, what in [(4096, 4096, "4096x4096"), (2048, 4096, "expert 2048x4096"), (129280, 4096, "lm_head")]:
+            for m in (1, 4):
+                nbuf = max(2, min(8, (1 << 30) // (n * k * 2)))
+                ws = [torch.randn(n, k, device="cuda").to(torch.bfloat16) for _ in range(nbuf)]
+                x = torch.randn(m, k, device="cuda")
+                y = torch.empty(m, n, device="cuda")
+                self.ok(L.tb_gemv(ptr(x), m, ptr(ws[0]), n, k, 1, ptr(y), stream()), "gemv")
+                torch.cuda.synchronize()
+                err = rel_err(y, x.double() @ ws[0].double().T)
+                t_ours = graph_time(lambda i: L.tb_gemv(ptr(x), m, ptr(ws[i % nbuf]), n, k, 1, ptr(y), stream()))
+                xb = x.bfloat16()
+                t_torch = graph_time(lambda i: torch.matmul(xb, ws[i % nbuf].T))
+                bw = n * k * 2 / (t_ours * 1e-6)
+                self.add(kernel=f"gemv bf16 m={m}", shape=what, ours_us=t_ours, torch_us=t_torch,
+                         speedup=t_torch / t_ours, gbps=bw / 1e9, pct_copy=100 * bw / self.copy_bw, rel_err=err)
+                del ws
+
+
+def self_rope(x, inv_freq, pos):
+    return Bench.torch_rope(x, inv_freq, pos)
+
+
+def table(rows):
+    cols = ["kernel", "shape", "ours_us", "torch_us", "torch_bf16_us", "speedup", "target_us", "gbps", "pct_copy",
+            "tflops", "rel_err", "exact", "note"]
+    used = [c for c in cols if any(c in r for r in rows)]
+    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(used) + " |", "|" + "---|" * len(used)]
+    for r in rows:
+        lines.append("| " + " | ".join(fmt(r.get(c, "")) for c in used) + " |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("lib")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default="")
+    args = ap.parse_args()
+    b = Bench(args.lib, args.quick)
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    t0 = time.time()
+    b.copy_bandwidth()
+    for part in ["topk", "compressor", "indexer", "attention", "gemv"]:
+        if args.only and part not in args.only.split(","):
+            continue
+        try:
+            getattr(b, part)()
+        except Exception as e:  # keep the other parts' numbers
+            b.failures.append(f"{part}: {type(e).__name__}: {e}")
+            print(f"{part} FAILED: {e}", flush=True)
+        torch.cuda.empty_cache()
+    md = table(b.rows)
+    with open(os.path.join(args.out, "bench.md"), "w") as f:
+        f.write(md + "\n")
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "rows": b.rows, "failures": b.failures}, f, indent=1,
+                  default=str)
+    print(f"\n{md}\n\nbench time {time.time() - t0:.0f} s; failures: {b.failures or 'none'}")
+    sys.exit(1 if b.failures else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# On the GPU machine, one call: the kernel tests (built elsewhere and carried as a
+# device-bundle, see ../shared/docs/STACK.md section 9), a compute-sanitizer pass
+# over the smaller cases, and the benchmark (bench/gpu/run.sh). Logs go to OUT.
+#   bench/gpu/device-check.sh BUNDLE_DIR OUT [bench options]
+# Budgets (seconds) per stage: TEST_S, SAN_S, BENCH_S.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+bundle=$(cd "$1" && pwd) out=$2
+shift 2
+export NCCL_NVLS_ENABLE=0
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$out/smi.txt"
+for t in kernels_cuda_backend_test kernels_cuda_kernels_test; do
+  timeout "${TEST_S:-150}" "$bundle/run.sh" "$t" > "$out/$t.log" 2>&1
+  echo "$t: exit $? ($(grep -c '^\[       OK' "$out/$t.log") ok, $(grep -c '^\[  FAILED' "$out/$t.log") failed lines)"
+done
+san="compute-sanitizer --tool memcheck --error-exitcode 9"
+LD_LIBRARY_PATH="$bundle/lib:${LD_LIBRARY_PATH:-}" timeout "${SAN_S:-120}" $san "$bundle/kernels_cuda_kernels_test" \
+  --gtest_filter='*translates*:*compressor*:*attention*' > "$out/sanitizer.log" 2>&1
+echo "sanitizer (kernels): exit $?"
+LD_LIBRARY_PATH="$bundle/lib:${LD_LIBRARY_PATH:-}" timeout "${SAN_S:-120}" $san "$bundle/kernels_cuda_backend_test" \
+  --gtest_filter='*compress*:*mhc*:*route*:*moe*:*rmsnorm*:*rope*:*row_moves*:*swiglu*:*grouped*:*beta*' \
+  >> "$out/sanitizer.log" 2>&1
+echo "sanitizer (backend): exit $?"
+LD_LIBRARY_PATH="$bundle/lib:${LD_LIBRARY_PATH:-}" timeout "${SAN_S:-120}" compute-sanitizer --tool racecheck \
+  --error-exitcode 9 "$bundle/kernels_cuda_kernels_test" --gtest_filter='*translates*' >> "$out/sanitizer.log" 2>&1
+echo "racecheck (top-k cluster kernel): exit $?"
+grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|out of bounds|hazard" "$out/sanitizer.log" | sort | uniq -c | head -20
+timeout "${BENCH_S:-240}" bench/gpu/run.sh "$out" "$@" > "$out/bench.log" 2>&1
+echo "bench: exit $?"
+if [ "${NCU:-0}" = 1 ]; then  # Nsight Compute over one call of each kernel (counters; clocks left alone)
+  timeout "${NCU_S:-150}" ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
+    --section Occupancy --section LaunchStats -k 'regex:topk_kernel|indexer_mma|attention_kernel|compress_kernel' \
+    --launch-count 12 python3 bench/gpu/profile.py "${TROUPE_BENCH_LIB:-build-bench/libtroupe_bench.so}" \
+    > "$out/ncu.txt" 2>&1
+  echo "ncu: exit $?"
+  grep -E "^  [a-z_]+kernel|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per" \
+    "$out/ncu.txt" | head -80
+fi
+tail -n 60 "$out/bench.log"

@@ -1,0 +1,466 @@
+// Tensor-core sparse attention with sinks (see attention.hpp).
+//
+// CTA = 8 warps, 64 heads x one key range of one query. Per 32-key tile:
+//   S phase:  warp w computes S[16 heads (w % 4), 16 keys (w / 4)] over all channels;
+//   softmax:  4 threads per head row, online max/sum in fp32 (log2 domain), P -> bf16;
+//   PV phase: warp w accumulates O[64 heads, dim/8 channels (w)] in registers.
+// Shared-memory rows are padded by 16 bytes so ldmatrix phases hit 32 banks.
+#include <algorithm>
+
+#include "kernels/cuda/attention.hpp"
+#include "kernels/cuda/common.cuh"
+
+namespace troupe::kernels::cuda {
+namespace {
+
+constexpr int kHeads = 64;
+constexpr int kKeys = 32;
+constexpr int kThreads = 256;
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct Params {
+  const float* q;
+  int64_t n_queries;
+  int heads;
+  const void* const* rows;
+  const int64_t* offsets;
+  const float* sinks;
+  float qscale;  // scale * log2(e)
+  float* out;
+  float* part_o;  // [splits, n_queries, heads, dim] (splits > 1)
+  float* part_ml; // [splits, n_queries, heads, 2]
+  int64_t keys_per_split;
+  bool derope;
+  RopeTable rope;
+  const int64_t* positions;
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldsm_x2_trans(uint32_t (&r)[2], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(smem)), "l"(gmem),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+template <int DIM, bool BF16>
+struct Layout {
+  static constexpr int kRow = DIM + 8;          // bf16 elements per padded row
+  static constexpr int kQ = 0;                  // [64][kRow] bf16
+  static constexpr int kK = kQ + kHeads * kRow * 2;
+  static constexpr int kKBufs = BF16 ? 2 : 1;   // bf16 keys: double buffer; fp32: one + staging
+  static constexpr int kStage = kK + kKBufs * kKeys * kRow * 2;  // fp32 staging [32][DIM]
+  static constexpr int kS = kStage + (BF16 ? 0 : kKeys * DIM * 4);  // [64][33] fp32
+  static constexpr int kP = kS + kHeads * 33 * 4;                   // [64][40] bf16
+  static constexpr int kAlpha = kP + kHeads * 40 * 2;               // [64] fp32
+  static constexpr int kML = kAlpha + kHeads * 4;                   // [64][2] fp32
+  static constexpr int kBytes = kML + kHeads * 8;
+};
+
+template <int DIM, bool BF16>
+__global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) {
+  using L = Layout<DIM, BF16>;
+  constexpr int kRow = L::kRow;
+  constexpr int kNTW = DIM / 64;  // n-tiles (8 channels) per warp in the PV phase
+  extern __shared__ __align__(16) uint8_t smem[];
+  auto* Qs = reinterpret_cast<__nv_bfloat16*>(smem + L::kQ);
+  auto* Ks0 = reinterpret_cast<__nv_bfloat16*>(smem + L::kK);
+  auto* stage = reinterpret_cast<float*>(smem + L::kStage);
+  auto* Ss = reinterpret_cast<float*>(smem + L::kS);
+  auto* Ps = reinterpret_cast<__nv_bfloat16*>(smem + L::kP);
+  auto* alpha_s = reinterpret_cast<float*>(smem + L::kAlpha);
+  auto* ml_s = reinterpret_cast<float*>(smem + L::kML);
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, c = lane & 3;
+  const int split = blockIdx.x;
+  const int64_t t = blockIdx.y;
+  const int h0 = blockIdx.z * kHeads;
+  const int64_t kbeg = p.offsets[t];
+  const int64_t n = p.offsets[t + 1] - kbeg;
+  const int64_t beg = static_cast<int64_t>(split) * p.keys_per_split;
+  const int64_t end = min(n, beg + p.keys_per_split);
+  const int ntiles = end > beg ? static_cast<int>((end - beg + kKeys - 1) / kKeys) : 0;
+
+  auto issue_tile = [&](int tile, int buf) {
+    const int64_t t0 = beg + static_cast<int64_t>(tile) * kKeys;
+    if constexpr (BF16) {
+      constexpr int kChunks = DIM / 8;  // 16-byte chunks per row
+      __nv_bfloat16* Kb = Ks0 + buf * kKeys * kRow;
+#pragma unroll
+      for (int i = 0; i < kKeys * kChunks / kThreads; ++i) {
+        const int q = tid + i * kThreads;
+        const int r = q / kChunks, ch = q % kChunks;
+        const bool valid = t0 + r < end;
+        const auto* src = valid ? static_cast<const __nv_bfloat16*>(p.rows[kbeg + t0 + r]) + ch * 8
+                                : static_cast<const __nv_bfloat16*>(nullptr);
+        cp_async16(Kb + r * kRow + ch * 8, valid ? static_cast<const void*>(src) : static_cast<const void*>(p.q), valid);
+      }
+    } else {
+      constexpr int kChunks = DIM / 4;
+#pragma unroll 4
+      for (int i = 0; i < kKeys * kChunks / kThreads; ++i) {
+        const int q = tid + i * kThreads;
+        const int r = q / kChunks, ch = q % kChunks;
+        const bool valid = t0 + r < end;
+        const float* src = valid ? static_cast<const float*>(p.rows[kbeg + t0 + r]) + ch * 4 : p.q;
+        cp_async16(stage + r * DIM + ch * 4, src, valid);
+      }
+    }
+    cp_async_commit();
+  };
+  if (ntiles > 0) issue_tile(0, 0);
+
+  // Q (scaled into the log2 domain) -> bf16 rows; rows past `heads` are zero. Sixteen
+  // 16-byte loads per thread in flight at a time (the loop is latency-bound otherwise).
+  constexpr int kQ4 = kHeads * DIM / 4;
+  constexpr int kBatch = 16;
+  for (int base = 0; base < kQ4; base += kBatch * kThreads) {
+    float4 v[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int i = base + j * kThreads + tid;
+      const int r = i / (DIM / 4), c4 = i % (DIM / 4);
+      v[j] = (i < kQ4 && h0 + r < p.heads) ? reinterpret_cast<const float4*>(p.q + (t * p.heads + h0 + r) * DIM)[c4]
+                                           : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int i = base + j * kThreads + tid;
+      if (i < kQ4) {
+        const int r = i / (DIM / 4), c4 = i % (DIM / 4);
+        uint2 packed;
+        packed.x = pack_bf16x2(v[j].x * p.qscale, v[j].y * p.qscale);
+        packed.y = pack_bf16x2(v[j].z * p.qscale, v[j].w * p.qscale);
+        *reinterpret_cast<uint2*>(Qs + r * kRow + 4 * c4) = packed;
+      }
+    }
+  }
+
+  // Softmax state of head row tid / 4 (each of the 4 threads keeps a copy).
+  const int srow = tid >> 2, ssub = tid & 3;
+  const bool has_sink = p.sinks != nullptr && split == 0 && h0 + srow < p.heads;
+  float m_run = has_sink ? p.sinks[h0 + srow] * kLog2e : -INFINITY;
+  float l_run = has_sink ? 1.f : 0.f;
+
+  float o[4][kNTW][4];
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kNTW; ++nt) o[mt][nt][0] = o[mt][nt][1] = o[mt][nt][2] = o[mt][nt][3] = 0.f;
+
+  for (int tile = 0; tile < ntiles; ++tile) {
+    cp_async_wait_all();
+    __syncthreads();
+    const __nv_bfloat16* Ks;
+    if constexpr (BF16) {
+      Ks = Ks0 + (tile & 1) * kKeys * kRow;
+      if (tile + 1 < ntiles) issue_tile(tile + 1, (tile + 1) & 1);
+    } else {
+      for (int i = tid; i < kKeys * DIM / 4; i += kThreads) {
+        const int r = i / (DIM / 4), c4 = i % (DIM / 4);
+        const float4 v = *reinterpret_cast<const float4*>(stage + r * DIM + 4 * c4);
+        uint2 packed;
+        packed.x = pack_bf16x2(v.x, v.y);
+        packed.y = pack_bf16x2(v.z, v.w);
+        *reinterpret_cast<uint2*>(Ks0 + r * kRow + 4 * c4) = packed;
+      }
+      __syncthreads();
+      if (tile + 1 < ntiles) issue_tile(tile + 1, 0);
+      Ks = Ks0;
+    }
+    const int64_t remaining = end - (beg + static_cast<int64_t>(tile) * kKeys);
+    const int nvalid = remaining < kKeys ? static_cast<int>(remaining) : kKeys;
+
+    // ---- S = Q K^T for (m-tile w % 4, keys 16 * (w / 4) ...) ----
+    {
+      const int mt = warp & 3, n0 = 16 * (warp >> 2);
+      float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      const int mi = lane >> 3;
+      const __nv_bfloat16* qrow = Qs + (16 * mt + (lane & 7) + ((mi & 1) ? 8 : 0)) * kRow + ((mi >> 1) ? 8 : 0);
+      const __nv_bfloat16* krow = Ks + (n0 + (lane & 7) + ((mi >> 1) ? 8 : 0)) * kRow + ((mi & 1) ? 8 : 0);
+#pragma unroll 8
+      for (int ks = 0; ks < DIM / 16; ++ks) {
+        uint32_t a[4], b[4];
+        ldsm_x4(a, qrow + ks * 16);
+        ldsm_x4(b, krow + ks * 16);
+        mma(s[0], a, b[0], b[1]);
+        mma(s[1], a, b[2], b[3]);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int col = n0 + 8 * nt + 2 * c;
+        Ss[(16 * mt + g) * 33 + col] = s[nt][0];
+        Ss[(16 * mt + g) * 33 + col + 1] = s[nt][1];
+        Ss[(16 * mt + g + 8) * 33 + col] = s[nt][2];
+        Ss[(16 * mt + g + 8) * 33 + col + 1] = s[nt][3];
+      }
+    }
+    __syncthreads();
+
+    // ---- online softmax: row srow, keys 8 * ssub ... ----
+    {
+      float sv[8];
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int k = 8 * ssub + j;
+        sv[j] = k < nvalid ? Ss[srow * 33 + k] : -INFINITY;
+        mx = fmaxf(mx, sv[j]);
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run, mx);
+      float alpha = 1.f, sum = 0.f;
+      uint32_t packed[4];
+      if (m_new == -INFINITY) {
+        packed[0] = packed[1] = packed[2] = packed[3] = 0u;
+      } else {
+        alpha = exp2f(m_run - m_new);
+        float pv[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          pv[j] = exp2f(sv[j] - m_new);
+          sum += pv[j];
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) packed[j] = pack_bf16x2(pv[2 * j], pv[2 * j + 1]);
+      }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      l_run = l_run * alpha + sum;
+      m_run = m_new;
+      *reinterpret_cast<uint4*>(Ps + srow * 40 + 8 * ssub) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      if (ssub == 0) alpha_s[srow] = alpha;
+    }
+    __syncthreads();
+
+    // ---- O = O * alpha + P V for channels [warp * dim/8, ...) ----
+    {
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt) {
+        const float a0 = alpha_s[16 * mt + g], a1 = alpha_s[16 * mt + g + 8];
+#pragma unroll
+        for (int nt = 0; nt < kNTW; ++nt) {
+          o[mt][nt][0] *= a0;
+          o[mt][nt][1] *= a0;
+          o[mt][nt][2] *= a1;
+          o[mt][nt][3] *= a1;
+        }
+      }
+      const int mi = lane >> 3;
+      const int cbase = warp * (DIM / 8);
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        uint32_t a[4][4];
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) {
+          ldsm_x4(a[mt], Ps + (16 * mt + (lane & 7) + ((mi & 1) ? 8 : 0)) * 40 + 16 * kk + ((mi >> 1) ? 8 : 0));
+        }
+        const __nv_bfloat16* vrow = Ks + (16 * kk + (lane & 7) + ((mi & 1) ? 8 : 0)) * kRow + cbase;
+        if constexpr (kNTW % 2 == 0) {
+#pragma unroll
+          for (int np = 0; np < kNTW / 2; ++np) {
+            uint32_t b[4];
+            ldsm_x4_trans(b, vrow + 16 * np + ((mi >> 1) ? 8 : 0));
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt) {
+              mma(o[mt][2 * np], a[mt], b[0], b[1]);
+              mma(o[mt][2 * np + 1], a[mt], b[2], b[3]);
+            }
+          }
+        } else {
+#pragma unroll
+          for (int nt = 0; nt < kNTW; ++nt) {
+            uint32_t b[2];
+            ldsm_x2_trans(b, vrow + 8 * nt);
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt) mma(o[mt][nt], a[mt], b[0], b[1]);
+          }
+        }
+      }
+    }
+  }
+
+  // ---- epilogue ----
+  if (ssub == 0) {
+    ml_s[2 * srow] = m_run;
+    ml_s[2 * srow + 1] = l_run;
+  }
+  __syncthreads();
+  const bool single = gridDim.x == 1;
+  const int64_t pos = p.derope ? p.positions[t] : 0;
+  const int rope_begin = DIM - static_cast<int>(p.rope.rope_dim);
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = 16 * mt + g + 8 * half;
+      const int h = h0 + r;
+      if (h >= p.heads) continue;
+      const float l = ml_s[2 * r + 1];
+      const float inv = single ? (l > 0.f ? 1.f / l : 0.f) : 1.f;
+      float* dst = single ? p.out + (t * p.heads + h) * DIM
+                          : p.part_o + ((static_cast<int64_t>(split) * p.n_queries + t) * p.heads + h) * DIM;
+#pragma unroll
+      for (int nt = 0; nt < kNTW; ++nt) {
+        const int col = warp * (DIM / 8) + 8 * nt + 2 * c;
+        float x = o[mt][nt][2 * half] * inv, y = o[mt][nt][2 * half + 1] * inv;
+        if (single && p.derope && col >= rope_begin) {
+          rope_pair(x, y, p.rope.inv_freq[(col - rope_begin) / 2] * static_cast<float>(pos), p.rope.scale, true);
+        }
+        *reinterpret_cast<float2*>(dst + col) = make_float2(x, y);
+      }
+      if (!single && warp == 0 && c == 0) {
+        float* ml = p.part_ml + ((static_cast<int64_t>(split) * p.n_queries + t) * p.heads + h) * 2;
+        ml[0] = ml_s[2 * r];
+        ml[1] = l;
+      }
+    }
+  }
+}
+
+// Merges the splits of (query, head): O = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s.
+__global__ void combine_kernel(const Params p, int splits, int dim) {
+  const int64_t t = blockIdx.x;
+  const int h = blockIdx.y;
+  float mx = -INFINITY;
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, p.part_ml[((s * p.n_queries + t) * p.heads + h) * 2]);
+  float lsum = 0.f;
+  for (int s = 0; s < splits; ++s) {
+    const float* ml = p.part_ml + ((s * p.n_queries + t) * p.heads + h) * 2;
+    if (ml[0] > -INFINITY) lsum += exp2f(ml[0] - mx) * ml[1];
+  }
+  const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+  const int64_t pos = p.derope ? p.positions[t] : 0;
+  const int rope_begin = dim - static_cast<int>(p.rope.rope_dim);
+  for (int col = 2 * threadIdx.x; col < dim; col += 2 * blockDim.x) {
+    float x = 0.f, y = 0.f;
+    for (int s = 0; s < splits; ++s) {
+      const float m = p.part_ml[((s * p.n_queries + t) * p.heads + h) * 2];
+      if (m == -INFINITY) continue;
+      const float wgt = exp2f(m - mx);
+      const float2 v = *reinterpret_cast<const float2*>(p.part_o + ((s * p.n_queries + t) * p.heads + h) * dim + col);
+      x += wgt * v.x;
+      y += wgt * v.y;
+    }
+    x *= inv;
+    y *= inv;
+    if (p.derope && col >= rope_begin) {
+      rope_pair(x, y, p.rope.inv_freq[(col - rope_begin) / 2] * static_cast<float>(pos), p.rope.scale, true);
+    }
+    *reinterpret_cast<float2*>(p.out + (t * p.heads + h) * dim + col) = make_float2(x, y);
+  }
+}
+
+int sm_count() {
+  int dev = 0, n = 0;
+  TROUPE_CUDA(cudaGetDevice(&dev));
+  TROUPE_CUDA(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  return n;
+}
+
+int plan_splits(const AttentionArgs& a) {
+  if (a.splits > 0) return a.splits;
+  static const int sms = sm_count();
+  const int64_t blocks = a.n_queries * ceil_div(a.heads, kHeads);
+  const int64_t want = ceil_div(2 * sms, std::max<int64_t>(blocks, 1));
+  const int64_t most = std::max<int64_t>(1, ceil_div(a.max_keys, 2 * kKeys));  // >= 2 tiles per split
+  return static_cast<int>(std::clamp<int64_t>(want, 1, std::min<int64_t>(most, 64)));
+}
+
+template <int DIM, bool BF16>
+void launch_dim(const Params& p, dim3 grid, cudaStream_t stream) {
+  using L = Layout<DIM, BF16>;
+  static bool attr = [] {
+    TROUPE_CUDA(cudaFuncSetAttribute(attention_kernel<DIM, BF16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     L::kBytes));
+    return true;
+  }();
+  (void)attr;
+  attention_kernel<DIM, BF16><<<grid, kThreads, L::kBytes, stream>>>(p);
+  TROUPE_LAUNCHED();
+}
+
+template <bool BF16>
+void launch(int64_t dim, const Params& p, dim3 grid, cudaStream_t stream) {
+  switch (dim) {
+    case 64: return launch_dim<64, BF16>(p, grid, stream);
+    case 128: return launch_dim<128, BF16>(p, grid, stream);
+    case 256: return launch_dim<256, BF16>(p, grid, stream);
+    case 512: return launch_dim<512, BF16>(p, grid, stream);
+    default: TROUPE_REQUIRE(false, "attention: dim must be 64, 128, 256 or 512");
+  }
+}
+
+}  // namespace
+
+size_t attention_workspace_bytes(const AttentionArgs& a) {
+  const int splits = plan_splits(a);
+  if (splits <= 1) return 0;
+  return static_cast<size_t>(splits) * a.n_queries * a.heads * (a.dim + 2) * 4 + 256;
+}
+
+void attention(const AttentionArgs& a, void* workspace, cudaStream_t stream) {
+  if (a.n_queries == 0) return;
+  TROUPE_REQUIRE(a.n_queries <= 65535, "attention: at most 65535 queries per call");
+  const int splits = plan_splits(a);
+  Params p{};
+  p.q = a.q;
+  p.n_queries = a.n_queries;
+  p.heads = a.heads;
+  p.rows = a.rows;
+  p.offsets = a.offsets;
+  p.sinks = a.sinks;
+  p.qscale = a.scale * kLog2e;
+  p.out = a.out;
+  p.keys_per_split = splits == 1 ? std::max<int64_t>(a.max_keys, 1) : ceil_div(ceil_div(a.max_keys, splits), kKeys) * kKeys;
+  p.derope = a.derope != nullptr;
+  if (p.derope) {
+    p.rope = *a.derope;
+    p.positions = a.positions;
+  }
+  if (splits > 1) {
+    TROUPE_REQUIRE(workspace != nullptr, "attention: split keys need a workspace");
+    p.part_o = static_cast<float*>(workspace);
+    p.part_ml = p.part_o + static_cast<int64_t>(splits) * a.n_queries * a.heads * a.dim;
+  }
+  const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(a.n_queries),
+                  static_cast<unsigned>(ceil_div(a.heads, kHeads)));
+  if (a.key_type == KeyType::bf16) {
+    launch<true>(a.dim, p, grid, stream);
+  } else {
+    launch<false>(a.dim, p, grid, stream);
+  }
+  if (splits > 1) {
+    combine_kernel<<<dim3(static_cast<unsigned>(a.n_queries), static_cast<unsigned>(a.heads)), 128, 0, stream>>>(
+        p, splits, static_cast<int>(a.dim));
+    TROUPE_LAUNCHED();
+  }
+}
+
+}  // namespace troupe::kernels::cuda

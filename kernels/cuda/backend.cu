@@ -1,0 +1,474 @@
+// The CUDA backend (see cuda_backend.hpp): owns the stream, the cuBLAS handle
+// and scratch memory, and maps every Backend op onto the kernels of this folder.
+#include <cublas_v2.h>
+
+#include <algorithm>
+#include <cstring>
+#include <new>
+#include <vector>
+
+#include "kernels/cuda/attention.hpp"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/compressor.hpp"
+#include "kernels/cuda/cuda_backend.hpp"
+#include "kernels/cuda/dense.hpp"
+#include "kernels/cuda/indexer.hpp"
+#include "kernels/cuda/topk.hpp"
+
+namespace troupe::kernels::cuda {
+namespace {
+
+#define TROUPE_CUBLAS(call)                                                                          \
+  do {                                                                                               \
+    cublasStatus_t troupe_st_ = (call);                                                              \
+    if (troupe_st_ != CUBLAS_STATUS_SUCCESS)                                                         \
+      ::troupe::kernels::cuda::fail(#call, __FILE__, __LINE__, cublasGetStatusString(troupe_st_));   \
+  } while (0)
+
+// RAII owners of CUDA handles.
+class Stream {
+ public:
+  Stream() { TROUPE_CUDA(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
+  ~Stream() {
+    if (s_ != nullptr) cudaStreamDestroy(s_);
+  }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  cudaStream_t get() const { return s_; }
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
+class Cublas {
+ public:
+  explicit Cublas(cudaStream_t s) {
+    TROUPE_CUBLAS(cublasCreate(&h_));
+    TROUPE_CUBLAS(cublasSetStream(h_, s));
+    TROUPE_CUBLAS(cublasSetMathMode(h_, CUBLAS_DEFAULT_MATH));  // no TF32 for fp32 GEMMs
+  }
+  ~Cublas() {
+    if (h_ != nullptr) cublasDestroy(h_);
+  }
+  Cublas(const Cublas&) = delete;
+  Cublas& operator=(const Cublas&) = delete;
+  cublasHandle_t get() const { return h_; }
+
+ private:
+  cublasHandle_t h_ = nullptr;
+};
+
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  ~DeviceBuffer() { reset(); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  void* get() const { return p_; }
+  size_t size() const { return bytes_; }
+  // Grows to at least `bytes` (contents are lost when it grows).
+  bool reserve(size_t bytes) {
+    if (bytes <= bytes_) return false;
+    reset();
+    TROUPE_CUDA(cudaMalloc(&p_, bytes));
+    bytes_ = bytes;
+    return true;
+  }
+  void reset() {
+    if (p_ != nullptr) cudaFree(p_);
+    p_ = nullptr;
+    bytes_ = 0;
+  }
+
+ private:
+  void* p_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Scratch of one op. Regions handed out in one epoch never move; an epoch that
+// needed several chunks is consolidated into one at the next begin() (cudaFree
+// waits for the device, so queued work never loses its memory).
+class Arena {
+ public:
+  ~Arena() {
+    for (auto& c : chunks_) cudaFree(c.first);
+  }
+  void begin() {
+    if (chunks_.size() > 1) {
+      size_t total = 0;
+      for (auto& c : chunks_) {
+        total += c.second;
+        cudaFree(c.first);
+      }
+      chunks_.clear();
+      add_chunk(total);
+    }
+    used_ = 0;
+  }
+  template <class T>
+  T* take(int64_t n) {
+    const size_t bytes = (static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T) + 255) / 256 * 256;
+    if (chunks_.empty() || used_ + bytes > chunks_.back().second) {
+      add_chunk(std::max<size_t>(bytes, size_t{64} << 20));
+      used_ = 0;
+    }
+    void* p = static_cast<char*>(chunks_.back().first) + used_;
+    used_ += bytes;
+    return static_cast<T*>(p);
+  }
+
+ private:
+  void add_chunk(size_t bytes) {
+    void* p = nullptr;
+    TROUPE_CUDA(cudaMalloc(&p, bytes));
+    chunks_.emplace_back(p, bytes);
+  }
+  std::vector<std::pair<void*, size_t>> chunks_;
+  size_t used_ = 0;
+};
+
+cudaDataType_t cuda_type(WeightType t) {
+  switch (t) {
+    case WeightType::f32: return CUDA_R_32F;
+    case WeightType::bf16: return CUDA_R_16BF;
+    case WeightType::f16: return CUDA_R_16F;
+  }
+  return CUDA_R_32F;
+}
+
+constexpr int64_t kPairsWithoutSync = 64;  // MoE pairs handled without a host round trip
+
+}  // namespace
+
+struct CudaBackend::Impl {
+  explicit Impl(int dev) : device(dev), stream(), blas(stream.get()) {}
+  int device;
+  Stream stream;
+  Cublas blas;
+  Arena arena;
+  DeviceBuffer topk_ws;  // zero between calls
+  DeviceBuffer expert_tables;
+  std::vector<const void*> expert_tables_host;
+
+  cudaStream_t s() const { return stream.get(); }
+
+  // y[m, w.rows] = x[m, ldx.. w.cols] @ w^T (+ beta y), any m.
+  void linear(const float* x, int64_t m, const Weight& w, float* y, float beta) {
+    if (m == 0 || w.rows == 0) return;
+    if (m <= kGemvMaxRows || w.rows <= 64) {
+      gemv(x, w.cols, m, w, y, w.rows, beta, 0, s());
+      return;
+    }
+    const float one = 1.f;
+    const int N = static_cast<int>(w.rows), K = static_cast<int>(w.cols), M = static_cast<int>(m);
+    if (w.type == WeightType::f32) {
+      TROUPE_CUBLAS(cublasSgemm(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one,
+                                static_cast<const float*>(w.data), K, x, K, &beta, y, N));
+      return;
+    }
+    void* xh = arena.take<uint16_t>(m * w.cols);
+    to_half(x, m * w.cols, xh, w.type, s());
+    TROUPE_CUBLAS(cublasGemmEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, w.data, cuda_type(w.type), K, xh,
+                               cuda_type(w.type), K, &beta, y, CUDA_R_32F, N, CUBLAS_COMPUTE_32F,
+                               CUBLAS_GEMM_DEFAULT));
+  }
+
+  void reserve_topk(size_t bytes) {
+    if (topk_ws.reserve(bytes)) topk_workspace_init(topk_ws.get(), topk_ws.size(), s());
+  }
+
+  // Host copy of a ragged offsets array (n + 1 entries); synchronises.
+  std::vector<int64_t> host_offsets(const int64_t* offsets, int64_t n) {
+    std::vector<int64_t> h(static_cast<size_t>(n + 1));
+    TROUPE_CUDA(cudaMemcpyAsync(h.data(), offsets, h.size() * 8, cudaMemcpyDeviceToHost, s()));
+    TROUPE_CUDA(cudaStreamSynchronize(s()));
+    return h;
+  }
+
+  // Device tables of the experts' weight pointers, uploaded when they change.
+  ExpertTables tables(const Weight* gate, const Weight* up, const Weight* down, int experts) {
+    std::vector<const void*> host(static_cast<size_t>(3 * experts));
+    for (int e = 0; e < experts; ++e) {
+      host[e] = gate[e].data;
+      host[experts + e] = up[e].data;
+      host[2 * experts + e] = down[e].data;
+    }
+    if (host != expert_tables_host) {
+      expert_tables.reserve(host.size() * sizeof(void*));
+      TROUPE_CUDA(cudaMemcpyAsync(expert_tables.get(), host.data(), host.size() * sizeof(void*),
+                                  cudaMemcpyHostToDevice, s()));
+      TROUPE_CUDA(cudaStreamSynchronize(s()));
+      expert_tables_host = std::move(host);
+    }
+    auto* base = static_cast<const void* const*>(expert_tables.get());
+    ExpertTables t;
+    t.gate = base;
+    t.up = base + experts;
+    t.down = base + 2 * experts;
+    t.type = gate[0].type;
+    t.inter = gate[0].rows;
+    return t;
+  }
+};
+
+CudaBackend::CudaBackend(int device) {
+  TROUPE_CUDA(cudaSetDevice(device));
+  impl_ = std::make_unique<Impl>(device);
+}
+CudaBackend::~CudaBackend() {
+  if (impl_) cudaStreamSynchronize(impl_->s());
+}
+cudaStream_t CudaBackend::stream() const { return impl_->s(); }
+int CudaBackend::device() const { return impl_->device; }
+
+void* CudaBackend::alloc(size_t bytes) {
+  void* p = nullptr;
+  if (cudaMalloc(&p, std::max<size_t>(bytes, 256)) != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw std::bad_alloc();
+  }
+  return p;
+}
+void CudaBackend::free(void* p) {
+  if (p != nullptr) TROUPE_CUDA(cudaFree(p));
+}
+void CudaBackend::to_device(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  // Pageable sources are staged before the call returns; page-locked ones are read
+  // asynchronously, so wait for those (the caller may free the source at once).
+  cudaPointerAttributes attr{};
+  const bool pinned = cudaPointerGetAttributes(&attr, src) == cudaSuccess && attr.type == cudaMemoryTypeHost;
+  (void)cudaGetLastError();
+  TROUPE_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, impl_->s()));
+  if (pinned) TROUPE_CUDA(cudaStreamSynchronize(impl_->s()));
+}
+void CudaBackend::to_host(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  TROUPE_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, impl_->s()));
+  TROUPE_CUDA(cudaStreamSynchronize(impl_->s()));
+}
+void CudaBackend::copy(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  TROUPE_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, impl_->s()));
+}
+void CudaBackend::synchronize() { TROUPE_CUDA(cudaStreamSynchronize(impl_->s())); }
+
+void CudaBackend::linear(const float* x, int64_t m, const Weight& w, float* y, float beta) {
+  impl_->arena.begin();
+  impl_->linear(x, m, w, y, beta);
+}
+
+void CudaBackend::linear_grouped(const float* x, int64_t m, const Weight& w, int groups, float* y) {
+  if (m == 0) return;
+  const int64_t out = w.rows / groups;
+  if (m <= kGemvMaxRows) {
+    gemv(x, groups * w.cols, m, w, y, w.rows, 0.f, out, impl_->s());
+    return;
+  }
+  impl_->arena.begin();
+  const float one = 1.f, zero = 0.f;
+  const int N = static_cast<int>(out), K = static_cast<int>(w.cols), M = static_cast<int>(m);
+  if (w.type == WeightType::f32) {
+    TROUPE_CUBLAS(cublasSgemmStridedBatched(impl_->blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one,
+                                            static_cast<const float*>(w.data), K, out * K, x, groups * K, K, &zero, y,
+                                            groups * N, N, groups));
+    return;
+  }
+  void* xh = impl_->arena.take<uint16_t>(m * groups * w.cols);
+  to_half(x, m * groups * w.cols, xh, w.type, impl_->s());
+  TROUPE_CUBLAS(cublasGemmStridedBatchedEx(impl_->blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, w.data,
+                                           cuda_type(w.type), K, out * K, xh, cuda_type(w.type), groups * K, K, &zero,
+                                           y, CUDA_R_32F, groups * N, N, groups, CUBLAS_COMPUTE_32F,
+                                           CUBLAS_GEMM_DEFAULT));
+}
+
+void CudaBackend::rmsnorm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim, float eps) {
+  cuda::rmsnorm(x, weight, y, rows, dim, eps, impl_->s());
+}
+void CudaBackend::rope(float* x, int64_t rows, int heads, int64_t head_dim, const RopeTable& r,
+                       const int64_t* positions, bool inverse) {
+  cuda::rope(x, rows, heads, head_dim, r, positions, inverse, impl_->s());
+}
+void CudaBackend::add_position_bias(float* x, int64_t rows, int64_t dim, const int64_t* positions, const float* bias,
+                                    int64_t period) {
+  cuda::add_position_bias(x, rows, dim, positions, bias, period, impl_->s());
+}
+void CudaBackend::copy_rows(float* const* dst, const float* const* src, int64_t count, int64_t n) {
+  cuda::copy_rows(dst, src, count, n, impl_->s());
+}
+void CudaBackend::embed(const Weight& table, const int32_t* ids, int64_t rows, int copies, float* out) {
+  cuda::embed(table, ids, rows, copies, out, impl_->s());
+}
+void CudaBackend::gather_rows(const float* x, int64_t dim, const int64_t* index, int64_t count, float* out) {
+  cuda::gather_rows(x, dim, index, count, out, impl_->s());
+}
+
+void CudaBackend::mhc_pre(const float* X, int64_t rows, const Weight& fn, const float* base, const float* scale,
+                          const MhcParams& p, float* y, float* post, float* comb) {
+  if (rows == 0) return;
+  impl_->arena.begin();
+  float* mix = impl_->arena.take<float>(rows * fn.rows);
+  gemv(X, p.hc * p.dim, rows, fn, mix, fn.rows, 0.f, 0, impl_->s());  // exact fp32 activations
+  mhc_pre_finish(X, mix, rows, base, scale, p, y, post, comb, impl_->s());
+}
+void CudaBackend::mhc_post(float* X, int64_t rows, const float* f, const float* post, const float* comb,
+                           const MhcParams& p) {
+  cuda::mhc_post(X, rows, f, post, comb, p, impl_->s());
+}
+void CudaBackend::mhc_head(const float* X, int64_t rows, const Weight& fn, const float* base, const float* scale,
+                           const MhcParams& p, float* y) {
+  if (rows == 0) return;
+  impl_->arena.begin();
+  float* mix = impl_->arena.take<float>(rows * fn.rows);
+  gemv(X, p.hc * p.dim, rows, fn, mix, fn.rows, 0.f, 0, impl_->s());
+  mhc_head_finish(X, mix, rows, base, scale, p, y, impl_->s());
+}
+
+void CudaBackend::compress(int64_t count, int slots, int64_t dim, const float* const* kv_src,
+                           const float* const* score_src, const float* norm_weight, float eps,
+                           const int64_t* positions, const RopeTable& rope, float* const* out) {
+  compress_slots(count, slots, dim, kv_src, score_src, norm_weight, eps, positions, rope, out, impl_->s());
+}
+
+void CudaBackend::indexer_topk(const float* q, const float* w, int64_t n_queries, int heads, int64_t dim, float scale,
+                               float weight_scale, RaggedRows keys, int k, int32_t* out_idx, int32_t* out_count) {
+  if (n_queries == 0) return;
+  impl_->arena.begin();
+  const std::vector<int64_t> off = impl_->host_offsets(keys.offsets, n_queries);
+  std::vector<int32_t> len(static_cast<size_t>(n_queries));
+  int64_t max_len = 0;
+  for (int64_t t = 0; t < n_queries; ++t) {
+    len[t] = static_cast<int32_t>(off[t + 1] - off[t]);
+    max_len = std::max<int64_t>(max_len, len[t]);
+  }
+  auto* lengths = impl_->arena.take<int32_t>(n_queries);
+  TROUPE_CUDA(cudaMemcpyAsync(lengths, len.data(), len.size() * 4, cudaMemcpyHostToDevice, impl_->s()));
+  const int64_t stride = std::max<int64_t>((max_len + 3) / 4 * 4, 4);
+  // Queries in chunks: <= 65535 rows per top-k launch and <= 256 M scores at a time.
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(65535, (int64_t{1} << 28) / stride));
+  float* scores = impl_->arena.take<float>(std::min(chunk, n_queries) * stride);
+  impl_->reserve_topk(topk_workspace_bytes(static_cast<int>(std::min(chunk, n_queries)), std::max<int64_t>(max_len, 1), k));
+  for (int64_t t0 = 0; t0 < n_queries; t0 += chunk) {
+    const int64_t nq = std::min(chunk, n_queries - t0);
+    RaggedRows sub{keys.rows, keys.offsets + t0};
+    indexer_scores_ragged(q + t0 * heads * dim, w + t0 * heads, nq, heads, dim, scale, weight_scale, sub, scores,
+                          stride, max_len, impl_->s());
+    TopkArgs ta;
+    ta.scores = scores;
+    ta.row_stride = stride;
+    ta.lengths = lengths + t0;
+    ta.rows = static_cast<int>(nq);
+    ta.max_len = std::max<int64_t>(max_len, 1);
+    ta.k = k;
+    ta.out_idx = out_idx + t0 * k;
+    ta.out_stride = k;
+    ta.out_count = out_count + t0;
+    topk(ta, impl_->topk_ws.get(), impl_->s());
+    sort_rows_ascending(out_idx + t0 * k, k, out_count + t0, static_cast<int>(nq), k, impl_->s());
+  }
+}
+
+void CudaBackend::attention(const float* q, int64_t n_queries, int heads, int64_t dim, RaggedRows keys,
+                            const float* sinks, float scale, float* out) {
+  if (n_queries == 0) return;
+  impl_->arena.begin();
+  const std::vector<int64_t> off = impl_->host_offsets(keys.offsets, n_queries);
+  int64_t max_keys = 0;
+  for (int64_t t = 0; t < n_queries; ++t) max_keys = std::max(max_keys, off[t + 1] - off[t]);
+  for (int64_t t0 = 0; t0 < n_queries; t0 += 65535) {
+    AttentionArgs a;
+    a.q = q + t0 * heads * dim;
+    a.n_queries = std::min<int64_t>(65535, n_queries - t0);
+    a.heads = heads;
+    a.dim = dim;
+    a.key_type = KeyType::f32;
+    a.rows = reinterpret_cast<const void* const*>(keys.rows);
+    a.offsets = keys.offsets + t0;
+    a.max_keys = max_keys;
+    a.sinks = sinks;
+    a.scale = scale;
+    a.out = out + t0 * heads * dim;
+    const size_t ws = attention_workspace_bytes(a);
+    void* workspace = ws > 0 ? impl_->arena.take<char>(static_cast<int64_t>(ws)) : nullptr;
+    cuda::attention(a, workspace, impl_->s());
+  }
+}
+
+void CudaBackend::route(const float* logits, int64_t rows, int experts, ScoreFn fn, const float* bias, int k,
+                        const int64_t* hash_table, const int32_t* ids, float route_scale, int32_t* out_idx,
+                        float* out_weight) {
+  cuda::route(logits, rows, experts, fn, bias, k, hash_table, ids, route_scale, out_idx, out_weight, impl_->s());
+}
+
+void CudaBackend::moe(const float* x, int64_t rows, int64_t dim, const int32_t* idx, const float* weight, int k,
+                      int experts, const Weight* gate, const Weight* up, const Weight* down, float limit, float* out) {
+  const int64_t pairs = rows * k;
+  if (pairs == 0) return;
+  impl_->arena.begin();
+  const int64_t inter = gate[0].rows;
+  bool uniform = true;
+  for (int e = 0; e < experts; ++e) {
+    uniform &= gate[e].type == gate[0].type && up[e].type == gate[0].type && down[e].type == gate[0].type &&
+               gate[e].rows == inter && up[e].rows == inter && down[e].cols == inter && gate[e].cols == dim &&
+               down[e].rows == dim;
+  }
+  const int vec = gate[0].type == WeightType::f32 ? 4 : 8;
+  if (uniform && pairs <= kPairsWithoutSync && dim % vec == 0 && inter % vec == 0) {
+    const ExpertTables t = impl_->tables(gate, up, down, experts);
+    float* h = impl_->arena.take<float>(pairs * inter);
+    float* ys = impl_->arena.take<float>(pairs * dim);
+    moe_pairs(x, rows, dim, idx, weight, k, t, limit, h, ys, out, impl_->s());
+    return;
+  }
+  // Sorted by expert: one GEMM chain per expert over its rows.
+  auto* counts = impl_->arena.take<int32_t>(experts);
+  auto* offsets = impl_->arena.take<int32_t>(experts + 1);
+  auto* perm = impl_->arena.take<int32_t>(pairs);
+  auto* inv = impl_->arena.take<int32_t>(pairs);
+  moe_sort(idx, pairs, experts, counts, offsets, perm, inv, impl_->s());
+  std::vector<int32_t> off(static_cast<size_t>(experts + 1));
+  TROUPE_CUDA(cudaMemcpyAsync(off.data(), offsets, off.size() * 4, cudaMemcpyDeviceToHost, impl_->s()));
+  TROUPE_CUDA(cudaStreamSynchronize(impl_->s()));
+  float* xs = impl_->arena.take<float>(pairs * dim);
+  moe_gather(x, dim, perm, pairs, k, xs, impl_->s());
+  float* g = impl_->arena.take<float>(pairs * inter);
+  float* u = impl_->arena.take<float>(pairs * inter);
+  float* ys = impl_->arena.take<float>(pairs * dim);
+  for (int e = 0; e < experts; ++e) {
+    const int64_t m = off[e + 1] - off[e];
+    if (m == 0) continue;
+    TROUPE_REQUIRE(gate[e].rows == inter && up[e].rows == inter && down[e].cols == inter,
+                   "moe: experts of different widths");
+    impl_->linear(xs + off[e] * dim, m, gate[e], g + off[e] * inter, 0.f);
+    impl_->linear(xs + off[e] * dim, m, up[e], u + off[e] * inter, 0.f);
+  }
+  cuda::swiglu(g, u, g, pairs * inter, limit, impl_->s());
+  for (int e = 0; e < experts; ++e) {
+    const int64_t m = off[e + 1] - off[e];
+    if (m == 0) continue;
+    impl_->linear(g + off[e] * inter, m, down[e], ys + off[e] * dim, 0.f);
+  }
+  moe_combine(ys, inv, weight, rows, k, dim, out, impl_->s());
+}
+
+void CudaBackend::swiglu(const float* g, const float* u, float* y, int64_t n, float limit) {
+  cuda::swiglu(g, u, y, n, limit, impl_->s());
+}
+void CudaBackend::add(float* y, const float* x, int64_t n) { cuda::add(y, x, n, impl_->s()); }
+
+}  // namespace troupe::kernels::cuda
+
+namespace troupe::kernels {
+
+std::unique_ptr<Backend> make_cuda_backend(int device) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return std::make_unique<cuda::CudaBackend>(device);
+}
+
+bool cuda_backend_compiled() { return true; }
+
+}  // namespace troupe::kernels

@@ -1,0 +1,394 @@
+// Fused compressor kernels (see compressor.hpp). One CTA per entry: each thread
+// pools 4 channels (or 1 when dim % 4 != 0) with an online softmax over the
+// slots, loads of several slots in flight; then rmsnorm and RoPE over the entry.
+#include <algorithm>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/compressor.hpp"
+
+namespace troupe::kernels::cuda {
+namespace {
+
+constexpr int kUnroll = 8;  // slots whose loads are in flight together
+
+struct Slot {
+  const float* kv = nullptr;    // channel 0 of this slot's half; null = empty slot
+  const float* sc = nullptr;
+  const float* bias = nullptr;  // optional, added to sc
+};
+
+struct NormRope {
+  int64_t dim;
+  const float* weight;
+  float eps;
+  RopeTable rope;
+  int slot_groups;  // thread groups that split an entry's slots (merged through shared memory)
+};
+
+// Slots of the backend op: row pointers, bias already applied.
+struct PointerSource {
+  const float* const* kv;
+  const float* const* sc;
+  const int64_t* positions;
+  float* const* out;
+  int slots;
+  __device__ bool active(int64_t) const { return true; }
+  __device__ int num_slots() const { return slots; }
+  __device__ Slot slot(int64_t e, int s) const {
+    Slot r;
+    r.sc = sc[e * slots + s];
+    if (r.sc != nullptr) r.kv = kv[e * slots + s];
+    return r;
+  }
+  __device__ int64_t position(int64_t e) const { return positions[e]; }
+  __device__ void* out_row(int64_t e) const { return out[e]; }
+  __device__ void after(int64_t, int64_t) const {}
+};
+
+// Token j's slot in half h: from the chunk (raw score + bias) or from the ring.
+struct WindowGeometry {
+  int rate;
+  bool overlap;
+  int64_t dim, width, ring_slots;
+  const float* ape;
+  // token index of slot s of entry i, and the half it reads
+  __device__ int64_t token(int64_t i, int s, int& half) const {
+    if (overlap) {
+      half = s < rate ? 0 : 1;
+      return s < rate ? (i - 1) * rate + s : i * rate + (s - rate);
+    }
+    half = 0;
+    return i * rate + s;
+  }
+  __device__ Slot from_ring(const float* ring, int64_t j, int half) const {
+    const float* r = ring + (j % ring_slots) * 2 * width;
+    return Slot{r + half * dim, r + width + half * dim, nullptr};
+  }
+};
+
+struct PrefillSource {
+  WindowGeometry g;
+  const float* kv;
+  const float* score;
+  int64_t start;
+  int64_t first_entry;
+  const float* ring;
+  void* const* out;
+  __device__ bool active(int64_t) const { return true; }
+  __device__ int num_slots() const { return g.overlap ? 2 * g.rate : g.rate; }
+  __device__ Slot slot(int64_t e, int s) const {
+    int half;
+    const int64_t j = g.token(first_entry + e, s, half);
+    if (j < 0) return Slot{};
+    if (j >= start) {
+      const int64_t r = (j - start) * g.width + half * g.dim;
+      return Slot{kv + r, score + r, g.ape + (j % g.rate) * g.width + half * g.dim};
+    }
+    return g.from_ring(ring, j, half);
+  }
+  __device__ int64_t position(int64_t e) const { return (first_entry + e) * g.rate; }
+  __device__ void* out_row(int64_t e) const { return out[e]; }
+  __device__ void after(int64_t, int64_t) const {}
+};
+
+struct DecodeSource {
+  WindowGeometry g;
+  const float* kv;     // [batch, width]
+  const float* score;  // [batch, width]
+  const int64_t* positions;
+  float* const* rings;
+  void* const* out;
+  __device__ bool active(int64_t b) const { return (positions[b] + 1) % g.rate == 0; }
+  __device__ int num_slots() const { return g.overlap ? 2 * g.rate : g.rate; }
+  __device__ Slot slot(int64_t b, int s) const {
+    const int64_t p = positions[b];
+    int half;
+    const int64_t j = g.token(p / g.rate, s, half);
+    if (j < 0) return Slot{};
+    if (j == p) {
+      const int64_t r = b * g.width + half * g.dim;
+      return Slot{kv + r, score + r, g.ape + (p % g.rate) * g.width + half * g.dim};
+    }
+    return g.from_ring(rings[b], j, half);
+  }
+  __device__ int64_t position(int64_t b) const { return (positions[b] / g.rate) * g.rate; }
+  __device__ void* out_row(int64_t b) const { return out[b]; }
+  // The new token goes into its ring row once every slot has been read.
+  __device__ void after(int64_t b, int64_t) const {
+    const int64_t p = positions[b];
+    float* r = rings[b] + (p % g.ring_slots) * 2 * g.width;
+    const float* bias = g.ape + (p % g.rate) * g.width;
+    for (int64_t c = threadIdx.x; c < g.width; c += blockDim.x) {
+      r[c] = kv[b * g.width + c];
+      r[g.width + c] = score[b * g.width + c] + bias[c];
+    }
+  }
+};
+
+template <int VEC>
+struct Vec;
+template <>
+struct Vec<4> {
+  using T = float4;
+  __device__ static float4 load(const float* p) {
+    if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) return *reinterpret_cast<const float4*>(p);
+    return make_float4(p[0], p[1], p[2], p[3]);
+  }
+  __device__ static float get(const float4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+};
+template <>
+struct Vec<1> {
+  using T = float;
+  __device__ static float load(const float* p) { return *p; }
+  __device__ static float get(const float& v, int) { return v; }
+};
+
+template <class OutT>
+__device__ __forceinline__ void store_out(void* out, int64_t i, float v);
+template <>
+__device__ __forceinline__ void store_out<float>(void* out, int64_t i, float v) { static_cast<float*>(out)[i] = v; }
+template <>
+__device__ __forceinline__ void store_out<__nv_bfloat16>(void* out, int64_t i, float v) {
+  static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(v);
+}
+
+template <class Source, class OutT, int VEC>
+__global__ void __launch_bounds__(512) compress_kernel(const Source src, const NormRope nr) {
+  extern __shared__ __align__(16) float pooled[];  // [dim], 32 floats of reduction scratch, the slot table
+  float* scratch = pooled + nr.dim;
+  Slot* table = reinterpret_cast<Slot*>(scratch + 32);
+  const int64_t e = blockIdx.x;
+  if (!src.active(e)) {
+    src.after(e, 0);
+    return;
+  }
+  using V = Vec<VEC>;
+  const int slots = src.num_slots();
+  // Where each slot lives, worked out once per entry (not per channel group).
+  for (int s = threadIdx.x; s < slots; s += blockDim.x) table[s] = src.slot(e, s);
+  __syncthreads();
+  const int64_t groups = nr.dim / VEC;
+  // Thread t pools channel groups t % tpg, ... over the slots of slot group t / tpg.
+  const int tpg = blockDim.x / nr.slot_groups;
+  const int sgrp = threadIdx.x / tpg;
+  const int per_group = (slots + nr.slot_groups - 1) / nr.slot_groups;
+  const int s_begin = sgrp * per_group;
+  const int s_end = min(slots, s_begin + per_group);
+  float* part = reinterpret_cast<float*>(table + slots);  // [slot_groups][3][dim] when slot_groups > 1
+  float ss = 0.f;
+  for (int64_t g = threadIdx.x % tpg; g < groups; g += tpg) {
+    const int64_t c0 = g * VEC;
+    float m[VEC], l[VEC], acc[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      m[i] = -INFINITY;
+      l[i] = 0.f;
+      acc[i] = 0.f;
+    }
+    // Online softmax over chunks of kUnroll slots: every load of a chunk in flight
+    // together, one rescale per chunk, no data-dependent branches.
+    for (int s0 = s_begin; s0 < s_end; s0 += kUnroll) {
+      float kvf[kUnroll][VEC], scf[kUnroll][VEC];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int s = s0 + u;
+        const Slot sl = s < s_end ? table[s] : Slot{};
+        if (sl.kv != nullptr) {
+          const typename V::T kv = V::load(sl.kv + c0);
+          typename V::T sc = V::load(sl.sc + c0);
+          typename V::T bias{};
+          if (sl.bias != nullptr) bias = V::load(sl.bias + c0);
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            kvf[u][i] = V::get(kv, i);
+            scf[u][i] = V::get(sc, i) + (sl.bias != nullptr ? V::get(bias, i) : 0.f);
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            kvf[u][i] = 0.f;
+            scf[u][i] = -INFINITY;
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        float mn = m[i];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) mn = fmaxf(mn, scf[u][i]);
+        if (mn > -INFINITY) {
+          const float f = expf(m[i] - mn);  // 0 while m is -inf
+          float a = acc[i] * f, ls = l[i] * f;
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const float pr = expf(scf[u][i] - mn);  // 0 for empty slots
+            a = fmaf(pr, kvf[u][i], a);
+            ls += pr;
+          }
+          acc[i] = a;
+          l[i] = ls;
+          m[i] = mn;
+        }
+      }
+    }
+    if (nr.slot_groups == 1) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        const float v = l[i] > 0.f ? acc[i] / l[i] : 0.f;
+        pooled[c0 + i] = v;
+        ss += v * v;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        part[(sgrp * 3 + 0) * nr.dim + c0 + i] = m[i];
+        part[(sgrp * 3 + 1) * nr.dim + c0 + i] = l[i];
+        part[(sgrp * 3 + 2) * nr.dim + c0 + i] = acc[i];
+      }
+    }
+  }
+  if (nr.slot_groups > 1) {  // merge the groups' softmax states per channel
+    __syncthreads();
+    for (int64_t c = threadIdx.x; c < nr.dim; c += blockDim.x) {
+      float mx = -INFINITY;
+      for (int q = 0; q < nr.slot_groups; ++q) mx = fmaxf(mx, part[(q * 3) * nr.dim + c]);
+      float lsum = 0.f, asum = 0.f;
+      if (mx > -INFINITY) {
+        for (int q = 0; q < nr.slot_groups; ++q) {
+          const float f = expf(part[(q * 3) * nr.dim + c] - mx);
+          lsum += part[(q * 3 + 1) * nr.dim + c] * f;
+          asum += part[(q * 3 + 2) * nr.dim + c] * f;
+        }
+      }
+      const float v = lsum > 0.f ? asum / lsum : 0.f;
+      pooled[c] = v;
+      ss += v * v;
+    }
+  }
+  ss = block_sum(ss, scratch);  // also orders the pooled writes before the reads below
+  const float inv = 1.0f / sqrtf(ss / static_cast<float>(nr.dim) + nr.eps);
+  const int64_t pos = src.position(e);
+  const int64_t rope_begin = nr.dim - nr.rope.rope_dim;
+  void* out = src.out_row(e);
+  for (int64_t pi = threadIdx.x; pi < nr.dim / 2; pi += blockDim.x) {
+    const int64_t c = 2 * pi;
+    float a = nr.weight[c] * (pooled[c] * inv);
+    float b = nr.weight[c + 1] * (pooled[c + 1] * inv);
+    if (c >= rope_begin) {
+      const float angle = nr.rope.inv_freq[(c - rope_begin) / 2] * static_cast<float>(pos);
+      rope_pair(a, b, angle, nr.rope.scale, false);
+    }
+    store_out<OutT>(out, c, a);
+    store_out<OutT>(out, c + 1, b);
+  }
+  __syncthreads();
+  src.after(e, 0);
+}
+
+// The chunk's last ring_slots tokens go into the ring (kv, then score + bias).
+__global__ void ring_update_kernel(const float* kv, const float* score, WindowGeometry g, int64_t start,
+                                   int64_t first_token, float* ring) {
+  const int64_t j = first_token + blockIdx.x;
+  const int64_t t = j - start;
+  float* r = ring + (j % g.ring_slots) * 2 * g.width;
+  const float* bias = g.ape + (j % g.rate) * g.width;
+  for (int64_t c = threadIdx.x; c < g.width; c += blockDim.x) {
+    r[c] = kv[t * g.width + c];
+    r[g.width + c] = score[t * g.width + c] + bias[c];
+  }
+}
+
+int block_for(int64_t dim, int vec) {
+  const int64_t groups = dim / vec;
+  int threads = static_cast<int>(std::min<int64_t>(256, (groups + 31) / 32 * 32));
+  return std::max(threads, 32);
+}
+
+template <class Source>
+void launch(const Source& src, int64_t count, int slots, const NormRope& nr, EntryType type, cudaStream_t stream) {
+  if (count == 0) return;
+  TROUPE_REQUIRE(nr.dim % 2 == 0 && nr.rope.rope_dim <= nr.dim && nr.dim <= 12288, "compressor: bad dim");
+  TROUPE_REQUIRE(count <= 0x7fffffff, "compressor: too many entries");
+  const bool vec = nr.dim % 4 == 0;
+  const int tpg = block_for(nr.dim, vec ? 4 : 1);
+  TROUPE_REQUIRE(slots >= 1 && slots <= 4096, "compressor: 1..4096 slots");
+  // Long windows (HCA): split the slots over up to 4 thread groups, so that 4x the
+  // loads are in flight per entry; short ones (CSA) keep one group.
+  NormRope n2 = nr;
+  n2.slot_groups = slots >= 64 ? std::max(1, std::min(4, 512 / tpg)) : 1;
+  const int threads = tpg * n2.slot_groups;
+  const size_t smem = static_cast<size_t>(nr.dim + 32) * 4 + static_cast<size_t>(slots) * sizeof(Slot) +
+                      (n2.slot_groups > 1 ? static_cast<size_t>(n2.slot_groups) * 3 * nr.dim * 4 : 0);
+  TROUPE_REQUIRE(smem <= 200 * 1024, "compressor: entry too wide");
+  static bool attr = [] {
+    for (auto f : {compress_kernel<Source, float, 4>, compress_kernel<Source, float, 1>,
+                   compress_kernel<Source, __nv_bfloat16, 4>, compress_kernel<Source, __nv_bfloat16, 1>}) {
+      TROUPE_CUDA(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+    }
+    return true;
+  }();
+  (void)attr;
+  const dim3 grid(static_cast<unsigned>(count));
+  if (type == EntryType::f32) {
+    if (vec) {
+      compress_kernel<Source, float, 4><<<grid, threads, smem, stream>>>(src, n2);
+    } else {
+      compress_kernel<Source, float, 1><<<grid, threads, smem, stream>>>(src, n2);
+    }
+  } else {
+    if (vec) {
+      compress_kernel<Source, __nv_bfloat16, 4><<<grid, threads, smem, stream>>>(src, n2);
+    } else {
+      compress_kernel<Source, __nv_bfloat16, 1><<<grid, threads, smem, stream>>>(src, n2);
+    }
+  }
+  TROUPE_LAUNCHED();
+}
+
+WindowGeometry geometry(const CompressorShape& s) {
+  WindowGeometry g{};
+  g.rate = s.rate;
+  g.overlap = s.overlap;
+  g.dim = s.dim;
+  g.width = s.overlap ? 2 * s.dim : s.dim;
+  g.ring_slots = s.overlap ? 2 * s.rate : s.rate;
+  g.ape = s.ape;
+  return g;
+}
+
+}  // namespace
+
+void compress_prefill(const CompressorShape& s, const float* kv, const float* score, int64_t tokens, int64_t start,
+                      float* ring, void* const* out_rows, EntryType out_type, cudaStream_t stream) {
+  TROUPE_REQUIRE(s.rate >= 1 && tokens >= 0 && start >= 0, "compress_prefill: bad arguments");
+  const WindowGeometry g = geometry(s);
+  PrefillSource src{g, kv, score, start, start / s.rate, ring, out_rows};
+  const int64_t count = (start + tokens) / s.rate - start / s.rate;
+  launch(src, count, g.overlap ? 2 * g.rate : g.rate, NormRope{s.dim, s.norm_weight, s.eps, s.rope, 1}, out_type,
+         stream);
+  // The ring is rewritten only after every entry has read it (stream order).
+  const int64_t first = std::max(start, start + tokens - g.ring_slots);
+  const int64_t n = start + tokens - first;
+  if (n > 0 && ring != nullptr) {
+    ring_update_kernel<<<static_cast<unsigned>(n), 256, 0, stream>>>(kv, score, g, start, first, ring);
+    TROUPE_LAUNCHED();
+  }
+}
+
+void compress_decode(const CompressorShape& s, const float* kv, const float* score, int64_t batch,
+                     const int64_t* positions, float* const* rings, void* const* out_rows, EntryType out_type,
+                     cudaStream_t stream) {
+  TROUPE_REQUIRE(s.rate >= 1, "compress_decode: bad rate");
+  DecodeSource src{geometry(s), kv, score, positions, rings, out_rows};
+  launch(src, batch, s.overlap ? 2 * s.rate : s.rate, NormRope{s.dim, s.norm_weight, s.eps, s.rope, 1}, out_type,
+         stream);
+}
+
+void compress_slots(int64_t count, int slots, int64_t dim, const float* const* kv_src, const float* const* score_src,
+                    const float* norm_weight, float eps, const int64_t* positions, const RopeTable& rope,
+                    float* const* out, cudaStream_t stream) {
+  PointerSource src{kv_src, score_src, positions, out, slots};
+  launch(src, count, slots, NormRope{dim, norm_weight, eps, rope, 1}, EntryType::f32, stream);
+}
+
+}  // namespace troupe::kernels::cuda

@@ -1,0 +1,81 @@
+// The CUDA backend: every op of kernels::Backend on one CUDA stream of one device.
+//
+// Memory is cudaMalloc/cudaFree (free waits for the device, so buffers in use by
+// queued work are never released early). Weights may be f32, bf16 or f16;
+// activations are fp32 and accumulation is fp32 everywhere. GEMMs with few rows
+// (<= 4) or few outputs (<= 64) run as exact fp32 GEMVs that stream the weights
+// once; larger ones go through cuBLAS (fp32 weights: SGEMM; 16-bit weights: the
+// activations are rounded to the weight type and multiplied with fp32
+// accumulation, the same precision as a bf16 model in PyTorch).
+//
+// Ops that need a host-side size (indexer_topk, attention: the longest key list;
+// moe with many rows: the rows per expert) read it back and so synchronise the
+// stream; everything else is asynchronous.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <memory>
+
+#include "kernels/backend.hpp"
+
+namespace troupe::kernels::cuda {
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int device);
+  ~CudaBackend() override;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  std::string name() const override { return "cuda"; }
+  cudaStream_t stream() const;
+  int device() const;
+
+  void* alloc(size_t bytes) override;
+  void free(void* p) override;
+  void to_device(void* dst, const void* host_src, size_t bytes) override;
+  void to_host(void* host_dst, const void* src, size_t bytes) override;
+  void copy(void* dst, const void* src, size_t bytes) override;
+  void synchronize() override;
+
+  void linear(const float* x, int64_t m, const Weight& w, float* y, float beta) override;
+  void linear_grouped(const float* x, int64_t m, const Weight& w, int groups, float* y) override;
+  void rmsnorm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim, float eps) override;
+  void rope(float* x, int64_t rows, int heads, int64_t head_dim, const RopeTable& rope, const int64_t* positions,
+            bool inverse) override;
+  void add_position_bias(float* x, int64_t rows, int64_t dim, const int64_t* positions, const float* bias,
+                         int64_t period) override;
+  void copy_rows(float* const* dst_rows, const float* const* src_rows, int64_t count, int64_t n) override;
+  void embed(const Weight& table, const int32_t* ids, int64_t rows, int copies, float* out) override;
+  void gather_rows(const float* x, int64_t dim, const int64_t* index, int64_t count, float* out) override;
+
+  void mhc_pre(const float* X, int64_t rows, const Weight& fn, const float* base, const float* scale,
+               const MhcParams& p, float* y, float* post, float* comb) override;
+  void mhc_post(float* X, int64_t rows, const float* f, const float* post, const float* comb,
+                const MhcParams& p) override;
+  void mhc_head(const float* X, int64_t rows, const Weight& fn, const float* base, const float* scale,
+                const MhcParams& p, float* y) override;
+
+  void compress(int64_t count, int slots, int64_t dim, const float* const* kv_src, const float* const* score_src,
+                const float* norm_weight, float eps, const int64_t* positions, const RopeTable& rope,
+                float* const* out) override;
+  void indexer_topk(const float* q, const float* w, int64_t n_queries, int heads, int64_t dim, float scale,
+                    float weight_scale, RaggedRows keys, int k, int32_t* out_idx, int32_t* out_count) override;
+  void attention(const float* q, int64_t n_queries, int heads, int64_t dim, RaggedRows keys, const float* sinks,
+                 float scale, float* out) override;
+
+  void route(const float* logits, int64_t rows, int experts, ScoreFn fn, const float* bias, int k,
+             const int64_t* hash_table, const int32_t* ids, float route_scale, int32_t* out_idx,
+             float* out_weight) override;
+  void moe(const float* x, int64_t rows, int64_t dim, const int32_t* idx, const float* weight, int k, int experts,
+           const Weight* gate, const Weight* up, const Weight* down, float limit, float* out) override;
+  void swiglu(const float* g, const float* u, float* y, int64_t n, float limit) override;
+  void add(float* y, const float* x, int64_t n) override;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace troupe::kernels::cuda

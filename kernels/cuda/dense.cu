@@ -1,0 +1,729 @@
+// Dense kernels of the CUDA backend (see dense.hpp).
+#include <algorithm>
+#include <type_traits>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/dense.hpp"
+
+namespace troupe::kernels::cuda {
+namespace {
+
+constexpr int kGemvThreads = 256;
+
+// 16 bytes of weights -> VEC floats.
+template <class WT>
+struct WLoad;
+template <>
+struct WLoad<float> {
+  static constexpr int kVec = 4;
+  __device__ static void cvt(const uint4& v, float (&f)[4]) {
+    f[0] = __uint_as_float(v.x);
+    f[1] = __uint_as_float(v.y);
+    f[2] = __uint_as_float(v.z);
+    f[3] = __uint_as_float(v.w);
+  }
+};
+template <>
+struct WLoad<__nv_bfloat16> {
+  static constexpr int kVec = 8;
+  __device__ static void cvt(const uint4& v, float (&f)[8]) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 t = bf16x2_to_f32(w[i]);
+      f[2 * i] = t.x;
+      f[2 * i + 1] = t.y;
+    }
+  }
+};
+template <>
+struct WLoad<__half> {
+  static constexpr int kVec = 8;
+  __device__ static void cvt(const uint4& v, float (&f)[8]) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 t = f16x2_to_f32(w[i]);
+      f[2 * i] = t.x;
+      f[2 * i + 1] = t.y;
+    }
+  }
+};
+
+// Accumulates acc[r][mm] = w[row0 + r, :] . x[mm, :] over this thread's share of k,
+// then reduces over the block; returns true on threads t < G*M holding the sum of
+// (r = t / M, mm = t % M) in `out`.
+template <class WT, int M, int G>
+__device__ __forceinline__ bool gemv_core(const float* __restrict__ x, int64_t ldx, int mh, const WT* __restrict__ w,
+                                          int64_t n, int64_t k, int64_t row0, float& out) {
+  constexpr int VEC = WLoad<WT>::kVec;
+  __shared__ float red[kGemvThreads / 32][G * M];
+  float acc[G][M];
+#pragma unroll
+  for (int r = 0; r < G; ++r)
+#pragma unroll
+    for (int mm = 0; mm < M; ++mm) acc[r][mm] = 0.f;
+  const int64_t chunks = k / VEC;
+  for (int64_t ci = threadIdx.x; ci < chunks; ci += 2 * kGemvThreads) {
+    uint4 raw[2][G];
+    const bool second = ci + kGemvThreads < chunks;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+#pragma unroll
+      for (int r = 0; r < G; ++r) {
+        const int64_t c = ci + u * kGemvThreads;
+        raw[u][r] = (row0 + r < n && (u == 0 || second)) ? ld_stream(w + (row0 + r) * k + c * VEC)
+                                                         : make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      if (u == 1 && !second) break;
+      const int64_t c = ci + u * kGemvThreads;
+      float wf[G][VEC];
+#pragma unroll
+      for (int r = 0; r < G; ++r) WLoad<WT>::cvt(raw[u][r], wf[r]);
+#pragma unroll
+      for (int mm = 0; mm < M; ++mm) {
+        if (mm < mh) {
+          float xv[VEC];
+          const float4* xp = reinterpret_cast<const float4*>(x + mm * ldx + c * VEC);
+#pragma unroll
+          for (int q = 0; q < VEC / 4; ++q) {
+            const float4 t = __ldg(xp + q);
+            xv[4 * q] = t.x;
+            xv[4 * q + 1] = t.y;
+            xv[4 * q + 2] = t.z;
+            xv[4 * q + 3] = t.w;
+          }
+#pragma unroll
+          for (int r = 0; r < G; ++r)
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) acc[r][mm] = fmaf(wf[r][i], xv[i], acc[r][mm]);
+        }
+      }
+    }
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+  for (int r = 0; r < G; ++r)
+#pragma unroll
+    for (int mm = 0; mm < M; ++mm) {
+      const float v = warp_sum(acc[r][mm]);
+      if (lane == 0) red[warp][r * M + mm] = v;
+    }
+  __syncthreads();
+  if (threadIdx.x < G * M) {
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < kGemvThreads / 32; ++i) s += red[i][threadIdx.x];
+    out = s;
+    return true;
+  }
+  return false;
+}
+
+template <class WT, int M, int G>
+__global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const float* x, int64_t ldx, int64_t m, const WT* w,
+                                                            int64_t n, int64_t k, float* y, int64_t ldy, float beta,
+                                                            int64_t group_rows) {
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * G;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * M;
+  const int64_t left = m - m0;
+  const int mh = left < M ? static_cast<int>(left) : M;
+  const int64_t xoff = group_rows > 0 ? (row0 / group_rows) * k : 0;
+  float s;
+  if (gemv_core<WT, M, G>(x + m0 * ldx + xoff, ldx, mh, w, n, k, row0, s)) {
+    const int r = threadIdx.x / M, mm = threadIdx.x % M;
+    if (row0 + r < n && mm < mh) {
+      float* yy = y + (m0 + mm) * ldy + row0 + r;
+      *yy = beta == 0.f ? s : s + beta * *yy;
+    }
+  }
+}
+
+// Any shape, any alignment: one block per (output row, x row).
+template <class WT>
+__global__ void gemv_scalar_kernel(const float* x, int64_t ldx, const WT* w, int64_t k, float* y, int64_t ldy,
+                                   float beta, int64_t group_rows) {
+  __shared__ float scratch[32];
+  const int64_t row = blockIdx.x, mm = blockIdx.y;
+  const int64_t xoff = group_rows > 0 ? (row / group_rows) * k : 0;
+  float acc = 0.f;
+  for (int64_t i = threadIdx.x; i < k; i += blockDim.x) acc += to_f32(w[row * k + i]) * x[mm * ldx + xoff + i];
+  acc = block_sum(acc, scratch);
+  if (threadIdx.x == 0) {
+    float* yy = y + mm * ldy + row;
+    *yy = beta == 0.f ? acc : acc + beta * *yy;
+  }
+}
+
+template <class WT>
+void gemv_typed(const float* x, int64_t ldx, int64_t m, const WT* w, int64_t n, int64_t k, float* y, int64_t ldy,
+                float beta, int64_t group_rows, cudaStream_t s) {
+  constexpr int VEC = WLoad<WT>::kVec;
+  const bool aligned = k % VEC == 0 && ldx % 4 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(x) % 16 == 0 && (k * sizeof(WT)) % 16 == 0;
+  if (!aligned) {
+    TROUPE_REQUIRE(m <= 65535, "gemv: too many rows");
+    gemv_scalar_kernel<WT><<<dim3(static_cast<unsigned>(n), static_cast<unsigned>(m)), 128, 0, s>>>(
+        x, ldx, w, k, y, ldy, beta, group_rows);
+    TROUPE_LAUNCHED();
+    return;
+  }
+  const bool one = m == 1;
+  const int64_t mtiles = one ? 1 : ceil_div(m, kGemvMaxRows);
+  TROUPE_REQUIRE(mtiles <= 65535, "gemv: too many rows");
+  const bool g4 = ceil_div(n, 4) * mtiles >= 264 && (group_rows == 0 || group_rows % 4 == 0);
+  const int G = g4 ? 4 : 1;
+  const dim3 grid(static_cast<unsigned>(ceil_div(n, G)), static_cast<unsigned>(mtiles));
+  if (one && g4) {
+    gemv_kernel<WT, 1, 4><<<grid, kGemvThreads, 0, s>>>(x, ldx, m, w, n, k, y, ldy, beta, group_rows);
+  } else if (one) {
+    gemv_kernel<WT, 1, 1><<<grid, kGemvThreads, 0, s>>>(x, ldx, m, w, n, k, y, ldy, beta, group_rows);
+  } else if (g4) {
+    gemv_kernel<WT, kGemvMaxRows, 4><<<grid, kGemvThreads, 0, s>>>(x, ldx, m, w, n, k, y, ldy, beta, group_rows);
+  } else {
+    gemv_kernel<WT, kGemvMaxRows, 1><<<grid, kGemvThreads, 0, s>>>(x, ldx, m, w, n, k, y, ldy, beta, group_rows);
+  }
+  TROUPE_LAUNCHED();
+}
+
+// ---- elementwise -----------------------------------------------------------------
+__global__ void rmsnorm_kernel(const float* x, const float* weight, float* y, int64_t dim, float eps) {
+  __shared__ float scratch[32];
+  const float* xr = x + blockIdx.x * dim;
+  float* yr = y + blockIdx.x * dim;
+  float ss = 0.f;
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
+  ss = block_sum(ss, scratch);
+  const float inv = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+    yr[i] = weight != nullptr ? weight[i] * (xr[i] * inv) : xr[i] * inv;
+  }
+}
+
+__global__ void rope_kernel(float* x, int64_t rows, int heads, int64_t head_dim, RopeTable rope,
+                            const int64_t* positions, bool inverse) {
+  const int64_t half = rope.rope_dim / 2;
+  const int64_t total = rows * heads * half;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t pair = i % half, rh = i / half, row = rh / heads;
+    float* slice = x + rh * head_dim + (head_dim - rope.rope_dim);
+    const float angle = rope.inv_freq[pair] * static_cast<float>(positions[row]);
+    rope_pair(slice[2 * pair], slice[2 * pair + 1], angle, rope.scale, inverse);
+  }
+}
+
+__global__ void position_bias_kernel(float* x, int64_t rows, int64_t dim, const int64_t* positions, const float* bias,
+                                     int64_t period) {
+  const int64_t r = blockIdx.x;
+  const float* b = bias + (positions[r] % period) * dim;
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) x[r * dim + i] += b[i];
+}
+
+__global__ void copy_rows_kernel(float* const* dst, const float* const* src, int64_t n) {
+  float* d = dst[blockIdx.x];
+  const float* s = src[blockIdx.x];
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) d[i] = s[i];
+}
+
+template <class WT>
+__global__ void embed_kernel(const WT* table, int64_t cols, const int32_t* ids, int copies, float* out) {
+  const int64_t r = blockIdx.x;
+  const WT* src = table + static_cast<int64_t>(ids[r]) * cols;
+  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
+    const float v = to_f32(src[i]);
+    for (int c = 0; c < copies; ++c) out[(r * copies + c) * cols + i] = v;
+  }
+}
+
+__global__ void gather_rows_kernel(const float* x, int64_t dim, const int64_t* index, float* out) {
+  const float* s = x + index[blockIdx.x] * dim;
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) out[blockIdx.x * dim + i] = s[i];
+}
+
+__device__ __forceinline__ float swiglu1(float g, float u, float limit) {
+  const float gv = fminf(g, limit);
+  const float uv = fminf(fmaxf(u, -limit), limit);
+  return gv / (1.0f + expf(-gv)) * uv;
+}
+
+__global__ void swiglu_kernel(const float* g, const float* u, float* y, int64_t n, float limit) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    y[i] = swiglu1(g[i], u[i], limit);
+  }
+}
+
+__global__ void add_kernel(float* y, const float* x, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    y[i] += x[i];
+  }
+}
+
+template <class HT>
+__global__ void to_half_kernel(const float* x, int64_t n, HT* out) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if constexpr (std::is_same_v<HT, __half>) {
+      out[i] = __float2half_rn(x[i]);
+    } else {
+      out[i] = __float2bfloat16_rn(x[i]);
+    }
+  }
+}
+
+unsigned grid_for(int64_t n, int threads = 256) {
+  return static_cast<unsigned>(std::clamp<int64_t>(ceil_div(n, threads), 1, 65536));
+}
+
+// ---- mHC ---------------------------------------------------------------------------
+constexpr int kMaxHc = 8;
+
+__device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// Row sum of squares of X (hc*dim) -> inv rms; every thread gets it.
+__device__ float hc_inv_rms(const float* xr, int64_t width, float eps, float* scratch) {
+  float ss = 0.f;
+  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) ss += xr[i] * xr[i];
+  ss = block_sum(ss, scratch);
+  return 1.0f / sqrtf(ss / static_cast<float>(width) + eps);
+}
+
+__global__ void mhc_pre_kernel(const float* X, const float* mix, const float* base, const float* scale, MhcParams p,
+                               float* y, float* post, float* comb) {
+  __shared__ float scratch[32];
+  __shared__ float pre[kMaxHc];
+  const int hc = p.hc;
+  const int64_t r = blockIdx.x;
+  const float* xr = X + r * hc * p.dim;
+  const float inv = hc_inv_rms(xr, hc * p.dim, p.norm_eps, scratch);
+  if (threadIdx.x == 0) {
+    const int n_mix = (2 + hc) * hc;
+    const float* m = mix + r * n_mix;
+    for (int j = 0; j < hc; ++j) pre[j] = sigmoidf(m[j] * inv * scale[0] + base[j]) + p.hc_eps;
+    for (int j = 0; j < hc; ++j) post[r * hc + j] = 2.0f * sigmoidf(m[hc + j] * inv * scale[1] + base[hc + j]);
+    float c[kMaxHc * kMaxHc];
+    for (int a = 0; a < hc; ++a) {
+      float mx = -INFINITY;
+      for (int b = 0; b < hc; ++b) {
+        c[a * hc + b] = m[2 * hc + a * hc + b] * inv * scale[2] + base[2 * hc + a * hc + b];
+        mx = fmaxf(mx, c[a * hc + b]);
+      }
+      float sum = 0.f;
+      for (int b = 0; b < hc; ++b) {
+        c[a * hc + b] = expf(c[a * hc + b] - mx);
+        sum += c[a * hc + b];
+      }
+      for (int b = 0; b < hc; ++b) c[a * hc + b] = c[a * hc + b] / sum + p.hc_eps;
+    }
+    auto cols = [&] {
+      for (int b = 0; b < hc; ++b) {
+        float s = 0.f;
+        for (int a = 0; a < hc; ++a) s += c[a * hc + b];
+        for (int a = 0; a < hc; ++a) c[a * hc + b] /= (s + p.hc_eps);
+      }
+    };
+    auto rows = [&] {
+      for (int a = 0; a < hc; ++a) {
+        float s = 0.f;
+        for (int b = 0; b < hc; ++b) s += c[a * hc + b];
+        for (int b = 0; b < hc; ++b) c[a * hc + b] /= (s + p.hc_eps);
+      }
+    };
+    cols();
+    for (int it = 0; it < p.sinkhorn_iters - 1; ++it) {
+      rows();
+      cols();
+    }
+    for (int i = 0; i < hc * hc; ++i) comb[r * hc * hc + i] = c[i];
+  }
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < p.dim; i += blockDim.x) {
+    float acc = 0.f;
+    for (int j = 0; j < hc; ++j) acc += pre[j] * xr[j * p.dim + i];
+    y[r * p.dim + i] = acc;
+  }
+}
+
+__global__ void mhc_head_kernel(const float* X, const float* mix, const float* base, const float* scale, MhcParams p,
+                                float* y) {
+  __shared__ float scratch[32];
+  __shared__ float pre[kMaxHc];
+  const int hc = p.hc;
+  const int64_t r = blockIdx.x;
+  const float* xr = X + r * hc * p.dim;
+  const float inv = hc_inv_rms(xr, hc * p.dim, p.norm_eps, scratch);
+  if (threadIdx.x < hc) pre[threadIdx.x] = sigmoidf(mix[r * hc + threadIdx.x] * inv * scale[0] + base[threadIdx.x]) + p.hc_eps;
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < p.dim; i += blockDim.x) {
+    float acc = 0.f;
+    for (int j = 0; j < hc; ++j) acc += pre[j] * xr[j * p.dim + i];
+    y[r * p.dim + i] = acc;
+  }
+}
+
+__global__ void mhc_post_kernel(float* X, int64_t rows, const float* f, const float* post, const float* comb,
+                                MhcParams p) {
+  const int hc = p.hc;
+  const int64_t total = rows * p.dim;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = idx / p.dim, i = idx % p.dim;
+    float* x = X + r * hc * p.dim;
+    float xs[kMaxHc];
+    for (int j = 0; j < hc; ++j) xs[j] = x[j * p.dim + i];
+    const float fv = f[r * p.dim + i];
+    const float* c = comb + r * hc * hc;
+    for (int k = 0; k < hc; ++k) {
+      float o = post[r * hc + k] * fv;
+      for (int j = 0; j < hc; ++j) o += c[j * hc + k] * xs[j];
+      x[k * p.dim + i] = o;
+    }
+  }
+}
+
+// ---- routing --------------------------------------------------------------------------
+__global__ void route_kernel(const float* logits, int experts, ScoreFn fn, const float* bias, int k,
+                             const int64_t* hash_table, const int32_t* ids, float route_scale, int32_t* out_idx,
+                             float* out_weight) {
+  extern __shared__ float sm[];
+  float* score = sm;               // [experts]
+  float* keyed = sm + experts;     // [experts]
+  __shared__ float scratch[32];
+  __shared__ int picked[64];
+  __shared__ float best_v[32];
+  __shared__ int best_i[32];
+  const int64_t r = blockIdx.x;
+  const float* lr = logits + r * experts;
+  if (fn == ScoreFn::softmax) {
+    float mx = -INFINITY;
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) mx = fmaxf(mx, lr[e]);
+    mx = block_max(mx, scratch);
+    float sum = 0.f;
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+      score[e] = expf(lr[e] - mx);
+      sum += score[e];
+    }
+    sum = block_sum(sum, scratch);
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) score[e] /= sum;
+  } else if (fn == ScoreFn::sigmoid) {
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) score[e] = 1.0f / (1.0f + expf(-lr[e]));
+  } else {
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+      const float sp = lr[e] > 20.0f ? lr[e] : log1pf(expf(lr[e]));
+      score[e] = sqrtf(sp);
+    }
+  }
+  __syncthreads();
+  if (hash_table != nullptr) {
+    if (threadIdx.x < k) picked[threadIdx.x] = static_cast<int>(hash_table[static_cast<int64_t>(ids[r]) * k + threadIdx.x]);
+  } else {
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) keyed[e] = score[e] + (bias != nullptr ? bias[e] : 0.f);
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+    for (int j = 0; j < k; ++j) {
+      float bv = -INFINITY;
+      int bi = 0x7fffffff;
+      for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+        bool taken = false;
+        for (int q = 0; q < j; ++q) taken |= picked[q] == e;
+        if (!taken && (keyed[e] > bv || (keyed[e] == bv && e < bi))) {
+          bv = keyed[e];
+          bi = e;
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (ov > bv || (ov == bv && oi < bi)) {
+          bv = ov;
+          bi = oi;
+        }
+      }
+      if (lane == 0) {
+        best_v[warp] = bv;
+        best_i[warp] = bi;
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        float v = best_v[0];
+        int ix = best_i[0];
+        for (int w = 1; w < nwarps; ++w) {
+          if (best_v[w] > v || (best_v[w] == v && best_i[w] < ix)) {
+            v = best_v[w];
+            ix = best_i[w];
+          }
+        }
+        picked[j] = ix;
+      }
+      __syncthreads();
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float sum = 0.f;
+    for (int j = 0; j < k; ++j) sum += score[picked[j]];
+    for (int j = 0; j < k; ++j) {
+      out_idx[r * k + j] = picked[j];
+      out_weight[r * k + j] = score[picked[j]] / (sum + 1e-20f) * route_scale;
+    }
+  }
+}
+
+// ---- MoE ------------------------------------------------------------------------------------
+template <class WT>
+__global__ void __launch_bounds__(kGemvThreads) moe_gate_up_kernel(const float* x, int64_t dim, const int32_t* idx,
+                                                                   int k, ExpertTables t, float limit, float* h) {
+  const int64_t p = blockIdx.y;
+  const int e = idx[p];
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * 4;
+  const float* xr = x + (p / k) * dim;
+  float g, u;
+  const bool has_g = gemv_core<WT, 1, 4>(xr, dim, 1, static_cast<const WT*>(t.gate[e]), t.inter, dim, row0, g);
+  __syncthreads();  // red[] is reused
+  const bool has_u = gemv_core<WT, 1, 4>(xr, dim, 1, static_cast<const WT*>(t.up[e]), t.inter, dim, row0, u);
+  if (has_g && has_u && row0 + threadIdx.x < t.inter) h[p * t.inter + row0 + threadIdx.x] = swiglu1(g, u, limit);
+}
+
+template <class WT>
+__global__ void __launch_bounds__(kGemvThreads) moe_down_kernel(const float* h, int64_t dim, const int32_t* idx,
+                                                                 ExpertTables t, float* ys) {
+  const int64_t p = blockIdx.y;
+  const int e = idx[p];
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * 4;
+  float v;
+  if (gemv_core<WT, 1, 4>(h + p * t.inter, t.inter, 1, static_cast<const WT*>(t.down[e]), dim, t.inter, row0, v)) {
+    if (row0 + threadIdx.x < dim) ys[p * dim + row0 + threadIdx.x] = v;
+  }
+}
+
+__global__ void moe_combine_kernel(const float* ys, const int32_t* inv, const float* weight, int64_t rows, int k,
+                                   int64_t dim, float* out) {
+  const int64_t total = rows * dim;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / dim, c = i % dim;
+    float acc = out[i];
+    for (int j = 0; j < k; ++j) {
+      const int64_t pair = r * k + j;
+      const int64_t pos = inv != nullptr ? inv[pair] : pair;
+      acc += weight[pair] * ys[pos * dim + c];
+    }
+    out[i] = acc;
+  }
+}
+
+__global__ void moe_sort_kernel(const int32_t* idx, int64_t pairs, int experts, int32_t* counts, int32_t* offsets,
+                                int32_t* perm, int32_t* inv) {
+  extern __shared__ int32_t cur[];  // [experts]
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) cur[e] = 0;
+  __syncthreads();
+  for (int64_t p = threadIdx.x; p < pairs; p += blockDim.x) atomicAdd(&cur[idx[p]], 1);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t run = 0;
+    for (int e = 0; e < experts; ++e) {
+      counts[e] = cur[e];
+      offsets[e] = run;
+      const int32_t c = cur[e];
+      cur[e] = run;
+      run += c;
+    }
+    offsets[experts] = run;
+  }
+  __syncthreads();
+  for (int64_t p = threadIdx.x; p < pairs; p += blockDim.x) {
+    const int32_t pos = atomicAdd(&cur[idx[p]], 1);
+    perm[pos] = static_cast<int32_t>(p);
+    inv[p] = pos;
+  }
+}
+
+__global__ void moe_gather_kernel(const float* x, int64_t dim, const int32_t* perm, int k, float* xs) {
+  const float* s = x + static_cast<int64_t>(perm[blockIdx.x] / k) * dim;
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) xs[blockIdx.x * dim + i] = s[i];
+}
+
+int threads_for(int64_t n) { return static_cast<int>(std::clamp<int64_t>((n + 31) / 32 * 32, 32, 256)); }
+
+}  // namespace
+
+void gemv(const float* x, int64_t ldx, int64_t m, const Weight& w, float* y, int64_t ldy, float beta,
+          int64_t group_rows, cudaStream_t s) {
+  if (m == 0 || w.rows == 0) return;
+  switch (w.type) {
+    case WeightType::f32:
+      return gemv_typed(x, ldx, m, static_cast<const float*>(w.data), w.rows, w.cols, y, ldy, beta, group_rows, s);
+    case WeightType::bf16:
+      return gemv_typed(x, ldx, m, static_cast<const __nv_bfloat16*>(w.data), w.rows, w.cols, y, ldy, beta,
+                        group_rows, s);
+    case WeightType::f16:
+      return gemv_typed(x, ldx, m, static_cast<const __half*>(w.data), w.rows, w.cols, y, ldy, beta, group_rows, s);
+  }
+}
+
+void rmsnorm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim, float eps, cudaStream_t s) {
+  if (rows == 0) return;
+  TROUPE_REQUIRE(rows <= 0x7fffffff, "rmsnorm: too many rows");
+  rmsnorm_kernel<<<static_cast<unsigned>(rows), threads_for(dim), 0, s>>>(x, weight, y, dim, eps);
+  TROUPE_LAUNCHED();
+}
+
+void rope(float* x, int64_t rows, int heads, int64_t head_dim, const RopeTable& r, const int64_t* positions,
+          bool inverse, cudaStream_t s) {
+  const int64_t total = rows * heads * (r.rope_dim / 2);
+  if (total == 0) return;
+  rope_kernel<<<grid_for(total), 256, 0, s>>>(x, rows, heads, head_dim, r, positions, inverse);
+  TROUPE_LAUNCHED();
+}
+
+void add_position_bias(float* x, int64_t rows, int64_t dim, const int64_t* positions, const float* bias,
+                       int64_t period, cudaStream_t s) {
+  if (rows == 0) return;
+  position_bias_kernel<<<static_cast<unsigned>(rows), threads_for(dim), 0, s>>>(x, rows, dim, positions, bias, period);
+  TROUPE_LAUNCHED();
+}
+
+void copy_rows(float* const* dst, const float* const* src, int64_t count, int64_t n, cudaStream_t s) {
+  if (count == 0) return;
+  copy_rows_kernel<<<static_cast<unsigned>(count), threads_for(n), 0, s>>>(dst, src, n);
+  TROUPE_LAUNCHED();
+}
+
+void embed(const Weight& table, const int32_t* ids, int64_t rows, int copies, float* out, cudaStream_t s) {
+  if (rows == 0) return;
+  const unsigned grid = static_cast<unsigned>(rows);
+  const int threads = threads_for(table.cols);
+  switch (table.type) {
+    case WeightType::f32:
+      embed_kernel<<<grid, threads, 0, s>>>(static_cast<const float*>(table.data), table.cols, ids, copies, out);
+      break;
+    case WeightType::bf16:
+      embed_kernel<<<grid, threads, 0, s>>>(static_cast<const __nv_bfloat16*>(table.data), table.cols, ids, copies,
+                                            out);
+      break;
+    case WeightType::f16:
+      embed_kernel<<<grid, threads, 0, s>>>(static_cast<const __half*>(table.data), table.cols, ids, copies, out);
+      break;
+  }
+  TROUPE_LAUNCHED();
+}
+
+void gather_rows(const float* x, int64_t dim, const int64_t* index, int64_t count, float* out, cudaStream_t s) {
+  if (count == 0) return;
+  gather_rows_kernel<<<static_cast<unsigned>(count), threads_for(dim), 0, s>>>(x, dim, index, out);
+  TROUPE_LAUNCHED();
+}
+
+void swiglu(const float* g, const float* u, float* y, int64_t n, float limit, cudaStream_t s) {
+  if (n == 0) return;
+  swiglu_kernel<<<grid_for(n), 256, 0, s>>>(g, u, y, n, limit);
+  TROUPE_LAUNCHED();
+}
+
+void add(float* y, const float* x, int64_t n, cudaStream_t s) {
+  if (n == 0) return;
+  add_kernel<<<grid_for(n), 256, 0, s>>>(y, x, n);
+  TROUPE_LAUNCHED();
+}
+
+void to_half(const float* x, int64_t n, void* out, WeightType type, cudaStream_t s) {
+  if (n == 0) return;
+  if (type == WeightType::f16) {
+    to_half_kernel<<<grid_for(n), 256, 0, s>>>(x, n, static_cast<__half*>(out));
+  } else {
+    to_half_kernel<<<grid_for(n), 256, 0, s>>>(x, n, static_cast<__nv_bfloat16*>(out));
+  }
+  TROUPE_LAUNCHED();
+}
+
+void mhc_pre_finish(const float* X, const float* mix, int64_t rows, const float* base, const float* scale,
+                    const MhcParams& p, float* y, float* post, float* comb, cudaStream_t s) {
+  TROUPE_REQUIRE(p.hc >= 1 && p.hc <= kMaxHc, "mhc: hc_mult must be 1..8");
+  if (rows == 0) return;
+  mhc_pre_kernel<<<static_cast<unsigned>(rows), 256, 0, s>>>(X, mix, base, scale, p, y, post, comb);
+  TROUPE_LAUNCHED();
+}
+
+void mhc_post(float* X, int64_t rows, const float* f, const float* post, const float* comb, const MhcParams& p,
+              cudaStream_t s) {
+  TROUPE_REQUIRE(p.hc >= 1 && p.hc <= kMaxHc, "mhc: hc_mult must be 1..8");
+  if (rows == 0) return;
+  mhc_post_kernel<<<grid_for(rows * p.dim), 256, 0, s>>>(X, rows, f, post, comb, p);
+  TROUPE_LAUNCHED();
+}
+
+void mhc_head_finish(const float* X, const float* mix, int64_t rows, const float* base, const float* scale,
+                     const MhcParams& p, float* y, cudaStream_t s) {
+  TROUPE_REQUIRE(p.hc >= 1 && p.hc <= kMaxHc, "mhc: hc_mult must be 1..8");
+  if (rows == 0) return;
+  mhc_head_kernel<<<static_cast<unsigned>(rows), 256, 0, s>>>(X, mix, base, scale, p, y);
+  TROUPE_LAUNCHED();
+}
+
+void route(const float* logits, int64_t rows, int experts, ScoreFn fn, const float* bias, int k,
+           const int64_t* hash_table, const int32_t* ids, float route_scale, int32_t* out_idx, float* out_weight,
+           cudaStream_t s) {
+  TROUPE_REQUIRE(k >= 1 && k <= 64 && k <= experts, "route: k must be 1..64 and <= experts");
+  TROUPE_REQUIRE(experts <= 16384, "route: too many experts");
+  if (rows == 0) return;
+  route_kernel<<<static_cast<unsigned>(rows), 256, static_cast<size_t>(experts) * 8, s>>>(
+      logits, experts, fn, bias, k, hash_table, ids, route_scale, out_idx, out_weight);
+  TROUPE_LAUNCHED();
+}
+
+void moe_pairs(const float* x, int64_t rows, int64_t dim, const int32_t* idx, const float* weight, int k,
+               const ExpertTables& t, float limit, float* h, float* ys, float* out, cudaStream_t s) {
+  const int64_t pairs = rows * k;
+  if (pairs == 0) return;
+  TROUPE_REQUIRE(pairs <= 65535, "moe_pairs: too many pairs");
+  const int vec = t.type == WeightType::f32 ? 4 : 8;
+  TROUPE_REQUIRE(dim % vec == 0 && t.inter % vec == 0, "moe_pairs: widths must be multiples of 8");
+  const dim3 g1(static_cast<unsigned>(ceil_div(t.inter, 4)), static_cast<unsigned>(pairs));
+  const dim3 g2(static_cast<unsigned>(ceil_div(dim, 4)), static_cast<unsigned>(pairs));
+  switch (t.type) {
+    case WeightType::f32:
+      moe_gate_up_kernel<float><<<g1, kGemvThreads, 0, s>>>(x, dim, idx, k, t, limit, h);
+      TROUPE_LAUNCHED();
+      moe_down_kernel<float><<<g2, kGemvThreads, 0, s>>>(h, dim, idx, t, ys);
+      break;
+    case WeightType::bf16:
+      moe_gate_up_kernel<__nv_bfloat16><<<g1, kGemvThreads, 0, s>>>(x, dim, idx, k, t, limit, h);
+      TROUPE_LAUNCHED();
+      moe_down_kernel<__nv_bfloat16><<<g2, kGemvThreads, 0, s>>>(h, dim, idx, t, ys);
+      break;
+    case WeightType::f16:
+      moe_gate_up_kernel<__half><<<g1, kGemvThreads, 0, s>>>(x, dim, idx, k, t, limit, h);
+      TROUPE_LAUNCHED();
+      moe_down_kernel<__half><<<g2, kGemvThreads, 0, s>>>(h, dim, idx, t, ys);
+      break;
+  }
+  TROUPE_LAUNCHED();
+  moe_combine(ys, nullptr, weight, rows, k, dim, out, s);
+}
+
+void moe_sort(const int32_t* idx, int64_t pairs, int experts, int32_t* counts, int32_t* offsets, int32_t* perm,
+              int32_t* inv, cudaStream_t s) {
+  moe_sort_kernel<<<1, 1024, static_cast<size_t>(experts) * 4, s>>>(idx, pairs, experts, counts, offsets, perm, inv);
+  TROUPE_LAUNCHED();
+}
+
+void moe_gather(const float* x, int64_t dim, const int32_t* perm, int64_t pairs, int k, float* xs, cudaStream_t s) {
+  if (pairs == 0) return;
+  moe_gather_kernel<<<static_cast<unsigned>(pairs), threads_for(dim), 0, s>>>(x, dim, perm, k, xs);
+  TROUPE_LAUNCHED();
+}
+
+void moe_combine(const float* ys, const int32_t* inv, const float* weight, int64_t rows, int k, int64_t dim, float* out,
+                 cudaStream_t s) {
+  if (rows == 0) return;
+  moe_combine_kernel<<<grid_for(rows * dim), 256, 0, s>>>(ys, inv, weight, rows, k, dim, out);
+  TROUPE_LAUNCHED();
+}
+
+}  // namespace troupe::kernels::cuda

@@ -1,0 +1,68 @@
+// Dense kernels of the CUDA backend with plain types, callable directly by the
+// GPU engine: GEMV for few rows (fp32 activations, f32/bf16/f16 weights, exact
+// fp32 accumulation, weights streamed once), norms, RoPE, row moves, mHC,
+// routing and the MoE pieces. Large GEMMs go through cuBLAS (backend.cu).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/backend.hpp"
+
+namespace troupe::kernels::cuda {
+
+constexpr int kGemvMaxRows = 4;  // rows of x one GEMV pass serves (more: cuBLAS is faster)
+
+// y[m, n] (+)= x[m, k] @ w[n, k]^T for any m (x rows are served 4 at a time, each
+// pass streams w once). `group_rows` > 0 makes it block-diagonal: output row j reads
+// x columns [(j / group_rows) * k, +k) (x has ldx >= groups * k). beta 0: y is not read.
+void gemv(const float* x, int64_t ldx, int64_t m, const Weight& w, float* y, int64_t ldy, float beta,
+          int64_t group_rows, cudaStream_t stream);
+
+void rmsnorm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim, float eps, cudaStream_t s);
+void rope(float* x, int64_t rows, int heads, int64_t head_dim, const RopeTable& rope, const int64_t* positions,
+          bool inverse, cudaStream_t s);
+void add_position_bias(float* x, int64_t rows, int64_t dim, const int64_t* positions, const float* bias,
+                       int64_t period, cudaStream_t s);
+void copy_rows(float* const* dst, const float* const* src, int64_t count, int64_t n, cudaStream_t s);
+void embed(const Weight& table, const int32_t* ids, int64_t rows, int copies, float* out, cudaStream_t s);
+void gather_rows(const float* x, int64_t dim, const int64_t* index, int64_t count, float* out, cudaStream_t s);
+void swiglu(const float* g, const float* u, float* y, int64_t n, float limit, cudaStream_t s);
+void add(float* y, const float* x, int64_t n, cudaStream_t s);
+void to_half(const float* x, int64_t n, void* out, WeightType type, cudaStream_t s);  // bf16 or f16
+
+// mHC: `mix` = X @ fn^T computed beforehand (raw X, not normalised).
+void mhc_pre_finish(const float* X, const float* mix, int64_t rows, const float* base, const float* scale,
+                    const MhcParams& p, float* y, float* post, float* comb, cudaStream_t s);
+void mhc_post(float* X, int64_t rows, const float* f, const float* post, const float* comb, const MhcParams& p,
+              cudaStream_t s);
+void mhc_head_finish(const float* X, const float* mix, int64_t rows, const float* base, const float* scale,
+                     const MhcParams& p, float* y, cudaStream_t s);
+
+void route(const float* logits, int64_t rows, int experts, ScoreFn fn, const float* bias, int k,
+           const int64_t* hash_table, const int32_t* ids, float route_scale, int32_t* out_idx, float* out_weight,
+           cudaStream_t s);
+
+// MoE without a host round trip (few pairs): every (row, slot) pair runs its expert
+// as GEMVs through device tables of expert weight pointers.
+struct ExpertTables {
+  const void* const* gate = nullptr;  // [experts] device pointers
+  const void* const* up = nullptr;
+  const void* const* down = nullptr;
+  WeightType type = WeightType::bf16;
+  int64_t inter = 0;  // rows of gate/up
+};
+// h: [rows*k, inter] scratch, ys: [rows*k, dim] scratch.
+void moe_pairs(const float* x, int64_t rows, int64_t dim, const int32_t* idx, const float* weight, int k,
+               const ExpertTables& t, float limit, float* h, float* ys, float* out, cudaStream_t s);
+// Sorted path pieces: counts/offsets/permutation of the pairs by expert
+// (counts[e], offsets[e] (experts + 1), perm[pos] = pair, inv[pair] = pos).
+void moe_sort(const int32_t* idx, int64_t pairs, int experts, int32_t* counts, int32_t* offsets, int32_t* perm,
+              int32_t* inv, cudaStream_t s);
+void moe_gather(const float* x, int64_t dim, const int32_t* perm, int64_t pairs, int k, float* xs, cudaStream_t s);
+// out[r] += sum_j weight[r*k+j] * ys[inv[r*k+j]]
+void moe_combine(const float* ys, const int32_t* inv, const float* weight, int64_t rows, int k, int64_t dim, float* out,
+                 cudaStream_t s);
+
+}  // namespace troupe::kernels::cuda

@@ -1,0 +1,423 @@
+// Lightning indexer scoring (see indexer.hpp).
+//
+// Tensor-core form: A = the query's heads (4 m-tiles of 16 heads, all 128
+// channels, held in registers for the whole scan), B = 8 keys per n-tile.
+// The 128 channels are permuted so that one thread's B fragments for all 8
+// k-steps are 64 contiguous bytes of a key row (32 for e4m3): every 16-byte
+// load of a warp covers 8 rows x 64 contiguous bytes, and the query carries
+// the same permutation. Each warp streams its keys through a private
+// 4-stage cp.async ring (a thread reads back only what it copied itself,
+// so no barriers are needed).
+#include <cuda_fp8.h>
+
+#include <algorithm>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/indexer.hpp"
+#include "kernels/cuda/topk.hpp"
+
+namespace troupe::kernels::cuda {
+namespace {
+
+constexpr int kDim = 128;
+constexpr int kWarps = 8;
+constexpr int kStages = 6;  // cp.async ring depth per warp (5 stages of 16 keys in flight)
+constexpr int kTiles = 2;  // n-tiles (8 keys each) per stage
+
+struct ScoreParams {
+  const float* q;
+  const float* w;
+  int heads;
+  float wscale;  // weight_scale * scale
+  const uint8_t* keys;
+  const float* key_scales;
+  const int64_t* key_start;
+  const int32_t* page_table;
+  int64_t page_stride;
+  int page_size;
+  const int32_t* n_keys;
+  float* scores;
+  int64_t score_stride;
+};
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t v16) {
+  uint32_t r;
+  const unsigned short h = static_cast<unsigned short>(v16 & 0xffffu);
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(h));
+  return r;
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int size = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(size));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+__device__ __forceinline__ int64_t key_row(const ScoreParams& p, int b, int64_t s) {
+  if (p.page_table != nullptr) {
+    const int64_t page = p.page_table[b * p.page_stride + s / p.page_size];
+    return page * p.page_size + s % p.page_size;
+  }
+  return p.key_start[b] + s;
+}
+
+// FP8: false = bf16 keys (256-byte rows), true = e4m3 keys (128-byte rows).
+template <bool FP8>
+__global__ void __launch_bounds__(kWarps * 32, 1) indexer_mma_kernel(const ScoreParams p) {
+  constexpr int kLoads = FP8 ? 2 : 4;     // 16-byte loads per thread per n-tile
+  constexpr int kRowBytes = FP8 ? 128 : 256;
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int b = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, c = lane & 3;
+  const int64_t n = p.n_keys[b];
+  const int64_t units = (n + 8 * kTiles - 1) / (8 * kTiles);
+  const int64_t gw = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  const int64_t W = static_cast<int64_t>(gridDim.x) * kWarps;
+  uint8_t* ring = smem + warp * (kStages * kTiles * kLoads * 512);
+  // The query's heads, staged once per CTA with coalesced loads (rows past `heads` are 0).
+  float* qs = reinterpret_cast<float*>(smem + kWarps * (kStages * kTiles * kLoads * 512));
+  const float4* qg = reinterpret_cast<const float4*>(p.q + static_cast<int64_t>(b) * p.heads * kDim);
+  for (int i = threadIdx.x; i < 64 * kDim / 4; i += kWarps * 32) {
+    reinterpret_cast<float4*>(qs)[i] = i < p.heads * kDim / 4 ? qg[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  // Let a dependent top-k (PDL) get resident as this grid drains.
+  asm volatile("griddepcontrol.launch_dependents;");
+  __syncthreads();
+  if (gw >= units) return;
+
+  // Query fragments (A operand), permuted channel order, and the head weights.
+  uint32_t qa[4][8][4];
+  float wv[4][2];
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt) {
+    const int r0 = 16 * mt + g, r1 = r0 + 8;
+    wv[mt][0] = r0 < p.heads ? p.w[b * p.heads + r0] * p.wscale : 0.f;
+    wv[mt][1] = r1 < p.heads ? p.w[b * p.heads + r1] * p.wscale : 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int d0 = FP8 ? 64 * (j >> 2) + 16 * c + 4 * (j & 3) : 32 * (j >> 1) + 8 * c + 4 * (j & 1);
+      const float4 v0 = *reinterpret_cast<const float4*>(qs + r0 * kDim + d0);
+      const float4 v1 = *reinterpret_cast<const float4*>(qs + r1 * kDim + d0);
+      if constexpr (FP8) {
+        qa[mt][j][0] = pack_f16x2(v0.x, v0.y);
+        qa[mt][j][1] = pack_f16x2(v1.x, v1.y);
+        qa[mt][j][2] = pack_f16x2(v0.z, v0.w);
+        qa[mt][j][3] = pack_f16x2(v1.z, v1.w);
+      } else {
+        qa[mt][j][0] = pack_bf16x2(v0.x, v0.y);
+        qa[mt][j][1] = pack_bf16x2(v1.x, v1.y);
+        qa[mt][j][2] = pack_bf16x2(v0.z, v0.w);
+        qa[mt][j][3] = pack_bf16x2(v1.z, v1.w);
+      }
+    }
+  }
+
+  auto issue = [&](int stage, int64_t unit) {
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t) {
+      const int64_t s = (unit * kTiles + t) * 8 + g;
+      const bool valid = s < n;
+      const uint8_t* row = valid ? p.keys + key_row(p, b, s) * kRowBytes : p.keys;
+#pragma unroll
+      for (int i = 0; i < kLoads; ++i) {
+        cp_async16(ring + ((stage * kTiles + t) * kLoads + i) * 512 + lane * 16, row + (valid ? i * 64 + c * 16 : 0),
+                   valid);
+      }
+    }
+  };
+
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {
+    const int64_t u = gw + st * W;
+    if (u < units) issue(st, u);
+    cp_async_commit();
+  }
+  float* out = p.scores + b * p.score_stride;
+  for (int64_t it = 0;; ++it) {
+    const int64_t u = gw + it * W;
+    if (u >= units) break;
+    const int64_t un = gw + (it + kStages - 1) * W;
+    if (un < units) issue(static_cast<int>((it + kStages - 1) % kStages), un);
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();
+    const int stage = static_cast<int>(it % kStages);
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t) {
+      uint32_t bw[kLoads * 4];
+#pragma unroll
+      for (int i = 0; i < kLoads; ++i) {
+        const uint4 v = *reinterpret_cast<const uint4*>(ring + ((stage * kTiles + t) * kLoads + i) * 512 + lane * 16);
+        bw[4 * i + 0] = v.x;
+        bw[4 * i + 1] = v.y;
+        bw[4 * i + 2] = v.z;
+        bw[4 * i + 3] = v.w;
+      }
+      float acc[4][4];
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        uint32_t b0, b1;
+        if constexpr (FP8) {
+          const uint32_t word = bw[j];  // k-step j: bytes {0,1} -> b0, {2,3} -> b1
+          b0 = e4m3x2_to_f16x2(word);
+          b1 = e4m3x2_to_f16x2(word >> 16);
+        } else {
+          b0 = bw[2 * j];
+          b1 = bw[2 * j + 1];
+        }
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) {
+          if constexpr (FP8) {
+            mma_f16(acc[mt], qa[mt][j], b0, b1);
+          } else {
+            mma_bf16(acc[mt], qa[mt][j], b0, b1);
+          }
+        }
+      }
+      float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt) {
+        s0 += wv[mt][0] * fmaxf(acc[mt][0], 0.f) + wv[mt][1] * fmaxf(acc[mt][2], 0.f);
+        s1 += wv[mt][0] * fmaxf(acc[mt][1], 0.f) + wv[mt][1] * fmaxf(acc[mt][3], 0.f);
+      }
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) {
+        s0 += __shfl_xor_sync(0xffffffffu, s0, o);
+        s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+      }
+      if (g == 0) {
+        const int64_t key = (u * kTiles + t) * 8 + 2 * c;
+        if (key < n) {
+          if constexpr (FP8) s0 *= p.key_scales[key_row(p, b, key)];
+          out[key] = s0;
+        }
+        if (key + 1 < n) {
+          if constexpr (FP8) s1 *= p.key_scales[key_row(p, b, key + 1)];
+          out[key + 1] = s1;
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+}
+
+// ---- fp32 ragged scoring (the backend op) ------------------------------------
+constexpr int kChunk = 64;  // keys per CTA
+
+__global__ void __launch_bounds__(256) indexer_ragged_kernel(const float* q, const float* w, int heads, int dim,
+                                                             float scale, float weight_scale, RaggedRows keys,
+                                                             float* scores, int64_t score_stride) {
+  extern __shared__ __align__(16) float sm[];
+  const int ks = dim + 4;
+  float* q_s = sm;                    // [heads][dim]
+  float* k_s = q_s + heads * dim;     // [kChunk][dim + 4]
+  float* red = k_s + kChunk * ks;     // [4][kChunk]
+  const int64_t t = blockIdx.y;
+  const int64_t begin = keys.offsets[t];
+  const int64_t n = keys.offsets[t + 1] - begin;
+  const int64_t s0 = static_cast<int64_t>(blockIdx.x) * kChunk;
+  if (s0 >= n) return;
+  const int d4 = dim / 4;
+  for (int i = threadIdx.x; i < heads * d4; i += blockDim.x) {
+    reinterpret_cast<float4*>(q_s)[i] = reinterpret_cast<const float4*>(q + t * heads * dim)[i];
+  }
+  for (int i = threadIdx.x; i < kChunk * d4; i += blockDim.x) {
+    const int r = i / d4, c4 = i % d4;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (s0 + r < n) v = reinterpret_cast<const float4*>(keys.rows[begin + s0 + r])[c4];
+    *reinterpret_cast<float4*>(k_s + r * ks + 4 * c4) = v;
+  }
+  __syncthreads();
+  const int kk = threadIdx.x % kChunk, hg = threadIdx.x / kChunk;
+  float acc[16];
+#pragma unroll
+  for (int j = 0; j < 16; ++j) acc[j] = 0.f;
+  for (int d = 0; d < dim; d += 4) {
+    const float4 kv = *reinterpret_cast<const float4*>(k_s + kk * ks + d);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int h = hg + 4 * j;
+      if (h < heads) {
+        const float4 qv = *reinterpret_cast<const float4*>(q_s + h * dim + d);
+        acc[j] += qv.x * kv.x + qv.y * kv.y + qv.z * kv.z + qv.w * kv.w;
+      }
+    }
+  }
+  float part = 0.f;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const int h = hg + 4 * j;
+    if (h < heads) part += (fmaxf(acc[j], 0.f) * scale) * (w[t * heads + h] * weight_scale);
+  }
+  red[hg * kChunk + kk] = part;
+  __syncthreads();
+  if (threadIdx.x < kChunk && s0 + threadIdx.x < n) {
+    const int i = threadIdx.x;
+    scores[t * score_stride + s0 + i] = red[i] + red[kChunk + i] + red[2 * kChunk + i] + red[3 * kChunk + i];
+  }
+}
+
+__global__ void quantize_e4m3_kernel(const float* x, int64_t rows, uint8_t* q, float* scales) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (r >= rows) return;
+  const int lane = threadIdx.x & 31;
+  const float4 v = reinterpret_cast<const float4*>(x + r * kDim)[lane];
+  const float amax = warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+  const float sc = amax > 0.f ? amax / 448.f : 1.f;
+  const float inv = 1.f / sc;
+  const float vals[4] = {v.x * inv, v.y * inv, v.z * inv, v.w * inv};
+  uint32_t packed = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __nv_fp8_storage_t b = __nv_cvt_float_to_fp8(vals[i], __NV_SATFINITE, __NV_E4M3);
+    packed |= static_cast<uint32_t>(b) << (8 * i);
+  }
+  reinterpret_cast<uint32_t*>(q + r * kDim)[lane] = packed;
+  if (lane == 0) scales[r] = sc;
+}
+
+__global__ void to_bf16_kernel(const float* x, int64_t n, __nv_bfloat16* out) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] = __float2bfloat16_rn(x[i]);
+  }
+}
+
+int sm_count() {
+  int dev = 0, n = 0;
+  TROUPE_CUDA(cudaGetDevice(&dev));
+  TROUPE_CUDA(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  return n;
+}
+
+}  // namespace
+
+void indexer_scores(const IndexerArgs& a, cudaStream_t stream) {
+  TROUPE_REQUIRE(a.heads >= 1 && a.heads <= 64, "indexer: 1..64 heads");
+  TROUPE_REQUIRE(a.key_start != nullptr || a.page_table != nullptr, "indexer: key_start or page_table");
+  TROUPE_REQUIRE(a.page_table == nullptr || (a.page_size > 0 && a.page_size % 8 == 0), "indexer: page_size % 8");
+  TROUPE_REQUIRE(a.key_type == IndexKeyType::bf16 || a.key_scales != nullptr, "indexer: e4m3 keys need scales");
+  if (a.batch == 0 || a.max_keys == 0) return;
+  ScoreParams p{};
+  p.q = a.q;
+  p.w = a.w;
+  p.heads = a.heads;
+  p.wscale = a.weight_scale * a.scale;
+  p.keys = static_cast<const uint8_t*>(a.keys);
+  p.key_scales = a.key_scales;
+  p.key_start = a.key_start;
+  p.page_table = a.page_table;
+  p.page_stride = a.page_stride;
+  p.page_size = a.page_size;
+  p.n_keys = a.n_keys;
+  p.scores = a.scores;
+  p.score_stride = a.score_stride;
+  const int64_t units = ceil_div(a.max_keys, 8 * kTiles);
+  static const int sms = sm_count();
+  const int64_t per_query = std::max<int64_t>(1, sms / std::max(a.batch, 1));
+  const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>(per_query, ceil_div(units, kWarps)));
+  const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(a.batch));
+  if (a.key_type == IndexKeyType::bf16) {
+    const size_t smem = static_cast<size_t>(kWarps) * kStages * kTiles * 4 * 512 + 64 * kDim * 4;
+    static bool attr = [&] {
+      TROUPE_CUDA(cudaFuncSetAttribute(indexer_mma_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem)));
+      return true;
+    }();
+    (void)attr;
+    indexer_mma_kernel<false><<<grid, kWarps * 32, smem, stream>>>(p);
+  } else {
+    const size_t smem = static_cast<size_t>(kWarps) * kStages * kTiles * 2 * 512 + 64 * kDim * 4;
+    static bool attr = [&] {
+      TROUPE_CUDA(cudaFuncSetAttribute(indexer_mma_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem)));
+      return true;
+    }();
+    (void)attr;
+    indexer_mma_kernel<true><<<grid, kWarps * 32, smem, stream>>>(p);
+  }
+  TROUPE_LAUNCHED();
+}
+
+size_t indexer_topk_workspace_bytes(int batch, int64_t max_keys, int k) {
+  return topk_workspace_bytes(batch, max_keys, k);
+}
+
+void indexer_topk(const IndexerArgs& a, const IndexerTopk& t, void* topk_workspace, cudaStream_t stream) {
+  TROUPE_REQUIRE(a.score_stride >= a.max_keys, "indexer_topk: score_stride < max_keys");
+  indexer_scores(a, stream);
+  TopkArgs ta;
+  ta.scores = a.scores;
+  ta.row_stride = a.score_stride;
+  ta.lengths = a.n_keys;
+  ta.rows = a.batch;
+  ta.max_len = a.max_keys;
+  ta.k = t.k;
+  ta.out_idx = t.out_idx;
+  ta.out_stride = t.out_stride;
+  ta.out_count = t.out_count;
+  if (t.translate_pages) {
+    TROUPE_REQUIRE(a.page_table != nullptr && (a.page_size & (a.page_size - 1)) == 0,
+                   "indexer_topk: page translation needs a power-of-two page size");
+    ta.page_table = a.page_table;
+    ta.page_stride = a.page_stride;
+    int bits = 0;
+    while ((1 << bits) < a.page_size) ++bits;
+    ta.page_bits = bits;
+  }
+  topk(ta, topk_workspace, stream);
+}
+
+void indexer_scores_ragged(const float* q, const float* w, int64_t n_queries, int heads, int64_t dim, float scale,
+                           float weight_scale, RaggedRows keys, float* scores, int64_t score_stride, int64_t max_keys,
+                           cudaStream_t stream) {
+  TROUPE_REQUIRE(heads >= 1 && heads <= 64, "indexer: 1..64 heads");
+  TROUPE_REQUIRE(dim % 4 == 0 && dim <= 512, "indexer: dim must be a multiple of 4, <= 512");
+  if (n_queries == 0 || max_keys == 0) return;
+  const size_t smem = (static_cast<size_t>(heads) * dim + kChunk * (dim + 4) + 4 * kChunk) * 4;
+  static bool attr = [] {
+    TROUPE_CUDA(cudaFuncSetAttribute(indexer_ragged_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
+    return true;
+  }();
+  (void)attr;
+  const dim3 grid(static_cast<unsigned>(ceil_div(max_keys, kChunk)), static_cast<unsigned>(n_queries));
+  indexer_ragged_kernel<<<grid, 256, smem, stream>>>(q, w, heads, static_cast<int>(dim), scale, weight_scale, keys,
+                                                     scores, score_stride);
+  TROUPE_LAUNCHED();
+}
+
+void quantize_keys_e4m3(const float* x, int64_t rows, uint8_t* q, float* scales, cudaStream_t stream) {
+  if (rows == 0) return;
+  quantize_e4m3_kernel<<<static_cast<unsigned>(ceil_div(rows, 8)), 256, 0, stream>>>(x, rows, q, scales);
+  TROUPE_LAUNCHED();
+}
+
+void convert_to_bf16(const float* x, int64_t n, void* out, cudaStream_t stream) {
+  if (n == 0) return;
+  const int64_t blocks = std::min<int64_t>(ceil_div(n, 256), 4096);
+  to_bf16_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(x, n, static_cast<__nv_bfloat16*>(out));
+  TROUPE_LAUNCHED();
+}
+
+}  // namespace troupe::kernels::cuda

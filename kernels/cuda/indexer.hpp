@@ -1,0 +1,69 @@
+// The lightning indexer: score[b, s] = sum_h (w[b,h] * weight_scale) * relu(q[b,h,:] . key_s) * scale,
+// then the exact top-k of each query's scores (topk.hpp).
+//
+// Fast form: keys are bf16 (or fp8 e4m3 with one positive fp32 scale per key)
+// rows of 128 channels in a pool; the dot products run on the tensor cores
+// (mma.sync m16n8k16, fp32 accumulation) with the query heads held in registers
+// and the keys streamed once through a cp.async pipeline.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/backend.hpp"
+
+namespace troupe::kernels::cuda {
+
+enum class IndexKeyType : uint8_t { bf16, e4m3 };
+
+struct IndexerArgs {
+  const float* q = nullptr;           // [batch, heads, 128]
+  const float* w = nullptr;           // [batch, heads]
+  int batch = 0;
+  int heads = 0;                      // 1 .. 64
+  float scale = 1.f;                  // on relu(q . k)
+  float weight_scale = 1.f;           // on w
+  IndexKeyType key_type = IndexKeyType::bf16;
+  const void* keys = nullptr;         // pool rows of 128 channels (256 B bf16, 128 B e4m3), 16-byte aligned
+  const float* key_scales = nullptr;  // e4m3: [pool rows], > 0
+  // Key s of query b is pool row key_start[b] + s, or, with a page table,
+  // page_table[b * page_stride + s / page_size] * page_size + s % page_size (page_size % 8 == 0).
+  const int64_t* key_start = nullptr;
+  const int32_t* page_table = nullptr;
+  int64_t page_stride = 0;
+  int page_size = 0;
+  const int32_t* n_keys = nullptr;    // [batch]
+  int64_t max_keys = 0;               // >= every n_keys[b]
+  float* scores = nullptr;            // [batch, score_stride]
+  int64_t score_stride = 0;
+};
+
+void indexer_scores(const IndexerArgs& a, cudaStream_t stream);
+
+// Scores (into `scores`, which must hold batch * max_keys floats at stride max_keys)
+// then top-k: out_idx [batch, out_stride] holds the logical key indices (or, with
+// translate_pages, the pool rows through the page table, fused into the top-k store).
+struct IndexerTopk {
+  int k = 512;
+  int32_t* out_idx = nullptr;
+  int64_t out_stride = 0;
+  int32_t* out_count = nullptr;
+  bool translate_pages = false;
+};
+size_t indexer_topk_workspace_bytes(int batch, int64_t max_keys, int k);
+void indexer_topk(const IndexerArgs& a, const IndexerTopk& t, void* topk_workspace, cudaStream_t stream);
+
+// The backend op's scoring: fp32 keys given as ragged row pointers (any head count and dim).
+// scores[t, s] for s < n_t at stride score_stride.
+void indexer_scores_ragged(const float* q, const float* w, int64_t n_queries, int heads, int64_t dim, float scale,
+                           float weight_scale, RaggedRows keys, float* scores, int64_t score_stride,
+                           int64_t max_keys, cudaStream_t stream);
+
+// rows x 128 fp32 -> e4m3 with one scale per row (amax / 448).
+void quantize_keys_e4m3(const float* x, int64_t rows, uint8_t* q, float* scales, cudaStream_t stream);
+// rows x n fp32 -> bf16
+void convert_to_bf16(const float* x, int64_t n, void* out, cudaStream_t stream);
+
+}  // namespace troupe::kernels::cuda

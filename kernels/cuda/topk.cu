@@ -1,0 +1,626 @@
+// Exact cluster top-k (see topk.hpp for the algorithm).
+#include <cooperative_groups.h>
+
+#include <algorithm>
+#include <climits>
+#include <cub/block/block_radix_sort.cuh>
+#include <mutex>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/topk.hpp"
+
+namespace cg = cooperative_groups;
+
+namespace troupe::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kEpt = 32;                      // elements per thread, kept in registers
+constexpr int kCtaCap = kThreads * kEpt;      // 16,384 elements per CTA
+constexpr int kMaxBins = 2048;  // 11-bit digits: 11 + 11 + 10 = 32
+constexpr int kMaxK = 2048;
+constexpr int kCandCap = 3072;    // threshold-bucket elements the leader finishes alone
+constexpr int kMaxSegments = 64;  // segments of one row (16.7 M candidates with 16-CTA clusters)
+
+struct Params {
+  const float* scores;
+  int64_t row_stride;
+  const int32_t* lengths;
+  int64_t max_len;
+  int k;
+  int32_t* out_idx;
+  int64_t out_stride;
+  int32_t* out_count;
+  const int32_t* page_table;
+  int64_t page_stride;
+  int page_bits;
+  int segments;
+  int64_t seg_cap;
+  bool vec_ok;
+  uint32_t* cand_key;   // [rows, segments, k]
+  int32_t* cand_idx;    // [rows, segments, k]
+  int32_t* cand_cnt;    // [rows, segments]
+  uint32_t* arrivals;   // [rows], zero between calls
+  long long* profile;   // optional: SM clock at phase boundaries (row 0, segment 0, CTA 0)
+};
+
+__device__ __forceinline__ void stamp(long long* prof, int i) {
+  if (prof != nullptr && threadIdx.x == 0) prof[i] = clock64();
+}
+
+struct Smem {
+  uint32_t hist[kMaxBins];   // this CTA's histogram
+  uint32_t ghist[kMaxBins];  // the cluster's histogram (every CTA holds a copy)
+  uint32_t scan[32];
+  uint32_t thr_bin, thr_above, thr_cnt;
+  uint32_t above_total, tie_total;  // leader's: cluster-wide reservation counters
+  uint32_t above_ctr, tie_ctr;      // this CTA's emission counters
+  uint32_t base_above, base_tie;
+  uint32_t flag, last;
+  uint32_t local_above, local_tie;  // leader's counters for the gathered candidates
+  int32_t seg_cnt[kMaxSegments];
+  uint32_t cand_key[kCandCap];      // leader: the threshold bucket's elements (gather)
+  int32_t cand_idx[kCandCap];
+};
+
+constexpr int kKeysOffset = (static_cast<int>(sizeof(Smem)) + 15) / 16 * 16;
+constexpr int kSmemBytes = kKeysOffset + kEpt * kThreads * 4;  // ~105 KB: two CTAs per SM
+
+
+// Order-preserving map of fp32 to uint32 (larger float -> larger key).
+__device__ __forceinline__ uint32_t order_key(float f) {
+  const uint32_t u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ int elem_offset(int e) { return (e >> 2) * (kThreads * 4) + threadIdx.x * 4 + (e & 3); }
+
+__device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* warp_tot) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint32_t incl = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t t = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += t;
+  }
+  if (lane == 31) warp_tot[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    const uint32_t t = warp_tot[lane];
+    uint32_t s = t;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const uint32_t u = __shfl_up_sync(0xffffffffu, s, o);
+      if (lane >= o) s += u;
+    }
+    warp_tot[lane] = s - t;
+  }
+  __syncthreads();
+  const uint32_t r = warp_tot[warp] + incl - v;
+  __syncthreads();
+  return r;
+}
+
+__device__ __forceinline__ int32_t translate(const Params& p, int row, int64_t i) {
+  if (p.page_table == nullptr) return static_cast<int32_t>(i);
+  const int32_t page = p.page_table[row * p.page_stride + (i >> p.page_bits)];
+  return (page << p.page_bits) | static_cast<int32_t>(i & ((int64_t{1} << p.page_bits) - 1));
+}
+
+// The bucket where a running count from the top reaches `need`: on return
+// sm.thr_bin / thr_above (elements in higher buckets) / thr_cnt (in the bucket).
+// Every thread of the block calls it; `hist` holds nbins counts.
+__device__ __forceinline__ void find_threshold(const uint32_t* hist, uint32_t nbins, uint32_t need, Smem& sm) {
+  const int tid = threadIdx.x;
+  const uint32_t per = nbins >= kThreads ? nbins / kThreads : 1;
+  const uint32_t rb0 = tid * per;
+  uint32_t local = 0;
+  if (rb0 < nbins) {
+    for (uint32_t j = 0; j < per; ++j) local += hist[nbins - 1 - (rb0 + j)];
+  }
+  uint32_t run = block_exclusive_scan(local, sm.scan);
+  if (rb0 < nbins && run < need && need <= run + local) {
+    for (uint32_t j = 0; j < per; ++j) {
+      const uint32_t b = nbins - 1 - (rb0 + j);
+      const uint32_t c = hist[b];
+      if (run < need && need <= run + c) {
+        sm.thr_bin = b;
+        sm.thr_above = run;
+        sm.thr_cnt = c;
+      }
+      run += c;
+    }
+  }
+  __syncthreads();
+}
+
+// Selects the `target` largest keys among the valid elements the cluster's CTAs hold.
+// For each chosen element, emit(position, key, index) is called once (positions
+// 0 .. target-1; index = index_of(e) of the element). Cluster-wide radix rounds run
+// until the threshold bucket is small; its elements are then gathered into the
+// leader CTA, which finishes with block-local rounds (no more cluster barriers).
+// Ends with a cluster barrier, so the caller may return or call again.
+template <class IndexOf, class Emit>
+__device__ __forceinline__ void cluster_select(const uint32_t* sk, uint32_t vmask, uint32_t target, Smem& sm,
+                                               cg::cluster_group& cluster, long long* prof, bool prefilled,
+                                               IndexOf&& index_of, Emit&& emit) {
+  const int tid = threadIdx.x;
+  const unsigned C = cluster.num_blocks(), rank = cluster.block_rank();
+  if (tid == 0) {
+    sm.above_total = sm.tie_total = 0;
+    sm.above_ctr = sm.tie_ctr = 0;
+    sm.local_above = sm.local_tie = 0;
+  }
+  uint32_t prefix = 0, need = target, cnt = 0;
+  int pbits = 0;
+  bool gather = false;
+#pragma unroll 1
+  for (int round = 0; round < 3; ++round) {
+    const int shift = round == 0 ? 21 : round == 1 ? 10 : 0;
+    const int bits = round == 2 ? 10 : 11;
+    const uint32_t nbins = 1u << bits;
+    const uint32_t slice = nbins / C;  // bins this CTA reduces for the cluster
+    for (uint32_t i = tid; i < slice; i += kThreads) sm.ghist[rank * slice + i] = 0;
+    if (round > 0 || !prefilled) {  // (the load already counted round 0's digits)
+      for (uint32_t i = tid; i < nbins; i += kThreads) sm.hist[i] = 0;
+      __syncthreads();
+#pragma unroll
+      for (int e = 0; e < kEpt; ++e) {
+        const uint32_t key = sk[e * kThreads + tid];
+        const bool match = ((vmask >> e) & 1u) && (pbits == 0 || (key >> (32 - pbits)) == prefix);
+        if (match) atomicAdd(&sm.hist[(key >> shift) & (nbins - 1)], 1u);
+      }
+    }
+    if (round == 0) stamp(prof, 3);
+    cluster.sync();
+    if (round == 0) stamp(prof, 4);
+    // Two-shot all-reduce through DSMEM: CTA `rank` sums its slice of bins over the
+    // cluster (all remote loads in flight at once), then writes the sums into every
+    // CTA's ghist. Nobody else writes this CTA's slice of its own ghist.
+    {
+      uint32_t v[kMaxBins / kThreads];
+#pragma unroll
+      for (int j = 0; j < kMaxBins / kThreads; ++j) {
+        const uint32_t idx = tid + j * kThreads;
+        v[j] = 0;
+        if (idx < nbins) v[j] = cluster.map_shared_rank(sm.hist, idx / slice)[rank * slice + idx % slice];
+      }
+#pragma unroll
+      for (int j = 0; j < kMaxBins / kThreads; ++j) {
+        const uint32_t idx = tid + j * kThreads;
+        if (idx < nbins && v[j] != 0) atomicAdd(&sm.ghist[rank * slice + idx % slice], v[j]);
+      }
+      __syncthreads();
+#pragma unroll
+      for (int j = 0; j < kMaxBins / kThreads; ++j) {
+        const uint32_t idx = tid + j * kThreads;  // (destination rank, bin of my slice)
+        const uint32_t r = idx / slice;
+        if (idx < nbins && r != rank) {
+          cluster.map_shared_rank(sm.ghist, r)[rank * slice + idx % slice] = sm.ghist[rank * slice + idx % slice];
+        }
+      }
+    }
+    if (round == 0) stamp(prof, 5);
+    cluster.sync();
+    if (round == 0) stamp(prof, 6);
+    find_threshold(sm.ghist, nbins, need, sm);
+    need -= sm.thr_above;
+    cnt = sm.thr_cnt;
+    prefix = (prefix << bits) | sm.thr_bin;
+    pbits += bits;
+    __syncthreads();
+    stamp(prof, 7 + round);
+    if (cnt == need) break;  // the whole threshold bucket is taken
+    if (cnt <= kCandCap) {   // few enough to finish in one CTA
+      gather = true;
+      break;
+    }
+  }
+  const bool take_all = cnt == need;
+  const uint32_t total_above = target - need;
+  const int drop = 32 - pbits;
+
+  // Chosen elements of this thread as bit masks, then output ranges: warp scans,
+  // one shared atomic per warp, one DSMEM atomic per CTA on the leader's counters.
+  uint32_t above_mask = 0, tie_mask = 0;
+#pragma unroll
+  for (int e = 0; e < kEpt; ++e) {
+    const uint32_t hi = sk[e * kThreads + tid] >> drop;
+    const uint32_t v = (vmask >> e) & 1u;
+    above_mask |= (v & static_cast<uint32_t>(hi > prefix)) << e;
+    tie_mask |= (v & static_cast<uint32_t>(hi == prefix)) << e;
+  }
+  const uint32_t n_above = __popc(above_mask), n_tie = __popc(tie_mask);
+  const unsigned lane = tid & 31;
+  uint32_t a_incl = n_above, t_incl = n_tie;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t x = __shfl_up_sync(0xffffffffu, a_incl, o);
+    const uint32_t y = __shfl_up_sync(0xffffffffu, t_incl, o);
+    if (lane >= static_cast<unsigned>(o)) {
+      a_incl += x;
+      t_incl += y;
+    }
+  }
+  uint32_t a_warp = 0, t_warp = 0;
+  if (lane == 31) {
+    a_warp = atomicAdd(&sm.above_ctr, a_incl);
+    t_warp = atomicAdd(&sm.tie_ctr, t_incl);
+  }
+  a_warp = __shfl_sync(0xffffffffu, a_warp, 31);
+  t_warp = __shfl_sync(0xffffffffu, t_warp, 31);
+  __syncthreads();
+  if (tid == 0) {
+    sm.base_above = atomicAdd(cluster.map_shared_rank(&sm.above_total, 0), sm.above_ctr);
+    sm.base_tie = atomicAdd(cluster.map_shared_rank(&sm.tie_total, 0), sm.tie_ctr);
+  }
+  __syncthreads();
+  uint32_t pos = sm.base_above + a_warp + a_incl - n_above;
+  for (uint32_t m = above_mask; m != 0; m &= m - 1) {
+    const int e = __ffs(m) - 1;
+    emit(pos++, sk[e * kThreads + tid], index_of(e));
+  }
+  uint32_t g = sm.base_tie + t_warp + t_incl - n_tie;
+  if (gather) {  // the bucket's elements go to the leader's candidate buffer, slot g
+    uint32_t* ck = cluster.map_shared_rank(sm.cand_key, 0);
+    int32_t* ci = cluster.map_shared_rank(sm.cand_idx, 0);
+    for (uint32_t m = tie_mask; m != 0; m &= m - 1, ++g) {
+      const int e = __ffs(m) - 1;
+      ck[g] = sk[e * kThreads + tid];
+      ci[g] = index_of(e);
+    }
+  } else {
+    for (uint32_t m = tie_mask; m != 0; m &= m - 1, ++g) {
+      const int e = __ffs(m) - 1;
+      if (take_all || g < need) emit(total_above + g, sk[e * kThreads + tid], index_of(e));
+    }
+  }
+  stamp(prof, 10);
+  cluster.sync();  // candidates are in place; no CTA leaves while others touch its shared memory
+  stamp(prof, 11);
+  if (!gather) return;
+  if (rank == 0) {
+    // Block-local radix rounds over the cnt candidates for the `need` largest.
+    uint32_t lp = prefix, lneed = need, lcnt = cnt;
+    int lbits = pbits;
+#pragma unroll 1
+    while (lbits < 32 && lcnt != lneed) {
+      const int bits = 32 - lbits < 11 ? 32 - lbits : 11;
+      const int shift = 32 - lbits - bits;
+      const uint32_t nbins = 1u << bits;
+      for (uint32_t i = tid; i < nbins; i += kThreads) sm.hist[i] = 0;
+      __syncthreads();
+      for (uint32_t i = tid; i < cnt; i += kThreads) {
+        const uint32_t k = sm.cand_key[i];
+        if ((k >> (32 - lbits)) == lp) atomicAdd(&sm.hist[(k >> shift) & (nbins - 1)], 1u);
+      }
+      __syncthreads();
+      find_threshold(sm.hist, nbins, lneed, sm);
+      lneed -= sm.thr_above;
+      lcnt = sm.thr_cnt;
+      lp = (lp << bits) | sm.thr_bin;
+      lbits += bits;
+      __syncthreads();
+    }
+    const bool all = lcnt == lneed;
+    const uint32_t base = total_above, tie_base = total_above + (need - lneed);
+    const unsigned lt = (1u << lane) - 1u;
+    for (uint32_t i0 = 0; i0 < cnt; i0 += kThreads) {  // uniform trip count: ballots below
+      const uint32_t i = i0 + tid;
+      const bool valid = i < cnt;
+      const uint32_t k = valid ? sm.cand_key[i] : 0u;
+      const uint32_t hi = k >> (32 - lbits);
+      const bool is_above = valid && hi > lp, is_tie = valid && hi == lp;
+      const unsigned ma = __ballot_sync(0xffffffffu, is_above);
+      if (ma != 0) {
+        uint32_t b = 0;
+        if (lane == static_cast<unsigned>(__ffs(ma) - 1)) b = atomicAdd(&sm.local_above, __popc(ma));
+        b = __shfl_sync(0xffffffffu, b, __ffs(ma) - 1);
+        if (is_above) emit(base + b + __popc(ma & lt), k, sm.cand_idx[i]);
+      }
+      const unsigned mt = __ballot_sync(0xffffffffu, is_tie);
+      if (mt != 0) {
+        uint32_t b = 0;
+        if (lane == static_cast<unsigned>(__ffs(mt) - 1)) b = atomicAdd(&sm.local_tie, __popc(mt));
+        b = __shfl_sync(0xffffffffu, b, __ffs(mt) - 1);
+        const uint32_t t = b + __popc(mt & lt);
+        if (is_tie && (all || t < lneed)) emit(tie_base + t, k, sm.cand_idx[i]);
+      }
+    }
+  }
+  stamp(prof, 12);
+  cluster.sync();
+}
+
+// This thread's elements (e = 0 .. kEpt-1) live at sk[e * kThreads + tid]: a warp's
+// accesses to one e are 32 consecutive words (no bank conflicts).
+// Also counts the round-0 digit (top 11 bits) of every valid key into `hist` (zeroed),
+// so the counting overlaps the loads still in flight.
+__device__ __forceinline__ void load_scores(const float* src, int64_t n_here, bool vec_ok, uint32_t* sk,
+                                            uint32_t& vmask, uint32_t* hist) {
+  const int tid = threadIdx.x;
+  if (vec_ok && n_here >= kCtaCap) {  // a full slice: 16-byte loads, a batch in flight at once
+    constexpr int kBatch = 4;
+#pragma unroll
+    for (int q0 = 0; q0 < kEpt / 4; q0 += kBatch) {
+      float4 v[kBatch];
+#pragma unroll
+      for (int q = 0; q < kBatch; ++q) v[q] = __ldg(reinterpret_cast<const float4*>(src) + (q0 + q) * kThreads + tid);
+#pragma unroll
+      for (int q = 0; q < kBatch; ++q) {
+        const uint32_t k4[4] = {order_key(v[q].x), order_key(v[q].y), order_key(v[q].z), order_key(v[q].w)};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          sk[(4 * (q0 + q) + j) * kThreads + tid] = k4[j];
+          atomicAdd(&hist[k4[j] >> 21], 1u);
+        }
+      }
+    }
+    vmask = 0xffffffffu;
+    return;
+  }
+  vmask = 0;
+  constexpr int kBatch = 8;
+#pragma unroll
+  for (int e0 = 0; e0 < kEpt; e0 += kBatch) {
+    float f[kBatch];
+#pragma unroll
+    for (int e = 0; e < kBatch; ++e) {
+      const int64_t off = elem_offset(e0 + e);
+      f[e] = off < n_here ? __ldg(src + off) : 0.f;
+    }
+#pragma unroll
+    for (int e = 0; e < kBatch; ++e) {
+      const uint32_t key = order_key(f[e]);
+      sk[(e0 + e) * kThreads + tid] = key;
+      if (elem_offset(e0 + e) < n_here) {
+        vmask |= 1u << (e0 + e);
+        atomicAdd(&hist[key >> 21], 1u);
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 2) topk_kernel(const Params p) {
+  extern __shared__ __align__(16) uint8_t topk_smem[];
+  Smem& sm = *reinterpret_cast<Smem*>(topk_smem);
+  uint32_t* sk = reinterpret_cast<uint32_t*>(topk_smem + kKeysOffset);  // [kEpt][kThreads] keys
+  long long* prof = (p.profile != nullptr && blockIdx.x == 0 && blockIdx.y == 0) ? p.profile : nullptr;
+  stamp(prof, 0);
+  // Launched as a programmatic dependent: everything above this line may overlap the
+  // previous kernel (the scores' producer); nothing below runs before it completes.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  stamp(prof, 1);
+  cg::cluster_group cluster = cg::this_cluster();
+  const unsigned C = cluster.num_blocks(), rank = cluster.block_rank();
+  const int row = blockIdx.y;
+  const int seg = blockIdx.x / C;
+  const int tid = threadIdx.x;
+  int64_t len = p.lengths != nullptr ? p.lengths[row] : p.max_len;
+  len = len < 0 ? 0 : (len > p.max_len ? p.max_len : len);
+  int32_t* out = p.out_idx + row * p.out_stride;
+
+  if (len <= p.k) {  // every candidate is chosen
+    if (seg == 0) {
+      for (int64_t i = static_cast<int64_t>(rank) * kThreads + tid; i < p.k; i += static_cast<int64_t>(C) * kThreads) {
+        out[i] = i < len ? translate(p, row, i) : -1;
+      }
+      if (p.out_count != nullptr && rank == 0 && tid == 0) p.out_count[row] = static_cast<int32_t>(len);
+    }
+    return;
+  }
+
+  const int64_t seg_start = static_cast<int64_t>(seg) * p.seg_cap;
+  int64_t seg_len = len - seg_start;
+  seg_len = seg_len < 0 ? 0 : (seg_len > p.seg_cap ? p.seg_cap : seg_len);
+  const int64_t cta_off = static_cast<int64_t>(rank) * kCtaCap;
+  const int64_t cbase = (static_cast<int64_t>(row) * p.segments + seg) * p.k;  // this segment's candidates
+  const int64_t row_base = static_cast<int64_t>(row) * p.segments * p.k;        // the row's candidates
+  uint32_t vmask;
+  for (int i = tid; i < kMaxBins; i += kThreads) sm.hist[i] = 0;
+  __syncthreads();
+  load_scores(p.scores + row * p.row_stride + seg_start + cta_off, seg_len - cta_off, p.vec_ok, sk, vmask, sm.hist);
+  stamp(prof, 2);
+  uint32_t target = static_cast<uint32_t>(seg_len < p.k ? seg_len : p.k);
+  // Phase 0 selects within this cluster's segment: straight to the output when the row
+  // is one segment, else into the candidate buffer. Phase 1 (the last cluster of a
+  // long row to arrive) selects among all segments' candidates. One call site keeps
+  // the register-resident keys out of local memory.
+  for (int phase = 0;; ++phase) {
+    const bool final_out = p.segments == 1 || phase == 1;
+    if (target > 0) {
+      cluster_select(
+          sk, vmask, target, sm, cluster, phase == 0 ? prof : nullptr, phase == 0,
+          [&](int e) -> int32_t {
+            const int64_t j = cta_off + elem_offset(e);
+            return phase == 0 ? static_cast<int32_t>(seg_start + j) : __ldcg(&p.cand_idx[row_base + j]);
+          },
+          [&](uint32_t pos, uint32_t key, int32_t idx) {
+            if (!final_out) {
+              p.cand_key[cbase + pos] = key;
+              p.cand_idx[cbase + pos] = idx;
+            } else {
+              out[pos] = translate(p, row, idx);
+            }
+          });
+    }
+    if (final_out) break;
+    if (rank == 0 && tid == 0) p.cand_cnt[row * p.segments + seg] = static_cast<int32_t>(target);
+    __threadfence();
+    cluster.sync();
+    if (rank == 0 && tid == 0) {
+      const uint32_t prev = atomicAdd(&p.arrivals[row], 1u);
+      sm.flag = prev == static_cast<uint32_t>(p.segments - 1);
+    }
+    cluster.sync();
+    if (tid == 0) sm.last = *cluster.map_shared_rank(&sm.flag, 0);
+    cluster.sync();
+    if (!sm.last) return;
+    if (rank == 0 && tid == 0) p.arrivals[row] = 0;  // ready for the next call
+    __threadfence();
+    const int64_t total = static_cast<int64_t>(p.segments) * p.k;
+    for (int i = tid; i < p.segments; i += kThreads) sm.seg_cnt[i] = __ldcg(&p.cand_cnt[row * p.segments + i]);
+#pragma unroll
+    for (int e = 0; e < kEpt; ++e) {
+      const int64_t j = cta_off + elem_offset(e);
+      sk[e * kThreads + tid] = j < total ? __ldcg(&p.cand_key[row_base + j]) : 0u;
+    }
+    __syncthreads();
+    vmask = 0;
+#pragma unroll
+    for (int e = 0; e < kEpt; ++e) {
+      const int64_t j = cta_off + elem_offset(e);
+      const int s = static_cast<int>(j / p.k);
+      if (j < total && j - static_cast<int64_t>(s) * p.k < sm.seg_cnt[s]) vmask |= 1u << e;
+    }
+    target = static_cast<uint32_t>(p.k);
+  }
+  if (p.out_count != nullptr && rank == 0 && tid == 0) p.out_count[row] = p.k;
+}
+
+struct Plan {
+  int cluster;
+  int segments;
+  int64_t seg_cap;
+};
+
+void set_kernel_attributes() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    TROUPE_CUDA(cudaFuncSetAttribute(topk_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    TROUPE_CUDA(cudaFuncSetAttribute(topk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  });
+}
+
+int device_max_cluster() {
+  static std::once_flag once;
+  static int result = 8;
+  std::call_once(once, [] {
+    set_kernel_attributes();
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(16, 1, 1);
+    cfg.blockDim = dim3(kThreads, 1, 1);
+    cfg.dynamicSmemBytes = kSmemBytes;
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = 16;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, topk_kernel, &cfg) == cudaSuccess && n > 0) result = 16;
+    (void)cudaGetLastError();
+  });
+  return result;
+}
+
+Plan make_plan(int64_t max_len, int k, int max_cluster) {
+  int cap = max_cluster > 0 ? max_cluster : device_max_cluster();
+  cap = std::min(cap, 16);
+  int c = 1;
+  while (c < cap && static_cast<int64_t>(c) * kCtaCap < max_len) c *= 2;
+  const int64_t seg_cap = static_cast<int64_t>(c) * kCtaCap;
+  const int segments = static_cast<int>(std::max<int64_t>(1, ceil_div(max_len, seg_cap)));
+  TROUPE_REQUIRE(segments == 1 || (static_cast<int64_t>(segments) * k <= seg_cap && segments <= kMaxSegments),
+                 "top-k row too long for one merge");
+  return {c, segments, seg_cap};
+}
+
+}  // namespace
+
+size_t topk_workspace_bytes(int rows, int64_t max_len, int k, int max_cluster) {
+  const Plan plan = make_plan(max_len, k, max_cluster);
+  if (plan.segments == 1) return 0;
+  const size_t per = static_cast<size_t>(plan.segments) * k;
+  return static_cast<size_t>(rows) * (per * 8 + plan.segments * 4 + 4) + 256;
+}
+
+void topk_workspace_init(void* workspace, size_t bytes, cudaStream_t stream) {
+  if (bytes > 0) TROUPE_CUDA(cudaMemsetAsync(workspace, 0, bytes, stream));
+}
+
+void topk(const TopkArgs& a, void* workspace, cudaStream_t stream) {
+  TROUPE_REQUIRE(a.k >= 1 && a.k <= kMaxK, "top-k: k must be in 1..2048");
+  TROUPE_REQUIRE(a.out_stride >= a.k, "top-k: out_stride < k");
+  TROUPE_REQUIRE(a.rows <= 65535, "top-k: at most 65535 rows per call");
+  TROUPE_REQUIRE(a.max_len <= INT32_MAX, "top-k: rows longer than 2^31");
+  if (a.rows == 0) return;
+  const Plan plan = make_plan(std::max<int64_t>(a.max_len, 1), a.k, a.max_cluster);
+  Params p{};
+  p.scores = a.scores;
+  p.row_stride = a.row_stride;
+  p.lengths = a.lengths;
+  p.max_len = a.max_len;
+  p.k = a.k;
+  p.out_idx = a.out_idx;
+  p.out_stride = a.out_stride;
+  p.out_count = a.out_count;
+  p.page_table = a.page_table;
+  p.page_stride = a.page_stride;
+  p.page_bits = a.page_bits;
+  p.profile = a.profile;
+  p.segments = plan.segments;
+  p.seg_cap = plan.seg_cap;
+  p.vec_ok = (reinterpret_cast<uintptr_t>(a.scores) % 16 == 0) && (a.row_stride % 4 == 0);
+  if (plan.segments > 1) {
+    TROUPE_REQUIRE(workspace != nullptr, "top-k: this row length needs a workspace");
+    const size_t per = static_cast<size_t>(plan.segments) * a.k;
+    auto* base = static_cast<char*>(workspace);
+    p.cand_key = reinterpret_cast<uint32_t*>(base);
+    p.cand_idx = reinterpret_cast<int32_t*>(base + a.rows * per * 4);
+    p.cand_cnt = reinterpret_cast<int32_t*>(base + a.rows * per * 8);
+    p.arrivals = reinterpret_cast<uint32_t*>(base + a.rows * per * 8 + static_cast<size_t>(a.rows) * plan.segments * 4);
+  }
+  set_kernel_attributes();
+  cudaLaunchConfig_t cfg{};
+  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.gridDim = dim3(static_cast<unsigned>(plan.segments * plan.cluster), static_cast<unsigned>(a.rows), 1);
+  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2]{};
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(plan.cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // hides the launch behind the producer
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 2;
+  TROUPE_CUDA(cudaLaunchKernelEx(&cfg, topk_kernel, p));
+}
+
+// ---- ascending order of chosen indices (the backend's contract) -----------------
+namespace {
+constexpr int kSortThreads = 256;
+constexpr int kSortItems = 8;  // 2048 = kMaxK
+
+__global__ void __launch_bounds__(kSortThreads) sort_rows_kernel(int32_t* idx, int64_t stride, const int32_t* count,
+                                                                  int k) {
+  using Sort = cub::BlockRadixSort<uint32_t, kSortThreads, kSortItems>;
+  __shared__ typename Sort::TempStorage temp;
+  int32_t* row = idx + blockIdx.x * stride;
+  const int n = count != nullptr ? min(count[blockIdx.x], k) : k;
+  uint32_t keys[kSortItems];
+#pragma unroll
+  for (int j = 0; j < kSortItems; ++j) {
+    const int i = threadIdx.x * kSortItems + j;
+    keys[j] = i < n ? static_cast<uint32_t>(row[i]) : 0xffffffffu;
+  }
+  Sort(temp).Sort(keys);
+#pragma unroll
+  for (int j = 0; j < kSortItems; ++j) {
+    const int i = threadIdx.x * kSortItems + j;
+    if (i < n) row[i] = static_cast<int32_t>(keys[j]);
+  }
+}
+}  // namespace
+
+void sort_rows_ascending(int32_t* idx, int64_t stride, const int32_t* count, int rows, int k, cudaStream_t stream) {
+  TROUPE_REQUIRE(k <= kSortThreads * kSortItems, "sort_rows_ascending: k > 2048");
+  if (rows == 0) return;
+  sort_rows_kernel<<<rows, kSortThreads, 0, stream>>>(idx, stride, count, k);
+  TROUPE_LAUNCHED();
+}
+
+}  // namespace troupe::kernels::cuda

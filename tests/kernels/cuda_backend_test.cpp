@@ -1,0 +1,457 @@
+// The CUDA backend against the CPU backend (the oracle), op by op, on random
+// inputs of many shapes including V4-Flash's (hidden 4096, 64 heads x 512,
+// indexer 64 x 128 with top-512, window 128). GPU outputs are NaN-poisoned
+// before every run. Skips without a CUDA device.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <numeric>
+#include <set>
+
+#include "tests/kernels/backend_pair.hpp"
+
+namespace troupe::kernels::testing {
+namespace {
+
+class CudaBackendTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    gpu_ = make_cuda_backend(0);
+    if (!gpu_) GTEST_SKIP() << "no CUDA device";
+    cpu_ = make_cpu_backend();
+  }
+  static void TearDownTestSuite() {
+    if (error_log().empty()) return;
+    std::printf("\n%-60s %s\n", "test", "max relative error (L2)");
+    for (const auto& [name, rel] : error_log()) std::printf("%-60s %.3e\n", name.c_str(), rel);
+  }
+  Backend& cpu() { return *cpu_; }
+  Backend& gpu() { return *gpu_; }
+
+  template <class T>
+  T* upload(Backend& b, const std::vector<T>& host) {
+    void* p = b.alloc(std::max<size_t>(host.size() * sizeof(T), 4));
+    if (!host.empty()) b.to_device(p, host.data(), host.size() * sizeof(T));
+    owned_.push_back({&b, p});
+    return static_cast<T*>(p);
+  }
+  void TearDown() override {
+    for (auto& [b, p] : owned_) b->free(p);
+  }
+
+  std::unique_ptr<Backend> cpu_, gpu_;
+  std::vector<std::pair<Backend*, void*>> owned_;
+  std::mt19937 rng_{20261130};
+};
+
+TEST_F(CudaBackendTest, linear_matches_cpu_for_every_weight_type_and_shape) {
+  struct Shape {
+    int64_t m, n, k;
+  };
+  const Shape shapes[] = {{1, 64, 256},  {1, 4096, 4096}, {3, 1000, 520}, {8, 2048, 1024}, {5, 24, 16384},
+                          {17, 1024, 4096}, {64, 4096, 1024}, {300, 512, 256}, {2, 7, 12}};
+  for (WeightType type : {WeightType::f32, WeightType::bf16, WeightType::f16}) {
+    for (const auto& s : shapes) {
+      SCOPED_TRACE("type " + std::to_string(static_cast<int>(type)) + " m " + std::to_string(s.m) + " n " +
+                   std::to_string(s.n) + " k " + std::to_string(s.k));
+      MirrorWeight w(cpu(), gpu(), s.n, s.k, type, rng_);
+      Mirror x(cpu(), gpu(), randn(s.m * s.k, rng_));
+      Mirror y(cpu(), gpu(), s.m * s.n * 4);
+      y.poison();
+      cpu().linear(x.cpu(), s.m, w.cw, y.cpu(), 0.f);
+      gpu().linear(x.gpu(), s.m, w.gw, y.gpu(), 0.f);
+      // Exact fp32 activations on the GEMV path and for fp32 weights; activations rounded
+      // to the 16-bit weight type on the cuBLAS path.
+      const bool exact = s.m <= 4 || s.n <= 64 || type == WeightType::f32;
+      EXPECT_CLOSE(y.gpu_host(s.m * s.n), y.cpu_host(s.m * s.n), exact ? 2e-5 : 1e-2);
+    }
+  }
+}
+
+TEST_F(CudaBackendTest, linear_accumulates_with_beta_one) {
+  for (int64_t m : {1, 6, 40}) {
+    MirrorWeight w(cpu(), gpu(), 384, 512, WeightType::bf16, rng_);
+    Mirror x(cpu(), gpu(), randn(m * 512, rng_));
+    Mirror y(cpu(), gpu(), randn(m * 384, rng_));
+    cpu().linear(x.cpu(), m, w.cw, y.cpu(), 1.f);
+    gpu().linear(x.gpu(), m, w.gw, y.gpu(), 1.f);
+    EXPECT_CLOSE(y.gpu_host(m * 384), y.cpu_host(m * 384), m <= 4 ? 2e-5 : 1e-2);
+  }
+}
+
+TEST_F(CudaBackendTest, linear_grouped_matches_cpu) {
+  struct Shape {
+    int64_t m, groups, out, k;
+  };
+  for (const auto& s : {Shape{1, 8, 1024, 4096}, Shape{3, 8, 256, 512}, Shape{40, 4, 64, 128}, Shape{9, 2, 64, 64}}) {
+    for (WeightType type : {WeightType::f32, WeightType::bf16}) {
+      MirrorWeight w(cpu(), gpu(), s.groups * s.out, s.k, type, rng_);
+      Mirror x(cpu(), gpu(), randn(s.m * s.groups * s.k, rng_));
+      Mirror y(cpu(), gpu(), s.m * s.groups * s.out * 4);
+      y.poison();
+      cpu().linear_grouped(x.cpu(), s.m, w.cw, static_cast<int>(s.groups), y.cpu());
+      gpu().linear_grouped(x.gpu(), s.m, w.gw, static_cast<int>(s.groups), y.gpu());
+      const bool exact = s.m <= 4 || type == WeightType::f32;
+      EXPECT_CLOSE(y.gpu_host(s.m * s.groups * s.out), y.cpu_host(s.m * s.groups * s.out), exact ? 2e-5 : 1e-2);
+    }
+  }
+}
+
+TEST_F(CudaBackendTest, rmsnorm_matches_cpu_in_place_and_unweighted) {
+  struct Shape {
+    int64_t rows, dim;
+  };
+  for (const auto& s : {Shape{64 * 3, 512}, Shape{3, 4096}, Shape{5, 7}, Shape{2, 1024}}) {
+    Mirror x(cpu(), gpu(), randn(s.rows * s.dim, rng_, 3.f));
+    Mirror w(cpu(), gpu(), randn(s.dim, rng_));
+    Mirror y(cpu(), gpu(), s.rows * s.dim * 4);
+    y.poison();
+    cpu().rmsnorm(x.cpu(), w.cpu(), y.cpu(), s.rows, s.dim, 1e-6f);
+    gpu().rmsnorm(x.gpu(), w.gpu(), y.gpu(), s.rows, s.dim, 1e-6f);
+    EXPECT_CLOSE(y.gpu_host(s.rows * s.dim), y.cpu_host(s.rows * s.dim), 1e-5);
+    cpu().rmsnorm(x.cpu(), nullptr, x.cpu(), s.rows, s.dim, 1e-6f);
+    gpu().rmsnorm(x.gpu(), nullptr, x.gpu(), s.rows, s.dim, 1e-6f);
+    EXPECT_CLOSE(x.gpu_host(s.rows * s.dim), x.cpu_host(s.rows * s.dim), 1e-5);
+  }
+}
+
+TEST_F(CudaBackendTest, rope_turns_and_unturns_like_cpu) {
+  const int64_t rows = 6, hd = 512, rope_dim = 64;
+  for (int heads : {64, 1}) {
+    std::vector<float> inv(rope_dim / 2);
+    for (int64_t i = 0; i < rope_dim / 2; ++i) inv[i] = std::pow(160000.f, -2.f * i / rope_dim);
+    Mirror f(cpu(), gpu(), inv);
+    std::vector<int64_t> pos = {0, 1, 127, 4096, 262143, 1048575};
+    Mirror p(cpu(), gpu(), pos);
+    Mirror x(cpu(), gpu(), randn(rows * heads * hd, rng_));
+    for (bool inverse : {false, true}) {
+      RopeTable tc{f.cpu(), rope_dim, 1.25f}, tg{f.gpu(), rope_dim, 1.25f};
+      cpu().rope(x.cpu(), rows, heads, hd, tc, p.cpu<int64_t>(), inverse);
+      gpu().rope(x.gpu(), rows, heads, hd, tg, p.gpu<int64_t>(), inverse);
+      EXPECT_CLOSE(x.gpu_host(rows * heads * hd), x.cpu_host(rows * heads * hd), 1e-5);
+    }
+  }
+}
+
+TEST_F(CudaBackendTest, row_moves_match_cpu) {
+  const int64_t rows = 5, dim = 4096, vocab = 300;
+  // add_position_bias
+  Mirror x(cpu(), gpu(), randn(rows * dim, rng_));
+  Mirror bias(cpu(), gpu(), randn(4 * dim, rng_));
+  Mirror pos(cpu(), gpu(), std::vector<int64_t>{0, 5, 6, 7, 1000});
+  cpu().add_position_bias(x.cpu(), rows, dim, pos.cpu<int64_t>(), bias.cpu(), 4);
+  gpu().add_position_bias(x.gpu(), rows, dim, pos.gpu<int64_t>(), bias.gpu(), 4);
+  EXPECT_CLOSE(x.gpu_host(rows * dim), x.cpu_host(rows * dim), 1e-6);
+  // gather_rows
+  Mirror idx(cpu(), gpu(), std::vector<int64_t>{4, 0, 2});
+  Mirror out(cpu(), gpu(), 3 * dim * 4);
+  out.poison();
+  cpu().gather_rows(x.cpu(), dim, idx.cpu<int64_t>(), 3, out.cpu());
+  gpu().gather_rows(x.gpu(), dim, idx.gpu<int64_t>(), 3, out.gpu());
+  EXPECT_CLOSE(out.gpu_host(3 * dim), out.cpu_host(3 * dim), 0.0);
+  // copy_rows: rows of x into out in another order
+  std::vector<const float*> cs, gs;
+  std::vector<float*> cd, gd;
+  for (int i = 0; i < 3; ++i) {
+    cs.push_back(x.cpu() + (i + 1) * dim);
+    gs.push_back(x.gpu() + (i + 1) * dim);
+    cd.push_back(out.cpu() + (2 - i) * dim);
+    gd.push_back(out.gpu() + (2 - i) * dim);
+  }
+  out.poison();
+  cpu().copy_rows(upload(cpu(), cd), upload(cpu(), cs), 3, dim);
+  gpu().copy_rows(upload(gpu(), gd), upload(gpu(), gs), 3, dim);
+  EXPECT_CLOSE(out.gpu_host(3 * dim), out.cpu_host(3 * dim), 0.0);
+  // embed (bf16 table, 4 copies)
+  MirrorWeight table(cpu(), gpu(), vocab, 256, WeightType::bf16, rng_);
+  Mirror ids(cpu(), gpu(), std::vector<int32_t>{3, 299, 0, 17});
+  Mirror e(cpu(), gpu(), 4 * 4 * 256 * 4);
+  e.poison();
+  cpu().embed(table.cw, ids.cpu<int32_t>(), 4, 4, e.cpu());
+  gpu().embed(table.gw, ids.gpu<int32_t>(), 4, 4, e.gpu());
+  EXPECT_CLOSE(e.gpu_host(4 * 4 * 256), e.cpu_host(4 * 4 * 256), 0.0);
+}
+
+TEST_F(CudaBackendTest, mhc_pre_post_head_match_cpu) {
+  const int hc = 4;
+  for (int64_t dim : {4096, 256}) {
+    for (int64_t rows : {1, 5, 33}) {
+      MhcParams p{hc, dim, 20, 1e-6f, 1e-6f};
+      MirrorWeight fn(cpu(), gpu(), (2 + hc) * hc, hc * dim, WeightType::bf16, rng_, 0.02f);
+      MirrorWeight head_fn(cpu(), gpu(), hc, hc * dim, WeightType::bf16, rng_, 0.02f);
+      Mirror base(cpu(), gpu(), randn((2 + hc) * hc, rng_, 0.5f));
+      Mirror scale(cpu(), gpu(), std::vector<float>{0.7f, 1.3f, 2.0f});
+      Mirror X(cpu(), gpu(), randn(rows * hc * dim, rng_));
+      Mirror y(cpu(), gpu(), rows * dim * 4), post(cpu(), gpu(), rows * hc * 4), comb(cpu(), gpu(), rows * hc * hc * 4);
+      y.poison();
+      post.poison();
+      comb.poison();
+      cpu().mhc_pre(X.cpu(), rows, fn.cw, base.cpu(), scale.cpu(), p, y.cpu(), post.cpu(), comb.cpu());
+      gpu().mhc_pre(X.gpu(), rows, fn.gw, base.gpu(), scale.gpu(), p, y.gpu(), post.gpu(), comb.gpu());
+      EXPECT_CLOSE(y.gpu_host(rows * dim), y.cpu_host(rows * dim), 1e-5);
+      EXPECT_CLOSE(post.gpu_host(rows * hc), post.cpu_host(rows * hc), 1e-5);
+      EXPECT_CLOSE(comb.gpu_host(rows * hc * hc), comb.cpu_host(rows * hc * hc), 1e-5);
+      Mirror f(cpu(), gpu(), randn(rows * dim, rng_));
+      cpu().mhc_post(X.cpu(), rows, f.cpu(), post.cpu(), comb.cpu(), p);
+      gpu().mhc_post(X.gpu(), rows, f.gpu(), post.gpu(), comb.gpu(), p);
+      EXPECT_CLOSE(X.gpu_host(rows * hc * dim), X.cpu_host(rows * hc * dim), 1e-5);
+      MhcParams hp{hc, dim, 0, 1e-6f, 1e-6f};
+      y.poison();
+      cpu().mhc_head(X.cpu(), rows, head_fn.cw, base.cpu(), scale.cpu(), hp, y.cpu());
+      gpu().mhc_head(X.gpu(), rows, head_fn.gw, base.gpu(), scale.gpu(), hp, y.gpu());
+      EXPECT_CLOSE(y.gpu_host(rows * dim), y.cpu_host(rows * dim), 1e-5);
+    }
+  }
+}
+
+TEST_F(CudaBackendTest, compress_matches_cpu_for_csa_and_hca_windows) {
+  struct Case {
+    int slots;
+    int64_t dim, rope_dim, entries;
+  };
+  for (const auto& c : {Case{8, 512, 64, 37}, Case{8, 128, 64, 64}, Case{128, 512, 64, 5}, Case{16, 64, 16, 9},
+                        Case{4, 6, 2, 3}}) {
+    const int64_t pool_rows = c.entries * c.slots;
+    Mirror kv(cpu(), gpu(), randn(pool_rows * c.dim, rng_));
+    Mirror sc(cpu(), gpu(), randn(pool_rows * c.dim, rng_, 2.f));
+    Mirror w(cpu(), gpu(), randn(c.dim, rng_));
+    std::vector<float> inv(c.rope_dim / 2);
+    for (size_t i = 0; i < inv.size(); ++i) inv[i] = std::pow(160000.f, -2.f * i / c.rope_dim);
+    Mirror f(cpu(), gpu(), inv);
+    std::vector<int64_t> positions(c.entries);
+    for (int64_t e = 0; e < c.entries; ++e) positions[e] = e * 4 + (e % 3) * 100000;
+    Mirror pos(cpu(), gpu(), positions);
+    Mirror out(cpu(), gpu(), c.entries * c.dim * 4);
+    out.poison();
+    std::vector<const float*> ckv, csc, gkv, gsc;
+    std::vector<float*> cout, gout;
+    for (int64_t e = 0; e < c.entries; ++e) {
+      for (int s = 0; s < c.slots; ++s) {
+        const int64_t r = (e * c.slots + (s * 7) % c.slots);
+        const bool empty = (e == 0 && s < c.slots / 2) || (e == 2 && s == 1);  // CSA's first window, a hole
+        ckv.push_back(empty ? nullptr : kv.cpu() + r * c.dim);
+        csc.push_back(empty ? nullptr : sc.cpu() + r * c.dim);
+        gkv.push_back(empty ? nullptr : kv.gpu() + r * c.dim);
+        gsc.push_back(empty ? nullptr : sc.gpu() + r * c.dim);
+      }
+      cout.push_back(out.cpu() + (c.entries - 1 - e) * c.dim);
+      gout.push_back(out.gpu() + (c.entries - 1 - e) * c.dim);
+    }
+    RopeTable tc{f.cpu(), c.rope_dim, 1.f}, tg{f.gpu(), c.rope_dim, 1.f};
+    cpu().compress(c.entries, c.slots, c.dim, upload(cpu(), ckv), upload(cpu(), csc), w.cpu(), 1e-6f,
+                   pos.cpu<int64_t>(), tc, upload(cpu(), cout));
+    gpu().compress(c.entries, c.slots, c.dim, upload(gpu(), gkv), upload(gpu(), gsc), w.gpu(), 1e-6f,
+                   pos.gpu<int64_t>(), tg, upload(gpu(), gout));
+    EXPECT_CLOSE(out.gpu_host(c.entries * c.dim), out.cpu_host(c.entries * c.dim), 1e-5);
+  }
+}
+
+// Reference indexer scores in double (for judging near-ties).
+std::vector<double> index_scores(const std::vector<float>& q, const std::vector<float>& w, int64_t t, int heads,
+                                 int64_t dim, const std::vector<float>& pool, const std::vector<int64_t>& rows,
+                                 float scale, float wscale) {
+  std::vector<double> s(rows.size());
+  for (size_t j = 0; j < rows.size(); ++j) {
+    double total = 0;
+    for (int h = 0; h < heads; ++h) {
+      double dot = 0;
+      for (int64_t i = 0; i < dim; ++i) dot += static_cast<double>(q[(t * heads + h) * dim + i]) * pool[rows[j] * dim + i];
+      total += std::max(dot, 0.0) * scale * w[t * heads + h] * wscale;
+    }
+    s[j] = total;
+  }
+  return s;
+}
+
+TEST_F(CudaBackendTest, indexer_topk_picks_the_cpu_set) {
+  struct Case {
+    int heads;
+    int64_t dim;
+    int k;
+    std::vector<int64_t> lengths;
+  };
+  const Case cases[] = {{64, 128, 512, {0, 100, 512, 513, 3000, 20000}}, {4, 32, 16, {3, 64, 65, 1000}},
+                        {64, 128, 2048, {5000}}};
+  for (const auto& c : cases) {
+    const int64_t n = static_cast<int64_t>(c.lengths.size());
+    const int64_t pool_rows = *std::max_element(c.lengths.begin(), c.lengths.end()) + 7;
+    std::vector<float> pool = randn(pool_rows * c.dim, rng_);
+    std::vector<float> q = randn(n * c.heads * c.dim, rng_), w = randn(n * c.heads, rng_);
+    Mirror P(cpu(), gpu(), pool), Q(cpu(), gpu(), q), Wt(cpu(), gpu(), w);
+    std::vector<const float*> crows, grows;
+    std::vector<int64_t> offsets{0};
+    std::vector<std::vector<int64_t>> row_ids(n);
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t s = 0; s < c.lengths[t]; ++s) {
+        const int64_t r = (s * 13 + t) % pool_rows;
+        row_ids[t].push_back(r);
+        crows.push_back(P.cpu() + r * c.dim);
+        grows.push_back(P.gpu() + r * c.dim);
+      }
+      offsets.push_back(static_cast<int64_t>(crows.size()));
+    }
+    Mirror idx(cpu(), gpu(), n * c.k * 4), cnt(cpu(), gpu(), n * 4);
+    idx.poison();
+    cnt.poison();
+    const float scale = 1.f / std::sqrt(static_cast<float>(c.dim)), wscale = 1.f / std::sqrt(static_cast<float>(c.heads));
+    cpu().indexer_topk(Q.cpu(), Wt.cpu(), n, c.heads, c.dim, scale, wscale, {upload(cpu(), crows), upload(cpu(), offsets)},
+                       c.k, idx.cpu<int32_t>(), cnt.cpu<int32_t>());
+    gpu().indexer_topk(Q.gpu(), Wt.gpu(), n, c.heads, c.dim, scale, wscale, {upload(gpu(), grows), upload(gpu(), offsets)},
+                       c.k, idx.gpu<int32_t>(), cnt.gpu<int32_t>());
+    const auto gi = idx.gpu_host<int32_t>(n * c.k), ci = idx.cpu_host<int32_t>(n * c.k);
+    const auto gc = cnt.gpu_host<int32_t>(n), cc = cnt.cpu_host<int32_t>(n);
+    for (int64_t t = 0; t < n; ++t) {
+      SCOPED_TRACE("query " + std::to_string(t) + " of " + std::to_string(c.lengths[t]) + " keys");
+      ASSERT_EQ(gc[t], cc[t]);
+      const auto ref = index_scores(q, w, t, c.heads, c.dim, pool, row_ids[t], scale, wscale);
+      std::vector<double> sorted = ref;
+      std::sort(sorted.begin(), sorted.end(), std::greater<>());
+      const double kth = gc[t] > 0 ? sorted[gc[t] - 1] : 0;
+      std::set<int32_t> cpu_set(ci.begin() + t * c.k, ci.begin() + t * c.k + cc[t]);
+      int common = 0;
+      for (int32_t j = 0; j < gc[t]; ++j) {
+        const int32_t i = gi[t * c.k + j];
+        ASSERT_GE(i, 0);
+        ASSERT_LT(i, c.lengths[t]);
+        if (j > 0) {
+          ASSERT_LT(gi[t * c.k + j - 1], i) << "indices ascending and distinct";
+        }
+        EXPECT_GE(ref[i], kth - 1e-4 * (std::fabs(kth) + 1e-3)) << "chosen key scores below the k-th";
+        common += cpu_set.count(i) > 0;
+      }
+      EXPECT_GE(common, gc[t] - std::max(2, gc[t] / 100)) << "sets differ beyond near-ties";
+    }
+  }
+}
+
+TEST_F(CudaBackendTest, attention_with_sinks_matches_cpu) {
+  struct Case {
+    int64_t n, dim;
+    int heads;
+    std::vector<int64_t> lengths;
+  };
+  const Case cases[] = {{4, 512, 64, {128 + 512, 1, 0, 700}},   // CSA decode: window + top-512
+                        {2, 512, 64, {128 + 8192, 300}},        // HCA: window + every entry (split keys)
+                        {3, 64, 8, {33, 64, 5}},                // tiny model shapes
+                        {2, 128, 80, {100, 40}},                // heads padded past 64
+                        {1, 256, 16, {257}}};
+  for (const auto& c : cases) {
+    const int64_t pool_rows = 9000;
+    Mirror P(cpu(), gpu(), randn(pool_rows * c.dim, rng_));
+    Mirror Q(cpu(), gpu(), randn(c.n * c.heads * c.dim, rng_, 0.5f));
+    Mirror sinks(cpu(), gpu(), randn(c.heads, rng_));
+    std::vector<const float*> crows, grows;
+    std::vector<int64_t> offsets{0};
+    for (int64_t t = 0; t < c.n; ++t) {
+      for (int64_t s = 0; s < c.lengths[t]; ++s) {
+        const int64_t r = (s * 31 + t * 7) % pool_rows;
+        crows.push_back(P.cpu() + r * c.dim);
+        grows.push_back(P.gpu() + r * c.dim);
+      }
+      offsets.push_back(static_cast<int64_t>(crows.size()));
+    }
+    Mirror out(cpu(), gpu(), c.n * c.heads * c.dim * 4);
+    out.poison();
+    const float scale = 1.f / std::sqrt(static_cast<float>(c.dim));
+    cpu().attention(Q.cpu(), c.n, c.heads, c.dim, {upload(cpu(), crows), upload(cpu(), offsets)}, sinks.cpu(), scale,
+                    out.cpu());
+    gpu().attention(Q.gpu(), c.n, c.heads, c.dim, {upload(gpu(), grows), upload(gpu(), offsets)}, sinks.gpu(), scale,
+                    out.gpu());
+    // bf16 operands on the tensor cores, fp32 accumulation and softmax.
+    EXPECT_CLOSE(out.gpu_host(c.n * c.heads * c.dim), out.cpu_host(c.n * c.heads * c.dim), 1e-2);
+  }
+}
+
+TEST_F(CudaBackendTest, route_matches_cpu_for_every_score_function) {
+  const int64_t rows = 9;
+  for (int experts : {256, 16, 8}) {
+    const int k = experts == 8 ? 2 : 6;
+    for (ScoreFn fn : {ScoreFn::sqrtsoftplus, ScoreFn::sigmoid, ScoreFn::softmax}) {
+      for (bool hash : {false, true}) {
+        Mirror logits(cpu(), gpu(), randn(rows * experts, rng_, 2.f));
+        Mirror bias(cpu(), gpu(), randn(experts, rng_, 0.1f));
+        std::vector<int64_t> table(50 * k);
+        for (size_t i = 0; i < table.size(); ++i) table[i] = static_cast<int64_t>((i * 7919) % experts);
+        Mirror tab(cpu(), gpu(), table);
+        std::vector<int32_t> id_host(rows);
+        for (int64_t r = 0; r < rows; ++r) id_host[r] = static_cast<int32_t>((r * 11) % 50);
+        Mirror ids(cpu(), gpu(), id_host);
+        Mirror idx(cpu(), gpu(), rows * k * 4), wt(cpu(), gpu(), rows * k * 4);
+        idx.poison();
+        wt.poison();
+        cpu().route(logits.cpu(), rows, experts, fn, bias.cpu(), k, hash ? tab.cpu<int64_t>() : nullptr,
+                    ids.cpu<int32_t>(), 1.5f, idx.cpu<int32_t>(), wt.cpu());
+        gpu().route(logits.gpu(), rows, experts, fn, bias.gpu(), k, hash ? tab.gpu<int64_t>() : nullptr,
+                    ids.gpu<int32_t>(), 1.5f, idx.gpu<int32_t>(), wt.gpu());
+        EXPECT_EQ(idx.gpu_host<int32_t>(rows * k), idx.cpu_host<int32_t>(rows * k));
+        EXPECT_CLOSE(wt.gpu_host(rows * k), wt.cpu_host(rows * k), 1e-5);
+      }
+    }
+  }
+}
+
+TEST_F(CudaBackendTest, moe_matches_cpu_on_the_pair_and_sorted_paths) {
+  const int experts = 16, k = 6;
+  for (WeightType type : {WeightType::bf16, WeightType::f32}) {
+    for (int64_t dim : {1024, 256}) {
+      const int64_t inter = dim / 2;
+      std::vector<std::unique_ptr<MirrorWeight>> g, u, d;
+      std::vector<Weight> cg, cu, cd, gg, gu, gd;
+      for (int e = 0; e < experts; ++e) {
+        g.push_back(std::make_unique<MirrorWeight>(cpu(), gpu(), inter, dim, type, rng_));
+        u.push_back(std::make_unique<MirrorWeight>(cpu(), gpu(), inter, dim, type, rng_));
+        d.push_back(std::make_unique<MirrorWeight>(cpu(), gpu(), dim, inter, type, rng_));
+        cg.push_back(g.back()->cw);
+        cu.push_back(u.back()->cw);
+        cd.push_back(d.back()->cw);
+        gg.push_back(g.back()->gw);
+        gu.push_back(u.back()->gw);
+        gd.push_back(d.back()->gw);
+      }
+      for (int64_t rows : {1, 3, 40}) {
+        SCOPED_TRACE("rows " + std::to_string(rows) + " dim " + std::to_string(dim));
+        Mirror x(cpu(), gpu(), randn(rows * dim, rng_));
+        std::vector<int32_t> idx_host(rows * k);
+        for (int64_t r = 0; r < rows; ++r) {
+          std::vector<int32_t> perm(experts);
+          std::iota(perm.begin(), perm.end(), 0);
+          std::shuffle(perm.begin(), perm.end(), rng_);
+          for (int j = 0; j < k; ++j) idx_host[r * k + j] = perm[j];
+        }
+        Mirror idx(cpu(), gpu(), idx_host);
+        Mirror wt(cpu(), gpu(), randn(rows * k, rng_, 0.5f));
+        Mirror out(cpu(), gpu(), randn(rows * dim, rng_));
+        cpu().moe(x.cpu(), rows, dim, idx.cpu<int32_t>(), wt.cpu(), k, experts, cg.data(), cu.data(), cd.data(), 10.f,
+                  out.cpu());
+        gpu().moe(x.gpu(), rows, dim, idx.gpu<int32_t>(), wt.gpu(), k, experts, gg.data(), gu.data(), gd.data(), 10.f,
+                  out.gpu());
+        // Sorted path: experts with more than 4 rows go through cuBLAS on bf16-rounded activations.
+        const bool exact = rows * k <= 64 || type == WeightType::f32;
+        EXPECT_CLOSE(out.gpu_host(rows * dim), out.cpu_host(rows * dim), exact ? 2e-5 : 1e-2);
+      }
+    }
+  }
+}
+
+TEST_F(CudaBackendTest, swiglu_and_add_match_cpu) {
+  const int64_t n = 100003;
+  Mirror g(cpu(), gpu(), randn(n, rng_, 8.f)), u(cpu(), gpu(), randn(n, rng_, 8.f));
+  Mirror y(cpu(), gpu(), n * 4);
+  y.poison();
+  cpu().swiglu(g.cpu(), u.cpu(), y.cpu(), n, 10.f);
+  gpu().swiglu(g.gpu(), u.gpu(), y.gpu(), n, 10.f);
+  EXPECT_CLOSE(y.gpu_host(n), y.cpu_host(n), 1e-6);
+  cpu().add(y.cpu(), g.cpu(), n);
+  gpu().add(y.gpu(), g.gpu(), n);
+  EXPECT_CLOSE(y.gpu_host(n), y.cpu_host(n), 1e-6);
+}
+
+TEST(CudaBackendPresence, reports_whether_it_was_compiled) {
+  if (!cuda_backend_compiled()) GTEST_SKIP() << "built without the CUDA backend";
+  auto b = make_cuda_backend(0);
+  if (!b) GTEST_SKIP() << "no CUDA device";
+  EXPECT_EQ(b->name(), "cuda");
+}
+
+}  // namespace
+}  // namespace troupe::kernels::testing

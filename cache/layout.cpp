@@ -58,6 +58,10 @@ CacheGeometry CacheGeometry::of(const model::ModelConfig& c, int64_t page_tokens
     raise(ErrorCode::invalid_argument, "page size {} tokens is shorter than a CSA ring ({} tokens)", page_tokens,
           2 * g.csa_rate);
   }
+  if (page_tokens < g.window && g.window % page_tokens != 0) {
+    raise(ErrorCode::invalid_argument, "page size {} tokens must be at least sliding_window {} or divide it",
+          page_tokens, g.window);
+  }
   if (g.csa_rate > 0 && g.window < 2 * g.csa_rate) {
     raise(ErrorCode::unsupported, "sliding_window {} is shorter than a CSA ring ({} tokens): the cache nests the "
           "rings in window pages", g.window, 2 * g.csa_rate);

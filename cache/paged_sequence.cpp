@@ -19,7 +19,9 @@ void PagedSequence::clear() {
     }
   }
   pages_.clear();
+  complete_.clear();
   trim_from_ = 0;
+  stored_from_ = 0;
   if (hca_ring_.valid()) tiers_.release(PoolKind::hca_ring, hca_ring_);
   hca_ring_ = {};
   length_ = 0;
@@ -40,6 +42,9 @@ void PagedSequence::adopt(std::span<const TokenPage> pages, int64_t length) {
     }
   }
   length_ = length;
+  stored_from_ = std::max<int64_t>(0, length - g_.window);
+  complete_.assign(static_cast<size_t>(length / P_), 0);
+  if (length > 0) complete_.back() = 1;
 }
 
 std::vector<int64_t> PagedSequence::checkpoints(int64_t start, int64_t end) const {
@@ -102,7 +107,22 @@ void PagedSequence::reserve(int64_t new_length) {
   }
 }
 
-void PagedSequence::commit(int64_t new_length) { length_ = new_length; }
+void PagedSequence::commit(int64_t new_length) {
+  const int64_t start = length_, W = g_.window;
+  if (new_length <= start) return;
+  // The forward stored the rows of the chunk's last window (all of a chunk no
+  // longer than a window) and of each checkpoint's window.
+  const int64_t stored = new_length - W <= start ? stored_from_ : new_length - W;
+  const auto cps = checkpoints(start, new_length);
+  if (complete_.size() < static_cast<size_t>(new_length / P_)) complete_.resize(static_cast<size_t>(new_length / P_), 0);
+  for (int64_t k = start / P_ + 1; k <= new_length / P_; ++k) {
+    const int64_t b = k * P_;
+    const bool checkpoint = std::find(cps.begin(), cps.end(), b) != cps.end();
+    if (checkpoint || std::max<int64_t>(0, b - W) >= stored) complete_[static_cast<size_t>(k - 1)] = 1;
+  }
+  stored_from_ = stored;
+  length_ = new_length;
+}
 
 void PagedSequence::trim() {
   const int64_t keep_from = std::max<int64_t>(0, std::min(length_ - g_.window, length_ / P_ * P_ - g_.window));
@@ -163,6 +183,24 @@ void PagedSequence::replace(int64_t k, PoolKind kind, PageRef to) {
   TROUPE_CHECK(r.valid(), "replace of an absent page");
   tiers_.release(kind, r);
   r = to;
+}
+
+std::vector<TokenPage> PagedSequence::prefix_for_tree(int64_t every) const {
+  const int64_t full = full_pages();
+  std::vector<TokenPage> out(pages_.begin(), pages_.begin() + full);
+  std::vector<uint8_t> keep(static_cast<size_t>(full), 0);
+  const int64_t span = (g_.window + P_ - 1) / P_;  // pages of one window
+  for (int64_t b = 1; b <= full; ++b) {
+    if (!window_complete(b - 1) || (b != full && (every <= 0 || b % every != 0))) continue;
+    bool held = true;
+    for (int64_t k = std::max<int64_t>(0, b - span); k < b; ++k) held &= out[static_cast<size_t>(k)].window().valid();
+    if (!held) continue;
+    for (int64_t k = std::max<int64_t>(0, b - span); k < b; ++k) keep[static_cast<size_t>(k)] = 1;
+  }
+  for (int64_t k = 0; k < full; ++k) {
+    if (keep[static_cast<size_t>(k)] == 0) out[static_cast<size_t>(k)].window() = {};
+  }
+  return out;
 }
 
 std::vector<std::pair<PoolKind, PageRef>> PagedSequence::held() const {

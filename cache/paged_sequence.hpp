@@ -58,7 +58,16 @@ class PagedSequence final : public model::SequenceState {
   std::span<const TokenPage> pages() const { return pages_; }
   // Token pages [0, length / page_tokens) are full and immutable.
   int64_t full_pages() const { return length_ / P_; }
+  // Whether every window row of [B - window, B), B = (k+1) * page_tokens, was
+  // stored: the window pages of boundary B then make it resumable.
+  bool window_complete(int64_t k) const {
+    return k >= 0 && static_cast<size_t>(k) < complete_.size() && complete_[static_cast<size_t>(k)] != 0;
+  }
   PageRef hca_ring() const { return hca_ring_; }
+  // Token pages [0, full_pages()) to insert into the radix tree, with the
+  // window pages of the checkpoints worth keeping: the last page boundary and,
+  // when every > 0, every every-th boundary whose window is complete.
+  std::vector<TokenPage> prefix_for_tree(int64_t every) const;
   // Points page k's `kind` (or the HCA ring, with k ignored) at `to`, taking
   // over the caller's reference on `to` and releasing the one on the old page.
   // For moves between tiers whose contents were copied.
@@ -82,6 +91,8 @@ class PagedSequence final : public model::SequenceState {
   int64_t checkpoint_every_;
   int64_t length_ = 0;
   int64_t trim_from_ = 0;  // no window page is held below this token page
+  int64_t stored_from_ = 0;  // window rows of [stored_from_, length_) are all stored
+  std::vector<uint8_t> complete_;  // per token page: window_complete()
   std::vector<TokenPage> pages_;
   PageRef hca_ring_;
 };

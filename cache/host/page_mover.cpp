@@ -31,6 +31,7 @@ bool PageMover::start(std::span<const std::pair<PoolKind, PageRef>> sources, Tie
     copies.push_back({tiers_.page(kind, dst), tiers_.page(kind, ref), bytes, to});
     bytes_ += bytes;
     b.moves.push_back({kind, ref, dst});
+    sources_.emplace(index(kind), static_cast<int>(ref.tier), ref.id);
   }
   const auto ticket = copies_.submit(std::move(copies));
   batches_.emplace(ticket, std::move(b));
@@ -38,6 +39,9 @@ bool PageMover::start(std::span<const std::pair<PoolKind, PageRef>> sources, Tie
 }
 
 void PageMover::finish(Batch& b, bool run_callback) {
+  for (const auto& m : b.moves) {
+    sources_.erase(sources_.find({index(m.kind), static_cast<int>(m.from.tier), m.from.id}));
+  }
   if (run_callback && b.done) b.done(b.moves);
   for (const auto& m : b.moves) {
     tiers_.release(m.kind, m.from);
@@ -60,6 +64,15 @@ int PageMover::poll() {
 
 void PageMover::wait_one() {
   if (!batches_.empty()) copies_.wait(batches_.begin()->first);
+}
+
+void PageMover::wait_all() {
+  if (!batches_.empty()) copies_.wait(batches_.rbegin()->first);
+  poll();
+}
+
+bool PageMover::moving(PoolKind kind, PageRef ref) const {
+  return sources_.count({index(kind), static_cast<int>(ref.tier), ref.id}) > 0;
 }
 
 void PageMover::for_each_page(const std::function<void(PoolKind, PageRef)>& visit) const {

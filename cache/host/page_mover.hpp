@@ -12,6 +12,8 @@
 
 #include <functional>
 #include <map>
+#include <set>
+#include <tuple>
 #include <span>
 #include <vector>
 
@@ -38,8 +40,11 @@ class PageMover {
   bool start(std::span<const std::pair<PoolKind, PageRef>> sources, Tier to, Done done);
   // Runs the callbacks of finished batches; returns how many finished.
   int poll();
-  // Blocks until the oldest batch in flight is done (then poll() it).
+  // Block until the oldest batch / every batch in flight is done (then poll()).
   void wait_one();
+  void wait_all();
+  // Whether a copy of this page is in flight (as a source).
+  bool moving(PoolKind kind, PageRef ref) const;
   size_t in_flight() const { return batches_.size(); }
   uint64_t bytes_moved() const { return bytes_; }
   // References the mover holds: (kind, ref) of every source and target in flight.
@@ -55,6 +60,7 @@ class PageMover {
   Tiers tiers_;
   CopyEngine& copies_;
   std::map<CopyEngine::Ticket, Batch> batches_;
+  std::multiset<std::tuple<int, int, PageId>> sources_;  // (kind, tier, id) of sources in flight
   uint64_t bytes_ = 0;
 };
 

@@ -42,6 +42,13 @@ class PagePool {
   void retain(PageId page);
   void release(PageId page);
   int32_t refs(PageId page) const;
+  // Calls visit(page, refs) for every page in use.
+  template <class Visit>
+  void for_each_in_use(Visit visit) const {
+    for (size_t i = 0; i < refs_.size(); ++i) {
+      if (refs_[i] > 0) visit(static_cast<PageId>(i), refs_[i]);
+    }
+  }
 
   // Takes one slab from the arena; false when the arena has none.
   bool grow();

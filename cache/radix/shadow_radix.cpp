@@ -111,10 +111,8 @@ ShadowRadix::Node* ShadowRadix::split(Node* node, int64_t pages) {
 ShadowRadix::Node* ShadowRadix::insert(std::span<const int32_t> tokens, std::span<const TokenPage> pages) {
   const auto n = static_cast<int64_t>(pages.size());
   TROUPE_CHECK(static_cast<int64_t>(tokens.size()) >= n * P_, "insert needs the tokens of every page");
-  // The window of the inserted range's end: pages [first_window, n).
-  const int64_t first_window = std::max<int64_t>(0, n * P_ - g_.window) / P_;
-  auto take_window = [&](TokenPage& mine, const TokenPage& given, int64_t k) {
-    if (k >= first_window && !mine.window().valid() && given.window().valid()) {
+  auto take_window = [&](TokenPage& mine, const TokenPage& given, int64_t) {
+    if (!mine.window().valid() && given.window().valid()) {
       mine.window() = given.window();
       tiers_.retain(PoolKind::window, mine.window());
     }
@@ -176,12 +174,17 @@ void ShadowRadix::drop_window(TokenPage& tp) {
   tp.window() = {};
 }
 
-int64_t ShadowRadix::tombstone(int64_t want) {
+int64_t ShadowRadix::tombstone(int64_t want, bool tails) {
+  const int64_t span = (g_.window + P_ - 1) / P_;  // the tail window's pages
+  auto droppable = [&](const Node& n, size_t i) {
+    const bool tail = static_cast<int64_t>(i) >= static_cast<int64_t>(n.pages.size()) - span;
+    return n.pages[i].window().on(Tier::device) && (!tail || (tails && !n.children.empty()));
+  };
   std::vector<Node*> order;
   visit_nodes(root_, [&](const Node& n) {
     if (n.locks > 0) return;
-    for (const auto& tp : n.pages) {
-      if (tp.window().on(Tier::device)) {
+    for (size_t i = 0; i < n.pages.size(); ++i) {
+      if (droppable(n, i)) {
         order.push_back(const_cast<Node*>(&n));
         return;
       }
@@ -190,9 +193,10 @@ int64_t ShadowRadix::tombstone(int64_t want) {
   std::sort(order.begin(), order.end(), [](const Node* a, const Node* b) { return a->last_use < b->last_use; });
   int64_t freed = 0;
   for (Node* n : order) {
-    for (auto& tp : n->pages) {
+    for (size_t i = 0; i < n->pages.size(); ++i) {
+      auto& tp = n->pages[i];
       if (freed >= want) return freed;
-      if (!tp.window().on(Tier::device)) continue;
+      if (!droppable(*n, i)) continue;
       if (tiers_.device().pool(PoolKind::window).refs(tp.window().id) == 1) ++freed;
       drop_window(tp);
     }

@@ -60,9 +60,11 @@ class ShadowRadix {
   Match match(std::span<const int32_t> tokens, int64_t limit);
 
   // Inserts tokens[0, pages.size() * page_tokens) with their pages. The tree
-  // retains the entry pages of pages it lacks and the window pages of the
-  // inserted range's end (a checkpoint); pages it already has stay its own.
-  // Returns the node that ends at the inserted range's end (the root for none).
+  // retains the entry pages of pages it lacks and every window page given
+  // where it has none: the caller passes only the windows of checkpoints
+  // (boundaries B whose rows [B - window, B) are all stored), at least the one
+  // of the inserted range's end. Returns the node that ends at the inserted
+  // range's end (the root for none).
   Node* insert(std::span<const int32_t> tokens, std::span<const TokenPage> pages);
 
   // A lock pins a node and its ancestors while a sequence uses their pages.
@@ -70,9 +72,13 @@ class ShadowRadix {
   void unlock(Node* node);
 
   // Drops window pages of unlocked nodes, least recently used first, until
-  // `want` device window pages were freed (or none are left). Returns how many
-  // were freed (pages other holders still reference are dropped but not counted).
-  int64_t tombstone(int64_t want);
+  // `want` device window pages were freed (or none are left); the node stays
+  // and its entries keep serving matches that resume at a later checkpoint.
+  // The window of a node's end (its tail checkpoint) is dropped only when
+  // `tails` is set, and only for nodes with children (a leaf without it is
+  // worth nothing: evict it instead). Returns how many pages were freed
+  // (pages other holders still reference are dropped but not counted).
+  int64_t tombstone(int64_t want, bool tails = false);
 
   // Unlocked nodes with pages in `tier` none of whose children has pages in
   // that tier, least recently used first: what to spill (device) or erase.

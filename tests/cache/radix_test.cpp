@@ -40,7 +40,7 @@ struct Fixture {
     return logits;
   }
   ShadowRadix::Node* insert(ShadowRadix& t, const std::vector<int32_t>& ids, const PagedSequence& s) {
-    return t.insert(ids, s.pages().subspan(0, static_cast<size_t>(s.full_pages())));
+    return t.insert(ids, s.prefix_for_tree(0));
   }
 };
 
@@ -123,9 +123,20 @@ TEST(ShadowRadix, tombstones_keep_entries_and_drop_windows) {
   sa.reset();
   EXPECT_EQ(t.match(a, 8 * f.P).resumable, 8 * f.P);
   t.lock(node);
-  EXPECT_EQ(t.tombstone(100), 0);  // locked nodes keep their windows
+  EXPECT_EQ(t.tombstone(100, true), 0);  // locked nodes keep their windows
   t.unlock(node);
-  EXPECT_GT(t.tombstone(100), 0);
+  EXPECT_EQ(t.tombstone(100, true), 0);  // a leaf keeps its tail window
+  // A child makes the tail droppable.
+  auto b = a;
+  auto tail = test::random_ids(rng, 2 * f.P, f.m.config().vocab_size);
+  b.insert(b.end(), tail.begin(), tail.end());
+  auto sb = f.run(b, {10 * f.P});
+  f.insert(t, b, *sb);
+  sb.reset();
+  EXPECT_EQ(t.node_count(), 2);
+  EXPECT_GT(t.tombstone(100, true), 0);
+  EXPECT_EQ(t.match(b, 10 * f.P).resumable, 10 * f.P);  // the child's tail still serves
+  t.erase(const_cast<ShadowRadix::Node*>(t.eviction_order(Tier::device).front()));
   EXPECT_EQ(f.device.in_use(PoolKind::window), 0);
   auto m = t.match(a, 8 * f.P);
   EXPECT_EQ(m.matched, 8 * f.P);  // the entries still match ...

@@ -47,6 +47,27 @@ void PagedSequence::adopt(std::span<const TokenPage> pages, int64_t length) {
   if (length > 0) complete_.back() = 1;
 }
 
+void PagedSequence::restore(std::vector<TokenPage> pages, PageRef hca_ring, int64_t length) {
+  TROUPE_CHECK(length_ == 0 && pages_.empty() && !hca_ring_.valid(), "restore() starts a fresh sequence");
+  TROUPE_CHECK(static_cast<int64_t>(pages.size()) >= length / P_, "restore() needs every full page");
+  pages_ = std::move(pages);
+  hca_ring_ = hca_ring;
+  length_ = length;
+  stored_from_ = std::max<int64_t>(0, length - g_.window);
+  trim_from_ = stored_from_ / P_;
+  complete_.assign(static_cast<size_t>(length / P_), 0);
+  // The window of the last page boundary came along if the exporter kept it.
+  const int64_t last = length / P_;
+  bool held = last > 0;
+  for (int64_t k = std::max<int64_t>(0, last * P_ - g_.window) / P_; k < last; ++k) {
+    held &= pages_[static_cast<size_t>(k)].window().valid();
+  }
+  if (held) complete_.back() = 1;
+  for (int64_t k = std::max<int64_t>(0, length - g_.window) / P_; k < g_.pages_for(length); ++k) {
+    TROUPE_CHECK(pages_[static_cast<size_t>(k)].window().valid(), "restored state lacks its window pages");
+  }
+}
+
 std::vector<int64_t> PagedSequence::checkpoints(int64_t start, int64_t end) const {
   std::vector<int64_t> out;
   if (!checkpoints_) return out;

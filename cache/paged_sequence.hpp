@@ -32,6 +32,11 @@ class PagedSequence final : public model::SequenceState {
   // length/page_tokens long, with window pages covering [length - window, length).
   void adopt(std::span<const TokenPage> pages, int64_t length);
 
+  // Starts an empty sequence at `length` tokens on pages whose references the
+  // caller hands over (an imported state): the window pages must cover
+  // [length - window, length) and the HCA ring the open window.
+  void restore(std::vector<TokenPage> pages, PageRef hca_ring, int64_t length);
+
   // Device pages per pool that reserve(new_length) would lease.
   PoolCounts pages_needed(int64_t new_length) const;
 

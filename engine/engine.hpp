@@ -20,6 +20,8 @@
 #include <atomic>
 #include <condition_variable>
 #include <functional>
+#include <future>
+#include <optional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -76,7 +78,29 @@ struct EngineStats {
   int64_t tree_nodes = 0, tree_pages = 0;
   uint64_t copied_bytes = 0;
   std::string waiting_reason;       // why the head of the queue waits (empty when nothing waits on memory)
+  // Per pool; the holder columns (leased, parked, cached, in_flight, leaked)
+  // are refreshed every 32 steps and whenever the engine is idle.
   std::array<PoolAudit, cache::kPoolKinds> device{}, host{};
+};
+
+// A request's whole state, detached from any engine: what PD handoff and
+// migration move to another engine with the same model and page size. Pages
+// are the raw bytes of the pool pages (cache/layout.hpp) a sequence holds.
+struct SequenceImage {
+  struct Page {
+    int64_t index = 0;  // token page; -1 for the HCA ring
+    cache::PoolKind kind = cache::PoolKind::window;
+    std::vector<std::byte> bytes;
+  };
+  Request request;
+  std::vector<int32_t> tokens;  // prompt and sampled tokens; the last one is not in the state yet
+  int64_t length = 0;           // tokens in the state
+  int32_t generated = 0;
+  uint64_t seed = 0;
+  Usage usage;
+  int64_t page_tokens = 0;
+  std::vector<Page> pages;
+  uint64_t bytes() const;
 };
 
 class Engine {
@@ -96,6 +120,13 @@ class Engine {
   // when the device tier has room. Tokens are identical to an unparked run.
   void park(RequestId id);
   void resume(RequestId id);
+  // PD handoff: copies a parked request's state out; the request stays parked
+  // until abort() (after the receiver confirms). Fulfilled on the engine
+  // thread's next step; empty when the id is not parked.
+  std::future<std::optional<SequenceImage>> export_parked(RequestId id);
+  // Continues a request from another engine's export under a new id (events
+  // as for submit; a bad image finishes with an error event).
+  RequestId import(SequenceImage image);
   EngineStats stats() const;  // as of the end of the last step
   std::vector<Event> take_events();
 
@@ -125,11 +156,14 @@ class Engine {
   struct Batch;
 
   // engine.cpp
+  void send(Command c);
   void drain_inbox();
   void emit(Event e);
   void publish_stats();
   void finish(Seq& s, FinishReason reason, ErrorCode code = ErrorCode::internal, std::string message = {});
   void admit_request(RequestId id, Request r);
+  std::optional<SequenceImage> export_image(RequestId id);
+  void import_image(RequestId id, SequenceImage image);
   // schedule.cpp
   bool try_admit(Seq& s, int64_t budget, Batch& batch);
   int64_t fit_chunk(Seq& s, int64_t n);

@@ -36,6 +36,7 @@ struct Request {
   LogitsMode logits = LogitsMode::none;
   bool prefix_cache = true;      // match from and insert into the radix tree
   int64_t max_chunk_tokens = 0;  // cap on prefill tokens per step for this request; 0: the step budget
+  bool park_after_prefill = false;  // PD prefill: park once the first token is sampled (then export_parked)
 };
 
 enum class FinishReason : uint8_t { stop, length, abort, error };

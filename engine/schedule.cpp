@@ -249,6 +249,8 @@ void Engine::after_chunk(Seq& s, int64_t n, const float* rows, int64_t row_count
     finish(s, FinishReason::stop);
   } else if (s.generated >= p.max_tokens || static_cast<int64_t>(s.tokens.size()) >= c.max_position_embeddings) {
     finish(s, FinishReason::length);
+  } else if (s.req.park_after_prefill && s.generated == 1) {
+    start_park(s);  // PD prefill: the state waits in the host tier for export_parked()
   }
 }
 

@@ -44,9 +44,11 @@ struct Engine::Seq {
 };
 
 struct Engine::Command {
-  enum Kind : uint8_t { submit, abort, park, resume } kind = submit;
+  enum Kind : uint8_t { submit, abort, park, resume, export_state, import_state } kind = submit;
   RequestId id = 0;
   Request request;
+  std::shared_ptr<std::promise<std::optional<SequenceImage>>> exported;
+  std::shared_ptr<SequenceImage> image;
 };
 
 struct Engine::Batch {

@@ -217,3 +217,85 @@ TEST(Engine, runs_on_its_own_thread) {
 
 }  // namespace
 }  // namespace troupe::engine
+
+namespace troupe::engine {
+namespace {
+
+// PD handoff: a prefill engine parks the request after its first token, its
+// state is exported as an image and imported by a decode engine, which
+// continues with the tokens of a single engine's run.
+TEST(EngineHandoff, prefill_then_decode_elsewhere_gives_the_same_tokens) {
+  auto& m = tiny();
+  std::mt19937_64 rng(17);
+  const auto prompt = test::random_ids(rng, 333, m.config().vocab_size);
+  auto request = [&] {
+    auto r = test::greedy(prompt, 10, LogitsMode::sampled);
+    r.sampling.temperature = 0.7f;
+    r.sampling.seed = 5;
+    return r;
+  };
+  Harness one(m, EngineOptions{});
+  const auto whole = one.submit(request());
+  one.run();
+
+  EngineOptions with_host;
+  with_host.host_bytes = 32 << 20;
+  for (bool decode_host : {true, false}) {
+    Harness prefill(m, with_host);
+    auto r = request();
+    r.park_after_prefill = true;
+    const auto id = prefill.submit(std::move(r));
+    prefill.run();
+    ASSERT_FALSE(prefill[id].finished);
+    ASSERT_EQ(prefill[id].generated.size(), 1u);
+    auto future = prefill.engine().export_parked(id);
+    prefill.engine().step();
+    auto image = future.get();
+    ASSERT_TRUE(image.has_value());
+    EXPECT_GT(image->bytes(), 0u);
+    EXPECT_EQ(image->length, static_cast<int64_t>(prompt.size()));
+
+    EngineOptions o;
+    if (decode_host) o.host_bytes = 32 << 20;
+    Harness decode(m, o);
+    const auto moved = decode.engine().import(std::move(*image));
+    decode.run();
+    ASSERT_TRUE(decode[moved].finished) << decode[moved].last.message;
+    EXPECT_EQ(decode[moved].last.reason, FinishReason::length);
+    std::vector<int32_t> tokens = prefill[id].generated;
+    tokens.insert(tokens.end(), decode[moved].generated.begin(), decode[moved].generated.end());
+    EXPECT_EQ(tokens, one[whole].generated);
+    for (const auto& [pos, row] : decode[moved].rows) {
+      EXPECT_LE(test::max_abs_diff(row.data(), one[whole].rows.at(pos).data(), row.size()), 1e-4f);
+    }
+    // The prefill side lets go once the decode side has the state.
+    prefill.engine().abort(id);
+    prefill.run();
+    prefill.engine().clear_cache();
+    prefill.expect_no_leaks(true);
+    decode.engine().clear_cache();
+    decode.expect_no_leaks(true);
+  }
+}
+
+TEST(EngineHandoff, a_bad_image_finishes_with_an_error) {
+  auto& m = tiny();
+  Harness h(m, EngineOptions{});
+  SequenceImage im;
+  im.page_tokens = h.engine().geometry().page_tokens + 1;
+  im.tokens = {1, 2};
+  im.length = 1;
+  const auto a = h.engine().import(im);
+  im.page_tokens = h.engine().geometry().page_tokens;
+  im.length = 1;  // no window pages for the state
+  const auto b = h.engine().import(im);
+  h.run();
+  for (auto id : {a, b}) {
+    ASSERT_TRUE(h[id].finished);
+    EXPECT_EQ(h[id].last.code, ErrorCode::invalid_argument) << h[id].last.message;
+  }
+  h.expect_no_leaks(true);
+}
+
+}  // namespace
+}  // namespace troupe::engine

@@ -95,59 +95,68 @@ void bench_radix(const cache::CacheGeometry& g, int64_t vocab) {
             << "\n";
 }
 
-// Decode steps/s of `batch` sequences: the engine, and Model::forward over DenseStates.
+// Decode steps/s of `batch` sequences: the engine, and Model::forward over
+// DenseStates (the peer), measured in alternating rounds so that load from
+// other processes hits both alike.
 void bench_engine(model::Model& m, int batch, int64_t prompt, int steps) {
   std::mt19937_64 rng(3);
   const int64_t V = m.config().vocab_size;
   std::vector<std::vector<int32_t>> prompts;
   for (int i = 0; i < batch; ++i) prompts.push_back(random_ids(rng, prompt, V));
-  // Peer: prefill, then `steps` decode calls of the whole batch.
-  double peer = 0;
-  {
-    std::vector<std::unique_ptr<model::SequenceState>> st;
-    std::vector<model::Chunk> chunks;
-    for (auto& p : prompts) {
-      st.push_back(m.new_dense_state());
-      chunks.push_back({st.back().get(), p, model::LogitsWanted::last});
-    }
-    m.forward(chunks);
-    std::vector<int32_t> next(static_cast<size_t>(batch), 1);
-    const auto t = Clock::now();
-    for (int s = 0; s < steps; ++s) {
-      for (int i = 0; i < batch; ++i) chunks[static_cast<size_t>(i)] = {st[static_cast<size_t>(i)].get(), std::span(&next[static_cast<size_t>(i)], 1), model::LogitsWanted::last};
-      const auto logits = m.forward(chunks);
-      for (int i = 0; i < batch; ++i) {
-        const float* row = logits.data() + static_cast<size_t>(i) * static_cast<size_t>(V);
-        next[static_cast<size_t>(i)] = static_cast<int32_t>(std::max_element(row, row + V) - row);
-      }
-    }
-    peer = since(t);
+  // Peer: prefill, then decode calls of the whole batch.
+  std::vector<std::unique_ptr<model::SequenceState>> st;
+  std::vector<model::Chunk> chunks;
+  for (auto& p : prompts) {
+    st.push_back(m.new_dense_state());
+    chunks.push_back({st.back().get(), p, model::LogitsWanted::last});
   }
-  // The engine: same prompts, greedy, `steps` + 1 tokens each; time the decode steps.
+  auto logits = m.forward(chunks);
+  std::vector<int32_t> next(static_cast<size_t>(batch));
+  auto argmax = [&] {
+    for (int i = 0; i < batch; ++i) {
+      const float* row = logits.data() + static_cast<size_t>(i) * static_cast<size_t>(V);
+      next[static_cast<size_t>(i)] = static_cast<int32_t>(std::max_element(row, row + V) - row);
+    }
+  };
+  argmax();
+  // The engine: same prompts, greedy.
   engine::EngineOptions o;
   o.step_tokens = std::max<int64_t>(prompt * batch, 512);
   engine::Engine e(m, o);
   for (auto& p : prompts) {
     engine::Request r;
     r.prompt = p;
-    r.sampling.max_tokens = steps + 1;
+    r.sampling.max_tokens = steps + 2;
     r.sampling.ignore_eos = true;
     e.submit(std::move(r));
   }
   e.step();  // prefill (one call) and the first tokens
-  const auto t = Clock::now();
-  int done = 0;
-  while (e.step()) ++done;
-  const double mine = since(t);
+  double peer = 0, mine = 0;
+  const int round = 4;
+  for (int done = 0; done < steps; done += round) {
+    auto t = Clock::now();
+    for (int s = 0; s < round; ++s) {
+      for (int i = 0; i < batch; ++i) {
+        chunks[static_cast<size_t>(i)] = {st[static_cast<size_t>(i)].get(), std::span(&next[static_cast<size_t>(i)], 1),
+                                          model::LogitsWanted::last};
+      }
+      logits = m.forward(chunks);
+      argmax();
+    }
+    peer += since(t);
+    t = Clock::now();
+    for (int s = 0; s < round; ++s) e.step();
+    mine += since(t);
+  }
   std::cout << fmt::format(R"({{"bench":"engine","batch":{},"prompt":{},"steps":{},"engine_s":{:.4f},"engine_steps_per_s":{:.1f},)"
                            R"("engine_tokens_per_s":{:.0f},"forward_s":{:.4f},"forward_steps_per_s":{:.1f},"ratio":{:.3f}}})",
-                           batch, prompt, done, mine, done / mine, done * batch / mine, peer, steps / peer,
-                           (done / mine) / (steps / peer))
+                           batch, prompt, steps, mine, steps / mine, steps * batch / mine, peer, steps / peer, peer / mine)
             << "\n";
 }
 
 // Decode speed of one sequence at four times the context a capped device tier
-// holds: with the host tier (cold pages) against an uncapped device tier.
+// holds: with the host tier (cold pages) against an uncapped device tier,
+// stepping the two engines in turn.
 void bench_offload(model::Model& m, int decode) {
   std::mt19937_64 rng(4);
   const int64_t V = m.config().vocab_size;
@@ -174,31 +183,31 @@ void bench_offload(model::Model& m, int decode) {
     }
   }
   const int64_t context = 4 * reached;
-  std::vector<int32_t> prompt(long_prompt.begin(), long_prompt.begin() + context);
-  auto run = [&](engine::EngineOptions o, uint64_t* cold) {
-    engine::Engine e(m, o);
-    engine::Request r;
-    r.prompt = prompt;
-    r.sampling.max_tokens = decode + 1;
-    r.sampling.ignore_eos = true;
-    e.submit(std::move(r));
-    while (e.stats().decode_tokens == 0) e.step();  // prefill and the first token
-    const auto t = Clock::now();
-    int steps = 0;
-    while (e.step()) ++steps;
-    const double s = since(t);
-    *cold = static_cast<uint64_t>(e.stats().cold_pages);
-    return steps / s;
-  };
-  uint64_t cold = 0, none = 0;
   engine::EngineOptions roomy;
   roomy.prefix_cache = false;
   roomy.step_tokens = 512;
-  const double free_rate = run(roomy, &none);
-  const double host_rate = run(capped(true), &cold);
+  engine::Engine uncapped(m, roomy), host(m, capped(true));
+  for (auto* e : {&uncapped, &host}) {
+    engine::Request r;
+    r.prompt.assign(long_prompt.begin(), long_prompt.begin() + context);
+    r.sampling.max_tokens = decode + 2;
+    r.sampling.ignore_eos = true;
+    e->submit(std::move(r));
+    while (e->stats().decode_tokens == 0) e->step();  // prefill and the first token
+  }
+  double t_uncapped = 0, t_host = 0;
+  for (int s = 0; s < decode; ++s) {
+    auto t = Clock::now();
+    uncapped.step();
+    t_uncapped += since(t);
+    t = Clock::now();
+    host.step();
+    t_host += since(t);
+  }
   std::cout << fmt::format(R"({{"bench":"offload","device_bytes":{},"context_without_host":{},"context":{},)"
                            R"("cold_pages":{},"decode_steps_per_s_uncapped":{:.1f},"decode_steps_per_s_host_tier":{:.1f},"ratio":{:.3f}}})",
-                           capped(true).device_bytes, reached, context, cold, free_rate, host_rate, host_rate / free_rate)
+                           capped(true).device_bytes, reached, context, host.stats().cold_pages, decode / t_uncapped,
+                           decode / t_host, t_uncapped / t_host)
             << "\n";
 }
 

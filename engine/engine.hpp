@@ -179,7 +179,7 @@ class Engine {
   void keep_headroom();
   void start_park(Seq& s);
   bool start_resume(Seq& s);
-  void start_reload(Seq& s);
+  bool start_reload(Seq& s);
   void unlock(Seq& s);
   Seq* find(RequestId id);
 

@@ -144,23 +144,26 @@ bool Engine::try_admit(Seq& s, int64_t budget, Batch& batch) {
     s.state.reset();
     return false;
   }
+  if (m.on_host && resumable > 0 && !start_reload(s)) {
+    counters_.waiting_reason = fmt::format("request {} waits for device pages to reload its cached prefix", s.id);
+    unlock(s);
+    s.state.reset();
+    return false;
+  }
   // Admitted.
   s.order = ++admit_counter_;
   if (!s.admitted_once) {
     s.usage.cached_tokens = resumable;
     s.usage.recomputed_tokens += m.matched - resumable;
+    counters_.recomputed_tokens += m.matched - resumable;
   } else {
     s.usage.recomputed_tokens += std::max<int64_t>(0, s.computed_before - resumable);
     counters_.recomputed_tokens += std::max<int64_t>(0, s.computed_before - resumable);
   }
   counters_.cached_tokens += resumable;
-  counters_.recomputed_tokens += s.admitted_once ? 0 : m.matched - resumable;
   s.admitted_once = true;
   s.inserted_pages = resumable / geometry_.page_tokens;
-  if (m.on_host && resumable > 0) {
-    start_reload(s);
-    if (s.phase == Phase::loading) return true;
-  }
+  if (s.phase == Phase::loading) return true;  // runs once its prefix is back on the device
   s.phase = Phase::running;
   n = fit_chunk(s, n);
   TROUPE_CHECK(n > 0, "admission checked the room for the first chunk");

@@ -216,6 +216,14 @@ bool Engine::start_resume(Seq& s) {
     sources.emplace_back(kind, r);
     ++need[static_cast<size_t>(cache::index(kind))];
   }
+  // Room for its pages and a page of growth for every running sequence, so a
+  // resumed sequence does not stall the others (and get preempted again).
+  for (auto& [id, o] : seqs_) {
+    if (o->phase != Phase::running) continue;
+    for (PoolKind k : cache::kAllPools) {
+      if (k != PoolKind::hca_ring && geometry_.has(k)) ++need[static_cast<size_t>(cache::index(k))];
+    }
+  }
   if (!device_->can_lease(need) && !make_room(need)) {
     counters_.waiting_reason = fmt::format("parked request {} waits for device pages to resume", s.id);
     return false;
@@ -242,8 +250,9 @@ bool Engine::start_resume(Seq& s) {
 }
 
 // The adopted prefix has pages in the host tier: copy them back (the tree gets
-// the device copies too). Without room, a readable host tier is read in place.
-void Engine::start_reload(Seq& s) {
+// the device copies too). Without room, a readable host tier is read in place;
+// an unreadable one makes the request wait (false).
+bool Engine::start_reload(Seq& s) {
   std::vector<std::pair<PoolKind, PageRef>> sources;
   std::vector<std::pair<int64_t, PoolKind>> where;
   const auto pages = s.state->pages();
@@ -272,10 +281,11 @@ void Engine::start_reload(Seq& s) {
   });
   if (ok) {
     s.phase = Phase::loading;
-  } else {
-    TROUPE_CHECK(host_->memory().backend_readable(), "a prefix in an unreadable host tier needs room to reload");
-    s.phase = Phase::running;
+    return true;
   }
+  if (!host_->memory().backend_readable()) return false;
+  s.phase = Phase::running;
+  return true;
 }
 
 }  // namespace troupe::engine

@@ -486,12 +486,41 @@ void Engine::publish_stats() {
     if (s->phase == Phase::running || s->phase == Phase::loading) ++counters_.running;
     if (s->phase == Phase::parked || s->phase == Phase::parking || s->phase == Phase::resuming) ++counters_.parked;
   }
+  const bool full = counters_.steps % 32 == 0 || idle();
+  if (full) counters_.requests.clear();
+  static const char* phases[] = {"waiting", "loading", "running", "parking", "parked", "resuming"};
+  for (const auto& [id, s] : seqs_) {
+    if (!full) break;
+    RequestStatus r;
+    r.id = id;
+    r.phase = phases[static_cast<int>(s->phase)];
+    r.length = s->length();
+    r.tokens = static_cast<int64_t>(s->tokens.size());
+    r.max_tokens = s->prompt_len + s->req.sampling.max_tokens;
+    if (s->state) {
+      for (auto [k, ref] : s->state->held()) {
+        (ref.tier == Tier::device ? r.device_bytes : r.host_bytes) += static_cast<int64_t>(geometry_.pool(k).page_bytes);
+      }
+    }
+    counters_.requests.push_back(std::move(r));
+  }
+  auto free_bytes = [](const cache::PoolSet& set) {
+    uint64_t b = static_cast<uint64_t>(set.arena().slabs_free()) * set.arena().slab_bytes();
+    for (PoolKind k : cache::kAllPools) b += static_cast<uint64_t>(set.pool(k).free_pages()) * set.pool(k).layout().page_bytes;
+    return b;
+  };
+  counters_.device_budget_bytes = static_cast<uint64_t>(device_->arena().slabs_total()) * device_->arena().slab_bytes();
+  counters_.device_free_bytes = free_bytes(*device_);
+  if (host_) {
+    counters_.host_budget_bytes = static_cast<uint64_t>(host_->arena().slabs_total()) * host_->arena().slab_bytes();
+    counters_.host_free_bytes = free_bytes(*host_);
+  }
   counters_.tree_nodes = tree_->node_count();
   counters_.tree_pages = tree_->cached_pages();
   counters_.copied_bytes = copies_->bytes_copied();
   // The full audit walks every page table: every 32 steps and when idle;
   // pool occupancy every step.
-  if (counters_.steps % 32 == 0 || idle()) {
+  if (full) {
     counters_.device = audit(Tier::device);
     counters_.host = audit(Tier::host);
   } else {

@@ -64,6 +64,18 @@ struct PoolAudit {
   int64_t leaked = 0;
 };
 
+// One request as the engine sees it, for policies (e.g. park the one with
+// the largest projected state).
+struct RequestStatus {
+  RequestId id = 0;
+  std::string phase;             // waiting, loading, running, parking, parked, resuming
+  int64_t length = 0;            // tokens in the state
+  int64_t tokens = 0;            // prompt + sampled
+  int64_t max_tokens = 0;        // prompt + the most it may sample: the projected length
+  int64_t device_bytes = 0;      // bytes of the pages it holds in each tier (shared pages count in full)
+  int64_t host_bytes = 0;
+};
+
 struct EngineStats {
   int64_t steps = 0;
   int64_t forward_tokens = 0;       // tokens through the model
@@ -78,6 +90,9 @@ struct EngineStats {
   int64_t tree_nodes = 0, tree_pages = 0;
   uint64_t copied_bytes = 0;
   std::string waiting_reason;       // why the head of the queue waits (empty when nothing waits on memory)
+  uint64_t device_budget_bytes = 0, device_free_bytes = 0;  // free: pages not in use, plus slabs no pool holds
+  uint64_t host_budget_bytes = 0, host_free_bytes = 0;
+  std::vector<RequestStatus> requests;  // refreshed with the audit (every 32 steps, and when idle)
   // Per pool; the holder columns (leased, parked, cached, in_flight, leaked)
   // are refreshed every 32 steps and whenever the engine is idle.
   std::array<PoolAudit, cache::kPoolKinds> device{}, host{};

@@ -299,3 +299,41 @@ TEST(EngineHandoff, a_bad_image_finishes_with_an_error) {
 
 }  // namespace
 }  // namespace troupe::engine
+
+namespace troupe::engine {
+namespace {
+
+TEST(EngineStats, report_requests_pools_and_free_bytes) {
+  auto& m = tiny();
+  EngineOptions o;
+  o.host_bytes = 8 << 20;
+  Harness h(m, o);
+  std::mt19937_64 rng(18);
+  const auto a = h.submit(greedy(test::random_ids(rng, 200, m.config().vocab_size), 50));
+  h.engine().step();
+  h.engine().park(a);
+  h.run();  // idle once parked
+  auto s = h.engine().stats();
+  ASSERT_EQ(s.requests.size(), 1u);
+  EXPECT_EQ(s.requests[0].phase, "parked");
+  EXPECT_EQ(s.requests[0].device_bytes, 0);
+  EXPECT_GT(s.requests[0].host_bytes, 0);
+  EXPECT_EQ(s.requests[0].max_tokens, 250);
+  EXPECT_EQ(s.parked, 1);
+  EXPECT_LE(s.device_free_bytes, s.device_budget_bytes);
+  EXPECT_LT(s.host_free_bytes, s.host_budget_bytes);
+  int64_t parked_pages = 0;
+  for (const auto& p : s.host) parked_pages += p.parked;
+  EXPECT_GT(parked_pages, 0);
+  h.engine().resume(a);
+  h.run();
+  s = h.engine().stats();
+  EXPECT_TRUE(s.requests.empty());
+  EXPECT_EQ(s.parks, 1);
+  EXPECT_EQ(s.resumes, 1);
+  EXPECT_EQ(h[a].generated.size(), 50u);
+  h.expect_dense_logits(a);
+}
+
+}  // namespace
+}  // namespace troupe::engine

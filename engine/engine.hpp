@@ -48,7 +48,7 @@ struct EngineOptions {
   int32_t max_running = 256;                  // sequences admitted at once
   bool prefix_cache = true;
   int64_t checkpoint_every_pages = 0;         // extra prefill checkpoints (denser resume points, more window pages)
-  int64_t decode_insert_every_pages = 8;      // insert a decoding sequence's prefix every N pages (0: at finish only)
+  int64_t decode_insert_every_pages = 16;     // insert a decoding sequence's prefix every N pages (0: at finish only)
   bool cold_pages = true;                     // with a readable host tier: old entry pages of long sequences move there
   int64_t hot_pages = 2;                      // full token pages per sequence kept on the device when moving cold pages
 };

@@ -177,12 +177,16 @@ void ShadowRadix::drop_window(TokenPage& tp) {
 int64_t ShadowRadix::tombstone(int64_t want, bool tails) {
   const int64_t span = (g_.window + P_ - 1) / P_;  // the tail window's pages
   auto droppable = [&](const Node& n, size_t i) {
+    const PageRef w = n.pages[i].window();
+    if (!w.on(Tier::device)) return false;
+    // On a locked path only windows nobody else holds: the running sequence
+    // does not read them, they only serve later matches.
+    if (n.locks > 0 && tiers_.device().pool(PoolKind::window).refs(w.id) > 1) return false;
     const bool tail = static_cast<int64_t>(i) >= static_cast<int64_t>(n.pages.size()) - span;
-    return n.pages[i].window().on(Tier::device) && (!tail || (tails && !n.children.empty()));
+    return !tail || (tails && (!n.children.empty() || n.locks > 0));
   };
   std::vector<Node*> order;
   visit_nodes(root_, [&](const Node& n) {
-    if (n.locks > 0) return;
     for (size_t i = 0; i < n.pages.size(); ++i) {
       if (droppable(n, i)) {
         order.push_back(const_cast<Node*>(&n));

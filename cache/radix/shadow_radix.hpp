@@ -16,7 +16,8 @@
 //
 // Ownership: the tree holds one reference on every page it lists and releases
 // it on tombstone, erase or destruction. Locked nodes (and their ancestors)
-// are never tombstoned, erased or spilled. Engine thread only.
+// are never erased or spilled, and lose only checkpoint windows no sequence
+// holds. Engine thread only.
 #pragma once
 
 #include <cstdint>
@@ -71,13 +72,14 @@ class ShadowRadix {
   void lock(Node* node);
   void unlock(Node* node);
 
-  // Drops window pages of unlocked nodes, least recently used first, until
-  // `want` device window pages were freed (or none are left); the node stays
-  // and its entries keep serving matches that resume at a later checkpoint.
-  // The window of a node's end (its tail checkpoint) is dropped only when
-  // `tails` is set, and only for nodes with children (a leaf without it is
-  // worth nothing: evict it instead). Returns how many pages were freed
-  // (pages other holders still reference are dropped but not counted).
+  // Drops checkpoint window pages, least recently used first, until `want`
+  // device window pages were freed (or none are left); the node stays and its
+  // entries keep serving matches that resume at a later checkpoint. On locked
+  // nodes only windows no sequence holds are dropped. The window of a node's
+  // end (its tail checkpoint) is dropped only when `tails` is set, and only
+  // for nodes with children or locks (an unused leaf without it is worth
+  // nothing: evict it instead). Returns how many pages were freed (pages
+  // other holders still reference are dropped but not counted).
   int64_t tombstone(int64_t want, bool tails = false);
 
   // Unlocked nodes with pages in `tier` none of whose children has pages in

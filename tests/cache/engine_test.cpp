@@ -337,3 +337,29 @@ TEST(EngineStats, report_requests_pools_and_free_bytes) {
 
 }  // namespace
 }  // namespace troupe::engine
+
+namespace troupe::engine {
+namespace {
+
+// Decode checkpoints on a running sequence's own path give way under pressure:
+// a long generation does not run out of window pages.
+TEST(Engine, decode_checkpoints_yield_to_a_long_generation) {
+  auto& m = tiny();
+  const auto g = cache::CacheGeometry::of(m.config());
+  EngineOptions o;
+  o.slab_bytes = cache::PoolSet::default_slab_bytes(g);
+  o.device_bytes = 7 * o.slab_bytes;
+  o.decode_insert_every_pages = 1;  // a checkpoint every page
+  Harness h(m, o);
+  std::mt19937_64 rng(19);
+  const auto id = h.submit(greedy(test::random_ids(rng, 100, m.config().vocab_size), 700, LogitsMode::none));
+  h.run();
+  ASSERT_TRUE(h[id].finished);
+  EXPECT_EQ(h[id].last.reason, FinishReason::length) << h[id].last.message;
+  EXPECT_GT(h.engine().stats().tombstoned_pages, 0);
+  h.engine().clear_cache();
+  h.expect_no_leaks(true);
+}
+
+}  // namespace
+}  // namespace troupe::engine

@@ -120,12 +120,12 @@ TEST(ShadowRadix, tombstones_keep_entries_and_drop_windows) {
   auto sa = f.run(a, {4 * f.P, 4 * f.P});
   ShadowRadix t(f.tiers);
   auto* node = f.insert(t, a, *sa);
-  sa.reset();
   EXPECT_EQ(t.match(a, 8 * f.P).resumable, 8 * f.P);
   t.lock(node);
-  EXPECT_EQ(t.tombstone(100, true), 0);  // locked nodes keep their windows
+  EXPECT_EQ(t.tombstone(100, true), 0);  // a locked node keeps the windows its sequence holds
+  sa.reset();
   t.unlock(node);
-  EXPECT_EQ(t.tombstone(100, true), 0);  // a leaf keeps its tail window
+  EXPECT_EQ(t.tombstone(100, true), 0);  // an unused leaf keeps its tail window
   // A child makes the tail droppable.
   auto b = a;
   auto tail = test::random_ids(rng, 2 * f.P, f.m.config().vocab_size);

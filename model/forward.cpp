@@ -45,7 +45,24 @@ struct ChunkInfo {
   int64_t start;   // position of the first token
   int64_t length;  // tokens in the chunk
   int64_t row;     // first row in the batch
+  std::vector<int64_t> checkpoints;  // SequenceState::checkpoints(start, start + length)
 };
+
+// Positions of a chunk whose window (or ring) rows the forward stores: the last
+// `tail` positions, and [open(B), B) for each checkpoint B; each position once,
+// ascending.
+template <class Open>
+std::vector<int64_t> stored_positions(const ChunkInfo& ci, int64_t tail, Open open) {
+  const int64_t end = ci.start + ci.length;
+  std::vector<int64_t> out;
+  int64_t next = ci.start;  // positions below `next` are already out
+  for (int64_t b : ci.checkpoints) {
+    for (int64_t j = std::max(next, open(b)); j < b; ++j) out.push_back(j);
+    next = std::max(next, b);
+  }
+  for (int64_t j = std::max(next, end - tail); j < end; ++j) out.push_back(j);
+  return out;
+}
 
 kernels::RopeTable table(const RopeConfig& rc, const float* inv_freq) {
   return kernels::RopeTable{inv_freq, rc.rope_dim, static_cast<float>(rc.attention_factor)};
@@ -112,7 +129,13 @@ std::vector<float> Model::forward(std::span<const Chunk> chunks) {
       raise(ErrorCode::invalid_argument, "sequence of {} tokens exceeds max_position_embeddings {}",
             start + static_cast<int64_t>(ch.ids.size()), c.max_position_embeddings);
     }
-    b.chunks.push_back({ch.state, start, static_cast<int64_t>(ch.ids.size()), b.rows});
+    const auto n = static_cast<int64_t>(ch.ids.size());
+    auto checkpoints = ch.state->checkpoints(start, start + n);
+    for (size_t i = 0; i < checkpoints.size(); ++i) {
+      TROUPE_CHECK(checkpoints[i] > start && checkpoints[i] < start + n && (i == 0 || checkpoints[i] > checkpoints[i - 1]),
+                   "checkpoints must lie inside the chunk, ascending");
+    }
+    b.chunks.push_back({ch.state, start, n, b.rows, std::move(checkpoints)});
     for (size_t i = 0; i < ch.ids.size(); ++i) {
       b.positions_host.push_back(start + static_cast<int64_t>(i));
       b.ids_host.push_back(ch.ids[i]);
@@ -235,7 +258,9 @@ void Model::compress_block(int layer, Batch& b, const CompressorWeights& cw, Rin
       out.push_back(to_index_keys ? ci.state->index_key_row(layer, i) : ci.state->entry_row(layer, i));
       entry_pos.push_back(i * rate);
     }
-    for (int64_t j = std::max(ci.start, ci.start + ci.length - ring_slots); j < ci.start + ci.length; ++j) {
+    // Tokens whose windows are still open at checkpoint B: the previous window too with overlap.
+    auto open = [&](int64_t b) { return std::max<int64_t>(0, (b / rate - (overlap ? 1 : 0)) * rate); };
+    for (int64_t j : stored_positions(ci, ring_slots, open)) {
       float* dst = ci.state->ring_row(layer, ring, j);
       ring_dst.push_back(dst);
       ring_src.push_back(kv + (ci.row + j - ci.start) * cw.width);
@@ -340,7 +365,7 @@ void Model::attention_block(int layer, Batch& b, const float* h, float* out) {
   std::vector<float*> dst;
   std::vector<const float*> src;
   for (const auto& ci : b.chunks) {
-    for (int64_t j = std::max(ci.start, ci.start + ci.length - W); j < ci.start + ci.length; ++j) {
+    for (int64_t j : stored_positions(ci, W, [&](int64_t cp) { return cp - W; })) {
       dst.push_back(ci.state->swa_row(layer, j));
       src.push_back(kv + (ci.row + j - ci.start) * hd);
     }

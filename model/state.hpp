@@ -44,9 +44,22 @@ class SequenceState {
   // Declares tokens [length(), new_length) written.
   virtual void commit(int64_t new_length) = 0;
 
-  // Row addresses (backend memory). swa_row is valid for positions in
-  // [length()-sliding_window, reserved end); entry and index-key rows for
-  // i < reserved_end / rate; ring rows for any position (slot pos % ring_slots).
+  // Positions B with start < B < end (ascending) inside a chunk [start, end)
+  // at which the state wants to be resumable exactly as if a chunk had ended at
+  // B (cache/ keeps such states in a prefix tree). For each B the forward also
+  // stores the window rows of [B - sliding_window, B) and, per compressed layer,
+  // the ring rows of the tokens whose windows are still open at B
+  // ([(B/rate - 1)*rate, B) with overlap, [B/rate*rate, B) without). The state
+  // must give those rows storage distinct from the rows of the chunk's last
+  // sliding_window / ring_slots tokens. Default: none (DenseState's ring of
+  // sliding_window rows could not hold them).
+  virtual std::vector<int64_t> checkpoints(int64_t start, int64_t end) const { return {}; }
+
+  // Row addresses (backend memory). swa_row is valid for the positions the
+  // forward reads or stores: [length()-sliding_window, length()), the chunk's
+  // last sliding_window positions and each checkpoint's window; entry and
+  // index-key rows for i < reserved_end / rate; ring rows for the positions the
+  // forward reads (still-open windows) or stores (slot pos % ring_slots).
   virtual float* swa_row(int layer, int64_t pos) = 0;
   virtual float* entry_row(int layer, int64_t i) = 0;
   virtual float* index_key_row(int layer, int64_t i) = 0;

@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
   reg(troupe::app::add_init_model);
   reg(troupe::app::add_deploy);
   reg(troupe::app::add_tokenize);
+  reg(troupe::app::add_plan);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

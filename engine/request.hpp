@@ -1,0 +1,87 @@
+// What callers give the engine (Request) and what it gives back (Event).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "base/error.hpp"
+
+namespace troupe::engine {
+
+using RequestId = uint64_t;
+
+// Per-request sampling, named as OpenAI / vLLM name them.
+struct SamplingParams {
+  float temperature = 0.0f;      // 0: greedy (argmax, lowest id on ties)
+  float top_p = 1.0f;            // nucleus: the smallest set of tokens with this much probability, (0, 1]
+  int32_t top_k = 0;             // the k most likely tokens; 0: all
+  std::optional<uint64_t> seed;  // same seed, same tokens; none: the engine picks one
+  int32_t min_tokens = 0;        // stop ids and EOS cannot be sampled before this many tokens
+  int32_t max_tokens = 16;       // finish with `length` after this many tokens
+  std::vector<int32_t> stop_ids; // finish with `stop` after sampling one of these (it is returned)
+  bool ignore_eos = false;       // EOS ids are ordinary tokens
+};
+
+enum class LogitsMode : uint8_t {
+  none,
+  sampled,  // each token event carries the logits row it was sampled from
+  all,      // plus `logits` events with every computed prompt row
+};
+
+struct Request {
+  std::vector<int32_t> prompt;
+  SamplingParams sampling;
+  LogitsMode logits = LogitsMode::none;
+  bool prefix_cache = true;      // match from and insert into the radix tree
+  int64_t max_chunk_tokens = 0;  // cap on prefill tokens per step for this request; 0: the step budget
+  bool park_after_prefill = false;  // PD prefill: park once the first token is sampled (then export_parked)
+};
+
+enum class FinishReason : uint8_t { stop, length, abort, error };
+const char* to_string(FinishReason r);
+
+// Token accounting of one request, in its `finished` event.
+struct Usage {
+  int64_t prompt_tokens = 0;
+  int64_t cached_tokens = 0;      // tokens served by the radix tree (not computed)
+  int64_t computed_tokens = 0;    // tokens run through the model, recomputation included
+  int64_t recomputed_tokens = 0;  // of those: matched in the tree but not resumable, or preempted and run again
+  int64_t generated_tokens = 0;
+  int32_t parks = 0;
+  int32_t preemptions = 0;
+};
+
+enum class EventKind : uint8_t {
+  token,     // a sampled token
+  logits,    // LogitsMode::all: computed prompt rows
+  finished,  // last event of a request
+  parked,    // park(id) done (ok) or refused (!ok, message says why)
+  resumed,   // resume(id) done
+};
+const char* to_string(EventKind k);
+
+struct Event {
+  RequestId id = 0;
+  EventKind kind = EventKind::token;
+  int32_t token = -1;          // token
+  int64_t position = -1;       // token: its position; logits: the first row's position
+  std::vector<float> logits;   // rows x vocab
+  FinishReason reason = FinishReason::stop;  // finished
+  bool ok = true;              // parked / finished(error): false with a message
+  ErrorCode code = ErrorCode::internal;      // finished(error)
+  std::string message;
+  Usage usage;                 // finished
+};
+
+inline Event make_event(RequestId id, EventKind kind, bool ok = true, std::string message = {}) {
+  Event e;
+  e.id = id;
+  e.kind = kind;
+  e.ok = ok;
+  e.message = std::move(message);
+  return e;
+}
+
+}  // namespace troupe::engine

@@ -1,0 +1,100 @@
+#include "engine/sampler.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+namespace troupe::engine {
+
+namespace {
+uint64_t splitmix(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+}  // namespace
+
+double uniform(uint64_t seed, int64_t position) {
+  const uint64_t x = splitmix(seed ^ splitmix(static_cast<uint64_t>(position)));
+  return static_cast<double>(x >> 11) * (1.0 / 9007199254740992.0);
+}
+
+std::string check(const SamplingParams& p) {
+  if (!(p.temperature >= 0.0f) || !std::isfinite(p.temperature)) return fmt::format("temperature {} must be >= 0", p.temperature);
+  if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) return fmt::format("top_p {} must be in (0, 1]", p.top_p);
+  if (p.top_k < 0) return fmt::format("top_k {} must be >= 0", p.top_k);
+  if (p.max_tokens < 1) return fmt::format("max_tokens {} must be >= 1", p.max_tokens);
+  if (p.min_tokens < 0 || p.min_tokens > p.max_tokens) {
+    return fmt::format("min_tokens {} must be in [0, max_tokens {}]", p.min_tokens, p.max_tokens);
+  }
+  return {};
+}
+
+int32_t sample(std::span<const float> logits, const SamplingParams& p, uint64_t seed, int64_t position,
+               int32_t generated, std::span<const int64_t> eos) {
+  const auto V = static_cast<int32_t>(logits.size());
+  std::vector<float> l(logits.begin(), logits.end());
+  constexpr float kOff = -std::numeric_limits<float>::infinity();
+  if (generated < p.min_tokens) {
+    for (int32_t s : p.stop_ids) {
+      if (s >= 0 && s < V) l[static_cast<size_t>(s)] = kOff;
+    }
+    if (!p.ignore_eos) {
+      for (int64_t e : eos) {
+        if (e >= 0 && e < V) l[static_cast<size_t>(e)] = kOff;
+      }
+    }
+  }
+  if (p.temperature <= 0.0f || p.top_k == 1) {
+    return static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());  // first of the maxima
+  }
+  // Candidates by falling logit (ties: lower id first), cut to top_k.
+  std::vector<int32_t> ids(static_cast<size_t>(V));
+  std::iota(ids.begin(), ids.end(), 0);
+  const int32_t k = p.top_k > 0 ? std::min(p.top_k, V) : V;
+  auto by_logit = [&](int32_t a, int32_t b) {
+    return l[static_cast<size_t>(a)] > l[static_cast<size_t>(b)] || (l[static_cast<size_t>(a)] == l[static_cast<size_t>(b)] && a < b);
+  };
+  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), by_logit);
+  ids.resize(static_cast<size_t>(k));
+  // Softmax of logits / temperature over the candidates (masked ones get 0).
+  const double top = l[static_cast<size_t>(ids[0])];
+  std::vector<double> prob(ids.size());
+  double sum = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const float x = l[static_cast<size_t>(ids[i])];
+    prob[i] = x == kOff ? 0.0 : std::exp((x - top) / p.temperature);
+    sum += prob[i];
+  }
+  // Nucleus: the shortest head whose mass reaches top_p (at least one token).
+  size_t keep = ids.size();
+  if (p.top_p < 1.0f) {
+    double mass = 0;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      mass += prob[i] / sum;
+      if (mass >= p.top_p) {
+        keep = i + 1;
+        break;
+      }
+    }
+  }
+  double kept = 0;
+  for (size_t i = 0; i < keep; ++i) kept += prob[i];
+  const double u = uniform(seed, position) * kept;
+  double acc = 0;
+  for (size_t i = 0; i < keep; ++i) {
+    acc += prob[i];
+    if (u < acc) return ids[i];
+  }
+  for (size_t i = keep; i-- > 0;) {
+    if (prob[i] > 0) return ids[i];
+  }
+  return ids[0];
+}
+
+}  // namespace troupe::engine

@@ -1,0 +1,60 @@
+// The engine's private records: one per request, commands from other
+// threads, one step's batch. Included by engine/*.cpp only.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "cache/paged_sequence.hpp"
+#include "engine/engine.hpp"
+
+namespace troupe::engine {
+
+enum class Phase : uint8_t {
+  waiting,   // queued; no state
+  loading,   // admitted on a prefix whose pages are coming back from the host tier
+  running,
+  parking,   // its pages are moving to the host tier
+  parked,
+  resuming,  // its pages are moving back
+};
+
+struct Engine::Seq {
+  RequestId id = 0;
+  Request req;
+  std::vector<int32_t> tokens;  // prompt, then sampled tokens; the last one is not yet in the state
+  int64_t prompt_len = 0;
+  int32_t generated = 0;
+  Phase phase = Phase::waiting;
+  std::unique_ptr<cache::PagedSequence> state;
+  cache::ShadowRadix::Node* lock = nullptr;  // the deepest tree node whose pages this sequence uses
+  uint64_t seed = 0;
+  uint64_t order = 0;            // admission order: preemption takes the newest
+  Usage usage;
+  int64_t inserted_pages = 0;    // token pages already inserted into the tree
+  int64_t cold_scan = 0;         // token pages below this were considered for the host tier
+  int64_t computed_before = 0;   // state length when last preempted (recomputation accounting)
+  bool admitted_once = false;
+  bool resume_wanted = false;    // parked: resume when the device tier has room
+  std::vector<std::pair<int64_t, cache::PoolKind>> parked_pages;  // what park moved (k = -1: HCA ring)
+
+  int64_t length() const { return state ? state->length() : 0; }
+  // Tokens to feed before the next sample.
+  int64_t pending() const { return static_cast<int64_t>(tokens.size()) - length(); }
+};
+
+struct Engine::Command {
+  enum Kind : uint8_t { submit, abort, park, resume, export_state, import_state } kind = submit;
+  RequestId id = 0;
+  Request request;
+  std::shared_ptr<std::promise<std::optional<SequenceImage>>> exported;
+  std::shared_ptr<SequenceImage> image;
+};
+
+struct Engine::Batch {
+  std::vector<model::Chunk> chunks;
+  std::vector<Seq*> seqs;
+  int64_t tokens = 0;
+};
+
+}  // namespace troupe::engine

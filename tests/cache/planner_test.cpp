@@ -1,0 +1,91 @@
+// The memory planner.
+#include <gtest/gtest.h>
+
+#include "base/error.hpp"
+#include "cache/planner.hpp"
+#include "cache/pool/pool_set.hpp"
+#include "tests/cache/test_model.hpp"
+
+namespace troupe::cache {
+namespace {
+
+const CacheGeometry& geometry() {
+  static CacheGeometry g = CacheGeometry::of(test::shared_model().model->config());
+  return g;
+}
+
+uint64_t total(const Plan& p) {
+  uint64_t b = 0;
+  for (const auto& x : p.pools) b += static_cast<uint64_t>(x.slabs) * p.slab_bytes;
+  return b;
+}
+
+TEST(Planner, pools_fill_the_budget_in_whole_slabs) {
+  PlanInput in;
+  in.bytes = 64 << 20;
+  in.mix = {{4096, 0.7}, {32768, 0.3}};
+  const auto p = plan_pools(geometry(), in);
+  EXPECT_LE(total(p), in.bytes);
+  EXPECT_GT(total(p), in.bytes - p.slab_bytes);
+  EXPECT_GT(p.sequences, 1);
+  // The pools it sizes fit that many sequences of the mix.
+  for (PoolKind k : kAllPools) {
+    const auto& x = p.pools[static_cast<size_t>(index(k))];
+    if (x.per_sequence > 0) {
+      EXPECT_GE(static_cast<double>(x.pages), x.per_sequence * std::floor(p.sequences));
+    }
+  }
+  // A PoolSet built from the plan starts with those pages.
+  PoolSet set(geometry(), host_memory(true), in.bytes, p.slab_bytes, p.initial_pages());
+  for (PoolKind k : kAllPools) {
+    EXPECT_EQ(set.pool(k).stats().capacity, p.pools[static_cast<size_t>(index(k))].pages) << to_string(k);
+  }
+}
+
+TEST(Planner, long_contexts_shift_bytes_to_entry_pools) {
+  PlanInput chat, longer;
+  chat.bytes = longer.bytes = 256 << 20;
+  chat.mix = {{1024, 1}};
+  longer.mix = {{65536, 1}};
+  const auto a = plan_pools(geometry(), chat), b = plan_pools(geometry(), longer);
+  const auto win = static_cast<size_t>(index(PoolKind::window));
+  const auto csa = static_cast<size_t>(index(PoolKind::csa_entry));
+  EXPECT_GT(a.pools[win].bytes, b.pools[win].bytes);
+  EXPECT_LT(a.pools[csa].bytes, b.pools[csa].bytes);
+  EXPECT_GT(a.sequences, b.sequences);
+  EXPECT_EQ(a.max_context, b.max_context);  // one sequence alone does not depend on the mix
+}
+
+TEST(Planner, explicit_ratios_are_honoured) {
+  PlanInput in;
+  in.bytes = 128 << 20;
+  in.ratios = std::array<double, kPoolKinds>{0.1, 0.6, 0.2, 0.05, 0.05};
+  const auto p = plan_pools(geometry(), in);
+  for (PoolKind k : kAllPools) {
+    const double share = static_cast<double>(p.pools[static_cast<size_t>(index(k))].slabs * p.slab_bytes) / static_cast<double>(in.bytes);
+    EXPECT_NEAR(share, (*in.ratios)[static_cast<size_t>(index(k))], 0.02) << to_string(k);
+  }
+}
+
+TEST(Planner, parses_sizes_and_mixes) {
+  EXPECT_EQ(parse_bytes("80GiB"), uint64_t{80} << 30);
+  EXPECT_EQ(parse_bytes("1.5MiB"), uint64_t{3} << 19);
+  EXPECT_EQ(parse_bytes("2GB"), uint64_t{2000000000});
+  EXPECT_EQ(parse_bytes("4096"), 4096u);
+  EXPECT_THROW(parse_bytes("lots"), Error);
+  EXPECT_THROW(parse_bytes("3 parsecs"), Error);
+  const auto mix = parse_mix("4K:0.7,32768:0.25,1M");
+  ASSERT_EQ(mix.size(), 3u);
+  EXPECT_EQ(mix[0].tokens, 4096);
+  EXPECT_DOUBLE_EQ(mix[0].weight, 0.7);
+  EXPECT_EQ(mix[2].tokens, 1 << 20);
+  EXPECT_DOUBLE_EQ(mix[2].weight, 1.0);
+  EXPECT_THROW(parse_mix("4K:-1"), Error);
+  EXPECT_THROW(parse_mix("x"), Error);
+  PlanInput none;
+  none.bytes = 1 << 20;
+  EXPECT_THROW(plan_pools(geometry(), none), Error);
+}
+
+}  // namespace
+}  // namespace troupe::cache

@@ -1,0 +1,171 @@
+// Sampling semantics: greedy, seeds, top-k, top-p, min/max tokens, stop ids.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <set>
+
+#include "engine/sampler.hpp"
+#include "tests/cache/engine_harness.hpp"
+
+namespace troupe::engine {
+namespace {
+
+std::vector<float> random_logits(std::mt19937_64& rng, int n) {
+  std::normal_distribution<float> d(0.f, 2.f);
+  std::vector<float> l(static_cast<size_t>(n));
+  for (auto& x : l) x = d(rng);
+  return l;
+}
+
+TEST(Sampler, greedy_is_the_first_argmax) {
+  std::vector<float> l{1, 5, 2, 5, 0};
+  SamplingParams p;
+  EXPECT_EQ(sample(l, p, 1, 0, 0, {}), 1);
+  p.temperature = 1.0f;
+  p.top_k = 1;
+  EXPECT_EQ(sample(l, p, 1, 0, 0, {}), 1);
+}
+
+TEST(Sampler, a_seed_and_position_fix_the_draw) {
+  std::mt19937_64 rng(1);
+  const auto l = random_logits(rng, 100);
+  SamplingParams p;
+  p.temperature = 1.0f;
+  std::set<int32_t> seen;
+  for (int64_t pos = 0; pos < 50; ++pos) {
+    const int32_t t = sample(l, p, 42, pos, 0, {});
+    EXPECT_EQ(t, sample(l, p, 42, pos, 0, {}));
+    seen.insert(t);
+  }
+  EXPECT_GT(seen.size(), 5u);  // positions draw differently
+  int differ = 0;
+  for (int64_t pos = 0; pos < 50; ++pos) differ += sample(l, p, 42, pos, 0, {}) != sample(l, p, 43, pos, 0, {});
+  EXPECT_GT(differ, 10);
+}
+
+TEST(Sampler, top_k_and_top_p_keep_only_the_head) {
+  std::mt19937_64 rng(2);
+  for (int trial = 0; trial < 20; ++trial) {
+    const auto l = random_logits(rng, 64);
+    std::vector<int32_t> order(64);
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return l[static_cast<size_t>(a)] > l[static_cast<size_t>(b)]; });
+    SamplingParams k;
+    k.temperature = 1.5f;
+    k.top_k = 5;
+    const std::set<int32_t> top5(order.begin(), order.begin() + 5);
+    // top_p: the smallest head with probability >= p.
+    SamplingParams tp;
+    tp.temperature = 1.0f;
+    tp.top_p = 0.5f;
+    std::vector<double> prob(64);
+    double sum = 0;
+    for (int i = 0; i < 64; ++i) sum += prob[static_cast<size_t>(i)] = std::exp(l[static_cast<size_t>(order[static_cast<size_t>(i)])] - l[static_cast<size_t>(order[0])]);
+    size_t head = 0;
+    for (double mass = 0; head < 64 && mass < 0.5;) mass += prob[head++] / sum;
+    const std::set<int32_t> nucleus(order.begin(), order.begin() + static_cast<long>(head));
+    for (int64_t pos = 0; pos < 100; ++pos) {
+      EXPECT_TRUE(top5.count(sample(l, k, 7, pos, 0, {})));
+      EXPECT_TRUE(nucleus.count(sample(l, tp, 7, pos, 0, {})));
+    }
+  }
+  // A tiny top_p is greedy.
+  std::vector<float> l{0, 3, 1};
+  SamplingParams p;
+  p.temperature = 1.0f;
+  p.top_p = 1e-6f;
+  for (int64_t pos = 0; pos < 20; ++pos) EXPECT_EQ(sample(l, p, 3, pos, 0, {}), 1);
+}
+
+TEST(Sampler, min_tokens_masks_stop_ids_and_eos) {
+  std::vector<float> l{0, 10, 9, 1};  // 1 is EOS, 2 a stop id
+  SamplingParams p;
+  p.stop_ids = {2};
+  p.min_tokens = 2;
+  const std::vector<int64_t> eos{1};
+  EXPECT_EQ(sample(l, p, 0, 0, 0, eos), 3);
+  EXPECT_EQ(sample(l, p, 0, 0, 2, eos), 1);
+  p.ignore_eos = true;
+  EXPECT_EQ(sample(l, p, 0, 0, 1, eos), 1);  // EOS is an ordinary token then
+  EXPECT_FALSE(check(p).empty() == false);
+  p.min_tokens = 99;
+  EXPECT_FALSE(check(p).empty());
+}
+
+TEST(EngineSampling, seeded_requests_sample_the_same_batched_alone_and_parked) {
+  auto& m = *test::shared_model().model;
+  std::mt19937_64 rng(3);
+  const auto prompt = test::random_ids(rng, 90, m.config().vocab_size);
+  auto request = [&] {
+    auto r = test::greedy(prompt, 24, LogitsMode::none);
+    r.sampling.temperature = 1.0f;
+    r.sampling.top_p = 0.9f;
+    r.sampling.top_k = 50;
+    r.sampling.seed = 1234;
+    return r;
+  };
+  EngineOptions o;
+  o.host_bytes = 16 << 20;
+  test::Harness alone(m, o);
+  const auto a = alone.submit(request());
+  alone.run();
+  test::Harness batched(m, o);
+  for (int i = 0; i < 5; ++i) batched.submit(test::greedy(test::random_ids(rng, 70, m.config().vocab_size), 30));
+  const auto b = batched.submit(request());
+  for (int i = 0; i < 6; ++i) batched.engine().step();
+  batched.engine().park(b);
+  for (int i = 0; i < 6; ++i) batched.engine().step();
+  batched.engine().resume(b);
+  batched.run();
+  EXPECT_EQ(alone[a].generated.size(), 24u);
+  EXPECT_EQ(alone[a].generated, batched[b].generated);
+  EXPECT_GE(batched.engine().stats().parks, 1);
+  auto other = request();
+  other.sampling.seed = 99;
+  const auto c = alone.submit(std::move(other));
+  alone.run();
+  EXPECT_NE(alone[c].generated, alone[a].generated);
+}
+
+TEST(EngineSampling, stop_ids_max_tokens_and_min_tokens_end_requests) {
+  auto& m = *test::shared_model().model;
+  std::mt19937_64 rng(4);
+  const auto prompt = test::random_ids(rng, 40, m.config().vocab_size);
+  test::Harness h(m, EngineOptions{});
+  const auto free = h.submit(test::greedy(prompt, 12, LogitsMode::none));
+  h.run();
+  const auto& toks = h[free].generated;
+  ASSERT_EQ(toks.size(), 12u);
+  EXPECT_EQ(h[free].last.reason, FinishReason::length);
+  // Stop at the greedy continuation's 5th token.
+  auto r = test::greedy(prompt, 12, LogitsMode::none);
+  r.sampling.stop_ids = {toks[4]};
+  const auto stopped = h.submit(std::move(r));
+  // With min_tokens past it, the stop id cannot be sampled that early.
+  auto late = test::greedy(prompt, 12, LogitsMode::none);
+  late.sampling.stop_ids = {toks[0]};
+  late.sampling.min_tokens = 3;
+  const auto masked = h.submit(std::move(late));
+  h.run();
+  const auto first = std::find(toks.begin(), toks.end(), toks[4]) - toks.begin();
+  EXPECT_EQ(h[stopped].last.reason, FinishReason::stop);
+  EXPECT_EQ(static_cast<int64_t>(h[stopped].generated.size()), first + 1);
+  EXPECT_EQ(h[stopped].generated.back(), toks[4]);
+  EXPECT_GE(h[masked].generated.size(), 3u);
+  EXPECT_NE(h[masked].generated[0], toks[0]);
+  // EOS ends a request unless ignore_eos.
+  const auto& eos = m.config().eos_token_ids;
+  ASSERT_FALSE(eos.empty());
+  auto e = test::greedy(prompt, 12, LogitsMode::none);
+  e.sampling.ignore_eos = false;
+  e.sampling.stop_ids = {};
+  const auto plain = h.submit(std::move(e));
+  h.run();
+  const auto& pt = h[plain].generated;
+  const bool hit = std::find(toks.begin(), toks.end(), static_cast<int32_t>(eos[0])) != toks.end();
+  EXPECT_EQ(h[plain].last.reason, hit ? FinishReason::stop : FinishReason::length);
+  EXPECT_EQ(pt.size(), hit ? static_cast<size_t>(std::find(toks.begin(), toks.end(), static_cast<int32_t>(eos[0])) - toks.begin() + 1) : 12u);
+}
+
+}  // namespace
+}  // namespace troupe::engine

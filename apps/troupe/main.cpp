@@ -27,6 +27,7 @@ int main(int argc, char** argv) {
   reg(troupe::app::add_deploy);
   reg(troupe::app::add_tokenize);
   reg(troupe::app::add_plan);
+  reg(troupe::app::add_serve);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

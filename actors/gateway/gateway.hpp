@@ -1,0 +1,43 @@
+// The gateway actor: the OpenAI-compatible HTTP API in front of the router.
+// It owns every request it admits: tokenizes the prompt (chat template),
+// streams text as tokens arrive (incremental detokenization, stop strings),
+// aborts on client disconnect, and resubmits a request whose worker was lost
+// (prompt plus the tokens already streamed; sampling is position-seeded, so
+// the continuation is the same), so a worker failure is invisible to clients.
+#pragma once
+
+#include <caf/all.hpp>
+
+#include <memory>
+#include <string>
+
+#include "actors/gateway/http_server.hpp"
+#include "actors/protocol.hpp"
+#include "base/metrics.hpp"
+#include "model/tokenizer/tokenizer.hpp"
+
+namespace troupe::actors {
+
+struct GatewayConfig {
+  std::string model_name = "troupe";  // the id clients send as "model"
+  int64_t max_model_len = 4096;       // prompt + generated tokens
+  std::string api_key;                // empty: no authentication
+  gateway::HttpOptions http;
+  int max_attempts = 4;               // resubmissions after a worker loss
+  int64_t min_workers_ready = 1;      // /health is 200 once this many workers registered
+};
+
+struct HttpCall {
+  gateway::HttpRequest request;
+  std::shared_ptr<gateway::Responder> responder;
+};
+
+// Spawns the gateway and starts its HTTP server; `port_out`, when given, gets
+// the bound port once listening. Throws troupe::Error when the port is taken.
+caf::actor spawn_gateway(caf::actor_system& sys, GatewayConfig config,
+                         std::shared_ptr<const tokenizer::Tokenizer> tokenizer, caf::actor router,
+                         std::shared_ptr<MetricsRegistry> metrics, uint16_t* port_out = nullptr);
+
+}  // namespace troupe::actors
+
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::actors::HttpCall)

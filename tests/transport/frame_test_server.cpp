@@ -1,0 +1,114 @@
+// frame_test_server: a real troupe endpoint for two-process and cross-language
+// tests: a FrameServer on TCP and (with --ucx) a UCX transport, both served
+// by TestService. Prints one line "READY tcp=PORT ucx=ADDRESS" on stdout,
+// then serves until SIGTERM/SIGINT (logs on stderr).
+//   --offer-bytes N   after each UCX peer connects, register N bytes (pattern
+//                     seed = N) and send it a KvOffer (lease id N) to take.
+#include <CLI/CLI.hpp>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include <csignal>
+#include <cstdio>
+#include <thread>
+
+#include "messages/kinds.hpp"
+#include "tests/transport/pattern.hpp"
+#include "tests/transport/test_service.hpp"
+#include "transport/frame_server.hpp"
+#include "transport/ucx.hpp"
+
+using namespace troupe;
+
+namespace {
+volatile std::sig_atomic_t g_stop = 0;
+void on_signal(int) { g_stop = 1; }
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"troupe frame test server"};
+  int tcp_port = 0, interval_ms = 2;
+  bool ucx = false;
+  std::string name = "test-server";
+  std::vector<std::string> connect;
+  uint64_t offer_bytes = 0;
+  uint32_t max_body = 8u << 20;
+  app.add_option("--tcp-port", tcp_port, "TCP port (0: ephemeral)");
+  app.add_flag("--ucx", ucx, "also serve over UCX");
+  app.add_option("--name", name, "UCX endpoint name");
+  app.add_option("--connect", connect, "UCX addresses to connect to");
+  app.add_option("--token-interval-ms", interval_ms, "delay between streamed tokens");
+  app.add_option("--offer-bytes", offer_bytes, "offer a region of this size to each UCX peer");
+  app.add_option("--max-body", max_body, "largest accepted TCP frame body");
+  CLI11_PARSE(app, argc, argv);
+  spdlog::set_default_logger(spdlog::stderr_color_mt("server"));
+  spdlog::set_pattern("[%H:%M:%S.%e] [%l] %v");
+  std::signal(SIGTERM, on_signal);
+  std::signal(SIGINT, on_signal);
+  setenv("UCX_NET_DEVICES", "lo", 0);
+
+  test::TestService service{std::chrono::milliseconds(interval_ms)};
+  transport::FrameServerOptions so;
+  so.port = static_cast<uint16_t>(tcp_port);
+  so.limits.max_body_bytes = max_body;
+  transport::FrameServer server(so, service);
+  if (auto s = server.start(); !s) {
+    spdlog::error("{}", s.error().what());
+    return 1;
+  }
+  std::unique_ptr<transport::UcxTransport> ut;
+  std::vector<transport::LocalRegion> offered;
+  std::mutex offered_mu;
+  if (ucx) {
+    transport::UcxOptions uo;
+    uo.name = name;
+    ut = std::make_unique<transport::UcxTransport>(uo);
+    auto events = server.transport_events(*ut);
+    if (offer_bytes) {
+      auto up = events.on_peer_up;
+      auto* t = ut.get();
+      events.on_peer_up = [up, t, offer_bytes, &offered, &offered_mu](const std::string& peer) {
+        up(peer);
+        // allocate_region blocks on the transport thread: do it elsewhere.
+        std::thread([t, peer, offer_bytes, &offered, &offered_mu] {
+          auto r = t->allocate_region(offer_bytes);
+          if (!r) return spdlog::error("offer: {}", r.error().what());
+          test::fill_pattern(r->base, r->length, offer_bytes);
+          {
+            std::lock_guard lock(offered_mu);
+            offered.push_back(*r);
+          }
+          messages::FrameBuilder<msg::KvOffer> b;
+          b.root().setLeaseId(offer_bytes);
+          b.root().setTokenCount(1);
+          auto d = b.root().initDescriptors(1)[0];
+          d.setKind(msg::StateKind::SWA_WINDOW);
+          d.initPages(1).set(0, 0);
+          d.setPageBytes(offer_bytes);
+          d.setPageStride(offer_bytes);
+          d.setDtype(msg::Dtype::U8);
+          transport::to_wire(r->key, d.initRegion());
+          (void)t->send(peer, b.finish(7));
+        }).detach();
+      };
+    }
+    if (auto s = ut->start(std::move(events)); !s) {
+      spdlog::error("{}", s.error().what());
+      return 1;
+    }
+    for (auto& a : connect) {
+      auto p = ut->connect(a, std::chrono::seconds(10));
+      if (!p) {
+        spdlog::error("connect {}: {}", a, p.error().what());
+        return 1;
+      }
+    }
+  }
+  std::printf("READY tcp=%u ucx=%s\n", server.port(), ut ? ut->address().c_str() : "-");
+  std::fflush(stdout);
+  while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  spdlog::info("stopping");
+  ut.reset();
+  server.stop();
+  return 0;
+}

@@ -12,7 +12,8 @@
 //   Callbacks must not block; hand work to an actor (caf::anon_send) or a
 //   queue. They may call send/put/get/disconnect on the same transport.
 // - All methods are thread-safe. Methods marked (blocking) wait for the
-//   transport thread and must not be called from it.
+//   transport thread; called from a callback they run inline, except
+//   connect and put_wait/get_wait, which must never be called from it.
 // - Frames to one peer arrive in the order they were sent; nothing is
 //   promised across peers. A frame sent to a peer that fails may be lost.
 #pragma once

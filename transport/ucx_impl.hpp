@@ -168,6 +168,7 @@ struct UcxTransport::Impl {
 
 template <class T>
 T UcxTransport::Impl::call(std::function<T()> fn, T if_stopped) {
+  if (on_thread()) return fn();  // from a callback: run inline
   auto p = std::make_shared<std::promise<T>>();
   auto f = p->get_future();
   if (!post([p, fn = std::move(fn)] { p->set_value(fn()); })) return if_stopped;

@@ -4,6 +4,9 @@
 // then serves until SIGTERM/SIGINT (logs on stderr).
 //   --offer-bytes N   after each UCX peer connects, register N bytes (pattern
 //                     seed = N) and send it a KvOffer (lease id N) to take.
+// Client mode, for tests that kill a client:
+//   --tcp-client HOST:PORT --generate N   submit one GenerateRequest, print
+//                     READY after its first TokenChunk, keep reading.
 #include <CLI/CLI.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
@@ -16,6 +19,7 @@
 #include "tests/transport/pattern.hpp"
 #include "tests/transport/test_service.hpp"
 #include "transport/frame_server.hpp"
+#include "transport/tcp.hpp"
 #include "transport/ucx.hpp"
 
 using namespace troupe;
@@ -23,6 +27,33 @@ using namespace troupe;
 namespace {
 volatile std::sig_atomic_t g_stop = 0;
 void on_signal(int) { g_stop = 1; }
+
+int run_client(const std::string& hostport, uint32_t max_tokens) {
+  auto colon = hostport.rfind(':');
+  auto sock = transport::TcpFrameSocket::connect(hostport.substr(0, colon),
+                                                 static_cast<uint16_t>(std::stoi(hostport.substr(colon + 1))),
+                                                 std::chrono::seconds(5));
+  if (!sock) {
+    std::fprintf(stderr, "%s\n", sock.error().what());
+    return 1;
+  }
+  messages::FrameBuilder<msg::GenerateRequest> b;
+  b.root().getPrompt().initTokenIds(3).set(0, 5);
+  b.root().setMaxTokens(max_tokens);
+  if (auto s = (*sock)->send(b.finish(1)); !s) return 1;
+  bool ready = false;
+  for (;;) {
+    auto f = (*sock)->receive(std::chrono::seconds(60));
+    if (!f) return 0;
+    if (!ready && f->kind() == msg::Kind::TOKEN_CHUNK) {
+      std::printf("READY\n");
+      std::fflush(stdout);
+      ready = true;
+    }
+    if (f->kind() == msg::Kind::FINISH) return 0;
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -40,7 +71,14 @@ int main(int argc, char** argv) {
   app.add_option("--token-interval-ms", interval_ms, "delay between streamed tokens");
   app.add_option("--offer-bytes", offer_bytes, "offer a region of this size to each UCX peer");
   app.add_option("--max-body", max_body, "largest accepted TCP frame body");
+  std::string tcp_client;
+  uint32_t generate = 16;
+  int partial_timeout_ms = 30000;
+  app.add_option("--tcp-client", tcp_client, "client mode: connect to HOST:PORT");
+  app.add_option("--generate", generate, "client mode: max_tokens of the request");
+  app.add_option("--partial-timeout-ms", partial_timeout_ms, "drop a connection that stalls mid-frame this long");
   CLI11_PARSE(app, argc, argv);
+  if (!tcp_client.empty()) return run_client(tcp_client, generate);
   spdlog::set_default_logger(spdlog::stderr_color_mt("server"));
   spdlog::set_pattern("[%H:%M:%S.%e] [%l] %v");
   std::signal(SIGTERM, on_signal);
@@ -51,6 +89,7 @@ int main(int argc, char** argv) {
   transport::FrameServerOptions so;
   so.port = static_cast<uint16_t>(tcp_port);
   so.limits.max_body_bytes = max_body;
+  so.partial_frame_timeout = std::chrono::milliseconds(partial_timeout_ms);
   transport::FrameServer server(so, service);
   if (auto s = server.start(); !s) {
     spdlog::error("{}", s.error().what());

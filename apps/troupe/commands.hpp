@@ -11,5 +11,6 @@ using Command = std::function<int()>;
 
 Command add_forward(CLI::App& app);
 Command add_init_model(CLI::App& app);
+Command add_client(CLI::App& app);
 
 }  // namespace troupe::app

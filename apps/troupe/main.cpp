@@ -22,6 +22,7 @@ int main(int argc, char** argv) {
   };
   reg(troupe::app::add_forward);
   reg(troupe::app::add_init_model);
+  reg(troupe::app::add_client);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -164,6 +164,11 @@ InProcessTransport::~InProcessTransport() {
     node_->cv.notify_all();
   }
   if (node_->thread.joinable()) node_->thread.join();
+  {
+    // Tasks hold the node (and peers hold tasks of ours): break the cycle.
+    std::lock_guard lock(node_->mu);
+    node_->tasks.clear();
+  }
   node_->drop_regions();
 }
 

@@ -107,7 +107,11 @@ class Child {
   bool reaped_ = false;
 };
 
-inline std::string server_binary() { return std::string(TROUPE_BINARY_DIR) + "/bin/frame_test_server"; }
+// The server under test; sanitized test binaries name the sanitized build.
+#ifndef TROUPE_TEST_SERVER
+#define TROUPE_TEST_SERVER "frame_test_server"
+#endif
+inline std::string server_binary() { return std::string(TROUPE_BINARY_DIR) + "/bin/" TROUPE_TEST_SERVER; }
 inline std::string log_path(const std::string& name) {
   std::string dir = std::string(TROUPE_BINARY_DIR) + "/Testing/logs";
   std::filesystem::create_directories(dir);

@@ -4,7 +4,12 @@
 #include <fmt/format.h>
 #include <kj/exception.h>
 
+#include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <new>
+#include <vector>
 
 #include "messages/kinds.hpp"
 
@@ -95,8 +100,69 @@ Decoded<FrameHeader> decode_header(std::span<const std::byte> bytes, const Frame
   return h;
 }
 
+namespace {
+
+// Recycles large bodies: receivers of big frames (activations, rendezvous
+// bodies) see the same sizes again and again, and a fresh 64 MiB buffer
+// costs page faults and a new UCX registration every time.
+class BodyPool final : public kj::ArrayDisposer {
+ public:
+  static constexpr size_t kMinPooledBytes = 256u << 10;
+  static constexpr size_t kMaxCachedBytes = 256u << 20;
+
+  static BodyPool& instance() {
+    static BodyPool* pool = new BodyPool;  // never destroyed: frames may outlive statics
+    return *pool;
+  }
+
+  kj::Array<capnp::word> take(size_t words) {
+    size_t cap = capacity(words);
+    void* p = nullptr;
+    {
+      std::lock_guard lock(mu_);
+      auto it = free_.find(cap);
+      if (it != free_.end() && !it->second.empty()) {
+        p = it->second.back();
+        it->second.pop_back();
+        cached_ -= cap * sizeof(capnp::word);
+      }
+    }
+    if (!p) p = std::aligned_alloc(64, cap * sizeof(capnp::word));
+    if (!p) throw std::bad_alloc();
+    return kj::Array<capnp::word>(static_cast<capnp::word*>(p), words, *this);
+  }
+
+ private:
+  // Rounded up to whole MiB, so that equal-sized frames share buffers.
+  static size_t capacity(size_t words) {
+    constexpr size_t mib_words = (1u << 20) / sizeof(capnp::word);
+    return (words + mib_words - 1) / mib_words * mib_words;
+  }
+
+  void disposeImpl(void* first, size_t, size_t count, size_t, void (*)(void*)) const override {
+    size_t cap = capacity(count);
+    {
+      std::lock_guard lock(mu_);
+      if (cached_ + cap * sizeof(capnp::word) <= kMaxCachedBytes) {
+        free_[cap].push_back(first);
+        cached_ += cap * sizeof(capnp::word);
+        return;
+      }
+    }
+    std::free(first);
+  }
+
+  mutable std::mutex mu_;
+  mutable std::map<size_t, std::vector<void*>> free_;
+  mutable size_t cached_ = 0;
+};
+
+}  // namespace
+
 kj::Array<capnp::word> alloc_body_words(size_t bytes) {
-  return kj::heapArray<capnp::word>(bytes / sizeof(capnp::word));
+  size_t words = bytes / sizeof(capnp::word);
+  if (bytes < BodyPool::kMinPooledBytes) return kj::heapArray<capnp::word>(words);
+  return BodyPool::instance().take(words);
 }
 
 std::span<const std::byte> Frame::body_bytes() const {

@@ -90,6 +90,7 @@ struct TransportStats {
   size_t regions = 0;            // regions registered here
   size_t remote_keys = 0;        // peers' region keys held (unpacked) here
   size_t rma_in_flight = 0;      // batches of puts/gets not yet completed
+  size_t send_queue_bytes = 0;   // frame bytes accepted by send() and not yet sent
   uint64_t frames_sent = 0;
   uint64_t frames_received = 0;  // valid frames delivered to on_frame
   uint64_t bad_frames = 0;       // faults seen (each answered or dropped)
@@ -115,7 +116,8 @@ class Transport {
   // Connect one direction per pair of endpoints.
   virtual Expected<std::string> connect(const std::string& address, std::chrono::milliseconds timeout) = 0;
   // Queues a frame to a connected peer; never blocks. `unavailable` when the
-  // peer is unknown or gone. The frame's body is shared, not copied.
+  // peer is unknown or gone; `resource_exhausted` when too many bytes are
+  // queued already (retry later: backpressure). The body is shared, not copied.
   virtual Status send(const std::string& peer, Frame frame) = 0;
   // Closes a connection after queued frames; on_peer_down runs on both sides.
   virtual void disconnect(const std::string& peer) = 0;

@@ -31,8 +31,13 @@ bool valid_name(const std::string& s) {
   return true;
 }
 
+void finish_send(SendOp* op) {
+  if (op->impl) op->impl->send_queue_bytes -= op->queued_bytes;
+  delete op;
+}
+
 void send_cb(void* request, ucs_status_t, void* user) {
-  delete static_cast<SendOp*>(user);
+  finish_send(static_cast<SendOp*>(user));
   ucp_request_free(request);
 }
 
@@ -471,16 +476,18 @@ void UcxTransport::Impl::send_am(Conn& c, unsigned id, std::unique_ptr<SendOp> o
   const void* hdr = op->raw_header.empty() ? static_cast<const void*>(op->header.data()) : op->raw_header.data();
   size_t hlen = op->raw_header.empty() ? op->header_bytes : op->raw_header.size();
   auto* req = ucp_am_send_nbx(c.ep, id, hdr, hlen, body.data(), body.size(), &p);
-  if (req == nullptr) return;  // done; op freed here
-  if (UCS_PTR_IS_ERR(req)) {
-    spdlog::debug("ucx {}: send to {} failed: {}", opt.name, c.name, ucs_status_string(UCS_PTR_STATUS(req)));
-    return;  // the endpoint's error callback reports the peer
+  if (req == nullptr || UCS_PTR_IS_ERR(req)) {
+    if (req) spdlog::debug("ucx {}: send to {} failed: {}", opt.name, c.name, ucs_status_string(UCS_PTR_STATUS(req)));
+    finish_send(op.release());  // done (or failed: the endpoint's error callback reports the peer)
+    return;
   }
   op.release();  // send_cb frees it
 }
 
-void UcxTransport::Impl::send_frame(Conn& c, Frame frame) {
+void UcxTransport::Impl::send_frame(Conn& c, Frame frame, size_t queued_bytes) {
   auto op = std::make_unique<SendOp>();
+  op->impl = this;
+  op->queued_bytes = queued_bytes;
   auto h = messages::encode_header(frame.header());
   std::memcpy(op->header.data(), h.data(), h.size());
   uint64_t seq = c.send_seq++;
@@ -673,9 +680,19 @@ Status UcxTransport::send(const std::string& peer, Frame frame) {
     }
   }
   auto* impl = impl_.get();
-  if (!impl->post([impl, peer, frame = std::move(frame)]() mutable {
-        if (Conn* c = impl->conn_by_name(peer); c && c->state == Conn::State::up) impl->send_frame(*c, std::move(frame));
+  size_t bytes = messages::kHeaderBytes + frame.body_bytes().size();
+  size_t before = impl->send_queue_bytes.fetch_add(bytes);
+  if (before > 0 && before + bytes > impl->opt.max_send_queue_bytes) {  // one frame always fits
+    impl->send_queue_bytes -= bytes;
+    return Error(ErrorCode::resource_exhausted,
+                 fmt::format("send queue full ({} bytes queued); retry later", impl->send_queue_bytes.load()));
+  }
+  if (!impl->post([impl, peer, bytes, frame = std::move(frame)]() mutable {
+        Conn* c = impl->conn_by_name(peer);
+        if (c && c->state == Conn::State::up) return impl->send_frame(*c, std::move(frame), bytes);
+        impl->send_queue_bytes -= bytes;
       })) {
+    impl->send_queue_bytes -= bytes;
     return Error(ErrorCode::unavailable, "transport is not running");
   }
   return Ok{};
@@ -716,6 +733,7 @@ TransportStats UcxTransport::stats() const {
   s.regions = impl_->n_regions;
   s.remote_keys = impl_->n_remote_keys;
   s.rma_in_flight = impl_->rma_in_flight;
+  s.send_queue_bytes = impl_->send_queue_bytes;
   s.frames_sent = impl_->frames_sent;
   s.frames_received = impl_->frames_received;
   s.bad_frames = impl_->bad_frames;

@@ -55,6 +55,8 @@ struct Conn {
 // An active message in flight; owns the header bytes (UCX 1.13 needs them
 // until completion) and keeps the body alive.
 struct SendOp {
+  struct UcxTransport::Impl* impl = nullptr;
+  size_t queued_bytes = 0;  // counted in Impl::send_queue_bytes until completion
   std::array<std::byte, kAmFrameHeaderBytes> header{};
   size_t header_bytes = kAmFrameHeaderBytes;
   Frame frame;
@@ -112,7 +114,7 @@ struct UcxTransport::Impl {
   std::set<std::string> up_names;
 
   std::atomic<uint64_t> frames_sent{0}, frames_received{0}, bad_frames{0};
-  std::atomic<size_t> rma_in_flight{0}, n_regions{0}, n_remote_keys{0};
+  std::atomic<size_t> rma_in_flight{0}, n_regions{0}, n_remote_keys{0}, send_queue_bytes{0};
 
   // --- progress thread only ---
   uint64_t next_conn = 1;
@@ -147,7 +149,8 @@ struct UcxTransport::Impl {
   ucp_ep_h create_server_ep(ucp_conn_request_h request);
   void start_connect(const std::string& host, uint16_t port, std::shared_ptr<std::promise<Expected<std::string>>> p);
   void send_am(Conn& c, unsigned id, std::unique_ptr<SendOp> op, std::span<const std::byte> body);
-  void send_frame(Conn& c, Frame frame);
+  // queued_bytes: what send() counted in send_queue_bytes (0 for internal frames).
+  void send_frame(Conn& c, Frame frame, size_t queued_bytes = 0);
   void send_name(Conn& c, unsigned id);
   void on_hello(Conn& c, std::string peer, bool is_ack);
   void mark_up(Conn& c, const std::string& peer);

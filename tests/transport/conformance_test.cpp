@@ -224,6 +224,38 @@ TEST_P(Conformance, connecting_to_nothing_fails_cleanly) {
   EXPECT_TRUE(ib_.wait_frames(1));
 }
 
+// UCX only (the in-process transport hands frames over at once): a full
+// send queue pushes back instead of growing without bound.
+TEST(UcxBackpressure, a_full_send_queue_answers_resource_exhausted) {
+  Inbox ia, ib;
+  UcxOptions oa;
+  oa.name = "alpha";
+  oa.max_send_queue_bytes = 1 << 20;
+  UcxOptions ob;
+  ob.name = "beta";
+  UcxTransport a(oa), b(ob);
+  ASSERT_TRUE(a.start(ia.events()).ok());
+  ASSERT_TRUE(b.start(ib.events()).ok());
+  ASSERT_TRUE(a.connect(b.address(), 5s).ok());
+  FrameBuilder<msg::StageActivation> big;
+  big.root().getPayload().initInline(256 << 10);
+  auto f = big.finish(1);
+  size_t accepted = 0, refused = 0;
+  for (int i = 0; i < 64; ++i) {
+    auto s = a.send("beta", f.with_request_id(i));
+    if (s.ok()) {
+      ++accepted;
+    } else {
+      EXPECT_EQ(s.error().code(), ErrorCode::resource_exhausted);
+      ++refused;
+    }
+  }
+  EXPECT_GT(refused, 0u);
+  ASSERT_TRUE(ib.wait_frames(accepted, 20s));
+  EXPECT_TRUE(ia.wait([&] { return a.stats().send_queue_bytes == 0; }, 5s));
+  EXPECT_TRUE(a.send("beta", f).ok());
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, Conformance, ::testing::Values("inproc", "ucx"),
                          [](const auto& info) { return info.param; });
 

@@ -2,7 +2,7 @@
 // on 127.0.0.1, next to ucx_perftest (ucp_am_bw, ucp_put_bw) at the same
 // sizes and UCX settings, in the same run. Prints a markdown table.
 //
-//   transport_bench [--sizes 64,4096,...] [--trials 3] [--perftest PATH]
+//   transport_bench [--sizes 64,4096,...] [--trials 3] [--gib 1] [--perftest PATH]
 //
 // Frames: the client sends n frames back to back (at most max(32 MiB, 4
 // frames) queued), then a marker; the server answers the marker once it has
@@ -18,7 +18,6 @@
 // memory registered with register_region.
 // Each measurement runs --trials times, interleaved with its peer; the best
 // of each is reported (the machine is shared).
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <sys/wait.h>
@@ -37,6 +36,7 @@
 #include <thread>
 
 #include "messages/kinds.hpp"
+#include "tests/transport/args.hpp"
 #include "transport/ucx.hpp"
 
 using namespace troupe;
@@ -291,18 +291,20 @@ std::string human(size_t b) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"troupe transport benchmark"};
-  bool serve_mode = false;
+  test::Args args(argc, argv);
+  bool serve_mode = args.flag("--serve");
   std::vector<size_t> sizes = {64, 4096, 65536, 1u << 20, 4u << 20, 16u << 20, 64u << 20};
-  int trials = 3;
-  std::string perftest_bin = "ucx_perftest";
-  double target_gib = 1.0;
-  app.add_flag("--serve", serve_mode, "run as the server (internal)");
-  app.add_option("--sizes", sizes, "frame and put sizes in bytes")->delimiter(',');
-  app.add_option("--trials", trials, "best of this many runs per measurement");
-  app.add_option("--perftest", perftest_bin, "ucx_perftest binary");
-  app.add_option("--gib", target_gib, "GiB moved per measurement (large sizes)");
-  CLI11_PARSE(app, argc, argv);
+  if (auto list = args.get("--sizes"); !list.empty()) {
+    sizes.clear();
+    for (size_t pos = 0; pos < list.size();) {
+      size_t comma = list.find(',', pos);
+      sizes.push_back(std::stoull(list.substr(pos, comma - pos)));
+      pos = comma == std::string::npos ? list.size() : comma + 1;
+    }
+  }
+  int trials = static_cast<int>(args.num("--trials", 3));
+  std::string perftest_bin = args.get("--perftest", "ucx_perftest");
+  double target_gib = std::atof(args.get("--gib", "1").c_str());
   setenv("UCX_NET_DEVICES", "lo", 0);
   setenv("UCX_MM_ERROR_HANDLING", "y", 0);
   spdlog::set_level(spdlog::level::warn);

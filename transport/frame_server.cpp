@@ -198,7 +198,11 @@ Status FrameServer::start() {
 
 void FrameServer::stop() {
   auto& s = *impl_;
-  if (!s.running.exchange(false)) return;
+  if (!s.running.exchange(false)) {
+    if (s.listen_fd >= 0) ::close(s.listen_fd);  // start() failed half way
+    s.listen_fd = -1;
+    return;
+  }
   {
     std::lock_guard lock(s.wake_mu);
     s.want_stop = true;
@@ -208,6 +212,7 @@ void FrameServer::stop() {
   ::close(s.listen_fd);
   ::close(s.epoll_fd);
   ::close(s.wake_fd);
+  s.listen_fd = s.epoll_fd = s.wake_fd = -1;
 }
 
 void FrameServer::Impl::run() {

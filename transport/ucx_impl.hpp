@@ -101,7 +101,7 @@ struct UcxTransport::Impl {
   ucp_listener_h listener = nullptr;
   int efd = -1;
   std::thread thread;
-  std::thread::id thread_id;
+  std::atomic<std::thread::id> thread_id{};
   bool started = false;
 
   // Commands from other threads.

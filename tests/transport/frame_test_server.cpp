@@ -1,4 +1,6 @@
-// frame_test_server: a real troupe endpoint for two-process and cross-language
+// frame_test_server [--tcp-port N] [--ucx] [--name NAME] [--connect ADDR]...
+//   [--token-interval-ms N] [--max-body N] [--partial-timeout-ms N]
+// A real troupe endpoint for two-process and cross-language
 // tests: a FrameServer on TCP and (with --ucx) a UCX transport, both served
 // by TestService. Prints one line "READY tcp=PORT ucx=ADDRESS" on stdout,
 // then serves until SIGTERM/SIGINT (logs on stderr).
@@ -7,7 +9,6 @@
 // Client mode, for tests that kill a client:
 //   --tcp-client HOST:PORT --generate N   submit one GenerateRequest, print
 //                     READY after its first TokenChunk, keep reading.
-#include <CLI/CLI.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
@@ -16,6 +17,7 @@
 #include <thread>
 
 #include "messages/kinds.hpp"
+#include "tests/transport/args.hpp"
 #include "tests/transport/pattern.hpp"
 #include "tests/transport/test_service.hpp"
 #include "transport/frame_server.hpp"
@@ -57,27 +59,17 @@ int run_client(const std::string& hostport, uint32_t max_tokens) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"troupe frame test server"};
-  int tcp_port = 0, interval_ms = 2;
-  bool ucx = false;
-  std::string name = "test-server";
-  std::vector<std::string> connect;
-  uint64_t offer_bytes = 0;
-  uint32_t max_body = 8u << 20;
-  app.add_option("--tcp-port", tcp_port, "TCP port (0: ephemeral)");
-  app.add_flag("--ucx", ucx, "also serve over UCX");
-  app.add_option("--name", name, "UCX endpoint name");
-  app.add_option("--connect", connect, "UCX addresses to connect to");
-  app.add_option("--token-interval-ms", interval_ms, "delay between streamed tokens");
-  app.add_option("--offer-bytes", offer_bytes, "offer a region of this size to each UCX peer");
-  app.add_option("--max-body", max_body, "largest accepted TCP frame body");
-  std::string tcp_client;
-  uint32_t generate = 16;
-  int partial_timeout_ms = 30000;
-  app.add_option("--tcp-client", tcp_client, "client mode: connect to HOST:PORT");
-  app.add_option("--generate", generate, "client mode: max_tokens of the request");
-  app.add_option("--partial-timeout-ms", partial_timeout_ms, "drop a connection that stalls mid-frame this long");
-  CLI11_PARSE(app, argc, argv);
+  test::Args args(argc, argv);
+  int tcp_port = static_cast<int>(args.num("--tcp-port", 0));
+  int interval_ms = static_cast<int>(args.num("--token-interval-ms", 2));
+  bool ucx = args.flag("--ucx");
+  std::string name = args.get("--name", "test-server");
+  std::vector<std::string> connect = args.all("--connect");
+  uint64_t offer_bytes = static_cast<uint64_t>(args.num("--offer-bytes", 0));
+  uint32_t max_body = static_cast<uint32_t>(args.num("--max-body", 8u << 20));
+  std::string tcp_client = args.get("--tcp-client");
+  uint32_t generate = static_cast<uint32_t>(args.num("--generate", 16));
+  int partial_timeout_ms = static_cast<int>(args.num("--partial-timeout-ms", 30000));
   if (!tcp_client.empty()) return run_client(tcp_client, generate);
   spdlog::set_default_logger(spdlog::stderr_color_mt("server"));
   spdlog::set_pattern("[%H:%M:%S.%e] [%l] %v");

@@ -112,10 +112,12 @@ class Child {
 #define TROUPE_TEST_SERVER "frame_test_server"
 #endif
 inline std::string server_binary() { return std::string(TROUPE_BINARY_DIR) + "/bin/" TROUPE_TEST_SERVER; }
+// A log file of its own for each child (ctest runs tests in parallel).
 inline std::string log_path(const std::string& name) {
+  static int n = 0;
   std::string dir = std::string(TROUPE_BINARY_DIR) + "/Testing/logs";
   std::filesystem::create_directories(dir);
-  return dir + "/" + name + ".log";
+  return dir + "/" + name + "." + std::to_string(getpid()) + "." + std::to_string(n++) + ".log";
 }
 
 }  // namespace troupe::test

@@ -233,6 +233,10 @@ void FrameServer::Impl::run() {
       auto it = conns.find(key);
       if (it == conns.end()) continue;
       auto c = it->second;
+      if (c->closing && (evs[i].events & (EPOLLHUP | EPOLLERR))) {
+        finish(c, c->close_reason.value_or(Error(ErrorCode::unavailable, "client gone")));
+        continue;
+      }
       if (evs[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR | EPOLLRDHUP)) read_ready(c);
       if (!c->finished && (evs[i].events & EPOLLOUT)) flush(c);
     }

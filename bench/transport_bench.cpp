@@ -3,6 +3,7 @@
 // sizes and UCX settings, in the same run. Prints a markdown table.
 //
 //   transport_bench [--sizes 64,4096,...] [--trials 3] [--gib 1] [--perftest PATH]
+//                   [--spin-us N] [--no-perftest]
 //
 // Frames: the client sends n frames back to back (at most max(32 MiB, 4
 // frames) queued), then a marker; the server answers the marker once it has
@@ -34,6 +35,7 @@
 #include <random>
 #include <sstream>
 #include <thread>
+#include <cstring>
 
 #include "messages/kinds.hpp"
 #include "tests/transport/args.hpp"
@@ -50,9 +52,12 @@ constexpr size_t kRegionBytes = 64u << 20;
 
 // ------------------------------------------------------------------ server
 
+int g_spin_us = 0;
+
 int serve() {
   UcxOptions o;
   o.name = "bench-server";
+  o.spin_after_work_us = g_spin_us;
   UcxTransport t(o);
   std::atomic<uint64_t> count{0};
   std::vector<uint8_t> caller(kRegionBytes);
@@ -191,6 +196,7 @@ class Client {
     UcxOptions o;
     o.name = "bench-client";
     o.listen_host.clear();
+    o.spin_after_work_us = g_spin_us;
     t_ = std::make_unique<UcxTransport>(o);
     TransportEvents e;
     e.on_frame = [this](const std::string&, Frame f) {
@@ -305,12 +311,14 @@ int main(int argc, char** argv) {
   int trials = static_cast<int>(args.num("--trials", 3));
   std::string perftest_bin = args.get("--perftest", "ucx_perftest");
   double target_gib = std::atof(args.get("--gib", "1").c_str());
+  g_spin_us = static_cast<int>(args.num("--spin-us", 0));
+  bool no_perftest = args.flag("--no-perftest");
   setenv("UCX_NET_DEVICES", "lo", 0);
   setenv("UCX_MM_ERROR_HANDLING", "y", 0);
   spdlog::set_level(spdlog::level::warn);
   if (serve_mode) return serve();
 
-  auto server = spawn({"/proc/self/exe", "--serve"});
+  auto server = spawn({"/proc/self/exe", "--serve", "--spin-us", std::to_string(g_spin_us)});
   std::string ready = read_line(server.out);
   auto addr = ready.substr(ready.find("ucx=") + 4);
   Client client(addr);
@@ -328,11 +336,11 @@ int main(int argc, char** argv) {
     double fps = 0, am = 0, am_mr = 0, put = 0, put_pt = 0, put_caller = 0;
     for (int t = 0; t < trials; ++t) {
       fps = std::max(fps, client.frames(f, n, window));
-      auto r = perftest(perftest_bin, "ucp_am_bw", f.body_bytes().size(), n, true);
+      auto r = no_perftest ? Rate{} : perftest(perftest_bin, "ucp_am_bw", f.body_bytes().size(), n, true);
       am = std::max(am, r.bytes_per_s);
       am_mr = std::max(am_mr, r.msgs_per_s);
       put = std::max(put, client.puts(true, size, n_put));
-      put_pt = std::max(put_pt, perftest(perftest_bin, "ucp_put_bw", size, n_put, false).bytes_per_s);
+      if (!no_perftest) put_pt = std::max(put_pt, perftest(perftest_bin, "ucp_put_bw", size, n_put, false).bytes_per_s);
       put_caller = std::max(put_caller, client.puts(false, size, std::max<size_t>(n_put / 4, 16)));
     }
     double gbs = fps * frame_bytes / 1e9;

@@ -297,6 +297,8 @@ bool UcxTransport::Impl::post(std::function<void()> fn) {
 // (ucp_worker_signal) wakes it.
 void UcxTransport::Impl::run() {
   thread_id = std::this_thread::get_id();
+  auto last_work = std::chrono::steady_clock::now();
+  const auto spin = std::chrono::microseconds(opt.spin_after_work_us);
   for (;;) {
     std::deque<std::function<void()>> batch;
     bool stop;
@@ -307,10 +309,18 @@ void UcxTransport::Impl::run() {
     }
     if (stop) break;
     for (auto& fn : batch) fn();
-    while (ucp_worker_progress(worker) != 0) {
+    unsigned progressed = 0;
+    while (unsigned n = ucp_worker_progress(worker)) progressed += n;
+    bool did = run_deferred() || !batch.empty() || progressed > 0;
+    auto now = std::chrono::steady_clock::now();
+    if (did) {
+      last_work = now;
+      continue;
     }
-    bool did = run_deferred() || !batch.empty();
-    if (did) continue;
+    // Right after work, poll a little longer before sleeping: a transfer in
+    // flight (rendezvous fragments through a shared-memory FIFO) needs this
+    // side to progress again within microseconds. Idle, the thread sleeps.
+    if (now - last_work < spin) continue;
     ucs_status_t st = ucp_worker_arm(worker);
     if (st == UCS_ERR_BUSY) continue;
     pollfd pfd{efd, POLLIN, 0};

@@ -153,8 +153,19 @@ ucs_status_t am_frame_cb(void* arg, const void* header, size_t header_length, vo
     return drop();
   }
   if (rndv) {
+    // Start the data fetch here, inside the callback (UCX allows it), so the
+    // next frame's transfer overlaps the delivery of this one.
     auto* r = new RndvRecv{impl, c->id, seq, *h, data, messages::alloc_body_words(length)};
-    impl->rndv_start.push_back(r);
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.recv_am = rndv_cb;
+    p.user_data = r;
+    auto* req = ucp_am_recv_data_nbx(impl->worker, data, r->words.begin(), length, &p);
+    if (req == nullptr) {
+      rndv_done(r, UCS_OK);
+    } else if (UCS_PTR_IS_ERR(req)) {
+      rndv_done(r, UCS_PTR_STATUS(req));
+    }
     return UCS_INPROGRESS;
   }
   // Eager data is not 8-byte aligned (STACK.md): copy into aligned storage.
@@ -358,8 +369,6 @@ void UcxTransport::Impl::shutdown_in_thread() {
     }
   }
   conns.clear();
-  for (auto* r : rndv_start) delete r;
-  rndv_start.clear();
   {
     std::lock_guard lock(names_mu);
     up_names.clear();
@@ -371,19 +380,6 @@ bool UcxTransport::Impl::run_deferred() {
   for (auto request : std::exchange(accepted, {})) {
     did = true;
     if (ucp_ep_h ep = create_server_ep(request)) add_conn(ep);
-  }
-  for (auto* r : std::exchange(rndv_start, {})) {
-    did = true;
-    ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    p.cb.recv_am = rndv_cb;
-    p.user_data = r;
-    auto* req = ucp_am_recv_data_nbx(worker, r->desc, r->words.begin(), r->header.body_bytes, &p);
-    if (req == nullptr) {
-      rndv_done(r, UCS_OK);
-    } else if (UCS_PTR_IS_ERR(req)) {
-      rndv_done(r, UCS_PTR_STATUS(req));
-    }
   }
   for (auto [ep, st] : std::exchange(failed, {})) {
     did = true;

@@ -184,7 +184,20 @@ caf::behavior supervisor_actor(Self self, std::shared_ptr<model::Model> model, S
         auto& s = self->state;
         if (auto it = s.members.find(name); it != s.members.end()) self->send(it->second.actor, crash_atom::value);
       },
-      [=](drain_atom, const std::string& name) { drain_member(self, name); },
+      [=](drain_atom, const std::string& name) -> bool {
+        auto& s = self->state;
+        auto it = s.members.find(name);
+        if (it == s.members.end() || it->second.draining) return false;
+        drain_member(self, name);
+        return true;
+      },
+      [=](stop_atom) -> bool {  // shutdown: stop every worker, restart none
+        for (auto& [n, m] : self->state.members) {
+          m.draining = true;
+          self->send_exit(m.actor, caf::exit_reason::user_shutdown);
+        }
+        return true;
+      },
   };
 }
 

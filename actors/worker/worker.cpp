@@ -71,7 +71,10 @@ void start_job(Self self, Job job) {
   Running run;
   run.next_index = job.generated_before;
   run.handoff_to = job.decode_to;
-  if (job.image) {  // the request moved here: its gateway watches this worker from now on
+  // The gateway watches the worker that runs a request. The router says so for
+  // the jobs it places; a request that moved here (handoff, migration,
+  // recompute fallback) is announced by its new worker.
+  if (job.image || job.generated_before > 0 || job.attempt > 0) {
     self->send(job.reply_to, Assigned{job.id, caf::actor_cast<caf::actor>(self), st.config.name});
   }
   run.job = std::move(job);
@@ -85,7 +88,9 @@ void report_load(Self self) {
   WorkerLoad load;
   load.name = st.config.name;
   load.role = st.config.role;
-  load.running = s.running;
+  // Requests this worker still answers for (a handoff not yet confirmed
+  // counts): a draining worker stops only when this reaches zero.
+  load.running = std::max<int64_t>(s.running, static_cast<int64_t>(st.by_engine.size()) - s.waiting - s.parked);
   load.waiting = s.waiting;
   load.parked = s.parked;
   load.device_free_bytes = s.device_free_bytes;
@@ -120,6 +125,7 @@ void report_load(Self self) {
     m.gauge("troupe_parks", "Parks so far (engine)", labels).set(static_cast<double>(s.parks));
     m.gauge("troupe_resumes", "Resumes so far (engine)", labels).set(static_cast<double>(s.resumes));
     m.gauge("troupe_preemptions", "Preemptions so far (engine)", labels).set(static_cast<double>(s.preemptions));
+    m.gauge("troupe_aborted", "Requests aborted so far (engine)", labels).set(static_cast<double>(s.aborted));
     m.gauge("troupe_cached_tokens", "Prompt tokens served by the prefix cache", labels)
         .set(static_cast<double>(s.cached_tokens));
     for (size_t k = 0; k < s.device.size(); ++k) {
@@ -149,8 +155,21 @@ void on_event(Self self, const engine::Event& e) {
       break;
     }
     case engine::EventKind::parked: {
-      if (!e.ok || !run.handoff_to || run.handing_off) break;  // a long-tail park: the stream just pauses
+      if (!run.handoff_to || run.handing_off) break;  // a long-tail park: the stream just pauses
       run.handing_off = true;
+      if (!e.ok) {
+        // No state to hand over (no host tier, no room there, or the request was
+        // between tiers): the target recomputes it from its tokens instead.
+        spdlog::warn("worker {}: request {} cannot be handed over with its state ({}); the target recomputes it",
+                     st.config.name, run.job.id, e.message);
+        self->send(run.handoff_to, continuation(run));
+        if (st.metrics) {
+          st.metrics->counter("troupe_handoff_fallbacks_total", "Handoffs that fell back to recomputation",
+                              {{"worker", st.config.name}}).inc();
+        }
+        st.engine->abort(e.id);
+        break;
+      }
       // Export on a helper thread: the future completes on the engine thread's next step.
       auto fut = std::make_shared<std::future<std::optional<engine::SequenceImage>>>(st.engine->export_parked(e.id));
       const engine::RequestId eid = e.id;

@@ -440,9 +440,8 @@ caf::behavior gateway_actor(Self self, GatewayConfig config, std::shared_ptr<con
   st.tok = std::move(tok);
   st.router = router;
   st.metrics = std::move(metrics);
-  self->attach_functor([self] {
-    if (self->state.server) self->state.server->stop();
-  });
+  // The HTTP server stops when the state is destroyed (CAF 0.17: in on_exit,
+  // before attached functors run, so none may touch the state).
   self->set_down_handler([=](caf::down_msg& dm) {
     auto& s = self->state;
     s.watched.erase(dm.source);

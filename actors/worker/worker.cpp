@@ -99,10 +99,14 @@ void report_load(Self self) {
   for (const auto& a : s.host) load.leaked_pages += a.leaked;
   load.draining = st.draining;
   load.actor = caf::actor_cast<caf::actor>(self);
-  if (s.device_budget_bytes > 0) {
-    load.kv_use = 1.0 - static_cast<double>(s.device_free_bytes) / static_cast<double>(s.device_budget_bytes);
-  }
+  // Pressure is what requests hold: pages only the prefix cache keeps are
+  // given back on demand, so counting them would park requests (and keep them
+  // parked) while the pool could still serve everyone. From the audit (every
+  // 32 steps and when idle); shared pages count for each request.
+  const double budget = static_cast<double>(std::max<uint64_t>(1, s.device_budget_bytes));
+  int64_t held = 0;
   for (const auto& r : s.requests) {
+    held += r.device_bytes;
     auto it = st.by_engine.find(r.id);
     if (it == st.by_engine.end()) continue;
     if (it->second.long_tail_parked) {
@@ -110,8 +114,10 @@ void report_load(Self self) {
     } else if (r.phase == "running" && !it->second.handing_off && r.max_tokens > load.largest_tokens) {
       load.largest = it->second.job.id;
       load.largest_tokens = r.max_tokens;
+      load.largest_share = static_cast<double>(r.device_bytes) / budget;
     }
   }
+  load.kv_use = std::min(1.0, static_cast<double>(held) / budget);
   if (st.router) self->send(st.router, load);
   if (st.supervisor) self->send(st.supervisor, load);
   if (st.metrics) {
@@ -215,10 +221,10 @@ caf::behavior worker_actor(Self self, std::shared_ptr<model::Model> model, Worke
     caf::anon_send(me, event_atom::value, e);
   });
   st.engine->start();
-  self->attach_functor([self] {
-    // Stops the engine thread and releases every page when the actor ends.
-    self->state.engine.reset();
-  });
+  // No attach_functor here: CAF 0.17 destroys the state (on_exit) before it
+  // runs attached functors, and the state's destructor already stops the
+  // engine thread and releases every page (the engine is declared after the
+  // model it uses, so it goes first).
   if (router) self->send(router, register_atom::value, me, st.config.name, static_cast<uint8_t>(st.config.role));
   self->delayed_send(self, st.config.load_every, tick_atom::value);
   spdlog::info("worker {} ({}) up", st.config.name, to_string(st.config.role));

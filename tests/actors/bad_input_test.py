@@ -104,7 +104,7 @@ def test_prompt_longer_than_the_model_limit():
     expect_error(s, b, 400, code="context_length_exceeded")
     s, b = post({"model": MODEL, "prompt": [129280 + 5], "max_tokens": 4})
     expect_error(s, b, 400, param="prompt", words=("out of range",))
-    s, b = post({"model": MODEL, "prompt": "", "max_tokens": 4})
+    s, b = post({"model": MODEL, "prompt": [], "max_tokens": 4})
     expect_error(s, b, 400, param="prompt")
     still_serving()
 

@@ -109,8 +109,10 @@ class Server:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.stop()
+    def __exit__(self, exc_type, *exc):
+        code = self.stop()
+        if exc_type is not None:
+            print(f"--- server log ({self.log_path}, exit {code}) ---\n{self.tail()}", flush=True)
 
     # ---- HTTP ------------------------------------------------------------------------
     def request(self, method, path, body=None, headers=None, timeout=120):

@@ -2,9 +2,10 @@
 """The long_tail policy in one process: a small device pool (2 MiB per
 worker, host tier on), one very long request and 20 short ones.
 
-The long request fills most of the device pool; when the short ones arrive
-the pool's use crosses the policy's threshold and the supervisor parks the
-request with the largest projected state (the long one) in the host tier.
+The long request holds more than half of the device pool; when the short
+ones arrive (more than one request runs and requests hold more than the
+threshold) the supervisor parks the request with the largest projected state
+(the long one) in the host tier.
 The short ones run and finish while it is parked; it resumes when the
 pressure is gone and its tokens equal those of an uncapped run.
 """
@@ -14,12 +15,14 @@ import time
 
 import harness
 
-A = harness.args()
+A = harness.args() if __name__ == "__main__" else None
 MODEL = "deepseek-v4-tiny"
 LONG_PROMPT = 5000
 LONG_TOKENS = 200
-CAPPED = ["--kv-memory-mib", "2", "--host-memory-mib", "256", "--long-tail", "--long-tail-pressure", "0.85",
-          "--long-tail-resume", "0.5"]
+# Park when requests hold more than half of the pool and more than one runs;
+# resume when the parked one fits back under 70% (or nothing else runs).
+CAPPED = ["--kv-memory-mib", "2", "--host-memory-mib", "256", "--long-tail", "--long-tail-pressure", "0.5",
+          "--long-tail-resume", "0.7"]
 
 
 def long_body():
@@ -63,7 +66,8 @@ def test_long_request_is_parked_for_short_ones_and_resumes_exactly():
               f"{long_tokens_when_shorts_done} of {LONG_TOKENS} tokens; long done after {long_done[0] - t0:.1f} s; "
               f"parks {parks:.0f}, resumes {resumes:.0f}")
         assert not shorts.errors and not long_run.errors, (shorts.errors, long_run.errors)
-        assert shorts.tokens == shorts_ref.tokens
+        diff = [i for i in range(20) if shorts.tokens[i] != shorts_ref.tokens[i]]
+        assert not diff, f"short requests {diff} differ from the uncapped run"
         assert long_run.tokens[0] == ref.tokens[0], "the parked and resumed request's tokens differ from an uncapped run"
         assert parks >= 1 and resumes >= 1, (parks, resumes)
         # The short ones did not wait for the long one.

@@ -71,5 +71,36 @@ def test_disconnect_before_the_answer_of_a_non_streaming_request():
         assert st == 200 and b["usage"]["completion_tokens"] == 3
 
 
+def test_clients_closing_right_after_done_do_not_crash_the_server():
+    """Regression: a client that closes as soon as it has read [DONE] used to
+    race the server's last chunk write; the close cleared the write queue
+    under the pending write and the server died (double free)."""
+    with harness.Server(A.troupe, A.home, name="close-after-done") as s:
+        body = {"model": MODEL, "prompt": "quick", "max_tokens": 2, "temperature": 0}
+        errors = []
+
+        def loop(k):
+            for i in range(60):
+                try:
+                    sock = harness.open_stream(s.port, dict(body, prompt=f"quick {k} {i}"))
+                    events, done = harness.read_events(sock)
+                    sock.close()  # at once: the server may still be writing the last chunk
+                    if not done or len(events) < 2:
+                        errors.append(f"{k}/{i}: {len(events)} events, done {done}")
+                except OSError as e:
+                    errors.append(f"{k}/{i}: {e}")
+
+        threads = [threading.Thread(target=loop, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert s.alive(), "the server died:\n" + s.tail()
+        assert not errors, errors[:5]
+        m = s.idle_pages()
+        assert harness.metric(m, "troupe_requests_finished_total", reason="length") == 480
+        assert held_pages(m) == 0 and harness.metric(m, "troupe_leaked_pages") == 0
+
+
 if __name__ == "__main__":
     raise SystemExit(harness.run(globals(), A.only))

@@ -363,3 +363,43 @@ TEST(Engine, decode_checkpoints_yield_to_a_long_generation) {
 
 }  // namespace
 }  // namespace troupe::engine
+
+namespace troupe::engine {
+namespace {
+
+// A cached prefix pushed out of a small device tier is spilled to the host
+// tier and reloaded by a later request that shares it.
+TEST(Engine, spilled_prefixes_reload_on_a_later_match) {
+  auto& m = tiny();
+  const auto g = cache::CacheGeometry::of(m.config());
+  EngineOptions o;
+  o.slab_bytes = cache::PoolSet::default_slab_bytes(g);
+  o.device_bytes = 8 * o.slab_bytes;
+  o.host_bytes = 64 << 20;
+  o.step_tokens = 256;
+  Harness h(m, o);
+  const int64_t V = m.config().vocab_size;
+  std::mt19937_64 rng(20);
+  const auto shared = test::random_ids(rng, 400, V);
+  h.submit(greedy(shared, 2));
+  h.run();
+  // Others fill the device tier: the shared prefix goes to the host tier.
+  for (int i = 0; i < 6; ++i) h.submit(greedy(test::random_ids(rng, 700, V), 2));
+  h.run();
+  auto s = h.engine().stats();
+  EXPECT_GT(s.spilled_pages, 0);
+  auto prompt = shared;
+  const auto tail = test::random_ids(rng, 20, V);
+  prompt.insert(prompt.end(), tail.begin(), tail.end());
+  const auto b = h.submit(greedy(prompt, 3));
+  h.run();
+  s = h.engine().stats();
+  EXPECT_GT(s.reloaded_pages, 0);
+  EXPECT_EQ(h[b].last.usage.cached_tokens, 400 / g.page_tokens * g.page_tokens);
+  h.expect_dense_logits(b);
+  h.engine().clear_cache();
+  h.expect_no_leaks(true);
+}
+
+}  // namespace
+}  // namespace troupe::engine

@@ -171,11 +171,12 @@ class Session : public std::enable_shared_from_this<Session> {
         return;
       }
       self->buffer_.commit(n);
-      if (self->response_done_) {
-        self->read_request();
-      } else {
-        self->watch_for_close();
-      }
+      // Bytes, not EOF: the client is there. If they came before this
+      // response ended (the next request on a keep-alive connection, sent as
+      // soon as the client had the last byte), on_write's final write parses
+      // them. Watching again here would wait for bytes that never come while
+      // the request already sits in the buffer.
+      if (self->response_done_) self->read_request();
     });
   }
 

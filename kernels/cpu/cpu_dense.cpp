@@ -10,6 +10,7 @@
 #include <string>
 
 #include "kernels/cpu/cpu_backend.hpp"
+#include "kernels/cpu/cpu_gemm.hpp"
 
 namespace troupe::kernels::cpu {
 
@@ -41,37 +42,15 @@ void CpuBackend::to_host(void* dst, const void* src, size_t bytes) { std::memcpy
 void CpuBackend::copy(void* dst, const void* src, size_t bytes) { std::memmove(dst, src, bytes); }
 
 void CpuBackend::linear(const float* x, int64_t m, const Weight& w, float* y, float beta) {
-  if (m == 0) return;
-  if (m <= 4) {  // decode-sized: GEMV reads the weights once instead of packing them
-    for (int64_t r = 0; r < m; ++r) {
-      cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<int>(w.rows), static_cast<int>(w.cols), 1.0f, f32_data(w),
-                  static_cast<int>(w.cols), x + r * w.cols, 1, beta, y + r * w.rows, 1);
-    }
-    return;
-  }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m), static_cast<int>(w.rows),
-              static_cast<int>(w.cols), 1.0f, x, static_cast<int>(w.cols), f32_data(w), static_cast<int>(w.cols),
-              beta, y, static_cast<int>(w.rows));
+  gemm_xwt(x, m, w.cols, f32_data(w), w.rows, w.cols, w.cols, y, w.rows, beta != 0.0f);
 }
 
 void CpuBackend::linear_grouped(const float* x, int64_t m, const Weight& w, int groups, float* y) {
-  if (m == 0) return;
   const float* wd = f32_data(w);
   const int64_t out = w.rows / groups;
-  if (m <= 4) {
-    for (int64_t r = 0; r < m; ++r) {
-      for (int g = 0; g < groups; ++g) {
-        cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<int>(out), static_cast<int>(w.cols), 1.0f,
-                    wd + g * out * w.cols, static_cast<int>(w.cols), x + r * groups * w.cols + g * w.cols, 1, 0.0f,
-                    y + r * groups * out + g * out, 1);
-      }
-    }
-    return;
-  }
   for (int g = 0; g < groups; ++g) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m), static_cast<int>(out),
-                static_cast<int>(w.cols), 1.0f, x + g * w.cols, static_cast<int>(groups * w.cols),
-                wd + g * out * w.cols, static_cast<int>(w.cols), 0.0f, y + g * out, static_cast<int>(groups * out));
+    gemm_xwt(x + g * w.cols, m, groups * w.cols, wd + g * out * w.cols, out, w.cols, w.cols, y + g * out,
+             groups * out, false);
   }
 }
 

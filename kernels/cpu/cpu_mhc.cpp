@@ -1,10 +1,9 @@
 // mHC (manifold-constrained hyper-connections) on the CPU backend.
-#include <cblas.h>
-
 #include <cmath>
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.hpp"
+#include "kernels/cpu/cpu_gemm.hpp"
 
 namespace troupe::kernels::cpu {
 namespace {
@@ -24,9 +23,7 @@ std::vector<float> hc_mix(const float* X, int64_t rows, const Weight& fn, const 
     for (int64_t i = 0; i < width; ++i) flat[r * width + i] = xr[i] * inv;
   }
   std::vector<float> mix(static_cast<size_t>(rows * fn.rows));
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows), static_cast<int>(fn.rows),
-              static_cast<int>(width), 1.0f, flat.data(), static_cast<int>(width), w, static_cast<int>(width), 0.0f,
-              mix.data(), static_cast<int>(fn.rows));
+  gemm_xwt(flat.data(), rows, width, w, fn.rows, width, width, mix.data(), fn.rows, false);
   return mix;
 }
 

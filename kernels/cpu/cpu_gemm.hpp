@@ -1,0 +1,29 @@
+// The CPU backend's matrix products, batch-invariant by construction.
+//
+// y[r, j] = dot(x[r, :], w[j, :]) is summed in one fixed order that depends on
+// nothing but k: lane l of a vector accumulator adds the products at columns
+// l, l + L, l + 2L, ... with fused multiply-adds, then the lanes are reduced in
+// a fixed tree. So a row's result is the same bits whether it is computed alone
+// (a decode step), in a batch of 64 (batched decode), inside a 5,000-row prefill
+// chunk, or after a preemption recomputes it: the engine's exactness promises
+// (batched == alone, resume == uninterrupted, failover == no failure) rest on
+// this. OpenBLAS sgemm does not give it (its small-matrix and GEMV paths sum in
+// other orders at different m), which is why these products are not BLAS calls.
+//
+// The vector width is chosen once per process from the CPU (AVX-512, AVX2+FMA,
+// or scalar); results are reproducible on one machine, not across ISAs.
+#pragma once
+
+#include <cstdint>
+
+namespace troupe::kernels::cpu {
+
+// y[m, n] (row stride ldy) = x[m, k] (ldx) @ w[n, k]^T (ldw); with accumulate,
+// y += that product (the product first, then one add per element).
+void gemm_xwt(const float* x, int64_t m, int64_t ldx, const float* w, int64_t n, int64_t ldw, int64_t k, float* y,
+              int64_t ldy, bool accumulate);
+
+// Which kernel gemm_xwt uses here: "avx512", "avx2" or "scalar".
+const char* gemm_isa();
+
+}  // namespace troupe::kernels::cpu

@@ -2,6 +2,7 @@
 // tombstones, admission control.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <random>
 
 #include "tests/cache/engine_harness.hpp"
@@ -41,15 +42,24 @@ void batched_equal_alone(model::Model& m, float tol, int64_t max_len) {
   h.expect_no_leaks(true);
 }
 
-// Row by row the math does not depend on the batch: bitwise equal (shorter
-// sequences: the row-wise backend is slow).
-TEST(Engine, thirty_two_sequences_batched_equal_each_alone_exactly) { batched_equal_alone(tiny(), 0.0f, 300); }
-
-// The same on the plain CPU backend, whose products are batch-invariant
-// (kernels/cpu/cpu_gemm.hpp): bitwise equal too, with longer sequences.
-TEST(Engine, thirty_two_sequences_batched_equal_each_alone_on_the_plain_backend) {
-  batched_equal_alone(*test::plain_model().model, 0.0f, 700);
+// The model alone (no cache): a sequence fed in chunks of 1, 7 or 64 tokens,
+// each call batched with another sequence, gives the bits of one call.
+TEST(Engine, model_rows_do_not_depend_on_chunking_or_batch_company) {
+  auto& m = tiny();
+  std::mt19937_64 rng(5);
+  const auto ids = test::random_ids(rng, 200, m.config().vocab_size);
+  const auto company = test::random_ids(rng, 200, m.config().vocab_size);
+  const auto want = test::dense_logits(m, ids);
+  for (size_t chunk : {1, 7, 64}) {
+    const auto got = test::dense_logits_chunked(m, ids, chunk, company);
+    ASSERT_EQ(got.size(), want.size());
+    EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float))) << "chunks of " << chunk;
+  }
 }
+
+// Row by row the math does not depend on the batch (the CPU backend's
+// products are batch-invariant): bitwise equal.
+TEST(Engine, thirty_two_sequences_batched_equal_each_alone_exactly) { batched_equal_alone(tiny(), 0.0f, 700); }
 
 TEST(Engine, prefix_reuse_computes_the_new_tokens_and_less_than_a_window) {
   auto& m = tiny();

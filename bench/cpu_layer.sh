@@ -11,6 +11,10 @@ cmake --build "$BUILD" --target troupe cpu_layer_bench >/dev/null
 models="$BUILD/bench-models"
 mkdir -p "$models"
 rows=""
+# The bench re-executes itself with OPENBLAS_CORETYPE set where OpenBLAS would
+# pick its generic kernels: the kernel set it runs with is the last one named.
+core=$(OPENBLAS_VERBOSE=2 "$BUILD/bin/cpu_layer_bench" --help 2>&1 | grep Core | tail -1 | cut -d: -f2 | xargs || true)
+isa=$(grep -q avx512f /proc/cpuinfo && echo AVX-512 || (grep -q avx2 /proc/cpuinfo && echo AVX2 || echo scalar))
 for t in csa hca; do
   dir="$models/flash-layer-$t"
   [ -f "$dir/model.safetensors" ] || "$BUILD/bin/troupe" init-model --preset flash-shaped --layer-types $t --vocab 1024 --out "$dir"
@@ -19,6 +23,8 @@ for t in csa hca; do
     ours=$("$BUILD/bin/cpu_layer_bench" --model "$dir" --context $ctx --steps 5 | sed 's/.*"ms_per_step": \([0-9.]*\).*/\1/')
     if "$PY" -c "import torch, transformers" 2>/dev/null; then
       peer=$("$PY" bench/model/hf_layer_peer.py --layer-type $long --context $ctx --steps 5 | sed 's/.*"ms_per_step": \([0-9.]*\).*/\1/')
+      peer=$(python3 -c "print(f'{$peer:.1f}')")
+      ours=$(python3 -c "print(f'{$ours:.1f}')")
       ratio=$(python3 -c "print(f'{$peer/$ours:.2f}x')")
     else
       peer="n/a"; ratio="n/a (no torch: scripts/setup-bench)"
@@ -30,7 +36,8 @@ done
 section="## CPU: one decode step of a V4-Flash-shaped layer
 
 \`bench/cpu_layer.sh\`, $(date -u +%Y-%m-%d), $(nproc) cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)),
-fp32, OpenBLAS kernels $(OPENBLAS_VERBOSE=2 "$BUILD/bin/cpu_layer_bench" --help 2>&1 | grep -m1 Core | cut -d: -f2 | xargs || true).
+fp32; products by troupe's batch-invariant kernel (kernels/cpu/cpu_gemm.cpp, $isa), attention
+scores by OpenBLAS ($core kernels).
 One layer (hidden 4096, 64 heads x 512, q_lora 1024, o 8 x 1024, index 64 x 128
 top-512, window 128, 16 experts top-6 x 2048), state filled to the context, median
 of 5 steps. Peer: transformers 5.17 \`DeepseekV4ForCausalLM\` with the same single

@@ -50,10 +50,9 @@ engine::SamplingParams greedy(int tokens) {
   return s;
 }
 
-// The engine's own loop: submit, then step on this thread until idle. Returns tokens generated.
-int64_t engine_round(model::Model& m, const engine::EngineOptions& o, const std::vector<std::vector<int32_t>>& ps,
-                     int tokens) {
-  engine::Engine e(m, o);
+// The engine's own loop: submit, then step on this thread until idle. Returns
+// tokens generated. One engine for every round, as the worker actor keeps one.
+int64_t engine_round(engine::Engine& e, const std::vector<std::vector<int32_t>>& ps, int tokens) {
   for (const auto& p : ps) {
     engine::Request r;
     r.prompt = p;
@@ -155,13 +154,14 @@ int main(int argc, char** argv) {
     engine::EngineOptions o;
     o.step_tokens = std::max<int64_t>(512, prompt * batch);
     ActorPath actors_path(m, o);
+    engine::Engine direct(*m, o);
     double t_engine = 0, t_actors = 0;
     int64_t n_engine = 0, n_actors = 0;
-    engine_round(*m, o, prompts(rng, batch, prompt), 2);  // warm-up
+    engine_round(direct, prompts(rng, batch, prompt), 2);  // warm-up
     actors_path.round(prompts(rng, batch, prompt), 2);
     for (int r = 0; r < rounds; ++r) {
       auto t = Clock::now();
-      n_engine += engine_round(*m, o, prompts(rng, batch, prompt), tokens);
+      n_engine += engine_round(direct, prompts(rng, batch, prompt), tokens);
       t_engine += since(t);
       t = Clock::now();
       const int64_t n = actors_path.round(prompts(rng, batch, prompt), tokens);

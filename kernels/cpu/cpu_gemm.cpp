@@ -8,9 +8,14 @@
 #include "kernels/cpu/cpu_gemm.hpp"
 
 #include <immintrin.h>
-#include <omp.h>
 
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <functional>
+#include <mutex>
+#include <thread>
 #include <cmath>
 #include <vector>
 
@@ -32,6 +37,9 @@ inline void store(float* y, float v, bool accumulate) { *y = accumulate ? *y + v
 
 #pragma GCC push_options
 #pragma GCC target("avx512f")
+// GCC 12's _mm512_reduce_add_ps trips -Wmaybe-uninitialized inside its own header.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 template <int RM, int RN>
 void tile512(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k, float* y, int64_t ldy,
              bool accumulate, float* state, bool resume, bool finish) {
@@ -64,6 +72,7 @@ void tile512(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k
   for (int r = 0; r < RM; ++r)
     for (int j = 0; j < RN; ++j) store(y + r * ldy + j, _mm512_reduce_add_ps(acc[r][j]), accumulate);
 }
+#pragma GCC diagnostic pop
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -202,6 +211,86 @@ void block(const float* x, int64_t m, int64_t ldx, const float* w, int64_t j0, i
   }
 }
 
+// Helper threads for large products. They sleep on a condition variable
+// between calls (never spin: on a 2-core machine a spinning team starves the
+// engine's other threads), the caller works too, and a second caller that
+// finds the pool busy runs its product alone rather than wait. Threads:
+// $TROUPE_CPU_THREADS, else the hardware threads.
+class Pool {
+ public:
+  static Pool& get() {
+    static Pool pool;
+    return pool;
+  }
+  int threads() const { return static_cast<int>(workers_.size()) + 1; }
+
+  // fn(t) for t in [0, tasks), on the caller and the helpers; returns when all are done.
+  void run(int64_t tasks, const std::function<void(int64_t)>& fn) {
+    std::unique_lock busy(run_mutex_, std::try_to_lock);
+    if (!busy.owns_lock() || workers_.empty() || tasks < 2) {
+      for (int64_t t = 0; t < tasks; ++t) fn(t);
+      return;
+    }
+    {
+      std::lock_guard lock(mutex_);
+      fn_ = &fn;
+      tasks_ = tasks;
+      next_.store(0);
+      active_ = static_cast<int>(workers_.size());
+      ++generation_;
+    }
+    wake_.notify_all();
+    work();
+    std::unique_lock lock(mutex_);
+    done_.wait(lock, [&] { return active_ == 0; });
+    fn_ = nullptr;
+  }
+
+ private:
+  Pool() {
+    int n = static_cast<int>(std::thread::hardware_concurrency());
+    if (const char* env = std::getenv("TROUPE_CPU_THREADS"); env != nullptr && std::atoi(env) > 0) n = std::atoi(env);
+    for (int i = 1; i < n; ++i) workers_.emplace_back([this] { loop(); });
+  }
+  ~Pool() {
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (auto& w : workers_) w.join();
+  }
+
+  void work() {
+    for (int64_t t = next_.fetch_add(1); t < tasks_; t = next_.fetch_add(1)) (*fn_)(t);
+  }
+
+  void loop() {
+    uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock lock(mutex_);
+        wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+      }
+      work();
+      std::lock_guard lock(mutex_);
+      if (--active_ == 0) done_.notify_one();
+    }
+  }
+
+  std::mutex run_mutex_, mutex_;
+  std::condition_variable wake_, done_;
+  const std::function<void(int64_t)>* fn_ = nullptr;
+  int64_t tasks_ = 0;
+  std::atomic<int64_t> next_{0};
+  int active_ = 0;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+  std::vector<std::thread> workers_;
+};
+
 }  // namespace
 
 const char* gemm_isa() { return kIsa == Isa::avx512 ? "avx512" : kIsa == Isa::avx2 ? "avx2" : "scalar"; }
@@ -212,13 +301,17 @@ void gemm_xwt(const float* x, int64_t m, int64_t ldx, const float* w, int64_t n,
   // Weight blocks of about 128 KiB stay in L2 while every row tile passes over them.
   const int64_t nb = std::clamp<int64_t>((32768 / std::min(std::max<int64_t>(k, 1), kBlockK)) / 4 * 4, 4, 512);
   const int64_t blocks = (n + nb - 1) / nb;
+  // Helpers only where a product is worth waking them for (about a millisecond of work).
   const double work = static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
-  const int threads = work < 262144.0 || blocks < 2 ? 1 : static_cast<int>(std::min<int64_t>(omp_get_max_threads(), blocks));
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int64_t b = 0; b < blocks; ++b) {
+  auto one_block = [&](int64_t b) {
     thread_local std::vector<float> state;
     block(x, m, ldx, w, b * nb, std::min(n, (b + 1) * nb), ldw, k, y, ldy, accumulate, state);
+  };
+  if (work < 4.0e6 || blocks < 2) {
+    for (int64_t b = 0; b < blocks; ++b) one_block(b);
+    return;
   }
+  Pool::get().run(blocks, one_block);
 }
 
 }  // namespace troupe::kernels::cpu

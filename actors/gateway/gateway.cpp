@@ -304,6 +304,12 @@ void handle(Self self, HttpCall call) {
   }
   if (path == "/health") {
     auto responder = call.responder;
+    if (st.config.not_ready) {
+      if (std::string why = st.config.not_ready(); !why.empty()) {
+        responder->respond(503, "application/json", json({{"status", "unavailable"}, {"reason", why}}).dump());
+        return;
+      }
+    }
     const int64_t need = st.config.min_workers_ready;
     self->request(st.router, std::chrono::seconds(2), workers_atom::value)
         .then(

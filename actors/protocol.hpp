@@ -75,9 +75,11 @@ struct WorkerLoad {
   uint64_t device_budget_bytes = 0;
   int64_t leaked_pages = 0;
   bool draining = false;
-  double kv_use = 0;              // fraction of the device pool budget in use
+  double kv_use = 0;              // fraction of the device pool budget that requests hold (the prefix
+                                  // cache's own pages are reclaimable and do not count)
   RequestId largest = 0;          // the running request with the largest projected state (0: none)
   int64_t largest_tokens = 0;     // its projected length (prompt + max tokens)
+  double largest_share = 0;       // the device pool budget its pages take now
   std::vector<RequestId> parked_ids;  // requests parked by the long-tail policy
   caf::actor actor;
 };

@@ -6,6 +6,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <thread>
 
 #include "actors/gateway/gateway.hpp"
 #include "actors/router/router.hpp"
@@ -75,6 +76,18 @@ Graph::Graph(ServeOptions options) : options_(std::move(options)), owned_(std::m
   cfg_->set("logger.verbosity", caf::atom("quiet"));
   system_ = std::make_unique<caf::actor_system>(*cfg_);
   metrics_ = std::make_shared<MetricsRegistry>();
+  try {
+    spawn_actors(mc);
+  } catch (...) {
+    // Without this the actor system's destructor waits forever for the actors
+    // already spawned (e.g. when the port is taken).
+    shutdown();
+    throw;
+  }
+  spdlog::info("serving '{}' on http://{}:{} ({} backend)", model_name_, options_.host, port_, owned_->backend->name());
+}
+
+void Graph::spawn_actors(const model::ModelConfig& mc) {
   router_ = spawn_router(*system_, metrics_);
 
   WorkerConfig base;
@@ -92,7 +105,12 @@ Graph::Graph(ServeOptions options) : options_(std::move(options)), owned_(std::m
     }
   };
   if (options_.prefill_workers > 0 && options_.decode_workers > 0) {
+    // A prefill worker parks each request in its host tier until the decode
+    // worker has pulled the state: without one there is no handoff at all.
+    WorkerConfig plain = base;
+    if (base.engine.host_bytes == 0) base.engine.host_bytes = options_.kv_bytes;
     add(WorkerRole::prefill, options_.prefill_workers, "prefill");
+    base = plain;
     add(WorkerRole::decode, options_.decode_workers, "decode");
     sc.worker_template = base;
     sc.worker_template.role = WorkerRole::decode;
@@ -117,17 +135,38 @@ Graph::Graph(ServeOptions options) : options_(std::move(options)), owned_(std::m
   gc.http.max_body_bytes = options_.max_body_bytes;
   gc.http.read_timeout = std::chrono::seconds(options_.read_timeout_s);
   gc.min_workers_ready = 1;
+  gc.test_hooks = options_.test_hooks;
   gateway_ = spawn_gateway(*system_, gc, owned_->tokenizer, router_, metrics_, &port_);
-  spdlog::info("serving '{}' on http://{}:{} ({} backend)", model_name_, options_.host, port_, owned_->backend->name());
+  attach_supervisor(gateway_, supervisor_);
 }
 
-Graph::~Graph() {
+Graph::~Graph() { shutdown(); }
+
+void Graph::shutdown() {
+  if (!system_) return;
+  // The supervisor first: its workers are monitored, not linked, so they are stopped explicitly.
+  if (supervisor_) {
+    caf::scoped_actor self{*system_};
+    self->request(supervisor_, std::chrono::seconds(5), stop_atom::value)
+        .receive([](bool) {}, [](caf::error&) {});
+  }
   for (const auto& a : {gateway_, supervisor_, router_}) {
     if (a) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
   }
-  // Workers end with their supervisor's exit? They are monitored, not linked: stop them too.
-  system_->await_actors_before_shutdown(false);
+  system_->await_all_actors_done();
   system_.reset();
+}
+
+int64_t Graph::drain(std::chrono::milliseconds grace) {
+  caf::scoped_actor self{*system_};
+  const auto deadline = std::chrono::steady_clock::now() + grace;
+  int64_t left = -1;
+  while (true) {
+    self->request(gateway_, std::chrono::seconds(5), drain_atom::value)
+        .receive([&](int64_t n) { left = n; }, [&](caf::error&) { left = -1; });
+    if (left == 0 || std::chrono::steady_clock::now() >= deadline) return left;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
 }
 
 int serve_until_signal(ServeOptions options) {
@@ -136,9 +175,16 @@ int serve_until_signal(ServeOptions options) {
   sigaddset(&set, SIGINT);
   sigaddset(&set, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);  // every thread started below inherits the mask
+  const auto grace = std::chrono::milliseconds(static_cast<int64_t>(options.drain_timeout_s * 1000));
   Graph graph(std::move(options));
   int sig = 0;
   sigwait(&set, &sig);
+  if (sig == SIGTERM && grace.count() > 0) {
+    // Drain: refuse new requests (503, /health says draining), let the ones in flight finish.
+    spdlog::info("SIGTERM: draining (up to {} s for the requests in flight)", grace.count() / 1000.0);
+    const int64_t left = graph.drain(grace);
+    if (left > 0) spdlog::warn("drain timed out; {} requests in flight are cut off", left);
+  }
   spdlog::info("{}: shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   return 0;
 }

@@ -5,12 +5,14 @@
 
 #include <caf/all.hpp>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
 
 #include "actors/supervisor/supervisor.hpp"
 #include "base/metrics.hpp"
+#include "model/config.hpp"
 
 namespace troupe::actors {
 
@@ -34,6 +36,8 @@ struct ServeOptions {
   std::optional<ScalePolicy> scale;
   RestartPolicy restart;
   std::string backend = "cpu";
+  double drain_timeout_s = 30;      // SIGTERM: how long requests in flight may take to finish
+  bool test_hooks = false;          // POST /admin/crash (fault injection for tests)
 };
 
 // Where the embedded default model lives: $TROUPE_HOME, else
@@ -55,8 +59,14 @@ class Graph {
   caf::actor supervisor() const { return supervisor_; }
   const std::string& model_name() const { return model_name_; }
   MetricsRegistry& metrics() { return *metrics_; }
+  // Stops admissions (new requests get 503) and waits up to `grace` for the
+  // requests in flight to finish; returns how many are left.
+  int64_t drain(std::chrono::milliseconds grace);
 
  private:
+  void spawn_actors(const model::ModelConfig& mc);
+  void shutdown();
+
   ServeOptions options_;
   std::unique_ptr<caf::actor_system_config> cfg_;
   std::unique_ptr<caf::actor_system> system_;

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 
 #include "actors/gateway/openai.hpp"
@@ -25,6 +26,7 @@ using Clock = std::chrono::steady_clock;
 using json = nlohmann::json;
 
 using server_atom = caf::atom_constant<caf::atom("server")>;
+using admin_atom = caf::atom_constant<caf::atom("admin")>;
 
 struct InFlight {
   ApiRequest api;
@@ -50,6 +52,8 @@ struct GatewayState {
   std::map<RequestId, InFlight> inflight;
   RequestId next_id = 1;
   std::set<caf::actor_addr> watched;
+  caf::actor supervisor;  // for the admin routes
+  bool draining = false;  // shutting down: no new requests
 };
 
 using Self = caf::stateful_actor<GatewayState>*;
@@ -196,6 +200,12 @@ void on_tokens(Self self, const TokenBatch& b) {
 void handle_generate(Self self, HttpCall call, ApiKind kind) {
   auto& st = self->state;
   const std::string route = kind == ApiKind::chat ? "/v1/chat/completions" : "/v1/completions";
+  if (st.draining) {
+    requests_counter(st, route, 503).inc();
+    respond_error(*call.responder, ApiError{503, "the server is shutting down; retry on another replica",
+                                            "service_unavailable", "", ""});
+    return;
+  }
   auto parsed = gateway::parse_request(call.request.body, kind);
   if (auto* e = std::get_if<ApiError>(&parsed)) {
     requests_counter(st, route, e->status).inc();
@@ -294,6 +304,70 @@ void handle_generate(Self self, HttpCall call, ApiKind kind) {
   submit(self, it->second);
 }
 
+// The worker named in an admin request's body, or an error already answered.
+std::optional<std::string> worker_param(const HttpCall& call) {
+  json j = json::parse(call.request.body, nullptr, false);
+  if (j.is_object() && j.contains("worker") && j["worker"].is_string()) return j["worker"].get<std::string>();
+  respond_error(*call.responder, ApiError{400, R"(send {"worker": NAME}; GET /admin/workers lists them)",
+                                          "invalid_request_error", "worker", ""});
+  return std::nullopt;
+}
+
+void handle_admin(Self self, HttpCall call, const std::string& path) {
+  auto& st = self->state;
+  const auto& method = call.request.method;
+  auto responder = call.responder;
+  if (!st.supervisor) {
+    respond_error(*responder, ApiError{503, "no supervisor is attached to this gateway", "service_unavailable", "", ""});
+    return;
+  }
+  if (path == "/admin/workers" && method == "GET") {
+    self->request(st.router, std::chrono::seconds(5), workers_atom::value)
+        .then(
+            [=](const std::vector<WorkerLoad>& ws) {
+              json list = json::array();
+              for (const auto& w : ws) {
+                list.push_back({{"name", w.name}, {"role", to_string(w.role)}, {"running", w.running},
+                                {"waiting", w.waiting}, {"parked", w.parked}, {"kv_use", w.kv_use},
+                                {"leaked_pages", w.leaked_pages}, {"draining", w.draining}});
+              }
+              responder->respond(200, "application/json", json{{"workers", list}}.dump());
+            },
+            [=](caf::error& e) {
+              respond_error(*responder, ApiError{503, "the router did not answer: " + caf::to_string(e),
+                                                 "service_unavailable", "", ""});
+            });
+    return;
+  }
+  const bool drain = path == "/admin/drain", crash = path == "/admin/crash" && st.config.test_hooks;
+  if ((drain || crash) && method == "POST") {
+    auto name = worker_param(call);
+    if (!name) return;
+    if (crash) {
+      spdlog::warn("admin: crashing worker {} (test hook)", *name);
+      self->send(st.supervisor, crash_atom::value, *name);
+      responder->respond(200, "application/json", json{{"crashed", *name}}.dump());
+      return;
+    }
+    self->request(st.supervisor, std::chrono::seconds(5), drain_atom::value, *name)
+        .then(
+            [=](bool started) {
+              if (started) {
+                responder->respond(200, "application/json", json{{"draining", *name}}.dump());
+              } else {
+                respond_error(*responder, ApiError{404, "no live worker named '" + *name + "'",
+                                                   "invalid_request_error", "worker", ""});
+              }
+            },
+            [=](caf::error& e) {
+              respond_error(*responder, ApiError{503, "the supervisor did not answer: " + caf::to_string(e),
+                                                 "service_unavailable", "", ""});
+            });
+    return;
+  }
+  respond_error(*responder, ApiError{404, "no route " + method + " " + path, "invalid_request_error", "", ""});
+}
+
 void handle(Self self, HttpCall call) {
   auto& st = self->state;
   const auto& req = call.request;
@@ -311,6 +385,10 @@ void handle(Self self, HttpCall call) {
       }
     }
     const int64_t need = st.config.min_workers_ready;
+    if (st.draining) {
+      responder->respond(503, "application/json", R"({"status": "draining"})");
+      return;
+    }
     self->request(st.router, std::chrono::seconds(2), workers_atom::value)
         .then(
             [=](const std::vector<WorkerLoad>& ws) {
@@ -326,7 +404,7 @@ void handle(Self self, HttpCall call) {
     call.responder->respond(200, "text/plain; version=0.0.4", st.metrics->render());
     return;
   }
-  if (path.rfind("/v1/", 0) == 0 && !st.config.api_key.empty()) {
+  if ((path.rfind("/v1/", 0) == 0 || path.rfind("/admin/", 0) == 0) && !st.config.api_key.empty()) {
     auto h = req.headers.find("authorization");
     if (h == req.headers.end() || h->second != "Bearer " + st.config.api_key) {
       requests_counter(st, path, 401).inc();
@@ -334,6 +412,10 @@ void handle(Self self, HttpCall call) {
                                               "invalid_request_error", "", "invalid_api_key"});
       return;
     }
+  }
+  if (path.rfind("/admin/", 0) == 0) {
+    handle_admin(self, std::move(call), path);
+    return;
   }
   if (path == "/v1/models" && req.method == "GET") {
     json j = {{"object", "list"},
@@ -364,9 +446,8 @@ caf::behavior gateway_actor(Self self, GatewayConfig config, std::shared_ptr<con
   st.tok = std::move(tok);
   st.router = router;
   st.metrics = std::move(metrics);
-  self->attach_functor([self] {
-    if (self->state.server) self->state.server->stop();
-  });
+  // The HTTP server stops when the state is destroyed (CAF 0.17: in on_exit,
+  // before attached functors run, so none may touch the state).
   self->set_down_handler([=](caf::down_msg& dm) {
     auto& s = self->state;
     s.watched.erase(dm.source);
@@ -378,6 +459,12 @@ caf::behavior gateway_actor(Self self, GatewayConfig config, std::shared_ptr<con
   });
   return {
       [=](server_atom, std::shared_ptr<gateway::HttpServer> server) { self->state.server = std::move(server); },
+      [=](admin_atom, caf::actor supervisor) { self->state.supervisor = std::move(supervisor); },
+      [=](drain_atom) -> int64_t {
+        if (!self->state.draining) spdlog::info("gateway: draining ({} requests in flight)", self->state.inflight.size());
+        self->state.draining = true;
+        return static_cast<int64_t>(self->state.inflight.size());
+      },
       [=](HttpCall call) { handle(self, std::move(call)); },
       [=](const Assigned& a) {
         auto& s = self->state;
@@ -438,6 +525,10 @@ caf::actor spawn_gateway(caf::actor_system& sys, GatewayConfig config,
   if (port_out != nullptr) *port_out = server->port();
   caf::anon_send(gw, server_atom::value, std::move(server));
   return gw;
+}
+
+void attach_supervisor(const caf::actor& gateway, const caf::actor& supervisor) {
+  caf::anon_send(gateway, admin_atom::value, supervisor);
 }
 
 }  // namespace troupe::actors

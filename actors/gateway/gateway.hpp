@@ -29,6 +29,7 @@ struct GatewayConfig {
   // Extra readiness condition (troupe run: peers connected, weights loaded):
   // returns why the process is not ready, "" when it is. Empty function: none.
   std::function<std::string()> not_ready;
+  bool test_hooks = false;            // POST /admin/crash: fault injection (tests only)
 };
 
 struct HttpCall {
@@ -38,9 +39,19 @@ struct HttpCall {
 
 // Spawns the gateway and starts its HTTP server; `port_out`, when given, gets
 // the bound port once listening. Throws troupe::Error when the port is taken.
+// Admin routes (behind the API key like /v1/*), answered with the supervisor's help:
+//   GET  /admin/workers                   the router's view of every worker (load, role, draining)
+//   POST /admin/drain {"worker": NAME}    remove a worker: fence, migrate its requests, stop it
+//   POST /admin/crash {"worker": NAME}    make a worker fail (only with test_hooks)
+// Without a supervisor attached they answer 503.
+//
+// The gateway also answers (drain_atom) -> int64_t: from then on new requests
+// get 503 and /health says "draining"; the reply is how many are in flight.
 caf::actor spawn_gateway(caf::actor_system& sys, GatewayConfig config,
                          std::shared_ptr<const tokenizer::Tokenizer> tokenizer, caf::actor router,
                          std::shared_ptr<MetricsRegistry> metrics, uint16_t* port_out = nullptr);
+
+void attach_supervisor(const caf::actor& gateway, const caf::actor& supervisor);
 
 }  // namespace troupe::actors
 

@@ -26,6 +26,7 @@ struct SupervisorState {
   std::map<std::string, Member> members;
   std::deque<Clock::time_point> restarts;     // within the restart window
   std::map<RequestId, int> deferrals;         // long-tail parks per request
+  std::map<RequestId, double> parked_share;   // the pool share a parked request took when parked
   Clock::time_point last_scale = Clock::now();
   int next_index = 0;
 };
@@ -73,11 +74,26 @@ void long_tail(Self self, Member& m) {
     int& n = st.deferrals[l.largest];
     if (n >= p.max_deferrals) return;  // resumes and runs now; it will not be parked again
     ++n;
-    spdlog::info("supervisor: long_tail parks request {} on {} (KV use {:.2f}, projected {} tokens, deferral {})",
-                 l.largest, m.config.name, l.kv_use, l.largest_tokens, n);
+    spdlog::info("supervisor: long_tail parks request {} on {} (KV use {:.2f}, {:.2f} of it its own, projected {} "
+                 "tokens, deferral {})", l.largest, m.config.name, l.kv_use, l.largest_share, l.largest_tokens, n);
+    st.parked_share[l.largest] = l.largest_share;
     self->send(m.actor, park_atom::value, l.largest);
-  } else if (l.kv_use < p.resume_threshold || l.running == 0) {
-    for (RequestId id : l.parked_ids) self->send(m.actor, resume_atom::value, id);
+    return;
+  }
+  // Resume a parked request when it fits back under the resume threshold with
+  // what runs now (resuming it into the pressure that parked it would only
+  // park it again), or when nothing else is left to run.
+  const bool alone = l.running == 0 && l.waiting == 0;
+  for (RequestId id : l.parked_ids) {
+    auto share = st.parked_share.find(id);
+    const double need = share == st.parked_share.end() ? 0 : share->second;
+    if (alone || l.kv_use + need < p.resume_threshold) {
+      spdlog::info("supervisor: long_tail resumes request {} on {} (KV use {:.2f} + {:.2f})", id, m.config.name,
+                   l.kv_use, need);
+      self->send(m.actor, resume_atom::value, id);
+      if (share != st.parked_share.end()) st.parked_share.erase(share);
+      break;  // one at a time: the next report shows the pressure it adds
+    }
   }
 }
 
@@ -184,7 +200,20 @@ caf::behavior supervisor_actor(Self self, std::shared_ptr<model::Model> model, S
         auto& s = self->state;
         if (auto it = s.members.find(name); it != s.members.end()) self->send(it->second.actor, crash_atom::value);
       },
-      [=](drain_atom, const std::string& name) { drain_member(self, name); },
+      [=](drain_atom, const std::string& name) -> bool {
+        auto& s = self->state;
+        auto it = s.members.find(name);
+        if (it == s.members.end() || it->second.draining) return false;
+        drain_member(self, name);
+        return true;
+      },
+      [=](stop_atom) -> bool {  // shutdown: stop every worker, restart none
+        for (auto& [n, m] : self->state.members) {
+          m.draining = true;
+          self->send_exit(m.actor, caf::exit_reason::user_shutdown);
+        }
+        return true;
+      },
   };
 }
 

@@ -61,7 +61,9 @@ caf::actor spawn_supervisor(caf::actor_system& sys, std::shared_ptr<model::Model
 // Messages the supervisor answers:
 //   (workers_atom)                  -> std::vector<std::string>   names of live workers
 //   (crash_atom, name)              crash a worker (tests: the restart policy)
-//   (drain_atom, name)              remove a worker: fence, migrate, stop (admin / scale down)
+//   (drain_atom, name)      -> bool  remove a worker: fence, migrate, stop (admin / scale down);
+//                                   false when there is no such live worker
+//   (stop_atom)             -> bool  stop every worker (shutdown; none is restarted)
 //   (scale_atom?) via ScalePolicy   automatic
 
 }  // namespace troupe::actors

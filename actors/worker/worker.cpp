@@ -71,7 +71,10 @@ void start_job(Self self, Job job) {
   Running run;
   run.next_index = job.generated_before;
   run.handoff_to = job.decode_to;
-  if (job.image) {  // the request moved here: its gateway watches this worker from now on
+  // The gateway watches the worker that runs a request. The router says so for
+  // the jobs it places; a request that moved here (handoff, migration,
+  // recompute fallback) is announced by its new worker.
+  if (job.image || job.generated_before > 0 || job.attempt > 0) {
     self->send(job.reply_to, Assigned{job.id, caf::actor_cast<caf::actor>(self), st.config.name});
   }
   run.job = std::move(job);
@@ -85,7 +88,9 @@ void report_load(Self self) {
   WorkerLoad load;
   load.name = st.config.name;
   load.role = st.config.role;
-  load.running = s.running;
+  // Requests this worker still answers for (a handoff not yet confirmed
+  // counts): a draining worker stops only when this reaches zero.
+  load.running = std::max<int64_t>(s.running, static_cast<int64_t>(st.by_engine.size()) - s.waiting - s.parked);
   load.waiting = s.waiting;
   load.parked = s.parked;
   load.device_free_bytes = s.device_free_bytes;
@@ -94,10 +99,14 @@ void report_load(Self self) {
   for (const auto& a : s.host) load.leaked_pages += a.leaked;
   load.draining = st.draining;
   load.actor = caf::actor_cast<caf::actor>(self);
-  if (s.device_budget_bytes > 0) {
-    load.kv_use = 1.0 - static_cast<double>(s.device_free_bytes) / static_cast<double>(s.device_budget_bytes);
-  }
+  // Pressure is what requests hold: pages only the prefix cache keeps are
+  // given back on demand, so counting them would park requests (and keep them
+  // parked) while the pool could still serve everyone. From the audit (every
+  // 32 steps and when idle); shared pages count for each request.
+  const double budget = static_cast<double>(std::max<uint64_t>(1, s.device_budget_bytes));
+  int64_t held = 0;
   for (const auto& r : s.requests) {
+    held += r.device_bytes;
     auto it = st.by_engine.find(r.id);
     if (it == st.by_engine.end()) continue;
     if (it->second.long_tail_parked) {
@@ -105,8 +114,10 @@ void report_load(Self self) {
     } else if (r.phase == "running" && !it->second.handing_off && r.max_tokens > load.largest_tokens) {
       load.largest = it->second.job.id;
       load.largest_tokens = r.max_tokens;
+      load.largest_share = static_cast<double>(r.device_bytes) / budget;
     }
   }
+  load.kv_use = std::min(1.0, static_cast<double>(held) / budget);
   if (st.router) self->send(st.router, load);
   if (st.supervisor) self->send(st.supervisor, load);
   if (st.metrics) {
@@ -120,6 +131,7 @@ void report_load(Self self) {
     m.gauge("troupe_parks", "Parks so far (engine)", labels).set(static_cast<double>(s.parks));
     m.gauge("troupe_resumes", "Resumes so far (engine)", labels).set(static_cast<double>(s.resumes));
     m.gauge("troupe_preemptions", "Preemptions so far (engine)", labels).set(static_cast<double>(s.preemptions));
+    m.gauge("troupe_aborted", "Requests aborted so far (engine)", labels).set(static_cast<double>(s.aborted));
     m.gauge("troupe_cached_tokens", "Prompt tokens served by the prefix cache", labels)
         .set(static_cast<double>(s.cached_tokens));
     for (size_t k = 0; k < s.device.size(); ++k) {
@@ -149,8 +161,21 @@ void on_event(Self self, const engine::Event& e) {
       break;
     }
     case engine::EventKind::parked: {
-      if (!e.ok || !run.handoff_to || run.handing_off) break;  // a long-tail park: the stream just pauses
+      if (!run.handoff_to || run.handing_off) break;  // a long-tail park: the stream just pauses
       run.handing_off = true;
+      if (!e.ok) {
+        // No state to hand over (no host tier, no room there, or the request was
+        // between tiers): the target recomputes it from its tokens instead.
+        spdlog::warn("worker {}: request {} cannot be handed over with its state ({}); the target recomputes it",
+                     st.config.name, run.job.id, e.message);
+        self->send(run.handoff_to, continuation(run));
+        if (st.metrics) {
+          st.metrics->counter("troupe_handoff_fallbacks_total", "Handoffs that fell back to recomputation",
+                              {{"worker", st.config.name}}).inc();
+        }
+        st.engine->abort(e.id);
+        break;
+      }
       // Export on a helper thread: the future completes on the engine thread's next step.
       auto fut = std::make_shared<std::future<std::optional<engine::SequenceImage>>>(st.engine->export_parked(e.id));
       const engine::RequestId eid = e.id;
@@ -196,10 +221,10 @@ caf::behavior worker_actor(Self self, std::shared_ptr<model::Model> model, Worke
     caf::anon_send(me, event_atom::value, e);
   });
   st.engine->start();
-  self->attach_functor([self] {
-    // Stops the engine thread and releases every page when the actor ends.
-    self->state.engine.reset();
-  });
+  // No attach_functor here: CAF 0.17 destroys the state (on_exit) before it
+  // runs attached functors, and the state's destructor already stops the
+  // engine thread and releases every page (the engine is declared after the
+  // model it uses, so it goes first).
   if (router) self->send(router, register_atom::value, me, st.config.name, static_cast<uint8_t>(st.config.role));
   self->delayed_send(self, st.config.load_every, tick_atom::value);
   spdlog::info("worker {} ({}) up", st.config.name, to_string(st.config.role));

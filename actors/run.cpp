@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <filesystem>
+#include <future>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -263,6 +264,11 @@ NodeProcess::NodeProcess(RunOptions options) : impl_(std::make_unique<Impl>()) {
     wc.role = im.role;
     wc.engine.device_bytes = topo.pools.memory_budget.bytes > 0 ? topo.pools.memory_budget.bytes : uint64_t{1} << 30;
     wc.engine.host_bytes = topo.pools.host_tier;
+    // A request's state leaves a worker through its host tier (the PD handoff
+    // exports a request parked there, and so does a drain's migration): a
+    // worker always gets one, as large as its device budget unless the
+    // manifest sizes it.
+    if (wc.engine.host_bytes == 0) wc.engine.host_bytes = wc.engine.device_bytes;
     wc.engine.step_tokens = im.options.step_tokens;
     wc.engine.max_running = im.options.max_running;
     wc.handoff_timeout = std::chrono::milliseconds(static_cast<int64_t>(topo.policies.disaggregation.handoff_timeout_s * 1000));
@@ -301,12 +307,18 @@ NodeProcess::~NodeProcess() {
   auto& im = *impl_;
   im.stop_housekeeping = true;
   if (im.housekeeper.joinable()) im.housekeeper.join();
+  if (im.supervisor) {  // its workers are monitored, not linked: stopped explicitly (none restarted)
+    caf::scoped_actor self{*im.system};
+    self->request(im.supervisor, std::chrono::seconds(5), stop_atom::value).receive([](bool) {}, [](caf::error&) {});
+  }
   for (const auto& a : {im.gateway, im.supervisor, im.router}) {
     if (a) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
   }
   im.health.reset();
+  // Peers see this process go; every proxy ends.
   if (im.node) im.node->stop();
-  im.system->await_actors_before_shutdown(false);
+  im.router = im.gateway = im.supervisor = nullptr;
+  im.system->await_all_actors_done();
   im.node.reset();
   im.system.reset();
 }
@@ -381,21 +393,36 @@ int run_until_signal(RunOptions options) {
   sigaddset(&set, SIGINT);
   sigaddset(&set, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);  // every thread started below inherits the mask
-  NodeProcess process(std::move(options));
+  auto process = std::make_unique<NodeProcess>(std::move(options));
   int sig = 0;
   sigwait(&set, &sig);
-  if (sig == SIGINT) {
+  int code = 0;
+  if (sig == SIGTERM) {
+    // A second signal during the drain ends the process at once.
+    std::thread([set]() mutable {
+      int again = 0;
+      sigwait(&set, &again);
+      spdlog::warn("second signal during the drain: exiting now");
+      std::_Exit(1);
+    }).detach();
+    code = process->drain(process->drain_timeout()) ? 0 : 1;
+  } else {
     spdlog::info("SIGINT: stopping");
-    return 0;
   }
-  // A second signal during the drain ends the process at once.
-  std::thread([set]() mutable {
-    int again = 0;
-    sigwait(&set, &again);
-    spdlog::warn("second signal during the drain: exiting now");
-    std::_Exit(1);
+  // Orderly teardown (peers see the connections close), bounded: a stuck
+  // actor must not keep a drained process from exiting. On this thread: CAF
+  // 0.17's actor system must be destroyed by the thread that created it (its
+  // logger lives in that thread's thread-local until then).
+  std::promise<void> torn_down;
+  std::thread([done = torn_down.get_future(), code]() mutable {
+    if (done.wait_for(std::chrono::seconds(10)) == std::future_status::ready) return;
+    spdlog::warn("run: teardown did not finish within 10 s; exiting anyway");
+    spdlog::default_logger()->flush();
+    std::_Exit(code);
   }).detach();
-  return process.drain(process.drain_timeout()) ? 0 : 1;
+  process.reset();
+  torn_down.set_value();
+  return code;
 }
 
 }  // namespace troupe::actors

@@ -207,6 +207,7 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void on_write(beast::error_code ec, size_t) {
+    if (queue_.empty()) return;  // shut down while this write was in flight
     const bool final_write = queue_.front().kind == Out::full || queue_.front().kind == Out::last;
     queue_.pop_front();
     if (ec) {
@@ -232,7 +233,9 @@ class Session : public std::enable_shared_from_this<Session> {
     beast::error_code ec;
     stream_.socket().shutdown(tcp::socket::shutdown_both, ec);
     stream_.socket().close(ec);
-    queue_.clear();
+    // A write in flight still reads its message: on_write drops it.
+    if (writing_) queue_.erase(std::next(queue_.begin()), queue_.end());
+    else queue_.clear();
   }
 
   beast::tcp_stream stream_;

@@ -267,15 +267,16 @@ caf::actor Node::proxy_for(const std::string& peer, uint64_t id, const std::stri
     auto key = std::make_pair(peer, id);
     if (auto it = proxies_.find(key); it != proxies_.end()) return it->second;
     auto pit = peers_.find(peer);
-    if (pit != peers_.end() && pit->second.up) {
-      ProxyRef ref{peer, id, label};
+    if (pit != peers_.end()) {
+      // Not connected (yet, or again after a restart): its messages wait for the connection a while.
+      ProxyRef ref{peer, id, label, pit->second.up ? std::chrono::milliseconds(0) : options_.pending_wait};
       auto p = spawn_proxy(system_, weak_from_this(), ref);
       proxies_[key] = p;
       proxy_refs_[p.address()] = ref;
       return p;
     }
   }
-  // The actor's process is not connected: a handle whose monitors fire at once.
+  // A process this one does not know: a handle whose monitors fire at once.
   return dead_proxy(label + "@" + peer);
 }
 
@@ -377,17 +378,26 @@ Expected<Frame> Node::build_call(const ProxyRef& ref, const caf::message& m, con
 Status Node::send(const std::string& peer, const Outgoing& out) {
   Use use(*this);
   if (!use) return Error(ErrorCode::unavailable, "the node is stopping");
-  auto s = transport_->send(peer, out.frame);
-  if (!s && s.error().code() != ErrorCode::resource_exhausted && out.lease != 0) {
-    // The offer never left: end the lease and let the prefill worker give the request back.
-    kv_->on_release(peer, out.lease);
-    {
-      std::lock_guard lock(mu_);
-      handoffs_.erase(out.lease);
-    }
-    if (out.from) caf::anon_send(out.from, release_atom::value, out.handoff);
+  return transport_->send(peer, out.frame);
+}
+
+void Node::drop(const std::string& peer, const Outgoing& out) {
+  if (out.lease == 0) return;
+  // The offer never left: end the lease and let the prefill worker give the request back.
+  kv_->on_release(peer, out.lease);
+  {
+    std::lock_guard lock(mu_);
+    handoffs_.erase(out.lease);
   }
-  return s;
+  if (out.from) caf::anon_send(out.from, release_atom::value, out.handoff);
+}
+
+void Node::forget(const caf::actor_addr& proxy) {
+  std::lock_guard lock(mu_);
+  auto it = proxy_refs_.find(proxy);
+  if (it == proxy_refs_.end()) return;
+  proxies_.erase({it->second.peer, it->second.id});
+  proxy_refs_.erase(it);
 }
 
 void Node::send_reply(const std::string& peer, uint64_t corr, const std::vector<WorkerLoad>* loads,
@@ -735,8 +745,11 @@ void Node::dial_loop() {
       }
       p.backoff = std::min(options_.dial_backoff_max, std::max(std::chrono::milliseconds(100), p.backoff * 2));
       p.next_dial = Clock::now() + p.backoff;
-      spdlog::debug("node {}: {} not reachable at {}:{} ({}); again in {} ms", options_.name, spec.name, spec.host,
-                    spec.port, r.error().what(), p.backoff.count());
+      if (p.last_dial_error != r.error().what()) {
+        p.last_dial_error = r.error().what();
+        spdlog::info("node {}: {} not reachable at {} yet ({}); retrying every {} ms at most", options_.name, spec.name,
+                     address.empty() ? spec.host : address, p.last_dial_error, options_.dial_backoff_max.count());
+      }
     }
     std::unique_lock lock(dial_mu_);
     dial_cv_.wait_for(lock, std::chrono::milliseconds(50), [&] { return stopping_.load(); });

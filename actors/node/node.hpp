@@ -62,6 +62,9 @@ struct NodeOptions {
   std::chrono::milliseconds dial_timeout{2000};
   std::chrono::milliseconds dial_backoff_max{2000};  // between failed dials of one peer
   std::chrono::milliseconds handoff_ttl{30000};      // a lent image's pages are freed after this
+  // A message for an actor of a peer that is listed but not connected (yet,
+  // or again after a restart) waits this long for the connection.
+  std::chrono::milliseconds pending_wait{5000};
   KvHandoffOptions kv;
 };
 
@@ -89,6 +92,9 @@ struct ProxyRef {
   std::string peer;
   uint64_t id = 0;      // 0: a stable proxy of the well-known actor `name`
   std::string name;
+  // > 0: the peer was not connected when the proxy was made; its messages
+  // wait this long for the connection, then the proxy ends (unreachable).
+  std::chrono::milliseconds wait{0};
 };
 
 // A frame a proxy sends, with what the node must undo if it cannot go.
@@ -137,8 +143,14 @@ class Node final : public RefMap, public std::enable_shared_from_this<Node> {
   // A call (request/response) through a proxy; `corr` names its reply.
   Expected<transport::Frame> build_call(const ProxyRef& ref, const caf::message& message, const caf::actor& proxy,
                                         uint64_t& corr);
-  // Sends; on failure undoes what `out` started (a lease, a handoff).
+  // Sends; `unavailable` when the peer is not connected (now), `resource_exhausted`
+  // under backpressure (retry later).
   transport::Status send(const std::string& peer, const Outgoing& out);
+  // `out` will never be sent: undoes what it started (its lease; the prefill
+  // worker gets its request back).
+  void drop(const std::string& peer, const Outgoing& out);
+  // A proxy that gave up waiting for its peer: no longer handed out.
+  void forget(const caf::actor_addr& proxy);
   void on_tick();
   void send_reply(const std::string& peer, uint64_t corr, const std::vector<WorkerLoad>* loads, const std::string& error);
 
@@ -155,6 +167,7 @@ class Node final : public RefMap, public std::enable_shared_from_this<Node> {
     std::chrono::steady_clock::time_point last_heard{};
     std::chrono::steady_clock::time_point next_dial{};
     std::chrono::milliseconds backoff{0};
+    std::string last_dial_error;  // logged when it changes
   };
   struct Registration {
     std::string peer;

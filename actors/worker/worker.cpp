@@ -57,7 +57,13 @@ void fail_job(Self self, const Job& job, ErrorCode code, const std::string& mess
 
 void start_job(Self self, Job job) {
   auto& st = self->state;
-  if (st.by_request.count(job.id)) return;  // a duplicate (the router retried); the first one runs
+  if (auto it = st.by_request.find(job.id); it != st.by_request.end()) {
+    // A duplicate (the router retried): the first one runs. A later attempt
+    // (the gateway resubmitted after a release or a lost worker) replaces a
+    // run that is still being torn down here.
+    auto run = st.by_engine.find(it->second);
+    if (run == st.by_engine.end() || run->second.job.attempt >= job.attempt) return;
+  }
   engine::RequestId eid;
   if (job.image) {
     eid = st.engine->import(*job.image);
@@ -190,7 +196,7 @@ void on_event(Self self, const engine::Event& e) {
     case engine::EventKind::finished: {
       const Job job = run.job;
       const bool handed_off = run.handing_off;
-      st.by_request.erase(job.id);
+      if (auto br = st.by_request.find(job.id); br != st.by_request.end() && br->second == e.id) st.by_request.erase(br);
       st.by_engine.erase(it);
       if (handed_off) break;  // the decode worker owns the stream now
       if (e.reason == engine::FinishReason::error) {

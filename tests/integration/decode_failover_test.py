@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness as h  # noqa: E402
 
 TROUPE, MODEL = h.paths()
+HOST = "127.0.0.1"
 
 
 class DecodeFailover(unittest.TestCase):
@@ -22,14 +23,13 @@ class DecodeFailover(unittest.TestCase):
         h.ensure_model(TROUPE, MODEL)
         self.dir = Path(tempfile.mkdtemp(prefix="troupe-failover-"))
         self.cluster = h.Cluster(self.dir, TROUPE, {"UCX_NET_DEVICES": "lo"})
-        base = h.loopback_base()
-        nodes, self.ips = h.pd_topology(base, decode_replicas=2)
-        manifest = h.write_manifest(self.dir / "failover.yaml", "failover", MODEL, nodes, handoff_timeout_s=5)
-        self.procs = {n: self.cluster.start(n, manifest) for n in ("front", "prefill", "decode-0", "decode-1")}
-        for ip in self.ips:
-            h.wait_ready(ip, 8000, procs=self.procs.values())
-        self.front = self.ips[0]
-        self.model = h.model_id(self.front, 8000)
+        self.topo = h.Topo(decode_processes=2)
+        manifest = h.write_manifest(self.dir / "failover.yaml", "failover", MODEL, self.topo.nodes, handoff_timeout_s=5)
+        self.procs = {n: self.cluster.start(n, manifest) for n in ("front", "prefill", "decodea", "decodeb")}
+        for n in self.procs:
+            h.wait_ready(HOST, self.topo.port(n), procs=self.procs.values())
+        self.front = self.topo.port("front")
+        self.model = h.model_id(HOST, self.front)
 
     def tearDown(self):
         self.cluster.close()
@@ -42,28 +42,28 @@ class DecodeFailover(unittest.TestCase):
         # The oracle: the same requests with nothing killed.
         reference = []
         for p in prompts:
-            r = h.complete(self.front, 8000, self.model, p, max_tokens)
+            r = h.complete(HOST, self.front, self.model, p, max_tokens)
             self.assertIsNone(r["error"], r)
             reference.append(r["token_ids"])
 
-        streams = h.Streams(self.front, 8000, self.model, prompts, max_tokens)
+        streams = h.Streams(HOST, self.front, self.model, prompts, max_tokens)
         # Mid-stream: every request has tokens out, none is finished.
         end = time.time() + 60
         while min(streams.progress) < 4 and time.time() < end:
             time.sleep(0.002)
         self.assertGreaterEqual(min(streams.progress), 4, "the streams did not start")
         self.assertLess(max(streams.progress), max_tokens, "a stream finished before the kill: make them longer")
-        peers_before = h.metric_sum(h.metrics(self.ips[1], 8000), "troupe_peers_up")
+        peers_before = h.metric_sum(h.metrics(HOST, self.topo.port("prefill")), "troupe_peers_up")
         killed_at = time.time()
-        self.procs["decode-0"].signal(signal.SIGKILL)
+        self.procs["decodea"].signal(signal.SIGKILL)
         # How long until the prefill process (a peer of the killed one) knows.
         detected = None
         while time.time() - killed_at < 5:
-            if h.metric_sum(h.metrics(self.ips[1], 8000), "troupe_peers_up") < peers_before:
+            if h.metric_sum(h.metrics(HOST, self.topo.port("prefill")), "troupe_peers_up") < peers_before:
                 detected = time.time() - killed_at
                 break
         self.assertIsNotNone(detected, "the prefill process never noticed the kill")
-        print(f"kill -9 of decode-0 detected by its peer after {detected * 1000:.1f} ms")
+        print(f"kill -9 of decodea-0 detected by its peer after {detected * 1000:.1f} ms")
         results = streams.join(timeout=180)
 
         for i, r in enumerate(results):
@@ -72,26 +72,28 @@ class DecodeFailover(unittest.TestCase):
             self.assertEqual(r["finish_reason"], "length", r)
             self.assertEqual(r["token_ids"], reference[i], f"request {i} differs after the failover")
 
-        gw = h.metrics(self.front, 8000)
+        gw = h.metrics(HOST, self.front)
         resubmitted = h.metric_sum(gw, "troupe_resubmits_total")
         self.assertGreater(resubmitted, 0, "no request was on the killed process: the test proved nothing")
         print(f"resubmitted {resubmitted:.0f} of {len(prompts)} requests; all done "
               f"{time.time() - killed_at:.2f} s after the kill")
 
         # Nothing leaked in the processes that are left, once everything settled.
-        for ip in (self.ips[1], self.ips[3]):
+        for node in ("prefill", "decodeb"):
             deadline = time.time() + 20
             while True:
-                m = h.metrics(ip, 8000)
-                settled = h.metric_sum(m, "troupe_kv_leases") == 0 and h.metric_sum(m, "troupe_handoffs_pending") == 0
+                m = h.metrics(HOST, self.topo.port(node))
+                leased = sum(v for k, v in m.items() if k.startswith("troupe_pool_pages{") and 'state="leased"' in k)
+                settled = (h.metric_sum(m, "troupe_kv_leases") == 0 and h.metric_sum(m, "troupe_handoffs_pending") == 0
+                           and leased == 0 and h.metric_sum(m, "troupe_running") == 0)
                 if settled or time.time() > deadline:
                     break
                 time.sleep(0.2)
-            self.assertEqual(h.metric_sum(m, "troupe_leaked_pages"), 0, ip)
-            self.assertEqual(h.metric_sum(m, "troupe_kv_leases"), 0, ip)
-            self.assertEqual(h.metric_sum(m, "troupe_handoffs_pending"), 0, ip)
+            self.assertEqual(h.metric_sum(m, "troupe_leaked_pages"), 0, node)
+            self.assertEqual(h.metric_sum(m, "troupe_kv_leases"), 0, node)
+            self.assertEqual(h.metric_sum(m, "troupe_handoffs_pending"), 0, node)
             in_use = sum(v for k, v in m.items() if k.startswith("troupe_pool_pages{") and 'state="leased"' in k)
-            self.assertEqual(in_use, 0, f"{ip}: pages still leased by requests after all finished")
+            self.assertEqual(in_use, 0, f"{node}: pages still leased by requests after all finished")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness as h  # noqa: E402
 
 TROUPE, MODEL = h.paths()
+HOST = "127.0.0.1"
 
 
 class Drain(unittest.TestCase):
@@ -22,13 +23,13 @@ class Drain(unittest.TestCase):
         h.ensure_model(TROUPE, MODEL)
         self.dir = Path(tempfile.mkdtemp(prefix="troupe-drain-"))
         self.cluster = h.Cluster(self.dir, TROUPE, {"UCX_NET_DEVICES": "lo"})
-        nodes, self.ips = h.pd_topology(h.loopback_base(), decode_replicas=2)
-        manifest = h.write_manifest(self.dir / "drain.yaml", "drain", MODEL, nodes, drain_timeout_s=60)
-        self.procs = {n: self.cluster.start(n, manifest) for n in ("front", "prefill", "decode-0", "decode-1")}
-        for ip in self.ips:
-            h.wait_ready(ip, 8000, procs=self.procs.values())
-        self.front = self.ips[0]
-        self.model = h.model_id(self.front, 8000)
+        self.topo = h.Topo(decode_processes=2)
+        manifest = h.write_manifest(self.dir / "drain.yaml", "drain", MODEL, self.topo.nodes, drain_timeout_s=60)
+        self.procs = {n: self.cluster.start(n, manifest) for n in ("front", "prefill", "decodea", "decodeb")}
+        for n in self.procs:
+            h.wait_ready(HOST, self.topo.port(n), procs=self.procs.values())
+        self.front = self.topo.port("front")
+        self.model = h.model_id(HOST, self.front)
 
     def tearDown(self):
         self.cluster.close()
@@ -40,20 +41,20 @@ class Drain(unittest.TestCase):
         max_tokens = 160
         reference = []
         for p in prompts:
-            r = h.complete(self.front, 8000, self.model, p, max_tokens)
+            r = h.complete(HOST, self.front, self.model, p, max_tokens)
             self.assertIsNone(r["error"], r)
             reference.append(r["token_ids"])
-        pulled_before = h.metric_sum(h.metrics(self.ips[3], 8000), "troupe_kv_bytes_pulled")
+        pulled_before = h.metric_sum(h.metrics(HOST, self.topo.port("decodeb")), "troupe_kv_bytes_pulled")
 
-        streams = h.Streams(self.front, 8000, self.model, prompts, max_tokens)
+        streams = h.Streams(HOST, self.front, self.model, prompts, max_tokens)
         end = time.time() + 60
         while min(streams.progress) < 4 and time.time() < end:
             time.sleep(0.002)
         self.assertLess(max(streams.progress), max_tokens, "a stream finished before the drain: make them longer")
-        draining = self.procs["decode-0"]
+        draining = self.procs["decodea"]
         draining.signal(signal.SIGTERM)
         # While it drains, new requests keep succeeding (on the other decode process).
-        extra = h.complete(self.front, 8000, self.model, prompts[0], 8)
+        extra = h.complete(HOST, self.front, self.model, prompts[0], 8)
         self.assertIsNone(extra["error"], extra)
         self.assertEqual(extra["token_ids"], reference[0][:8])
 
@@ -66,10 +67,10 @@ class Drain(unittest.TestCase):
             self.assertEqual(r["token_ids"], reference[i], f"request {i} changed by the drain")
 
         # Requests moved with their state, none was given back to the gateway.
-        survivor = h.metrics(self.ips[3], 8000)
+        survivor = h.metrics(HOST, self.topo.port("decodeb"))
         moved = h.metric_sum(survivor, "troupe_kv_bytes_pulled") - pulled_before
-        resubmits = h.metric_sum(h.metrics(self.front, 8000), "troupe_resubmits_total")
-        print(f"KV pulled by decode-1 during the drain: {moved:.0f} bytes; resubmits: {resubmits:.0f}")
+        resubmits = h.metric_sum(h.metrics(HOST, self.front), "troupe_resubmits_total")
+        print(f"KV pulled by decodeb-0 during the drain: {moved:.0f} bytes; resubmits: {resubmits:.0f}")
         self.assertEqual(resubmits, 0)
         self.assertEqual(h.metric_sum(survivor, "troupe_leaked_pages"), 0)
 

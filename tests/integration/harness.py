@@ -48,13 +48,6 @@ def ensure_model(troupe, model):
     return model
 
 
-def loopback_base():
-    """A 127.a.b. prefix of our own: each process of a test gets its own
-    loopback address, so tests running at once never share a port."""
-    r = random.Random(os.getpid() ^ int(time.time() * 1000))
-    return f"127.{r.randint(10, 250)}.{r.randint(0, 250)}."
-
-
 class Proc:
     def __init__(self, name, argv, log, env, netns=None):
         self.name, self.argv, self.log_path, self.netns = name, argv, log, netns
@@ -359,23 +352,42 @@ def run_in(ns, fn, *args, **kw):
 
 # ------------------------------------------------------------------ manifests
 
+def free_port_block(n):
+    """A base port with n free ports after it on 127.0.0.1 (random, so tests
+    running at once rarely meet; checked by binding)."""
+    import socket
+    r = random.Random(os.getpid() ^ int(time.time() * 1e6))
+    for _ in range(200):
+        base = r.randrange(20000, 60000 - n)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port block")
+
+
 def write_manifest(path, name, model, nodes, handoff_timeout_s=10, drain_timeout_s=30, memory_budget="256MiB",
                    extra=""):
-    """nodes: [{"name", "actors": [...], "address": "IP" or [IPs]}]; ports are the defaults
-    (each process has its own loopback address or namespace)."""
+    """nodes: [{"name", "actors": [...], "address": "IP", "ports": (http, transport, range_first, range_last)}]."""
     lines = [f"version: 1", f"name: {name}", "model:", f"  path: {model}", "discovery: static",
-             "ports:", "  http: 8000", "  transport: 7400", "  transport_range: 7401-7431",
              "pools:", f"  memory_budget: {memory_budget}", "nodes:"]
     prefill, decode = [], []
     for n in nodes:
         lines.append(f"  - name: {n['name']}")
         lines.append(f"    actors: [{', '.join(n['actors'])}]")
-        addr = n["address"]
-        if isinstance(addr, list):
-            lines.append(f"    replicas: {len(addr)}")
-            lines.append(f"    address: [{', '.join(addr)}]")
-        else:
-            lines.append(f"    address: {addr}")
+        http_port, transport, first, last = n["ports"]
+        lines.append(f"    address: {n['address']}:{transport}")
+        lines += ["    ports:", f"      http: {http_port}", f"      transport: {transport}",
+                  f"      transport_range: {first}-{last}"]
         if "prefill" in n["actors"]:
             prefill.append(n["name"])
         if "decode" in n["actors"]:
@@ -387,11 +399,25 @@ def write_manifest(path, name, model, nodes, handoff_timeout_s=10, drain_timeout
     return Path(path)
 
 
-def pd_topology(base, decode_replicas=1):
-    """front (gateway + router), prefill, decode x N on their own loopback addresses."""
-    ips = [base + str(i) for i in range(2, 4 + decode_replicas)]
-    nodes = [{"name": "front", "actors": ["gateway", "router"], "address": ips[0]},
-             {"name": "prefill", "actors": ["prefill", "cache_shard"], "address": ips[1]},
-             {"name": "decode", "actors": ["decode", "cache_shard"],
-              "address": ips[2:] if decode_replicas > 1 else ips[2]}]
-    return nodes, ips
+class Topo:
+    """front (gateway + router), prefill, and N decode processes on 127.0.0.1,
+    each with ports of its own. (UCX accepts connections only on an address an
+    interface has, so every process shares 127.0.0.1 and differs by port.)"""
+
+    def __init__(self, decode_processes=1):
+        names = ["front", "prefill"] + (["decode"] if decode_processes == 1 else
+                                        [f"decode{chr(ord('a') + i)}" for i in range(decode_processes)])
+        base = free_port_block(10 * len(names))
+        self.nodes = []
+        self.http = {}
+        for i, n in enumerate(names):
+            b = base + 10 * i
+            actors = ["gateway", "router"] if n == "front" else [
+                "prefill" if n == "prefill" else "decode", "cache_shard"]
+            self.nodes.append({"name": n, "actors": actors, "address": "127.0.0.1", "ports": (b, b + 1, b + 2, b + 9)})
+            self.http[n] = b
+        self.host = "127.0.0.1"
+        self.decodes = names[2:]
+
+    def port(self, node):
+        return self.http[node]

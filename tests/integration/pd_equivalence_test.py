@@ -20,7 +20,6 @@ class ColocatedVsDisaggregated(unittest.TestCase):
         h.ensure_model(TROUPE, MODEL)
         self.dir = Path(tempfile.mkdtemp(prefix="troupe-pd-"))
         self.cluster = h.Cluster(self.dir, TROUPE, {"UCX_NET_DEVICES": "lo"})
-        self.base = h.loopback_base()
 
     def tearDown(self):
         self.cluster.close()
@@ -41,29 +40,29 @@ class ColocatedVsDisaggregated(unittest.TestCase):
         max_tokens = 24
 
         # Colocated: every actor in one process.
-        serve_ip = self.base + "9"
-        serve = h.Proc("serve", [str(TROUPE), "serve", "--model", str(MODEL), "--host", serve_ip, "--port", "8000"],
-                       self.dir / "serve.log", self.cluster.env)
+        host, serve_port = "127.0.0.1", h.free_port_block(1)
+        serve = h.Proc("serve", [str(TROUPE), "serve", "--model", str(MODEL), "--host", host, "--port",
+                                 str(serve_port)], self.dir / "serve.log", self.cluster.env)
         self.cluster.procs["serve"] = serve
-        h.wait_ready(serve_ip, 8000, procs=[serve])
-        model = h.model_id(serve_ip, 8000)
-        colocated = self.run_all(serve_ip, 8000, model, prompts, max_tokens)
+        h.wait_ready(host, serve_port, procs=[serve])
+        model = h.model_id(host, serve_port)
+        colocated = self.run_all(host, serve_port, model, prompts, max_tokens)
         serve.kill()
 
         # Disaggregated: three processes, started decode first (any order works).
-        nodes, ips = h.pd_topology(self.base)
-        manifest = h.write_manifest(self.dir / "pd.yaml", "pd", MODEL, nodes)
+        topo = h.Topo()
+        manifest = h.write_manifest(self.dir / "pd.yaml", "pd", MODEL, topo.nodes)
         procs = [self.cluster.start(n, manifest) for n in ("decode", "prefill", "front")]
-        h.wait_ready(ips[0], 8000, procs=procs)
-        for ip in ips[1:]:
-            h.wait_ready(ip, 8000, procs=procs)
-        self.assertEqual(h.model_id(ips[0], 8000), model)
-        disaggregated = self.run_all(ips[0], 8000, model, prompts, max_tokens)
+        for n in ("front", "prefill", "decode"):
+            h.wait_ready(host, topo.port(n), procs=procs)
+        front = topo.port("front")
+        self.assertEqual(h.model_id(host, front), model)
+        disaggregated = self.run_all(host, front, model, prompts, max_tokens)
 
         self.assertEqual(disaggregated, colocated)
         # The state really moved between the processes, and nothing leaked.
-        lent = h.metrics(ips[1], 8000)
-        pulled = h.metrics(ips[2], 8000)
+        lent = h.metrics(host, topo.port("prefill"))
+        pulled = h.metrics(host, topo.port("decode"))
         self.assertGreater(h.metric_sum(lent, "troupe_kv_bytes_lent"), 0)
         self.assertGreater(h.metric_sum(pulled, "troupe_kv_bytes_pulled"), 0)
         self.assertEqual(h.metric_sum(pulled, "troupe_kv_failed_pulls"), 0)

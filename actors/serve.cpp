@@ -93,6 +93,7 @@ void Graph::spawn_actors(const model::ModelConfig& mc) {
   WorkerConfig base;
   base.engine.device_bytes = options_.kv_bytes;
   base.engine.host_bytes = options_.host_bytes;
+  base.engine.cold_pages = options_.cold_pages;
   base.engine.step_tokens = options_.step_tokens;
   base.engine.max_running = options_.max_running;
   SupervisorConfig sc;

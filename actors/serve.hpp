@@ -27,6 +27,7 @@ struct ServeOptions {
   int decode_workers = 0;
   uint64_t kv_bytes = uint64_t{1} << 30;  // device tier per worker
   uint64_t host_bytes = 0;                // host tier per worker (park, spill)
+  bool cold_pages = true;                 // long sequences' old pages may live in (and be read from) the host tier
   int64_t max_model_len = 0;        // 0: min(max_position_embeddings, 32768)
   int64_t step_tokens = 512;
   int max_running = 256;

@@ -23,15 +23,18 @@ section=$(cat <<MD
 ## Transport: frames and page puts vs ucx_perftest
 
 $(date -u +%Y-%m-%d), $(nproc) cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)),
-UCX $(ucx_info -v | sed -n 's/.*version=\([0-9.]*\).*/\1/p'), loopback, both sides
+UCX $(ucx_info -v | sed -n 's/^# Version \(.*\)/\1/p'), loopback, both sides
 \`UCX_NET_DEVICES=lo UCX_MM_ERROR_HANDLING=y\`, error mode PEER on both (ucx_perftest \`-e\`).
 Load average before/after: ${load_before} / ${load_after} (the machine is shared; best of ${TRIALS:-3} interleaved trials).
 
 $table
 
 - *frame bytes*: 24-byte header + Cap'n Proto body (StageActivation with an inline payload; the 64 B row is the
-  smallest frame, an empty TokenChunk). *troupe GB/s* counts frame bytes; *ratio* compares body bytes/s with
-  \`ucp_am_bw -s <body bytes> -H 32\` (our active-message header is the frame header + a sequence number).
+  smallest frame, an empty TokenChunk). *troupe GB/s* counts frame bytes. ucx_perftest moves the body bytes
+  (\`ucp_am_bw -s <body bytes> -H 32\`: our active-message header is the frame header + a sequence number).
+- *troupe / poll* and *put / ucp_put_bw*: the median over trials of (troupe / ucx_perftest) measured back to
+  back, body bytes against body bytes; the GB/s columns are the best trial of each. *poll* is ucx_perftest's
+  default busy-polling; *sleep* is \`-I -E sleep\`, the wakeup model troupe's progress thread uses.
 - troupe frames go through the whole path: \`Transport::send\` from another thread, the progress thread, an
   aligned receive buffer, full validation of the body, delivery in order to \`on_frame\`.
 - *put*: batches of 16 puts (one completion each, up to 4 in flight) into a region the peer made with

@@ -329,7 +329,9 @@ void handle_admin(Self self, HttpCall call, const std::string& path) {
               for (const auto& w : ws) {
                 list.push_back({{"name", w.name}, {"role", to_string(w.role)}, {"running", w.running},
                                 {"waiting", w.waiting}, {"parked", w.parked}, {"kv_use", w.kv_use},
-                                {"leaked_pages", w.leaked_pages}, {"draining", w.draining}});
+                                {"leaked_pages", w.leaked_pages}, {"draining", w.draining},
+                                {"largest", w.largest}, {"largest_tokens", w.largest_tokens},
+                                {"largest_share", w.largest_share}, {"long_tail_parked", w.parked_ids}});
               }
               responder->respond(200, "application/json", json{{"workers", list}}.dump());
             },

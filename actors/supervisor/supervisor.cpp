@@ -27,6 +27,7 @@ struct SupervisorState {
   std::deque<Clock::time_point> restarts;     // within the restart window
   std::map<RequestId, int> deferrals;         // long-tail parks per request
   std::map<RequestId, double> parked_share;   // the pool share a parked request took when parked
+  std::map<std::string, Clock::time_point> last_park;  // per worker
   Clock::time_point last_scale = Clock::now();
   int next_index = 0;
 };
@@ -70,7 +71,12 @@ void long_tail(Self self, Member& m) {
   auto& st = self->state;
   const auto& p = *st.config.long_tail;
   const auto& l = m.load;
-  if (l.kv_use > p.pressure_threshold && l.largest != 0 && l.running > 1) {
+  const auto now = Clock::now();
+  auto last = st.last_park.find(m.config.name);
+  const bool cooling = last != st.last_park.end() && now - last->second < p.cooldown;
+  if (l.kv_use > p.pressure_threshold && l.largest != 0 && l.running > 1 && l.largest_share >= p.min_share) {
+    if (cooling) return;
+    st.last_park[m.config.name] = now;
     int& n = st.deferrals[l.largest];
     if (n >= p.max_deferrals) return;  // resumes and runs now; it will not be parked again
     ++n;

@@ -2,9 +2,11 @@
 // and applies the policies the manifest names:
 //   restart    one-for-one, at most max_restarts in window_s; requests on a lost
 //              worker are resubmitted by their gateway (none is dropped)
-//   long_tail  when a worker's device pools pass pressure_threshold, park the
-//              request with the largest projected state; resume it when pressure
-//              falls below resume_threshold; after max_deferrals parks, fail it
+//   long_tail  when the requests on a worker hold more than pressure_threshold
+//              of its device pool and more than one runs, park the request with
+//              the largest projected state (if it holds min_share of the pool);
+//              resume it when it fits back under resume_threshold or nothing
+//              else runs; after max_deferrals parks it is left to finish
 //   scale      add a worker when queue depth or KV use stays high, remove (drain)
 //              one when both stay low, within [min_workers, max_workers]
 // A removed worker drains: the router fences it, its running requests move to
@@ -33,7 +35,9 @@ struct RestartPolicy {
 struct LongTailPolicy {
   double pressure_threshold = 0.9;  // fraction of the device pool budget in use
   double resume_threshold = 0.6;
-  int max_deferrals = 8;            // parks of one request before it fails with a clear error
+  int max_deferrals = 8;            // parks of one request; after that it runs to the end
+  double min_share = 0.25;          // park only a request holding at least this much of the pool: a long tail
+  std::chrono::milliseconds cooldown{2000};  // between two parks on one worker (loads are audited every 32 steps)
 };
 
 struct ScalePolicy {

@@ -5,6 +5,7 @@
 //   --park-after N        park after N tokens, resume --resume-after-ms later
 #include <fmt/format.h>
 
+#include <charconv>
 #include <iostream>
 #include <thread>
 
@@ -109,9 +110,13 @@ Command add_client(CLI::App& app) {
   gen->add_option("--resume-after-ms", o->resume_after_ms, "delay before resuming a parked request");
   return [o, lm, gen] {
     auto colon = o->connect.rfind(':');
-    if (colon == std::string::npos) raise(ErrorCode::invalid_argument, "--connect wants HOST:PORT, got {}", o->connect);
-    auto c = clients::Client::connect(o->connect.substr(0, colon),
-                                      static_cast<uint16_t>(std::stoi(o->connect.substr(colon + 1))));
+    unsigned port = 0;
+    const char* p = o->connect.c_str() + (colon == std::string::npos ? 0 : colon + 1);
+    auto [end, ec] = std::from_chars(p, o->connect.c_str() + o->connect.size(), port);
+    if (colon == std::string::npos || ec != std::errc() || *end != '\0' || port == 0 || port > 65535) {
+      raise(ErrorCode::invalid_argument, "--connect wants HOST:PORT, got {}", o->connect);
+    }
+    auto c = clients::Client::connect(o->connect.substr(0, colon), static_cast<uint16_t>(port));
     if (!c) throw c.error();
     if (lm->parsed()) return list_models(**c);
     if (gen->parsed()) {

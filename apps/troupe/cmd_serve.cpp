@@ -26,6 +26,8 @@ Command add_serve(CLI::App& app) {
   cmd->add_option("--decode-workers", o->decode_workers, "decode workers");
   cmd->add_option("--kv-memory-mib", *kv_mib, "device KV pool budget per worker, MiB");
   cmd->add_option("--host-memory-mib", *host_mib, "host tier per worker, MiB (park, spill)");
+  cmd->add_flag("!--no-cold-pages", o->cold_pages,
+                "keep every page of a running sequence on the device (as a GPU without mapped host memory must)");
   cmd->add_option("--max-model-len", o->max_model_len, "prompt + completion token limit");
   cmd->add_option("--step-tokens", o->step_tokens, "tokens per engine step");
   cmd->add_option("--backend", o->backend, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
@@ -40,6 +42,7 @@ Command add_serve(CLI::App& app) {
   cmd->add_option("--long-tail-pressure", lt->pressure_threshold, "long_tail: park above this KV use (0..1)");
   cmd->add_option("--long-tail-resume", lt->resume_threshold, "long_tail: resume below this KV use (0..1)");
   cmd->add_option("--long-tail-max-deferrals", lt->max_deferrals, "long_tail: parks of one request at most");
+  cmd->add_option("--long-tail-min-share", lt->min_share, "long_tail: park only a request holding this much of the pool");
   // scale policy (off unless --scale-max > 0)
   cmd->add_option("--scale-min", sp->min_workers, "scale: fewest workers");
   cmd->add_option("--scale-max", sp->max_workers, "scale: most workers (0: no scale policy)");

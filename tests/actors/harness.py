@@ -27,6 +27,10 @@ _servers = []
 
 def _die_with_parent():
     _libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.environ.get("TROUPE_TEST_CORES"):  # debugging: keep core files (in that directory)
+        import resource
+        resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        os.chdir(os.environ["TROUPE_TEST_CORES"])
 
 
 def _kill_all():

@@ -23,6 +23,7 @@ class DecodeFailover(unittest.TestCase):
         h.ensure_model(TROUPE, MODEL)
         self.dir = Path(tempfile.mkdtemp(prefix="troupe-failover-"))
         self.cluster = h.Cluster(self.dir, TROUPE, {"UCX_NET_DEVICES": "lo"})
+        self.addCleanup(self.cluster.close)  # also when setUp fails below
         self.topo = h.Topo(decode_processes=2)
         manifest = h.write_manifest(self.dir / "failover.yaml", "failover", MODEL, self.topo.nodes, handoff_timeout_s=5)
         self.procs = {n: self.cluster.start(n, manifest) for n in ("front", "prefill", "decodea", "decodeb")}

@@ -23,6 +23,7 @@ class Drain(unittest.TestCase):
         h.ensure_model(TROUPE, MODEL)
         self.dir = Path(tempfile.mkdtemp(prefix="troupe-drain-"))
         self.cluster = h.Cluster(self.dir, TROUPE, {"UCX_NET_DEVICES": "lo"})
+        self.addCleanup(self.cluster.close)  # also when setUp fails below
         self.topo = h.Topo(decode_processes=2)
         manifest = h.write_manifest(self.dir / "drain.yaml", "drain", MODEL, self.topo.nodes, drain_timeout_s=60)
         self.procs = {n: self.cluster.start(n, manifest) for n in ("front", "prefill", "decodea", "decodeb")}

@@ -75,6 +75,13 @@ class Proc:
         self.popen.wait()
         self.log.close()
 
+    def reap(self, timeout):
+        """Waits for a process that is exiting (killed, drained) and closes its log."""
+        code = self.wait(timeout)
+        if code is not None:
+            self.log.close()
+        return code
+
     def tail(self, n=40):
         try:
             lines = Path(self.log_path).read_text(errors="replace").splitlines()
@@ -90,7 +97,8 @@ class Cluster:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.troupe = str(troupe)
-        self.procs = {}
+        self.procs = {}   # node -> its latest process
+        self.every = []   # every process started, restarted ones too
         self.env = dict(os.environ)
         self.env.update({"UCX_TCP_PORT_RANGE": "0", "OPENBLAS_NUM_THREADS": "1"})
         self.env.update(env_extra or {})
@@ -103,14 +111,16 @@ class Cluster:
         log = self.workdir / f"{node}.{n}.log"
         p = Proc(node, [self.troupe, "run", "--manifest", str(manifest), "--node", node], log, e, netns)
         self.procs[node] = p
+        self.every.append(p)
         return p
 
     def close(self):
-        for p in list(self.procs.values()):
+        for p in self.every + [p for p in self.procs.values() if p not in self.every]:
             p.kill()
 
     def logs(self):
-        return "\n".join(f"---- {n} ({p.log_path})\n{p.tail()}" for n, p in self.procs.items())
+        procs = self.every + [p for p in self.procs.values() if p not in self.every]
+        return "\n".join(f"---- {p.name} ({p.log_path})\n{p.tail()}" for p in procs)
 
 
 # ------------------------------------------------------------------ HTTP
@@ -147,6 +157,16 @@ def wait_ready(host, port, deadline_s=60, procs=()):
     raise AssertionError(f"{host}:{port} not ready after {deadline_s} s: {last}")
 
 
+def wait_all_ready(cluster, host, ports, deadline_s=90):
+    """Every port's /health answers 200; on failure the error carries every
+    process's log tail."""
+    try:
+        for port in ports:
+            wait_ready(host, port, deadline_s, procs=cluster.procs.values())
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{cluster.logs()}") from None
+
+
 def metrics(host, port):
     status, body = get(host, port, "/metrics")
     assert status == 200, body
@@ -161,6 +181,24 @@ def metrics(host, port):
 
 def metric_sum(values, name):
     return sum(v for k, v in values.items() if k == name or k.startswith(name + "{"))
+
+
+def leased_pages(values):
+    """Pool pages leased by requests (troupe_pool_pages{...,state="leased"})."""
+    return sum(v for k, v in values.items() if k.startswith("troupe_pool_pages{") and 'state="leased"' in k)
+
+
+def wait_settled(host, port, deadline_s=20):
+    """The metrics of a process once nothing runs there, no KV lease or
+    handoff is open and no page is leased (or the last ones at the deadline)."""
+    end = time.time() + deadline_s
+    while True:
+        m = metrics(host, port)
+        if (metric_sum(m, "troupe_kv_leases") == 0 and metric_sum(m, "troupe_handoffs_pending") == 0
+                and metric_sum(m, "troupe_kv_pulls") == 0 and leased_pages(m) == 0
+                and metric_sum(m, "troupe_running") == 0) or time.time() > end:
+            return m
+        time.sleep(0.2)
 
 
 def model_id(host, port):

@@ -20,6 +20,7 @@ class ColocatedVsDisaggregated(unittest.TestCase):
         h.ensure_model(TROUPE, MODEL)
         self.dir = Path(tempfile.mkdtemp(prefix="troupe-pd-"))
         self.cluster = h.Cluster(self.dir, TROUPE, {"UCX_NET_DEVICES": "lo"})
+        self.addCleanup(self.cluster.close)  # also when setUp fails below
 
     def tearDown(self):
         self.cluster.close()

@@ -31,15 +31,23 @@ class ThreeHosts(unittest.TestCase):
         self.manifest = self.dir / "three-host.yaml"
         self.manifest.write_text(text)
         self.hosts = h.Hosts([FRONT, PREFILL, DECODE])
+        self.addCleanup(self.hosts.close)  # cleanups run last-first: processes, then namespaces
         self.cluster = h.Cluster(self.dir, TROUPE)
+        self.addCleanup(self.cluster.close)
         self.ns = self.hosts.ns
-        self.procs = {
-            "decode": self.cluster.start("decode", self.manifest, netns=self.ns[DECODE]),
-            "prefill": self.cluster.start("prefill", self.manifest, netns=self.ns[PREFILL]),
-            "front": self.cluster.start("front", self.manifest, netns=self.ns[FRONT]),
-        }
-        for ip in (FRONT, PREFILL, DECODE):
-            h.run_in(self.ns[ip], h.wait_ready, ip, 8000, 60, list(self.procs.values()))
+        # Started back to front: a process is live at once but ready (/health
+        # 200) only when the peers it needs are connected with their weights.
+        self.procs = {"decode": self.cluster.start("decode", self.manifest, netns=self.ns[DECODE])}
+        self.assert_not_ready(DECODE, "front")
+        self.procs["prefill"] = self.cluster.start("prefill", self.manifest, netns=self.ns[PREFILL])
+        self.assert_not_ready(PREFILL, "front")
+        self.assert_not_ready(DECODE, "front")
+        self.procs["front"] = self.cluster.start("front", self.manifest, netns=self.ns[FRONT])
+        try:
+            for ip in (FRONT, PREFILL, DECODE):
+                h.run_in(self.ns[ip], h.wait_ready, ip, 8000, 60, list(self.procs.values()))
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{self.cluster.logs()}") from None
         self.model = h.run_in(self.ns[FRONT], h.model_id, FRONT, 8000)
 
     def tearDown(self):
@@ -47,6 +55,22 @@ class ThreeHosts(unittest.TestCase):
         self.hosts.close()
         if self._outcome.result.failures or self._outcome.result.errors:
             print(self.cluster.logs())
+
+    def assert_not_ready(self, ip, missing):
+        """`ip`'s process is live (/health/live 200) but not ready, for want of `missing`."""
+        def probe():
+            end = time.time() + 30
+            while True:
+                try:
+                    return h.get(ip, 8000, "/health/live", timeout=2), h.get(ip, 8000, "/health", timeout=2)
+                except OSError:
+                    if time.time() > end:
+                        raise
+                    time.sleep(0.1)
+        live, health = h.run_in(self.ns[ip], probe)
+        self.assertEqual(live[0], 200, live)
+        self.assertEqual(health[0], 503, f"{ip} ready without {missing}: {health}")
+        self.assertIn(missing, health[1], health)
 
     def complete(self, prompt, max_tokens):
         # The client runs on the front host (inside its namespace).
@@ -68,7 +92,7 @@ class ThreeHosts(unittest.TestCase):
             time.sleep(0.002)
         self.assertLess(max(streams.progress), max_tokens, "a stream finished before the kill: make them longer")
         self.procs["decode"].signal(signal.SIGKILL)
-        self.procs["decode"].wait(10)
+        self.assertIsNotNone(self.procs["decode"].reap(10), "kill -9 did not end the decode process")
         killed = time.time()
         time.sleep(1.0)  # the front notices, the requests wait for a decode worker
         self.procs["decode"] = self.cluster.start("decode", self.manifest, netns=self.ns[DECODE])
@@ -87,6 +111,13 @@ class ThreeHosts(unittest.TestCase):
             self.assertEqual(r["token_ids"], reference[i][:32])
         pulled = h.run_in(self.ns[DECODE], h.metrics, DECODE, 8000)
         self.assertGreater(h.metric_sum(pulled, "troupe_kv_bytes_pulled"), 0)
+        # Nothing leaked on either worker host once everything settled.
+        for ip in (PREFILL, DECODE):
+            m = h.run_in(self.ns[ip], h.wait_settled, ip, 8000)
+            self.assertEqual(h.metric_sum(m, "troupe_leaked_pages"), 0, ip)
+            self.assertEqual(h.leased_pages(m), 0, f"{ip}: pages still leased after every request finished")
+            self.assertEqual(h.metric_sum(m, "troupe_kv_leases"), 0, ip)
+            self.assertEqual(h.metric_sum(m, "troupe_handoffs_pending"), 0, ip)
 
 
 if __name__ == "__main__":

@@ -483,6 +483,13 @@ caf::behavior gateway_actor(Self self, GatewayConfig config, std::shared_ptr<con
         auto& s = self->state;
         auto it = s.inflight.find(d.id);
         if (it == s.inflight.end()) return;
+        if (d.reason == engine::FinishReason::abort) {
+          // The gateway forgets a request before it aborts it, so this worker
+          // dropped it on its own (a stale attempt, a worker stopping): the
+          // client has not got all its tokens; run it again.
+          retry(self, d.id, "the worker aborted it");
+          return;
+        }
         it->second.result.cached_tokens = std::max(it->second.result.cached_tokens, d.usage.cached_tokens);
         finish(self, d.id, d.reason == engine::FinishReason::length ? "length"
                            : d.reason == engine::FinishReason::abort ? "abort"

@@ -15,6 +15,7 @@ struct Running {
   bool handing_off = false;       // parked for a handoff (PD or migration), exporting
   caf::actor handoff_to;          // the worker that continues it
   bool long_tail_parked = false;  // parked by the supervisor's long-tail policy
+  bool superseded = false;        // a later attempt of the request runs here instead: silent until it ends
 };
 
 // The job that continues `run` from scratch elsewhere: prompt plus what was sampled.
@@ -63,6 +64,13 @@ void start_job(Self self, Job job) {
     // run that is still being torn down here.
     auto run = st.by_engine.find(it->second);
     if (run == st.by_engine.end() || run->second.job.attempt >= job.attempt) return;
+    // The gateway gave up on the earlier attempt (it lost sight of this
+    // worker for a while): that run ends without a word, this one streams.
+    // One that is handing its state over ends when the handoff does.
+    if (!run->second.handing_off) {
+      run->second.superseded = true;
+      st.engine->abort(run->first);
+    }
   }
   engine::RequestId eid;
   if (job.image) {
@@ -161,6 +169,7 @@ void on_event(Self self, const engine::Event& e) {
   const auto me = caf::actor_cast<caf::actor>(self);
   switch (e.kind) {
     case engine::EventKind::token: {
+      if (run.superseded) break;
       run.sampled.push_back(e.token);
       TokenBatch b{run.job.id, run.next_index++, {e.token}, me};
       self->send(run.job.reply_to, std::move(b));
@@ -195,7 +204,7 @@ void on_event(Self self, const engine::Event& e) {
     }
     case engine::EventKind::finished: {
       const Job job = run.job;
-      const bool handed_off = run.handing_off;
+      const bool handed_off = run.handing_off || run.superseded;
       if (auto br = st.by_request.find(job.id); br != st.by_request.end() && br->second == e.id) st.by_request.erase(br);
       st.by_engine.erase(it);
       if (handed_off) break;  // the decode worker owns the stream now

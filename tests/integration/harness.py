@@ -338,7 +338,10 @@ class Hosts:
             ns = f"{self.tag}-h{i}"
             _ip("netns", "add", ns)
             self.names.append(ns)
-            host_if, sw_if = f"eth{i}", f"p{i}"
+            # Every host's link is eth0, as on real hosts: UCX_NET_DEVICES=eth0
+            # keeps UCX off lo (two namespaces of one machine look like one
+            # host to UCX, which would pair their loopback interfaces).
+            host_if, sw_if = "eth0", f"p{i}"
             _ip("link", "add", host_if, "netns", ns, "type", "veth", "peer", "name", sw_if, "netns", self.switch)
             _ip("-n", self.switch, "link", "set", sw_if, "master", "br0")
             _ip("-n", self.switch, "link", "set", sw_if, "up")

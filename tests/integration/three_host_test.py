@@ -32,7 +32,7 @@ class ThreeHosts(unittest.TestCase):
         self.manifest.write_text(text)
         self.hosts = h.Hosts([FRONT, PREFILL, DECODE])
         self.addCleanup(self.hosts.close)  # cleanups run last-first: processes, then namespaces
-        self.cluster = h.Cluster(self.dir, TROUPE)
+        self.cluster = h.Cluster(self.dir, TROUPE, {"UCX_NET_DEVICES": "eth0"})
         self.addCleanup(self.cluster.close)
         self.ns = self.hosts.ns
         # Started back to front: a process is live at once but ready (/health
@@ -62,11 +62,13 @@ class ThreeHosts(unittest.TestCase):
             end = time.time() + 30
             while True:
                 try:
-                    return h.get(ip, 8000, "/health/live", timeout=2), h.get(ip, 8000, "/health", timeout=2)
+                    live, health = h.get(ip, 8000, "/health/live", timeout=2), h.get(ip, 8000, "/health", timeout=2)
+                    if '"starting"' not in health[1] or time.time() > end:  # its fabric is up
+                        return live, health
                 except OSError:
                     if time.time() > end:
                         raise
-                    time.sleep(0.1)
+                time.sleep(0.1)
         live, health = h.run_in(self.ns[ip], probe)
         self.assertEqual(live[0], 200, live)
         self.assertEqual(health[0], 503, f"{ip} ready without {missing}: {health}")

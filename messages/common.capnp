@@ -36,6 +36,7 @@ enum Kind {
   scale @20;           # Scale
   metricsSnapshot @21; # MetricsSnapshot
   stageActivation @22; # StageActivation
+  actorMessage @23;    # ActorMessage (fabric.capnp): actor to actor between troupe processes
 }
 
 # Mirrors troupe::ErrorCode (base/error.hpp); same meaning, same order.

@@ -25,6 +25,7 @@ struct Heartbeat {
   sentUnixNanos @2 :UInt64;
   incarnation @3 :UInt64;     # random per process start: a change means the peer restarted
   load @4 :Load;
+  weightsReady @5 :Bool;      # the sender's model weights are loaded (its peers' readiness waits for it)
 }
 
 enum Role {

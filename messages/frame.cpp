@@ -28,7 +28,7 @@ void store_le(std::byte* p, T v) {
   for (size_t i = 0; i < sizeof(T); ++i) p[i] = static_cast<std::byte>((v >> (8 * i)) & 0xff);
 }
 
-constexpr uint16_t kLastKind = static_cast<uint16_t>(msg::Kind::STAGE_ACTIVATION);
+constexpr uint16_t kLastKind = static_cast<uint16_t>(msg::Kind::ACTOR_MESSAGE);
 
 FrameFault fault(ErrorCode code, std::string message, uint64_t request_id, msg::Kind kind, bool resync,
                  uint32_t skip_bytes = 0) {
@@ -301,6 +301,7 @@ const char* kind_name(msg::Kind kind) {
     case msg::Kind::SCALE: return "Scale";
     case msg::Kind::METRICS_SNAPSHOT: return "MetricsSnapshot";
     case msg::Kind::STAGE_ACTIVATION: return "StageActivation";
+    case msg::Kind::ACTOR_MESSAGE: return "ActorMessage";
   }
   return "unknown";
 }

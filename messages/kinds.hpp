@@ -9,6 +9,7 @@
 
 #include "messages/common.capnp.h"
 #include "messages/control.capnp.h"
+#include "messages/fabric.capnp.h"
 #include "messages/frame.hpp"
 #include "messages/generate.capnp.h"
 #include "messages/kv.capnp.h"
@@ -46,6 +47,7 @@ TROUPE_FRAME_KIND(Drain, DRAIN)
 TROUPE_FRAME_KIND(Scale, SCALE)
 TROUPE_FRAME_KIND(MetricsSnapshot, METRICS_SNAPSHOT)
 TROUPE_FRAME_KIND(StageActivation, STAGE_ACTIVATION)
+TROUPE_FRAME_KIND(ActorMessage, ACTOR_MESSAGE)
 #undef TROUPE_FRAME_KIND
 
 // Builds one message of type T and turns it into a Frame.

@@ -380,6 +380,12 @@ void handle(Self self, HttpCall call) {
   }
   if (path == "/health") {
     auto responder = call.responder;
+    if (st.config.not_ready) {
+      if (std::string why = st.config.not_ready(); !why.empty()) {
+        responder->respond(503, "application/json", json({{"status", "unavailable"}, {"reason", why}}).dump());
+        return;
+      }
+    }
     const int64_t need = st.config.min_workers_ready;
     if (st.draining) {
       responder->respond(503, "application/json", R"({"status": "draining"})");
@@ -477,6 +483,13 @@ caf::behavior gateway_actor(Self self, GatewayConfig config, std::shared_ptr<con
         auto& s = self->state;
         auto it = s.inflight.find(d.id);
         if (it == s.inflight.end()) return;
+        if (d.reason == engine::FinishReason::abort) {
+          // The gateway forgets a request before it aborts it, so this worker
+          // dropped it on its own (a stale attempt, a worker stopping): the
+          // client has not got all its tokens; run it again.
+          retry(self, d.id, "the worker aborted it");
+          return;
+        }
         it->second.result.cached_tokens = std::max(it->second.result.cached_tokens, d.usage.cached_tokens);
         finish(self, d.id, d.reason == engine::FinishReason::length ? "length"
                            : d.reason == engine::FinishReason::abort ? "abort"

@@ -8,6 +8,7 @@
 
 #include <caf/all.hpp>
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -25,6 +26,9 @@ struct GatewayConfig {
   gateway::HttpOptions http;
   int max_attempts = 4;               // resubmissions after a worker loss
   int64_t min_workers_ready = 1;      // /health is 200 once this many workers registered
+  // Extra readiness condition (troupe run: peers connected, weights loaded):
+  // returns why the process is not ready, "" when it is. Empty function: none.
+  std::function<std::string()> not_ready;
   bool test_hooks = false;            // POST /admin/crash: fault injection (tests only)
 };
 

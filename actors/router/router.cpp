@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <deque>
 #include <limits>
 
 namespace troupe::actors {
@@ -21,6 +22,8 @@ struct RouterState {
   static inline const char* name = "router";
   std::vector<Entry> workers;
   std::shared_ptr<MetricsRegistry> metrics;
+  RouterOptions options;
+  std::deque<std::pair<std::chrono::steady_clock::time_point, Job>> held;  // waiting for a worker (hold_when_empty)
 };
 
 using Self = caf::stateful_actor<RouterState>*;
@@ -44,8 +47,44 @@ Entry* find(RouterState& st, const caf::actor_addr& addr) {
   return nullptr;
 }
 
-caf::behavior router_actor(Self self, std::shared_ptr<MetricsRegistry> metrics) {
+// Sends a job to a worker; false when none can take it now.
+bool dispatch(Self self, Job& job) {
+  auto& st = self->state;
+  Entry* target = nullptr;
+  if (!job.image) {
+    Entry* prefill = least_loaded(st, {WorkerRole::prefill});
+    Entry* decode = least_loaded(st, {WorkerRole::decode});
+    if (prefill != nullptr && decode != nullptr) {
+      job.decode_to = decode->actor;
+      ++decode->assigned_since_report;
+      target = prefill;
+    }
+  }
+  if (target == nullptr) target = least_loaded(st, {WorkerRole::colocated, WorkerRole::decode});
+  if (target == nullptr) return false;
+  ++target->assigned_since_report;
+  self->send(job.reply_to, Assigned{job.id, target->actor, target->name});
+  self->send(target->actor, std::move(job));
+  return true;
+}
+
+// Held jobs go out as soon as a worker can take them, or fail when their time is up.
+void release_held(Self self) {
+  auto& st = self->state;
+  const auto now = std::chrono::steady_clock::now();
+  while (!st.held.empty()) {
+    auto& [since, job] = st.held.front();
+    if (!dispatch(self, job)) {
+      if (now - since < st.options.hold_when_empty) return;
+      self->send(job.reply_to, Failed{job.id, ErrorCode::unavailable, "no worker is available", nullptr});
+    }
+    st.held.pop_front();
+  }
+}
+
+caf::behavior router_actor(Self self, std::shared_ptr<MetricsRegistry> metrics, RouterOptions options) {
   self->state.metrics = std::move(metrics);
+  self->state.options = options;
   self->set_down_handler([=](caf::down_msg& dm) {
     auto& ws = self->state.workers;
     auto it = std::find_if(ws.begin(), ws.end(), [&](const Entry& e) { return e.actor.address() == dm.source; });
@@ -66,6 +105,7 @@ caf::behavior router_actor(Self self, std::shared_ptr<MetricsRegistry> metrics) 
         ws.push_back(std::move(e));
         self->monitor(worker);
         spdlog::info("router: worker {} ({}) registered", name, to_string(static_cast<WorkerRole>(role)));
+        release_held(self);
       },
       [=](const WorkerLoad& load) {
         for (auto& e : self->state.workers) {
@@ -77,29 +117,24 @@ caf::behavior router_actor(Self self, std::shared_ptr<MetricsRegistry> metrics) 
       },
       [=](Job job) {
         auto& st = self->state;
-        Entry* target = nullptr;
-        if (!job.image) {
-          Entry* prefill = least_loaded(st, {WorkerRole::prefill});
-          Entry* decode = least_loaded(st, {WorkerRole::decode});
-          if (prefill != nullptr && decode != nullptr) {
-            job.decode_to = decode->actor;
-            ++decode->assigned_since_report;
-            target = prefill;
-          }
-        }
-        if (target == nullptr) target = least_loaded(st, {WorkerRole::colocated, WorkerRole::decode});
-        if (target == nullptr) {
-          self->send(job.reply_to, Failed{job.id, ErrorCode::unavailable, "no worker is available", nullptr});
+        if (!st.held.empty()) release_held(self);
+        if (st.held.empty() && dispatch(self, job)) return;
+        if (st.options.hold_when_empty.count() > 0) {  // a worker may be on its way (restart, scale up)
+          if (st.held.empty()) self->delayed_send(self, std::chrono::milliseconds(200), tick_atom::value);
+          st.held.emplace_back(std::chrono::steady_clock::now(), std::move(job));
           return;
         }
-        ++target->assigned_since_report;
-        self->send(job.reply_to, Assigned{job.id, target->actor, target->name});
-        self->send(target->actor, std::move(job));
+        self->send(job.reply_to, Failed{job.id, ErrorCode::unavailable, "no worker is available", nullptr});
+      },
+      [=](tick_atom) {
+        release_held(self);
+        if (!self->state.held.empty()) self->delayed_send(self, std::chrono::milliseconds(200), tick_atom::value);
       },
       [=](fence_atom, const std::string& name, bool fenced) {
         for (auto& e : self->state.workers) {
           if (e.name == name) e.fenced = fenced;
         }
+        if (!fenced) release_held(self);
       },
       [=](workers_atom) {
         std::vector<WorkerLoad> out;
@@ -115,8 +150,8 @@ caf::behavior router_actor(Self self, std::shared_ptr<MetricsRegistry> metrics) 
 
 }  // namespace
 
-caf::actor spawn_router(caf::actor_system& sys, std::shared_ptr<MetricsRegistry> metrics) {
-  return sys.spawn(router_actor, std::move(metrics));
+caf::actor spawn_router(caf::actor_system& sys, std::shared_ptr<MetricsRegistry> metrics, RouterOptions options) {
+  return sys.spawn(router_actor, std::move(metrics), options);
 }
 
 }  // namespace troupe::actors

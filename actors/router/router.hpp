@@ -6,6 +6,7 @@
 
 #include <caf/all.hpp>
 
+#include <chrono>
 #include <memory>
 
 #include "actors/protocol.hpp"
@@ -13,7 +14,13 @@
 
 namespace troupe::actors {
 
-caf::actor spawn_router(caf::actor_system& sys, std::shared_ptr<MetricsRegistry> metrics);
+struct RouterOptions {
+  // A job no worker can take (none registered, all fenced) waits this long for
+  // one to register (a worker process restarting) before it fails; 0: fails at once.
+  std::chrono::milliseconds hold_when_empty{0};
+};
+
+caf::actor spawn_router(caf::actor_system& sys, std::shared_ptr<MetricsRegistry> metrics, RouterOptions options = {});
 
 // (workers_atom) -> std::vector<WorkerLoad>: the router's view, for tests and policies.
 

@@ -15,6 +15,7 @@ struct Running {
   bool handing_off = false;       // parked for a handoff (PD or migration), exporting
   caf::actor handoff_to;          // the worker that continues it
   bool long_tail_parked = false;  // parked by the supervisor's long-tail policy
+  bool superseded = false;        // a later attempt of the request runs here instead: silent until it ends
 };
 
 // The job that continues `run` from scratch elsewhere: prompt plus what was sampled.
@@ -57,7 +58,20 @@ void fail_job(Self self, const Job& job, ErrorCode code, const std::string& mess
 
 void start_job(Self self, Job job) {
   auto& st = self->state;
-  if (st.by_request.count(job.id)) return;  // a duplicate (the router retried); the first one runs
+  if (auto it = st.by_request.find(job.id); it != st.by_request.end()) {
+    // A duplicate (the router retried): the first one runs. A later attempt
+    // (the gateway resubmitted after a release or a lost worker) replaces a
+    // run that is still being torn down here.
+    auto run = st.by_engine.find(it->second);
+    if (run == st.by_engine.end() || run->second.job.attempt >= job.attempt) return;
+    // The gateway gave up on the earlier attempt (it lost sight of this
+    // worker for a while): that run ends without a word, this one streams.
+    // One that is handing its state over ends when the handoff does.
+    if (!run->second.handing_off) {
+      run->second.superseded = true;
+      st.engine->abort(run->first);
+    }
+  }
   engine::RequestId eid;
   if (job.image) {
     eid = st.engine->import(*job.image);
@@ -155,6 +169,7 @@ void on_event(Self self, const engine::Event& e) {
   const auto me = caf::actor_cast<caf::actor>(self);
   switch (e.kind) {
     case engine::EventKind::token: {
+      if (run.superseded) break;
       run.sampled.push_back(e.token);
       TokenBatch b{run.job.id, run.next_index++, {e.token}, me};
       self->send(run.job.reply_to, std::move(b));
@@ -189,8 +204,8 @@ void on_event(Self self, const engine::Event& e) {
     }
     case engine::EventKind::finished: {
       const Job job = run.job;
-      const bool handed_off = run.handing_off;
-      st.by_request.erase(job.id);
+      const bool handed_off = run.handing_off || run.superseded;
+      if (auto br = st.by_request.find(job.id); br != st.by_request.end() && br->second == e.id) st.by_request.erase(br);
       st.by_engine.erase(it);
       if (handed_off) break;  // the decode worker owns the stream now
       if (e.reason == engine::FinishReason::error) {

@@ -28,6 +28,7 @@ int main(int argc, char** argv) {
   reg(troupe::app::add_tokenize);
   reg(troupe::app::add_plan);
   reg(troupe::app::add_serve);
+  reg(troupe::app::add_run);
   reg(troupe::app::add_client);
   try {
     app.parse(argc, argv);

@@ -74,6 +74,7 @@ void read_typed(const Frame& f) {
     case msg::Kind::SCALE: return read_as<msg::Scale>(f);
     case msg::Kind::METRICS_SNAPSHOT: return read_as<msg::MetricsSnapshot>(f);
     case msg::Kind::STAGE_ACTIVATION: return read_as<msg::StageActivation>(f);
+    case msg::Kind::ACTOR_MESSAGE: return read_as<msg::ActorMessage>(f);
     case msg::Kind::NONE: return;
   }
 }

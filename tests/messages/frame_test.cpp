@@ -32,7 +32,7 @@ Frame frame_of(msg::Kind kind, std::vector<uint64_t> words) {
 
 TEST(Frame, every_kind_round_trips_through_a_byte_stream) {
   auto frames = test::sample_frames();
-  ASSERT_EQ(frames.size(), 22u);  // Kind::ERROR .. Kind::STAGE_ACTIVATION
+  ASSERT_EQ(frames.size(), 23u);  // Kind::ERROR .. Kind::ACTOR_MESSAGE
   std::vector<std::byte> stream;
   for (auto& f : frames) {
     auto w = wire(f);

@@ -242,6 +242,26 @@ std::vector<Frame> sample_frames() {
     remote.setOffset(8192);
     remote.setLength(2 * 4 * 64 * 2);
   }));
+  out.push_back(build<msg::ActorMessage>([](auto r) {
+    auto target = r.initTarget();
+    target.setNode("decode-0");
+    target.setId(12);
+    target.setName("decode-0");
+    auto job = r.getBody().initJob();
+    job.setId(41);
+    auto prompt = job.initPrompt(3);
+    for (uint32_t i = 0; i < 3; ++i) prompt.set(i, static_cast<int32_t>(100 + i));
+    job.setPromptTokens(3);
+    auto s = job.initSampling();
+    s.setTemperature(0.5f);
+    s.setTopK(20);
+    s.getSeed().setValue(7);
+    s.setMaxTokens(64);
+    auto reply = job.initReplyTo();
+    reply.setNode("front-0");
+    reply.setId(3);
+    reply.setName("gateway");
+  }));
   return out;
 }
 

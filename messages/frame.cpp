@@ -232,6 +232,11 @@ Decoded<Ok> validate_body(const Frame& frame, const FrameLimits& limits) {
   return Ok{};
 }
 
+FrameFault unreadable_fault(msg::Kind kind, uint64_t request_id, const char* why) {
+  return FrameFault{Error(ErrorCode::invalid_argument, fmt::format("unreadable {} body: {}", kind_name(kind), why)),
+                    request_id, kind, true};
+}
+
 Frame make_error_frame(uint64_t request_id, ErrorCode code, const std::string& message, msg::Kind about) {
   FrameBuilder<msg::Error> b;
   b.root().setCode(to_wire(code));

@@ -64,6 +64,12 @@ struct FrameFault {
   uint32_t skip_bytes = 0;              // resync: body bytes still to skip in the stream
 };
 
+// A frame that passed validate_body can still hold fields of another type than
+// its schema says (Cap'n Proto checks types lazily, when a field is read, and
+// throws kj::Exception). Receivers of untrusted frames catch that around their
+// handler and answer with this fault (invalid_argument; the stream goes on).
+FrameFault unreadable_fault(msg::Kind kind, uint64_t request_id, const char* why);
+
 // A value or a FrameFault (Expected<T> with the extra facts a receiver needs).
 template <class T>
 class Decoded {

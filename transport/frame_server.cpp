@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <kj/exception.h>
 #include <spdlog/spdlog.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
@@ -311,7 +312,13 @@ void FrameServer::Impl::read_ready(const std::shared_ptr<TcpConn>& c) {
     auto ev = c->assembler.commit(static_cast<size_t>(r));
     if (ev) {
       if (auto* f = std::get_if<Frame>(&*ev)) {
-        handler.on_frame(c, std::move(*f));
+        const auto kind = f->kind();
+        const auto rid = f->request_id();
+        try {
+          handler.on_frame(c, std::move(*f));
+        } catch (const kj::Exception& e) {  // a field of the wrong type, met while reading it
+          on_fault(c, messages::unreadable_fault(kind, rid, e.getDescription().cStr()));
+        }
       } else {
         on_fault(c, std::get<messages::FrameFault>(*ev));
       }
@@ -450,7 +457,15 @@ TransportEvents FrameServer::transport_events(Transport& t) {
   };
   TransportEvents e;
   e.on_peer_up = [s, conn_for](const std::string& peer) { s->handler.on_open(conn_for(peer, true)); };
-  e.on_frame = [s, conn_for](const std::string& peer, Frame f) { s->handler.on_frame(conn_for(peer, true), std::move(f)); };
+  e.on_frame = [s, conn_for](const std::string& peer, Frame f) {
+    const auto kind = f.kind();
+    try {
+      s->handler.on_frame(conn_for(peer, true), std::move(f));
+    } catch (const kj::Exception& e) {  // a field of the wrong type, met while reading it
+      spdlog::warn("frame server: {} sent an unreadable {} body: {}", peer, messages::kind_name(kind),
+                   e.getDescription().cStr());
+    }
+  };
   e.on_peer_down = [s, tp = &t](const std::string& peer, const Error& why) {
     std::shared_ptr<Connection> c;
     {

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <kj/exception.h>
 #include <spdlog/spdlog.h>
 
 #include <cstring>
@@ -571,7 +572,13 @@ void UcxTransport::Impl::deliver(Conn& c) {
       auto ok = messages::validate_body(*a.frame, opt.limits);
       if (ok) {
         ++frames_received;
-        events.on_frame(c.name, std::move(*a.frame));
+        const auto kind = a.frame->kind();
+        const auto rid = a.frame->request_id();
+        try {
+          events.on_frame(c.name, std::move(*a.frame));
+        } catch (const kj::Exception& e) {  // a field of the wrong type, met while reading it
+          a.fault = messages::unreadable_fault(kind, rid, e.getDescription().cStr());
+        }
       } else {
         a.fault = ok.fault();
       }

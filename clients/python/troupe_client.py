@@ -36,7 +36,7 @@ def _load_schemas(schema_dir: str | os.PathLike | None = None):
     d = Path(schema_dir or os.environ.get("TROUPE_SCHEMA_DIR") or Path(__file__).resolve().parents[2] / "messages")
     # pycapnp ships capnp/c++.capnp next to its module; the schemas import it.
     imports = [os.path.dirname(os.path.dirname(capnp.__file__))]
-    return {name: capnp.load(str(d / f"{name}.capnp"), imports=imports) for name in ("common", "generate", "kv", "control")}
+    return {name: capnp.load(str(d / f"{name}.capnp"), imports=imports) for name in ("common", "generate", "kv", "control", "fabric")}
 
 
 class TroupeError(Exception):

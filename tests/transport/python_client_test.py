@@ -108,7 +108,8 @@ class PythonClient(unittest.TestCase):
             back = self.c.decode(kind, body)
             self.assertEqual(back.to_dict(), msg.to_dict(), kind_name)
             n += 1
-        self.assertEqual(n, 22)
+        self.assertEqual(n, len(self.c.kind.schema.enumerants) - 1)  # every kind but none
+        self.assertGreaterEqual(n, 23)
 
     def test_bad_bytes_get_an_error_frame(self):
         self.c.send_bytes(HEADER.pack(MAGIC, 7, 2, 5, 8, 0) + b"\0" * 8)

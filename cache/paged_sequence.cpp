@@ -22,6 +22,7 @@ void PagedSequence::clear() {
   complete_.clear();
   trim_from_ = 0;
   stored_from_ = 0;
+  ring_stored_from_ = 0;
   if (hca_ring_.valid()) tiers_.release(PoolKind::hca_ring, hca_ring_);
   hca_ring_ = {};
   length_ = 0;
@@ -43,6 +44,7 @@ void PagedSequence::adopt(std::span<const TokenPage> pages, int64_t length) {
   }
   length_ = length;
   stored_from_ = std::max<int64_t>(0, length - g_.window);
+  ring_stored_from_ = std::max<int64_t>(0, length - g_.csa_rate);
   complete_.assign(static_cast<size_t>(length / P_), 0);
   if (length > 0) complete_.back() = 1;
 }
@@ -54,6 +56,7 @@ void PagedSequence::restore(std::vector<TokenPage> pages, PageRef hca_ring, int6
   hca_ring_ = hca_ring;
   length_ = length;
   stored_from_ = std::max<int64_t>(0, length - g_.window);
+  ring_stored_from_ = std::max<int64_t>(0, length - g_.csa_rate);
   trim_from_ = stored_from_ / P_;
   complete_.assign(static_cast<size_t>(length / P_), 0);
   // The window of the last page boundary came along if the exporter kept it.
@@ -131,17 +134,23 @@ void PagedSequence::reserve(int64_t new_length) {
 void PagedSequence::commit(int64_t new_length) {
   const int64_t start = length_, W = g_.window;
   if (new_length <= start) return;
-  // The forward stored the rows of the chunk's last window (all of a chunk no
-  // longer than a window) and of each checkpoint's window.
+  // The forward stored the window rows of the chunk's last window (all of a
+  // chunk no longer than a window) and the CSA ring rows of its last 2r
+  // tokens, plus both for each checkpoint. A boundary B is resumable when the
+  // window rows [B - window, B) and the ring rows [B - r, B) are stored.
+  const int64_t R = 2 * g_.csa_rate;  // ring rows stored per chunk (0 without CSA layers)
   const int64_t stored = new_length - W <= start ? stored_from_ : new_length - W;
+  const int64_t ring_stored = new_length - R <= start ? ring_stored_from_ : new_length - R;
   const auto cps = checkpoints(start, new_length);
   if (complete_.size() < static_cast<size_t>(new_length / P_)) complete_.resize(static_cast<size_t>(new_length / P_), 0);
   for (int64_t k = start / P_ + 1; k <= new_length / P_; ++k) {
     const int64_t b = k * P_;
     const bool checkpoint = std::find(cps.begin(), cps.end(), b) != cps.end();
-    if (checkpoint || std::max<int64_t>(0, b - W) >= stored) complete_[static_cast<size_t>(k - 1)] = 1;
+    const bool rows = std::max<int64_t>(0, b - W) >= stored && std::max<int64_t>(0, b - g_.csa_rate) >= ring_stored;
+    if (checkpoint || rows) complete_[static_cast<size_t>(k - 1)] = 1;
   }
   stored_from_ = stored;
+  ring_stored_from_ = ring_stored;
   length_ = new_length;
 }
 
@@ -220,6 +229,13 @@ std::vector<TokenPage> PagedSequence::prefix_for_tree(int64_t every) const {
   }
   for (int64_t k = 0; k < full; ++k) {
     if (keep[static_cast<size_t>(k)] == 0) out[static_cast<size_t>(k)].window() = {};
+    out[static_cast<size_t>(k)].checkpoint = false;
+  }
+  for (int64_t b = 1; b <= full; ++b) {
+    if (!window_complete(b - 1)) continue;
+    bool held = true;
+    for (int64_t k = std::max<int64_t>(0, b - span); k < b; ++k) held &= out[static_cast<size_t>(k)].window().valid();
+    out[static_cast<size_t>(b - 1)].checkpoint = held;
   }
   return out;
 }

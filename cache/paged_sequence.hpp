@@ -63,8 +63,9 @@ class PagedSequence final : public model::SequenceState {
   std::span<const TokenPage> pages() const { return pages_; }
   // Token pages [0, length / page_tokens) are full and immutable.
   int64_t full_pages() const { return length_ / P_; }
-  // Whether every window row of [B - window, B), B = (k+1) * page_tokens, was
-  // stored: the window pages of boundary B then make it resumable.
+  // Whether boundary B = (k+1) * page_tokens is resumable from the window
+  // pages of [B - window, B): their window rows and the CSA ring rows of the
+  // last open window before B were all stored.
   bool window_complete(int64_t k) const {
     return k >= 0 && static_cast<size_t>(k) < complete_.size() && complete_[static_cast<size_t>(k)] != 0;
   }
@@ -96,7 +97,8 @@ class PagedSequence final : public model::SequenceState {
   int64_t checkpoint_every_;
   int64_t length_ = 0;
   int64_t trim_from_ = 0;  // no window page is held below this token page
-  int64_t stored_from_ = 0;  // window rows of [stored_from_, length_) are all stored
+  int64_t stored_from_ = 0;       // window rows of [stored_from_, length_) are all stored
+  int64_t ring_stored_from_ = 0;  // CSA ring rows of [ring_stored_from_, length_) are all stored
   std::vector<uint8_t> complete_;  // per token page: window_complete()
   std::vector<TokenPage> pages_;
   PageRef hca_ring_;

@@ -11,6 +11,7 @@
 
 #include "base/error.hpp"
 #include "model/safetensors.hpp"
+#include "model/tokenizer/default_tokenizer.hpp"
 
 namespace troupe::model {
 namespace {
@@ -275,6 +276,13 @@ void init_model(const std::string& dir, const InitOptions& o) {
   json cfg = c;
   cfg["dtype"] = o.dtype == DType::f32 ? "float32" : "bfloat16";
   std::ofstream(fs::path(dir) / "config.json") << cfg.dump(2) << "\n";
+  if (o.with_tokenizer) {
+    const fs::path from = tokenizer::default_tokenizer_dir();
+    for (const char* f : {"tokenizer.json", "tokenizer_config.json"}) {
+      fs::copy_file(from / f, fs::path(dir) / f, fs::copy_options::overwrite_existing, ec);
+      if (ec) raise(ErrorCode::invalid_argument, "cannot copy {} into {}: {}", (from / f).string(), dir, ec.message());
+    }
+  }
 }
 
 }  // namespace troupe::model

@@ -19,9 +19,11 @@ struct InitOptions {
   std::vector<std::string> layer_types;  // override: sliding|csa|hca per layer (sets the layer count)
   int64_t experts = -1;         // override n_routed_experts
   int64_t vocab = -1;           // override vocab_size
+  bool with_tokenizer = true;   // copy the shipped DeepSeek tokenizer files into the directory
 };
 
-// Writes config.json and model.safetensors into `dir` (created if missing).
+// Writes config.json and model.safetensors (and the tokenizer files) into `dir`
+// (created if missing).
 // Throws troupe::Error on an unknown preset or an unwritable directory.
 void init_model(const std::string& dir, const InitOptions& options);
 

@@ -7,6 +7,7 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <deque>
+#include <iterator>
 #include <mutex>
 #include <optional>
 
@@ -170,11 +171,12 @@ class Session : public std::enable_shared_from_this<Session> {
         return;
       }
       self->buffer_.commit(n);
-      if (self->response_done_) {
-        self->read_request();
-      } else {
-        self->watch_for_close();
-      }
+      // Bytes, not EOF: the client is there. If they came before this
+      // response ended (the next request on a keep-alive connection, sent as
+      // soon as the client had the last byte), on_write's final write parses
+      // them. Watching again here would wait for bytes that never come while
+      // the request already sits in the buffer.
+      if (self->response_done_) self->read_request();
     });
   }
 
@@ -207,8 +209,15 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void on_write(beast::error_code ec, size_t) {
+    // The element just written is still at the front: shutdown() keeps it
+    // (the write was reading its buffer) and drops only what was waiting.
     const bool final_write = queue_.front().kind == Out::full || queue_.front().kind == Out::last;
     queue_.pop_front();
+    if (closed_) {
+      queue_.clear();
+      writing_ = false;
+      return;
+    }
     if (ec) {
       if (auto r = responder_.lock()) r->mark_closed();
       shutdown();
@@ -232,7 +241,12 @@ class Session : public std::enable_shared_from_this<Session> {
     beast::error_code ec;
     stream_.socket().shutdown(tcp::socket::shutdown_both, ec);
     stream_.socket().close(ec);
-    queue_.clear();
+    // A write in flight still reads the front element's buffer; on_write pops it.
+    if (writing_ && !queue_.empty()) {
+      queue_.erase(std::next(queue_.begin()), queue_.end());
+    } else {
+      queue_.clear();
+    }
   }
 
   beast::tcp_stream stream_;

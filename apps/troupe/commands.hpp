@@ -14,5 +14,7 @@ Command add_init_model(CLI::App& app);
 Command add_deploy(CLI::App& app);
 Command add_tokenize(CLI::App& app);
 Command add_plan(CLI::App& app);
+Command add_serve(CLI::App& app);
+Command add_client(CLI::App& app);
 
 }  // namespace troupe::app

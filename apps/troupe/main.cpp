@@ -27,6 +27,8 @@ int main(int argc, char** argv) {
   reg(troupe::app::add_deploy);
   reg(troupe::app::add_tokenize);
   reg(troupe::app::add_plan);
+  reg(troupe::app::add_serve);
+  reg(troupe::app::add_client);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -36,7 +36,7 @@ bool PagePool::grow() {
   s.used = 0;
   s.free.clear();
   for (int64_t i = per_slab_ - 1; i >= 0; --i) s.free.push_back(static_cast<int32_t>(i));
-  open_.insert(static_cast<int32_t>(at));
+  empty_.insert(static_cast<int32_t>(at));
   ++empty_slabs_;
   ++stats_.slabs;
   stats_.capacity += per_slab_;
@@ -52,7 +52,7 @@ int64_t PagePool::shrink(int64_t keep) {
     arena_.give(s.base);
     s.base = nullptr;
     s.free.clear();
-    open_.erase(static_cast<int32_t>(i));
+    empty_.erase(static_cast<int32_t>(i));
     --empty_slabs_;
     --stats_.slabs;
     stats_.capacity -= per_slab_;
@@ -62,13 +62,15 @@ int64_t PagePool::shrink(int64_t keep) {
 }
 
 PageId PagePool::lease() {
-  if (open_.empty()) return kNoPage;
-  const int32_t si = *open_.begin();
+  std::set<int32_t>& from = partial_.empty() ? empty_ : partial_;
+  if (from.empty()) return kNoPage;
+  const int32_t si = *from.begin();
+  from.erase(from.begin());
   Slab& s = slabs_[static_cast<size_t>(si)];
   const int32_t i = s.free.back();
   s.free.pop_back();
   if (s.used++ == 0) --empty_slabs_;
-  if (s.free.empty()) open_.erase(open_.begin());
+  if (!s.free.empty()) partial_.insert(si);
   const auto id = static_cast<PageId>(si * per_slab_ + i);
   refs_[static_cast<size_t>(id)] = 1;
   ++stats_.in_use;
@@ -88,9 +90,14 @@ void PagePool::release(PageId page) {
   if (--refs_[static_cast<size_t>(page)] > 0) return;
   const auto si = static_cast<size_t>(page / per_slab_);
   Slab& s = slabs_[si];
-  if (s.free.empty()) open_.insert(static_cast<int32_t>(si));
   s.free.push_back(static_cast<int32_t>(page % per_slab_));
-  if (--s.used == 0) ++empty_slabs_;
+  if (--s.used == 0) {
+    ++empty_slabs_;
+    partial_.erase(static_cast<int32_t>(si));
+    empty_.insert(static_cast<int32_t>(si));
+  } else if (s.free.size() == 1) {
+    partial_.insert(static_cast<int32_t>(si));
+  }
   --stats_.in_use;
 }
 

@@ -80,7 +80,10 @@ class PagePool {
   int64_t per_slab_;
   std::vector<Slab> slabs_;
   std::vector<int32_t> refs_;  // per page id
-  std::set<int32_t> open_;     // slabs with a free page, lowest first (keeps high slabs empty for shrink)
+  // Slabs with a free page: partly used ones are leased from first (lowest
+  // first), so empty slabs stay empty for other pools (can_lease counts on it).
+  std::set<int32_t> partial_;
+  std::set<int32_t> empty_;
   int64_t empty_slabs_ = 0;
   PoolStats stats_;
 };

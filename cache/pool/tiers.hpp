@@ -21,6 +21,10 @@ struct PageRef {
 // is unused: that ring belongs to a running sequence, not to a token page.
 struct TokenPage {
   std::array<PageRef, kPoolKinds> ref;
+  // In the radix tree: the boundary after this page is a checkpoint (its
+  // window and ring rows were all stored), resumable while the window pages
+  // of the window before it are held.
+  bool checkpoint = false;
   PageRef& at(PoolKind k) { return ref[static_cast<size_t>(index(k))]; }
   const PageRef& at(PoolKind k) const { return ref[static_cast<size_t>(index(k))]; }
   PageRef& window() { return at(PoolKind::window); }

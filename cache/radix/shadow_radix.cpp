@@ -41,6 +41,8 @@ ShadowRadix::~ShadowRadix() {
 }
 
 bool ShadowRadix::resumable_at(const std::vector<const TokenPage*>& path, int64_t k) const {
+  if (k == 0) return true;
+  if (!path[static_cast<size_t>(k - 1)]->checkpoint) return false;
   for (int64_t i = std::max<int64_t>(0, k * P_ - g_.window) / P_; i < k; ++i) {
     if (!path[static_cast<size_t>(i)]->window().valid()) return false;
   }
@@ -116,6 +118,7 @@ ShadowRadix::Node* ShadowRadix::insert(std::span<const int32_t> tokens, std::spa
       mine.window() = given.window();
       tiers_.retain(PoolKind::window, mine.window());
     }
+    mine.checkpoint |= given.checkpoint;
   };
   Node* node = &root_;
   ++tick_;

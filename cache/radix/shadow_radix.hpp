@@ -62,10 +62,10 @@ class ShadowRadix {
 
   // Inserts tokens[0, pages.size() * page_tokens) with their pages. The tree
   // retains the entry pages of pages it lacks and every window page given
-  // where it has none: the caller passes only the windows of checkpoints
-  // (boundaries B whose rows [B - window, B) are all stored), at least the one
-  // of the inserted range's end. Returns the node that ends at the inserted
-  // range's end (the root for none).
+  // where it has none, and takes the `checkpoint` marks: the caller passes
+  // only the windows of checkpoints (PagedSequence::prefix_for_tree), at
+  // least the one of the inserted range's end. Returns the node that ends at
+  // the inserted range's end (the root for none).
   Node* insert(std::span<const int32_t> tokens, std::span<const TokenPage> pages);
 
   // A lock pins a node and its ancestors while a sequence uses their pages.

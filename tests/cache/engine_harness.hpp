@@ -4,7 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <map>
+#include <random>
 
 #include "engine/engine.hpp"
 #include "tests/cache/test_model.hpp"
@@ -58,9 +60,17 @@ class Harness {
   Run& operator[](engine::RequestId id) { return runs_[id]; }
   std::map<engine::RequestId, Run>& runs() { return runs_; }
 
-  // Every row the engine computed equals the DenseState run of the same
-  // tokens; rows cover [cached, length - 1) without gaps.
-  void expect_dense_logits(engine::RequestId id, float tol = 1e-4f) {
+  // Every row the engine computed equals a DenseState run of the same
+  // tokens (exactly on RowWiseBackend; within `tol` on the plain backend);
+  // rows cover [cached, length - 1) without gaps.
+  //
+  // The reference is one call over all tokens. Where a row differs, the same
+  // tokens are run in other floating-point orders (other chunkings, other
+  // batch company), and the row passes if one of those valid computations
+  // agrees: a near-tie in a top-k choice (the lightning indexer) can turn the
+  // ~1e-6 difference batching makes into another choice, which is not a cache
+  // error; a cache error disagrees with every order.
+  void expect_dense_logits(engine::RequestId id, float tol = 0.0f) {
     const Run& r = runs_[id];
     std::vector<int32_t> all = r.prompt;
     all.insert(all.end(), r.generated.begin(), r.generated.end());
@@ -70,15 +80,38 @@ class Harness {
     const int64_t V = m_.config().vocab_size;
     int64_t expect = r.rows.begin()->first;
     EXPECT_EQ(expect, r.last.usage.cached_tokens) << "request " << id;
+    std::vector<std::vector<float>> others;  // other orders, computed on the first disagreement
     float worst = 0;
+    int64_t first_bad = -1, bad = 0, ties = 0;
     for (const auto& [pos, row] : r.rows) {
       ASSERT_EQ(pos, expect) << "request " << id << ": rows have a gap";
       ++expect;
       ASSERT_LT(pos, static_cast<int64_t>(all.size()));
-      worst = std::max(worst, max_abs_diff(row.data(), want.data() + pos * V, static_cast<size_t>(V)));
+      const auto n = static_cast<size_t>(V);
+      float d = max_abs_diff(row.data(), want.data() + pos * V, n);
+      if (d > tol) {
+        if (others.empty()) {
+          std::mt19937_64 rng(static_cast<uint64_t>(all.size()));
+          const auto company = random_ids(rng, static_cast<int64_t>(all.size()), V);
+          others.push_back(dense_logits_chunked(m_, all, 1));
+          others.push_back(dense_logits_chunked(m_, all, 7, company));
+          others.push_back(dense_logits_chunked(m_, all, 64, company));
+          others.push_back(dense_logits_chunked(m_, all, 300, company));
+        }
+        for (const auto& o : others) d = std::min(d, max_abs_diff(row.data(), o.data() + pos * V, n));
+        if (d <= tol) ++ties;
+      }
+      if (d > tol) {
+        if (first_bad < 0) first_bad = pos;
+        ++bad;
+      }
+      worst = std::max(worst, d);
     }
+    if (ties > 0) std::printf("request %lu: %ld rows agree with another float order only (a top-k near-tie)\n", id, ties);
     EXPECT_EQ(expect, static_cast<int64_t>(all.size())) << "request " << id;
-    EXPECT_LE(worst, tol) << "request " << id;
+    EXPECT_LE(worst, tol) << "request " << id << " (" << all.size() << " tokens, cached "
+                          << r.last.usage.cached_tokens << "): " << bad << " positions differ from every order, the first at "
+                          << first_bad;
   }
 
   // No page is in use that no holder references; with `empty`, nothing at all.

@@ -66,7 +66,7 @@ void check_random_chunkings(int64_t page_tokens, uint64_t seed, int sequences, i
   for (auto& s : seqs) {
     const auto want = test::dense_logits(m, s.ids);
     ASSERT_EQ(want.size(), s.logits.size());
-    EXPECT_LE(test::max_abs_diff(want.data(), s.logits.data(), want.size()), 1e-4f) << "length " << s.ids.size();
+    EXPECT_EQ(test::max_abs_diff(want.data(), s.logits.data(), want.size()), 0.0f) << "length " << s.ids.size();
   }
   seqs.clear();
   EXPECT_EQ(pools.device.total_in_use(), 0);

@@ -4,6 +4,8 @@
 #include "base/check.hpp"
 #include "base/error.hpp"
 #include "cache/pool/pool_set.hpp"
+#include <random>
+
 #include "tests/cache/test_model.hpp"
 
 namespace troupe::cache {
@@ -78,6 +80,44 @@ TEST(PoolSet, can_lease_counts_slabs_for_all_pools_together) {
   EXPECT_FALSE(set.can_lease({per_win + 1, per_entry, 0, 0, 0}));
   EXPECT_TRUE(set.can_lease({2 * per_win, 0, 0, 0, 0}));
   EXPECT_EQ(set.available(PoolKind::window), 2 * per_win);
+}
+
+// Whenever can_lease(need) says yes, leasing all of need succeeds, however
+// the pools' slabs are fragmented.
+TEST(PoolSet, can_lease_keeps_its_promise) {
+  const size_t slab = PoolSet::default_slab_bytes(geometry());
+  PoolSet set(geometry(), host_memory(true), 6 * slab);
+  std::mt19937_64 rng(7);
+  std::vector<std::pair<PoolKind, PageId>> held;
+  int promised = 0;
+  for (int round = 0; round < 3000; ++round) {
+    // Release a random share, then ask for a random mix.
+    for (size_t i = 0; i < held.size();) {
+      if (rng() % 3 == 0) {
+        set.release(held[i].first, held[i].second);
+        held[i] = held.back();
+        held.pop_back();
+      } else {
+        ++i;
+      }
+    }
+    PoolCounts need{};
+    for (PoolKind k : kAllPools) {
+      if (geometry().has(k)) need[static_cast<size_t>(index(k))] = static_cast<int64_t>(rng() % 40);
+    }
+    if (!set.can_lease(need)) continue;
+    ++promised;
+    for (PoolKind k : kAllPools) {
+      for (int64_t i = 0; i < need[static_cast<size_t>(index(k))]; ++i) {
+        const PageId p = set.lease(k);
+        ASSERT_NE(p, kNoPage) << "round " << round << " " << to_string(k);
+        held.emplace_back(k, p);
+      }
+    }
+  }
+  EXPECT_GT(promised, 100);
+  for (auto [k, p] : held) set.release(k, p);
+  EXPECT_EQ(set.total_in_use(), 0);
 }
 
 TEST(CacheGeometry, rejects_pages_that_do_not_close_compression_windows) {

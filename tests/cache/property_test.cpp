@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <set>
 
@@ -77,7 +78,7 @@ EngineStats interleave(uint64_t seed, EngineOptions o, int requests) {
     const auto& r = h[id];
     EXPECT_TRUE(r.finished) << "request " << id;
     if (!r.finished || (aborted.count(id) > 0 && r.last.reason == FinishReason::abort)) continue;
-    EXPECT_NE(r.last.reason, FinishReason::error) << r.last.message;
+    EXPECT_NE(r.last.reason, FinishReason::error) << "request " << id << ": " << r.last.message;
     if (r.last.reason == FinishReason::error) continue;
     EXPECT_EQ(static_cast<int32_t>(r.generated.size()), r.last.usage.generated_tokens);
     h.expect_dense_logits(id);
@@ -111,16 +112,41 @@ EngineOptions tight(bool host) {
   return o;
 }
 
+// TROUPE_STRESS=N runs N more seeds per test (not in CI).
+std::vector<uint64_t> seeds(std::vector<uint64_t> base) {
+  if (const char* n = std::getenv("TROUPE_STRESS")) {
+    for (uint64_t i = 0; i < std::strtoull(n, nullptr, 10); ++i) base.push_back(1000 + i * 7919 + base.front());
+  }
+  return base;
+}
+
 TEST(EngineProperty, park_resume_abort_interleavings_keep_logits_and_pages) {
-  for (uint64_t seed : {1, 2, 3}) interleave(seed, roomy_with_host(), 10);
+  for (uint64_t seed : seeds({1, 2, 3})) interleave(seed, roomy_with_host(), 10);
 }
 
 TEST(EngineProperty, a_tight_device_tier_without_host_preempts_by_recompute) {
-  for (uint64_t seed : {4, 5}) interleave(seed, tight(false), 10);
+  for (uint64_t seed : seeds({4, 5})) interleave(seed, tight(false), 10);
 }
 
 TEST(EngineProperty, a_tight_device_tier_with_host_parks_spills_and_reloads) {
-  for (uint64_t seed : {6, 7}) interleave(seed, tight(true), 10);
+  for (uint64_t seed : seeds({6, 7})) interleave(seed, tight(true), 10);
+}
+
+// Pages shorter than the window (a window spans two pages) and a device
+// tier so small that preemption, spills and cold pages are routine.
+TEST(EngineProperty, small_pages_and_a_tiny_device_tier) {
+  const auto& c = test::shared_model().model->config();
+  const auto g = cache::CacheGeometry::of(c);
+  const int64_t small = std::max<int64_t>(g.hca_rate, 2 * g.csa_rate);
+  if (small >= c.sliding_window || c.sliding_window % small != 0) GTEST_SKIP() << "the model allows no smaller page";
+  EngineOptions o = tight(true);
+  o.page_tokens = small;
+  o.slab_bytes = 0;
+  const auto gs = cache::CacheGeometry::of(c, small);
+  o.device_bytes = 7 * cache::PoolSet::default_slab_bytes(gs);
+  o.checkpoint_every_pages = 2;
+  o.decode_insert_every_pages = 3;
+  for (uint64_t seed : seeds({8, 9})) interleave(seed, o, 10);
 }
 
 // The same with decode steps through model::Decoder (tables in backend memory,

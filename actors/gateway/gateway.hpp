@@ -1,0 +1,54 @@
+// The gateway actor: the OpenAI-compatible HTTP API in front of the router.
+// It owns every request it admits: tokenizes the prompt (chat template),
+// streams text as tokens arrive (incremental detokenization, stop strings),
+// aborts on client disconnect, and resubmits a request whose worker was lost
+// (prompt plus the tokens already streamed; sampling is position-seeded, so
+// the continuation is the same), so a worker failure is invisible to clients.
+#pragma once
+
+#include <caf/all.hpp>
+
+#include <memory>
+#include <string>
+
+#include "actors/gateway/http_server.hpp"
+#include "actors/protocol.hpp"
+#include "base/metrics.hpp"
+#include "model/tokenizer/tokenizer.hpp"
+
+namespace troupe::actors {
+
+struct GatewayConfig {
+  std::string model_name = "troupe";  // the id clients send as "model"
+  int64_t max_model_len = 4096;       // prompt + generated tokens
+  std::string api_key;                // empty: no authentication
+  gateway::HttpOptions http;
+  int max_attempts = 4;               // resubmissions after a worker loss
+  int64_t min_workers_ready = 1;      // /health is 200 once this many workers registered
+  bool test_hooks = false;            // POST /admin/crash: fault injection (tests only)
+};
+
+struct HttpCall {
+  gateway::HttpRequest request;
+  std::shared_ptr<gateway::Responder> responder;
+};
+
+// Spawns the gateway and starts its HTTP server; `port_out`, when given, gets
+// the bound port once listening. Throws troupe::Error when the port is taken.
+// Admin routes (behind the API key like /v1/*), answered with the supervisor's help:
+//   GET  /admin/workers                   the router's view of every worker (load, role, draining)
+//   POST /admin/drain {"worker": NAME}    remove a worker: fence, migrate its requests, stop it
+//   POST /admin/crash {"worker": NAME}    make a worker fail (only with test_hooks)
+// Without a supervisor attached they answer 503.
+//
+// The gateway also answers (drain_atom) -> int64_t: from then on new requests
+// get 503 and /health says "draining"; the reply is how many are in flight.
+caf::actor spawn_gateway(caf::actor_system& sys, GatewayConfig config,
+                         std::shared_ptr<const tokenizer::Tokenizer> tokenizer, caf::actor router,
+                         std::shared_ptr<MetricsRegistry> metrics, uint16_t* port_out = nullptr);
+
+void attach_supervisor(const caf::actor& gateway, const caf::actor& supervisor);
+
+}  // namespace troupe::actors
+
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::actors::HttpCall)

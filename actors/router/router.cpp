@@ -1,0 +1,122 @@
+#include "actors/router/router.hpp"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <limits>
+
+namespace troupe::actors {
+namespace {
+
+struct Entry {
+  caf::actor actor;
+  std::string name;
+  WorkerRole role = WorkerRole::colocated;
+  WorkerLoad load;
+  int64_t assigned_since_report = 0;
+  bool fenced = false;
+};
+
+struct RouterState {
+  static inline const char* name = "router";
+  std::vector<Entry> workers;
+  std::shared_ptr<MetricsRegistry> metrics;
+};
+
+using Self = caf::stateful_actor<RouterState>*;
+
+int64_t score(const Entry& e) { return e.load.running + e.load.waiting + e.assigned_since_report; }
+
+Entry* least_loaded(RouterState& st, std::initializer_list<WorkerRole> roles) {
+  Entry* best = nullptr;
+  for (auto& e : st.workers) {
+    if (e.fenced || e.load.draining) continue;
+    if (std::find(roles.begin(), roles.end(), e.role) == roles.end()) continue;
+    if (best == nullptr || score(e) < score(*best)) best = &e;
+  }
+  return best;
+}
+
+Entry* find(RouterState& st, const caf::actor_addr& addr) {
+  for (auto& e : st.workers) {
+    if (e.actor.address() == addr) return &e;
+  }
+  return nullptr;
+}
+
+caf::behavior router_actor(Self self, std::shared_ptr<MetricsRegistry> metrics) {
+  self->state.metrics = std::move(metrics);
+  self->set_down_handler([=](caf::down_msg& dm) {
+    auto& ws = self->state.workers;
+    auto it = std::find_if(ws.begin(), ws.end(), [&](const Entry& e) { return e.actor.address() == dm.source; });
+    if (it == ws.end()) return;
+    spdlog::warn("router: worker {} is gone ({})", it->name, caf::to_string(dm.reason));
+    ws.erase(it);
+  });
+  return {
+      [=](register_atom, caf::actor worker, const std::string& name, uint8_t role) {
+        auto& ws = self->state.workers;
+        std::erase_if(ws, [&](const Entry& e) { return e.name == name; });  // a restarted worker replaces its old self
+        Entry e;
+        e.actor = worker;
+        e.name = name;
+        e.role = static_cast<WorkerRole>(role);
+        e.load.name = name;
+        e.load.role = e.role;
+        ws.push_back(std::move(e));
+        self->monitor(worker);
+        spdlog::info("router: worker {} ({}) registered", name, to_string(static_cast<WorkerRole>(role)));
+      },
+      [=](const WorkerLoad& load) {
+        for (auto& e : self->state.workers) {
+          if (e.name == load.name) {
+            e.load = load;
+            e.assigned_since_report = 0;
+          }
+        }
+      },
+      [=](Job job) {
+        auto& st = self->state;
+        Entry* target = nullptr;
+        if (!job.image) {
+          Entry* prefill = least_loaded(st, {WorkerRole::prefill});
+          Entry* decode = least_loaded(st, {WorkerRole::decode});
+          if (prefill != nullptr && decode != nullptr) {
+            job.decode_to = decode->actor;
+            ++decode->assigned_since_report;
+            target = prefill;
+          }
+        }
+        if (target == nullptr) target = least_loaded(st, {WorkerRole::colocated, WorkerRole::decode});
+        if (target == nullptr) {
+          self->send(job.reply_to, Failed{job.id, ErrorCode::unavailable, "no worker is available", nullptr});
+          return;
+        }
+        ++target->assigned_since_report;
+        self->send(job.reply_to, Assigned{job.id, target->actor, target->name});
+        self->send(target->actor, std::move(job));
+      },
+      [=](fence_atom, const std::string& name, bool fenced) {
+        for (auto& e : self->state.workers) {
+          if (e.name == name) e.fenced = fenced;
+        }
+      },
+      [=](workers_atom) {
+        std::vector<WorkerLoad> out;
+        for (const auto& e : self->state.workers) {
+          WorkerLoad l = e.load;
+          l.draining = l.draining || e.fenced;
+          out.push_back(l);
+        }
+        return out;
+      },
+  };
+}
+
+}  // namespace
+
+caf::actor spawn_router(caf::actor_system& sys, std::shared_ptr<MetricsRegistry> metrics) {
+  return sys.spawn(router_actor, std::move(metrics));
+}
+
+}  // namespace troupe::actors

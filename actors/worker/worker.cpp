@@ -1,0 +1,362 @@
+#include "actors/worker/worker.hpp"
+
+#include <spdlog/spdlog.h>
+
+#include <map>
+#include <thread>
+
+namespace troupe::actors {
+namespace {
+
+struct Running {
+  Job job;
+  int64_t next_index = 0;         // output index of the next token
+  std::vector<int32_t> sampled;   // tokens this worker sampled for the job
+  bool handing_off = false;       // parked for a handoff (PD or migration), exporting
+  caf::actor handoff_to;          // the worker that continues it
+  bool long_tail_parked = false;  // parked by the supervisor's long-tail policy
+};
+
+// The job that continues `run` from scratch elsewhere: prompt plus what was sampled.
+Job continuation(const Running& run) {
+  Job j = run.job;
+  j.image = nullptr;
+  j.decode_to = nullptr;
+  j.prompt.insert(j.prompt.end(), run.sampled.begin(), run.sampled.end());
+  const auto n = static_cast<int32_t>(run.sampled.size());
+  j.generated_before = run.next_index;
+  j.sampling.max_tokens = std::max(1, j.sampling.max_tokens - n);
+  j.sampling.min_tokens = std::max(0, j.sampling.min_tokens - n);
+  return j;
+}
+
+struct WorkerState {
+  static inline const char* name = "worker";
+  WorkerConfig config;
+  std::shared_ptr<model::Model> model;
+  std::unique_ptr<engine::Engine> engine;
+  caf::actor router;
+  caf::actor supervisor;
+  std::shared_ptr<MetricsRegistry> metrics;
+  std::map<engine::RequestId, Running> by_engine;
+  std::map<RequestId, engine::RequestId> by_request;
+  struct Pending {  // prefill side: a handoff waiting for the decode worker's confirm
+    engine::RequestId engine_id;
+    RequestId request;
+  };
+  std::map<uint64_t, Pending> handoffs;
+  uint64_t next_handoff = 1;
+  bool draining = false;
+};
+
+using Self = caf::stateful_actor<WorkerState>*;
+
+void fail_job(Self self, const Job& job, ErrorCode code, const std::string& message) {
+  self->send(job.reply_to, Failed{job.id, code, message, caf::actor_cast<caf::actor>(self)});
+}
+
+void start_job(Self self, Job job) {
+  auto& st = self->state;
+  if (st.by_request.count(job.id)) return;  // a duplicate (the router retried); the first one runs
+  engine::RequestId eid;
+  if (job.image) {
+    eid = st.engine->import(*job.image);
+  } else {
+    engine::Request r;
+    r.prompt = job.prompt;
+    r.sampling = job.sampling;
+    r.park_after_prefill = static_cast<bool>(job.decode_to);
+    eid = st.engine->submit(std::move(r));
+  }
+  Running run;
+  run.next_index = job.generated_before;
+  run.handoff_to = job.decode_to;
+  // The gateway watches the worker that runs a request. The router says so for
+  // the jobs it places; a request that moved here (handoff, migration,
+  // recompute fallback) is announced by its new worker.
+  if (job.image || job.generated_before > 0 || job.attempt > 0) {
+    self->send(job.reply_to, Assigned{job.id, caf::actor_cast<caf::actor>(self), st.config.name});
+  }
+  run.job = std::move(job);
+  st.by_request[run.job.id] = eid;
+  st.by_engine.emplace(eid, std::move(run));
+}
+
+void report_load(Self self) {
+  auto& st = self->state;
+  const auto s = st.engine->stats();
+  WorkerLoad load;
+  load.name = st.config.name;
+  load.role = st.config.role;
+  // Requests this worker still answers for (a handoff not yet confirmed
+  // counts): a draining worker stops only when this reaches zero.
+  load.running = std::max<int64_t>(s.running, static_cast<int64_t>(st.by_engine.size()) - s.waiting - s.parked);
+  load.waiting = s.waiting;
+  load.parked = s.parked;
+  load.device_free_bytes = s.device_free_bytes;
+  load.device_budget_bytes = s.device_budget_bytes;
+  for (const auto& a : s.device) load.leaked_pages += a.leaked;
+  for (const auto& a : s.host) load.leaked_pages += a.leaked;
+  load.draining = st.draining;
+  load.actor = caf::actor_cast<caf::actor>(self);
+  // Pressure is what requests hold: pages only the prefix cache keeps are
+  // given back on demand, so counting them would park requests (and keep them
+  // parked) while the pool could still serve everyone. From the audit (every
+  // 32 steps and when idle); shared pages count for each request.
+  const double budget = static_cast<double>(std::max<uint64_t>(1, s.device_budget_bytes));
+  int64_t held = 0;
+  for (const auto& r : s.requests) {
+    held += r.device_bytes;
+    auto it = st.by_engine.find(r.id);
+    if (it == st.by_engine.end()) continue;
+    if (it->second.long_tail_parked) {
+      load.parked_ids.push_back(it->second.job.id);
+    } else if (r.phase == "running" && !it->second.handing_off && r.max_tokens > load.largest_tokens) {
+      load.largest = it->second.job.id;
+      load.largest_tokens = r.max_tokens;
+      load.largest_share = static_cast<double>(r.device_bytes) / budget;
+    }
+  }
+  load.kv_use = std::min(1.0, static_cast<double>(held) / budget);
+  if (st.router) self->send(st.router, load);
+  if (st.supervisor) self->send(st.supervisor, load);
+  if (st.metrics) {
+    const Labels labels{{"worker", st.config.name}};
+    auto& m = *st.metrics;
+    m.gauge("troupe_running", "Requests running in the engine", labels).set(static_cast<double>(s.running));
+    m.gauge("troupe_queue_depth", "Requests waiting for admission", labels).set(static_cast<double>(s.waiting));
+    m.gauge("troupe_parked", "Requests parked in the host tier", labels).set(static_cast<double>(s.parked));
+    m.gauge("troupe_leaked_pages", "Pages in use that no holder references", labels)
+        .set(static_cast<double>(load.leaked_pages));
+    m.gauge("troupe_parks", "Parks so far (engine)", labels).set(static_cast<double>(s.parks));
+    m.gauge("troupe_resumes", "Resumes so far (engine)", labels).set(static_cast<double>(s.resumes));
+    m.gauge("troupe_preemptions", "Preemptions so far (engine)", labels).set(static_cast<double>(s.preemptions));
+    m.gauge("troupe_aborted", "Requests aborted so far (engine)", labels).set(static_cast<double>(s.aborted));
+    m.gauge("troupe_cached_tokens", "Prompt tokens served by the prefix cache", labels)
+        .set(static_cast<double>(s.cached_tokens));
+    for (size_t k = 0; k < s.device.size(); ++k) {
+      const std::string pool = cache::to_string(static_cast<cache::PoolKind>(k));
+      const auto& a = s.device[k];
+      for (auto [state, v] : {std::pair{"in_use", a.in_use}, {"free", a.free}, {"leased", a.leased},
+                              {"parked", a.parked}, {"cached", a.cached}}) {
+        m.gauge("troupe_pool_pages", "Device pages per pool and state", {{"worker", st.config.name}, {"pool", pool},
+                                                                         {"state", state}})
+            .set(static_cast<double>(v));
+      }
+    }
+  }
+}
+
+void on_event(Self self, const engine::Event& e) {
+  auto& st = self->state;
+  auto it = st.by_engine.find(e.id);
+  if (it == st.by_engine.end()) return;  // a released handoff finishing, or a request already forgotten
+  Running& run = it->second;
+  const auto me = caf::actor_cast<caf::actor>(self);
+  switch (e.kind) {
+    case engine::EventKind::token: {
+      run.sampled.push_back(e.token);
+      TokenBatch b{run.job.id, run.next_index++, {e.token}, me};
+      self->send(run.job.reply_to, std::move(b));
+      break;
+    }
+    case engine::EventKind::parked: {
+      if (!run.handoff_to || run.handing_off) break;  // a long-tail park: the stream just pauses
+      run.handing_off = true;
+      if (!e.ok) {
+        // No state to hand over (no host tier, no room there, or the request was
+        // between tiers): the target recomputes it from its tokens instead.
+        spdlog::warn("worker {}: request {} cannot be handed over with its state ({}); the target recomputes it",
+                     st.config.name, run.job.id, e.message);
+        self->send(run.handoff_to, continuation(run));
+        if (st.metrics) {
+          st.metrics->counter("troupe_handoff_fallbacks_total", "Handoffs that fell back to recomputation",
+                              {{"worker", st.config.name}}).inc();
+        }
+        st.engine->abort(e.id);
+        break;
+      }
+      // Export on a helper thread: the future completes on the engine thread's next step.
+      auto fut = std::make_shared<std::future<std::optional<engine::SequenceImage>>>(st.engine->export_parked(e.id));
+      const engine::RequestId eid = e.id;
+      std::thread([fut, me, eid] {
+        auto image = fut->get();
+        std::shared_ptr<const engine::SequenceImage> shared;
+        if (image) shared = std::make_shared<const engine::SequenceImage>(std::move(*image));
+        caf::anon_send(me, exported_atom::value, eid, shared);
+      }).detach();
+      break;
+    }
+    case engine::EventKind::finished: {
+      const Job job = run.job;
+      const bool handed_off = run.handing_off;
+      st.by_request.erase(job.id);
+      st.by_engine.erase(it);
+      if (handed_off) break;  // the decode worker owns the stream now
+      if (e.reason == engine::FinishReason::error) {
+        // A state that could not be imported is recomputed elsewhere.
+        self->send(job.reply_to, Failed{job.id, job.image ? ErrorCode::unavailable : e.code, e.message, me});
+      } else {
+        engine::Usage u = e.usage;
+        u.prompt_tokens = job.prompt_tokens;
+        self->send(job.reply_to, Done{job.id, e.reason, u, me});
+      }
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+caf::behavior worker_actor(Self self, std::shared_ptr<model::Model> model, WorkerConfig config, caf::actor router,
+                           std::shared_ptr<MetricsRegistry> metrics, caf::actor supervisor) {
+  auto& st = self->state;
+  st.supervisor = supervisor;
+  st.config = std::move(config);
+  st.model = std::move(model);
+  st.router = router;
+  st.metrics = std::move(metrics);
+  const auto me = caf::actor_cast<caf::actor>(self);
+  st.engine = std::make_unique<engine::Engine>(*st.model, st.config.engine, [me](const engine::Event& e) {
+    caf::anon_send(me, event_atom::value, e);
+  });
+  st.engine->start();
+  // No attach_functor here: CAF 0.17 destroys the state (on_exit) before it
+  // runs attached functors, and the state's destructor already stops the
+  // engine thread and releases every page (the engine is declared after the
+  // model it uses, so it goes first).
+  if (router) self->send(router, register_atom::value, me, st.config.name, static_cast<uint8_t>(st.config.role));
+  self->delayed_send(self, st.config.load_every, tick_atom::value);
+  spdlog::info("worker {} ({}) up", st.config.name, to_string(st.config.role));
+
+  return {
+      [=](const Job& job) {
+        if (self->state.draining) {
+          fail_job(self, job, ErrorCode::unavailable, "worker " + self->state.config.name + " is draining");
+          return;
+        }
+        start_job(self, job);
+      },
+      [=](const Handoff& h) {  // decode side of PD
+        Job job = h.job;
+        job.image = h.image;
+        start_job(self, std::move(job));
+        self->send(h.from, confirm_atom::value, h.handoff_id);
+      },
+      [=](abort_atom, RequestId id) {
+        auto& s = self->state;
+        if (auto it = s.by_request.find(id); it != s.by_request.end()) s.engine->abort(it->second);
+      },
+      [=](event_atom, const engine::Event& e) { on_event(self, e); },
+      [=](exported_atom, engine::RequestId eid, std::shared_ptr<const engine::SequenceImage> image) {
+        auto& s = self->state;
+        auto it = s.by_engine.find(eid);
+        if (it == s.by_engine.end()) return;
+        Job job = it->second.job;
+        it->second.handing_off = true;
+        const caf::actor target = it->second.handoff_to;
+        if (!image) {  // could not export: the target recomputes the prompt
+          spdlog::warn("worker {}: export of request {} failed; the target recomputes it", s.config.name, job.id);
+          self->send(target, continuation(it->second));
+          s.engine->abort(eid);
+          return;
+        }
+        const uint64_t hid = s.next_handoff++;
+        s.handoffs[hid] = {eid, job.id};
+        Handoff h;
+        h.job = continuation(it->second);
+        h.image = std::move(image);
+        h.from = caf::actor_cast<caf::actor>(self);
+        h.handoff_id = hid;
+        self->send(target, std::move(h));
+        if (s.metrics) s.metrics->counter("troupe_handoffs_total", "PD handoffs offered", {{"worker", s.config.name}}).inc();
+        self->delayed_send(self, s.config.handoff_timeout, release_atom::value, hid);
+      },
+      [=](confirm_atom, uint64_t hid) {  // the decode worker has the state: free ours
+        auto& s = self->state;
+        auto it = s.handoffs.find(hid);
+        if (it == s.handoffs.end()) return;
+        s.engine->abort(it->second.engine_id);
+        s.handoffs.erase(it);
+      },
+      [=](release_atom, uint64_t hid) {  // no confirm in time: free ours; the gateway resubmits
+        auto& s = self->state;
+        auto it = s.handoffs.find(hid);
+        if (it == s.handoffs.end()) return;
+        spdlog::warn("worker {}: handoff {} of request {} timed out; releasing it", s.config.name, hid,
+                     it->second.request);
+        if (auto r = s.by_engine.find(it->second.engine_id); r != s.by_engine.end()) {
+          self->send(r->second.job.reply_to, Failed{it->second.request, ErrorCode::unavailable,
+                                                    "KV handoff to the decode worker timed out",
+                                                    caf::actor_cast<caf::actor>(self)});
+        }
+        s.engine->abort(it->second.engine_id);
+        s.handoffs.erase(it);
+      },
+      [=](park_atom, RequestId id) {  // long-tail policy
+        auto& s = self->state;
+        auto it = s.by_request.find(id);
+        if (it == s.by_request.end()) return;
+        auto& run = s.by_engine.at(it->second);
+        if (run.handing_off || run.long_tail_parked) return;
+        run.long_tail_parked = true;
+        s.engine->park(it->second);
+        if (s.metrics) {
+          s.metrics->counter("troupe_long_tail_parked_total", "Requests parked by the long-tail policy",
+                             {{"worker", s.config.name}}).inc();
+        }
+      },
+      [=](resume_atom, RequestId id) {
+        auto& s = self->state;
+        auto it = s.by_request.find(id);
+        if (it == s.by_request.end()) return;
+        auto& run = s.by_engine.at(it->second);
+        if (!run.long_tail_parked) return;
+        run.long_tail_parked = false;
+        s.engine->resume(it->second);
+        if (s.metrics) {
+          s.metrics->counter("troupe_long_tail_resumed_total", "Requests resumed by the long-tail policy",
+                             {{"worker", s.config.name}}).inc();
+        }
+      },
+      [=](migrate_atom, caf::actor target) {  // drain: every running request moves to `target`
+        auto& s = self->state;
+        s.draining = true;
+        for (auto& [eid, run] : s.by_engine) {
+          if (run.handing_off || run.handoff_to) continue;
+          run.handoff_to = target;
+          if (run.long_tail_parked) {  // already parked: export right away
+            run.long_tail_parked = false;
+            on_event(self, engine::make_event(eid, engine::EventKind::parked));
+          } else {
+            s.engine->park(eid);
+          }
+        }
+      },
+      [=](drain_atom) { self->state.draining = true; },
+      [=](tick_atom) {
+        report_load(self);
+        self->delayed_send(self, self->state.config.load_every, tick_atom::value);
+      },
+      [=](crash_atom) { self->quit(caf::sec::runtime_error); },
+  };
+}
+
+}  // namespace
+
+const char* to_string(WorkerRole r) {
+  switch (r) {
+    case WorkerRole::colocated: return "colocated";
+    case WorkerRole::prefill: return "prefill";
+    case WorkerRole::decode: return "decode";
+  }
+  return "?";
+}
+
+caf::actor spawn_worker(caf::actor_system& sys, std::shared_ptr<model::Model> model, WorkerConfig config,
+                        caf::actor router, std::shared_ptr<MetricsRegistry> metrics, caf::actor supervisor) {
+  return sys.spawn(worker_actor, std::move(model), std::move(config), std::move(router), std::move(metrics),
+                   std::move(supervisor));
+}
+
+}  // namespace troupe::actors

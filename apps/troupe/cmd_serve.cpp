@@ -1,0 +1,68 @@
+// troupe serve [--model DIR] [--port N] ...: every actor in one process.
+#include "actors/serve.hpp"
+#include "apps/troupe/commands.hpp"
+
+namespace troupe::app {
+
+Command add_serve(CLI::App& app) {
+  auto o = std::make_shared<actors::ServeOptions>();
+  auto kv_mib = std::make_shared<uint64_t>(1024);
+  auto host_mib = std::make_shared<uint64_t>(0);
+  auto body_mib = std::make_shared<double>(8);
+  auto restart_window_s = std::make_shared<int64_t>(60);
+  auto long_tail = std::make_shared<bool>(false);
+  auto lt = std::make_shared<actors::LongTailPolicy>();
+  auto sp = std::make_shared<actors::ScalePolicy>();
+  sp->max_workers = 0;
+  auto scale_cooldown_s = std::make_shared<int64_t>(10);
+  auto* cmd = app.add_subcommand("serve", "serve a model over an OpenAI-compatible HTTP API (all actors in one process)");
+  cmd->add_option("--model", o->model_dir, "model directory (default: the embedded tiny random-weight model)");
+  cmd->add_option("--served-model-name", o->served_model_name, "model id clients send (default: directory name)");
+  cmd->add_option("--host", o->host, "address to listen on");
+  cmd->add_option("--port", o->port, "HTTP port (0: any free port)");
+  cmd->add_option("--api-key", o->api_key, "require 'Authorization: Bearer KEY' on /v1/*");
+  cmd->add_option("--workers", o->workers, "colocated engine workers");
+  cmd->add_option("--prefill-workers", o->prefill_workers, "prefill workers (disaggregated with --decode-workers)");
+  cmd->add_option("--decode-workers", o->decode_workers, "decode workers");
+  cmd->add_option("--kv-memory-mib", *kv_mib, "device KV pool budget per worker, MiB");
+  cmd->add_option("--host-memory-mib", *host_mib, "host tier per worker, MiB (park, spill)");
+  cmd->add_flag("!--no-cold-pages", o->cold_pages,
+                "keep every page of a running sequence on the device (as a GPU without mapped host memory must)");
+  cmd->add_option("--max-model-len", o->max_model_len, "prompt + completion token limit");
+  cmd->add_option("--step-tokens", o->step_tokens, "tokens per engine step");
+  cmd->add_option("--backend", o->backend, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  cmd->add_option("--read-timeout", o->read_timeout_s, "seconds a client has to send a whole request");
+  cmd->add_option("--max-body-mib", *body_mib, "largest request body, MiB (larger ones get 413)");
+  cmd->add_option("--drain-timeout", o->drain_timeout_s,
+                  "on SIGTERM: seconds the requests in flight get to finish (new ones get 503); 0: stop at once");
+  cmd->add_option("--restart-max", o->restart.max_restarts, "restart policy: worker restarts allowed per window");
+  cmd->add_option("--restart-window", *restart_window_s, "restart policy: the window, seconds");
+  // long_tail policy (off unless --long-tail)
+  cmd->add_flag("--long-tail", *long_tail, "park the request with the largest projected KV under pressure");
+  cmd->add_option("--long-tail-pressure", lt->pressure_threshold, "long_tail: park above this KV use (0..1)");
+  cmd->add_option("--long-tail-resume", lt->resume_threshold, "long_tail: resume below this KV use (0..1)");
+  cmd->add_option("--long-tail-max-deferrals", lt->max_deferrals, "long_tail: parks of one request at most");
+  cmd->add_option("--long-tail-min-share", lt->min_share, "long_tail: park only a request holding this much of the pool");
+  // scale policy (off unless --scale-max > 0)
+  cmd->add_option("--scale-min", sp->min_workers, "scale: fewest workers");
+  cmd->add_option("--scale-max", sp->max_workers, "scale: most workers (0: no scale policy)");
+  cmd->add_option("--scale-queue-high", sp->queue_depth_high, "scale: add a worker above this queue depth per worker");
+  cmd->add_option("--scale-kv-high", sp->kv_use_high, "scale: add a worker above this KV use");
+  cmd->add_option("--scale-kv-low", sp->kv_use_low, "scale: remove one below this KV use with an empty queue");
+  cmd->add_option("--scale-cooldown", *scale_cooldown_s, "scale: seconds between two scale events");
+  cmd->add_flag("--test-hooks", o->test_hooks, "enable POST /admin/crash (fault injection for tests)");
+  return [o, kv_mib, host_mib, body_mib, restart_window_s, long_tail, lt, sp, scale_cooldown_s] {
+    o->kv_bytes = *kv_mib << 20;
+    o->host_bytes = *host_mib << 20;
+    o->max_body_bytes = static_cast<size_t>(*body_mib * (1 << 20));
+    o->restart.window = std::chrono::seconds(*restart_window_s);
+    if (*long_tail) o->long_tail = *lt;
+    if (sp->max_workers > 0) {
+      sp->cooldown = std::chrono::seconds(*scale_cooldown_s);
+      o->scale = *sp;
+    }
+    return actors::serve_until_signal(*o);
+  };
+}
+
+}  // namespace troupe::app

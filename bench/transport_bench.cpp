@@ -1,0 +1,387 @@
+// transport_bench: UcxTransport frames and page puts between two processes
+// on 127.0.0.1, next to ucx_perftest (ucp_am_bw, ucp_put_bw) at the same
+// sizes and UCX settings, in the same run. Prints a markdown table.
+//
+//   transport_bench [--sizes 64,4096,...] [--trials 3] [--gib 1] [--perftest PATH]
+//                   [--spin-us N] [--no-perftest]
+//
+// Frames: the client sends n frames back to back (at most max(32 MiB, 4
+// frames) queued), then a marker; the server answers the marker once it has
+// counted all n. Frame bytes = 24-byte header
+// + body; the body is a StageActivation whose inline payload fills it (the
+// 64 B row sends the smallest frame, an empty TokenChunk). ucx_perftest
+// ucp_am_bw gets -s <body bytes> -H 32 (our active-message header: frame
+// header + sequence number) and -e (error mode PEER, as ours).
+// Puts: batches of 16 puts of one size into a region the server allocated
+// (allocate_region: UCX memory a local peer maps), one completion (flush) per
+// batch, up to 4 batches in flight, from one source buffer to one remote
+// offset as ucp_put_bw does; next to ucp_put_bw -s <size> -e. A second put row targets caller
+// memory registered with register_region.
+// Each measurement runs --trials times, interleaved with its peer; the best
+// of each is reported (the machine is shared).
+#include <fmt/format.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <csignal>
+#include <cstdio>
+#include <future>
+#include <iostream>
+#include <mutex>
+#include <random>
+#include <sstream>
+#include <thread>
+#include <cstring>
+
+#include "messages/kinds.hpp"
+#include "tests/transport/args.hpp"
+#include "transport/ucx.hpp"
+
+using namespace troupe;
+using namespace troupe::transport;
+using messages::FrameBuilder;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr size_t kRegionBytes = 64u << 20;
+
+// ------------------------------------------------------------------ server
+
+int g_spin_us = 0;
+
+int serve() {
+  UcxOptions o;
+  o.name = "bench-server";
+  o.spin_after_work_us = g_spin_us;
+  UcxTransport t(o);
+  std::atomic<uint64_t> count{0};
+  std::vector<uint8_t> caller(kRegionBytes);
+  TransportEvents e;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::string client;
+  e.on_peer_up = [&](const std::string& p) {
+    std::lock_guard lock(mu);
+    client = p;
+    cv.notify_all();
+  };
+  e.on_frame = [&](const std::string& p, Frame f) {
+    if (f.kind() == msg::Kind::HEARTBEAT) {  // marker: answer with the count
+      FrameBuilder<msg::Ack> a;
+      a.root().setDetail(std::to_string(count.exchange(0)));
+      (void)t.send(p, a.finish(f.request_id()));
+      return;
+    }
+    count.fetch_add(1, std::memory_order_relaxed);
+  };
+  if (!t.start(std::move(e))) return 1;
+  std::printf("READY ucx=%s\n", t.address().c_str());
+  std::fflush(stdout);
+  {
+    std::unique_lock lock(mu);
+    cv.wait(lock, [&] { return !client.empty(); });
+  }
+  auto allocated = t.allocate_region(kRegionBytes);
+  auto registered = t.register_region(caller.data(), caller.size());
+  if (!allocated || !registered) return 1;
+  FrameBuilder<msg::KvOffer> offer;
+  auto ds = offer.root().initDescriptors(2);
+  to_wire(allocated->key, ds[0].initRegion());
+  to_wire(registered->key, ds[1].initRegion());
+  (void)t.send(client, offer.finish(1));
+  // Runs until the client closes its stdin pipe (our parent exits).
+  char c;
+  while (::read(0, &c, 1) > 0) {
+  }
+  return 0;
+}
+
+// ------------------------------------------------------------------ client
+
+struct Spawned {
+  pid_t pid = -1;
+  int out = -1, in = -1;
+};
+
+Spawned spawn(std::vector<std::string> argv) {
+  int out[2], in[2];
+  if (pipe(out) != 0 || pipe(in) != 0) throw std::runtime_error("pipe");
+  Spawned s;
+  s.pid = fork();
+  if (s.pid == 0) {
+    dup2(out[1], 1);
+    dup2(in[0], 0);
+    close(out[0]);
+    close(in[1]);
+    std::vector<char*> args;
+    for (auto& a : argv) args.push_back(a.data());
+    args.push_back(nullptr);
+    execvp(args[0], args.data());
+    _exit(127);
+  }
+  close(out[1]);
+  close(in[0]);
+  s.out = out[0];
+  s.in = in[1];
+  return s;
+}
+
+std::string read_all(int fd) {
+  std::string s;
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(fd, buf, sizeof(buf))) > 0) s.append(buf, n);
+  return s;
+}
+
+std::string read_line(int fd) {
+  std::string s;
+  char c;
+  while (read(fd, &c, 1) == 1 && c != '\n') s += c;
+  return s;
+}
+
+// ucx_perftest overall bandwidth (bytes/s) and message rate for one test.
+struct Rate {
+  double bytes_per_s = 0, msgs_per_s = 0;
+};
+
+Rate perftest_once(const std::string& bin, const std::string& test, size_t size, size_t iters, bool am, bool sleep);
+
+// Retries when the client could not reach the server (slow start under load).
+Rate perftest(const std::string& bin, const std::string& test, size_t size, size_t iters, bool am, bool sleep = false) {
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    Rate r = perftest_once(bin, test, size, iters, am, sleep);
+    if (r.bytes_per_s > 0) return r;
+  }
+  spdlog::warn("ucx_perftest {} -s {}: no result after 3 attempts", test, size);
+  return {};
+}
+
+Rate perftest_once(const std::string& bin, const std::string& test, size_t size, size_t iters, bool am, bool sleep) {
+  static std::mt19937 rng(std::random_device{}());
+  std::string port = std::to_string(20000 + rng() % 20000);
+  auto server = spawn({bin, "-p", port});
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  std::vector<std::string> args = {bin, "127.0.0.1", "-p", port, "-t", test, "-s", std::to_string(size), "-n",
+                                   std::to_string(iters), "-w", std::to_string(std::max<size_t>(iters / 10, 2)), "-e",
+                                   "-f", "-v"};
+  if (am) {
+    args.push_back("-H");
+    args.push_back("32");
+  }
+  if (sleep) {  // wakeup mode, as troupe's progress thread
+    for (const char* a : {"-I", "-E", "sleep"}) args.push_back(a);
+  }
+  auto client = spawn(args);
+  std::string out = read_all(client.out);
+  waitpid(client.pid, nullptr, 0);
+  kill(server.pid, SIGKILL);
+  waitpid(server.pid, nullptr, 0);
+  close(server.out);
+  close(server.in);
+  close(client.out);
+  close(client.in);
+  // Last line: iterations,p50_lat,avg_lat,overall_lat,avg_bw,overall_bw,avg_mr,overall_mr (bw in MB = 2^20)
+  std::istringstream ls(out);
+  std::string line, last;
+  while (std::getline(ls, line)) {
+    auto first = line.find_first_not_of(' ');
+    if (first != std::string::npos && std::isdigit(static_cast<unsigned char>(line[first]))) last = line;
+  }
+  std::vector<double> v;
+  std::istringstream fs(last);
+  std::string cell;
+  while (std::getline(fs, cell, ',')) v.push_back(std::atof(cell.c_str()));
+  if (v.size() < 8) return {};
+  return {v[5] * 1048576.0, v[7]};
+}
+
+class Client {
+ public:
+  explicit Client(const std::string& address) {
+    UcxOptions o;
+    o.name = "bench-client";
+    o.listen_host.clear();
+    o.spin_after_work_us = g_spin_us;
+    t_ = std::make_unique<UcxTransport>(o);
+    TransportEvents e;
+    e.on_frame = [this](const std::string&, Frame f) {
+      std::lock_guard lock(mu_);
+      if (f.kind() == msg::Kind::KV_OFFER) {
+        auto v = messages::open<msg::KvOffer>(f);
+        allocated_ = from_wire(v->root().getDescriptors()[0].getRegion());
+        registered_ = from_wire(v->root().getDescriptors()[1].getRegion());
+      } else if (f.kind() == msg::Kind::ACK) {
+        acked_ = std::stoull(messages::open<msg::Ack>(f)->root().getDetail().cStr());
+        ack_id_ = f.request_id();
+      }
+      cv_.notify_all();
+    };
+    if (!t_->start(std::move(e))) throw std::runtime_error("start");
+    auto p = t_->connect(address, std::chrono::seconds(10));
+    if (!p) throw std::runtime_error(p.error().what());
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return allocated_.length > 0; });
+  }
+
+  // Sends n frames, at most `window` bytes queued, and waits until the
+  // server counted them; frames/s.
+  double frames(const Frame& f, size_t n, size_t window) {
+    uint64_t marker = ++markers_;
+    auto t0 = Clock::now();
+    for (size_t i = 0; i < n; ++i) {
+      while (t_->stats().send_queue_bytes > window) std::this_thread::sleep_for(std::chrono::microseconds(20));
+      (void)t_->send("bench-server", f);
+    }
+    (void)t_->send("bench-server", FrameBuilder<msg::Heartbeat>().finish(marker));
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return ack_id_ == marker; });
+    double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (acked_ != n) spdlog::warn("server counted {} of {} frames", acked_, n);
+    return n / s;
+  }
+
+  // n puts of `size` bytes in batches of 16 (one completion each), up to 4
+  // batches in flight; bytes/s.
+  double puts(bool into_allocated, size_t size, size_t n) {
+    const RegionKey& key = into_allocated ? allocated_ : registered_;
+    if (src_.size() < kRegionBytes) src_.assign(kRegionBytes, 7);
+    // Like ucp_put_bw: one source buffer and one remote destination of the
+    // message size, reused by every put.
+    std::mutex mu;
+    std::condition_variable cv;
+    int in_flight = 0;
+    bool failed = false;
+    auto t0 = Clock::now();
+    size_t done = 0;
+    while (done < n) {
+      std::vector<RmaOp> ops;
+      for (size_t k = 0; k < 16 && done < n; ++k, ++done) ops.push_back({src_.data(), 0, size});
+      std::unique_lock lock(mu);
+      cv.wait(lock, [&] { return in_flight < 4; });
+      ++in_flight;
+      lock.unlock();
+      t_->put("bench-server", key, std::move(ops), [&](Status s) {
+        std::lock_guard l(mu);
+        failed |= !s.ok();
+        --in_flight;
+        cv.notify_all();
+      });
+    }
+    std::unique_lock lock(mu);
+    cv.wait(lock, [&] { return in_flight == 0; });
+    if (failed) throw std::runtime_error("a put failed");
+    double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    return n * static_cast<double>(size) / s;
+  }
+
+ private:
+  std::unique_ptr<UcxTransport> t_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  RegionKey allocated_, registered_;
+  uint64_t acked_ = 0, ack_id_ = 0, markers_ = 0;
+  std::vector<uint8_t> src_;
+};
+
+Frame frame_of_size(size_t target) {
+  if (target <= 64) return FrameBuilder<msg::TokenChunk>().finish(1);
+  FrameBuilder<msg::StageActivation> b;
+  b.root().getPayload().initInline(0);
+  size_t overhead = messages::kHeaderBytes + b.finish(1).body_bytes().size();
+  FrameBuilder<msg::StageActivation> c;
+  c.root().getPayload().initInline(target > overhead ? target - overhead : 0);
+  return c.finish(1);
+}
+
+std::string human(size_t b) {
+  if (b >= (1u << 20)) return fmt::format("{} MiB", b >> 20);
+  if (b >= 1024) return fmt::format("{} KiB", b >> 10);
+  return fmt::format("{} B", b);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  test::Args args(argc, argv);
+  bool serve_mode = args.flag("--serve");
+  std::vector<size_t> sizes = {64, 4096, 65536, 1u << 20, 4u << 20, 16u << 20, 64u << 20};
+  if (auto list = args.get("--sizes"); !list.empty()) {
+    sizes.clear();
+    for (size_t pos = 0; pos < list.size();) {
+      size_t comma = list.find(',', pos);
+      sizes.push_back(std::stoull(list.substr(pos, comma - pos)));
+      pos = comma == std::string::npos ? list.size() : comma + 1;
+    }
+  }
+  int trials = static_cast<int>(args.num("--trials", 3));
+  std::string perftest_bin = args.get("--perftest", "ucx_perftest");
+  double target_gib = std::atof(args.get("--gib", "1").c_str());
+  g_spin_us = static_cast<int>(args.num("--spin-us", 0));
+  bool no_perftest = args.flag("--no-perftest");
+  setenv("UCX_NET_DEVICES", "lo", 0);
+  setenv("UCX_MM_ERROR_HANDLING", "y", 0);
+  spdlog::set_default_logger(spdlog::stderr_color_mt("bench"));  // stdout is the table
+  spdlog::set_level(spdlog::level::warn);
+  if (serve_mode) return serve();
+
+  auto server = spawn({"/proc/self/exe", "--serve", "--spin-us", std::to_string(g_spin_us)});
+  std::string ready = read_line(server.out);
+  auto addr = ready.substr(ready.find("ucx=") + 4);
+  Client client(addr);
+
+  std::cout << "| size | frame bytes | troupe frames/s | troupe GB/s | ucp_am_bw GB/s, poll | ucp_am_bw GB/s, sleep | "
+               "troupe / poll | troupe put GB/s | ucp_put_bw GB/s | put / ucp_put_bw | put into caller memory GB/s |\n";
+  std::cout << "|---|---|---|---|---|---|---|---|---|---|---|\n";
+  auto median = [](std::vector<double> v) {
+    if (v.empty()) return 0.0;
+    std::sort(v.begin(), v.end());
+    return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+  };
+  for (size_t size : sizes) {
+    Frame f = frame_of_size(size);
+    size_t frame_bytes = messages::kHeaderBytes + f.body_bytes().size();
+    size_t body = f.body_bytes().size();
+    size_t n = std::clamp<size_t>(static_cast<size_t>(target_gib * (1ull << 30) / frame_bytes), 16, 200000);
+    size_t n_put = std::clamp<size_t>(static_cast<size_t>(target_gib * (1ull << 30) / size), 64, 200000);
+    size_t window = std::max<size_t>(32u << 20, 4 * frame_bytes);
+    client.frames(f, std::max<size_t>(n / 10, 4), window);  // warm-up
+    double fps = 0, am = 0, am_sleep = 0, put = 0, put_pt = 0, put_caller = 0;
+    std::vector<double> am_ratio, put_ratio;  // per trial, measured back to back
+    for (int t = 0; t < trials; ++t) {
+      double ours = client.frames(f, n, window);
+      fps = std::max(fps, ours);
+      if (!no_perftest) {
+        auto r = perftest(perftest_bin, "ucp_am_bw", body, n, true);
+        am = std::max(am, r.bytes_per_s);
+        if (r.bytes_per_s > 0) am_ratio.push_back(ours * body / r.bytes_per_s);
+        am_sleep = std::max(am_sleep, perftest(perftest_bin, "ucp_am_bw", body, n, true, true).bytes_per_s);
+      }
+      double p = client.puts(true, size, n_put);
+      put = std::max(put, p);
+      if (!no_perftest) {
+        double pt = perftest(perftest_bin, "ucp_put_bw", size, n_put, false).bytes_per_s;
+        put_pt = std::max(put_pt, pt);
+        if (pt > 0) put_ratio.push_back(p / pt);
+      }
+      put_caller = std::max(put_caller, client.puts(false, size, std::max<size_t>(n_put / 4, 16)));
+    }
+    std::cout << fmt::format("| {} | {} | {:.0f} | {:.2f} | {:.2f} | {:.2f} | {:.0f}% | {:.2f} | {:.2f} | {:.0f}% | {:.2f} |\n",
+                             human(size), frame_bytes, fps, fps * frame_bytes / 1e9, am / 1e9, am_sleep / 1e9,
+                             100.0 * median(am_ratio), put / 1e9, put_pt / 1e9, 100.0 * median(put_ratio),
+                             put_caller / 1e9)
+              << std::flush;
+  }
+  close(server.in);
+  kill(server.pid, SIGTERM);
+  waitpid(server.pid, nullptr, 0);
+  return 0;
+}

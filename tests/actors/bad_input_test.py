@@ -1,0 +1,226 @@
+#!/usr/bin/env python3
+"""Bad input gets a clear OpenAI-format 4xx and the server keeps serving.
+
+One server with a small context limit (512), a 64 KiB body limit, a 2 s read
+deadline and an API key. Every case ends by checking that a valid request is
+still answered.
+"""
+import json
+import socket
+import subprocess
+import threading
+import time
+
+import openai
+
+import harness
+
+A = harness.args()
+MODEL = "deepseek-v4-tiny"
+KEY = "sekret"
+AUTH = {"authorization": f"Bearer {KEY}"}
+server = None
+
+
+def srv():
+    global server
+    if server is None or not server.alive():
+        server = harness.Server(A.troupe, A.home, ["--max-model-len", "512", "--max-body-mib", "0.0625",
+                                                   "--read-timeout", "2", "--api-key", KEY], name="bad")
+    return server
+
+
+def post(body, path="/v1/completions", headers=AUTH):
+    status, _, b = srv().request("POST", path, body, headers=headers)
+    return status, b
+
+
+def still_serving():
+    s, b = post({"model": MODEL, "prompt": "still there?", "max_tokens": 2, "temperature": 0})
+    assert s == 200 and len(b["choices"][0]["text"]) >= 0 and b["usage"]["completion_tokens"] == 2, (s, b)
+    assert srv().alive()
+
+
+def expect_error(status, body, want_status, param=None, code=None, words=()):
+    assert status == want_status, (status, body)
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    e = body["error"]
+    assert set(e) >= {"message", "type", "param", "code"} and e["message"], e
+    assert e["type"] == ("invalid_request_error" if want_status < 500 else e["type"]), e
+    if param is not None:
+        assert e["param"] == param, e
+    if code is not None:
+        assert e["code"] == code, e
+    for w in words:
+        assert w in e["message"], (w, e["message"])
+
+
+def test_malformed_json():
+    for raw in ['{"model": "deepseek-v4-tiny", "prompt": "x",', "not json", "[1, 2]", ""]:
+        s, b = post(raw)
+        expect_error(s, b, 400)
+    still_serving()
+
+
+def test_wrong_types_name_the_parameter():
+    cases = [({"max_tokens": "ten"}, "max_tokens"), ({"temperature": "hot"}, "temperature"),
+             ({"stream": "yes"}, "stream"), ({"prompt": 5}, "prompt"), ({"top_p": 0}, "top_p"),
+             ({"seed": 1.5}, "seed"), ({"stop": [1, 2]}, "stop"), ({"n": 2}, "n"), ({"model": 7}, "model"),
+             ({"prompt": [1, -4]}, "prompt"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+             ({"temperature": 3.5}, "temperature"), ({"logprobs": 3}, "logprobs")]
+    for patch, param in cases:
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
+        body.update(patch)
+        s, b = post(body)
+        expect_error(s, b, 400, param=param)
+    s, b = post({"model": MODEL, "messages": "hi"}, path="/v1/chat/completions")
+    expect_error(s, b, 400, param="messages")
+    s, b = post({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, path="/v1/chat/completions")
+    expect_error(s, b, 400, param="messages", words=("wizard",))
+    still_serving()
+
+
+def test_negative_or_zero_max_tokens():
+    for v in (-1, 0, -100000):
+        s, b = post({"model": MODEL, "prompt": "hello", "max_tokens": v})
+        expect_error(s, b, 400, param="max_tokens")
+    with openai.OpenAI(api_key=KEY, base_url=srv().base_url, max_retries=0) as c:
+        try:
+            c.completions.create(model=MODEL, prompt="hello", max_tokens=-1)
+            raise AssertionError("the SDK accepted max_tokens=-1")
+        except openai.BadRequestError as e:
+            assert e.status_code == 400 and e.body["param"] == "max_tokens", e.body
+    still_serving()
+
+
+def test_prompt_longer_than_the_model_limit():
+    s, b = post({"model": MODEL, "prompt": list(range(100, 700)), "max_tokens": 4})
+    expect_error(s, b, 400, param="max_tokens", code="context_length_exceeded", words=("512", "600"))
+    # Fits alone, but not with the completion.
+    s, b = post({"model": MODEL, "prompt": list(range(100, 500)), "max_tokens": 200})
+    expect_error(s, b, 400, code="context_length_exceeded")
+    s, b = post({"model": MODEL, "messages": [{"role": "user", "content": "word " * 700}]},
+                path="/v1/chat/completions")
+    expect_error(s, b, 400, code="context_length_exceeded")
+    s, b = post({"model": MODEL, "prompt": [129280 + 5], "max_tokens": 4})
+    expect_error(s, b, 400, param="prompt", words=("out of range",))
+    s, b = post({"model": MODEL, "prompt": [], "max_tokens": 4})
+    expect_error(s, b, 400, param="prompt")
+    still_serving()
+
+
+def test_unknown_model_is_404():
+    s, b = post({"model": "gpt-7", "prompt": "hello"})
+    expect_error(s, b, 404, param="model", code="model_not_found", words=("gpt-7", MODEL))
+    with openai.OpenAI(api_key=KEY, base_url=srv().base_url, max_retries=0) as c:
+        try:
+            c.chat.completions.create(model="gpt-7", messages=[{"role": "user", "content": "hi"}])
+            raise AssertionError("unknown model accepted")
+        except openai.NotFoundError as e:
+            assert e.status_code == 404
+    still_serving()
+
+
+def test_oversized_body_is_413():
+    body = json.dumps({"model": MODEL, "prompt": "x" * (100 * 1024)}).encode()
+    s = socket.create_connection(("127.0.0.1", srv().port), timeout=10)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+    try:
+        s.sendall(body)
+    except OSError:
+        pass  # the server may stop reading once it has answered
+    data = b""
+    try:
+        while True:
+            d = s.recv(65536)
+            if not d:
+                break
+            data += d
+    except OSError:
+        pass
+    s.close()
+    head, _, rest = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), data[:200]
+    assert json.loads(rest)["error"]["message"].startswith("request body exceeds"), rest
+    still_serving()
+
+
+def test_methods_and_routes():
+    s, _, b = srv().request("GET", "/v1/completions", headers=AUTH)
+    expect_error(s, b, 405)
+    s, _, b = srv().request("GET", "/v1/nothing", headers=AUTH)
+    expect_error(s, b, 404)
+    still_serving()
+
+
+def test_api_key_is_required():
+    s, b = post({"model": MODEL, "prompt": "hi"}, headers={})
+    expect_error(s, b, 401, code="invalid_api_key")
+    s, b = post({"model": MODEL, "prompt": "hi"}, headers={"authorization": "Bearer wrong"})
+    expect_error(s, b, 401, code="invalid_api_key")
+    s, _, b = srv().request("GET", "/v1/models")
+    expect_error(s, b, 401)
+    with openai.OpenAI(api_key="wrong", base_url=srv().base_url, max_retries=0) as c:
+        try:
+            c.models.list()
+            raise AssertionError("wrong key accepted")
+        except openai.AuthenticationError as e:
+            assert e.status_code == 401
+    with openai.OpenAI(api_key=KEY, base_url=srv().base_url, max_retries=0) as c:
+        assert [m.id for m in c.models.list().data] == [MODEL]
+    assert srv().get("/health")[0] == 200  # probes need no key
+    still_serving()
+
+
+def test_slowloris_is_cut_off_and_others_are_served():
+    """20 clients trickle header bytes; each is closed after the 2 s read
+    deadline, and a normal client is answered while they trickle."""
+    closed_after = []
+    lock = threading.Lock()
+
+    def trickle():
+        s = socket.create_connection(("127.0.0.1", srv().port), timeout=30)
+        t0 = time.monotonic()
+        try:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            for i in range(60):  # 30 s of trickling at most
+                s.sendall(b"X-Slow-%d: 1\r\n" % i)
+                time.sleep(0.5)
+        except OSError:
+            pass
+        # The server closed it: the next read sees EOF or a reset.
+        try:
+            s.settimeout(5)
+            s.recv(10)
+        except OSError:
+            pass
+        s.close()
+        with lock:
+            closed_after.append(time.monotonic() - t0)
+
+    threads = [threading.Thread(target=trickle) for _ in range(20)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    still_serving()  # answered while the slow clients hold their connections
+    served_in = time.monotonic() - t0
+    for t in threads:
+        t.join(60)
+    assert len(closed_after) == 20, closed_after
+    assert all(1.5 <= t <= 8 for t in closed_after), closed_after
+    assert served_in < 15, served_in
+    still_serving()
+
+
+def test_port_in_use_fails_fast():
+    """A second server on a taken port exits with a clear error (it used to hang)."""
+    p = subprocess.run([A.troupe, "serve", "--port", str(srv().port)], env={"TROUPE_HOME": A.home, "PATH": "/usr/bin"},
+                       capture_output=True, text=True, timeout=120, preexec_fn=harness._die_with_parent)
+    assert p.returncode != 0 and "cannot listen" in (p.stdout + p.stderr), (p.returncode, p.stdout, p.stderr)
+    still_serving()
+
+
+if __name__ == "__main__":
+    raise SystemExit(harness.run(globals(), A.only))

@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""The official `openai` SDK against `troupe serve` (the embedded tiny model).
+
+Oracles: `troupe forward` (greedy tokens are its argmax continuation), the
+Hugging Face `tokenizers` library (prompt ids), the non-streaming answer (for
+the streaming one), a model whose config names another EOS id (for ignore_eos
+and min_tokens).
+"""
+import json
+import os
+import shutil
+import tempfile
+
+import openai
+from tokenizers import Tokenizer
+
+import harness
+
+A = harness.args()
+MODEL = "deepseek-v4-tiny"
+server = None
+
+
+def srv():
+    global server
+    if server is None or not server.alive():
+        server = harness.Server(A.troupe, A.home, name="sdk")
+    return server
+
+
+def client(s=None):
+    return openai.OpenAI(api_key="unused", base_url=(s or srv()).base_url, max_retries=0, timeout=120)
+
+
+def extra(choice, key):
+    return (choice.model_extra or {}).get(key)
+
+
+PROMPT = "The actors of a serving runtime pass messages"
+
+
+def greedy(prompt=PROMPT, n=12, **kw):
+    r = client().completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0,
+                                    extra_body=dict(return_token_ids=True, **kw))
+    return r
+
+
+def test_completion_greedy_is_forward_argmax():
+    r = greedy()
+    c = r.choices[0]
+    ids, prompt_ids = extra(c, "token_ids"), extra(c, "prompt_token_ids")
+    assert len(ids) == 12 and c.finish_reason == "length", (ids, c.finish_reason)
+    tok = Tokenizer.from_file(os.path.join(harness.model_dir(A.home), "tokenizer.json"))
+    assert prompt_ids == [0] + tok.encode(PROMPT, add_special_tokens=False).ids, prompt_ids
+    bad = harness.check_greedy(A.troupe, harness.model_dir(A.home), prompt_ids, ids)
+    assert not bad, f"tokens differ from troupe forward's argmax at {bad}: {ids}"
+    assert r.usage.prompt_tokens == len(prompt_ids) and r.usage.completion_tokens == 12
+    assert r.usage.total_tokens == len(prompt_ids) + 12
+    assert c.text == tok.decode(ids, skip_special_tokens=False), (c.text, tok.decode(ids))
+    # The same prompt as token ids gives the same tokens.
+    r2 = client().completions.create(model=MODEL, prompt=prompt_ids, max_tokens=12, temperature=0,
+                                     extra_body=dict(return_token_ids=True))
+    assert extra(r2.choices[0], "token_ids") == ids
+
+
+def test_completion_stream_equals_non_stream():
+    ref = greedy(n=10).choices[0]
+    stream = client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, stream=True,
+                                         stream_options={"include_usage": True},
+                                         extra_body=dict(return_token_ids=True))
+    ids, text, finish, usage, chunks = [], "", None, None, 0
+    for ch in stream:
+        chunks += 1
+        if ch.usage:
+            usage = ch.usage
+        for c in ch.choices:
+            text += c.text
+            ids += extra(c, "token_ids") or []
+            finish = c.finish_reason or finish
+    assert ids == extra(ref, "token_ids"), (ids, extra(ref, "token_ids"))
+    assert text == ref.text and finish == "length" and chunks >= 10
+    assert usage is not None and usage.completion_tokens == 10
+
+
+def test_chat_greedy_is_forward_argmax_and_stream_matches():
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three actors."}]
+    r = client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0,
+                                         extra_body=dict(return_token_ids=True))
+    c = r.choices[0]
+    assert c.message.role == "assistant" and r.object == "chat.completion"
+    ids, prompt_ids = extra(c, "token_ids"), extra(c, "prompt_token_ids")
+    assert len(ids) == 8, ids
+    bad = harness.check_greedy(A.troupe, harness.model_dir(A.home), prompt_ids, ids)
+    assert not bad, f"chat tokens differ from troupe forward's argmax at {bad}"
+    assert r.usage.prompt_tokens == len(prompt_ids)
+    stream = client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0, stream=True,
+                                              extra_body=dict(return_token_ids=True))
+    sids, text, roles = [], "", set()
+    for ch in stream:
+        assert ch.object == "chat.completion.chunk"
+        for d in ch.choices:
+            text += d.delta.content or ""
+            if d.delta.role:
+                roles.add(d.delta.role)
+            sids += extra(d, "token_ids") or []
+    assert sids == ids and text == c.message.content and roles == {"assistant"}
+
+
+def test_repeated_prompt_reports_cached_tokens():
+    long_prompt = " ".join(f"word{i}" for i in range(120))
+    first = greedy(long_prompt, n=4)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0, first.usage
+    second = greedy(long_prompt, n=4)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # Pages of 32 tokens; the match resumes at the last checkpoint before the end.
+    assert cached >= first.usage.prompt_tokens - 64 and cached < first.usage.prompt_tokens, (cached, second.usage)
+    assert extra(second.choices[0], "token_ids") == extra(first.choices[0], "token_ids")
+
+
+def test_stop_strings_cut_the_text():
+    ref = greedy(n=16).choices[0]
+    text = ref.text
+    # A stop string from the middle of the greedy text: the answer ends right before its first occurrence.
+    k = len(text) // 2
+    stop = text[k:k + 3]
+    cut = text[:text.index(stop)]
+    r = client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop])
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop", (r.choices[0], stop, text)
+    streamed = "".join(c.text for ch in client().completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=stop, stream=True) for c in ch.choices)
+    assert streamed == cut, (streamed, cut)
+
+
+def test_seed_reproducible_sampling():
+    def sample(seed, stream=False):
+        kw = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, top_p=0.95, seed=seed,
+                  extra_body=dict(return_token_ids=True))
+        if not stream:
+            return extra(client().completions.create(**kw).choices[0], "token_ids")
+        return [t for ch in client().completions.create(stream=True, **kw) for c in ch.choices
+                for t in (extra(c, "token_ids") or [])]
+    a, b, c = sample(1234), sample(1234), sample(1235)
+    assert a == b, (a, b)
+    assert a != c, "a different seed gave the same 12 sampled tokens"
+    assert sample(1234, stream=True) == a
+    assert a != extra(greedy().choices[0], "token_ids")
+
+
+def test_min_tokens_holds_back_stop_ids():
+    g = extra(greedy(n=10).choices[0], "token_ids")
+    k = next(i for i in range(2, 8) if g[i] not in g[:i])
+    r = greedy(n=10, stop_token_ids=[g[k]]).choices[0]
+    assert extra(r, "token_ids") == g[:k + 1] and r.finish_reason == "stop", (extra(r, "token_ids"), g)
+    r = greedy(n=10, stop_token_ids=[g[k]], min_tokens=k + 3).choices[0]
+    ids = extra(r, "token_ids")
+    assert len(ids) >= k + 3 and ids[:k] == g[:k] and g[k] not in ids[:k + 3], (ids, g)
+
+
+def test_ignore_eos_and_min_tokens_with_the_models_eos():
+    g = extra(greedy(n=10).choices[0], "token_ids")
+    k = next(i for i in range(2, 8) if g[i] not in g[:i])
+    # The same weights under a config whose EOS id is the greedy token k.
+    d = tempfile.mkdtemp(prefix="troupe-eos-")
+    try:
+        src = harness.model_dir(A.home)
+        for f in os.listdir(src):
+            if f != "config.json":
+                os.symlink(os.path.join(src, f), os.path.join(d, f))
+        cfg = json.load(open(os.path.join(src, "config.json")))
+        cfg["eos_token_id"] = [1, g[k]]
+        json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+        with harness.Server(A.troupe, A.home, ["--model", d, "--served-model-name", MODEL], name="eos") as s:
+            def run(**kw):
+                r = client(s).completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0,
+                                                 extra_body=dict(return_token_ids=True, **kw))
+                return extra(r.choices[0], "token_ids"), r.choices[0].finish_reason
+            ids, why = run()
+            assert ids == g[:k + 1] and why == "stop", (ids, why, g)
+            ids, why = run(ignore_eos=True)
+            assert ids == g and why == "length", (ids, why, g)
+            ids, why = run(min_tokens=k + 2)
+            assert len(ids) >= k + 2 and ids[:k] == g[:k] and g[k] not in ids[:k + 2], (ids, g)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_models_and_health():
+    models = client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert srv().get("/health")[0] == 200
+
+
+if __name__ == "__main__":
+    raise SystemExit(harness.run(globals(), A.only))

@@ -1,0 +1,256 @@
+// kill -9 of a peer: the survivor is told within 1 s, releases what that peer
+// held (regions leased to it, its keys, pending requests) and keeps serving
+// its other peers. Over UCX (both connection directions) and over TCP.
+#include <gtest/gtest.h>
+
+#include <iostream>
+#include <set>
+
+#include "messages/kinds.hpp"
+#include "tests/transport/child.hpp"
+#include "tests/transport/harness.hpp"
+#include "tests/transport/test_service.hpp"
+#include "transport/frame_server.hpp"
+#include "transport/tcp.hpp"
+#include "transport/ucx.hpp"
+
+namespace troupe::test {
+namespace {
+
+using namespace troupe::transport;
+using messages::FrameBuilder;
+using Clock = std::chrono::steady_clock;
+
+// The survivor: what a node actor does with a transport, reduced to a test.
+struct Survivor {
+  std::unique_ptr<UcxTransport> t;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<std::string, std::vector<uint64_t>> leased_to;  // our regions a peer holds (KvOffer, not released)
+  std::map<std::string, std::set<uint64_t>> pending;       // our requests a peer is serving
+  std::map<std::string, RegionKey> taken_from;             // a peer's region we pulled
+  std::map<uint64_t, std::vector<uint32_t>> chunks;        // request id -> token indices seen
+  std::map<uint64_t, uint32_t> finished;                   // request id -> completion tokens
+  std::map<std::string, Clock::time_point> down_at;
+  std::map<std::string, size_t> failed_requests, released_regions;
+  std::vector<Frame> others;
+  bool taken_ok = false;
+
+  Survivor() {
+    UcxOptions o;
+    o.name = "survivor";
+    t = std::make_unique<UcxTransport>(o);
+    TransportEvents e;
+    e.on_frame = [this](const std::string& peer, Frame f) { on_frame(peer, std::move(f)); };
+    e.on_peer_down = [this](const std::string& peer, const Error&) {
+      auto now = Clock::now();
+      std::lock_guard lock(mu);
+      down_at[peer] = now;
+      // Release what the peer held: leases on our memory, its requests.
+      for (uint64_t id : leased_to[peer]) {
+        if (t->deregister_region(id).ok()) ++released_regions[peer];
+      }
+      leased_to.erase(peer);
+      failed_requests[peer] = pending[peer].size();
+      pending.erase(peer);
+      taken_from.erase(peer);  // the transport already dropped its key
+      cv.notify_all();
+    };
+    EXPECT_TRUE(t->start(std::move(e)).ok());
+  }
+
+  void on_frame(const std::string& peer, Frame f) {
+    std::lock_guard lock(mu);
+    if (f.kind() == msg::Kind::KV_OFFER) {
+      auto v = messages::open<msg::KvOffer>(f);
+      auto key = from_wire(v->root().getDescriptors()[0].getRegion());
+      taken_from[peer] = key;
+      auto buf = std::make_shared<std::vector<std::byte>>(key.length);
+      uint64_t seed = v->root().getLeaseId();
+      t->get(peer, key, {{buf->data(), 0, buf->size()}}, [this, buf, seed](Status s) {
+        std::lock_guard lock(mu);
+        taken_ok = s.ok() && check_pattern(buf->data(), buf->size(), seed);
+        cv.notify_all();
+      });
+    } else if (f.kind() == msg::Kind::TOKEN_CHUNK) {
+      chunks[f.request_id()].push_back(messages::open<msg::TokenChunk>(f)->root().getIndex());
+    } else if (f.kind() == msg::Kind::FINISH) {
+      finished[f.request_id()] = messages::open<msg::Finish>(f)->root().getCompletionTokens();
+      pending[peer].erase(f.request_id());
+    } else {
+      others.push_back(f);
+    }
+    cv.notify_all();
+  }
+
+  template <class Pred>
+  bool wait(Pred p, std::chrono::milliseconds timeout = 10s) {
+    std::unique_lock lock(mu);
+    return cv.wait_for(lock, timeout, p);
+  }
+
+  void offer(const std::string& peer, uint64_t lease) {
+    auto r = t->allocate_region(1 << 20);
+    ASSERT_TRUE(r.ok());
+    FrameBuilder<msg::KvOffer> b;
+    b.root().setLeaseId(lease);
+    auto d = b.root().initDescriptors(1)[0];
+    d.initPages(1).set(0, 0);
+    d.setPageBytes(1 << 20);
+    d.setPageStride(1 << 20);
+    to_wire(r->key, d.initRegion());
+    {
+      std::lock_guard lock(mu);
+      leased_to[peer].push_back(r->key.region_id);
+    }
+    ASSERT_TRUE(t->send(peer, b.finish(lease)).ok());
+  }
+
+  void generate(const std::string& peer, uint64_t id, uint32_t max_tokens) {
+    FrameBuilder<msg::GenerateRequest> b;
+    b.root().getPrompt().initTokenIds(2).set(0, 42);
+    b.root().setMaxTokens(max_tokens);
+    {
+      std::lock_guard lock(mu);
+      pending[peer].insert(id);
+    }
+    ASSERT_TRUE(t->send(peer, b.finish(id)).ok());
+  }
+};
+
+TEST(PeerFailure, ucx_peer_killed_is_reported_within_a_second_and_released) {
+  Survivor s;
+  // b2: we connect to it. b1: it connects to us and offers a region.
+  Child b2({server_binary(), "--ucx", "--name", "b2", "--token-interval-ms", "5"}, log_path("peer_failure_b2"));
+  auto b2_addr = Child::field(b2.read_line(), "ucx");
+  ASSERT_TRUE(s.t->connect(b2_addr, 10s).ok());
+  Child b1({server_binary(), "--ucx", "--name", "b1", "--connect", s.t->address(), "--offer-bytes", "1048576",
+            "--token-interval-ms", "20"},
+           log_path("peer_failure_b1"));
+  b1.read_line();
+  ASSERT_TRUE(s.wait([&] { return s.taken_ok; })) << "b1's offered region was not pulled";
+  EXPECT_EQ(s.t->stats().remote_keys, 1u);
+
+  s.offer("b1", 1);
+  s.offer("b2", 2);
+  ASSERT_TRUE(s.wait([&] {
+    int confirms = 0;
+    for (auto& f : s.others) confirms += f.kind() == msg::Kind::KV_CONFIRM;
+    return confirms == 2;
+  }));
+  s.generate("b1", 10, 100000);
+  s.generate("b2", 20, 150);
+  ASSERT_TRUE(s.wait([&] { return s.chunks[10].size() >= 3 && s.chunks[20].size() >= 3; }));
+  EXPECT_EQ(s.t->stats().regions, 2u);
+
+  auto t0 = Clock::now();
+  b1.kill9();
+  ASSERT_TRUE(s.wait([&] { return s.down_at.count("b1") > 0; }, 5s)) << "b1's death was not reported";
+  auto ms = std::chrono::duration<double, std::milli>(s.down_at["b1"] - t0).count();
+  std::cout << "[ measure ] ucx peer (client side) kill -9 -> on_peer_down: " << ms << " ms\n";
+  RecordProperty("peer_down_ms_ucx_client", std::to_string(ms));
+  EXPECT_LT(ms, 1000.0);
+  EXPECT_EQ(b1.wait(), -SIGKILL);
+
+  {
+    std::lock_guard lock(s.mu);
+    EXPECT_EQ(s.released_regions["b1"], 1u);      // our lease to b1
+    EXPECT_EQ(s.failed_requests["b1"], 1u);       // request 10 will never finish
+    EXPECT_EQ(s.leased_to["b2"].size(), 1u);      // b2's lease is untouched
+  }
+  EXPECT_EQ(s.t->stats().regions, 1u);
+  EXPECT_EQ(s.t->stats().remote_keys, 0u);        // b1's rkey dropped
+  EXPECT_EQ(s.t->peers(), std::vector<std::string>{"b2"});
+  std::vector<std::byte> buf(16);
+  RegionKey stale{"b1", 1, 0, 16, std::vector<uint8_t>(64)};
+  EXPECT_EQ(get_wait(*s.t, "b1", stale, {{buf.data(), 0, 16}}).error().code(), ErrorCode::unavailable);
+
+  // b2 keeps being served: its stream completes, and new requests work.
+  ASSERT_TRUE(s.wait([&] { return s.finished.count(20) > 0; }, 20s));
+  EXPECT_EQ(s.finished[20], 150u);
+  {
+    std::lock_guard lock(s.mu);
+    ASSERT_EQ(s.chunks[20].size(), 150u);
+    for (uint32_t i = 0; i < 150; ++i) EXPECT_EQ(s.chunks[20][i], i);
+  }
+  FrameBuilder<msg::ListModels> lm;
+  ASSERT_TRUE(s.t->send("b2", lm.finish(30)).ok());
+  ASSERT_TRUE(s.wait([&] {
+    for (auto& f : s.others) {
+      if (f.kind() == msg::Kind::MODEL_LIST && f.request_id() == 30) return true;
+    }
+    return false;
+  }));
+
+  // Now the other direction: b2 was the listener, we the client.
+  t0 = Clock::now();
+  b2.kill9();
+  ASSERT_TRUE(s.wait([&] { return s.down_at.count("b2") > 0; }, 5s));
+  ms = std::chrono::duration<double, std::milli>(s.down_at["b2"] - t0).count();
+  std::cout << "[ measure ] ucx peer (listener side) kill -9 -> on_peer_down: " << ms << " ms\n";
+  RecordProperty("peer_down_ms_ucx_listener", std::to_string(ms));
+  EXPECT_LT(ms, 1000.0);
+  EXPECT_EQ(s.t->stats().regions, 0u);
+  EXPECT_TRUE(s.t->peers().empty());
+}
+
+// Wraps the test service to time on_close.
+struct TimedHandler final : FrameHandler {
+  TestService& inner;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::pair<std::string, Clock::time_point>> closes;
+  explicit TimedHandler(TestService& s) : inner(s) {}
+  void on_open(const ConnectionPtr& c) override { inner.on_open(c); }
+  void on_frame(const ConnectionPtr& c, Frame f) override { inner.on_frame(c, std::move(f)); }
+  void on_close(const ConnectionPtr& c, const Error& why) override {
+    inner.on_close(c, why);
+    std::lock_guard lock(mu);
+    closes.emplace_back(c->peer(), Clock::now());
+    cv.notify_all();
+  }
+};
+
+TEST(PeerFailure, tcp_client_killed_is_reported_and_its_requests_aborted) {
+  TestService service(20ms);
+  TimedHandler handler(service);
+  FrameServer server({}, handler);
+  ASSERT_TRUE(server.start().ok());
+  auto good = TcpFrameSocket::connect("127.0.0.1", server.port(), 5s);
+  ASSERT_TRUE(good.ok());
+  Child client({server_binary(), "--tcp-client", "127.0.0.1:" + std::to_string(server.port()), "--generate", "100000"},
+               log_path("peer_failure_tcp_client"));
+  ASSERT_EQ(client.read_line(), "READY");
+  FrameBuilder<msg::GenerateRequest> b;
+  b.root().getPrompt().setText("hello");
+  b.root().setMaxTokens(60);
+  ASSERT_TRUE((*good)->send(b.finish(5)).ok());
+  ASSERT_TRUE((*good)->receive(5s).ok());  // first chunk
+  EXPECT_EQ(service.active_streams(), 2u);
+
+  auto t0 = Clock::now();
+  client.kill9();
+  {
+    std::unique_lock lock(handler.mu);
+    ASSERT_TRUE(handler.cv.wait_for(lock, 5s, [&] { return !handler.closes.empty(); }));
+    auto ms = std::chrono::duration<double, std::milli>(handler.closes[0].second - t0).count();
+    std::cout << "[ measure ] tcp client kill -9 -> on_close: " << ms << " ms\n";
+    EXPECT_LT(ms, 1000.0);
+  }
+  EXPECT_EQ(service.aborted_on_close(), 1u);
+  uint32_t tokens = 0;
+  for (;;) {
+    auto f = (*good)->receive(10s);
+    ASSERT_TRUE(f.ok()) << f.error().what();
+    if (f->kind() == msg::Kind::FINISH) {
+      EXPECT_EQ(messages::open<msg::Finish>(*f)->root().getCompletionTokens(), 60u);
+      break;
+    }
+    ++tokens;
+  }
+  EXPECT_EQ(tokens, 59u);
+  EXPECT_EQ(server.open_connections(), 1u);
+}
+
+}  // namespace
+}  // namespace troupe::test

@@ -1,0 +1,749 @@
+// UcxTransport: context, worker, listener, the progress loop, connections,
+// frames. RMA lives in ucx_rma.cpp.
+#include <arpa/inet.h>
+#include <fmt/format.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <spdlog/spdlog.h>
+
+#include <cstring>
+
+#include "transport/ucx_impl.hpp"
+
+namespace troupe::transport {
+namespace {
+
+Error ucs_error(ErrorCode code, const std::string& what, ucs_status_t st) {
+  return Error(code, fmt::format("{}: {}", what, ucs_status_string(st)));
+}
+
+uint64_t load_u64(const std::byte* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+
+bool valid_name(const std::string& s) {
+  if (s.empty() || s.size() > kMaxNameBytes) return false;
+  for (unsigned char c : s) {
+    if (c < 0x21 || c > 0x7e) return false;
+  }
+  return true;
+}
+
+void finish_send(SendOp* op) {
+  if (op->impl) op->impl->send_queue_bytes -= op->queued_bytes;
+  delete op;
+}
+
+void send_cb(void* request, ucs_status_t, void* user) {
+  finish_send(static_cast<SendOp*>(user));
+  ucp_request_free(request);
+}
+
+void ep_err_cb(void* arg, ucp_ep_h ep, ucs_status_t st) {
+  static_cast<UcxTransport::Impl*>(arg)->failed.emplace_back(ep, st);
+}
+
+void conn_request_cb(ucp_conn_request_h request, void* arg) {
+  static_cast<UcxTransport::Impl*>(arg)->accepted.push_back(request);
+}
+
+void close_cb(void* request, ucs_status_t, void* user) {
+  auto* pair = static_cast<std::pair<UcxTransport::Impl*, uint64_t>*>(user);
+  pair->first->closed.push_back(pair->second);
+  delete pair;
+  ucp_request_free(request);
+}
+
+void rndv_done(RndvRecv* r, ucs_status_t st) {
+  auto* impl = r->impl;
+  Conn* c = impl->conn_by_id(r->conn_id);
+  if (c) {
+    Arrival& a = c->arrivals[r->seq];
+    a.ready = true;
+    if (st == UCS_OK) {
+      auto body = std::make_shared<messages::FrameBody>();
+      body->words = std::move(r->words);
+      a.frame = Frame(r->header, std::move(body));
+    } else {
+      a.fault = FrameFault{ucs_error(ErrorCode::unavailable, "rendezvous receive failed", st), r->header.request_id,
+                           r->header.kind, true};
+    }
+    impl->dirty.insert(c->id);
+  }
+  delete r;
+}
+
+void rndv_cb(void* request, ucs_status_t st, size_t, void* user) {
+  rndv_done(static_cast<RndvRecv*>(user), st);
+  ucp_request_free(request);
+}
+
+ucs_status_t am_handshake_cb(void* arg, const void* header, size_t, void* data, size_t length,
+                             const ucp_am_recv_param_t* param, bool is_ack) {
+  auto* impl = static_cast<UcxTransport::Impl*>(arg);
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+    ucp_am_data_release(impl->worker, data);
+    return UCS_OK;
+  }
+  Conn* c = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? impl->conn_by_ep(param->reply_ep) : nullptr;
+  if (!c) {
+    spdlog::warn("ucx {}: handshake from an unknown endpoint, ignored", impl->opt.name);
+    return UCS_OK;
+  }
+  std::string name(static_cast<const char*>(data), std::min(length, kMaxNameBytes + 1));
+  uint64_t id = c->id;
+  impl->user_calls.push_back([impl, id, name, is_ack] {
+    if (Conn* c = impl->conn_by_id(id)) impl->on_hello(*c, name, is_ack);
+  });
+  return UCS_OK;
+}
+
+ucs_status_t am_hello_cb(void* arg, const void* h, size_t hl, void* d, size_t l, const ucp_am_recv_param_t* p) {
+  return am_handshake_cb(arg, h, hl, d, l, p, false);
+}
+ucs_status_t am_ack_cb(void* arg, const void* h, size_t hl, void* d, size_t l, const ucp_am_recv_param_t* p) {
+  return am_handshake_cb(arg, h, hl, d, l, p, true);
+}
+
+ucs_status_t am_frame_cb(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                         const ucp_am_recv_param_t* param) {
+  auto* impl = static_cast<UcxTransport::Impl*>(arg);
+  bool rndv = param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV;
+  Conn* c = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? impl->conn_by_ep(param->reply_ep) : nullptr;
+  auto drop = [&]() {
+    if (rndv) ucp_am_data_release(impl->worker, data);
+    return UCS_OK;
+  };
+  if (!c || c->state == Conn::State::closing) return drop();
+  impl->dirty.insert(c->id);
+  if (header_length != kAmFrameHeaderBytes) {
+    // Without a sequence number there is no slot for it: a lost stream.
+    c->arrivals[UINT64_MAX].ready = true;
+    c->arrivals[UINT64_MAX].fault =
+        FrameFault{Error(ErrorCode::invalid_argument,
+                         fmt::format("frame message with a {}-byte header (expected {})", header_length,
+                                     kAmFrameHeaderBytes)),
+                   0, msg::Kind::NONE, false};
+    return drop();
+  }
+  auto* hb = static_cast<const std::byte*>(header);
+  uint64_t seq = load_u64(hb + messages::kHeaderBytes);
+  if (seq < c->recv_next || c->arrivals.count(seq)) {
+    c->arrivals[UINT64_MAX].ready = true;
+    c->arrivals[UINT64_MAX].fault = FrameFault{
+        Error(ErrorCode::invalid_argument, fmt::format("frame sequence number {} repeats or goes back", seq)), 0,
+        msg::Kind::NONE, false};
+    return drop();
+  }
+  Arrival& a = c->arrivals[seq];
+  auto h = messages::decode_header(std::span(hb, messages::kHeaderBytes), impl->opt.limits);
+  if (!h) {
+    a.ready = true;
+    a.fault = h.fault();
+    return drop();
+  }
+  if (h->body_bytes != length) {
+    a.ready = true;
+    a.fault = FrameFault{Error(ErrorCode::invalid_argument,
+                               fmt::format("frame header says {} body bytes, the message carries {}", h->body_bytes,
+                                           length)),
+                         h->request_id, h->kind, true};
+    return drop();
+  }
+  if (rndv) {
+    // Start the data fetch here, inside the callback (UCX allows it), so the
+    // next frame's transfer overlaps the delivery of this one.
+    auto* r = new RndvRecv{impl, c->id, seq, *h, data, messages::alloc_body_words(length)};
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.recv_am = rndv_cb;
+    p.user_data = r;
+    auto* req = ucp_am_recv_data_nbx(impl->worker, data, r->words.begin(), length, &p);
+    if (req == nullptr) {
+      rndv_done(r, UCS_OK);
+    } else if (UCS_PTR_IS_ERR(req)) {
+      rndv_done(r, UCS_PTR_STATUS(req));
+    }
+    return UCS_INPROGRESS;
+  }
+  // Eager data is not 8-byte aligned (STACK.md): copy into aligned storage.
+  a.ready = true;
+  a.frame = messages::copy_frame(*h, std::span(static_cast<const std::byte*>(data), length));
+  return UCS_OK;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- lifecycle
+
+UcxTransport::UcxTransport(UcxOptions options) : impl_(std::make_unique<Impl>()) { impl_->opt = std::move(options); }
+
+UcxTransport::~UcxTransport() {
+  if (impl_->started) {
+    {
+      std::lock_guard lock(impl_->cmd_mu);
+      impl_->stopping = true;
+    }
+    ucp_worker_signal(impl_->worker);
+    impl_->thread.join();
+  }
+  impl_->teardown();
+}
+
+const std::string& UcxTransport::name() const { return impl_->opt.name; }
+std::string UcxTransport::address() const { return impl_->address; }
+
+Status UcxTransport::start(TransportEvents events) {
+  if (impl_->started) return Error(ErrorCode::invalid_argument, "transport already started");
+  if (!valid_name(impl_->opt.name)) {
+    return Error(ErrorCode::invalid_argument, fmt::format("'{}' is not a valid endpoint name", impl_->opt.name));
+  }
+  impl_->events = std::move(events);
+  if (auto s = impl_->init(); !s) {
+    impl_->teardown();
+    return s;
+  }
+  impl_->started = true;
+  impl_->thread = std::thread([impl = impl_.get()] { impl->run(); });
+  return Ok{};
+}
+
+Status UcxTransport::Impl::init() {
+  ucp_config_t* config = nullptr;
+  if (auto st = ucp_config_read(nullptr, nullptr, &config); st != UCS_OK) {
+    return ucs_error(ErrorCode::unavailable, "ucp_config_read", st);
+  }
+  // Error mode PEER silently drops shared memory unless mm error handling
+  // is on (openucx/ucx#8477); keep an explicit environment setting.
+  if (!std::getenv("UCX_MM_ERROR_HANDLING")) {
+    ucp_config_modify(config, "MM_ERROR_HANDLING", "y");
+  }
+  ucp_params_t p{};
+  p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
+  p.features = UCP_FEATURE_AM | UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+  p.name = opt.name.c_str();
+  auto st = ucp_init(&p, config, &ctx);
+  ucp_config_release(config);
+  if (st != UCS_OK) return ucs_error(ErrorCode::unavailable, "ucp_init", st);
+
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+  if ((st = ucp_worker_create(ctx, &wp, &worker)) != UCS_OK) {
+    return ucs_error(ErrorCode::unavailable, "ucp_worker_create", st);
+  }
+  if ((st = ucp_worker_get_efd(worker, &efd)) != UCS_OK) return ucs_error(ErrorCode::unavailable, "ucp_worker_get_efd", st);
+
+  struct Handler {
+    unsigned id;
+    ucp_am_recv_callback_t cb;
+  };
+  for (auto h : {Handler{kAmHello, am_hello_cb}, Handler{kAmHelloAck, am_ack_cb}, Handler{kAmFrame, am_frame_cb}}) {
+    ucp_am_handler_param_t hp{};
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    hp.id = h.id;
+    hp.cb = h.cb;
+    hp.arg = this;
+    if ((st = ucp_worker_set_am_recv_handler(worker, &hp)) != UCS_OK) {
+      return ucs_error(ErrorCode::unavailable, "ucp_worker_set_am_recv_handler", st);
+    }
+  }
+
+  if (!opt.listen_host.empty()) {
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons(opt.listen_port);
+    if (inet_pton(AF_INET, opt.listen_host.c_str(), &sa.sin_addr) != 1) {
+      return Error(ErrorCode::invalid_argument, fmt::format("{} is not an IPv4 address", opt.listen_host));
+    }
+    ucp_listener_params_t lp{};
+    lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+    lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&sa);
+    lp.sockaddr.addrlen = sizeof(sa);
+    lp.conn_handler.cb = conn_request_cb;
+    lp.conn_handler.arg = this;
+    if ((st = ucp_listener_create(worker, &lp, &listener)) != UCS_OK) {
+      return ucs_error(ErrorCode::unavailable, fmt::format("listen on {}:{}", opt.listen_host, opt.listen_port), st);
+    }
+    ucp_listener_attr_t la{};
+    la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+    if ((st = ucp_listener_query(listener, &la)) != UCS_OK) return ucs_error(ErrorCode::internal, "ucp_listener_query", st);
+    auto* bound = reinterpret_cast<const sockaddr_in*>(&la.sockaddr);
+    address = fmt::format("ucx://{}:{}", opt.listen_host, ntohs(bound->sin_port));
+  } else {
+    address = fmt::format("ucx://-/{}", opt.name);
+  }
+  return Ok{};
+}
+
+void UcxTransport::Impl::teardown() {
+  for (auto& [id, r] : regions) {
+    if (r.memh) ucp_mem_unmap(ctx, r.memh);
+  }
+  regions.clear();
+  if (listener) ucp_listener_destroy(listener);
+  listener = nullptr;
+  if (worker) ucp_worker_destroy(worker);
+  worker = nullptr;
+  if (ctx) ucp_cleanup(ctx);
+  ctx = nullptr;
+}
+
+bool UcxTransport::Impl::post(std::function<void()> fn) {
+  bool was_empty;
+  {
+    std::lock_guard lock(cmd_mu);
+    if (stopping || !started) return false;
+    was_empty = cmds.empty();
+    cmds.push_back(std::move(fn));
+  }
+  if (was_empty) ucp_worker_signal(worker);
+  return true;
+}
+
+// The progress loop: commands, progress until idle, deferred work, then
+// sleep in the wakeup fd (ucp_worker_arm + poll) until UCX or a command
+// (ucp_worker_signal) wakes it.
+void UcxTransport::Impl::run() {
+  thread_id = std::this_thread::get_id();
+  auto last_work = std::chrono::steady_clock::now();
+  const auto spin = std::chrono::microseconds(opt.spin_after_work_us);
+  for (;;) {
+    std::deque<std::function<void()>> batch;
+    bool stop;
+    {
+      std::lock_guard lock(cmd_mu);
+      batch.swap(cmds);
+      stop = stopping;
+    }
+    if (stop) break;
+    for (auto& fn : batch) fn();
+    unsigned progressed = 0;
+    while (unsigned n = ucp_worker_progress(worker)) progressed += n;
+    bool did = run_deferred() || !batch.empty() || progressed > 0;
+    auto now = std::chrono::steady_clock::now();
+    if (did) {
+      last_work = now;
+      continue;
+    }
+    // Right after work, poll a little longer before sleeping: a transfer in
+    // flight (rendezvous fragments through a shared-memory FIFO) needs this
+    // side to progress again within microseconds. Idle, the thread sleeps.
+    if (now - last_work < spin) continue;
+    ucs_status_t st = ucp_worker_arm(worker);
+    if (st == UCS_ERR_BUSY) continue;
+    pollfd pfd{efd, POLLIN, 0};
+    poll(&pfd, 1, opt.idle_wakeup_ms);
+  }
+  shutdown_in_thread();
+}
+
+// Closes every endpoint (flushing what is queued, for at most a second),
+// then stops. Runs on the progress thread.
+void UcxTransport::Impl::shutdown_in_thread() {
+  std::vector<uint64_t> ids;
+  for (auto& [id, c] : conns) ids.push_back(id);
+  for (uint64_t id : ids) {
+    if (Conn* c = conn_by_id(id)) {
+      c->name.clear();  // no on_peer_down for our own shutdown
+      close_conn(*c, Error(ErrorCode::unavailable, "transport closing"), false);
+    }
+  }
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  while (!conns.empty() && std::chrono::steady_clock::now() < deadline) {
+    ucp_worker_progress(worker);
+    for (uint64_t id : std::exchange(closed, {})) finish_close(id);
+    failed.clear();
+    user_calls.clear();
+  }
+  for (auto& [id, c] : conns) {
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    auto* req = ucp_ep_close_nbx(c->ep, &p);
+    if (UCS_PTR_IS_PTR(req)) {
+      while (ucp_request_check_status(req) == UCS_INPROGRESS) ucp_worker_progress(worker);
+      ucp_request_free(req);
+    }
+  }
+  conns.clear();
+  {
+    std::lock_guard lock(names_mu);
+    up_names.clear();
+  }
+}
+
+bool UcxTransport::Impl::run_deferred() {
+  bool did = false;
+  for (auto request : std::exchange(accepted, {})) {
+    did = true;
+    if (ucp_ep_h ep = create_server_ep(request)) add_conn(ep);
+  }
+  for (auto [ep, st] : std::exchange(failed, {})) {
+    did = true;
+    if (Conn* c = conn_by_ep(ep)) {
+      close_conn(*c, ucs_error(ErrorCode::unavailable, fmt::format("peer {} lost", c->name.empty() ? "?" : c->name), st),
+                 true);
+    }
+  }
+  while (!user_calls.empty()) {
+    did = true;
+    auto fn = std::move(user_calls.front());
+    user_calls.pop_front();
+    fn();
+  }
+  for (uint64_t id : std::exchange(dirty, {})) {
+    did = true;
+    if (Conn* c = conn_by_id(id)) deliver(*c);
+  }
+  for (uint64_t id : std::exchange(closed, {})) {
+    did = true;
+    finish_close(id);
+  }
+  return did;
+}
+
+// ---------------------------------------------------------------- connections
+
+Conn* UcxTransport::Impl::conn_by_ep(ucp_ep_h ep) {
+  auto it = by_ep.find(ep);
+  return it == by_ep.end() ? nullptr : conn_by_id(it->second);
+}
+Conn* UcxTransport::Impl::conn_by_name(const std::string& name) {
+  auto it = by_name.find(name);
+  return it == by_name.end() ? nullptr : conn_by_id(it->second);
+}
+Conn* UcxTransport::Impl::conn_by_id(uint64_t id) {
+  auto it = conns.find(id);
+  return it == conns.end() ? nullptr : it->second.get();
+}
+
+Conn* UcxTransport::Impl::add_conn(ucp_ep_h ep) {
+  auto c = std::make_unique<Conn>();
+  c->id = next_conn++;
+  c->ep = ep;
+  by_ep[ep] = c->id;
+  Conn* raw = c.get();
+  conns[c->id] = std::move(c);
+  return raw;
+}
+
+ucp_ep_h UcxTransport::Impl::create_server_ep(ucp_conn_request_h request) {
+  ucp_ep_params_t ep{};
+  ep.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  ep.conn_request = request;
+  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep.err_handler.cb = ep_err_cb;
+  ep.err_handler.arg = this;
+  ucp_ep_h h = nullptr;
+  if (auto st = ucp_ep_create(worker, &ep, &h); st != UCS_OK) {
+    spdlog::warn("ucx {}: cannot accept a connection: {}", opt.name, ucs_status_string(st));
+    return nullptr;
+  }
+  return h;
+}
+
+void UcxTransport::Impl::start_connect(const std::string& host, uint16_t port,
+                                       std::shared_ptr<std::promise<Expected<std::string>>> promise) {
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(port);
+  if (inet_pton(AF_INET, host.c_str(), &sa.sin_addr) != 1) {
+    promise->set_value(Error(ErrorCode::invalid_argument, fmt::format("{} is not an IPv4 address", host)));
+    return;
+  }
+  ucp_ep_params_t ep{};
+  ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLER |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+  ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&sa);
+  ep.sockaddr.addrlen = sizeof(sa);
+  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep.err_handler.cb = ep_err_cb;
+  ep.err_handler.arg = this;
+  ucp_ep_h h = nullptr;
+  if (auto st = ucp_ep_create(worker, &ep, &h); st != UCS_OK) {
+    promise->set_value(ucs_error(ErrorCode::unavailable, fmt::format("connect to {}:{}", host, port), st));
+    return;
+  }
+  Conn* c = add_conn(h);
+  c->connect_promise = std::move(promise);
+  send_name(*c, kAmHello);
+}
+
+void UcxTransport::Impl::send_am(Conn& c, unsigned id, std::unique_ptr<SendOp> op, std::span<const std::byte> body) {
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = UCP_AM_SEND_FLAG_REPLY;
+  p.cb.send = send_cb;
+  p.user_data = op.get();
+  const void* hdr = op->raw_header.empty() ? static_cast<const void*>(op->header.data()) : op->raw_header.data();
+  size_t hlen = op->raw_header.empty() ? op->header_bytes : op->raw_header.size();
+  auto* req = ucp_am_send_nbx(c.ep, id, hdr, hlen, body.data(), body.size(), &p);
+  if (req == nullptr || UCS_PTR_IS_ERR(req)) {
+    if (req) spdlog::debug("ucx {}: send to {} failed: {}", opt.name, c.name, ucs_status_string(UCS_PTR_STATUS(req)));
+    finish_send(op.release());  // done (or failed: the endpoint's error callback reports the peer)
+    return;
+  }
+  op.release();  // send_cb frees it
+}
+
+void UcxTransport::Impl::send_frame(Conn& c, Frame frame, size_t queued_bytes) {
+  auto op = std::make_unique<SendOp>();
+  op->impl = this;
+  op->queued_bytes = queued_bytes;
+  auto h = messages::encode_header(frame.header());
+  std::memcpy(op->header.data(), h.data(), h.size());
+  uint64_t seq = c.send_seq++;
+  std::memcpy(op->header.data() + messages::kHeaderBytes, &seq, 8);
+  op->frame = std::move(frame);
+  auto body = op->frame.body_bytes();
+  ++frames_sent;
+  send_am(c, kAmFrame, std::move(op), body);
+}
+
+void UcxTransport::Impl::send_name(Conn& c, unsigned id) {
+  auto op = std::make_unique<SendOp>();
+  op->header_bytes = 0;
+  op->raw_body.resize(opt.name.size());
+  std::memcpy(op->raw_body.data(), opt.name.data(), opt.name.size());
+  auto body = std::span<const std::byte>(op->raw_body);
+  send_am(c, id, std::move(op), body);
+}
+
+void UcxTransport::Impl::on_hello(Conn& c, std::string peer, bool is_ack) {
+  if (c.state != Conn::State::handshaking) return;
+  if (!valid_name(peer) || peer == opt.name) {
+    spdlog::warn("ucx {}: peer announced an invalid name, dropping it", opt.name);
+    close_conn(c, Error(ErrorCode::invalid_argument, "invalid peer name"), true);
+    return;
+  }
+  if (is_ack != (c.connect_promise != nullptr)) {
+    close_conn(c, Error(ErrorCode::invalid_argument, "handshake out of order"), true);
+    return;
+  }
+  if (Conn* old = conn_by_name(peer)) {
+    // A restarted peer reconnects before its old connection was seen to fail.
+    spdlog::warn("ucx {}: {} connected again; dropping its previous connection", opt.name, peer);
+    close_conn(*old, Error(ErrorCode::unavailable, fmt::format("peer {} reconnected", peer)), true);
+    report_down(*old);  // now, so that the user sees down (old) before up (new)
+  }
+  if (!is_ack) send_name(c, kAmHelloAck);
+  mark_up(c, peer);
+  if (c.connect_promise) {
+    c.connect_promise->set_value(peer);
+    c.connect_promise.reset();
+  }
+}
+
+void UcxTransport::Impl::mark_up(Conn& c, const std::string& peer) {
+  c.name = peer;
+  c.state = Conn::State::up;
+  by_name[peer] = c.id;
+  {
+    std::lock_guard lock(names_mu);
+    up_names.insert(peer);
+  }
+  spdlog::debug("ucx {}: peer {} up", opt.name, peer);
+  if (events.on_peer_up) events.on_peer_up(peer);
+  deliver(c);  // frames that overtook the handshake
+}
+
+// Hands ready arrivals to the user in sequence order.
+void UcxTransport::Impl::deliver(Conn& c) {
+  uint64_t id = c.id;
+  // A fault without a sequence slot ends the stream.
+  if (auto it = c.arrivals.find(UINT64_MAX); it != c.arrivals.end() && it->second.ready) {
+    FrameFault f = *it->second.fault;
+    c.arrivals.erase(it);
+    handle_fault(c, f);
+    return;
+  }
+  while (c.state == Conn::State::up) {
+    auto it = c.arrivals.find(c.recv_next);
+    if (it == c.arrivals.end() || !it->second.ready) return;
+    Arrival a = std::move(it->second);
+    c.arrivals.erase(it);
+    ++c.recv_next;
+    if (a.frame) {
+      auto ok = messages::validate_body(*a.frame, opt.limits);
+      if (ok) {
+        ++frames_received;
+        events.on_frame(c.name, std::move(*a.frame));
+      } else {
+        a.fault = ok.fault();
+      }
+    }
+    if (a.fault) handle_fault(c, *a.fault);
+    if (!conn_by_id(id)) return;
+  }
+}
+
+void UcxTransport::Impl::handle_fault(Conn& c, const FrameFault& f) {
+  ++bad_frames;
+  ++c.faults;
+  spdlog::warn("ucx {}: bad frame from {}: {}", opt.name, c.name.empty() ? "?" : c.name, f.error.what());
+  if (events.on_bad_frame) events.on_bad_frame(c.name, f);
+  if (c.state == Conn::State::up) send_frame(c, messages::make_error_frame(f));
+  if (!f.resync || c.faults > opt.max_faults) {
+    spdlog::warn("ucx {}: dropping {} ({} bad frames)", opt.name, c.name.empty() ? "?" : c.name, c.faults);
+    close_conn(c, Error(ErrorCode::invalid_argument, fmt::format("dropped after a bad frame: {}", f.error.what())),
+               false);
+  }
+}
+
+// Starts closing a connection: removes its name at once (sends fail from
+// now on), closes the endpoint (force: cancel what is in flight; else flush
+// first), and reports the peer down when UCX says the endpoint is closed.
+void UcxTransport::Impl::close_conn(Conn& c, Error reason, bool force) {
+  if (c.state == Conn::State::closing) return;
+  bool was_named = c.state == Conn::State::up;
+  if (!was_named) c.name.clear();  // never announced: nothing to report
+  c.state = Conn::State::closing;
+  c.down_reason = std::move(reason);
+  c.down_since = std::chrono::steady_clock::now();
+  if (auto it = by_name.find(c.name); was_named && it != by_name.end() && it->second == c.id) {
+    by_name.erase(it);
+    std::lock_guard lock(names_mu);
+    up_names.erase(c.name);
+  }
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  p.cb.send = close_cb;
+  auto* pair = new std::pair<Impl*, uint64_t>(this, c.id);
+  p.user_data = pair;
+  auto* req = ucp_ep_close_nbx(c.ep, &p);
+  if (!UCS_PTR_IS_PTR(req)) {
+    delete pair;
+    closed.push_back(c.id);
+  }
+}
+
+void UcxTransport::Impl::finish_close(uint64_t id) {
+  Conn* c = conn_by_id(id);
+  if (!c) return;
+  drop_rkeys(*c);
+  by_ep.erase(c->ep);
+  Error why = c->down_reason.value_or(Error(ErrorCode::unavailable, "closed"));
+  if (c->connect_promise) c->connect_promise->set_value(why);
+  report_down(*c);
+  conns.erase(id);
+}
+
+// Tells the user once that a named peer is gone.
+void UcxTransport::Impl::report_down(Conn& c) {
+  if (c.name.empty() || c.down_reported) return;
+  c.down_reported = true;
+  Error why = c.down_reason.value_or(Error(ErrorCode::unavailable, "closed"));
+  spdlog::info("ucx {}: peer {} down: {}", opt.name, c.name, why.what());
+  if (events.on_peer_down) events.on_peer_down(c.name, why);
+}
+
+// ---------------------------------------------------------------- public API
+
+Expected<std::string> UcxTransport::connect(const std::string& address, std::chrono::milliseconds timeout) {
+  constexpr std::string_view scheme = "ucx://";
+  if (address.rfind(scheme, 0) != 0) return Error(ErrorCode::invalid_argument, fmt::format("{} is not a ucx:// address", address));
+  auto hostport = address.substr(scheme.size());
+  auto colon = hostport.rfind(':');
+  if (colon == std::string::npos) return Error(ErrorCode::invalid_argument, fmt::format("{} has no port", address));
+  std::string host = hostport.substr(0, colon);
+  int port = std::atoi(hostport.c_str() + colon + 1);
+  if (port <= 0 || port > 65535) return Error(ErrorCode::invalid_argument, fmt::format("{} has a bad port", address));
+  auto promise = std::make_shared<std::promise<Expected<std::string>>>();
+  auto future = promise->get_future();
+  auto* impl = impl_.get();
+  if (!impl->post([impl, host, port, promise] { impl->start_connect(host, static_cast<uint16_t>(port), promise); })) {
+    return Error(ErrorCode::unavailable, "transport is not running");
+  }
+  if (future.wait_for(timeout) != std::future_status::ready) {
+    impl->post([impl, promise] {
+      for (auto& [id, c] : impl->conns) {
+        if (c->connect_promise == promise) {
+          c->connect_promise.reset();
+          impl->close_conn(*c, Error(ErrorCode::deadline_exceeded, "connect timed out"), true);
+          break;
+        }
+      }
+    });
+    return Error(ErrorCode::deadline_exceeded, fmt::format("no handshake from {} within {} ms", address, timeout.count()));
+  }
+  try {
+    return future.get();
+  } catch (const std::future_error&) {
+    return Error(ErrorCode::unavailable, "transport closed while connecting");
+  }
+}
+
+Status UcxTransport::send(const std::string& peer, Frame frame) {
+  {
+    std::lock_guard lock(impl_->names_mu);
+    if (!impl_->up_names.count(peer)) {
+      return Error(ErrorCode::unavailable, fmt::format("{} is not connected to {}", impl_->opt.name, peer));
+    }
+  }
+  auto* impl = impl_.get();
+  size_t bytes = messages::kHeaderBytes + frame.body_bytes().size();
+  size_t before = impl->send_queue_bytes.fetch_add(bytes);
+  if (before > 0 && before + bytes > impl->opt.max_send_queue_bytes) {  // one frame always fits
+    impl->send_queue_bytes -= bytes;
+    return Error(ErrorCode::resource_exhausted,
+                 fmt::format("send queue full ({} bytes queued); retry later", impl->send_queue_bytes.load()));
+  }
+  if (!impl->post([impl, peer, bytes, frame = std::move(frame)]() mutable {
+        Conn* c = impl->conn_by_name(peer);
+        if (c && c->state == Conn::State::up) return impl->send_frame(*c, std::move(frame), bytes);
+        impl->send_queue_bytes -= bytes;
+      })) {
+    impl->send_queue_bytes -= bytes;
+    return Error(ErrorCode::unavailable, "transport is not running");
+  }
+  return Ok{};
+}
+
+Status UcxTransport::send_raw_for_test(const std::string& peer, std::vector<std::byte> header, std::vector<std::byte> body) {
+  auto* impl = impl_.get();
+  impl->post([impl, peer, header = std::move(header), body = std::move(body)]() mutable {
+    Conn* c = impl->conn_by_name(peer);
+    if (!c) return;
+    auto op = std::make_unique<SendOp>();
+    op->raw_header = std::move(header);
+    if (op->raw_header.empty()) op->header_bytes = 0;
+    op->raw_body = std::move(body);
+    auto b = std::span<const std::byte>(op->raw_body);
+    impl->send_am(*c, kAmFrame, std::move(op), b);
+  });
+  return Ok{};
+}
+
+void UcxTransport::disconnect(const std::string& peer) {
+  auto* impl = impl_.get();
+  impl->post([impl, peer] {
+    if (Conn* c = impl->conn_by_name(peer)) {
+      impl->close_conn(*c, Error(ErrorCode::unavailable, fmt::format("disconnected from {}", peer)), false);
+    }
+  });
+}
+
+std::vector<std::string> UcxTransport::peers() const {
+  std::lock_guard lock(impl_->names_mu);
+  return {impl_->up_names.begin(), impl_->up_names.end()};
+}
+
+TransportStats UcxTransport::stats() const {
+  TransportStats s;
+  s.peers = peers().size();
+  s.regions = impl_->n_regions;
+  s.remote_keys = impl_->n_remote_keys;
+  s.rma_in_flight = impl_->rma_in_flight;
+  s.send_queue_bytes = impl_->send_queue_bytes;
+  s.frames_sent = impl_->frames_sent;
+  s.frames_received = impl_->frames_received;
+  s.bad_frames = impl_->bad_frames;
+  return s;
+}
+
+}  // namespace troupe::transport

@@ -1,0 +1,184 @@
+// Private to transport/ucx*.cpp: the state behind UcxTransport. Everything
+// below `--- progress thread only ---` is touched by the progress thread
+// alone; callers reach it by posting commands (post / call).
+#pragma once
+
+#include <ucp/api/ucp.h>
+
+#include <atomic>
+#include <deque>
+#include <future>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <thread>
+#include <unordered_map>
+
+#include "transport/ucx.hpp"
+
+namespace troupe::transport {
+
+// Active message ids.
+enum : unsigned {
+  kAmHello = 21,     // client -> server after connect; data = client name
+  kAmHelloAck = 22,  // server -> client; data = server name
+  kAmFrame = 23,     // header = frame header (24 bytes) + u64 sequence; data = body
+};
+inline constexpr size_t kAmFrameHeaderBytes = messages::kHeaderBytes + 8;
+inline constexpr size_t kMaxNameBytes = 255;
+
+// One received frame slot, delivered in the sender's sequence order.
+struct Arrival {
+  bool ready = false;
+  std::optional<Frame> frame;
+  std::optional<FrameFault> fault;
+};
+
+struct Conn {
+  enum class State { handshaking, up, closing };
+  uint64_t id = 0;
+  ucp_ep_h ep = nullptr;
+  std::string name;  // empty until the handshake
+  State state = State::handshaking;
+  uint64_t send_seq = 0;
+  uint64_t recv_next = 0;
+  std::map<uint64_t, Arrival> arrivals;
+  std::map<uint64_t, ucp_rkey_h> rkeys;  // peer's region id -> unpacked key
+  std::shared_ptr<std::promise<Expected<std::string>>> connect_promise;
+  uint32_t faults = 0;
+  std::optional<Error> down_reason;
+  bool down_reported = false;  // on_peer_down already ran (replaced by a reconnect)
+  std::chrono::steady_clock::time_point down_since;
+};
+
+// An active message in flight; owns the header bytes (UCX 1.13 needs them
+// until completion) and keeps the body alive.
+struct SendOp {
+  struct UcxTransport::Impl* impl = nullptr;
+  size_t queued_bytes = 0;  // counted in Impl::send_queue_bytes until completion
+  std::array<std::byte, kAmFrameHeaderBytes> header{};
+  size_t header_bytes = kAmFrameHeaderBytes;
+  Frame frame;
+  std::vector<std::byte> raw_header, raw_body;  // test hook and handshake
+};
+
+// A rendezvous body being received into aligned memory.
+struct RndvRecv {
+  struct UcxTransport::Impl* impl = nullptr;
+  uint64_t conn_id = 0;
+  uint64_t seq = 0;
+  messages::FrameHeader header;
+  void* desc = nullptr;
+  kj::Array<capnp::word> words;
+};
+
+// One put/get call: completes when every op (and the flush) did.
+struct Batch {
+  struct UcxTransport::Impl* impl = nullptr;
+  Completion done;
+  Status status = Ok{};
+  size_t outstanding = 0;
+  bool issued = false;  // all ops posted; completion may run when outstanding hits 0
+  void op_done(ucs_status_t st);
+  void maybe_finish();
+};
+
+struct LocalUcxRegion {
+  ucp_mem_h memh = nullptr;
+  std::byte* base = nullptr;
+  size_t length = 0;
+  bool allocated = false;
+  RegionKey key;
+};
+
+struct UcxTransport::Impl {
+  UcxOptions opt;
+  TransportEvents events;
+  std::string address;
+  ucp_context_h ctx = nullptr;
+  ucp_worker_h worker = nullptr;
+  ucp_listener_h listener = nullptr;
+  int efd = -1;
+  std::thread thread;
+  std::atomic<std::thread::id> thread_id{};
+  bool started = false;
+
+  // Commands from other threads.
+  std::mutex cmd_mu;
+  std::deque<std::function<void()>> cmds;
+  bool stopping = false;  // guarded by cmd_mu
+
+  // Names of connected peers, readable from any thread.
+  mutable std::mutex names_mu;
+  std::set<std::string> up_names;
+
+  std::atomic<uint64_t> frames_sent{0}, frames_received{0}, bad_frames{0};
+  std::atomic<size_t> rma_in_flight{0}, n_regions{0}, n_remote_keys{0}, send_queue_bytes{0};
+
+  // --- progress thread only ---
+  uint64_t next_conn = 1;
+  std::map<uint64_t, std::unique_ptr<Conn>> conns;
+  std::unordered_map<ucp_ep_h, uint64_t> by_ep;
+  std::map<std::string, uint64_t> by_name;
+  std::vector<ucp_conn_request_h> accepted;
+  std::vector<std::pair<ucp_ep_h, ucs_status_t>> failed;
+  std::vector<uint64_t> closed;          // conns whose ep close completed
+  std::set<uint64_t> dirty;              // conns with arrivals to deliver
+  std::deque<std::function<void()>> user_calls;  // events to run outside UCX callbacks
+  std::map<uint64_t, LocalUcxRegion> regions;
+  uint64_t next_region = 1;
+
+  Status init();
+  void run();
+  void shutdown_in_thread();
+  void teardown();
+
+  // Runs `fn` on the progress thread; false once stopping.
+  bool post(std::function<void()> fn);
+  // Runs `fn` on the progress thread and waits for its result.
+  template <class T>
+  T call(std::function<T()> fn, T if_stopped);
+  bool on_thread() const { return std::this_thread::get_id() == thread_id; }
+
+  Conn* conn_by_ep(ucp_ep_h ep);
+  Conn* conn_by_name(const std::string& name);
+  Conn* conn_by_id(uint64_t id);
+  Conn* add_conn(ucp_ep_h ep);
+  ucp_ep_h create_server_ep(ucp_conn_request_h request);
+  void start_connect(const std::string& host, uint16_t port, std::shared_ptr<std::promise<Expected<std::string>>> p);
+  void send_am(Conn& c, unsigned id, std::unique_ptr<SendOp> op, std::span<const std::byte> body);
+  // queued_bytes: what send() counted in send_queue_bytes (0 for internal frames).
+  void send_frame(Conn& c, Frame frame, size_t queued_bytes = 0);
+  void send_name(Conn& c, unsigned id);
+  void on_hello(Conn& c, std::string peer, bool is_ack);
+  void mark_up(Conn& c, const std::string& peer);
+  void deliver(Conn& c);
+  void handle_fault(Conn& c, const FrameFault& fault);
+  void close_conn(Conn& c, Error reason, bool force);
+  void finish_close(uint64_t conn_id);
+  void report_down(Conn& c);
+  bool run_deferred();
+
+  // RMA (ucx_rma.cpp)
+  Expected<LocalRegion> map_region(void* base, size_t length, bool allocate);
+  Status unmap_region(uint64_t region_id);
+  void start_rma(bool is_put, const std::string& peer, const RegionKey& remote, std::vector<RmaOp> ops, Completion done);
+  Expected<ucp_rkey_h> rkey_for(Conn& c, const RegionKey& remote);
+  void drop_rkeys(Conn& c);
+};
+
+template <class T>
+T UcxTransport::Impl::call(std::function<T()> fn, T if_stopped) {
+  if (on_thread()) return fn();  // from a callback: run inline
+  auto p = std::make_shared<std::promise<T>>();
+  auto f = p->get_future();
+  if (!post([p, fn = std::move(fn)] { p->set_value(fn()); })) return if_stopped;
+  try {
+    return f.get();
+  } catch (const std::future_error&) {  // dropped by a shutdown
+    return if_stopped;
+  }
+}
+
+}  // namespace troupe::transport

@@ -4,7 +4,8 @@
 #   bench/gpu/e2e.sh BUNDLE OUT [FIXTURES_DIR]
 # BUNDLE: a device-bundle (../shared/tools/device-bundle) of troupe,
 # troupe_gpu_e2e, kernels_cuda_backend_test and model_tests, or a .tar.xz of one.
-# Stages (each with a time limit; a failed stage does not stop the others):
+# Stages (each with a time limit, all within E2E_DEADLINE seconds, default 540;
+# a failed stage does not stop the others):
 #   1. kernel tests (every backend op against the CPU backend, graphs, copy queue)
 #      and the Decoder's GPU test
 #   2. the committed fixtures through the CUDA backend (one call; prefill then
@@ -35,9 +36,13 @@ src=${BUILD_SOURCE_DIR:-/work/wt/gpu}  # TROUPE_SOURCE_DIR of the build
 if [ -n "$src" ] && [ ! -e "$src/tests/fixtures/model" ]; then
   mkdir -p "$src/tests/fixtures" && ln -s "$(cd "$fixtures" && pwd)" "$src/tests/fixtures/model"
 fi
+deadline=${E2E_DEADLINE:-540}  # seconds for the whole script: a stage gets at most what is left
 stage() {  # name, seconds, command...: JSON lines to results.jsonl, the rest to log.txt
   local name=$1 limit=$2 t0=$SECONDS
   shift 2
+  local left=$((deadline - SECONDS))
+  if [ "$left" -lt 10 ]; then echo "stage $name: skipped (deadline)" | tee -a "$L"; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
   timeout "$limit" "$@" >> "$R" 2>> "$L"
   local rc=$?
   echo "stage $name: exit $rc, $((SECONDS - t0)) s" | tee -a "$L"
@@ -71,9 +76,9 @@ stage logits 60 "$bundle/run.sh" troupe_gpu_e2e logits --model "$model" --ids "$
   --out "$shm/troupe_logits.npy"
 python3 "$here/e2e_report.py" "$out" "$shm" "$prefill" 2>&1 | grep -A4 "^| reference" | tee -a "$L"
 stage bench-b1 60 "$bundle/run.sh" troupe_gpu_e2e bench --model "$model" --batch 1 --prompt 512 --new 32
+stage engine 90 "$bundle/run.sh" troupe_gpu_e2e engine --model "$model" --batch 8 --prompt 512 --new 32
 stage bench-b8 60 "$bundle/run.sh" troupe_gpu_e2e bench --model "$model" --batch 8 --prompt 512 --new 32
 stage context 90 "$bundle/run.sh" troupe_gpu_e2e context --model "$model" --contexts "${CONTEXTS:-4096,131072}" --steps 50
-stage engine 90 "$bundle/run.sh" troupe_gpu_e2e engine --model "$model" --batch 8 --prompt 512 --new 32
 tail -n 30 "$L" | grep -v "^stage" | tail -n 12
 python3 "$here/e2e_report.py" "$out" "$shm" "$prefill" > "$out/report.txt" 2>&1
 cat "$out/report.txt"

@@ -507,7 +507,8 @@ TEST_F(CudaBackendTest, decode_rows_and_compress_lists_match_cpu) {
   for (bool overlap : {true, false}) {
     SCOPED_TRACE(overlap ? "CSA" : "HCA");
     const int64_t rate = overlap ? 4 : 8, dim = 4, w = overlap ? 2 * dim : dim, slots = overlap ? 2 * rate : rate;
-    Mirror kv(cpu(), gpu(), randn(n * w, rng_)), sc(cpu(), gpu(), randn(n * w, rng_));
+    Mirror kv(cpu(), gpu(), randn(n * w, rng_)), sc(cpu(), gpu(), randn(n * w, rng_)),
+        bias(cpu(), gpu(), randn(rate * w, rng_));
     Mirror ks(cpu(), gpu(), n * slots * 8), ss(cpu(), gpu(), n * slots * 8), out(cpu(), gpu(), n * 8),
         epos(cpu(), gpu(), n * 8), rd(cpu(), gpu(), 2 * n * 8), rs(cpu(), gpu(), 2 * n * 8);
     for (Mirror* m : {&ks, &ss, &out, &epos, &rd, &rs}) m->poison();
@@ -516,7 +517,7 @@ TEST_F(CudaBackendTest, decode_rows_and_compress_lists_match_cpu) {
       const float* const* t = g ? gt : ct;
       auto P = [&](Mirror& m) { return g ? m.gpu() : m.cpu(); };
       b->decode_compress_rows(n, g ? pos.gpu<int64_t>() : pos.cpu<int64_t>(), g ? tof.gpu<int32_t>() : tof.cpu<int32_t>(),
-                              rate, overlap, dim, P(kv), P(sc), const_cast<float* const*>(t + off_ring), stride,
+                              rate, overlap, dim, P(kv), P(sc), P(bias), const_cast<float* const*>(t + off_ring), stride,
                               const_cast<float* const*>(t + off_e), stride,
                               g ? ks.gpu<const float*>() : ks.cpu<const float*>(),
                               g ? ss.gpu<const float*>() : ss.cpu<const float*>(), g ? out.gpu<float*>() : out.cpu<float*>(),
@@ -541,6 +542,7 @@ TEST_F(CudaBackendTest, decode_rows_and_compress_lists_match_cpu) {
     EXPECT_EQ(numbers(ss.gpu_host<const float*>(n * slots), true), numbers(ss.cpu_host<const float*>(n * slots), false));
     EXPECT_EQ(numbers(out.gpu_host<const float*>(n), true), numbers(out.cpu_host<const float*>(n), false));
     EXPECT_EQ(epos.gpu_host<int64_t>(n), epos.cpu_host<int64_t>(n));
+    EXPECT_EQ(sc.gpu_host<float>(n * w), sc.cpu_host<float>(n * w));  // the position bias added in place
     EXPECT_EQ(numbers(rd.gpu_host<const float*>(2 * n), true), numbers(rd.cpu_host<const float*>(2 * n), false));
     EXPECT_EQ(numbers(rs.gpu_host<const float*>(2 * n), true), numbers(rs.cpu_host<const float*>(2 * n), false));
   }

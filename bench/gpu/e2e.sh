@@ -21,6 +21,10 @@ set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 bundle=$1 out=$2 fixtures=${3:-$here/../../tests/fixtures/model}
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+# init-model (and the tests' models) copy the shipped tokenizer; the bundle has none.
+if [ -z "${TROUPE_TOKENIZER_DIR:-}" ] && [ -d "$here/../../model/tokenizer/data/deepseek-v4" ]; then
+  export TROUPE_TOKENIZER_DIR=$(cd "$here/../../model/tokenizer/data/deepseek-v4" && pwd)
+fi
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 if [[ $bundle == *.tar.xz ]]; then

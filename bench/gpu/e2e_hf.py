@@ -7,7 +7,13 @@ same bf16 weights computed in fp32, the tighter oracle), and times `generate`
 (greedy, fixed lengths) at the given shapes. One JSON object on stdout."""
 import argparse
 import json
+import os
+import sys
 import time
+
+# This folder holds a profile.py, which would shadow the standard library's
+# (torch imports cProfile, which imports profile).
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 import numpy as np
 import torch

@@ -321,11 +321,15 @@ __device__ float hc_inv_rms(const float* xr, int64_t width, float eps, float* sc
   return 1.0f / sqrtf(ss / static_cast<float>(width) + eps);
 }
 
+// HC = p.hc as a compile-time constant: the Sinkhorn matrix stays in registers
+// (with a run-time hc it went to local memory, and the one thread that runs the
+// 20 iterations took ~30 us a call, most of an mHC step at batch 1).
+template <int HC>
 __global__ void mhc_pre_kernel(const float* X, const float* mix, const float* base, const float* scale, MhcParams p,
                                float* y, float* post, float* comb) {
   __shared__ float scratch[32];
   __shared__ float pre[kMaxHc];
-  const int hc = p.hc;
+  constexpr int hc = HC;
   const int64_t r = blockIdx.x;
   const float* xr = X + r * hc * p.dim;
   const float inv = hc_inv_rms(xr, hc * p.dim, p.norm_eps, scratch);
@@ -334,7 +338,7 @@ __global__ void mhc_pre_kernel(const float* X, const float* mix, const float* ba
     const float* m = mix + r * n_mix;
     for (int j = 0; j < hc; ++j) pre[j] = sigmoidf(m[j] * inv * scale[0] + base[j]) + p.hc_eps;
     for (int j = 0; j < hc; ++j) post[r * hc + j] = 2.0f * sigmoidf(m[hc + j] * inv * scale[1] + base[hc + j]);
-    float c[kMaxHc * kMaxHc];
+    float c[hc * hc];
     for (int a = 0; a < hc; ++a) {
       float mx = -INFINITY;
       for (int b = 0; b < hc; ++b) {
@@ -760,7 +764,17 @@ void mhc_pre_finish(const float* X, const float* mix, int64_t rows, const float*
                     const MhcParams& p, float* y, float* post, float* comb, cudaStream_t s) {
   TROUPE_REQUIRE(p.hc >= 1 && p.hc <= kMaxHc, "mhc: hc_mult must be 1..8");
   if (rows == 0) return;
-  mhc_pre_kernel<<<static_cast<unsigned>(rows), 256, 0, s>>>(X, mix, base, scale, p, y, post, comb);
+  const auto grid = static_cast<unsigned>(rows);
+  switch (p.hc) {
+    case 1: mhc_pre_kernel<1><<<grid, 256, 0, s>>>(X, mix, base, scale, p, y, post, comb); break;
+    case 2: mhc_pre_kernel<2><<<grid, 256, 0, s>>>(X, mix, base, scale, p, y, post, comb); break;
+    case 3: mhc_pre_kernel<3><<<grid, 256, 0, s>>>(X, mix, base, scale, p, y, post, comb); break;
+    case 4: mhc_pre_kernel<4><<<grid, 256, 0, s>>>(X, mix, base, scale, p, y, post, comb); break;
+    case 5: mhc_pre_kernel<5><<<grid, 256, 0, s>>>(X, mix, base, scale, p, y, post, comb); break;
+    case 6: mhc_pre_kernel<6><<<grid, 256, 0, s>>>(X, mix, base, scale, p, y, post, comb); break;
+    case 7: mhc_pre_kernel<7><<<grid, 256, 0, s>>>(X, mix, base, scale, p, y, post, comb); break;
+    default: mhc_pre_kernel<8><<<grid, 256, 0, s>>>(X, mix, base, scale, p, y, post, comb); break;
+  }
   TROUPE_LAUNCHED();
 }
 

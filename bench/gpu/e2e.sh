@@ -15,6 +15,7 @@
 #      weights in fp32) and by troupe: teacher-forced top-1 agreement; generate
 #      throughput of both at batch 1 and 8; troupe's decode at 4K and 128K
 #      context; engine::Engine on CUDA with a parked-and-resumed request
+# SKIP_TESTS=1 skips stage 1, SKIP_HF=1 transformers, SKIP_EXTRA=1 the long-context and engine stages.
 # Writes OUT/results.jsonl (every JSON line), OUT/log.txt, OUT/tests.txt and
 # OUT/e2e.md (the tables for docs/benchmarks.md); prints the summary last.
 set -uo pipefail
@@ -80,9 +81,9 @@ stage logits 60 "$bundle/run.sh" troupe_gpu_e2e logits --model "$model" --ids "$
   --out "$shm/troupe_logits.npy"
 python3 "$here/e2e_report.py" "$out" "$shm" "$prefill" 2>&1 | grep -A4 "^| reference" | tee -a "$L"
 stage bench-b1 60 "$bundle/run.sh" troupe_gpu_e2e bench --model "$model" --batch 1 --prompt 512 --new 32
-stage engine 90 "$bundle/run.sh" troupe_gpu_e2e engine --model "$model" --batch 8 --prompt 512 --new 32
+[ "${SKIP_EXTRA:-0}" = 1 ] || stage engine 90 "$bundle/run.sh" troupe_gpu_e2e engine --model "$model" --batch 8 --prompt 512 --new 32
 stage bench-b8 60 "$bundle/run.sh" troupe_gpu_e2e bench --model "$model" --batch 8 --prompt 512 --new 32
-stage context 90 "$bundle/run.sh" troupe_gpu_e2e context --model "$model" --contexts "${CONTEXTS:-4096,131072}" --steps 50
+[ "${SKIP_EXTRA:-0}" = 1 ] || stage context 90 "$bundle/run.sh" troupe_gpu_e2e context --model "$model" --contexts "${CONTEXTS:-4096,131072}" --steps 50
 tail -n 30 "$L" | grep -v "^stage" | tail -n 12
 python3 "$here/e2e_report.py" "$out" "$shm" "$prefill" > "$out/report.txt" 2>&1
 cat "$out/report.txt"

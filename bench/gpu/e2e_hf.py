@@ -32,6 +32,12 @@ a = ap.parse_args()
 out = {"kind": "transformers"}
 t0 = time.perf_counter()
 model = DeepseekV4ForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16, attn_implementation="eager").eval().cuda()
+# transformers 5.17 keeps these RMSNorms in fp32 (_keep_in_fp32_modules_strict); their
+# fp32 outputs then meet bf16 projections ("expected mat1 and mat2 to have the same
+# dtype"). In bf16 their outputs are bf16; mHC, sinks and biases stay fp32.
+for name, mod in model.named_modules():
+    if name.split(".")[-1] in {"q_a_norm", "kv_norm", "input_layernorm", "post_attention_layernorm", "norm"}:
+        mod.to(torch.bfloat16)
 torch.cuda.synchronize()
 out["load_s"] = time.perf_counter() - t0
 V = model.config.vocab_size

@@ -16,8 +16,18 @@
 #      throughput of both at batch 1 and 8; troupe's decode at 4K and 128K
 #      context; engine::Engine on CUDA with a parked-and-resumed request
 # SKIP_TESTS=1 skips stage 1, SKIP_HF=1 transformers, SKIP_EXTRA=1 the long-context and engine stages.
+# POSITIONS (320) / PREFILL (192): the agreement run's length and its prefill part.
 # Writes OUT/results.jsonl (every JSON line), OUT/log.txt, OUT/tests.txt and
 # OUT/e2e.md (the tables for docs/benchmarks.md); prints the summary last.
+#
+# The figures in docs/benchmarks.md (2026-11-30): a bundle of a RelWithDebInfo
+# build, binaries stripped of debug info, as OUT.tar.xz (16 MB); then
+#   E2E_DEADLINE=370 TEST_S=60 POSITIONS=2304 PREFILL=256 bench/gpu/e2e.sh e2e.tar.xz $OUT
+# (about 150 s; the flash-shaped model is generated there, ~20 s). The device
+# tool sends the checkout of the session that calls it: from another worktree,
+# copy bench/, tests/fixtures/model and the bundle into a folder that
+# .git/info/exclude ignores, carry it, and set TROUPE_TOKENIZER_DIR to the
+# checkout's model/tokenizer/data/deepseek-v4.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 bundle=$1 out=$2 fixtures=${3:-$here/../../tests/fixtures/model}

@@ -54,6 +54,16 @@ Engine::Engine(model::Model& model, EngineOptions options, std::function<void(co
   });
   mover_ = std::make_unique<cache::PageMover>(*tiers_, *copies_);
   tree_ = std::make_unique<cache::ShadowRadix>(*tiers_);
+  int batch = options_.decode_batch;
+  if (batch < 0) batch = model.backend().graphs_supported() ? 64 : 0;  // graphs are what make the decoder pay
+  if (batch > 0) {
+    const auto& c = model.config();
+    model::Decoder::Options o;
+    o.max_batch = std::min(batch, 64);
+    o.max_context = options_.decode_context > 0 ? options_.decode_context
+                                                : std::min<int64_t>(c.max_position_embeddings, int64_t{1} << 17);
+    decoder_ = std::make_unique<model::Decoder>(model, o);
+  }
   publish_stats();
 }
 
@@ -61,6 +71,7 @@ Engine::~Engine() {
   stop();
   mover_->wait_all();
   seqs_.clear();
+  decoder_.reset();
 }
 
 // ---- any thread ---------------------------------------------------------------------

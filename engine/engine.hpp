@@ -34,6 +34,7 @@
 #include "cache/pool/pool_set.hpp"
 #include "cache/radix/shadow_radix.hpp"
 #include "engine/request.hpp"
+#include "model/decoder.hpp"
 #include "model/forward.hpp"
 
 namespace troupe::engine {
@@ -51,6 +52,13 @@ struct EngineOptions {
   int64_t decode_insert_every_pages = 16;     // insert a decoding sequence's prefix every N pages (0: at finish only)
   bool cold_pages = true;                     // with a readable host tier: old entry pages of long sequences move there
   int64_t hot_pages = 2;                      // full token pages per sequence kept on the device when moving cold pages
+  // Decode steps (every chunk one token) through model::Decoder: the key lists,
+  // the indexer's picks and greedy samples made on the device, each batch size's
+  // step recorded once as a CUDA graph and replayed. Sequences per such step:
+  // -1 picks 64 on a backend with graphs and 0 (off: every step through
+  // Model::forward) on others; a larger batch runs through Model::forward.
+  int decode_batch = -1;
+  int64_t decode_context = 0;                 // longest sequence the decoder's tables hold; 0: min(max positions, 131072)
 };
 
 // Pages per pool, by who holds them. A page with several holders counts for
@@ -86,6 +94,8 @@ struct EngineStats {
   int64_t parks = 0, resumes = 0, preemptions = 0;
   int64_t spilled_pages = 0, reloaded_pages = 0, cold_pages = 0, tombstoned_pages = 0, erased_nodes = 0;
   int64_t admission_waits = 0;      // steps in which a waiting request could not be admitted for memory
+  int64_t decoder_steps = 0;        // steps run through model::Decoder (no host round trip inside)
+  int64_t graph_replays = 0;        // of those, replayed from a recorded graph
   int64_t waiting = 0, running = 0, parked = 0;
   int64_t tree_nodes = 0, tree_pages = 0;
   uint64_t copied_bytes = 0;
@@ -183,7 +193,8 @@ class Engine {
   bool try_admit(Seq& s, int64_t budget, Batch& batch);
   int64_t fit_chunk(Seq& s, int64_t n);
   void run_batch(Batch& batch);
-  void after_chunk(Seq& s, int64_t n, const float* rows, int64_t row_count);
+  bool run_decode(Batch& batch);  // false: not a batch for the decoder (the caller runs Model::forward)
+  void after_chunk(Seq& s, int64_t n, const float* rows, int64_t row_count, const int32_t* sampled = nullptr);
   void insert_prefix(Seq& s);
   bool handle_stall();
   void preempt(Seq& s);
@@ -207,6 +218,8 @@ class Engine {
   std::unique_ptr<cache::CopyEngine> copies_;
   std::unique_ptr<cache::PageMover> mover_;
   std::unique_ptr<cache::ShadowRadix> tree_;
+  std::unique_ptr<model::Decoder> decoder_;  // null: decode steps through Model::forward
+  uint64_t moves_ = 0;                       // page moves between tiers (row pointers changed)
 
   std::map<RequestId, std::unique_ptr<Seq>> seqs_;
   std::vector<RequestId> waiting_;  // FCFS

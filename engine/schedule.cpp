@@ -178,7 +178,92 @@ bool Engine::try_admit(Seq& s, int64_t budget, Batch& batch) {
   return true;
 }
 
+namespace {
+
+// Whether the host sampler would pick the argmax of the raw logits for `s`'s next token.
+bool greedy_on_device(const SamplingParams& p, LogitsMode logits, int32_t generated, bool model_has_eos) {
+  if (logits != LogitsMode::none) return false;
+  if (!(p.temperature <= 0.0f || p.top_k == 1)) return false;
+  const bool masks = generated < p.min_tokens && (!p.stop_ids.empty() || (!p.ignore_eos && model_has_eos));
+  return !masks;
+}
+
+}  // namespace
+
+bool Engine::run_decode(Batch& batch) {
+  if (!decoder_ || batch.chunks.empty() || static_cast<int>(batch.chunks.size()) > decoder_->options().max_batch) {
+    return false;
+  }
+  for (size_t i = 0; i < batch.chunks.size(); ++i) {
+    const auto& c = batch.chunks[i];
+    if (c.ids.size() != 1 || c.state->length() < 1 || c.state->length() + 1 > decoder_->options().max_context) {
+      return false;
+    }
+  }
+  // Table slots: bound on a sequence's first decode step, refreshed when its rows
+  // were written or moved outside the decoder.
+  std::vector<int> slots;
+  std::vector<int32_t> ids;
+  bool host_logits = false;
+  const bool has_eos = !model_.config().eos_token_ids.empty();
+  for (size_t i = 0; i < batch.chunks.size(); ++i) {
+    Seq& s = *batch.seqs[i];
+    DecodeSlot& d = s.decode;
+    if (d.slot >= 0 && d.state != s.state.get()) d.reset();
+    if (d.slot < 0) {
+      const int slot = decoder_->bind(*s.state);
+      if (slot < 0) return false;  // every slot taken (sequences beyond the batch)
+      d.decoder = decoder_.get();
+      d.slot = slot;
+    } else if (d.length != s.state->length() || d.moves != moves_) {
+      decoder_->refresh(d.slot);
+    }
+    d.state = s.state.get();
+    slots.push_back(d.slot);
+    ids.push_back(batch.chunks[i].ids[0]);
+    host_logits |= !greedy_on_device(s.req.sampling, s.req.logits, s.generated, has_eos);
+  }
+  try {
+    decoder_->step(slots, ids);
+  } catch (const Error& e) {
+    std::vector<RequestId> gone;
+    for (Seq* s : batch.seqs) gone.push_back(s->id);
+    for (RequestId id : gone) {
+      if (Seq* s = find(id)) finish(*s, FinishReason::error, e.code(), e.what());
+    }
+    return true;
+  }
+  ++counters_.decoder_steps;
+  counters_.graph_replays = decoder_->replays();
+  std::vector<float> logits;
+  std::vector<int32_t> tokens;
+  if (host_logits) {
+    logits = decoder_->logits();
+  } else {
+    tokens = decoder_->tokens();
+  }
+  for (Seq* s : batch.seqs) {
+    s->decode.length = s->state->length();
+    s->decode.moves = moves_;
+  }
+  counters_.forward_tokens += batch.tokens;
+  const int64_t V = model_.config().vocab_size;
+  std::vector<RequestId> order;
+  for (Seq* s : batch.seqs) order.push_back(s->id);
+  for (size_t i = 0; i < order.size(); ++i) {
+    Seq* s = find(order[i]);
+    if (s == nullptr) continue;
+    if (host_logits) {
+      after_chunk(*s, 1, logits.data() + i * static_cast<size_t>(V), 1);
+    } else {
+      after_chunk(*s, 1, nullptr, 1, &tokens[i]);
+    }
+  }
+  return true;
+}
+
 void Engine::run_batch(Batch& batch) {
+  if (run_decode(batch)) return;
   const int64_t V = model_.config().vocab_size;
   std::vector<float> logits;
   try {
@@ -208,7 +293,7 @@ void Engine::run_batch(Batch& batch) {
   }
 }
 
-void Engine::after_chunk(Seq& s, int64_t n, const float* rows, int64_t row_count) {
+void Engine::after_chunk(Seq& s, int64_t n, const float* rows, int64_t row_count, const int32_t* sampled) {
   const auto& c = model_.config();
   const int64_t V = c.vocab_size;
   const int64_t start = s.length() - n;
@@ -234,15 +319,16 @@ void Engine::after_chunk(Seq& s, int64_t n, const float* rows, int64_t row_count
   s.state->trim();  // after the insert: the tree keeps the checkpoint windows it wants
   if (s.length() < static_cast<int64_t>(s.tokens.size())) return;  // more prompt to feed
 
-  const float* last = rows + (row_count - 1) * V;
-  const int32_t token = sample(std::span(last, static_cast<size_t>(V)), s.req.sampling, s.seed, s.length(), s.generated,
-                               c.eos_token_ids);
+  const float* last = rows != nullptr ? rows + (row_count - 1) * V : nullptr;
+  const int32_t token = sampled != nullptr ? *sampled  // argmax on the device (greedy_on_device)
+                                           : sample(std::span(last, static_cast<size_t>(V)), s.req.sampling, s.seed,
+                                                    s.length(), s.generated, c.eos_token_ids);
   s.tokens.push_back(token);
   ++s.generated;
   Event e = make_event(s.id, EventKind::token);
   e.token = token;
   e.position = s.length();
-  if (s.req.logits == LogitsMode::sampled) e.logits.assign(last, last + V);
+  if (s.req.logits == LogitsMode::sampled && last != nullptr) e.logits.assign(last, last + V);
   emit(std::move(e));
 
   const auto& p = s.req.sampling;
@@ -316,6 +402,7 @@ void Engine::preempt(Seq& s) {
   // whatever prefix the tree still holds).
   s.computed_before = s.length();
   unlock(s);
+  s.decode.reset();
   s.state.reset();
   s.phase = Phase::waiting;
   waiting_.insert(waiting_.begin(), s.id);

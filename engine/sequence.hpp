@@ -7,6 +7,7 @@
 
 #include "cache/paged_sequence.hpp"
 #include "engine/engine.hpp"
+#include "model/decoder.hpp"
 
 namespace troupe::engine {
 
@@ -17,6 +18,26 @@ enum class Phase : uint8_t {
   parking,   // its pages are moving to the host tier
   parked,
   resuming,  // its pages are moving back
+};
+
+// A sequence's table slot in the engine's model::Decoder; released with the
+// sequence (or its state).
+struct DecodeSlot {
+  model::Decoder* decoder = nullptr;
+  int slot = -1;
+  const model::SequenceState* state = nullptr;  // the state the tables were read from
+  int64_t length = -1;                          // its length then (another length: rows written elsewhere)
+  uint64_t moves = 0;                           // the engine's page-move count then
+  DecodeSlot() = default;
+  DecodeSlot(const DecodeSlot&) = delete;
+  DecodeSlot& operator=(const DecodeSlot&) = delete;
+  ~DecodeSlot() { reset(); }
+  void reset() {
+    if (decoder != nullptr && slot >= 0) decoder->unbind(slot);
+    slot = -1;
+    state = nullptr;
+    length = -1;
+  }
 };
 
 struct Engine::Seq {
@@ -37,6 +58,7 @@ struct Engine::Seq {
   bool admitted_once = false;
   bool resume_wanted = false;    // parked: resume when the device tier has room
   std::vector<std::pair<int64_t, cache::PoolKind>> parked_pages;  // what park moved (k = -1: HCA ring)
+  DecodeSlot decode;             // after `state`: released before it
 
   int64_t length() const { return state ? state->length() : 0; }
   // Tokens to feed before the next sample.

@@ -130,6 +130,7 @@ bool Engine::move_cold_pages(int64_t want, bool wait) {
         const auto& m = moves[i];
         if (s != nullptr && s->state && s->state->pages()[static_cast<size_t>(index[i])].at(m.kind) == m.from) {
           tiers_->retain(m.kind, m.to);
+          ++moves_;  // row pointers changed: decoder tables are refreshed
           s->state->replace(index[i], m.kind, m.to);
           ++counters_.cold_pages;
         }
@@ -162,6 +163,7 @@ void Engine::keep_headroom() {
 }
 
 void Engine::start_park(Seq& s) {
+  s.decode.reset();  // its slot goes to running sequences
   std::vector<std::pair<PoolKind, PageRef>> sources;
   std::vector<std::pair<int64_t, PoolKind>> where;
   const auto pages = s.state->pages();
@@ -183,6 +185,7 @@ void Engine::start_park(Seq& s) {
     if (s == nullptr || s->phase != Phase::parking) return;
     for (size_t i = 0; i < moves.size(); ++i) {
       tiers_->retain(moves[i].kind, moves[i].to);
+      ++moves_;  // row pointers changed: decoder tables are refreshed
       s->state->replace(where[i].first, moves[i].kind, moves[i].to);
     }
     s->parked_pages = where;
@@ -235,6 +238,7 @@ bool Engine::start_resume(Seq& s) {
         if (s == nullptr || s->phase != Phase::resuming) return;
         for (size_t i = 0; i < moves.size(); ++i) {
           tiers_->retain(moves[i].kind, moves[i].to);
+          ++moves_;  // row pointers changed: decoder tables are refreshed
           s->state->replace(where[i].first, moves[i].kind, moves[i].to);
         }
         s->parked_pages.clear();
@@ -273,6 +277,7 @@ bool Engine::start_reload(Seq& s) {
       tree_->swap(s->tokens, where[i].first, m.kind, m.from, m.to);
       if (s->state && s->state->pages()[static_cast<size_t>(where[i].first)].at(m.kind) == m.from) {
         tiers_->retain(m.kind, m.to);
+        ++moves_;  // row pointers changed: decoder tables are refreshed
         s->state->replace(where[i].first, m.kind, m.to);
         ++counters_.reloaded_pages;
       }

@@ -51,6 +51,10 @@ struct RopeTable {
 struct RaggedRows {
   const float* const* rows = nullptr;  // backend memory: an array of row pointers
   const int64_t* offsets = nullptr;    // backend memory: n_queries + 1 entries
+  // Optional upper bound of every query's list length (host). With it a backend
+  // sizes its launches from the bound and never reads the offsets back, so the
+  // call needs no host round trip (and can be recorded into a graph); 0: unknown.
+  int64_t max_rows = 0;
 };
 
 class Backend {
@@ -66,9 +70,46 @@ class Backend {
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
   virtual void synchronize() = 0;
 
+  // A copy queue beside the compute stream, for the host tier: copies between
+  // host memory and backend memory issued here run in order among themselves,
+  // may overlap compute ops, and are finished when copy_queue_wait() returns.
+  // Both may be called from a thread other than the one issuing compute ops;
+  // the caller orders them against compute (a copy out of backend memory is
+  // issued after the compute that wrote it has been synchronized). Default:
+  // synchronous to_host / to_device.
+  virtual void copy_queue(void* dst, const void* src, size_t bytes, bool to_host_dir) {
+    if (to_host_dir) {
+      to_host(dst, src, bytes);
+    } else {
+      to_device(dst, src, bytes);
+    }
+  }
+  virtual void copy_queue_wait() {}
+
+  // ---- graphs ---------------------------------------------------------------
+  // Records the ops issued between capture_begin() and capture_end() for replay:
+  // Graph::launch() runs them again, in order after the ops issued before it,
+  // on the same memory (buffers an op took for itself stay reserved while a
+  // graph lives). Only ops with no host round trip may be recorded (RaggedRows
+  // with max_rows; moe with at most 64 rows). Backends without graphs return
+  // false from capture_begin(), and the caller runs its ops directly.
+  class Graph {
+   public:
+    virtual ~Graph() = default;
+    virtual void launch() = 0;
+  };
+  virtual bool graphs_supported() const { return false; }
+  virtual bool capture_begin() { return false; }
+  virtual std::unique_ptr<Graph> capture_end() { return nullptr; }
+
   // ---- dense math -----------------------------------------------------------
   // y[m, w.rows] = x[m, w.cols] @ w^T   (beta = 1 accumulates into y)
   virtual void linear(const float* x, int64_t m, const Weight& w, float* y, float beta = 0.f) = 0;
+  // y_i[m, w_i.rows] = x[m, k] @ w_i^T for `count` weights over the same x (every
+  // w_i.cols == k): one launch where a backend can. Same results as linear() each.
+  virtual void linear_multi(const float* x, int64_t m, const Weight* w, float* const* y, int count) {
+    for (int i = 0; i < count; ++i) linear(x, m, w[i], y[i], 0.f);
+  }
   // Block-diagonal: x [m, groups*w_cols], w [groups*out, w.cols], y [m, groups*out];
   // group g maps x[:, g*w.cols : (g+1)*w.cols] through rows [g*out, (g+1)*out) of w.
   virtual void linear_grouped(const float* x, int64_t m, const Weight& w, int groups, float* y) = 0;
@@ -111,7 +152,8 @@ class Backend {
   // Compressor window pooling for `count` new entries. Entry e pools `slots` slots;
   // slot s reads kv_src[e*slots+s] and score_src[e*slots+s] (`dim` floats each,
   // score already carries the position bias); a null slot is empty (kv 0, score -inf).
-  // out[e] = rope(rmsnorm(sum_s softmax_s(score)[ch] * kv[ch], norm_weight), positions[e]).
+  // out[e] = rope(rmsnorm(sum_s softmax_s(score)[ch] * kv[ch], norm_weight), positions[e]);
+  // an entry whose out[e] is null is skipped.
   virtual void compress(int64_t count, int slots, int64_t dim, const float* const* kv_src,
                         const float* const* score_src, const float* norm_weight, float eps,
                         const int64_t* positions, const RopeTable& rope, float* const* out) = 0;
@@ -146,6 +188,42 @@ class Backend {
   virtual void swiglu(const float* g, const float* u, float* y, int64_t n, float limit) = 0;
   // y += x over n
   virtual void add(float* y, const float* x, int64_t n) = 0;
+
+  // ---- decoding without host round trips ------------------------------------------
+  // One query per sequence; sequence b's tables are row `table_of[b]` (b when
+  // table_of is null) of per-sequence pointer tables in backend memory.
+  //
+  // Key rows of query b at position p = positions[b], in this order:
+  //   window rows  window[t * window_stride + j % window_slots]  for j = max(0, p - window_len + 1) .. p
+  //   then         entries[t * entry_stride + i]                 for i < (p + 1) / rate   (picked null)
+  //   or           entries[t * entry_stride + picked[b * k + s]] for s < picked_count[b] (picked given)
+  // (t = table row; window_len 0 or entries null: none of that part). Written to out_rows
+  // from out_offsets[b]; out_offsets has batch + 1 entries, out_offsets[0] = 0.
+  virtual void decode_rows(int64_t batch, const int64_t* positions, const int32_t* table_of,
+                           const float* const* window, int64_t window_stride, int64_t window_slots, int64_t window_len,
+                           const float* const* entries, int64_t entry_stride, int64_t rate, const int32_t* picked,
+                           const int32_t* picked_count, int k, const float** out_rows, int64_t* out_offsets) = 0;
+  // The compressor of one decode token per sequence (rate r; overlap: CSA's two
+  // windows over rows of width 2*dim, else rows of width dim). Token p = positions[b]
+  // closes entry i = p / r when (p + 1) % r == 0: then out[b] = entries[t * entry_stride + i],
+  // entry_pos[b] = i * r and the slot lists (r slots, or 2r with overlap: half a of window
+  // i-1 (null slots for i = 0), then half b (+ dim) of window i) name token j's kv row
+  // kv + b * width for j == p, else ring[t * ring_stride + j % ring_slots] (its score at
+  // + width); otherwise out[b] = null, which compress() skips. Also lists the ring store
+  // of token p: ring_dst[2b] = ring[t * ring_stride + p % ring_slots], ring_dst[2b + 1] =
+  // that + width, ring_src = kv + b * width and score + b * width (ring_slots = 2r or r).
+  // First adds the position bias to the new rows in place: score[b, :] += bias[p % r, :]
+  // (bias [r, width]; null: none), as add_position_bias does.
+  virtual void decode_compress_rows(int64_t batch, const int64_t* positions, const int32_t* table_of, int64_t rate,
+                                    bool overlap, int64_t dim, const float* kv, float* score, const float* bias,
+                                    float* const* ring, int64_t ring_stride, float* const* entries,
+                                    int64_t entry_stride, const float** kv_src, const float** score_src, float** out,
+                                    int64_t* entry_pos, float** ring_dst, const float** ring_src) = 0;
+  // table[index[i]] = values[i] for i < count where index[i] >= 0.
+  virtual void scatter_pointers(void** table, const int64_t* index, void* const* values, int64_t count) = 0;
+  // out[r] = the index of the largest of x[r, 0..n) (the lowest index among equals;
+  // NaN never wins unless the row is all NaN).
+  virtual void argmax(const float* x, int64_t rows, int64_t n, int32_t* out) = 0;
 };
 
 std::unique_ptr<Backend> make_cpu_backend();

@@ -10,20 +10,51 @@
 namespace troupe::model {
 namespace {
 
-// Backend buffers that live for one forward call.
-class Scratch {
+}  // namespace
+
+// Backend buffers that live for one forward call, taken from and returned to the
+// model's spare buffers (no allocation per call once sizes repeat).
+class ForwardScratch {
  public:
-  explicit Scratch(kernels::Backend& b) : b_(b) {}
-  ~Scratch() {
-    for (void* p : owned_) b_.free(p);
+  explicit ForwardScratch(Model& m) : m_(m), b_(m.backend_) {}
+  ~ForwardScratch() {
+    try {
+      b_.synchronize();  // a forward that threw may have left work in flight
+    } catch (...) {
+    }
+    std::lock_guard lock(m_.spare_mutex_);
+    for (auto [bytes, p] : owned_) {
+      m_.spare_.emplace(bytes, p);
+      m_.spare_bytes_ += bytes;
+    }
+    // Keep at most 4 GiB spare: beyond, give back the largest.
+    while (m_.spare_bytes_ > (size_t{4} << 30) && !m_.spare_.empty()) {
+      auto it = std::prev(m_.spare_.end());
+      m_.spare_bytes_ -= it->first;
+      b_.free(it->second);
+      m_.spare_.erase(it);
+    }
   }
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
+  ForwardScratch(const ForwardScratch&) = delete;
+  ForwardScratch& operator=(const ForwardScratch&) = delete;
 
   template <class T>
   T* alloc(int64_t n) {
-    void* p = b_.alloc(static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T));
-    owned_.push_back(p);
+    const size_t want = static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T);
+    size_t bytes = 256;
+    while (bytes < want) bytes *= 2;  // size classes, so buffers get reused
+    void* p = nullptr;
+    {
+      std::lock_guard lock(m_.spare_mutex_);
+      auto it = m_.spare_.find(bytes);
+      if (it != m_.spare_.end()) {
+        p = it->second;
+        m_.spare_bytes_ -= bytes;
+        m_.spare_.erase(it);
+      }
+    }
+    if (p == nullptr) p = b_.alloc(bytes);
+    owned_.emplace_back(bytes, p);
     return static_cast<T*>(p);
   }
   float* floats(int64_t n) { return alloc<float>(n); }
@@ -36,9 +67,12 @@ class Scratch {
   }
 
  private:
+  Model& m_;
   kernels::Backend& b_;
-  std::vector<void*> owned_;
+  std::vector<std::pair<size_t, void*>> owned_;
 };
+
+namespace {
 
 struct ChunkInfo {
   SequenceState* state;
@@ -71,8 +105,8 @@ kernels::RopeTable table(const RopeConfig& rc, const float* inv_freq) {
 }  // namespace
 
 struct Model::Batch {
-  explicit Batch(kernels::Backend& b) : scratch(b) {}
-  Scratch scratch;
+  explicit Batch(Model& m) : scratch(m) {}
+  ForwardScratch scratch;
   std::vector<ChunkInfo> chunks;
   int64_t rows = 0;
   std::vector<int64_t> positions_host;
@@ -95,27 +129,34 @@ Model::Model(ModelConfig config, std::unique_ptr<Weights> weights, kernels::Back
 }
 
 Model::~Model() {
+  backend_.synchronize();
+  for (auto& [bytes, p] : spare_) backend_.free(p);
   backend_.free(rope_main_);
   backend_.free(rope_compress_);
 }
 
-std::unique_ptr<Model> Model::load(const std::string& dir, kernels::Backend& backend) {
+std::unique_ptr<Model> Model::load(const std::string& dir, kernels::Backend& backend,
+                                   std::optional<kernels::WeightType> matrix_type) {
   namespace fs = std::filesystem;
   if (!fs::exists(dir)) raise(ErrorCode::not_found, "model directory {} does not exist", dir);
   const std::string config_path = (fs::path(dir) / "config.json").string();
   if (!fs::exists(config_path)) raise(ErrorCode::not_found, "{} has no config.json", dir);
   ModelConfig config = load_config(config_path);
   Checkpoint ckpt = Checkpoint::open(dir);
-  const auto type = backend.name() == "cpu" ? kernels::WeightType::f32 : kernels::WeightType::bf16;
+  const auto type = matrix_type ? *matrix_type
+                    : backend.name() == "cpu" ? kernels::WeightType::f32
+                                              : kernels::WeightType::bf16;
   auto weights = Weights::load(config, ckpt, backend, type);
   return std::make_unique<Model>(std::move(config), std::move(weights), backend);
 }
 
-std::unique_ptr<SequenceState> Model::new_dense_state() const { return std::make_unique<DenseState>(config_); }
+std::unique_ptr<SequenceState> Model::new_dense_state() const {
+  return std::make_unique<DenseState>(config_, &backend_);
+}
 
 std::vector<float> Model::forward(std::span<const Chunk> chunks) {
   const auto& c = config_;
-  Batch b(backend_);
+  Batch b(*this);
   int64_t logits_rows = 0;
   for (const auto& ch : chunks) {
     if (ch.state == nullptr || ch.ids.empty()) raise(ErrorCode::invalid_argument, "forward: empty chunk");

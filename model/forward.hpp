@@ -8,7 +8,10 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -32,12 +35,18 @@ class Model {
  public:
   // Loads config.json and the safetensors weights of `dir` onto `backend`.
   // Throws troupe::Error with a one-line reason.
-  static std::unique_ptr<Model> load(const std::string& dir, kernels::Backend& backend);
+  // Matrices become fp32 on the CPU backend and bf16 elsewhere unless
+  // `matrix_type` says otherwise (e.g. fp32 on CUDA, to separate kernel error
+  // from weight rounding).
+  static std::unique_ptr<Model> load(const std::string& dir, kernels::Backend& backend,
+                                     std::optional<kernels::WeightType> matrix_type = std::nullopt);
   Model(ModelConfig config, std::unique_ptr<Weights> weights, kernels::Backend& backend);
   ~Model();
 
   const ModelConfig& config() const { return config_; }
   kernels::Backend& backend() const { return backend_; }
+  const Weights& weights() const { return *weights_; }
+  size_t weights_bytes() const { return weights_->bytes; }
 
   // Runs the chunks and returns the wanted logits rows (host, fp32, row-major
   // [rows, vocab]) in chunk order. Checks ids against the vocabulary and throws
@@ -47,6 +56,7 @@ class Model {
   std::unique_ptr<SequenceState> new_dense_state() const;
 
  private:
+  friend class Decoder;  // model/decoder.hpp: the same math, one token per sequence, no host round trips
   struct Batch;
   void run_layer(int layer, Batch& b);
   void attention_block(int layer, Batch& b, const float* h, float* out);
@@ -59,6 +69,14 @@ class Model {
   kernels::Backend& backend_;
   float* rope_main_ = nullptr;      // inv_freq tables in backend memory
   float* rope_compress_ = nullptr;
+  // Backend buffers of finished forward calls, by size, for the next calls
+  // (a forward ends with synchronize(), so nothing in flight uses them).
+  // Several engines (workers of one process) may run forward() on one Model at
+  // once: the spare list is shared under spare_mutex_, each buffer owned by one call.
+  std::mutex spare_mutex_;
+  std::multimap<size_t, void*> spare_;
+  size_t spare_bytes_ = 0;
+  friend class ForwardScratch;
 };
 
 }  // namespace troupe::model

@@ -4,7 +4,9 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <algorithm>
 #include <numeric>
+#include <thread>
 #include <vector>
 
 #include "base/error.hpp"
@@ -20,6 +22,14 @@ using json = nlohmann::json;
 class Rng {
  public:
   explicit Rng(uint64_t seed) : s_(seed * 0x9e3779b97f4a7c15ull + 0x1234567ull) {}
+  static Rng at_state(uint64_t s) {
+    Rng r(0);
+    r.s_ = s;
+    return r;
+  }
+  uint64_t state() const { return s_; }
+  // The stream `draws` numbers later (splitmix64 steps by a constant).
+  void skip(uint64_t draws) { s_ += draws * 0x9e3779b97f4a7c15ull; }
   uint64_t next() {
     uint64_t z = (s_ += 0x9e3779b97f4a7c15ull);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -36,6 +46,30 @@ class Rng {
  private:
   uint64_t s_;
 };
+
+// store(i, normal_i) for i < n: the next n normals of `rng` (two draws each), made
+// on several threads from skipped-ahead copies of the stream, so the numbers are
+// the same as one thread drawing them in order; `rng` ends after them.
+template <class Store>
+void fill_normals(Rng& rng, int64_t n, Store store) {
+  const uint64_t s0 = rng.state();
+  const int64_t most = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  const int64_t threads = std::clamp<int64_t>(n / (int64_t{1} << 20), 1, most);
+  auto run = [&](int64_t begin, int64_t end) {
+    Rng r = Rng::at_state(s0);
+    r.skip(2 * static_cast<uint64_t>(begin));
+    for (int64_t i = begin; i < end; ++i) store(i, r.normal());
+  };
+  if (threads == 1) {
+    run(0, n);
+  } else {
+    std::vector<std::thread> pool;
+    const int64_t per = (n + threads - 1) / threads;
+    for (int64_t t = 0; t < threads; ++t) pool.emplace_back(run, t * per, std::min(n, (t + 1) * per));
+    for (auto& th : pool) th.join();
+  }
+  rng.skip(2 * static_cast<uint64_t>(n));
+}
 
 json preset_config(const InitOptions& o) {
   json c;
@@ -140,10 +174,10 @@ void init_model(const std::string& dir, const InitOptions& o) {
     const int64_t n = std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
     if (o.dtype == DType::f32) {
       t.f.resize(static_cast<size_t>(n));
-      for (auto& v : t.f) v = rng.normal() * std;
+      fill_normals(rng, n, [&](int64_t i, float v) { t.f[static_cast<size_t>(i)] = v * std; });
     } else {
       t.h.resize(static_cast<size_t>(n));
-      for (auto& v : t.h) v = f32_to_bf16(rng.normal() * std);
+      fill_normals(rng, n, [&](int64_t i, float v) { t.h[static_cast<size_t>(i)] = f32_to_bf16(v * std); });
     }
     tensors.push_back(std::move(t));
   };
@@ -151,7 +185,7 @@ void init_model(const std::string& dir, const InitOptions& o) {
     Owned t{name, DType::f32, shape, {}, {}, {}};
     const int64_t n = std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
     t.f.resize(static_cast<size_t>(n));
-    for (auto& v : t.f) v = mean + rng.normal() * std;
+    fill_normals(rng, n, [&](int64_t i, float v) { t.f[static_cast<size_t>(i)] = mean + v * std; });
     tensors.push_back(std::move(t));
   };
   const int64_t V = c["vocab_size"], D = c["hidden_size"], L = c["num_hidden_layers"], H = c["num_attention_heads"];

@@ -7,13 +7,14 @@
 //   inflight      compressor kv+score of the open windows        ring_row(layer, ring, pos)
 //
 // The model reads and writes rows through this interface and never owns the
-// memory: DenseState (below) keeps it in plain vectors for `troupe forward`;
-// cache/ keeps it in paged pools shared through the radix tree.
+// memory: DenseState (below) keeps one sequence's rows in backend memory for
+// `troupe forward`; cache/ keeps them in paged pools shared through the radix tree.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
+#include "kernels/backend.hpp"
 #include "model/config.hpp"
 
 namespace troupe::model {
@@ -66,10 +67,17 @@ class SequenceState {
   virtual float* ring_row(int layer, Ring ring, int64_t pos) = 0;
 };
 
-// Plain host vectors: the state of one sequence for the CPU backend.
+// The state of one sequence in one piece of memory per kind: the rows live in
+// the backend's memory (device memory on CUDA; host memory on the CPU backend,
+// or without a backend). Rows never move once handed out: entries and index
+// keys grow in blocks (256 rows, then doubling), so pointers stay valid across
+// reserve() and a decoder may keep them in tables.
 class DenseState final : public SequenceState {
  public:
-  explicit DenseState(const ModelConfig& config);
+  explicit DenseState(const ModelConfig& config, kernels::Backend* backend = nullptr);
+  ~DenseState() override;
+  DenseState(const DenseState&) = delete;
+  DenseState& operator=(const DenseState&) = delete;
   int64_t length() const override { return length_; }
   void reserve(int64_t new_length) override;
   void commit(int64_t new_length) override { length_ = new_length; }
@@ -77,18 +85,32 @@ class DenseState final : public SequenceState {
   float* entry_row(int layer, int64_t i) override;
   float* index_key_row(int layer, int64_t i) override;
   float* ring_row(int layer, Ring ring, int64_t pos) override;
+  // Bytes of memory held.
+  size_t bytes() const { return bytes_; }
 
  private:
+  struct Blocks {
+    int64_t width = 0;  // floats per row
+    std::vector<float*> blocks;
+    int64_t rows() const;  // rows the blocks hold
+    float* row(int64_t i) const;
+  };
   struct Layer {
     LayerShape shape;
-    std::vector<float> swa;       // ring of sliding_window rows
-    std::vector<float> entries;
-    std::vector<float> index_keys;
-    std::vector<float> ring[2];
+    float* swa = nullptr;       // ring of sliding_window rows
+    Blocks entries;
+    Blocks index_keys;
+    float* ring[2] = {nullptr, nullptr};
   };
+  float* take(int64_t floats);  // zeroed memory of the backend (or host)
+  void grow(Blocks& b, int64_t rows);
+
+  kernels::Backend* backend_;
   int64_t window_ = 0;
   int64_t length_ = 0;
+  size_t bytes_ = 0;
   std::vector<Layer> layers_;
+  std::vector<float*> owned_;
 };
 
 }  // namespace troupe::model

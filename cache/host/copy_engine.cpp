@@ -65,15 +65,13 @@ void CopyEngine::run() {
     queue_.pop_front();
     lock.unlock();
     uint64_t bytes = 0;
+    // The backend's copy queue: a copy stream beside the compute stream on CUDA,
+    // plain memcpy on the CPU backend.
     for (const auto& c : copies) {
-      if (c.to == Tier::host) {
-        backend_.to_host(c.dst, c.src, c.bytes);
-      } else {
-        backend_.to_device(c.dst, c.src, c.bytes);
-      }
+      backend_.copy_queue(c.dst, c.src, c.bytes, c.to == Tier::host);
       bytes += c.bytes;
     }
-    backend_.synchronize();
+    backend_.copy_queue_wait();
     lock.lock();
     bytes_ += bytes;
     done_upto_ = ticket;

@@ -1,6 +1,8 @@
 // Copies between the device and host tiers off the engine thread, so they
-// overlap compute. On the CPU backend a copy thread runs Backend::to_host /
-// to_device; a CUDA backend will put the same interface on a copy stream.
+// overlap compute: a copy thread issues each batch on the backend's copy queue
+// (Backend::copy_queue: a copy stream of its own on CUDA, memcpy on the CPU
+// backend) and waits for it. The engine issues copies out of device pages only
+// after the compute that wrote them has been synchronized.
 #pragma once
 
 #include <condition_variable>

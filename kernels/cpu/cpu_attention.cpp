@@ -17,6 +17,7 @@ void CpuBackend::compress(int64_t count, int slots, int64_t dim, const float* co
                           const int64_t* positions, const RopeTable& rope, float* const* out) {
   std::vector<float> pooled(static_cast<size_t>(dim));
   for (int64_t e = 0; e < count; ++e) {
+    if (out[e] == nullptr) continue;
     const float* const* kv = kv_src + e * slots;
     const float* const* sc = score_src + e * slots;
     for (int64_t ch = 0; ch < dim; ++ch) {

@@ -51,6 +51,19 @@ class CpuBackend final : public Backend {
            const Weight* gate, const Weight* up, const Weight* down, float limit, float* out) override;
   void swiglu(const float* g, const float* u, float* y, int64_t n, float limit) override;
   void add(float* y, const float* x, int64_t n) override;
+
+  void decode_rows(int64_t batch, const int64_t* positions, const int32_t* table_of, const float* const* window,
+                   int64_t window_stride, int64_t window_slots, int64_t window_len, const float* const* entries,
+                   int64_t entry_stride, int64_t rate, const int32_t* picked, const int32_t* picked_count, int k,
+                   const float** out_rows, int64_t* out_offsets) override;
+  void decode_compress_rows(int64_t batch, const int64_t* positions, const int32_t* table_of, int64_t rate,
+                            bool overlap, int64_t dim, const float* kv, float* score, const float* bias,
+                            float* const* ring,
+                            int64_t ring_stride, float* const* entries, int64_t entry_stride, const float** kv_src,
+                            const float** score_src, float** out, int64_t* entry_pos, float** ring_dst,
+                            const float** ring_src) override;
+  void scatter_pointers(void** table, const int64_t* index, void* const* values, int64_t count) override;
+  void argmax(const float* x, int64_t rows, int64_t n, int32_t* out) override;
 };
 
 // OpenBLAS 0.3.21 (Debian 12) does not recognise recent Xeons and falls back to

@@ -3,7 +3,10 @@
 #include <cublas_v2.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <map>
+#include <memory>
 #include <new>
 #include <vector>
 
@@ -11,6 +14,7 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/compressor.hpp"
 #include "kernels/cuda/cuda_backend.hpp"
+#include "kernels/cuda/decode.hpp"
 #include "kernels/cuda/dense.hpp"
 #include "kernels/cuda/indexer.hpp"
 #include "kernels/cuda/topk.hpp"
@@ -58,9 +62,27 @@ class Cublas {
   cublasHandle_t h_ = nullptr;
 };
 
+// Memory that recorded graphs may still point at: freed only when the backend
+// dies once any graph was made (set by capture_end).
+struct Keep {
+  bool graphs = false;
+  std::vector<void*> retired;
+  void release(void* p) {
+    if (p == nullptr) return;
+    if (graphs) {
+      retired.push_back(p);
+    } else {
+      cudaFree(p);
+    }
+  }
+  ~Keep() {
+    for (void* p : retired) cudaFree(p);
+  }
+};
+
 class DeviceBuffer {
  public:
-  DeviceBuffer() = default;
+  explicit DeviceBuffer(Keep* keep = nullptr) : keep_(keep) {}
   ~DeviceBuffer() { reset(); }
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
@@ -75,12 +97,17 @@ class DeviceBuffer {
     return true;
   }
   void reset() {
-    if (p_ != nullptr) cudaFree(p_);
+    if (keep_ != nullptr) {
+      keep_->release(p_);
+    } else if (p_ != nullptr) {
+      cudaFree(p_);
+    }
     p_ = nullptr;
     bytes_ = 0;
   }
 
  private:
+  Keep* keep_;
   void* p_ = nullptr;
   size_t bytes_ = 0;
 };
@@ -90,11 +117,15 @@ class DeviceBuffer {
 // waits for the device, so queued work never loses its memory).
 class Arena {
  public:
+  explicit Arena(Keep* keep) : keep_(keep) {}
   ~Arena() {
-    for (auto& c : chunks_) cudaFree(c.first);
+    for (auto& c : chunks_) keep_->release(c.first);
   }
+  // While graphs live (or one is being recorded) chunks are never consolidated:
+  // recorded ops keep pointing at them.
+  bool frozen = false;
   void begin() {
-    if (chunks_.size() > 1) {
+    if (chunks_.size() > 1 && !frozen && !keep_->graphs) {
       size_t total = 0;
       for (auto& c : chunks_) {
         total += c.second;
@@ -123,6 +154,7 @@ class Arena {
     TROUPE_CUDA(cudaMalloc(&p, bytes));
     chunks_.emplace_back(p, bytes);
   }
+  Keep* keep_;
   std::vector<std::pair<void*, size_t>> chunks_;
   size_t used_ = 0;
 };
@@ -136,26 +168,41 @@ cudaDataType_t cuda_type(WeightType t) {
   return CUDA_R_32F;
 }
 
-constexpr int64_t kPairsWithoutSync = 64;  // MoE pairs handled without a host round trip
+constexpr int64_t kPairsWithoutSync = 64;  // MoE pairs of one row handled pair by pair
+constexpr int64_t kRowsWithoutSync = 64;   // MoE rows handled without a host round trip
 
 }  // namespace
 
 struct CudaBackend::Impl {
-  explicit Impl(int dev) : device(dev), stream(), blas(stream.get()) {}
+  explicit Impl(int dev) : device(dev), stream(), blas(stream.get()), arena(&keep), topk_ws(&keep) {
+    // cuBLAS gets its workspace up front: no allocation while a graph is recorded.
+    TROUPE_CUDA(cudaMalloc(&blas_ws, kBlasWorkspace));
+    TROUPE_CUBLAS(cublasSetWorkspace(blas.get(), blas_ws, kBlasWorkspace));
+  }
+  ~Impl() {
+    cudaStreamSynchronize(stream.get());
+    if (copy_stream != nullptr) cudaStreamDestroy(copy_stream);
+    keep.release(blas_ws);
+  }
+  static constexpr size_t kBlasWorkspace = size_t{32} << 20;
+  Keep keep;  // first member destroyed last
   int device;
   Stream stream;
   Cublas blas;
+  void* blas_ws = nullptr;
   Arena arena;
   DeviceBuffer topk_ws;  // zero between calls
-  DeviceBuffer expert_tables;
-  std::vector<const void*> expert_tables_host;
+  // Device tables of expert weight pointers, one per distinct expert set (layer).
+  std::map<std::vector<const void*>, std::unique_ptr<DeviceBuffer>> expert_tables;
+  cudaStream_t copy_stream = nullptr;
+  bool capturing = false;
 
   cudaStream_t s() const { return stream.get(); }
 
   // y[m, w.rows] = x[m, ldx.. w.cols] @ w^T (+ beta y), any m.
   void linear(const float* x, int64_t m, const Weight& w, float* y, float beta) {
     if (m == 0 || w.rows == 0) return;
-    if (m <= kGemvMaxRows || w.rows <= 64) {
+    if (m <= kGemvBatchRows || w.rows <= 64) {
       gemv(x, w.cols, m, w, y, w.rows, beta, 0, s());
       return;
     }
@@ -185,7 +232,7 @@ struct CudaBackend::Impl {
     return h;
   }
 
-  // Device tables of the experts' weight pointers, uploaded when they change.
+  // Device tables of the experts' weight pointers, uploaded once per expert set.
   ExpertTables tables(const Weight* gate, const Weight* up, const Weight* down, int experts) {
     std::vector<const void*> host(static_cast<size_t>(3 * experts));
     for (int e = 0; e < experts; ++e) {
@@ -193,14 +240,16 @@ struct CudaBackend::Impl {
       host[experts + e] = up[e].data;
       host[2 * experts + e] = down[e].data;
     }
-    if (host != expert_tables_host) {
-      expert_tables.reserve(host.size() * sizeof(void*));
-      TROUPE_CUDA(cudaMemcpyAsync(expert_tables.get(), host.data(), host.size() * sizeof(void*),
-                                  cudaMemcpyHostToDevice, s()));
+    auto it = expert_tables.find(host);
+    if (it == expert_tables.end()) {
+      TROUPE_REQUIRE(!capturing, "moe: expert tables must be uploaded before a graph is recorded");
+      auto buf = std::make_unique<DeviceBuffer>(&keep);
+      buf->reserve(host.size() * sizeof(void*));
+      TROUPE_CUDA(cudaMemcpyAsync(buf->get(), host.data(), host.size() * sizeof(void*), cudaMemcpyHostToDevice, s()));
       TROUPE_CUDA(cudaStreamSynchronize(s()));
-      expert_tables_host = std::move(host);
+      it = expert_tables.emplace(std::move(host), std::move(buf)).first;
     }
-    auto* base = static_cast<const void* const*>(expert_tables.get());
+    auto* base = static_cast<const void* const*>(it->second->get());
     ExpertTables t;
     t.gate = base;
     t.up = base + experts;
@@ -217,6 +266,64 @@ CudaBackend::CudaBackend(int device) {
 }
 CudaBackend::~CudaBackend() {
   if (impl_) cudaStreamSynchronize(impl_->s());
+}
+
+namespace {
+class CudaGraph final : public Backend::Graph {
+ public:
+  CudaGraph(cudaGraphExec_t exec, cudaStream_t s) : exec_(exec), s_(s) {}
+  ~CudaGraph() override { cudaGraphExecDestroy(exec_); }
+  void launch() override { TROUPE_CUDA(cudaGraphLaunch(exec_, s_)); }
+
+ private:
+  cudaGraphExec_t exec_;
+  cudaStream_t s_;
+};
+}  // namespace
+
+bool CudaBackend::capture_begin() {
+  TROUPE_REQUIRE(!impl_->capturing, "capture_begin: already recording");
+  impl_->arena.begin();  // consolidate now: nothing may be freed while recording
+  impl_->arena.frozen = true;
+  impl_->keep.graphs = true;  // from here on, memory an op took is never freed early
+  TROUPE_CUDA(cudaStreamBeginCapture(impl_->s(), cudaStreamCaptureModeRelaxed));
+  impl_->capturing = true;
+  return true;
+}
+
+std::unique_ptr<Backend::Graph> CudaBackend::capture_end() {
+  TROUPE_REQUIRE(impl_->capturing, "capture_end: not recording");
+  impl_->capturing = false;
+  impl_->arena.frozen = false;
+  cudaGraph_t graph = nullptr;
+  TROUPE_CUDA(cudaStreamEndCapture(impl_->s(), &graph));
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t st = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  TROUPE_CUDA(st);
+  return std::make_unique<CudaGraph>(exec, impl_->s());
+}
+
+void CudaBackend::copy_queue(void* dst, const void* src, size_t bytes, bool to_host_dir) {
+  if (bytes == 0) return;
+  TROUPE_CUDA(cudaSetDevice(impl_->device));  // the calling thread may be a copy thread
+  {
+    std::lock_guard lock(copy_mu_);
+    if (impl_->copy_stream == nullptr) {
+      TROUPE_CUDA(cudaStreamCreateWithFlags(&impl_->copy_stream, cudaStreamNonBlocking));
+    }
+  }
+  TROUPE_CUDA(cudaMemcpyAsync(dst, src, bytes, to_host_dir ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice,
+                              impl_->copy_stream));
+}
+
+void CudaBackend::copy_queue_wait() {
+  cudaStream_t cs;
+  {
+    std::lock_guard lock(copy_mu_);
+    cs = impl_->copy_stream;
+  }
+  if (cs != nullptr) TROUPE_CUDA(cudaStreamSynchronize(cs));
 }
 cudaStream_t CudaBackend::stream() const { return impl_->s(); }
 int CudaBackend::device() const { return impl_->device; }
@@ -258,10 +365,19 @@ void CudaBackend::linear(const float* x, int64_t m, const Weight& w, float* y, f
   impl_->linear(x, m, w, y, beta);
 }
 
+void CudaBackend::linear_multi(const float* x, int64_t m, const Weight* w, float* const* y, int count) {
+  static const bool off = [] {
+    const char* e = std::getenv("TROUPE_MULTI_GEMV");
+    return e != nullptr && std::strcmp(e, "0") == 0;
+  }();
+  if (!off && gemv_multi(x, m, w, y, count, impl_->s())) return;
+  for (int i = 0; i < count; ++i) linear(x, m, w[i], y[i], 0.f);
+}
+
 void CudaBackend::linear_grouped(const float* x, int64_t m, const Weight& w, int groups, float* y) {
   if (m == 0) return;
   const int64_t out = w.rows / groups;
-  if (m <= kGemvMaxRows) {
+  if (m <= kGemvBatchRows) {
     gemv(x, groups * w.cols, m, w, y, w.rows, 0.f, out, impl_->s());
     return;
   }
@@ -334,15 +450,21 @@ void CudaBackend::indexer_topk(const float* q, const float* w, int64_t n_queries
                                float weight_scale, RaggedRows keys, int k, int32_t* out_idx, int32_t* out_count) {
   if (n_queries == 0) return;
   impl_->arena.begin();
-  const std::vector<int64_t> off = impl_->host_offsets(keys.offsets, n_queries);
-  std::vector<int32_t> len(static_cast<size_t>(n_queries));
-  int64_t max_len = 0;
-  for (int64_t t = 0; t < n_queries; ++t) {
-    len[t] = static_cast<int32_t>(off[t + 1] - off[t]);
-    max_len = std::max<int64_t>(max_len, len[t]);
-  }
   auto* lengths = impl_->arena.take<int32_t>(n_queries);
-  TROUPE_CUDA(cudaMemcpyAsync(lengths, len.data(), len.size() * 4, cudaMemcpyHostToDevice, impl_->s()));
+  int64_t max_len = 0;
+  if (keys.max_rows > 0) {  // bounded: lengths on the device, no round trip
+    max_len = keys.max_rows;
+    ragged_lengths(keys.offsets, n_queries, lengths, impl_->s());
+  } else {
+    const std::vector<int64_t> off = impl_->host_offsets(keys.offsets, n_queries);
+    std::vector<int32_t> len(static_cast<size_t>(n_queries));
+    for (int64_t t = 0; t < n_queries; ++t) {
+      len[t] = static_cast<int32_t>(off[t + 1] - off[t]);
+      max_len = std::max<int64_t>(max_len, len[t]);
+    }
+    TROUPE_CUDA(cudaMemcpyAsync(lengths, len.data(), len.size() * 4, cudaMemcpyHostToDevice, impl_->s()));
+    TROUPE_CUDA(cudaStreamSynchronize(impl_->s()));  // `len` dies here
+  }
   const int64_t stride = std::max<int64_t>((max_len + 3) / 4 * 4, 4);
   // Queries in chunks: <= 65535 rows per top-k launch and <= 256 M scores at a time.
   const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(65535, (int64_t{1} << 28) / stride));
@@ -372,9 +494,16 @@ void CudaBackend::attention(const float* q, int64_t n_queries, int heads, int64_
                             const float* sinks, float scale, float* out) {
   if (n_queries == 0) return;
   impl_->arena.begin();
-  const std::vector<int64_t> off = impl_->host_offsets(keys.offsets, n_queries);
-  int64_t max_keys = 0;
-  for (int64_t t = 0; t < n_queries; ++t) max_keys = std::max(max_keys, off[t + 1] - off[t]);
+  int64_t max_keys = keys.max_rows;
+  if (max_keys <= 0) {
+    const std::vector<int64_t> off = impl_->host_offsets(keys.offsets, n_queries);
+    for (int64_t t = 0; t < n_queries; ++t) max_keys = std::max(max_keys, off[t + 1] - off[t]);
+  }
+  if (dim != 64 && dim != 128 && dim != 256 && dim != 512) {  // small test models: the fp32 fallback
+    float* ws = impl_->arena.take<float>(n_queries * heads * std::max<int64_t>(max_keys, 1));
+    attention_fallback(q, n_queries, heads, dim, keys.rows, keys.offsets, max_keys, sinks, scale, out, ws, impl_->s());
+    return;
+  }
   for (int64_t t0 = 0; t0 < n_queries; t0 += 65535) {
     AttentionArgs a;
     a.q = q + t0 * heads * dim;
@@ -413,11 +542,25 @@ void CudaBackend::moe(const float* x, int64_t rows, int64_t dim, const int32_t* 
                down[e].rows == dim;
   }
   const int vec = gate[0].type == WeightType::f32 ? 4 : 8;
-  if (uniform && pairs <= kPairsWithoutSync && dim % vec == 0 && inter % vec == 0) {
+  if (uniform && rows == 1 && pairs <= kPairsWithoutSync && dim % vec == 0 && inter % vec == 0) {
     const ExpertTables t = impl_->tables(gate, up, down, experts);
     float* h = impl_->arena.take<float>(pairs * inter);
     float* ys = impl_->arena.take<float>(pairs * dim);
     moe_pairs(x, rows, dim, idx, weight, k, t, limit, h, ys, out, impl_->s());
+    return;
+  }
+  if (uniform && rows <= kRowsWithoutSync && dim % vec == 0 && inter % vec == 0) {
+    // Each expert's rows through its weights once, sorted on the device.
+    const ExpertTables t = impl_->tables(gate, up, down, experts);
+    auto* counts = impl_->arena.take<int32_t>(experts);
+    auto* offsets = impl_->arena.take<int32_t>(experts + 1);
+    auto* perm = impl_->arena.take<int32_t>(pairs);
+    auto* inv = impl_->arena.take<int32_t>(pairs);
+    float* xs = impl_->arena.take<float>(pairs * dim);
+    float* h = impl_->arena.take<float>(pairs * inter);
+    float* ys = impl_->arena.take<float>(pairs * dim);
+    moe_grouped(x, rows, dim, idx, weight, k, experts, t, limit, counts, offsets, perm, inv, xs, h, ys, out,
+                impl_->s());
     return;
   }
   // Sorted by expert: one GEMM chain per expert over its rows.
@@ -449,6 +592,29 @@ void CudaBackend::moe(const float* x, int64_t rows, int64_t dim, const int32_t* 
     impl_->linear(g + off[e] * inter, m, down[e], ys + off[e] * dim, 0.f);
   }
   moe_combine(ys, inv, weight, rows, k, dim, out, impl_->s());
+}
+
+void CudaBackend::decode_rows(int64_t batch, const int64_t* positions, const int32_t* table_of,
+                              const float* const* window, int64_t window_stride, int64_t window_slots,
+                              int64_t window_len, const float* const* entries, int64_t entry_stride, int64_t rate,
+                              const int32_t* picked, const int32_t* picked_count, int k, const float** out_rows,
+                              int64_t* out_offsets) {
+  cuda::decode_rows(batch, positions, table_of, window, window_stride, window_slots, window_len, entries, entry_stride,
+                    rate, picked, picked_count, k, out_rows, out_offsets, impl_->s());
+}
+void CudaBackend::decode_compress_rows(int64_t batch, const int64_t* positions, const int32_t* table_of, int64_t rate,
+                                       bool overlap, int64_t dim, const float* kv, float* score, const float* bias,
+                                       float* const* ring, int64_t ring_stride, float* const* entries,
+                                       int64_t entry_stride, const float** kv_src, const float** score_src,
+                                       float** out, int64_t* entry_pos, float** ring_dst, const float** ring_src) {
+  cuda::decode_compress_rows(batch, positions, table_of, rate, overlap, dim, kv, score, bias, ring, ring_stride, entries,
+                             entry_stride, kv_src, score_src, out, entry_pos, ring_dst, ring_src, impl_->s());
+}
+void CudaBackend::scatter_pointers(void** table, const int64_t* index, void* const* values, int64_t count) {
+  cuda::scatter_pointers(table, index, values, count, impl_->s());
+}
+void CudaBackend::argmax(const float* x, int64_t rows, int64_t n, int32_t* out) {
+  cuda::argmax_rows(x, rows, n, out, impl_->s());
 }
 
 void CudaBackend::swiglu(const float* g, const float* u, float* y, int64_t n, float limit) {

@@ -32,7 +32,7 @@ struct PointerSource {
   const int64_t* positions;
   float* const* out;
   int slots;
-  __device__ bool active(int64_t) const { return true; }
+  __device__ bool active(int64_t e) const { return out[e] != nullptr; }  // null: skipped
   __device__ int num_slots() const { return slots; }
   __device__ Slot slot(int64_t e, int s) const {
     Slot r;

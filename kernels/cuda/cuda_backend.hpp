@@ -8,14 +8,16 @@
 // activations are rounded to the weight type and multiplied with fp32
 // accumulation, the same precision as a bf16 model in PyTorch).
 //
-// Ops that need a host-side size (indexer_topk, attention: the longest key list;
-// moe with many rows: the rows per expert) read it back and so synchronise the
-// stream; everything else is asynchronous.
+// Ops that need a host-side size (indexer_topk, attention: the longest key list,
+// unless RaggedRows::max_rows bounds it; moe with more than 64 rows: the rows per
+// expert) read it back and so synchronise the stream; everything else is
+// asynchronous and can be recorded into a CUDA graph (capture_begin/capture_end).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <memory>
+#include <mutex>
 
 #include "kernels/backend.hpp"
 
@@ -38,8 +40,16 @@ class CudaBackend final : public Backend {
   void to_host(void* host_dst, const void* src, size_t bytes) override;
   void copy(void* dst, const void* src, size_t bytes) override;
   void synchronize() override;
+  // The copy queue is a second stream of the device (host tier copies).
+  void copy_queue(void* dst, const void* src, size_t bytes, bool to_host_dir) override;
+  void copy_queue_wait() override;
+  // CUDA graphs of the compute stream.
+  bool graphs_supported() const override { return true; }
+  bool capture_begin() override;
+  std::unique_ptr<Graph> capture_end() override;
 
   void linear(const float* x, int64_t m, const Weight& w, float* y, float beta) override;
+  void linear_multi(const float* x, int64_t m, const Weight* w, float* const* y, int count) override;
   void linear_grouped(const float* x, int64_t m, const Weight& w, int groups, float* y) override;
   void rmsnorm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim, float eps) override;
   void rope(float* x, int64_t rows, int heads, int64_t head_dim, const RopeTable& rope, const int64_t* positions,
@@ -73,9 +83,23 @@ class CudaBackend final : public Backend {
   void swiglu(const float* g, const float* u, float* y, int64_t n, float limit) override;
   void add(float* y, const float* x, int64_t n) override;
 
+  void decode_rows(int64_t batch, const int64_t* positions, const int32_t* table_of, const float* const* window,
+                   int64_t window_stride, int64_t window_slots, int64_t window_len, const float* const* entries,
+                   int64_t entry_stride, int64_t rate, const int32_t* picked, const int32_t* picked_count, int k,
+                   const float** out_rows, int64_t* out_offsets) override;
+  void decode_compress_rows(int64_t batch, const int64_t* positions, const int32_t* table_of, int64_t rate,
+                            bool overlap, int64_t dim, const float* kv, float* score, const float* bias,
+                            float* const* ring,
+                            int64_t ring_stride, float* const* entries, int64_t entry_stride, const float** kv_src,
+                            const float** score_src, float** out, int64_t* entry_pos, float** ring_dst,
+                            const float** ring_src) override;
+  void scatter_pointers(void** table, const int64_t* index, void* const* values, int64_t count) override;
+  void argmax(const float* x, int64_t rows, int64_t n, int32_t* out) override;
+
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
+  std::mutex copy_mu_;
 };
 
 }  // namespace troupe::kernels::cuda

@@ -142,6 +142,29 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const float* x, int6
   }
 }
 
+struct MultiSegments {
+  const void* w[kMultiMax];
+  float* y[kMultiMax];
+  int64_t rows[kMultiMax];
+  int64_t cta_end[kMultiMax];  // cumulative CTAs (4 rows each)
+  int count;
+};
+
+template <class WT, int M>
+__global__ void __launch_bounds__(kGemvThreads) gemv_multi_kernel(const float* x, int64_t k, int mh,
+                                                                  const MultiSegments seg) {
+  int i = 0;
+  while (i < seg.count - 1 && static_cast<int64_t>(blockIdx.x) >= seg.cta_end[i]) ++i;
+  const int64_t first = i == 0 ? 0 : seg.cta_end[i - 1];
+  const int64_t row0 = (static_cast<int64_t>(blockIdx.x) - first) * 4;
+  const int64_t n = seg.rows[i];
+  float s;
+  if (gemv_core<WT, M, 4>(x, k, mh, static_cast<const WT*>(seg.w[i]), n, k, row0, s)) {
+    const int r = threadIdx.x / M, mm = threadIdx.x % M;
+    if (row0 + r < n && mm < mh) seg.y[i][mm * n + row0 + r] = s;
+  }
+}
+
 // Any shape, any alignment: one block per (output row, x row).
 template <class WT>
 __global__ void gemv_scalar_kernel(const float* x, int64_t ldx, const WT* w, int64_t k, float* y, int64_t ldy,
@@ -172,12 +195,17 @@ void gemv_typed(const float* x, int64_t ldx, int64_t m, const WT* w, int64_t n, 
     return;
   }
   const bool one = m == 1;
-  const int64_t mtiles = one ? 1 : ceil_div(m, kGemvMaxRows);
+  const bool wide = m > kGemvMaxRows && m <= kGemvBatchRows;  // one pass of up to 8 rows
+  const int64_t mtiles = one || wide ? 1 : ceil_div(m, kGemvMaxRows);
   TROUPE_REQUIRE(mtiles <= 65535, "gemv: too many rows");
   const bool g4 = ceil_div(n, 4) * mtiles >= 264 && (group_rows == 0 || group_rows % 4 == 0);
   const int G = g4 ? 4 : 1;
   const dim3 grid(static_cast<unsigned>(ceil_div(n, G)), static_cast<unsigned>(mtiles));
-  if (one && g4) {
+  if (wide && g4) {
+    gemv_kernel<WT, kGemvBatchRows, 4><<<grid, kGemvThreads, 0, s>>>(x, ldx, m, w, n, k, y, ldy, beta, group_rows);
+  } else if (wide) {
+    gemv_kernel<WT, kGemvBatchRows, 1><<<grid, kGemvThreads, 0, s>>>(x, ldx, m, w, n, k, y, ldy, beta, group_rows);
+  } else if (one && g4) {
     gemv_kernel<WT, 1, 4><<<grid, kGemvThreads, 0, s>>>(x, ldx, m, w, n, k, y, ldy, beta, group_rows);
   } else if (one) {
     gemv_kernel<WT, 1, 1><<<grid, kGemvThreads, 0, s>>>(x, ldx, m, w, n, k, y, ldy, beta, group_rows);
@@ -293,11 +321,15 @@ __device__ float hc_inv_rms(const float* xr, int64_t width, float eps, float* sc
   return 1.0f / sqrtf(ss / static_cast<float>(width) + eps);
 }
 
+// HC = p.hc as a compile-time constant: the Sinkhorn matrix stays in registers
+// (with a run-time hc it went to local memory, and the one thread that runs the
+// 20 iterations took ~30 us a call, most of an mHC step at batch 1).
+template <int HC>
 __global__ void mhc_pre_kernel(const float* X, const float* mix, const float* base, const float* scale, MhcParams p,
                                float* y, float* post, float* comb) {
   __shared__ float scratch[32];
   __shared__ float pre[kMaxHc];
-  const int hc = p.hc;
+  constexpr int hc = HC;
   const int64_t r = blockIdx.x;
   const float* xr = X + r * hc * p.dim;
   const float inv = hc_inv_rms(xr, hc * p.dim, p.norm_eps, scratch);
@@ -306,7 +338,7 @@ __global__ void mhc_pre_kernel(const float* X, const float* mix, const float* ba
     const float* m = mix + r * n_mix;
     for (int j = 0; j < hc; ++j) pre[j] = sigmoidf(m[j] * inv * scale[0] + base[j]) + p.hc_eps;
     for (int j = 0; j < hc; ++j) post[r * hc + j] = 2.0f * sigmoidf(m[hc + j] * inv * scale[1] + base[hc + j]);
-    float c[kMaxHc * kMaxHc];
+    float c[hc * hc];
     for (int a = 0; a < hc; ++a) {
       float mx = -INFINITY;
       for (int b = 0; b < hc; ++b) {
@@ -502,6 +534,51 @@ __global__ void __launch_bounds__(kGemvThreads) moe_down_kernel(const float* h, 
   }
 }
 
+// Rows [m0, m0 + 8) of expert blockIdx.y (sorted pairs xs[offsets[e] ..]) through gate/up.
+template <class WT>
+__global__ void __launch_bounds__(kGemvThreads) moe_grouped_gate_up_kernel(const float* xs, int64_t dim,
+                                                                           const int32_t* counts,
+                                                                           const int32_t* offsets, ExpertTables t,
+                                                                           float limit, float* h) {
+  const int e = blockIdx.y;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.z) * kGemvBatchRows;
+  const int64_t cnt = counts[e];
+  if (m0 >= cnt) return;  // the whole block
+  const int mh = static_cast<int>(cnt - m0 < kGemvBatchRows ? cnt - m0 : kGemvBatchRows);
+  const int64_t r0 = offsets[e] + m0;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * 4;
+  float g = 0.f, u = 0.f;
+  const bool has_g = gemv_core<WT, kGemvBatchRows, 4>(xs + r0 * dim, dim, mh, static_cast<const WT*>(t.gate[e]),
+                                                      t.inter, dim, row0, g);
+  __syncthreads();  // red[] is reused
+  const bool has_u = gemv_core<WT, kGemvBatchRows, 4>(xs + r0 * dim, dim, mh, static_cast<const WT*>(t.up[e]),
+                                                      t.inter, dim, row0, u);
+  if (has_g && has_u) {
+    const int r = threadIdx.x / kGemvBatchRows, mm = threadIdx.x % kGemvBatchRows;
+    if (row0 + r < t.inter && mm < mh) h[(r0 + mm) * t.inter + row0 + r] = swiglu1(g, u, limit);
+  }
+}
+
+template <class WT>
+__global__ void __launch_bounds__(kGemvThreads) moe_grouped_down_kernel(const float* h, int64_t dim,
+                                                                         const int32_t* counts,
+                                                                         const int32_t* offsets, ExpertTables t,
+                                                                         float* ys) {
+  const int e = blockIdx.y;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.z) * kGemvBatchRows;
+  const int64_t cnt = counts[e];
+  if (m0 >= cnt) return;
+  const int mh = static_cast<int>(cnt - m0 < kGemvBatchRows ? cnt - m0 : kGemvBatchRows);
+  const int64_t r0 = offsets[e] + m0;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * 4;
+  float v = 0.f;
+  if (gemv_core<WT, kGemvBatchRows, 4>(h + r0 * t.inter, t.inter, mh, static_cast<const WT*>(t.down[e]), dim,
+                                       t.inter, row0, v)) {
+    const int r = threadIdx.x / kGemvBatchRows, mm = threadIdx.x % kGemvBatchRows;
+    if (row0 + r < dim && mm < mh) ys[(r0 + mm) * dim + row0 + r] = v;
+  }
+}
+
 __global__ void moe_combine_kernel(const float* ys, const int32_t* inv, const float* weight, int64_t rows, int k,
                                    int64_t dim, float* out) {
   const int64_t total = rows * dim;
@@ -565,6 +642,47 @@ void gemv(const float* x, int64_t ldx, int64_t m, const Weight& w, float* y, int
     case WeightType::f16:
       return gemv_typed(x, ldx, m, static_cast<const __half*>(w.data), w.rows, w.cols, y, ldy, beta, group_rows, s);
   }
+}
+
+template <class WT>
+void gemv_multi_typed(const float* x, int64_t m, int64_t k, const MultiSegments& seg, cudaStream_t s) {
+  const dim3 grid(static_cast<unsigned>(seg.cta_end[seg.count - 1]));
+  const int mh = static_cast<int>(m);
+  if (m == 1) {
+    gemv_multi_kernel<WT, 1><<<grid, kGemvThreads, 0, s>>>(x, k, mh, seg);
+  } else if (m <= kGemvMaxRows) {
+    gemv_multi_kernel<WT, kGemvMaxRows><<<grid, kGemvThreads, 0, s>>>(x, k, mh, seg);
+  } else {
+    gemv_multi_kernel<WT, kGemvBatchRows><<<grid, kGemvThreads, 0, s>>>(x, k, mh, seg);
+  }
+  TROUPE_LAUNCHED();
+}
+
+bool gemv_multi(const float* x, int64_t m, const Weight* w, float* const* y, int count, cudaStream_t s) {
+  if (count < 1 || count > kMultiMax || m < 1 || m > kGemvBatchRows) return false;
+  const int64_t k = w[0].cols;
+  const int vec = w[0].type == WeightType::f32 ? 4 : 8;
+  if (k % vec != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0) return false;
+  MultiSegments seg{};
+  seg.count = count;
+  int64_t ctas = 0;
+  for (int i = 0; i < count; ++i) {
+    if (w[i].type != w[0].type || w[i].cols != k || w[i].rows < 1 || reinterpret_cast<uintptr_t>(w[i].data) % 16 != 0) {
+      return false;
+    }
+    seg.w[i] = w[i].data;
+    seg.y[i] = y[i];
+    seg.rows[i] = w[i].rows;
+    ctas += ceil_div(w[i].rows, 4);
+    seg.cta_end[i] = ctas;
+  }
+  if (ctas > 0x7fffffff) return false;
+  switch (w[0].type) {
+    case WeightType::f32: gemv_multi_typed<float>(x, m, k, seg, s); break;
+    case WeightType::bf16: gemv_multi_typed<__nv_bfloat16>(x, m, k, seg, s); break;
+    case WeightType::f16: gemv_multi_typed<__half>(x, m, k, seg, s); break;
+  }
+  return true;
 }
 
 void rmsnorm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim, float eps, cudaStream_t s) {
@@ -646,7 +764,17 @@ void mhc_pre_finish(const float* X, const float* mix, int64_t rows, const float*
                     const MhcParams& p, float* y, float* post, float* comb, cudaStream_t s) {
   TROUPE_REQUIRE(p.hc >= 1 && p.hc <= kMaxHc, "mhc: hc_mult must be 1..8");
   if (rows == 0) return;
-  mhc_pre_kernel<<<static_cast<unsigned>(rows), 256, 0, s>>>(X, mix, base, scale, p, y, post, comb);
+  const auto grid = static_cast<unsigned>(rows);
+  switch (p.hc) {
+    case 1: mhc_pre_kernel<1><<<grid, 256, 0, s>>>(X, mix, base, scale, p, y, post, comb); break;
+    case 2: mhc_pre_kernel<2><<<grid, 256, 0, s>>>(X, mix, base, scale, p, y, post, comb); break;
+    case 3: mhc_pre_kernel<3><<<grid, 256, 0, s>>>(X, mix, base, scale, p, y, post, comb); break;
+    case 4: mhc_pre_kernel<4><<<grid, 256, 0, s>>>(X, mix, base, scale, p, y, post, comb); break;
+    case 5: mhc_pre_kernel<5><<<grid, 256, 0, s>>>(X, mix, base, scale, p, y, post, comb); break;
+    case 6: mhc_pre_kernel<6><<<grid, 256, 0, s>>>(X, mix, base, scale, p, y, post, comb); break;
+    case 7: mhc_pre_kernel<7><<<grid, 256, 0, s>>>(X, mix, base, scale, p, y, post, comb); break;
+    default: mhc_pre_kernel<8><<<grid, 256, 0, s>>>(X, mix, base, scale, p, y, post, comb); break;
+  }
   TROUPE_LAUNCHED();
 }
 
@@ -705,6 +833,41 @@ void moe_pairs(const float* x, int64_t rows, int64_t dim, const int32_t* idx, co
   }
   TROUPE_LAUNCHED();
   moe_combine(ys, nullptr, weight, rows, k, dim, out, s);
+}
+
+void moe_grouped(const float* x, int64_t rows, int64_t dim, const int32_t* idx, const float* weight, int k,
+                 int experts, const ExpertTables& t, float limit, int32_t* counts, int32_t* offsets, int32_t* perm,
+                 int32_t* inv, float* xs, float* h, float* ys, float* out, cudaStream_t s) {
+  const int64_t pairs = rows * k;
+  if (pairs == 0) return;
+  TROUPE_REQUIRE(experts <= 65535, "moe_grouped: too many experts");
+  const int vec = t.type == WeightType::f32 ? 4 : 8;
+  TROUPE_REQUIRE(dim % vec == 0 && t.inter % vec == 0, "moe_grouped: widths must be multiples of 8");
+  moe_sort(idx, pairs, experts, counts, offsets, perm, inv, s);
+  moe_gather(x, dim, perm, pairs, k, xs, s);
+  // An expert serves each row at most once (route picks distinct experts), so at most `rows` rows.
+  const unsigned ztiles = static_cast<unsigned>(ceil_div(rows, kGemvBatchRows));
+  const dim3 g1(static_cast<unsigned>(ceil_div(t.inter, 4)), static_cast<unsigned>(experts), ztiles);
+  const dim3 g2(static_cast<unsigned>(ceil_div(dim, 4)), static_cast<unsigned>(experts), ztiles);
+  switch (t.type) {
+    case WeightType::f32:
+      moe_grouped_gate_up_kernel<float><<<g1, kGemvThreads, 0, s>>>(xs, dim, counts, offsets, t, limit, h);
+      TROUPE_LAUNCHED();
+      moe_grouped_down_kernel<float><<<g2, kGemvThreads, 0, s>>>(h, dim, counts, offsets, t, ys);
+      break;
+    case WeightType::bf16:
+      moe_grouped_gate_up_kernel<__nv_bfloat16><<<g1, kGemvThreads, 0, s>>>(xs, dim, counts, offsets, t, limit, h);
+      TROUPE_LAUNCHED();
+      moe_grouped_down_kernel<__nv_bfloat16><<<g2, kGemvThreads, 0, s>>>(h, dim, counts, offsets, t, ys);
+      break;
+    case WeightType::f16:
+      moe_grouped_gate_up_kernel<__half><<<g1, kGemvThreads, 0, s>>>(xs, dim, counts, offsets, t, limit, h);
+      TROUPE_LAUNCHED();
+      moe_grouped_down_kernel<__half><<<g2, kGemvThreads, 0, s>>>(h, dim, counts, offsets, t, ys);
+      break;
+  }
+  TROUPE_LAUNCHED();
+  moe_combine(ys, inv, weight, rows, k, dim, out, s);
 }
 
 void moe_sort(const int32_t* idx, int64_t pairs, int experts, int32_t* counts, int32_t* offsets, int32_t* perm,

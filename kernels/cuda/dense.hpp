@@ -12,13 +12,20 @@
 
 namespace troupe::kernels::cuda {
 
-constexpr int kGemvMaxRows = 4;  // rows of x one GEMV pass serves (more: cuBLAS is faster)
+constexpr int kGemvMaxRows = 4;    // rows of x one GEMV pass serves in the tiled form
+constexpr int kGemvBatchRows = 8;  // up to this many rows run as one pass (weights read once; more: cuBLAS)
 
 // y[m, n] (+)= x[m, k] @ w[n, k]^T for any m (x rows are served 4 at a time, each
 // pass streams w once). `group_rows` > 0 makes it block-diagonal: output row j reads
 // x columns [(j / group_rows) * k, +k) (x has ldx >= groups * k). beta 0: y is not read.
 void gemv(const float* x, int64_t ldx, int64_t m, const Weight& w, float* y, int64_t ldy, float beta,
           int64_t group_rows, cudaStream_t stream);
+
+// Several GEMVs over the same x [m <= 8, k] in one launch (weights of one type, k
+// columns each, 16-byte aligned, k a multiple of 8): the same per-row math as gemv().
+// Returns false (nothing launched) when the shapes do not qualify.
+constexpr int kMultiMax = 12;
+bool gemv_multi(const float* x, int64_t m, const Weight* w, float* const* y, int count, cudaStream_t stream);
 
 void rmsnorm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim, float eps, cudaStream_t s);
 void rope(float* x, int64_t rows, int heads, int64_t head_dim, const RopeTable& rope, const int64_t* positions,
@@ -56,6 +63,13 @@ struct ExpertTables {
 // h: [rows*k, inter] scratch, ys: [rows*k, dim] scratch.
 void moe_pairs(const float* x, int64_t rows, int64_t dim, const int32_t* idx, const float* weight, int k,
                const ExpertTables& t, float limit, float* h, float* ys, float* out, cudaStream_t s);
+// MoE without a host round trip for a few rows (<= 64): the pairs sorted by expert on
+// the device, then every expert's rows (up to 8 at a time) through its weights once.
+// Scratch: counts [experts], offsets [experts + 1], perm/inv [rows*k], xs/ys [rows*k, dim],
+// h [rows*k, inter].
+void moe_grouped(const float* x, int64_t rows, int64_t dim, const int32_t* idx, const float* weight, int k,
+                 int experts, const ExpertTables& t, float limit, int32_t* counts, int32_t* offsets, int32_t* perm,
+                 int32_t* inv, float* xs, float* h, float* ys, float* out, cudaStream_t s);
 // Sorted path pieces: counts/offsets/permutation of the pairs by expert
 // (counts[e], offsets[e] (experts + 1), perm[pos] = pair, inv[pair] = pos).
 void moe_sort(const int32_t* idx, int64_t pairs, int experts, int32_t* counts, int32_t* offsets, int32_t* perm,

@@ -57,6 +57,36 @@ TEST(Engine, model_rows_do_not_depend_on_chunking_or_batch_company) {
   }
 }
 
+// Decode steps through model::Decoder (batches up to 8; more running sequences
+// than slots fall back to Model::forward) give the DenseState logits too.
+TEST(Engine, decoder_steps_equal_each_alone) {
+  auto& m = tiny();
+  EngineOptions o;
+  o.step_tokens = 384;
+  o.decode_batch = 8;
+  o.decode_context = 4096;
+  Harness h(m, o);
+  std::mt19937_64 rng(21);
+  std::vector<RequestId> ids;
+  for (int i = 0; i < 12; ++i) {
+    auto r = greedy(test::random_ids(rng, 1 + static_cast<int64_t>(rng() % 300), m.config().vocab_size),
+                    2 + static_cast<int32_t>(rng() % 30));
+    r.max_chunk_tokens = rng() % 3 == 0 ? 0 : 1 + static_cast<int64_t>(rng() % 100);
+    ids.push_back(h.submit(std::move(r)));
+  }
+  h.run();
+  const auto stats = h.engine().stats();
+  EXPECT_GT(stats.decoder_steps, 0);
+  for (auto id : ids) {
+    ASSERT_TRUE(h[id].finished);
+    EXPECT_EQ(h[id].last.reason, FinishReason::length);
+    h.expect_dense_logits(id);
+  }
+  h.expect_no_leaks(false);
+  h.engine().clear_cache();
+  h.expect_no_leaks(true);
+}
+
 // Row by row the math does not depend on the batch (the CPU backend's
 // products are batch-invariant): bitwise equal.
 TEST(Engine, thirty_two_sequences_batched_equal_each_alone_exactly) { batched_equal_alone(tiny(), 0.0f, 700); }

@@ -149,5 +149,18 @@ TEST(EngineProperty, small_pages_and_a_tiny_device_tier) {
   for (uint64_t seed : seeds({8, 9})) interleave(seed, o, 10);
 }
 
+// The same with decode steps through model::Decoder (tables in backend memory,
+// key lists and picks made by backend ops; on the CPU backend without graphs):
+// tables refresh after prefill chunks and page moves (park, resume, reload, cold pages).
+TEST(EngineProperty, decoder_steps_keep_logits_and_pages_through_moves) {
+  for (uint64_t seed : {1, 6}) {
+    EngineOptions o = seed == 1 ? roomy_with_host() : tight(true);
+    o.decode_batch = 4;
+    o.decode_context = 2048;
+    const auto s = interleave(seed, o, 10);
+    EXPECT_GT(s.decoder_steps, 0);
+  }
+}
+
 }  // namespace
 }  // namespace troupe::engine

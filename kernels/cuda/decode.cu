@@ -1,0 +1,304 @@
+// Decode-step helpers on the device (see decode.hpp).
+#include <algorithm>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/decode.hpp"
+
+namespace troupe::kernels::cuda {
+namespace {
+
+constexpr int64_t kRowsPerBlock = 2048;  // entry pointers one block of decode_rows copies
+
+struct RowsArgs {
+  const int64_t* positions;
+  const int32_t* table_of;
+  const float* const* window;
+  int64_t window_stride, window_slots, window_len;
+  const float* const* entries;
+  int64_t entry_stride, rate;
+  const int32_t* picked;
+  const int32_t* picked_count;
+  int k;
+  const float** out_rows;
+  int64_t* out_offsets;
+};
+
+__device__ __forceinline__ int64_t wlen_of(const RowsArgs& a, int64_t p) {
+  return a.window != nullptr && a.window_len > 0 ? p - max(int64_t{0}, p - a.window_len + 1) + 1 : 0;
+}
+__device__ __forceinline__ int64_t entry_len(const RowsArgs& a, int64_t b, int64_t p) {
+  if (a.entries == nullptr) return 0;
+  return a.picked != nullptr ? static_cast<int64_t>(a.picked_count[b]) : (p + 1) / a.rate;
+}
+
+// grid (batch, entry chunks): block (b, y) writes entry rows [y * kRowsPerBlock, +kRowsPerBlock)
+// of query b; blocks with y == 0 also write the window rows and the offset.
+__global__ void decode_rows_kernel(const RowsArgs a, int64_t batch) {
+  __shared__ long long partial[32];
+  const int64_t b = blockIdx.x;
+  // Offset of query b: the lengths of the queries before it.
+  long long mine = 0;
+  for (int64_t q = threadIdx.x; q < b; q += blockDim.x) {
+    const int64_t p = a.positions[q];
+    mine += wlen_of(a, p) + entry_len(a, q, p);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, o);
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = mine;
+  __syncthreads();
+  long long off = 0;
+  for (int w = 0; w < static_cast<int>((blockDim.x + 31) >> 5); ++w) off += partial[w];
+  const int64_t p = a.positions[b];
+  const int64_t t = a.table_of != nullptr ? a.table_of[b] : b;
+  const int64_t wl = wlen_of(a, p), el = entry_len(a, b, p);
+  const float** out = a.out_rows + off;
+  if (blockIdx.y == 0) {
+    if (threadIdx.x == 0) {
+      a.out_offsets[b + 1] = off + wl + el;
+      if (b == 0) a.out_offsets[0] = 0;
+    }
+    const int64_t j0 = p - wl + 1;
+    for (int64_t i = threadIdx.x; i < wl; i += blockDim.x) {
+      out[i] = a.window[t * a.window_stride + (j0 + i) % a.window_slots];
+    }
+  }
+  const int64_t e0 = static_cast<int64_t>(blockIdx.y) * kRowsPerBlock;
+  const int64_t e1 = min(el, e0 + kRowsPerBlock);
+  const float* const* tab = a.entries + t * a.entry_stride;
+  for (int64_t i = e0 + threadIdx.x; i < e1; i += blockDim.x) {
+    const int64_t src = a.picked != nullptr ? static_cast<int64_t>(a.picked[b * a.k + i]) : i;
+    out[wl + i] = tab[src];
+  }
+}
+
+__global__ void decode_compress_kernel(const int64_t* positions, const int32_t* table_of, int64_t rate, bool overlap,
+                                       int64_t dim, const float* kv, float* score, const float* bias, float* const* ring,
+                                       int64_t ring_stride, float* const* entries, int64_t entry_stride,
+                                       const float** kv_src, const float** score_src, float** out, int64_t* entry_pos,
+                                       float** ring_dst, const float** ring_src) {
+  const int64_t b = blockIdx.x;
+  const int64_t width = overlap ? 2 * dim : dim;
+  const int64_t ring_slots = overlap ? 2 * rate : rate;
+  const int64_t p = positions[b];
+  const int64_t t = table_of != nullptr ? table_of[b] : b;
+  const int64_t i = p / rate;
+  const bool closing = (p + 1) % rate == 0;
+  float* const* rt = ring + t * ring_stride;
+  if (bias != nullptr) {  // the position bias, as add_position_bias (the compress kernel runs after)
+    const float* br = bias + (p % rate) * width;
+    for (int64_t c = threadIdx.x; c < width; c += blockDim.x) score[b * width + c] += br[c];
+  }
+  for (int64_t s = threadIdx.x; s < ring_slots; s += blockDim.x) {
+    const float* ks = nullptr;
+    const float* ss = nullptr;
+    if (closing) {
+      int64_t j;
+      int64_t half = 0;
+      bool empty = false;
+      if (overlap) {
+        if (s < rate) {
+          j = (i - 1) * rate + s;
+          empty = i == 0;
+        } else {
+          j = i * rate + (s - rate);
+          half = dim;
+        }
+      } else {
+        j = i * rate + s;
+      }
+      if (!empty) {
+        if (j == p) {
+          ks = kv + b * width + half;
+          ss = score + b * width + half;
+        } else {
+          const float* r = rt[j % ring_slots];
+          ks = r + half;
+          ss = r + width + half;
+        }
+      }
+    }
+    kv_src[b * ring_slots + s] = ks;
+    score_src[b * ring_slots + s] = ss;
+  }
+  if (threadIdx.x == 0) {
+    out[b] = closing ? entries[t * entry_stride + i] : nullptr;
+    entry_pos[b] = i * rate;
+    float* r = rt[p % ring_slots];
+    ring_dst[2 * b] = r;
+    ring_dst[2 * b + 1] = r + width;
+    ring_src[2 * b] = kv + b * width;
+    ring_src[2 * b + 1] = score + b * width;
+  }
+}
+
+__global__ void scatter_kernel(void** table, const int64_t* index, void* const* values, int64_t count) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t at = index[i];
+    if (at >= 0) table[at] = values[i];
+  }
+}
+
+__device__ __forceinline__ void better(float& bv, int& bi, float v, int i) {
+  if (v > bv || (v == bv && i < bi)) {
+    bv = v;
+    bi = i;
+  }
+}
+
+__global__ void __launch_bounds__(1024) argmax_kernel(const float* x, int64_t n, int32_t* out) {
+  __shared__ float sv[32];
+  __shared__ int si[32];
+  const float* xr = x + static_cast<int64_t>(blockIdx.x) * n;
+  float bv = -INFINITY;
+  int bi = 0x7fffffff;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+    const float v = xr[j];
+    if (!isnan(v)) better(bv, bi, v, static_cast<int>(j));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    better(bv, bi, ov, oi);
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  if (lane == 0) {
+    sv[warp] = bv;
+    si[warp] = bi;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    bv = lane < nw ? sv[lane] : -INFINITY;
+    bi = lane < nw ? si[lane] : 0x7fffffff;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      better(bv, bi, ov, oi);
+    }
+    if (lane == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
+  }
+}
+
+__global__ void ragged_lengths_kernel(const int64_t* offsets, int64_t n, int32_t* lengths) {
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < n;
+       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    lengths[t] = static_cast<int32_t>(offsets[t + 1] - offsets[t]);
+  }
+}
+
+// Pass 1: probabilities of query t, head h over its keys (sink in the denominator).
+__global__ void attn_fallback_probs(const float* q, int heads, int64_t dim, const float* const* rows,
+                                    const int64_t* offsets, int64_t max_keys, const float* sinks, float scale,
+                                    float* ws) {
+  __shared__ float scratch[32];
+  const int64_t t = blockIdx.x;
+  const int h = blockIdx.y;
+  const int64_t beg = offsets[t], n = offsets[t + 1] - beg;
+  const float* qh = q + (t * heads + h) * dim;
+  float* p = ws + (t * heads + h) * max_keys;
+  float mx = sinks != nullptr ? sinks[h] : -INFINITY;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+    const float* k = rows[beg + j];
+    float acc = 0.f;
+    for (int64_t c = 0; c < dim; ++c) acc += qh[c] * k[c];
+    p[j] = acc * scale;
+    mx = fmaxf(mx, p[j]);
+  }
+  mx = block_max(mx, scratch);
+  float sum = 0.f;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+    p[j] = expf(p[j] - mx);
+    sum += p[j];
+  }
+  sum = block_sum(sum, scratch);
+  if (sinks != nullptr) sum += expf(sinks[h] - mx);
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) p[j] *= inv;
+}
+
+// Pass 2: out[t, h, c] = sum_j p_j k_j[c].
+__global__ void attn_fallback_out(int heads, int64_t dim, const float* const* rows, const int64_t* offsets,
+                                  int64_t max_keys, const float* ws, float* out) {
+  const int64_t t = blockIdx.x;
+  const int h = blockIdx.y;
+  const int64_t beg = offsets[t], n = offsets[t + 1] - beg;
+  const float* p = ws + (t * heads + h) * max_keys;
+  for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
+    float acc = 0.f;
+    for (int64_t j = 0; j < n; ++j) acc += p[j] * rows[beg + j][c];
+    out[(t * heads + h) * dim + c] = acc;
+  }
+}
+
+}  // namespace
+
+void attention_fallback(const float* q, int64_t n_queries, int heads, int64_t dim, const float* const* rows,
+                        const int64_t* offsets, int64_t max_keys, const float* sinks, float scale, float* out,
+                        float* workspace, cudaStream_t s) {
+  if (n_queries == 0) return;
+  TROUPE_REQUIRE(n_queries <= 0x7fffffff && heads <= 65535 && dim <= 1024, "attention fallback: too large");
+  const dim3 grid(static_cast<unsigned>(n_queries), static_cast<unsigned>(heads));
+  attn_fallback_probs<<<grid, 128, 0, s>>>(q, heads, dim, rows, offsets, std::max<int64_t>(max_keys, 1), sinks, scale,
+                                           workspace);
+  TROUPE_LAUNCHED();
+  attn_fallback_out<<<grid, static_cast<unsigned>(std::min<int64_t>(std::max<int64_t>((dim + 31) / 32 * 32, 32), 1024)),
+                      0, s>>>(heads, dim, rows, offsets, std::max<int64_t>(max_keys, 1), workspace, out);
+  TROUPE_LAUNCHED();
+}
+
+void decode_rows(int64_t batch, const int64_t* positions, const int32_t* table_of, const float* const* window,
+                 int64_t window_stride, int64_t window_slots, int64_t window_len, const float* const* entries,
+                 int64_t entry_stride, int64_t rate, const int32_t* picked, const int32_t* picked_count, int k,
+                 const float** out_rows, int64_t* out_offsets, cudaStream_t s) {
+  if (batch == 0) return;
+  TROUPE_REQUIRE(batch <= 65535, "decode_rows: too many queries");
+  TROUPE_REQUIRE(entries == nullptr || rate > 0 || picked != nullptr, "decode_rows: rate must be positive");
+  RowsArgs a{positions, table_of, window, window_stride, window_slots, window_len, entries, entry_stride,
+             rate > 0 ? rate : 1, picked, picked_count, k, out_rows, out_offsets};
+  // Entry chunks from the table's capacity (picked lists hold at most k).
+  const int64_t most = entries == nullptr ? 0 : picked != nullptr ? k : entry_stride;
+  const int64_t chunks = std::max<int64_t>(1, ceil_div(most, kRowsPerBlock));
+  TROUPE_REQUIRE(chunks <= 65535, "decode_rows: entry tables too large");
+  decode_rows_kernel<<<dim3(static_cast<unsigned>(batch), static_cast<unsigned>(chunks)), 256, 0, s>>>(a, batch);
+  TROUPE_LAUNCHED();
+}
+
+void decode_compress_rows(int64_t batch, const int64_t* positions, const int32_t* table_of, int64_t rate, bool overlap,
+                          int64_t dim, const float* kv, float* score, const float* bias, float* const* ring,
+                          int64_t ring_stride,
+                          float* const* entries, int64_t entry_stride, const float** kv_src, const float** score_src,
+                          float** out, int64_t* entry_pos, float** ring_dst, const float** ring_src, cudaStream_t s) {
+  if (batch == 0) return;
+  TROUPE_REQUIRE(rate >= 1 && batch <= 0x7fffffff, "decode_compress_rows: bad arguments");
+  const int64_t slots = overlap ? 2 * rate : rate;
+  const int threads = static_cast<int>(std::clamp<int64_t>((slots + 31) / 32 * 32, 32, 256));
+  decode_compress_kernel<<<static_cast<unsigned>(batch), threads, 0, s>>>(
+      positions, table_of, rate, overlap, dim, kv, score, bias, ring, ring_stride, entries, entry_stride, kv_src, score_src,
+      out, entry_pos, ring_dst, ring_src);
+  TROUPE_LAUNCHED();
+}
+
+void scatter_pointers(void** table, const int64_t* index, void* const* values, int64_t count, cudaStream_t s) {
+  if (count == 0) return;
+  const unsigned blocks = static_cast<unsigned>(std::clamp<int64_t>(ceil_div(count, 256), 1, 1024));
+  scatter_kernel<<<blocks, 256, 0, s>>>(table, index, values, count);
+  TROUPE_LAUNCHED();
+}
+
+void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out, cudaStream_t s) {
+  if (rows == 0) return;
+  TROUPE_REQUIRE(rows <= 0x7fffffff && n <= 0x7fffffff, "argmax: too large");
+  argmax_kernel<<<static_cast<unsigned>(rows), 1024, 0, s>>>(x, n, out);
+  TROUPE_LAUNCHED();
+}
+
+void ragged_lengths(const int64_t* offsets, int64_t n, int32_t* lengths, cudaStream_t s) {
+  if (n == 0) return;
+  const unsigned blocks = static_cast<unsigned>(std::clamp<int64_t>(ceil_div(n, 256), 1, 1024));
+  ragged_lengths_kernel<<<blocks, 256, 0, s>>>(offsets, n, lengths);
+  TROUPE_LAUNCHED();
+}
+
+}  // namespace troupe::kernels::cuda

@@ -1,0 +1,41 @@
+// Decode-step helpers on the device (see Backend::decode_rows and friends in
+// kernels/backend.hpp): key lists built from per-sequence row tables, the
+// compressor's slot lists, pointer scatter, argmax sampling, ragged lengths.
+// None of them reads anything back to the host, so a decode step built from
+// them can be captured into a CUDA graph.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace troupe::kernels::cuda {
+
+void decode_rows(int64_t batch, const int64_t* positions, const int32_t* table_of, const float* const* window,
+                 int64_t window_stride, int64_t window_slots, int64_t window_len, const float* const* entries,
+                 int64_t entry_stride, int64_t rate, const int32_t* picked, const int32_t* picked_count, int k,
+                 const float** out_rows, int64_t* out_offsets, cudaStream_t s);
+void decode_compress_rows(int64_t batch, const int64_t* positions, const int32_t* table_of, int64_t rate, bool overlap,
+                          int64_t dim, const float* kv, float* score, const float* bias, float* const* ring,
+                          int64_t ring_stride,
+                          float* const* entries, int64_t entry_stride, const float** kv_src, const float** score_src,
+                          float** out, int64_t* entry_pos, float** ring_dst, const float** ring_src, cudaStream_t s);
+void scatter_pointers(void** table, const int64_t* index, void* const* values, int64_t count, cudaStream_t s);
+void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out, cudaStream_t s);
+// Attention with sinks for head widths the tensor-core kernel does not take (any
+// dim <= 1024; fp32, for small test models): workspace holds n_queries * heads *
+// max_keys floats.
+void attention_fallback(const float* q, int64_t n_queries, int heads, int64_t dim, const float* const* rows,
+                        const int64_t* offsets, int64_t max_keys, const float* sinks, float scale, float* out,
+                        float* workspace, cudaStream_t s);
+// Several GEMVs over the same rows of x in one launch: y_i[m, w_i.rows] = x[m, k] @ w_i^T,
+// every w_i of the same type with k columns, m <= 8.
+struct GemvSegment {
+  const void* w = nullptr;
+  int64_t rows = 0;
+  float* y = nullptr;
+};
+// lengths[t] = offsets[t + 1] - offsets[t]
+void ragged_lengths(const int64_t* offsets, int64_t n, int32_t* lengths, cudaStream_t s);
+
+}  // namespace troupe::kernels::cuda

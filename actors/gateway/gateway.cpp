@@ -576,9 +576,7 @@ void frame_list_models(Self self, const transport::ConnectionPtr& conn, const me
   (void)conn->send(b.finish(frame.request_id()));
 }
 
-void handle_frame(Self self, const frames::FrameCall& call) {
-  const auto& conn = call.conn;
-  const auto& frame = call.frame;
+void dispatch_frame(Self self, const transport::ConnectionPtr& conn, const messages::Frame& frame) {
   switch (frame.kind()) {
     case msg::Kind::GENERATE_REQUEST: return frame_generate(self, conn, frame);
     case msg::Kind::ABORT: return frame_abort(self, conn, frame);
@@ -594,6 +592,20 @@ void handle_frame(Self self, const frames::FrameCall& call) {
       send_frame_error(conn, frame.request_id(), ErrorCode::unsupported,
                        fmt::format("a client does not send {} frames to the gateway", messages::kind_name(frame.kind())),
                        frame.kind());
+  }
+}
+
+// A validated frame can still hold a field of the wrong type (Cap'n Proto
+// checks lazily, on access): that is the client's error, never the gateway's end.
+void handle_frame(Self self, const frames::FrameCall& call) {
+  try {
+    dispatch_frame(self, call.conn, call.frame);
+  } catch (const kj::Exception& e) {
+    spdlog::warn("frames: {} request {}: unreadable {}: {}", call.conn->peer(), call.frame.request_id(),
+                 messages::kind_name(call.frame.kind()), e.getDescription().cStr());
+    send_frame_error(call.conn, call.frame.request_id(), ErrorCode::invalid_argument,
+                     fmt::format("unreadable {}: {}", messages::kind_name(call.frame.kind()), e.getDescription().cStr()),
+                     call.frame.kind());
   }
 }
 

@@ -169,14 +169,18 @@ def test_bad_requests():
         still_serving(c)
     # Garbage on a connection: an Error frame, the connection closes, the server stays up.
     s = socket.create_connection(("127.0.0.1", frame_port), timeout=30)
-    s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * 64)
+    s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n"[:HEADER.size])  # one header's worth: nothing left unread
     data = b""
     while True:
-        chunk = s.recv(65536)
+        try:
+            chunk = s.recv(65536)
+        except ConnectionResetError:
+            break
         if not chunk:
             break
         data += chunk
     s.close()
+    assert len(data) >= HEADER.size, data
     magic, version, kind, _, size, _ = HEADER.unpack(data[:HEADER.size])
     assert magic == MAGIC and version == VERSION and kind == 1, data[:32]
     # A frame with an unreadable body: an Error frame, the connection stays usable.

@@ -192,6 +192,55 @@ def test_bad_requests():
     still_serving()
 
 
+def test_stop_strings_match_http():
+    ref = http_completion("Once upon a time", 24, ignore_eos=True)
+    text = ref["text"]
+    if len(text) < 8:
+        print(f"skipped: the greedy text is too short to cut ({text!r})")
+        return
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    want = http_completion("Once upon a time", 24, ignore_eos=True, stop=[stop])
+    assert want["finish_reason"] == "stop", want
+    with client() as c:
+        out = c.generate(text="Once upon a time", max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
+    assert out["finish_reason"] == "stop" and out["text"] == want["text"], (stop, out, want)
+    assert stop not in out["text"], (stop, out)
+
+
+def test_worker_crash_is_invisible_over_frames():
+    """A worker crashes mid-stream (2 workers): every frame stream completes with
+    the ids of an undisturbed run; the gateway resubmitted at least one."""
+    with harness.Server(A.troupe, A.home, ["--workers", "2", "--test-hooks", "--frame-port", "0"], name="fcrash") as s:
+        port = int(re.search(r"frames on tcp://[^:]+:(\d+)", s.tail(100000)).group(1))
+        prompts = harness.distinct_prompts(6, 12)
+        with Client("127.0.0.1", port, timeout=120) as c:
+            ref = [c.generate(text=p, max_tokens=40, temperature=0.0, ignore_eos=True, return_token_ids=True)["token_ids"]
+                   for p in prompts]
+            before = s.metric_sum("troupe_resubmits_total")
+            rids = {c.submit(text=p, max_tokens=40, temperature=0.0, ignore_eos=True, return_token_ids=True): i
+                    for i, p in enumerate(prompts)}
+            got = {rid: [] for rid in rids}
+            done, crashed = set(), False
+            while len(done) < len(rids):
+                kind, rid, body = c.recv_frame()
+                msg = c.decode(kind, body)
+                assert kind != c.kind.error, (rid, msg)
+                if kind == c.kind.tokenChunk:
+                    got[rid] += list(msg.tokenIds)
+                elif kind == c.kind.finish:
+                    assert str(msg.reason) == "length", msg
+                    done.add(rid)
+                if not crashed and all(len(v) >= 3 for v in got.values()):
+                    st, b = s.post("/admin/crash", {"worker": "worker-0"})
+                    assert st == 200, b
+                    crashed = True
+            assert crashed
+            for rid, i in rids.items():
+                assert got[rid] == ref[i], (i, got[rid], ref[i])
+        m = s.idle_pages()
+        assert harness.metric(m, "troupe_resubmits_total") - before >= 1, "no request ran on the crashed worker"
+
+
 def test_cli_generate():
     ref_text = http_completion("The quick brown fox", 4)
     prompt_ids = ref_text["prompt_token_ids"]

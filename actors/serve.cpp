@@ -85,6 +85,7 @@ Graph::Graph(ServeOptions options) : options_(std::move(options)), owned_(std::m
     throw;
   }
   spdlog::info("serving '{}' on http://{}:{} ({} backend)", model_name_, options_.host, port_, owned_->backend->name());
+  if (options_.frame_port) spdlog::info("serving '{}' frames on tcp://{}:{}", model_name_, options_.host, frame_port_);
 }
 
 void Graph::spawn_actors(const model::ModelConfig& mc) {
@@ -137,7 +138,9 @@ void Graph::spawn_actors(const model::ModelConfig& mc) {
   gc.http.read_timeout = std::chrono::seconds(options_.read_timeout_s);
   gc.min_workers_ready = 1;
   gc.test_hooks = options_.test_hooks;
-  gateway_ = spawn_gateway(*system_, gc, owned_->tokenizer, router_, metrics_, &port_);
+  gc.frame_port = options_.frame_port;
+  gc.frame_host = options_.host;
+  gateway_ = spawn_gateway(*system_, gc, owned_->tokenizer, router_, metrics_, &port_, &frame_port_);
   attach_supervisor(gateway_, supervisor_);
 }
 

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "actors/supervisor/supervisor.hpp"
@@ -21,6 +22,7 @@ struct ServeOptions {
   std::string served_model_name;    // empty: the model directory's name
   std::string host = "127.0.0.1";
   uint16_t port = 8000;             // 0: any free port
+  std::optional<uint16_t> frame_port;  // the frame endpoint (docs/messages.md); 0: any free port; unset: none
   std::string api_key;
   int workers = 1;                  // colocated workers
   int prefill_workers = 0;          // > 0 with decode_workers > 0: disaggregated inside the process
@@ -54,6 +56,7 @@ class Graph {
   explicit Graph(ServeOptions options);
   ~Graph();  // stops everything
   uint16_t port() const { return port_; }
+  uint16_t frame_port() const { return frame_port_; }  // 0: no frame endpoint
   caf::actor_system& system() { return *system_; }
   caf::actor gateway() const { return gateway_; }
   caf::actor router() const { return router_; }
@@ -74,6 +77,7 @@ class Graph {
   std::shared_ptr<MetricsRegistry> metrics_;
   caf::actor router_, supervisor_, gateway_;
   uint16_t port_ = 0;
+  uint16_t frame_port_ = 0;
   std::string model_name_;
   struct Owned;
   std::unique_ptr<Owned> owned_;

@@ -2,18 +2,66 @@
 
 #include <spdlog/spdlog.h>
 
+#include <fmt/format.h>
+
 #include <chrono>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 
 #include "actors/gateway/openai.hpp"
+#include "messages/kinds.hpp"
 #include "model/tokenizer/openai_messages.hpp"
 #include "model/tokenizer/stop_strings.hpp"
 #include "model/tokenizer/stream_decoder.hpp"
+#include "transport/frame_server.hpp"
+
+namespace troupe::actors::frames {
+
+// What the frame endpoint's handler (on the FrameServer's I/O thread) sends
+// the gateway: a validated frame from a connection, or the connection's end.
+struct FrameCall {
+  transport::ConnectionPtr conn;
+  messages::Frame frame;
+};
+struct FrameClosed {
+  uint64_t conn = 0;
+};
+
+// The FrameServer and its handler; the gateway's state owns it (the server
+// stops, and its I/O thread ends, when the gateway's state is destroyed).
+class Endpoint : public transport::FrameHandler {
+ public:
+  explicit Endpoint(caf::actor gateway) : gateway_(std::move(gateway)) {}
+  void on_frame(const transport::ConnectionPtr& conn, messages::Frame frame) override {
+    caf::anon_send(gateway_, FrameCall{conn, std::move(frame)});
+  }
+  void on_close(const transport::ConnectionPtr& conn, const Error& why) override {
+    spdlog::debug("frames: {} closed ({})", conn->peer(), why.what());
+    caf::anon_send(gateway_, FrameClosed{conn->id()});
+  }
+
+ private:
+  caf::actor gateway_;
+};
+
+struct Front {
+  std::unique_ptr<Endpoint> handler;
+  std::unique_ptr<transport::FrameServer> server;
+  ~Front() {
+    if (server) server->stop();
+    server.reset();
+  }
+};
+
+}  // namespace troupe::actors::frames
 
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<troupe::gateway::HttpServer>)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<troupe::actors::frames::Front>)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::actors::frames::FrameCall)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::actors::frames::FrameClosed)
 
 namespace troupe::actors {
 namespace {
@@ -27,11 +75,22 @@ using json = nlohmann::json;
 
 using server_atom = caf::atom_constant<caf::atom("server")>;
 using admin_atom = caf::atom_constant<caf::atom("admin")>;
+using fserver_atom = caf::atom_constant<caf::atom("fserver")>;
+using deadline_atom = caf::atom_constant<caf::atom("deadline")>;
+
+// Where a request admitted from the frame endpoint answers.
+struct FrameSink {
+  transport::ConnectionPtr conn;
+  uint64_t rid = 0;  // the client's request id on that connection
+  bool return_ids = false;
+};
+using FrameKey = std::pair<uint64_t, uint64_t>;  // connection id, client request id
 
 struct InFlight {
   ApiRequest api;
   ApiResult result;
-  std::shared_ptr<gateway::Responder> responder;
+  std::shared_ptr<gateway::Responder> responder;  // HTTP; null for a frame request
+  std::optional<FrameSink> frames;                // a frame request
   std::unique_ptr<tokenizer::StreamDecoder> decoder;
   std::unique_ptr<tokenizer::StopStrings> stops;
   Job job;                      // as first submitted
@@ -47,6 +106,8 @@ struct GatewayState {
   GatewayConfig config;
   std::shared_ptr<const tokenizer::Tokenizer> tok;
   std::shared_ptr<gateway::HttpServer> server;
+  std::shared_ptr<frames::Front> frame_front;
+  std::map<FrameKey, RequestId> frame_ids;  // running frame requests
   caf::actor router;
   std::shared_ptr<MetricsRegistry> metrics;
   std::map<RequestId, InFlight> inflight;
@@ -71,6 +132,48 @@ Counter& requests_counter(GatewayState& st, const std::string& route, int status
                              {{"route", route}, {"status", std::to_string(status)}});
 }
 
+void forget(GatewayState& st, std::map<RequestId, InFlight>::iterator it) {
+  if (it->second.frames) st.frame_ids.erase(FrameKey{it->second.frames->conn->id(), it->second.frames->rid});
+  st.inflight.erase(it);
+}
+
+ErrorCode code_of(const ApiError& e) {
+  switch (e.status) {
+    case 404: return ErrorCode::not_found;
+    case 413:
+    case 429: return ErrorCode::resource_exhausted;
+    case 499: return ErrorCode::cancelled;
+    case 503: return ErrorCode::unavailable;
+    case 504: return ErrorCode::deadline_exceeded;
+    default: return e.status >= 500 ? ErrorCode::internal : ErrorCode::invalid_argument;
+  }
+}
+
+void send_frame_error(const transport::ConnectionPtr& conn, uint64_t rid, ErrorCode code, const std::string& message,
+                      msg::Kind about) {
+  (void)conn->send(messages::make_error_frame(rid, code, message, about));
+}
+
+void send_chunk(const FrameSink& s, uint32_t index, const std::vector<int32_t>& ids, const std::string& text) {
+  messages::FrameBuilder<msg::TokenChunk> b;
+  b.root().setIndex(index);
+  if (s.return_ids) {
+    auto l = b.root().initTokenIds(static_cast<unsigned>(ids.size()));
+    for (size_t i = 0; i < ids.size(); ++i) l.set(static_cast<unsigned>(i), static_cast<uint32_t>(ids[i]));
+  }
+  b.root().setText(text);
+  (void)s.conn->send(b.finish(s.rid));
+}
+
+void send_finish(const FrameSink& s, const InFlight& f, msg::FinishReason reason) {
+  messages::FrameBuilder<msg::Finish> b;
+  b.root().setReason(reason);
+  b.root().setPromptTokens(static_cast<uint32_t>(f.job.prompt_tokens));
+  b.root().setCompletionTokens(static_cast<uint32_t>(f.result.token_ids.size()));
+  b.root().setCachedTokens(static_cast<uint32_t>(f.result.cached_tokens));
+  (void)s.conn->send(b.finish(s.rid));
+}
+
 void finish(Self self, RequestId id, const std::string& reason) {
   auto& st = self->state;
   auto it = st.inflight.find(id);
@@ -84,7 +187,12 @@ void finish(Self self, RequestId id, const std::string& reason) {
   else finish_reason = "stop";
   f.result.text += tail;
   f.result.finish_reason = finish_reason == "abort" ? "abort" : finish_reason;
-  if (f.api.stream) {
+  if (f.frames) {
+    if (!tail.empty()) send_chunk(*f.frames, static_cast<uint32_t>(f.result.token_ids.size()), {}, tail);
+    send_finish(*f.frames, f, finish_reason == "length"  ? msg::FinishReason::LENGTH
+                              : finish_reason == "abort" ? msg::FinishReason::ABORTED
+                                                         : msg::FinishReason::STOP);
+  } else if (f.api.stream) {
     if (!tail.empty()) f.responder->send(gateway::stream_delta(f.api, f.result, tail, {}, f.first));
     f.responder->send(gateway::stream_finish(f.api, f.result));
     f.responder->end();
@@ -95,7 +203,7 @@ void finish(Self self, RequestId id, const std::string& reason) {
                         MetricsRegistry::latency_buckets())
       .observe(std::chrono::duration<double>(Clock::now() - f.start).count());
   st.metrics->counter("troupe_requests_finished_total", "Requests finished by reason", {{"reason", finish_reason}}).inc();
-  st.inflight.erase(it);
+  forget(st, it);
 }
 
 void fail(Self self, RequestId id, const ApiError& e) {
@@ -103,14 +211,16 @@ void fail(Self self, RequestId id, const ApiError& e) {
   auto it = st.inflight.find(id);
   if (it == st.inflight.end()) return;
   InFlight& f = it->second;
-  if (f.api.stream) {
+  if (f.frames) {
+    send_frame_error(f.frames->conn, f.frames->rid, code_of(e), e.message, msg::Kind::GENERATE_REQUEST);
+  } else if (f.api.stream) {
     f.responder->send(gateway::stream_error(e));
     f.responder->end();
   } else {
     respond_error(*f.responder, e);
   }
   st.metrics->counter("troupe_requests_finished_total", "Requests finished by reason", {{"reason", "error"}}).inc();
-  st.inflight.erase(it);
+  forget(st, it);
 }
 
 void submit(Self self, InFlight& f) {
@@ -187,7 +297,9 @@ void on_tokens(Self self, const TokenBatch& b) {
   }
   f.last_token = now;
   f.result.text += delta;
-  if (f.api.stream && (!delta.empty() || f.api.return_token_ids)) {
+  if (f.frames) {
+    send_chunk(*f.frames, static_cast<uint32_t>(f.result.token_ids.size() - ids.size()), ids, delta);
+  } else if (f.api.stream && (!delta.empty() || f.api.return_token_ids)) {
     f.responder->send(gateway::stream_delta(f.api, f.result, delta, ids, f.first));
     f.first = false;
   }
@@ -197,28 +309,26 @@ void on_tokens(Self self, const TokenBatch& b) {
   }
 }
 
-void handle_generate(Self self, HttpCall call, ApiKind kind) {
+// Where an admitted request answers: an HTTP responder or a frame connection.
+struct Origin {
+  std::shared_ptr<gateway::Responder> responder;
+  std::optional<FrameSink> frames;
+  std::optional<Clock::time_point> deadline;  // frames: GenerateRequest.deadlineUnixNanos
+};
+
+// Tokenizes and checks a parsed request and hands it to the router; or
+// returns why not (nothing is answered then: the caller reports the error).
+std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std::string& route, Origin origin) {
   auto& st = self->state;
-  const std::string route = kind == ApiKind::chat ? "/v1/chat/completions" : "/v1/completions";
   if (st.draining) {
     requests_counter(st, route, 503).inc();
-    respond_error(*call.responder, ApiError{503, "the server is shutting down; retry on another replica",
-                                            "service_unavailable", "", ""});
-    return;
+    return ApiError{503, "the server is shutting down; retry on another replica", "service_unavailable", "", ""};
   }
-  auto parsed = gateway::parse_request(call.request.body, kind);
-  if (auto* e = std::get_if<ApiError>(&parsed)) {
-    requests_counter(st, route, e->status).inc();
-    respond_error(*call.responder, *e);
-    return;
-  }
-  ApiRequest api = std::move(std::get<ApiRequest>(parsed));
   if (api.model != st.config.model_name) {
     ApiError e{404, "The model '" + api.model + "' does not exist; this server serves '" + st.config.model_name + "'.",
                "invalid_request_error", "model", "model_not_found"};
     requests_counter(st, route, 404).inc();
-    respond_error(*call.responder, e);
-    return;
+    return e;
   }
   std::vector<int32_t> prompt;
   try {
@@ -238,24 +348,21 @@ void handle_generate(Self self, HttpCall call, ApiKind kind) {
     auto ae = gateway::to_api_error(e);
     if (ae.status >= 500) ae.status = 400;
     requests_counter(st, route, ae.status).inc();
-    respond_error(*call.responder, ae);
-    return;
+    return ae;
   }
   const int64_t vocab = st.tok->vocab_size();
   for (int32_t id : prompt) {
-    if (id >= vocab) {
+    if (id >= vocab || id < 0) {
       ApiError e{400, "token id " + std::to_string(id) + " is out of range for a vocabulary of " + std::to_string(vocab),
                  "invalid_request_error", "prompt", ""};
       requests_counter(st, route, 400).inc();
-      respond_error(*call.responder, e);
-      return;
+      return e;
     }
   }
   const auto plen = static_cast<int64_t>(prompt.size());
   if (plen == 0) {
     requests_counter(st, route, 400).inc();
-    respond_error(*call.responder, ApiError{400, "the prompt is empty", "invalid_request_error", "prompt", ""});
-    return;
+    return ApiError{400, "the prompt is empty", "invalid_request_error", "prompt", ""};
   }
   int64_t max_tokens = api.sampling.max_tokens.value_or(kind == ApiKind::chat ? st.config.max_model_len - plen : 16);
   if (plen + std::max<int64_t>(max_tokens, 1) > st.config.max_model_len || max_tokens < 1) {
@@ -266,14 +373,18 @@ void handle_generate(Self self, HttpCall call, ApiKind kind) {
                    " for the completion). Please reduce the prompt or max_tokens.",
                "invalid_request_error", "max_tokens", "context_length_exceeded"};
     requests_counter(st, route, 400).inc();
-    respond_error(*call.responder, e);
-    return;
+    return e;
+  }
+  if (origin.deadline && *origin.deadline <= Clock::now()) {
+    requests_counter(st, route, 504).inc();
+    return ApiError{504, "the request's deadline passed before it was admitted", "timeout", "", ""};
   }
 
   const RequestId id = st.next_id++;
   InFlight f;
   f.api = api;
-  f.responder = call.responder;
+  f.responder = origin.responder;
+  f.frames = origin.frames;
   f.decoder = std::make_unique<tokenizer::StreamDecoder>(*st.tok);
   f.stops = std::make_unique<tokenizer::StopStrings>(api.sampling.stop);
   f.result.id = (kind == ApiKind::chat ? "chatcmpl-" : "cmpl-") + std::to_string(id);
@@ -297,11 +408,222 @@ void handle_generate(Self self, HttpCall call, ApiKind kind) {
   s.stop_ids = api.sampling.stop_token_ids;
   s.ignore_eos = api.sampling.ignore_eos;
   requests_counter(st, route, 200).inc();
-  if (api.stream) call.responder->start_stream(200, "text/event-stream");
-  const auto me = caf::actor_cast<caf::actor>(self);
-  call.responder->on_close([me, id] { caf::anon_send(me, gone_atom::value, id); });
+  if (origin.responder) {
+    if (api.stream) origin.responder->start_stream(200, "text/event-stream");
+    const auto me = caf::actor_cast<caf::actor>(self);
+    origin.responder->on_close([me, id] { caf::anon_send(me, gone_atom::value, id); });
+  }
+  if (origin.frames) st.frame_ids[FrameKey{origin.frames->conn->id(), origin.frames->rid}] = id;
+  if (origin.deadline) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(*origin.deadline - Clock::now());
+    self->delayed_send(self, std::max(left, std::chrono::milliseconds(1)), deadline_atom::value, id);
+  }
   auto [it, _] = st.inflight.emplace(id, std::move(f));
   submit(self, it->second);
+  return std::nullopt;
+}
+
+void handle_generate(Self self, HttpCall call, ApiKind kind) {
+  auto& st = self->state;
+  const std::string route = kind == ApiKind::chat ? "/v1/chat/completions" : "/v1/completions";
+  if (st.draining) {
+    requests_counter(st, route, 503).inc();
+    respond_error(*call.responder, ApiError{503, "the server is shutting down; retry on another replica",
+                                            "service_unavailable", "", ""});
+    return;
+  }
+  auto parsed = gateway::parse_request(call.request.body, kind);
+  if (auto* e = std::get_if<ApiError>(&parsed)) {
+    requests_counter(st, route, e->status).inc();
+    respond_error(*call.responder, *e);
+    return;
+  }
+  Origin origin;
+  origin.responder = call.responder;
+  if (auto e = admit(self, std::move(std::get<ApiRequest>(parsed)), kind, route, std::move(origin))) {
+    respond_error(*call.responder, *e);
+  }
+}
+
+// ---- the frame endpoint ----------------------------------------------------
+
+constexpr const char* kFrameRoute = "frames:generate";
+
+// A GenerateRequest as the API request it means (the same checks as HTTP's).
+std::variant<ApiRequest, ApiError> from_frame(const messages::Frame& frame, const std::string& default_model) {
+  auto bad = [](const std::string& param, const std::string& message) {
+    return ApiError{400, message, "invalid_request_error", param, ""};
+  };
+  auto v = messages::open<msg::GenerateRequest>(frame);
+  if (!v) return bad("", std::string("unreadable GenerateRequest: ") + v.fault().error.what());
+  auto r = v->root();
+  ApiRequest api;
+  api.model = r.hasModel() && r.getModel().size() > 0 ? std::string(r.getModel().cStr()) : default_model;
+  auto prompt = r.getPrompt();
+  switch (prompt.which()) {
+    case msg::GenerateRequest::Prompt::TOKEN_IDS: {
+      api.kind = ApiKind::completion;
+      std::vector<int32_t> ids;
+      for (uint32_t id : prompt.getTokenIds()) {
+        if (id > static_cast<uint32_t>(std::numeric_limits<int32_t>::max())) {
+          return bad("prompt", "token id " + std::to_string(id) + " is out of range");
+        }
+        ids.push_back(static_cast<int32_t>(id));
+      }
+      api.prompt_ids = std::move(ids);
+      break;
+    }
+    case msg::GenerateRequest::Prompt::TEXT:
+      api.kind = ApiKind::completion;
+      api.prompt_text = std::string(prompt.getText().cStr(), prompt.getText().size());
+      break;
+    case msg::GenerateRequest::Prompt::CHAT: {
+      api.kind = ApiKind::chat;
+      api.messages = json::array();
+      for (auto m : prompt.getChat()) {
+        json turn = {{"role", std::string(m.getRole().cStr())}, {"content", std::string(m.getContent().cStr())}};
+        if (m.getName().size() > 0) turn["name"] = std::string(m.getName().cStr());
+        api.messages.push_back(std::move(turn));
+      }
+      if (api.messages.empty()) return bad("prompt", "the chat has no messages");
+      break;
+    }
+    default: return bad("prompt", "the prompt is neither token ids, text nor chat");
+  }
+  auto sp = r.getSampling();
+  auto& s = api.sampling;
+  const float t = sp.getTemperature(), p = sp.getTopP();
+  if (!(t >= 0.0f && t <= 2.0f)) return bad("temperature", fmt::format("temperature must be between 0 and 2, got {}", t));
+  if (!(p > 0.0f && p <= 1.0f)) return bad("top_p", fmt::format("topP must be in (0, 1], got {}", p));
+  if (sp.getTopK() > (1u << 20)) return bad("top_k", fmt::format("topK must be at most {}, got {}", 1u << 20, sp.getTopK()));
+  s.temperature = t;
+  s.top_p = p;
+  s.top_k = static_cast<int32_t>(sp.getTopK());
+  if (sp.getSeed().isValue()) s.seed = sp.getSeed().getValue();
+  if (r.getMaxTokens() < 1) return bad("max_tokens", "maxTokens must be at least 1");
+  if (r.getMinTokens() > r.getMaxTokens()) return bad("min_tokens", "minTokens must not exceed maxTokens");
+  s.max_tokens = r.getMaxTokens();
+  s.min_tokens = r.getMinTokens();
+  for (auto stop : r.getStopStrings()) s.stop.emplace_back(stop.cStr(), stop.size());
+  for (uint32_t id : r.getStopTokenIds()) {
+    if (id > static_cast<uint32_t>(std::numeric_limits<int32_t>::max())) {
+      return bad("stop_token_ids", "stop token id " + std::to_string(id) + " is out of range");
+    }
+    s.stop_token_ids.push_back(static_cast<int32_t>(id));
+  }
+  s.ignore_eos = r.getIgnoreEos();
+  api.return_token_ids = r.getReturnTokenIds();
+  return api;
+}
+
+void frame_generate(Self self, const transport::ConnectionPtr& conn, const messages::Frame& frame) {
+  auto& st = self->state;
+  const uint64_t rid = frame.request_id();
+  auto refuse = [&](ErrorCode code, const std::string& message) {
+    spdlog::info("frames: {} request {} refused: {}", conn->peer(), rid, message);
+    send_frame_error(conn, rid, code, message, msg::Kind::GENERATE_REQUEST);
+  };
+  if (rid == 0) return refuse(ErrorCode::invalid_argument, "request id 0 is reserved; number requests from 1");
+  if (st.frame_ids.count(FrameKey{conn->id(), rid})) {
+    return refuse(ErrorCode::invalid_argument, fmt::format("request {} is already running on this connection", rid));
+  }
+  auto parsed = from_frame(frame, st.config.model_name);
+  if (auto* e = std::get_if<ApiError>(&parsed)) {
+    requests_counter(st, kFrameRoute, e->status).inc();
+    return refuse(code_of(*e), e->message);
+  }
+  ApiRequest api = std::move(std::get<ApiRequest>(parsed));
+  const ApiKind kind = api.kind;
+  Origin origin;
+  origin.frames = FrameSink{conn, rid, api.return_token_ids};
+  {
+    auto v = messages::open<msg::GenerateRequest>(frame);
+    if (const uint64_t ns = v->root().getDeadlineUnixNanos(); ns != 0) {
+      const auto now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                              std::chrono::system_clock::now().time_since_epoch()).count();
+      origin.deadline = Clock::now() + std::chrono::nanoseconds(static_cast<int64_t>(ns) - now_ns);
+    }
+  }
+  if (auto e = admit(self, std::move(api), kind, kFrameRoute, std::move(origin))) refuse(code_of(*e), e->message);
+}
+
+void frame_abort(Self self, const transport::ConnectionPtr& conn, const messages::Frame& frame) {
+  auto& st = self->state;
+  auto k = st.frame_ids.find(FrameKey{conn->id(), frame.request_id()});
+  auto it = k == st.frame_ids.end() ? st.inflight.end() : st.inflight.find(k->second);
+  if (it == st.inflight.end()) {
+    send_frame_error(conn, frame.request_id(), ErrorCode::not_found,
+                     fmt::format("Abort: request {} is not running on this connection", frame.request_id()),
+                     msg::Kind::ABORT);
+    return;
+  }
+  InFlight& f = it->second;
+  if (f.worker) self->send(f.worker, abort_atom::value, f.job.id);
+  send_finish(*f.frames, f, msg::FinishReason::ABORTED);
+  st.metrics->counter("troupe_requests_finished_total", "Requests finished by reason", {{"reason", "abort"}}).inc();
+  forget(st, it);
+}
+
+void frame_list_models(Self self, const transport::ConnectionPtr& conn, const messages::Frame& frame) {
+  auto& st = self->state;
+  messages::FrameBuilder<msg::ModelList> b;
+  auto m = b.root().initModels(1);
+  m[0].setId(st.config.model_name);
+  m[0].setOwnedBy("troupe");
+  m[0].setCreated(static_cast<uint64_t>(now_unix()));
+  m[0].setMaxContext(static_cast<uint32_t>(st.config.max_model_len));
+  m[0].setVocabSize(static_cast<uint32_t>(st.tok->vocab_size()));
+  (void)conn->send(b.finish(frame.request_id()));
+}
+
+void dispatch_frame(Self self, const transport::ConnectionPtr& conn, const messages::Frame& frame) {
+  switch (frame.kind()) {
+    case msg::Kind::GENERATE_REQUEST: return frame_generate(self, conn, frame);
+    case msg::Kind::ABORT: return frame_abort(self, conn, frame);
+    case msg::Kind::LIST_MODELS: return frame_list_models(self, conn, frame);
+    case msg::Kind::PARK:
+    case msg::Kind::RESUME:
+      send_frame_error(conn, frame.request_id(), ErrorCode::unsupported,
+                       fmt::format("{} is not supported by this endpoint (troupe serve --frame-port)",
+                                   messages::kind_name(frame.kind())),
+                       frame.kind());
+      return;
+    default:
+      send_frame_error(conn, frame.request_id(), ErrorCode::unsupported,
+                       fmt::format("a client does not send {} frames to the gateway", messages::kind_name(frame.kind())),
+                       frame.kind());
+  }
+}
+
+// A validated frame can still hold a field of the wrong type (Cap'n Proto
+// checks lazily, on access): that is the client's error, never the gateway's end.
+void handle_frame(Self self, const frames::FrameCall& call) {
+  try {
+    dispatch_frame(self, call.conn, call.frame);
+  } catch (const kj::Exception& e) {
+    spdlog::warn("frames: {} request {}: unreadable {}: {}", call.conn->peer(), call.frame.request_id(),
+                 messages::kind_name(call.frame.kind()), e.getDescription().cStr());
+    send_frame_error(call.conn, call.frame.request_id(), ErrorCode::invalid_argument,
+                     fmt::format("unreadable {}: {}", messages::kind_name(call.frame.kind()), e.getDescription().cStr()),
+                     call.frame.kind());
+  }
+}
+
+// A connection ended: abort every request it still had running.
+void frame_closed(Self self, uint64_t conn) {
+  auto& st = self->state;
+  std::vector<RequestId> ids;
+  for (auto k = st.frame_ids.lower_bound(FrameKey{conn, 0}); k != st.frame_ids.end() && k->first.first == conn; ++k) {
+    ids.push_back(k->second);
+  }
+  for (RequestId id : ids) {
+    auto it = st.inflight.find(id);
+    if (it == st.inflight.end()) continue;
+    if (it->second.worker) self->send(it->second.worker, abort_atom::value, id);
+    st.metrics->counter("troupe_client_aborts_total", "Requests aborted because the client went away").inc();
+    forget(st, it);
+  }
+  if (!ids.empty()) spdlog::info("frames: connection {} closed; aborted {} request(s)", conn, ids.size());
 }
 
 // The worker named in an admin request's body, or an error already answered.
@@ -509,7 +831,17 @@ caf::behavior gateway_actor(Self self, GatewayConfig config, std::shared_ptr<con
         if (it == s.inflight.end()) return;
         if (it->second.worker) self->send(it->second.worker, abort_atom::value, id);
         s.metrics->counter("troupe_client_aborts_total", "Requests aborted because the client went away").inc();
-        s.inflight.erase(it);
+        forget(s, it);
+      },
+      [=](const frames::FrameCall& call) { handle_frame(self, call); },
+      [=](const frames::FrameClosed& c) { frame_closed(self, c.conn); },
+      [=](fserver_atom, std::shared_ptr<frames::Front> front) { self->state.frame_front = std::move(front); },
+      [=](deadline_atom, RequestId id) {
+        auto& s = self->state;
+        auto it = s.inflight.find(id);
+        if (it == s.inflight.end()) return;
+        if (it->second.worker) self->send(it->second.worker, abort_atom::value, id);
+        fail(self, id, ApiError{504, "the request's deadline passed", "timeout", "", ""});
       },
   };
 }
@@ -518,8 +850,10 @@ caf::behavior gateway_actor(Self self, GatewayConfig config, std::shared_ptr<con
 
 caf::actor spawn_gateway(caf::actor_system& sys, GatewayConfig config,
                          std::shared_ptr<const tokenizer::Tokenizer> tokenizer, caf::actor router,
-                         std::shared_ptr<MetricsRegistry> metrics, uint16_t* port_out) {
+                         std::shared_ptr<MetricsRegistry> metrics, uint16_t* port_out, uint16_t* frame_port_out) {
   auto http = config.http;
+  const auto frame_port = config.frame_port;
+  const auto frame_host = config.frame_host;
   auto gw = sys.spawn(gateway_actor, std::move(config), std::move(tokenizer), std::move(router), std::move(metrics));
   std::shared_ptr<gateway::HttpServer> server;
   try {
@@ -533,6 +867,20 @@ caf::actor spawn_gateway(caf::actor_system& sys, GatewayConfig config,
   }
   if (port_out != nullptr) *port_out = server->port();
   caf::anon_send(gw, server_atom::value, std::move(server));
+  if (frame_port) {
+    auto front = std::make_shared<frames::Front>();
+    front->handler = std::make_unique<frames::Endpoint>(gw);
+    transport::FrameServerOptions fo;
+    fo.host = frame_host;
+    fo.port = *frame_port;
+    front->server = std::make_unique<transport::FrameServer>(fo, *front->handler);
+    if (auto st = front->server->start(); !st) {
+      caf::anon_send_exit(gw, caf::exit_reason::user_shutdown);
+      throw Error(st.error().code(), fmt::format("frame endpoint on {}:{}: {}", frame_host, *frame_port, st.error().what()));
+    }
+    if (frame_port_out != nullptr) *frame_port_out = front->server->port();
+    caf::anon_send(gw, fserver_atom::value, std::move(front));
+  }
   return gw;
 }
 

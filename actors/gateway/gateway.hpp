@@ -10,6 +10,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "actors/gateway/http_server.hpp"
@@ -30,6 +31,10 @@ struct GatewayConfig {
   // returns why the process is not ready, "" when it is. Empty function: none.
   std::function<std::string()> not_ready;
   bool test_hooks = false;            // POST /admin/crash: fault injection (tests only)
+  // The frame endpoint (docs/messages.md): troupe frames over TCP on
+  // frame_host:frame_port (0: any free port). Unset: no frame endpoint.
+  std::optional<uint16_t> frame_port;
+  std::string frame_host = "127.0.0.1";
 };
 
 struct HttpCall {
@@ -37,8 +42,16 @@ struct HttpCall {
   std::shared_ptr<gateway::Responder> responder;
 };
 
-// Spawns the gateway and starts its HTTP server; `port_out`, when given, gets
-// the bound port once listening. Throws troupe::Error when the port is taken.
+// Spawns the gateway and starts its HTTP server (and, with config.frame_port,
+// its frame endpoint); `port_out` / `frame_port_out`, when given, get the
+// bound ports once listening. Throws troupe::Error when a port is taken.
+//
+// The frame endpoint speaks the frames of docs/messages.md to the same
+// gateway: GenerateRequest (token ids, text or chat; tokenized, templated,
+// stop strings, resubmitted on worker loss like HTTP requests) is answered
+// with TokenChunk frames and a Finish, or an Error; Abort ends a request
+// (Finish{aborted}); ListModels; a closed connection aborts its requests.
+// Park and Resume answer Error{unsupported}.
 // Admin routes (behind the API key like /v1/*), answered with the supervisor's help:
 //   GET  /admin/workers                   the router's view of every worker (load, role, draining)
 //   POST /admin/drain {"worker": NAME}    remove a worker: fence, migrate its requests, stop it
@@ -49,7 +62,8 @@ struct HttpCall {
 // get 503 and /health says "draining"; the reply is how many are in flight.
 caf::actor spawn_gateway(caf::actor_system& sys, GatewayConfig config,
                          std::shared_ptr<const tokenizer::Tokenizer> tokenizer, caf::actor router,
-                         std::shared_ptr<MetricsRegistry> metrics, uint16_t* port_out = nullptr);
+                         std::shared_ptr<MetricsRegistry> metrics, uint16_t* port_out = nullptr,
+                         uint16_t* frame_port_out = nullptr);
 
 void attach_supervisor(const caf::actor& gateway, const caf::actor& supervisor);
 

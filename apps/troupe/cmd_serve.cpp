@@ -15,11 +15,16 @@ Command add_serve(CLI::App& app) {
   auto sp = std::make_shared<actors::ScalePolicy>();
   sp->max_workers = 0;
   auto scale_cooldown_s = std::make_shared<int64_t>(10);
-  auto* cmd = app.add_subcommand("serve", "serve a model over an OpenAI-compatible HTTP API (all actors in one process)");
+  auto frame_port = std::make_shared<int>(-1);
+  auto* cmd = app.add_subcommand("serve", "serve a model over an OpenAI-compatible HTTP API and, with --frame-port, troupe frames (all actors in one process)");
   cmd->add_option("--model", o->model_dir, "model directory (default: the embedded tiny random-weight model)");
   cmd->add_option("--served-model-name", o->served_model_name, "model id clients send (default: directory name)");
   cmd->add_option("--host", o->host, "address to listen on");
   cmd->add_option("--port", o->port, "HTTP port (0: any free port)");
+  cmd->add_option("--frame-port", *frame_port,
+                  "also serve troupe frames (docs/messages.md; `troupe client`, clients/) on this TCP port "
+                  "(0: any free port; default: off)")
+      ->check(CLI::Range(0, 65535));
   cmd->add_option("--api-key", o->api_key, "require 'Authorization: Bearer KEY' on /v1/*");
   cmd->add_option("--workers", o->workers, "colocated engine workers");
   cmd->add_option("--prefill-workers", o->prefill_workers, "prefill workers (disaggregated with --decode-workers)");
@@ -51,7 +56,8 @@ Command add_serve(CLI::App& app) {
   cmd->add_option("--scale-kv-low", sp->kv_use_low, "scale: remove one below this KV use with an empty queue");
   cmd->add_option("--scale-cooldown", *scale_cooldown_s, "scale: seconds between two scale events");
   cmd->add_flag("--test-hooks", o->test_hooks, "enable POST /admin/crash (fault injection for tests)");
-  return [o, kv_mib, host_mib, body_mib, restart_window_s, long_tail, lt, sp, scale_cooldown_s] {
+  return [o, kv_mib, host_mib, body_mib, restart_window_s, long_tail, lt, sp, scale_cooldown_s, frame_port] {
+    if (*frame_port >= 0) o->frame_port = static_cast<uint16_t>(*frame_port);
     o->kv_bytes = *kv_mib << 20;
     o->host_bytes = *host_mib << 20;
     o->max_body_bytes = static_cast<size_t>(*body_mib * (1 << 20));

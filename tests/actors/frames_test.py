@@ -1,0 +1,268 @@
+#!/usr/bin/env python3
+"""`troupe serve --frame-port`: talking to a real server in troupe frames.
+
+The Python client (clients/python/troupe_client.py) and `troupe client`
+against one server (embedded model) that also serves HTTP: greedy generation
+over frames gives the same ids and text as /v1/completions; Abort, ListModels,
+a closed connection aborts its requests; bad requests get Error frames and
+the server keeps serving.
+"""
+import re
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import harness
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "clients" / "python"))
+from troupe_client import HEADER, MAGIC, VERSION, Client, TroupeError  # noqa: E402
+
+A = harness.args()
+MODEL = "deepseek-v4-tiny"
+MAX_LEN = 512
+server = None
+frame_port = None
+
+
+def srv():
+    global server, frame_port
+    if server is None or not server.alive():
+        server = harness.Server(A.troupe, A.home, ["--frame-port", "0", "--max-model-len", str(MAX_LEN)], name="frames")
+        m = re.search(r"frames on tcp://[^:]+:(\d+)", server.tail(100000))
+        assert m, server.tail()
+        frame_port = int(m.group(1))
+    return server
+
+
+def client():
+    srv()
+    return Client("127.0.0.1", frame_port, timeout=120)
+
+
+def http_completion(prompt, max_tokens, **kw):
+    s, b = srv().post("/v1/completions", dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                              return_token_ids=True, **kw))
+    assert s == 200, (s, b)
+    return b["choices"][0]
+
+
+def still_serving(c=None):
+    own = c is None
+    c = c or client()
+    try:
+        out = c.generate(text="still there?", max_tokens=2, temperature=0.0, ignore_eos=True, return_token_ids=True)
+        assert out["finish_reason"] == "length" and len(out["token_ids"]) == 2, out
+    finally:
+        if own:
+            c.close()
+    assert srv().alive()
+
+
+def expect_error(fn, code, *words):
+    try:
+        fn()
+    except TroupeError as e:
+        assert e.code == code, (e.code, e.message)
+        for w in words:
+            assert w in e.message, (w, e.message)
+        return e
+    raise AssertionError(f"expected an Error frame {code}")
+
+
+def test_greedy_ids_match_http():
+    ref_text = http_completion("The quick brown fox", 4)
+    prompt_ids = ref_text["prompt_token_ids"]
+    assert prompt_ids, ref_text
+    ref = http_completion(prompt_ids, 16, ignore_eos=True)
+    with client() as c:
+        out = c.generate(token_ids=prompt_ids, max_tokens=16, temperature=0.0, ignore_eos=True, return_token_ids=True)
+        assert out["token_ids"] == ref["token_ids"], (out["token_ids"], ref["token_ids"])
+        assert out["text"] == ref["text"], (out["text"], ref["text"])
+        assert out["finish_reason"] == "length", out
+        assert out["usage"]["prompt_tokens"] == len(prompt_ids) and out["usage"]["completion_tokens"] == 16, out
+        # Text prompts are tokenized by the server the same way as over HTTP.
+        t = c.generate(text="The quick brown fox", max_tokens=4, temperature=0.0, return_token_ids=True)
+        assert t["token_ids"] == ref_text["token_ids"] and t["text"] == ref_text["text"], (t, ref_text)
+        # Streaming: one chunk per batch, indices contiguous.
+        rid = c.submit(token_ids=prompt_ids, max_tokens=8, temperature=0.0, ignore_eos=True, return_token_ids=True)
+        index = 0
+        for kind, msg in c.events(rid):
+            if kind == "chunk":
+                assert msg.index == index, (msg.index, index)
+                index += len(msg.tokenIds)
+        assert index == 8
+
+
+def test_chat_matches_http():
+    s, b = srv().post("/v1/chat/completions", dict(model=MODEL, messages=[{"role": "user", "content": "hello"}],
+                                                   max_tokens=6, temperature=0))
+    assert s == 200, (s, b)
+    with client() as c:
+        out = c.generate(chat=[("user", "hello")], max_tokens=6, temperature=0.0)
+    assert out["text"] == b["choices"][0]["message"]["content"], (out, b)
+    assert out["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"], (out, b)
+
+
+def test_list_models():
+    with client() as c:
+        models = c.list_models()
+    assert len(models) == 1 and models[0]["id"] == MODEL, models
+    assert models[0]["maxContext"] == MAX_LEN and models[0]["vocabSize"] > 0 and models[0]["ownedBy"] == "troupe", models
+
+
+def test_abort():
+    with client() as c:
+        rid = c.submit(text="a long one", max_tokens=400, temperature=0.0, ignore_eos=True, return_token_ids=True)
+        chunks, finish = 0, None
+        for kind, msg in c.events(rid):
+            if kind == "chunk":
+                chunks += 1
+                if chunks == 2:
+                    c.abort(rid, "test")
+            elif kind == "finish":
+                finish = msg
+        assert str(finish.reason) == "aborted" and finish.completionTokens < 400, finish
+        # The request is gone: aborting it again names it unknown.
+        c.abort(rid)
+        expect_error(lambda: list(c.events(rid)), "notFound", str(rid))
+        still_serving(c)
+    srv().idle_pages()
+
+
+def test_disconnect_aborts():
+    before = srv().metric_sum("troupe_client_aborts_total")
+    c = client()
+    rid = c.submit(text="going away", max_tokens=400, temperature=0.0, ignore_eos=True)
+    kind, _ = next(c.events(rid))
+    assert kind == "chunk"
+    c.close()
+    srv().wait_for("the server to abort the request of the closed connection",
+                   lambda: srv().metric_sum("troupe_client_aborts_total") >= before + 1, timeout=30)
+    srv().idle_pages()
+    still_serving()
+
+
+def test_bad_requests():
+    with client() as c:
+        expect_error(lambda: c.generate(token_ids=[1, 10_000_000], max_tokens=2), "invalidArgument", "out of range")
+        expect_error(lambda: c.generate(text="x", model="nope", max_tokens=2), "notFound", "nope")
+        expect_error(lambda: c.generate(text="x", max_tokens=0), "invalidArgument", "maxTokens")
+        expect_error(lambda: c.generate(token_ids=[], max_tokens=2), "invalidArgument", "empty")
+        expect_error(lambda: c.generate(text="x", temperature=5.0, max_tokens=2), "invalidArgument", "temperature")
+        expect_error(lambda: c.generate(token_ids=[1] * 100, max_tokens=MAX_LEN), "invalidArgument", "context length")
+        rid = c.submit(text="park me", max_tokens=400, temperature=0.0, ignore_eos=True)
+        c.park(rid)
+        expect_error(lambda: list(c.events(rid)), "unsupported", "not supported")
+        c.abort(rid)  # the request itself is still running: abort it
+        while True:
+            kind, msg = c._wait(rid)
+            if kind in (c.kind.finish, c.kind.error):
+                break
+        # Request id 0 is reserved.
+        g = c.schemas["generate"].GenerateRequest.new_message()
+        g.prompt.text = "x"
+        c.send(c.kind.generateRequest, 0, g)
+        expect_error(lambda: list(c.events(0)), "invalidArgument", "reserved")
+        still_serving(c)
+    # Garbage on a connection: an Error frame, the connection closes, the server stays up.
+    s = socket.create_connection(("127.0.0.1", frame_port), timeout=30)
+    s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n"[:HEADER.size])  # one header's worth: nothing left unread
+    data = b""
+    while True:
+        try:
+            chunk = s.recv(65536)
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    s.close()
+    assert len(data) >= HEADER.size, data
+    magic, version, kind, _, size, _ = HEADER.unpack(data[:HEADER.size])
+    assert magic == MAGIC and version == VERSION and kind == 1, data[:32]
+    # A frame with an unreadable body: an Error frame, the connection stays usable.
+    with client() as c:
+        c.send_bytes(HEADER.pack(MAGIC, VERSION, c.kind.generateRequest, 7, 8, 0) + b"\xff" * 8)
+        kind, rid, body = c.recv_frame()
+        assert kind == c.kind.error and rid == 7, (kind, rid)
+        still_serving(c)
+    still_serving()
+
+
+def test_stop_strings_match_http():
+    ref = http_completion("Once upon a time", 24, ignore_eos=True)
+    text = ref["text"]
+    if len(text) < 8:
+        print(f"skipped: the greedy text is too short to cut ({text!r})")
+        return
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    want = http_completion("Once upon a time", 24, ignore_eos=True, stop=[stop])
+    assert want["finish_reason"] == "stop", want
+    with client() as c:
+        out = c.generate(text="Once upon a time", max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
+    assert out["finish_reason"] == "stop" and out["text"] == want["text"], (stop, out, want)
+    assert stop not in out["text"], (stop, out)
+
+
+def test_worker_crash_is_invisible_over_frames():
+    """A worker crashes mid-stream (2 workers): every frame stream completes with
+    the ids of an undisturbed run; the gateway resubmitted at least one."""
+    with harness.Server(A.troupe, A.home, ["--workers", "2", "--test-hooks", "--frame-port", "0"], name="fcrash") as s:
+        port = int(re.search(r"frames on tcp://[^:]+:(\d+)", s.tail(100000)).group(1))
+        prompts = harness.distinct_prompts(6, 12)
+        with Client("127.0.0.1", port, timeout=120) as c:
+            ref = [c.generate(text=p, max_tokens=40, temperature=0.0, ignore_eos=True, return_token_ids=True)["token_ids"]
+                   for p in prompts]
+            before = s.metric_sum("troupe_resubmits_total")
+            rids = {c.submit(text=p, max_tokens=40, temperature=0.0, ignore_eos=True, return_token_ids=True): i
+                    for i, p in enumerate(prompts)}
+            got = {rid: [] for rid in rids}
+            done, crashed = set(), False
+            while len(done) < len(rids):
+                kind, rid, body = c.recv_frame()
+                msg = c.decode(kind, body)
+                assert kind != c.kind.error, (rid, msg)
+                if kind == c.kind.tokenChunk:
+                    got[rid] += list(msg.tokenIds)
+                elif kind == c.kind.finish:
+                    assert str(msg.reason) == "length", msg
+                    done.add(rid)
+                if not crashed and all(len(v) >= 3 for v in got.values()):
+                    st, b = s.post("/admin/crash", {"worker": "worker-0"})
+                    assert st == 200, b
+                    crashed = True
+            assert crashed
+            for rid, i in rids.items():
+                assert got[rid] == ref[i], (i, got[rid], ref[i])
+        m = s.idle_pages()
+        assert harness.metric(m, "troupe_resubmits_total") - before >= 1, "no request ran on the crashed worker"
+
+
+def test_cli_generate():
+    ref_text = http_completion("The quick brown fox", 4)
+    prompt_ids = ref_text["prompt_token_ids"]
+    ref = http_completion(prompt_ids, 8, ignore_eos=True)
+    srv()
+    p = subprocess.run([A.troupe, "client", "--connect", f"127.0.0.1:{frame_port}", "generate", "--ids",
+                        ",".join(map(str, prompt_ids)), "--max-tokens", "8", "--temperature", "0", "--ignore-eos",
+                        "--return-token-ids"], capture_output=True, text=True, timeout=120,
+                       preexec_fn=harness._die_with_parent)
+    assert p.returncode == 0, (p.returncode, p.stdout, p.stderr)
+    ids = [int(x) for x in re.search(r"^ids: (.*)$", p.stdout, re.M).group(1).split(",")]
+    assert ids == ref["token_ids"], (ids, ref["token_ids"])
+    assert "[finish: length" in p.stderr, p.stderr
+    p = subprocess.run([A.troupe, "client", "--connect", f"127.0.0.1:{frame_port}", "list-models"], capture_output=True,
+                       text=True, timeout=60, preexec_fn=harness._die_with_parent)
+    assert p.returncode == 0 and p.stdout.startswith(MODEL), (p.returncode, p.stdout, p.stderr)
+    p = subprocess.run([A.troupe, "client", "--connect", f"127.0.0.1:{frame_port}", "generate", "--prompt", "x",
+                        "--model", "nope"], capture_output=True, text=True, timeout=60,
+                       preexec_fn=harness._die_with_parent)
+    assert p.returncode != 0 and "nope" in p.stderr, (p.returncode, p.stdout, p.stderr)
+    still_serving()
+
+
+if __name__ == "__main__":
+    raise SystemExit(harness.run(globals(), A.only))

@@ -32,12 +32,14 @@
 #include <sstream>
 #include <thread>
 
+#include "bench/ucx_perftest.hpp"
 #include "actors/node/kv_handoff.hpp"
 #include "tests/transport/args.hpp"
 #include "transport/ucx.hpp"
 
 using namespace troupe;
 using namespace troupe::transport;
+using namespace troupe::bench;
 using troupe::actors::node::KvHandoff;
 using troupe::actors::node::KvHandoffOptions;
 using Clock = std::chrono::steady_clock;
@@ -179,85 +181,6 @@ class Taker {
 
 // ------------------------------------------------------------------ processes
 
-struct Spawned {
-  pid_t pid = -1;
-  int out = -1, in = -1;
-};
-
-Spawned spawn(std::vector<std::string> argv) {
-  int out[2], in[2];
-  if (pipe(out) != 0 || pipe(in) != 0) throw std::runtime_error("pipe");
-  Spawned s;
-  s.pid = fork();
-  if (s.pid == 0) {
-    dup2(out[1], 1);
-    dup2(in[0], 0);
-    close(out[0]);
-    close(in[1]);
-    std::vector<char*> args;
-    for (auto& a : argv) args.push_back(a.data());
-    args.push_back(nullptr);
-    execvp(args[0], args.data());
-    _exit(127);
-  }
-  close(out[1]);
-  close(in[0]);
-  s.out = out[0];
-  s.in = in[1];
-  return s;
-}
-
-std::string read_all(int fd) {
-  std::string s;
-  char buf[4096];
-  ssize_t n;
-  while ((n = read(fd, buf, sizeof(buf))) > 0) s.append(buf, n);
-  return s;
-}
-
-std::string read_line(int fd) {
-  std::string s;
-  char c;
-  while (read(fd, &c, 1) == 1 && c != '\n') s += c;
-  return s;
-}
-
-// ucx_perftest overall bandwidth in bytes/s.
-double perftest(const std::string& bin, const std::string& test, size_t size, size_t iters) {
-  static std::mt19937 rng(std::random_device{}());
-  std::string port = std::to_string(20000 + rng() % 20000);
-  auto server = spawn({bin, "-p", port});
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  auto client = spawn({bin, "127.0.0.1", "-p", port, "-t", test, "-s", std::to_string(size), "-n",
-                       std::to_string(iters), "-w", std::to_string(std::max<size_t>(iters / 10, 2)), "-e", "-f", "-v"});
-  std::string out = read_all(client.out);
-  waitpid(client.pid, nullptr, 0);
-  kill(server.pid, SIGKILL);
-  waitpid(server.pid, nullptr, 0);
-  for (int fd : {server.out, server.in, client.out, client.in}) close(fd);
-  std::istringstream ls(out);
-  std::string line, last;
-  while (std::getline(ls, line)) {
-    auto first = line.find_first_not_of(' ');
-    if (first != std::string::npos && std::isdigit(static_cast<unsigned char>(line[first]))) last = line;
-  }
-  std::vector<double> v;
-  std::istringstream fs(last);
-  std::string cell;
-  while (std::getline(fs, cell, ',')) v.push_back(std::atof(cell.c_str()));
-  if (v.size() < 8) {
-    spdlog::warn("ucx_perftest {} -s {}: no result ({})", test, size, out);
-    return 0;
-  }
-  return v[5] * 1048576.0;
-}
-
-std::string human(size_t b) {
-  if (b >= (1u << 20)) return fmt::format("{} MiB", b >> 20);
-  if (b >= 1024) return fmt::format("{} KiB", b >> 10);
-  return fmt::format("{} B", b);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -298,7 +221,7 @@ int main(int argc, char** argv) {
       best.handoff = std::max(best.handoff, r.handoff);
       if (!no_perftest) {
         const size_t n = std::clamp<size_t>((size_t{4} << 30) / size, 16, 2000);
-        get = std::max(get, perftest(perftest_bin, "ucp_get", size, n));
+        get = std::max(get, perftest(perftest_bin, "ucp_get", size, n).bytes_per_s);
       }
     }
     std::cout << fmt::format("| {} | {} x {} | {:.2f} | {:.2f} | {:.2f} | {:.0f}% |\n", human(size), size / p, human(p),

@@ -6,7 +6,6 @@ Run by ctest (tests/integration/CMakeLists.txt).
 """
 import signal
 import sys
-import tempfile
 import time
 import unittest
 from pathlib import Path
@@ -14,28 +13,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness as h  # noqa: E402
 
-TROUPE, MODEL = h.paths()
 HOST = "127.0.0.1"
 
 
-class Drain(unittest.TestCase):
-    def setUp(self):
-        h.ensure_model(TROUPE, MODEL)
-        self.dir = Path(tempfile.mkdtemp(prefix="troupe-drain-"))
-        self.cluster = h.Cluster(self.dir, TROUPE, {"UCX_NET_DEVICES": "lo"})
-        self.addCleanup(self.cluster.close)  # also when setUp fails below
-        self.topo = h.Topo(decode_processes=2)
-        manifest = h.write_manifest(self.dir / "drain.yaml", "drain", MODEL, self.topo.nodes, drain_timeout_s=60)
-        self.procs = {n: self.cluster.start(n, manifest) for n in ("front", "prefill", "decodea", "decodeb")}
-        for n in self.procs:
-            h.wait_ready(HOST, self.topo.port(n), procs=self.procs.values())
-        self.front = self.topo.port("front")
-        self.model = h.model_id(HOST, self.front)
-
-    def tearDown(self):
-        self.cluster.close()
-        if self._outcome.result.failures or self._outcome.result.errors:
-            print(self.cluster.logs())
+class Drain(h.TwoDecodeProcesses):
+    NAME = "drain"
+    MANIFEST = {"drain_timeout_s": 60}
 
     def test_sigterm_drains_a_decode_process_under_load_and_loses_nothing(self):
         prompts = h.prompts(10, length=28, seed=5)

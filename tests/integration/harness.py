@@ -13,7 +13,9 @@ import random
 import signal
 import subprocess
 import threading
+import tempfile
 import time
+import unittest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -469,3 +471,28 @@ class Topo:
 
     def port(self, node):
         return self.http[node]
+
+
+class TwoDecodeProcesses(unittest.TestCase):
+    """front (gateway + router), prefill and two decode processes (decodea,
+    decodeb) on 127.0.0.1 from one manifest, up and ready before each test.
+    Subclasses set NAME and MANIFEST (write_manifest's keyword arguments)."""
+    NAME = "two-decode"
+    MANIFEST = {}
+
+    def setUp(self):
+        troupe, model = paths()
+        ensure_model(troupe, model)
+        self.dir = Path(tempfile.mkdtemp(prefix=f"troupe-{self.NAME}-"))
+        self.cluster = Cluster(self.dir, troupe, {"UCX_NET_DEVICES": "lo"})
+        self.addCleanup(self.cluster.close)  # also when setUp fails below
+        self.topo = Topo(decode_processes=2)
+        manifest = write_manifest(self.dir / f"{self.NAME}.yaml", self.NAME, model, self.topo.nodes, **self.MANIFEST)
+        self.procs = {n: self.cluster.start(n, manifest) for n in ("front", "prefill", "decodea", "decodeb")}
+        wait_all_ready(self.cluster, "127.0.0.1", [self.topo.port(n) for n in self.procs])
+        self.front = self.topo.port("front")
+        self.model = model_id("127.0.0.1", self.front)
+
+    def tearDown(self):
+        if self._outcome.result.failures or self._outcome.result.errors:
+            print(self.cluster.logs())

@@ -8,7 +8,6 @@ Run by ctest (tests/integration/CMakeLists.txt).
 """
 import signal
 import sys
-import tempfile
 import time
 import unittest
 from pathlib import Path
@@ -16,27 +15,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness as h  # noqa: E402
 
-TROUPE, MODEL = h.paths()
 HOST = "127.0.0.1"
 STREAMS = 50
 
 
-class ScaleDown(unittest.TestCase):
-    def setUp(self):
-        h.ensure_model(TROUPE, MODEL)
-        self.dir = Path(tempfile.mkdtemp(prefix="troupe-scale-down-"))
-        self.cluster = h.Cluster(self.dir, TROUPE, {"UCX_NET_DEVICES": "lo"})
-        self.addCleanup(self.cluster.close)  # also when setUp fails below
-        self.topo = h.Topo(decode_processes=2)
-        manifest = h.write_manifest(self.dir / "scale.yaml", "scale", MODEL, self.topo.nodes, drain_timeout_s=90)
-        self.procs = {n: self.cluster.start(n, manifest) for n in ("front", "prefill", "decodea", "decodeb")}
-        h.wait_all_ready(self.cluster, HOST, [self.topo.port(n) for n in self.procs])
-        self.front = self.topo.port("front")
-        self.model = h.model_id(HOST, self.front)
-
-    def tearDown(self):
-        if self._outcome.result.failures or self._outcome.result.errors:
-            print(self.cluster.logs())
+class ScaleDown(h.TwoDecodeProcesses):
+    NAME = "scale"
+    MANIFEST = {"drain_timeout_s": 90}
 
     def test_removing_a_decode_process_under_50_streams_fails_none(self):
         prompts = h.prompts(STREAMS, length=20, seed=31)

@@ -27,7 +27,7 @@ def cpu_name():
 
 
 def run(binary, quick):
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", TROUPE_CPU_THREADS="1")
     out = subprocess.run([binary] + (["--quick"] if quick else []), cwd=ROOT, env=env, check=True,
                          capture_output=True, text=True).stdout
     return [json.loads(l) for l in out.splitlines() if l.startswith("{")]
@@ -55,7 +55,8 @@ def main():
     w("## Cache and engine (issue 4)")
     w("")
     w(f"`scripts/bench_cache.py` ({args.runs} runs of `troupe_cache_bench`, the median run of each kept), commit {commit}, "
-      f"{datetime.date.today()}, {cpu_name()}, {os.cpu_count()} cores shared with other builds, OPENBLAS_NUM_THREADS=1, "
+      f"{datetime.date.today()}, {cpu_name()}, {os.cpu_count()} cores (load average {os.getloadavg()[0]:.1f} at the start), "
+      "one thread (OPENBLAS_NUM_THREADS=1, TROUPE_CPU_THREADS=1), "
       "CPU backend, the tiny random model (`init-model --preset tiny --vocab 512`: 4 layers, window 32, CSA rate 4, "
       "HCA rate 16, pages of 32 tokens).")
     w("")

@@ -40,13 +40,6 @@ Entry* least_loaded(RouterState& st, std::initializer_list<WorkerRole> roles) {
   return best;
 }
 
-Entry* find(RouterState& st, const caf::actor_addr& addr) {
-  for (auto& e : st.workers) {
-    if (e.actor.address() == addr) return &e;
-  }
-  return nullptr;
-}
-
 // Sends a job to a worker; false when none can take it now.
 bool dispatch(Self self, Job& job) {
   auto& st = self->state;

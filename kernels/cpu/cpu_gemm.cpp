@@ -143,7 +143,7 @@ using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, f
 
 // fn[rm - 1][rn == 4]: the kernel for an rm x rn tile (rn is 4 or 1).
 struct TileSet {
-  TileFn fn[8][2];
+  TileFn fn[6][2];
   int max_rows;
 };
 
@@ -177,7 +177,7 @@ TileSet make_tiles() {
 
 const TileSet kTiles = make_tiles();
 
-constexpr int64_t kBlockK = 512;   // k per pass: a 4-row x tile (8 KiB) stays in L1
+constexpr int64_t kBlockK = 512;   // k per pass: a 6-row x tile (12 KiB) stays in L1
 constexpr int64_t kChunkRows = 36;  // rows whose parked accumulators a thread keeps (with nb weight rows)
 
 // Weight rows [j0, j1) against every row of x, in k-blocks of kBlockK with the

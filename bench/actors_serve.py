@@ -37,24 +37,16 @@ async def one(port, body, out):
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
                  b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
     await writer.drain()
-    times, buf, ok = [], b"", False
+    times, ok = [], False
     head = await reader.readuntil(b"\r\n\r\n")
     if b" 200 " in head.split(b"\r\n")[0]:
-        while True:
-            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
-            chunk = await reader.readexactly(size + 2)
-            if size == 0:
-                break
-            buf += chunk[:-2]
-            while b"\n\n" in buf:
-                ev, buf = buf.split(b"\n\n", 1)
-                payload = ev[6:]
-                if payload == b"[DONE]":
-                    ok = True
-                    continue
-                j = json.loads(payload)
-                if any(c.get("token_ids") for c in j.get("choices", [])):
-                    times.append(time.monotonic())
+        async for payload in harness.sse_payloads(reader):
+            if payload == b"[DONE]":
+                ok = True
+                continue
+            j = json.loads(payload)
+            if any(c.get("token_ids") for c in j.get("choices", [])):
+                times.append(time.monotonic())
     writer.close()
     out.append((t0, times, ok))
 

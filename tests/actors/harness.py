@@ -240,6 +240,22 @@ def read_events(sock, want=None):
     return events, False
 
 
+async def sse_payloads(reader):
+    """asyncio form for keep-alive clients: after the response head was read,
+    yields each `data:` payload (bytes; b"[DONE]" included) of the chunked body
+    and returns at its last chunk, leaving the connection ready for the next request."""
+    buf = b""
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+        chunk = await reader.readexactly(size + 2)
+        if size == 0:
+            return
+        buf += chunk[:-2]
+        while b"\n\n" in buf:
+            ev, buf = buf.split(b"\n\n", 1)
+            yield ev[len(b"data: "):]
+
+
 # ---- the oracle ----------------------------------------------------------------------
 
 def model_dir(home):

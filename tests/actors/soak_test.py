@@ -50,26 +50,17 @@ async def one_request(reader, writer, body):
         raise Failure(f"HTTP {status.decode()}: {head[:200]!r}")
     if b"chunked" not in head.lower():
         raise Failure("streamed response is not chunked")
-    buf = b""
     tokens, finish, done = [], None, False
-    while True:
-        size = int((await reader.readuntil(b"\r\n")).strip(), 16)
-        chunk = await reader.readexactly(size + 2)
-        if size == 0:
-            break
-        buf += chunk[:-2]
-        while b"\n\n" in buf:
-            ev, buf = buf.split(b"\n\n", 1)
-            payload = ev[len(b"data: "):]
-            if payload == b"[DONE]":
-                done = True
-                continue
-            j = json.loads(payload)
-            if "error" in j:
-                raise Failure(f"error event: {j['error']}")
-            for c in j["choices"]:
-                tokens += c.get("token_ids") or []
-                finish = c.get("finish_reason") or finish
+    async for payload in harness.sse_payloads(reader):
+        if payload == b"[DONE]":
+            done = True
+            continue
+        j = json.loads(payload)
+        if "error" in j:
+            raise Failure(f"error event: {j['error']}")
+        for c in j["choices"]:
+            tokens += c.get("token_ids") or []
+            finish = c.get("finish_reason") or finish
     if not done:
         raise Failure("stream ended without [DONE]")
     if finish != "length" or len(tokens) != body["max_tokens"]:

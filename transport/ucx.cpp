@@ -93,10 +93,21 @@ ucs_status_t am_handshake_cb(void* arg, const void* header, size_t, void* data, 
     spdlog::warn("ucx {}: handshake from an unknown endpoint, ignored", impl->opt.name);
     return UCS_OK;
   }
-  std::string name(static_cast<const char*>(data), std::min(length, kMaxNameBytes + 1));
+  // name [0 token address] (see kAmHello)
+  auto* bytes = static_cast<const char*>(data);
+  size_t name_len = 0;
+  while (name_len < length && name_len <= kMaxNameBytes && bytes[name_len] != 0) ++name_len;
+  std::string name(bytes, name_len);
+  uint64_t token = 0;
+  std::vector<std::byte> address;
+  if (name_len < length && bytes[name_len] == 0 && length >= name_len + 1 + 8) {
+    token = load_u64(reinterpret_cast<const std::byte*>(bytes + name_len + 1));
+    auto* a = reinterpret_cast<const std::byte*>(bytes + name_len + 9);
+    address.assign(a, a + (length - name_len - 9));
+  }
   uint64_t id = c->id;
-  impl->user_calls.push_back([impl, id, name, is_ack] {
-    if (Conn* c = impl->conn_by_id(id)) impl->on_hello(*c, name, is_ack);
+  impl->user_calls.push_back([impl, id, name, is_ack, token, address = std::move(address)]() mutable {
+    if (Conn* c = impl->conn_by_id(id)) impl->on_hello(*c, name, is_ack, token, std::move(address));
   });
   return UCS_OK;
 }
@@ -112,24 +123,37 @@ ucs_status_t am_frame_cb(void* arg, const void* header, size_t header_length, vo
                          const ucp_am_recv_param_t* param) {
   auto* impl = static_cast<UcxTransport::Impl*>(arg);
   bool rndv = param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV;
-  Conn* c = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? impl->conn_by_ep(param->reply_ep) : nullptr;
+  auto* hb = static_cast<const std::byte*>(header);
+  // A direct endpoint's frame names our connection by its token; one over the
+  // connection-manager endpoint comes with a reply endpoint.
+  bool direct = !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP);
+  Conn* c = nullptr;
+  if (!direct) {
+    c = impl->conn_by_ep(param->reply_ep);
+  } else if (header_length == kAmDirectHeaderBytes) {
+    // The peer may send here before this side has seen its handshake reply:
+    // arrivals wait in the connection until it is up.
+    c = impl->conn_by_id(load_u64(hb + kAmFrameHeaderBytes));
+  }
   auto drop = [&]() {
     if (rndv) ucp_am_data_release(impl->worker, data);
     return UCS_OK;
   };
-  if (!c || c->state == Conn::State::closing) return drop();
+  if (!c || c->state == Conn::State::closing) {
+    if (direct) spdlog::warn("ucx {}: a frame for no known connection, dropped", impl->opt.name);
+    return drop();
+  }
   impl->dirty.insert(c->id);
-  if (header_length != kAmFrameHeaderBytes) {
+  if (header_length != (direct ? kAmDirectHeaderBytes : kAmFrameHeaderBytes)) {
     // Without a sequence number there is no slot for it: a lost stream.
     c->arrivals[UINT64_MAX].ready = true;
     c->arrivals[UINT64_MAX].fault =
         FrameFault{Error(ErrorCode::invalid_argument,
                          fmt::format("frame message with a {}-byte header (expected {})", header_length,
-                                     kAmFrameHeaderBytes)),
+                                     direct ? kAmDirectHeaderBytes : kAmFrameHeaderBytes)),
                    0, msg::Kind::NONE, false};
     return drop();
   }
-  auto* hb = static_cast<const std::byte*>(header);
   uint64_t seq = load_u64(hb + messages::kHeaderBytes);
   if (seq < c->recv_next || c->arrivals.count(seq)) {
     c->arrivals[UINT64_MAX].ready = true;
@@ -236,6 +260,17 @@ Status UcxTransport::Impl::init() {
     return ucs_error(ErrorCode::unavailable, "ucp_worker_create", st);
   }
   if ((st = ucp_worker_get_efd(worker, &efd)) != UCS_OK) return ucs_error(ErrorCode::unavailable, "ucp_worker_get_efd", st);
+  if (const char* d = std::getenv("TROUPE_UCX_DIRECT"); d && std::string_view(d) == "0") opt.direct_endpoints = false;
+  if (opt.direct_endpoints) {
+    ucp_address_t* a = nullptr;
+    size_t len = 0;
+    if ((st = ucp_worker_get_address(worker, &a, &len)) != UCS_OK) {
+      return ucs_error(ErrorCode::unavailable, "ucp_worker_get_address", st);
+    }
+    auto* b = reinterpret_cast<const std::byte*>(a);
+    worker_address.assign(b, b + len);
+    ucp_worker_release_address(worker, a);
+  }
 
   struct Handler {
     unsigned id;
@@ -355,18 +390,25 @@ void UcxTransport::Impl::shutdown_in_thread() {
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
   while (!conns.empty() && std::chrono::steady_clock::now() < deadline) {
     ucp_worker_progress(worker);
-    for (uint64_t id : std::exchange(closed, {})) finish_close(id);
+    for (uint64_t id : std::exchange(closed, {})) {
+      Conn* c = conn_by_id(id);
+      if (c && --c->closes_pending > 0) continue;
+      finish_close(id);
+    }
     failed.clear();
     user_calls.clear();
   }
   for (auto& [id, c] : conns) {
-    ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    auto* req = ucp_ep_close_nbx(c->ep, &p);
-    if (UCS_PTR_IS_PTR(req)) {
-      while (ucp_request_check_status(req) == UCS_INPROGRESS) ucp_worker_progress(worker);
-      ucp_request_free(req);
+    for (ucp_ep_h ep : {c->ep, c->data_ep}) {
+      if (!ep || c->closes_pending > 0) continue;  // a close already started owns it
+      ucp_request_param_t p{};
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      auto* req = ucp_ep_close_nbx(ep, &p);
+      if (UCS_PTR_IS_PTR(req)) {
+        while (ucp_request_check_status(req) == UCS_INPROGRESS) ucp_worker_progress(worker);
+        ucp_request_free(req);
+      }
     }
   }
   conns.clear();
@@ -401,6 +443,8 @@ bool UcxTransport::Impl::run_deferred() {
   }
   for (uint64_t id : std::exchange(closed, {})) {
     did = true;
+    Conn* c = conn_by_id(id);
+    if (c && --c->closes_pending > 0) continue;  // its other endpoint is still closing
     finish_close(id);
   }
   return did;
@@ -474,15 +518,16 @@ void UcxTransport::Impl::start_connect(const std::string& host, uint16_t port,
   send_name(*c, kAmHello);
 }
 
-void UcxTransport::Impl::send_am(Conn& c, unsigned id, std::unique_ptr<SendOp> op, std::span<const std::byte> body) {
+void UcxTransport::Impl::send_am(Conn& c, unsigned id, std::unique_ptr<SendOp> op, std::span<const std::byte> body,
+                                 ucp_ep_h ep) {
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  p.flags = UCP_AM_SEND_FLAG_REPLY;
+  p.flags = ep ? 0 : UCP_AM_SEND_FLAG_REPLY;  // a direct endpoint's frames carry the token instead
   p.cb.send = send_cb;
   p.user_data = op.get();
   const void* hdr = op->raw_header.empty() ? static_cast<const void*>(op->header.data()) : op->raw_header.data();
   size_t hlen = op->raw_header.empty() ? op->header_bytes : op->raw_header.size();
-  auto* req = ucp_am_send_nbx(c.ep, id, hdr, hlen, body.data(), body.size(), &p);
+  auto* req = ucp_am_send_nbx(ep ? ep : c.ep, id, hdr, hlen, body.data(), body.size(), &p);
   if (req == nullptr || UCS_PTR_IS_ERR(req)) {
     if (req) spdlog::debug("ucx {}: send to {} failed: {}", opt.name, c.name, ucs_status_string(UCS_PTR_STATUS(req)));
     finish_send(op.release());  // done (or failed: the endpoint's error callback reports the peer)
@@ -499,10 +544,14 @@ void UcxTransport::Impl::send_frame(Conn& c, Frame frame, size_t queued_bytes) {
   std::memcpy(op->header.data(), h.data(), h.size());
   uint64_t seq = c.send_seq++;
   std::memcpy(op->header.data() + messages::kHeaderBytes, &seq, 8);
+  if (c.data_ep) {
+    std::memcpy(op->header.data() + kAmFrameHeaderBytes, &c.peer_token, 8);
+    op->header_bytes = kAmDirectHeaderBytes;
+  }
   op->frame = std::move(frame);
   auto body = op->frame.body_bytes();
   ++frames_sent;
-  send_am(c, kAmFrame, std::move(op), body);
+  send_am(c, kAmFrame, std::move(op), body, c.data_ep);
 }
 
 void UcxTransport::Impl::send_name(Conn& c, unsigned id) {
@@ -510,11 +559,18 @@ void UcxTransport::Impl::send_name(Conn& c, unsigned id) {
   op->header_bytes = 0;
   op->raw_body.resize(opt.name.size());
   std::memcpy(op->raw_body.data(), opt.name.data(), opt.name.size());
+  if (!worker_address.empty()) {  // 0, our token for this connection, our worker address
+    op->raw_body.push_back(std::byte{0});
+    const auto* t = reinterpret_cast<const std::byte*>(&c.id);
+    op->raw_body.insert(op->raw_body.end(), t, t + 8);
+    op->raw_body.insert(op->raw_body.end(), worker_address.begin(), worker_address.end());
+  }
   auto body = std::span<const std::byte>(op->raw_body);
   send_am(c, id, std::move(op), body);
 }
 
-void UcxTransport::Impl::on_hello(Conn& c, std::string peer, bool is_ack) {
+void UcxTransport::Impl::on_hello(Conn& c, std::string peer, bool is_ack, uint64_t token,
+                                  std::vector<std::byte> address) {
   if (c.state != Conn::State::handshaking) return;
   if (!valid_name(peer) || peer == opt.name) {
     spdlog::warn("ucx {}: peer announced an invalid name, dropping it", opt.name);
@@ -531,12 +587,34 @@ void UcxTransport::Impl::on_hello(Conn& c, std::string peer, bool is_ack) {
     close_conn(*old, Error(ErrorCode::unavailable, fmt::format("peer {} reconnected", peer)), true);
     report_down(*old);  // now, so that the user sees down (old) before up (new)
   }
+  if (!worker_address.empty() && !address.empty()) open_direct(c, token, address);
   if (!is_ack) send_name(c, kAmHelloAck);
   mark_up(c, peer);
   if (c.connect_promise) {
     c.connect_promise->set_value(peer);
     c.connect_promise.reset();
   }
+}
+
+// Opens the direct endpoint to the peer's worker address. A failure leaves
+// the connection on its sockaddr endpoint (slower, still correct).
+void UcxTransport::Impl::open_direct(Conn& c, uint64_t token, const std::vector<std::byte>& address) {
+  ucp_ep_params_t ep{};
+  ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLER |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  ep.address = reinterpret_cast<const ucp_address_t*>(address.data());
+  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep.err_handler.cb = ep_err_cb;
+  ep.err_handler.arg = this;
+  ucp_ep_h h = nullptr;
+  if (auto st = ucp_ep_create(worker, &ep, &h); st != UCS_OK) {
+    spdlog::warn("ucx {}: no direct endpoint to a peer ({}); frames stay on the connection endpoint", opt.name,
+                 ucs_status_string(st));
+    return;
+  }
+  c.data_ep = h;
+  c.peer_token = token;
+  by_ep[h] = c.id;
 }
 
 void UcxTransport::Impl::mark_up(Conn& c, const std::string& peer) {
@@ -616,16 +694,21 @@ void UcxTransport::Impl::close_conn(Conn& c, Error reason, bool force) {
     std::lock_guard lock(names_mu);
     up_names.erase(c.name);
   }
-  ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-  p.cb.send = close_cb;
-  auto* pair = new std::pair<Impl*, uint64_t>(this, c.id);
-  p.user_data = pair;
-  auto* req = ucp_ep_close_nbx(c.ep, &p);
-  if (!UCS_PTR_IS_PTR(req)) {
-    delete pair;
-    closed.push_back(c.id);
+  // Each endpoint's close lands in `closed`; the last one finishes the connection.
+  c.closes_pending = c.data_ep ? 2 : 1;
+  for (ucp_ep_h ep : {c.data_ep, c.ep}) {
+    if (!ep) continue;
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    p.cb.send = close_cb;
+    auto* pair = new std::pair<Impl*, uint64_t>(this, c.id);
+    p.user_data = pair;
+    auto* req = ucp_ep_close_nbx(ep, &p);
+    if (!UCS_PTR_IS_PTR(req)) {
+      delete pair;
+      closed.push_back(c.id);
+    }
   }
 }
 
@@ -634,6 +717,7 @@ void UcxTransport::Impl::finish_close(uint64_t id) {
   if (!c) return;
   drop_rkeys(*c);
   by_ep.erase(c->ep);
+  if (c->data_ep) by_ep.erase(c->data_ep);
   Error why = c->down_reason.value_or(Error(ErrorCode::unavailable, "closed"));
   if (c->connect_promise) c->connect_promise->set_value(why);
   report_down(*c);

@@ -31,6 +31,10 @@ struct UcxOptions {
   // Bytes of frames queued or in flight, all peers together; send() answers
   // resource_exhausted beyond it (backpressure instead of unbounded memory).
   size_t max_send_queue_bytes = 1ull << 30;
+  // After the handshake, send frames and RMA over endpoints made from the
+  // peers' worker addresses (see Conn in ucx_impl.hpp). Off: everything over
+  // the sockaddr endpoints. TROUPE_UCX_DIRECT=0 in the environment turns it off too.
+  bool direct_endpoints = true;
 };
 
 class UcxTransport final : public Transport {

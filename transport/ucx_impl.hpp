@@ -21,11 +21,16 @@ namespace troupe::transport {
 
 // Active message ids.
 enum : unsigned {
-  kAmHello = 21,     // client -> server after connect; data = client name
-  kAmHelloAck = 22,  // server -> client; data = server name
-  kAmFrame = 23,     // header = frame header (24 bytes) + u64 sequence; data = body
+  // Handshake data: name, then (direct endpoints) a 0 byte, the sender's
+  // u64 token for this connection and its worker address.
+  kAmHello = 21,     // client -> server after connect, on the connection-manager endpoint
+  kAmHelloAck = 22,  // server -> client
+  // Frame: header = frame header (24 bytes) + u64 sequence [+ u64 token of
+  // the receiver's connection, on a direct endpoint]; data = body.
+  kAmFrame = 23,
 };
 inline constexpr size_t kAmFrameHeaderBytes = messages::kHeaderBytes + 8;
+inline constexpr size_t kAmDirectHeaderBytes = kAmFrameHeaderBytes + 8;
 inline constexpr size_t kMaxNameBytes = 255;
 
 // One received frame slot, delivered in the sender's sequence order.
@@ -35,10 +40,22 @@ struct Arrival {
   std::optional<FrameFault> fault;
 };
 
+// A peer. `ep` is the endpoint of the sockaddr connection (listener /
+// connect); it carries the handshake. Both sides then open a direct endpoint
+// to the other's worker address (`data_ep`) and send frames and RMA over it:
+// UCX selects its lanes from the full worker addresses the way ucx_perftest's
+// endpoints get them (shared memory on one host), where the sockaddr
+// endpoint's lanes moved large messages over tcp (4 MiB frames at ~half the
+// speed). Frames on the direct endpoint name the receiver's connection by a
+// token (its Conn id) since they arrive without a reply endpoint.
 struct Conn {
   enum class State { handshaking, up, closing };
   uint64_t id = 0;
   ucp_ep_h ep = nullptr;
+  ucp_ep_h data_ep = nullptr;  // direct endpoint (null: everything over `ep`)
+  uint64_t peer_token = 0;     // the peer's id for this connection
+  int closes_pending = 0;      // endpoint closes not yet completed
+  ucp_ep_h tx() const { return data_ep ? data_ep : ep; }
   std::string name;  // empty until the handshake
   State state = State::handshaking;
   uint64_t send_seq = 0;
@@ -57,7 +74,7 @@ struct Conn {
 struct SendOp {
   struct UcxTransport::Impl* impl = nullptr;
   size_t queued_bytes = 0;  // counted in Impl::send_queue_bytes until completion
-  std::array<std::byte, kAmFrameHeaderBytes> header{};
+  std::array<std::byte, kAmDirectHeaderBytes> header{};
   size_t header_bytes = kAmFrameHeaderBytes;
   Frame frame;
   std::vector<std::byte> raw_header, raw_body;  // test hook and handshake
@@ -96,6 +113,7 @@ struct UcxTransport::Impl {
   UcxOptions opt;
   TransportEvents events;
   std::string address;
+  std::vector<std::byte> worker_address;  // sent in the handshake (direct endpoints)
   ucp_context_h ctx = nullptr;
   ucp_worker_h worker = nullptr;
   ucp_listener_h listener = nullptr;
@@ -147,11 +165,14 @@ struct UcxTransport::Impl {
   Conn* add_conn(ucp_ep_h ep);
   ucp_ep_h create_server_ep(ucp_conn_request_h request);
   void start_connect(const std::string& host, uint16_t port, std::shared_ptr<std::promise<Expected<std::string>>> p);
-  void send_am(Conn& c, unsigned id, std::unique_ptr<SendOp> op, std::span<const std::byte> body);
+  // Over `ep` (default: the connection-manager endpoint, with a reply endpoint).
+  void send_am(Conn& c, unsigned id, std::unique_ptr<SendOp> op, std::span<const std::byte> body,
+               ucp_ep_h ep = nullptr);
   // queued_bytes: what send() counted in send_queue_bytes (0 for internal frames).
   void send_frame(Conn& c, Frame frame, size_t queued_bytes = 0);
   void send_name(Conn& c, unsigned id);
-  void on_hello(Conn& c, std::string peer, bool is_ack);
+  void on_hello(Conn& c, std::string peer, bool is_ack, uint64_t token, std::vector<std::byte> address);
+  void open_direct(Conn& c, uint64_t token, const std::vector<std::byte>& address);
   void mark_up(Conn& c, const std::string& peer);
   void deliver(Conn& c);
   void handle_fault(Conn& c, const FrameFault& fault);

@@ -88,7 +88,7 @@ Expected<ucp_rkey_h> UcxTransport::Impl::rkey_for(Conn& c, const RegionKey& remo
     return Error(ErrorCode::invalid_argument, fmt::format("region {} of {} has no usable key", remote.region_id, c.name));
   }
   ucp_rkey_h rkey = nullptr;
-  if (auto st = ucp_ep_rkey_unpack(c.ep, remote.packed_key.data(), &rkey); st != UCS_OK) {
+  if (auto st = ucp_ep_rkey_unpack(c.tx(), remote.packed_key.data(), &rkey); st != UCS_OK) {
     return Error(ErrorCode::invalid_argument,
                  fmt::format("cannot unpack the key of region {} of {}: {}", remote.region_id, c.name, ucs_status_string(st)));
   }
@@ -136,11 +136,11 @@ void UcxTransport::Impl::start_rma(bool is_put, const std::string& peer, const R
   for (const auto& op : ops) {
     if (op.length == 0) continue;
     uint64_t addr = remote.address + op.remote_offset;
-    track(is_put ? ucp_put_nbx(c->ep, op.local, op.length, addr, *rkey, &p)
-                 : ucp_get_nbx(c->ep, op.local, op.length, addr, *rkey, &p));
+    track(is_put ? ucp_put_nbx(c->tx(), op.local, op.length, addr, *rkey, &p)
+                 : ucp_get_nbx(c->tx(), op.local, op.length, addr, *rkey, &p));
   }
   // Puts complete locally first; the flush makes them remotely visible.
-  if (is_put) track(ucp_ep_flush_nbx(c->ep, &p));
+  if (is_put) track(ucp_ep_flush_nbx(c->tx(), &p));
   b->issued = true;
   b->maybe_finish();
 }

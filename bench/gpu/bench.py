@@ -169,7 +169,7 @@ class Bench:
                                                ptr(prof), stream()), "topk profile")
                     torch.cuda.synchronize()
                     st = prof.tolist()  # %globaltimer ns: CTA 0's phases, then the row's last CTA
-                    names = ["entry", "wait", "load", "barrier0", "threshold0", "emit", "last_cta", "cand_load",
+                    names = ["entry", "wait", "load", "hist0", "threshold0", "emit", "last_cta", "cand_load",
                              "end"]
                     valid = [i for i in range(9) if st[i]]
                     deltas = [(names[j], (st[j] - st[i]) / 1000.0) for i, j in zip(valid, valid[1:])]

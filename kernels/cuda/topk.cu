@@ -546,8 +546,10 @@ Plan make_plan(int64_t max_len, int k, int max_cluster) {
 // device's CTAs per row: the lowest unfinished row then has all its CTAs resident.
 constexpr int kGBins = 2048;
 constexpr int kGRounds = 3;
-enum GCounter { kArrive0 = 0, kAbove = kGRounds, kTie, kCand, kDone, kCounters = 8 };
-constexpr int kGCap = 8192;  // threshold-bucket elements the last CTA of a row finishes alone
+// Per row: arrivals per round, output / tie / candidate counters, finished CTAs, then
+// one 64-bit word per round where the round's last CTA publishes the threshold.
+enum GCounter { kArrive0 = 0, kAbove = kGRounds, kTie, kCand, kDone, kPublish0 = 8, kCounters = 8 + 2 * kGRounds };
+constexpr int kGCap = 4096;  // threshold-bucket elements the last CTA of a row finishes alone
 template <int NT, int EPT>
 constexpr int grid_area_words() {  // the chunk's keys, later the candidates' keys and indices
   return NT * EPT > 2 * kGCap ? NT * EPT : 2 * kGCap;
@@ -569,7 +571,7 @@ struct GridParams {
   int row0;            // first row of this launch
   int cpr;             // CTAs per row (chunks of the longest row)
   bool ticketed;       // chunks by arrival ticket (grid larger than the device holds at once)
-  uint32_t* ws;        // [rows of a launch][row_words]; zero between calls
+  uint32_t* ws;        // [rows of a launch][row_words]; zero between calls (but the candidates)
   int64_t row_words;
   uint32_t* tickets;   // [2]: next ticket, CTAs finished; zero between calls
   long long* profile;  // optional: %globaltimer (ns) at phase ends
@@ -590,15 +592,34 @@ __device__ __forceinline__ long long global_ns() {
   return t;
 }
 
-__device__ __forceinline__ void grid_arrive_and_wait(uint32_t* ctr, uint32_t expected) {
+// The round's threshold over the row's histogram `gh` (nbins bins) into sm.thr_*: the
+// last CTA of the row to add its histogram finds it and publishes it in one 64-bit
+// word (flag | bin << 44 | above << 32 | count); the others wait for that word.
+template <int NT>
+__device__ __forceinline__ void grid_threshold(const uint32_t* gh, uint32_t nbins, uint32_t need, uint32_t* arrive,
+                                               unsigned long long* publish, uint32_t expected, GSmem& sm) {
   __threadfence();  // every thread's histogram atomics before the arrival
   __syncthreads();
-  if (threadIdx.x == 0) {
-    atomicAdd(ctr, 1u);
-    uint32_t v;
+  if (threadIdx.x == 0) sm.last = atomicAdd(arrive, 1u) == expected - 1;
+  __syncthreads();
+  if (sm.last) {
+    __threadfence();
+    for (uint32_t i = threadIdx.x; i < nbins; i += NT) sm.hist[i] = __ldcg(&gh[i]);
+    __syncthreads();
+    find_threshold<NT>(sm.hist, nbins, need, sm);
+    if (threadIdx.x == 0) {
+      const unsigned long long w = (1ull << 63) | (static_cast<unsigned long long>(sm.thr_bin) << 44) |
+                                   (static_cast<unsigned long long>(sm.thr_above) << 32) | sm.thr_cnt;
+      asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(publish), "l"(w) : "memory");
+    }
+  } else if (threadIdx.x == 0) {
+    unsigned long long w;
     do {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ctr) : "memory");
-    } while (v < expected);
+      asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(publish) : "memory");
+    } while ((w >> 63) == 0);
+    sm.thr_bin = static_cast<uint32_t>(w >> 44) & 0x7ffu;
+    sm.thr_above = static_cast<uint32_t>(w >> 32) & 0xfffu;
+    sm.thr_cnt = static_cast<uint32_t>(w);
   }
   __syncthreads();
 }
@@ -767,11 +788,10 @@ __global__ void __launch_bounds__(NT, 3) grid_topk_kernel(const GridParams p) {
           const uint32_t v = sm.hist[i];
           if (v != 0) atomicAdd(&gh[i], v);
         }
-        grid_arrive_and_wait(&ctr[kArrive0 + round], static_cast<uint32_t>(nrow));
         if (prof && round == 0) prof[3] = global_ns();
-        for (uint32_t i = tid; i < nbins; i += NT) sm.hist[i] = __ldcg(&gh[i]);
-        __syncthreads();
-        find_threshold<NT>(sm.hist, nbins, need, sm);
+        grid_threshold<NT>(gh, nbins, need, &ctr[kArrive0 + round],
+                           reinterpret_cast<unsigned long long*>(ctr + kPublish0) + round, static_cast<uint32_t>(nrow),
+                           sm);
         need -= sm.thr_above;
         cnt = sm.thr_cnt;
         prefix = (prefix << bits) | sm.thr_bin;
@@ -944,8 +964,14 @@ GridPlan make_grid_plan(int rows, int64_t max_len, int k) {
   return g;
 }
 
-size_t grid_workspace_bytes(const GridPlan& g) {
-  return static_cast<size_t>(g.rows_per_launch) * g.row_words * 4 + 256;
+// Enough for a call of any number of rows up to `rows` (a smaller call can pick the
+// other chunk size): rows of one launch times the per-row words, plus the tickets.
+size_t grid_workspace_bytes(int rows, int64_t max_len) {
+  const int64_t cs = ceil_div(max_len, kSmallNT * kSmallEPT), cl = ceil_div(max_len, kLargeNT * kLargeEPT);
+  int64_t launch_rows = 0;
+  if (cs > 1) launch_rows = std::min<int64_t>(rows, grid_capacity<kSmallNT, kSmallEPT>() / cs);
+  if (cl > 1) launch_rows = std::max<int64_t>(launch_rows, std::min(rows, kGridMaxRowsPerLaunch));
+  return static_cast<size_t>(launch_rows) * (kGRounds * kGBins + kCounters + 2 * kGCap) * 4 + 256;
 }
 
 
@@ -968,8 +994,8 @@ void launch_grid_topk(const TopkArgs& a, const GridPlan& g, void* workspace, cud
   p.row_words = g.row_words;
   if (g.row_words > 0) {
     TROUPE_REQUIRE(workspace != nullptr, "top-k: this row length needs a workspace");
-    p.ws = static_cast<uint32_t*>(workspace);
-    p.tickets = p.ws + static_cast<int64_t>(g.rows_per_launch) * g.row_words;
+    p.tickets = static_cast<uint32_t*>(workspace);  // the first 256 bytes; the rows' words after them
+    p.ws = p.tickets + 64;
   }
   const int smem = g.large ? grid_smem_bytes<kLargeNT, kLargeEPT>() : grid_smem_bytes<kSmallNT, kSmallEPT>();
   p.profile = a.profile;
@@ -999,7 +1025,7 @@ void launch_grid_topk(const TopkArgs& a, const GridPlan& g, void* workspace, cud
 size_t topk_workspace_bytes(int rows, int64_t max_len, int k, int max_cluster) {
   if (max_cluster == 0 && rows > 0) {
     const GridPlan g = make_grid_plan(rows, std::max<int64_t>(max_len, 1), k);
-    if (g.ok) return grid_workspace_bytes(g);
+    if (g.ok) return grid_workspace_bytes(rows, std::max<int64_t>(max_len, 1));
   }
   const Plan plan = make_plan(max_len, k, max_cluster);
   if (plan.segments == 1) return 0;

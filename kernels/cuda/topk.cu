@@ -5,7 +5,6 @@
 #include <climits>
 #include <cub/block/block_radix_sort.cuh>
 #include <mutex>
-#include <type_traits>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/topk.hpp"
@@ -530,30 +529,24 @@ Plan make_plan(int64_t max_len, int k, int max_cluster) {
 }
 
 
+
 // ---- grid top-k: every SM, one read, rows co-ordinated through global memory -------
-// Each CTA owns a chunk of NT * EPT scores of one row, copied (cp.async, 16-byte
-// pieces, all in flight at once) into shared memory where they are turned into
-// keys in place and stay from then on. A row of one chunk is selected inside its
-// CTA. Longer rows: every CTA adds its radix histogram to the row's histogram in
-// the workspace (global atomics), waits at the row's arrival counter until all
-// CTAs of the row have added theirs, and finds the threshold bucket itself;
-// elements above it are written straight out, the bucket's elements are gathered
-// into the workspace once few enough (else one more global round on the next
-// digit), and the last CTA of the row to finish selects among them alone and
-// zeroes the row's workspace. Waiting on other CTAs is safe because the host
-// launches at most as many CTAs as the device holds at once, or hands out chunks
-// by arrival tickets (a CTA takes its chunk once resident) with at most half the
-// device's CTAs per row: the lowest unfinished row then has all its CTAs resident.
+// Each CTA owns a chunk of kThreads * EPT scores of one row, kept in shared memory
+// from the one read on (16-byte loads in batches, the round-0 digits counted while
+// later loads are in flight). A row of one chunk is selected inside its CTA. Longer
+// rows: every CTA adds its radix histogram to the row's histogram in the workspace
+// (global atomics), waits at the row's arrival counter until all CTAs of the row
+// have added theirs, and finds the threshold bucket itself; elements above it are
+// written straight out, the bucket's elements are gathered into the workspace once
+// few enough (else one more global round on the next digit), and the last CTA of
+// the row to finish selects among them alone and zeroes the row's workspace.
+// Waiting on other CTAs is safe because the host launches at most as many CTAs as
+// the device holds at once, or hands out chunks by arrival tickets (a CTA takes its
+// chunk once resident) with at most half the device's CTAs per row: the lowest
+// unfinished row then always has all its CTAs resident.
 constexpr int kGBins = 2048;
 constexpr int kGRounds = 3;
-// Per row: arrivals per round, output / tie / candidate counters, finished CTAs, then
-// one 64-bit word per round where the round's last CTA publishes the threshold.
-enum GCounter { kArrive0 = 0, kAbove = kGRounds, kTie, kCand, kDone, kPublish0 = 8, kCounters = 8 + 2 * kGRounds };
-constexpr int kGCap = 4096;  // threshold-bucket elements the last CTA of a row finishes alone
-template <int NT, int EPT>
-constexpr int grid_area_words() {  // the chunk's keys, later the candidates' keys and indices
-  return NT * EPT > 2 * kGCap ? NT * EPT : 2 * kGCap;
-}
+enum GCounter { kArrive0 = 0, kAbove = kGRounds, kTie, kCand, kDone, kCounters = 8 };
 
 struct GridParams {
   const float* scores;
@@ -571,10 +564,10 @@ struct GridParams {
   int row0;            // first row of this launch
   int cpr;             // CTAs per row (chunks of the longest row)
   bool ticketed;       // chunks by arrival ticket (grid larger than the device holds at once)
-  uint32_t* ws;        // [rows of a launch][row_words]; zero between calls (but the candidates)
+  uint32_t* ws;        // [rows][row_words]; zero between calls
   int64_t row_words;
   uint32_t* tickets;   // [2]: next ticket, CTAs finished; zero between calls
-  long long* profile;  // optional: %globaltimer (ns) at phase ends
+  long long* profile;  // optional: %globaltimer (ns) at phase ends (row 0)
 };
 
 struct GSmem {
@@ -592,34 +585,15 @@ __device__ __forceinline__ long long global_ns() {
   return t;
 }
 
-// The round's threshold over the row's histogram `gh` (nbins bins) into sm.thr_*: the
-// last CTA of the row to add its histogram finds it and publishes it in one 64-bit
-// word (flag | bin << 44 | above << 32 | count); the others wait for that word.
-template <int NT>
-__device__ __forceinline__ void grid_threshold(const uint32_t* gh, uint32_t nbins, uint32_t need, uint32_t* arrive,
-                                               unsigned long long* publish, uint32_t expected, GSmem& sm) {
+__device__ __forceinline__ void grid_arrive_and_wait(uint32_t* ctr, uint32_t expected) {
   __threadfence();  // every thread's histogram atomics before the arrival
   __syncthreads();
-  if (threadIdx.x == 0) sm.last = atomicAdd(arrive, 1u) == expected - 1;
-  __syncthreads();
-  if (sm.last) {
-    __threadfence();
-    for (uint32_t i = threadIdx.x; i < nbins; i += NT) sm.hist[i] = __ldcg(&gh[i]);
-    __syncthreads();
-    find_threshold<NT>(sm.hist, nbins, need, sm);
-    if (threadIdx.x == 0) {
-      const unsigned long long w = (1ull << 63) | (static_cast<unsigned long long>(sm.thr_bin) << 44) |
-                                   (static_cast<unsigned long long>(sm.thr_above) << 32) | sm.thr_cnt;
-      asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(publish), "l"(w) : "memory");
-    }
-  } else if (threadIdx.x == 0) {
-    unsigned long long w;
+  if (threadIdx.x == 0) {
+    atomicAdd(ctr, 1u);
+    uint32_t v;
     do {
-      asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(publish) : "memory");
-    } while ((w >> 63) == 0);
-    sm.thr_bin = static_cast<uint32_t>(w >> 44) & 0x7ffu;
-    sm.thr_above = static_cast<uint32_t>(w >> 32) & 0xfffu;
-    sm.thr_cnt = static_cast<uint32_t>(w);
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ctr) : "memory");
+    } while (v < expected);
   }
   __syncthreads();
 }
@@ -630,12 +604,12 @@ __device__ __forceinline__ int32_t translate_g(const GridParams& p, int row, int
   return (page << p.page_bits) | static_cast<int32_t>(i & ((int64_t{1} << p.page_bits) - 1));
 }
 
-// Block-local radix select over keys[0 .. n) (all share the top `lbits` bits `lp`):
-// emits the `lneed` largest as emit(position, i), positions 0 .. lneed-1.
-// Every thread of the block calls it.
-template <int NT, class Emit>
-__device__ __forceinline__ void block_select(const uint32_t* keys, uint32_t n, uint32_t lp, int lbits, uint32_t lneed,
-                                             GSmem& sm, Emit&& emit) {
+// Block-local radix select over keys[0 .. n) (valid(i) says which exist; all valid keys
+// share the top `lbits` bits `lp`): emits the `lneed` largest, emit(position, i) with
+// positions 0 .. lneed-1. Every thread of the block calls it.
+template <class Valid, class Emit>
+__device__ __forceinline__ void block_select(const uint32_t* keys, uint32_t n, Valid&& valid, uint32_t lp, int lbits,
+                                             uint32_t lneed, GSmem& sm, Emit&& emit) {
   const int tid = threadIdx.x;
   const uint32_t need0 = lneed;
   uint32_t lcnt = 0xffffffffu;
@@ -644,14 +618,14 @@ __device__ __forceinline__ void block_select(const uint32_t* keys, uint32_t n, u
     const int bits = 32 - lbits < 11 ? 32 - lbits : 11;
     const int shift = 32 - lbits - bits;
     const uint32_t nbins = 1u << bits;
-    for (uint32_t i = tid; i < nbins; i += NT) sm.hist[i] = 0;
+    for (uint32_t i = tid; i < nbins; i += kThreads) sm.hist[i] = 0;
     __syncthreads();
-    for (uint32_t i = tid; i < n; i += NT) {
+    for (uint32_t i = tid; i < n; i += kThreads) {
       const uint32_t k = keys[i];
-      if (lbits == 0 || (k >> (32 - lbits)) == lp) atomicAdd(&sm.hist[(k >> shift) & (nbins - 1)], 1u);
+      if (valid(i) && (lbits == 0 || (k >> (32 - lbits)) == lp)) atomicAdd(&sm.hist[(k >> shift) & (nbins - 1)], 1u);
     }
     __syncthreads();
-    find_threshold<NT>(sm.hist, nbins, lneed, sm);
+    find_threshold(sm.hist, nbins, lneed, sm);
     lneed -= sm.thr_above;
     lcnt = sm.thr_cnt;
     lp = (lp << bits) | sm.thr_bin;
@@ -663,9 +637,9 @@ __device__ __forceinline__ void block_select(const uint32_t* keys, uint32_t n, u
   const unsigned lane = tid & 31, lt = (1u << lane) - 1u;
   if (tid == 0) sm.local_above = sm.local_tie = 0;
   __syncthreads();
-  for (uint32_t i0 = 0; i0 < n; i0 += NT) {  // uniform trip count: ballots below
+  for (uint32_t i0 = 0; i0 < n; i0 += kThreads) {  // uniform trip count: ballots below
     const uint32_t i = i0 + tid;
-    const bool v = i < n;
+    const bool v = i < n && valid(i);
     const uint32_t k = v ? keys[i] : 0u;
     const uint32_t hi = lbits == 0 ? 0u : k >> (32 - lbits);
     const bool is_above = v && hi > lp, is_tie = v && hi == lp;
@@ -688,20 +662,12 @@ __device__ __forceinline__ void block_select(const uint32_t* keys, uint32_t n, u
   __syncthreads();
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-}
-
-template <int NT, int EPT>
-__global__ void __launch_bounds__(NT, 3) grid_topk_kernel(const GridParams p) {
-  constexpr int kChunk = NT * EPT;
-  using Mask = std::conditional_t<(EPT > 32), unsigned long long, uint32_t>;
+template <int EPT>
+__global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams p) {
+  constexpr int kChunk = kThreads * EPT;
   extern __shared__ __align__(16) uint8_t gsmem[];
   GSmem& sm = *reinterpret_cast<GSmem*>(gsmem);
-  // The chunk: element j (0 .. kChunk-1) at sk[j]; thread tid's e-th element is j = e * NT + tid.
-  uint32_t* sk = reinterpret_cast<uint32_t*>(gsmem + (sizeof(GSmem) + 15) / 16 * 16);
-  int32_t* sidx = reinterpret_cast<int32_t*>(sk + kGCap);  // the last CTA's candidate indices
+  uint32_t* sk = reinterpret_cast<uint32_t*>(gsmem + (sizeof(GSmem) + 15) / 16 * 16);  // [EPT][kThreads]
   const int tid = threadIdx.x;
   long long* prof = p.profile != nullptr && blockIdx.x == 0 && tid == 0 ? p.profile : nullptr;
   if (prof) prof[0] = global_ns();
@@ -721,49 +687,66 @@ __global__ void __launch_bounds__(NT, 3) grid_topk_kernel(const GridParams p) {
   const int64_t nrow = (len + kChunk - 1) / kChunk;
   if (len <= p.k) {  // every candidate is chosen
     if (chunk == 0) {
-      for (int64_t i = tid; i < p.k; i += NT) out[i] = i < len ? translate_g(p, row, i) : -1;
+      for (int64_t i = tid; i < p.k; i += kThreads) out[i] = i < len ? translate_g(p, row, i) : -1;
       if (p.out_count != nullptr && tid == 0) p.out_count[row] = static_cast<int32_t>(len);
     }
   } else if (chunk < nrow) {
+    // Load the chunk (16-byte loads where aligned) and count the round-0 digits.
+    for (int i = tid; i < kGBins; i += kThreads) sm.hist[i] = 0;
+    __syncthreads();
     const int64_t c0 = static_cast<int64_t>(chunk) * kChunk;
-    const uint32_t n_here = static_cast<uint32_t>(len - c0 < kChunk ? len - c0 : kChunk);
+    const int64_t n_here = len - c0 < kChunk ? len - c0 : kChunk;
     const float* src = p.scores + row * p.row_stride + c0;
-    if (p.vec_ok && n_here == kChunk) {  // every 16-byte piece in flight at once, no registers held
+    // Element e of this thread: offset (e / 4) * 4 * kThreads + 4 * tid + e % 4, key at sk[e * kThreads + tid].
+    uint32_t vmask = 0;
+    if (p.vec_ok && n_here == kChunk) {
+      constexpr int kBatch = EPT / 4 < 4 ? EPT / 4 : 4;
 #pragma unroll
-      for (int q = 0; q < EPT / 4; ++q) cp_async16(sk + 4 * (q * NT + tid), src + 4 * (q * NT + tid));
-      asm volatile("cp.async.commit_group;" ::: "memory");
+      for (int q0 = 0; q0 < EPT / 4; q0 += kBatch) {
+        float4 v[kBatch];
+#pragma unroll
+        for (int q = 0; q < kBatch; ++q) v[q] = __ldg(reinterpret_cast<const float4*>(src) + (q0 + q) * kThreads + tid);
+#pragma unroll
+        for (int q = 0; q < kBatch; ++q) {
+          const uint32_t k4[4] = {order_key(v[q].x), order_key(v[q].y), order_key(v[q].z), order_key(v[q].w)};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            sk[(4 * (q0 + q) + j) * kThreads + tid] = k4[j];
+            atomicAdd(&sm.hist[k4[j] >> 21], 1u);
+          }
+        }
+      }
+      vmask = EPT == 32 ? 0xffffffffu : (1u << EPT) - 1u;
     } else {
 #pragma unroll
       for (int e = 0; e < EPT; ++e) {
-        const uint32_t j = e * NT + tid;
-        if (j < n_here) sk[j] = __float_as_uint(__ldg(src + j));
-      }
-    }
-    for (int i = tid; i < kGBins; i += NT) sm.hist[i] = 0;
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-    __syncthreads();
-    // Keys in place, and the round-0 digit (top 11 bits) counted.
-#pragma unroll
-    for (int e = 0; e < EPT; ++e) {
-      const uint32_t j = e * NT + tid;
-      if (j < n_here) {
-        const uint32_t key = order_key(__uint_as_float(sk[j]));
-        sk[j] = key;
-        atomicAdd(&sm.hist[key >> 21], 1u);
+        const int64_t off = (e >> 2) * (kThreads * 4) + tid * 4 + (e & 3);
+        const bool v = off < n_here;
+        const uint32_t key = order_key(v ? __ldg(src + off) : 0.f);
+        sk[e * kThreads + tid] = key;
+        if (v) {
+          vmask |= 1u << e;
+          atomicAdd(&sm.hist[key >> 21], 1u);
+        }
       }
     }
     if (prof) prof[2] = global_ns();
+    auto index_of = [&](uint32_t flat) -> int64_t {  // flat = e * kThreads + thread
+      const uint32_t e = flat / kThreads, th = flat % kThreads;
+      return c0 + (e >> 2) * (kThreads * 4) + th * 4 + (e & 3);
+    };
     const uint32_t kk = static_cast<uint32_t>(p.k);
     if (nrow == 1) {  // the whole row is here: select in this CTA
       __syncthreads();
-      block_select<NT>(sk, n_here, 0u, 0, kk, sm,
-                       [&](uint32_t pos, uint32_t j) { out[pos] = translate_g(p, row, c0 + j); });
+      block_select(
+          sk, kChunk, [&](uint32_t i) { return index_of(i) < len; }, 0u, 0, kk, sm,
+          [&](uint32_t pos, uint32_t i) { out[pos] = translate_g(p, row, index_of(i)); });
       if (p.out_count != nullptr && tid == 0) p.out_count[row] = p.k;
     } else {
       uint32_t* w = p.ws + static_cast<int64_t>(lrow) * p.row_words;
       uint32_t* ctr = w + kGRounds * kGBins;
       uint32_t* cand_key = ctr + kCounters;
-      int32_t* cand_idx = reinterpret_cast<int32_t*>(cand_key + kGCap);
+      int32_t* cand_idx = reinterpret_cast<int32_t*>(cand_key + kChunk);
       uint32_t prefix = 0, need = kk, cnt = 0;
       int pbits = 0;
       bool gather = false;
@@ -773,33 +756,35 @@ __global__ void __launch_bounds__(NT, 3) grid_topk_kernel(const GridParams p) {
         const int bits = round == 2 ? 10 : 11;
         const uint32_t nbins = 1u << bits;
         if (round > 0) {
-          for (uint32_t i = tid; i < nbins; i += NT) sm.hist[i] = 0;
+          for (uint32_t i = tid; i < nbins; i += kThreads) sm.hist[i] = 0;
           __syncthreads();
 #pragma unroll
           for (int e = 0; e < EPT; ++e) {
-            const uint32_t j = e * NT + tid;
-            const uint32_t key = sk[j];
-            if (j < n_here && (key >> (32 - pbits)) == prefix) atomicAdd(&sm.hist[(key >> shift) & (nbins - 1)], 1u);
+            const uint32_t key = sk[e * kThreads + tid];
+            if (((vmask >> e) & 1u) && (key >> (32 - pbits)) == prefix) {
+              atomicAdd(&sm.hist[(key >> shift) & (nbins - 1)], 1u);
+            }
           }
         }
         __syncthreads();
         uint32_t* gh = w + round * kGBins;
-        for (uint32_t i = tid; i < nbins; i += NT) {
+        for (uint32_t i = tid; i < nbins; i += kThreads) {
           const uint32_t v = sm.hist[i];
           if (v != 0) atomicAdd(&gh[i], v);
         }
         if (prof && round == 0) prof[3] = global_ns();
-        grid_threshold<NT>(gh, nbins, need, &ctr[kArrive0 + round],
-                           reinterpret_cast<unsigned long long*>(ctr + kPublish0) + round, static_cast<uint32_t>(nrow),
-                           sm);
+        grid_arrive_and_wait(&ctr[kArrive0 + round], static_cast<uint32_t>(nrow));
+        for (uint32_t i = tid; i < nbins; i += kThreads) sm.hist[i] = __ldcg(&gh[i]);
+        __syncthreads();
+        find_threshold(sm.hist, nbins, need, sm);
         need -= sm.thr_above;
         cnt = sm.thr_cnt;
         prefix = (prefix << bits) | sm.thr_bin;
         pbits += bits;
         __syncthreads();
         if (prof && round == 0) prof[4] = global_ns();
-        if (cnt == need) break;                                    // the whole threshold bucket is taken
-        if (pbits < 32 && cnt <= static_cast<uint32_t>(kGCap)) {  // few enough for one CTA
+        if (cnt == need) break;                          // the whole threshold bucket is taken
+        if (pbits < 32 && cnt <= static_cast<uint32_t>(kChunk)) {  // few enough for one CTA
           gather = true;
           break;
         }
@@ -809,16 +794,15 @@ __global__ void __launch_bounds__(NT, 3) grid_topk_kernel(const GridParams p) {
       const int drop = 32 - pbits;
       // This thread's chosen elements as masks, then output ranges: warp scans, one
       // shared atomic per warp, one global atomic per CTA.
-      Mask above_mask = 0, tie_mask = 0;
+      uint32_t above_mask = 0, tie_mask = 0;
 #pragma unroll
       for (int e = 0; e < EPT; ++e) {
-        const uint32_t j = e * NT + tid;
-        const uint32_t hi = sk[j] >> drop;
-        const Mask v = j < n_here ? 1u : 0u;
-        above_mask |= (v & static_cast<Mask>(hi > prefix)) << e;
-        tie_mask |= (v & static_cast<Mask>(hi == prefix)) << e;
+        const uint32_t hi = sk[e * kThreads + tid] >> drop;
+        const uint32_t v = (vmask >> e) & 1u;
+        above_mask |= (v & static_cast<uint32_t>(hi > prefix)) << e;
+        tie_mask |= (v & static_cast<uint32_t>(hi == prefix)) << e;
       }
-      const uint32_t n_above = __popcll(above_mask), n_tie = __popcll(tie_mask);
+      const uint32_t n_above = __popc(above_mask), n_tie = __popc(tie_mask);
       const unsigned lane = tid & 31;
       uint32_t a_incl = n_above, t_incl = n_tie;
 #pragma unroll
@@ -846,19 +830,18 @@ __global__ void __launch_bounds__(NT, 3) grid_topk_kernel(const GridParams p) {
       }
       __syncthreads();
       uint32_t pos = sm.base_above + a_warp + a_incl - n_above;
-      for (Mask m = above_mask; m != 0; m &= m - 1) {
-        const int e = __ffsll(static_cast<long long>(m)) - 1;
-        out[pos++] = translate_g(p, row, c0 + e * NT + tid);
+      for (uint32_t m = above_mask; m != 0; m &= m - 1) {
+        const int e = __ffs(m) - 1;
+        out[pos++] = translate_g(p, row, index_of(e * kThreads + tid));
       }
       uint32_t g = sm.base_tie + t_warp + t_incl - n_tie;
-      for (Mask m = tie_mask; m != 0; m &= m - 1, ++g) {
-        const int e = __ffsll(static_cast<long long>(m)) - 1;
-        const uint32_t j = e * NT + tid;
+      for (uint32_t m = tie_mask; m != 0; m &= m - 1, ++g) {
+        const int e = __ffs(m) - 1;
         if (gather) {
-          __stcg(&cand_key[g], sk[j]);
-          __stcg(&cand_idx[g], static_cast<int32_t>(c0 + j));
+          __stcg(&cand_key[g], sk[e * kThreads + tid]);
+          __stcg(&cand_idx[g], static_cast<int32_t>(index_of(e * kThreads + tid)));
         } else if (take_all || g < need) {
-          out[total_above + g] = translate_g(p, row, c0 + j);
+          out[total_above + g] = translate_g(p, row, index_of(e * kThreads + tid));
         }
       }
       if (prof) prof[5] = global_ns();
@@ -874,17 +857,14 @@ __global__ void __launch_bounds__(NT, 3) grid_topk_kernel(const GridParams p) {
         long long* lprof = p.profile != nullptr && row == 0 && tid == 0 ? p.profile : nullptr;
         if (lprof) lprof[6] = global_ns();
         if (gather) {
-          for (uint32_t i = tid; i < cnt; i += NT) {
-            sk[i] = __ldcg(&cand_key[i]);
-            sidx[i] = __ldcg(&cand_idx[i]);
-          }
+          for (uint32_t i = tid; i < cnt; i += kThreads) sk[i] = __ldcg(&cand_key[i]);
           __syncthreads();
           if (lprof) lprof[7] = global_ns();
-          block_select<NT>(sk, cnt, prefix, pbits, need, sm, [&](uint32_t pos2, uint32_t i) {
-            out[total_above + pos2] = translate_g(p, row, sidx[i]);
-          });
+          block_select(
+              sk, cnt, [](uint32_t) { return true; }, prefix, pbits, need, sm,
+              [&](uint32_t pos2, uint32_t i) { out[total_above + pos2] = translate_g(p, row, __ldcg(&cand_idx[i])); });
         }
-        for (int i = tid; i < kGRounds * kGBins + kCounters; i += NT) w[i] = 0;  // ready for the next call
+        for (int i = tid; i < kGRounds * kGBins + kCounters; i += kThreads) w[i] = 0;  // ready for the next call
         if (p.out_count != nullptr && tid == 0) p.out_count[row] = p.k;
         if (lprof) lprof[8] = global_ns();
       }
@@ -902,78 +882,76 @@ __global__ void __launch_bounds__(NT, 3) grid_topk_kernel(const GridParams p) {
   }
 }
 
-// Two shapes: small chunks (512 x 8 = 4,096 scores) for the least latency when every
-// chunk of the call fits on the device at once; large chunks (512 x 32 = 16,384) for
-// many rows, so that fewer, fuller CTAs share each row's barriers.
-template <int NT, int EPT>
+template <int EPT>
 constexpr int grid_smem_bytes() {
-  return static_cast<int>((sizeof(GSmem) + 15) / 16 * 16) + grid_area_words<NT, EPT>() * 4;
+  return static_cast<int>((sizeof(GSmem) + 15) / 16 * 16) + kThreads * EPT * 4;
 }
 
-template <int NT, int EPT>
-int grid_capacity() {  // CTAs of grid_topk_kernel<NT, EPT> the device holds at once
+template <int EPT>
+int grid_capacity() {  // CTAs of grid_topk_kernel<EPT> the device holds at once
   static std::once_flag once;
   static int cap = 0;
   std::call_once(once, [] {
-    TROUPE_CUDA(cudaFuncSetAttribute(grid_topk_kernel<NT, EPT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     grid_smem_bytes<NT, EPT>()));
+    TROUPE_CUDA(cudaFuncSetAttribute(grid_topk_kernel<EPT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     grid_smem_bytes<EPT>()));
     int dev = 0, sms = 0, per = 0;
     TROUPE_CUDA(cudaGetDevice(&dev));
     TROUPE_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    TROUPE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, grid_topk_kernel<NT, EPT>, NT,
-                                                              grid_smem_bytes<NT, EPT>()));
+    TROUPE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, grid_topk_kernel<EPT>, kThreads,
+                                                              grid_smem_bytes<EPT>()));
     cap = per * sms;
   });
   return cap;
 }
-constexpr int kSmallNT = 512, kSmallEPT = 8, kLargeNT = 512, kLargeEPT = 32;
 
 constexpr int kGridMaxRowsPerLaunch = 128;
+constexpr int kSmallEPT = 8, kLargeEPT = 32;  // chunks of 4,096 / 16,384 scores
 
+int64_t grid_row_words(int ept) { return kGRounds * kGBins + kCounters + 2 * static_cast<int64_t>(kThreads) * ept; }
+
+// Small chunks for the least latency when every chunk of the call fits on the device
+// at once; else large chunks (fewer, fuller CTAs share each row's barriers), by
+// tickets when the grid is larger than the device holds.
 struct GridPlan {
   bool ok = false;  // false: the cluster kernel
-  bool large = false;
-  int chunk = 0;
+  int ept = 0;
   int cpr = 0;
   int rows_per_launch = 0;
   bool ticketed = false;
   int64_t row_words = 0;
 };
 
-GridPlan make_grid_plan(int rows, int64_t max_len, int k) {
+GridPlan make_grid_plan(int rows, int64_t max_len) {
   GridPlan g;
-  (void)k;
-  const int64_t cs = ceil_div(max_len, kSmallNT * kSmallEPT), cl = ceil_div(max_len, kLargeNT * kLargeEPT);
-  const int cap_s = grid_capacity<kSmallNT, kSmallEPT>(), cap_l = grid_capacity<kLargeNT, kLargeEPT>();
-  if (static_cast<int64_t>(rows) * cs <= cap_s) {  // all at once, small chunks: the least latency
-    g.large = false;
-    g.cpr = static_cast<int>(cs);
+  const int64_t c8 = ceil_div(max_len, kThreads * kSmallEPT), c32 = ceil_div(max_len, kThreads * kLargeEPT);
+  const int cap8 = grid_capacity<kSmallEPT>(), cap32 = grid_capacity<kLargeEPT>();
+  if (static_cast<int64_t>(rows) * c8 <= cap8) {
+    g.ept = kSmallEPT;
+    g.cpr = static_cast<int>(c8);
     g.rows_per_launch = rows;
-    g.chunk = kSmallNT * kSmallEPT;
-  } else if (cl == 1 || 2 * cl <= cap_l) {
-    g.large = true;
-    g.cpr = static_cast<int>(cl);
-    g.rows_per_launch = cl == 1 ? std::min(rows, 65535) : std::min(rows, kGridMaxRowsPerLaunch);
-    g.ticketed = cl > 1 && static_cast<int64_t>(g.rows_per_launch) * cl > cap_l;
-    g.chunk = kLargeNT * kLargeEPT;
+  } else if (c32 == 1 || 2 * c32 <= cap32) {
+    g.ept = kLargeEPT;
+    g.cpr = static_cast<int>(c32);
+    g.rows_per_launch = c32 == 1 ? rows : std::min(rows, kGridMaxRowsPerLaunch);
+    g.ticketed = c32 > 1 && static_cast<int64_t>(g.rows_per_launch) * c32 > cap32;
   } else {
     return g;  // rows too long for the grid kernel: the cluster kernel
   }
   g.ok = true;
-  g.row_words = g.cpr > 1 ? kGRounds * kGBins + kCounters + 2 * kGCap : 0;
+  g.row_words = g.cpr > 1 ? grid_row_words(g.ept) : 0;
   return g;
 }
 
-// Enough for a call of any number of rows up to `rows` (a smaller call can pick the
-// other chunk size): rows of one launch times the per-row words, plus the tickets.
+// Enough for a call of any number of rows up to `rows` with this max_len (a smaller
+// call can pick the other chunk size): 256 bytes of tickets, then the rows of one
+// launch.
 size_t grid_workspace_bytes(int rows, int64_t max_len) {
-  const int64_t cs = ceil_div(max_len, kSmallNT * kSmallEPT), cl = ceil_div(max_len, kLargeNT * kLargeEPT);
-  int64_t launch_rows = 0;
-  if (cs > 1) launch_rows = std::min<int64_t>(rows, grid_capacity<kSmallNT, kSmallEPT>() / cs);
-  if (cl > 1) launch_rows = std::max<int64_t>(launch_rows, std::min(rows, kGridMaxRowsPerLaunch));
-  return static_cast<size_t>(launch_rows) * (kGRounds * kGBins + kCounters + 2 * kGCap) * 4 + 256;
+  const int64_t c8 = ceil_div(max_len, kThreads * kSmallEPT), c32 = ceil_div(max_len, kThreads * kLargeEPT);
+  int64_t words = 0;
+  if (c8 > 1) words = std::min<int64_t>(rows, grid_capacity<kSmallEPT>() / c8) * grid_row_words(kSmallEPT);
+  if (c32 > 1) words = std::max(words, std::min<int64_t>(rows, kGridMaxRowsPerLaunch) * grid_row_words(kLargeEPT));
+  return static_cast<size_t>(words) * 4 + 256;
 }
-
 
 void launch_grid_topk(const TopkArgs& a, const GridPlan& g, void* workspace, cudaStream_t stream) {
   GridParams p{};
@@ -992,30 +970,30 @@ void launch_grid_topk(const TopkArgs& a, const GridPlan& g, void* workspace, cud
   p.cpr = g.cpr;
   p.ticketed = g.ticketed;
   p.row_words = g.row_words;
+  p.profile = a.profile;
   if (g.row_words > 0) {
     TROUPE_REQUIRE(workspace != nullptr, "top-k: this row length needs a workspace");
     p.tickets = static_cast<uint32_t*>(workspace);  // the first 256 bytes; the rows' words after them
     p.ws = p.tickets + 64;
   }
-  const int smem = g.large ? grid_smem_bytes<kLargeNT, kLargeEPT>() : grid_smem_bytes<kSmallNT, kSmallEPT>();
-  p.profile = a.profile;
   for (int r0 = 0; r0 < a.rows; r0 += g.rows_per_launch) {
     p.row0 = r0;
     const int rows = std::min(g.rows_per_launch, a.rows - r0);
     cudaLaunchConfig_t cfg{};
-    cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+    cfg.dynamicSmemBytes = static_cast<size_t>(g.ept == kSmallEPT ? grid_smem_bytes<kSmallEPT>()
+                                                                  : grid_smem_bytes<kLargeEPT>());
     cfg.gridDim = dim3(static_cast<unsigned>(static_cast<int64_t>(rows) * g.cpr), 1, 1);
-    cfg.blockDim = dim3(g.large ? kLargeNT : kSmallNT, 1, 1);
+    cfg.blockDim = dim3(kThreads, 1, 1);
     cfg.stream = stream;
     cudaLaunchAttribute attr[1]{};
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // hides the launch behind the producer
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
-    if (g.large) {
-      TROUPE_CUDA(cudaLaunchKernelEx(&cfg, grid_topk_kernel<kLargeNT, kLargeEPT>, p));
+    if (g.ept == kSmallEPT) {
+      TROUPE_CUDA(cudaLaunchKernelEx(&cfg, grid_topk_kernel<kSmallEPT>, p));
     } else {
-      TROUPE_CUDA(cudaLaunchKernelEx(&cfg, grid_topk_kernel<kSmallNT, kSmallEPT>, p));
+      TROUPE_CUDA(cudaLaunchKernelEx(&cfg, grid_topk_kernel<kLargeEPT>, p));
     }
   }
 }
@@ -1024,7 +1002,7 @@ void launch_grid_topk(const TopkArgs& a, const GridPlan& g, void* workspace, cud
 
 size_t topk_workspace_bytes(int rows, int64_t max_len, int k, int max_cluster) {
   if (max_cluster == 0 && rows > 0) {
-    const GridPlan g = make_grid_plan(rows, std::max<int64_t>(max_len, 1), k);
+    const GridPlan g = make_grid_plan(rows, std::max<int64_t>(max_len, 1));
     if (g.ok) return grid_workspace_bytes(rows, std::max<int64_t>(max_len, 1));
   }
   const Plan plan = make_plan(max_len, k, max_cluster);
@@ -1044,7 +1022,7 @@ void topk(const TopkArgs& a, void* workspace, cudaStream_t stream) {
   TROUPE_REQUIRE(a.max_len <= INT32_MAX, "top-k: rows longer than 2^31");
   if (a.rows == 0) return;
   if (a.max_cluster == 0) {
-    const GridPlan g = make_grid_plan(a.rows, std::max<int64_t>(a.max_len, 1), a.k);
+    const GridPlan g = make_grid_plan(a.rows, std::max<int64_t>(a.max_len, 1));
     if (g.ok) {
       launch_grid_topk(a, g, workspace, stream);
       return;

@@ -17,7 +17,7 @@
 #      context; engine::Engine on CUDA with a parked-and-resumed request
 #      and the same with fp32 matrices on troupe's side (F32_AGREEMENT=0 skips it)
 # SKIP_TESTS=1 skips stage 1, SKIP_HF=1 transformers, SKIP_EXTRA=1 the long-context and engine stages,
-# SKIP_B8=1 the batch-8 bench; NCU=1 adds a per-kernel ncu profile of batch-1 decode steps;
+# SKIP_B8=1 the batch-8 bench, SKIP_LOGITS=1 troupe's teacher-forced logits; NCU=1 adds a per-kernel ncu profile of batch-1 decode steps;
 # VARIANTS="ENV=VALUE ..." reruns the batch-1 bench under each setting; SANITIZE=FILTER runs
 # compute-sanitizer (memcheck, racecheck) over those kernels_cuda_backend_test cases.
 # POSITIONS (320) / PREFILL (192): the agreement run's length and its prefill part.
@@ -80,7 +80,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   grep -E "^\[  FAILED|Failure|error" "$out/tests.txt" | head -20 | tee -a "$L"
   # SANITIZE=GTEST_FILTER: compute-sanitizer memcheck (and racecheck) over those backend tests.
   if [ -n "${SANITIZE:-}" ]; then
-    for tool in memcheck racecheck; do
+    for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
       LD_LIBRARY_PATH="$bundle/lib:${LD_LIBRARY_PATH:-}" timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 \
         "$bundle/kernels_cuda_backend_test" --gtest_filter="$SANITIZE" > "$out/sanitizer-$tool.txt" 2>&1
       echo "compute-sanitizer $tool ($SANITIZE): exit $?, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer-$tool.txt" | tail -1)" | tee -a "$L"
@@ -89,7 +89,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   fi
 fi
 
-stage fixtures 90 "$bundle/run.sh" troupe_gpu_e2e fixtures --dir "$fixtures"
+[ "${SKIP_FIXTURES:-0}" = 1 ] || stage fixtures 90 "$bundle/run.sh" troupe_gpu_e2e fixtures --dir "$fixtures"
 
 model=$shm/flash
 if [ ! -f "$model/config.json" ]; then
@@ -100,16 +100,16 @@ if [ "${SKIP_HF:-0}" != 1 ]; then
   stage transformers 200 python3 "$here/e2e_hf.py" --model "$model" --positions "${POSITIONS:-320}" \
     --ids-out "$shm/ids.npy" --bf16-out "$shm/hf_bf16.npy" --fp32-out "$shm/hf_fp32.npy"
 fi
-stage logits 60 "$bundle/run.sh" troupe_gpu_e2e logits --model "$model" --ids "$shm/ids.npy" --prefill "$prefill" \
+[ "${SKIP_LOGITS:-0}" = 1 ] || stage logits 60 "$bundle/run.sh" troupe_gpu_e2e logits --model "$model" --ids "$shm/ids.npy" --prefill "$prefill" \
   --out "$shm/troupe_logits.npy"
 # fp32 matrices on troupe's side (the weights are the same bf16 values, widened),
 # with fp32 attention (TROUPE_ATTENTION_FP32=1) and with the served bf16 tensor-core
-# attention: against transformers' fp32 run of the same weights, this separates
-# troupe's arithmetic from bf16 rounding. F32_AGREEMENT=0 skips both.
-if [ "${F32_AGREEMENT:-1}" = 1 ]; then
+# attention (F32_TC=0 skips this one): against transformers' fp32 run of the same
+# checkpoint, this separates troupe's arithmetic from bf16 rounding. F32_AGREEMENT=0 skips both.
+if [ "${F32_AGREEMENT:-1}" = 1 ] && [ "${SKIP_LOGITS:-0}" != 1 ]; then
   stage logits-f32-exact 120 env TROUPE_ATTENTION_FP32=1 "$bundle/run.sh" troupe_gpu_e2e logits --weights f32 \
     --model "$model" --ids "$shm/ids.npy" --prefill "$prefill" --out "$shm/troupe_logits_f32_exact.npy"
-  stage logits-f32 120 "$bundle/run.sh" troupe_gpu_e2e logits --weights f32 \
+  [ "${F32_TC:-1}" = 1 ] && stage logits-f32 120 "$bundle/run.sh" troupe_gpu_e2e logits --weights f32 \
     --model "$model" --ids "$shm/ids.npy" --prefill "$prefill" --out "$shm/troupe_logits_f32.npy"
 fi
 python3 "$here/e2e_report.py" "$out" "$shm" "$prefill" 2>&1 | grep -A8 "^| troupe" | tee -a "$L"
@@ -122,10 +122,12 @@ done
 [ "${SKIP_EXTRA:-0}" = 1 ] || stage engine 90 "$bundle/run.sh" troupe_gpu_e2e engine --model "$model" --batch 8 --prompt 512 --new 32
 [ "${SKIP_B8:-0}" = 1 ] || stage bench-b8 60 "$bundle/run.sh" troupe_gpu_e2e bench --model "$model" --batch 8 --prompt 512 --new 32
 # NCU=1: every kernel of 2 eager batch-1 decode steps timed by ncu (no graphs, so
-# launch gaps are not in these times), summed per kernel name -> OUT/kernels.md.
+# launch gaps are not in these times), summed per kernel name -> OUT/kernels.md. Caches are
+# not flushed between kernels (NCU_CACHE=all flushes them: every kernel then starts cold).
 if [ "${NCU:-0}" = 1 ]; then
   t0=$SECONDS
-  timeout 150 ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
+  timeout 150 ncu --profile-from-start off --clock-control none --cache-control "${NCU_CACHE:-none}" \
+    --metrics gpu__time_duration.sum --csv \
     "$bundle/run.sh" troupe_gpu_e2e profile-steps --model "$model" --prompt 512 --steps 2 > "$shm/ncu.csv" 2>> "$L"
   echo "stage ncu: exit $?, $((SECONDS - t0)) s" | tee -a "$L"
   python3 "$here/ncu_steps.py" "$shm/ncu.csv" 2 > "$out/kernels.md" 2>> "$L"

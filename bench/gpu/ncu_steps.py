@@ -20,7 +20,7 @@ for r in rows:
     if r.get("Metric Name") != "gpu__time_duration.sum":
         continue
     name = r.get("Kernel Name", "?")
-    name = name.replace("(anonymous namespace)::", "").replace("troupe::kernels::cuda::", "")
+    name = name.replace("(anonymous namespace)::", "").replace("<unnamed>::", "").replace("troupe::kernels::cuda::", "")
     name = re.sub(r"^void ", "", name)
     depth = 0
     for i, ch in enumerate(name):  # drop the argument list (the first "(" outside <...>)

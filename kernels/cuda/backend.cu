@@ -434,12 +434,30 @@ void CudaBackend::mhc_pre(const float* X, int64_t rows, const Weight& fn, const 
   if (rows == 0) return;
   impl_->arena.begin();
   if (const int64_t ws = mhc_fused_workspace(rows, fn, p); ws > 0 && !mhc_unfused()) {
-    if (mhc_fused(X, rows, fn, base, scale, p, false, y, post, comb, impl_->arena.take<float>(ws), impl_->s())) return;
+    if (mhc_fused(X, rows, fn, base, scale, p, false, false, nullptr, 0.f, y, post, comb, impl_->arena.take<float>(ws),
+                  impl_->s())) {
+      return;
+    }
   }
   float* mix = impl_->arena.take<float>(rows * fn.rows);
   gemv(X, p.hc * p.dim, rows, fn, mix, fn.rows, 0.f, 0, impl_->s());  // exact fp32 activations
   mhc_pre_finish(X, mix, rows, base, scale, p, y, post, comb, impl_->s());
 }
+void CudaBackend::mhc_pre_norm(const float* X, int64_t rows, const Weight& fn, const float* base, const float* scale,
+                               const MhcParams& p, const float* norm_weight, float norm_eps, float* y, float* post,
+                               float* comb) {
+  if (rows == 0) return;
+  impl_->arena.begin();
+  if (const int64_t ws = mhc_fused_workspace(rows, fn, p); ws > 0 && !mhc_unfused()) {
+    if (mhc_fused(X, rows, fn, base, scale, p, false, true, norm_weight, norm_eps, y, post, comb,
+                  impl_->arena.take<float>(ws), impl_->s())) {
+      return;
+    }
+  }
+  mhc_pre(X, rows, fn, base, scale, p, y, post, comb);
+  rmsnorm(y, norm_weight, y, rows, p.dim, norm_eps);
+}
+
 void CudaBackend::mhc_post(float* X, int64_t rows, const float* f, const float* post, const float* comb,
                            const MhcParams& p) {
   cuda::mhc_post(X, rows, f, post, comb, p, impl_->s());
@@ -449,13 +467,27 @@ void CudaBackend::mhc_head(const float* X, int64_t rows, const Weight& fn, const
   if (rows == 0) return;
   impl_->arena.begin();
   if (const int64_t ws = mhc_fused_workspace(rows, fn, p); ws > 0 && !mhc_unfused()) {
-    if (mhc_fused(X, rows, fn, base, scale, p, true, y, nullptr, nullptr, impl_->arena.take<float>(ws), impl_->s())) {
+    if (mhc_fused(X, rows, fn, base, scale, p, true, false, nullptr, 0.f, y, nullptr, nullptr,
+                  impl_->arena.take<float>(ws), impl_->s())) {
       return;
     }
   }
   float* mix = impl_->arena.take<float>(rows * fn.rows);
   gemv(X, p.hc * p.dim, rows, fn, mix, fn.rows, 0.f, 0, impl_->s());
   mhc_head_finish(X, mix, rows, base, scale, p, y, impl_->s());
+}
+void CudaBackend::mhc_head_norm(const float* X, int64_t rows, const Weight& fn, const float* base, const float* scale,
+                                const MhcParams& p, const float* norm_weight, float norm_eps, float* y) {
+  if (rows == 0) return;
+  impl_->arena.begin();
+  if (const int64_t ws = mhc_fused_workspace(rows, fn, p); ws > 0 && !mhc_unfused()) {
+    if (mhc_fused(X, rows, fn, base, scale, p, true, true, norm_weight, norm_eps, y, nullptr, nullptr,
+                  impl_->arena.take<float>(ws), impl_->s())) {
+      return;
+    }
+  }
+  mhc_head(X, rows, fn, base, scale, p, y);
+  rmsnorm(y, norm_weight, y, rows, p.dim, norm_eps);
 }
 
 void CudaBackend::compress(int64_t count, int slots, int64_t dim, const float* const* kv_src,
@@ -636,6 +668,13 @@ void CudaBackend::scatter_pointers(void** table, const int64_t* index, void* con
   cuda::scatter_pointers(table, index, values, count, impl_->s());
 }
 void CudaBackend::argmax(const float* x, int64_t rows, int64_t n, int32_t* out) {
+  if (const int64_t ws = argmax_split_workspace(rows, n); ws > 0) {
+    impl_->arena.begin();
+    float* v = impl_->arena.take<float>(ws);
+    auto* i = impl_->arena.take<int32_t>(ws);
+    argmax_rows_split(x, rows, n, out, v, i, impl_->s());
+    return;
+  }
   cuda::argmax_rows(x, rows, n, out, impl_->s());
 }
 

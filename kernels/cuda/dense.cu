@@ -498,24 +498,38 @@ __global__ void __launch_bounds__(kMixThreads) mhc_mix_kernel(const float* __res
 
 // One block per row: the mix from the partials, then (HEAD: pre only) pre, post and
 // the Sinkhorn-normalised comb, then y = sum_j pre[j] * X[j].
+// With `norm`, y is then RMS-normalised (times norm_weight when not null) exactly as
+// rmsnorm_kernel does with `norm_threads` threads (the same sums in the same order).
 template <int HC, bool HEAD>
 __global__ void __launch_bounds__(256) mhc_fused_finish_kernel(const float* __restrict__ X,
                                                                const float* __restrict__ partial, int slices,
                                                                const float* base, const float* scale, MhcParams p,
-                                                               float* y, float* post, float* comb) {
+                                                               float* y, float* post, float* comb, bool norm,
+                                                               const float* norm_weight, float norm_eps,
+                                                               int norm_threads) {
   constexpr int hc = HC;
   constexpr int n_mix = HEAD ? hc : (2 + hc) * hc;
+  constexpr int kSl = 32;  // slices staged in shared memory at a time
   __shared__ float m[n_mix + 1];
   __shared__ float c[hc * hc];
   __shared__ float pre[hc];
+  __shared__ float buf[kSl * (n_mix + 1)];
+  __shared__ float scratch[32];
   const int64_t r = blockIdx.x;
   const int t = threadIdx.x;
   const float* pr = partial + r * slices * (n_mix + 1);
-  for (int j = t; j <= n_mix; j += blockDim.x) {
-    float acc = 0.f;
-    for (int k = 0; k < slices; ++k) acc += pr[k * (n_mix + 1) + j];
-    m[j] = acc;
+  // The slices' partials, summed in slice order (thread j keeps mix j's running sum);
+  // the loads of a group of slices are all in flight together.
+  float run = 0.f;
+  for (int k0 = 0; k0 < slices; k0 += kSl) {
+    const int nk = slices - k0 < kSl ? slices - k0 : kSl;
+    for (int i = t; i < nk * (n_mix + 1); i += blockDim.x) buf[i] = pr[k0 * (n_mix + 1) + i];
+    __syncthreads();
+    if (t <= n_mix)
+      for (int k = 0; k < nk; ++k) run += buf[k * (n_mix + 1) + t];
+    __syncthreads();
   }
+  if (t <= n_mix) m[t] = run;
   __syncthreads();
   const float inv = 1.0f / sqrtf(m[n_mix] / static_cast<float>(hc * p.dim) + p.norm_eps);
   if (t < hc) {
@@ -584,6 +598,17 @@ __global__ void __launch_bounds__(256) mhc_fused_finish_kernel(const float* __re
       for (int j = 0; j < hc; ++j) acc += pre[j] * xr[j * p.dim + i];
       yr[i] = acc;
     }
+  }
+  if (!norm) return;
+  __syncthreads();  // y of every thread written
+  float ss = 0.f;
+  if (t < norm_threads)
+    for (int64_t i = t; i < p.dim; i += norm_threads) ss += yr[i] * yr[i];
+  ss = block_sum(ss, scratch);
+  const float inv_y = 1.0f / sqrtf(ss / static_cast<float>(p.dim) + norm_eps);
+  __syncthreads();  // every sum read y before it is overwritten
+  for (int64_t i = t; i < p.dim; i += blockDim.x) {
+    yr[i] = norm_weight != nullptr ? norm_weight[i] * (yr[i] * inv_y) : yr[i] * inv_y;
   }
 }
 
@@ -1001,12 +1026,15 @@ void mhc_mix_typed(const float* X, int64_t rows, const WT* fn, int64_t n_mix, in
 
 template <bool HEAD>
 void mhc_fused_finish(const float* X, const float* partial, int64_t rows, int slices, const float* base,
-                      const float* scale, const MhcParams& p, float* y, float* post, float* comb, cudaStream_t s) {
+                      const float* scale, const MhcParams& p, float* y, float* post, float* comb, bool norm,
+                      const float* norm_weight, float norm_eps, cudaStream_t s) {
   const auto grid = static_cast<unsigned>(rows);
+  const int nt = threads_for(p.dim);  // rmsnorm_kernel's block size for this dim
   switch (p.hc) {
-#define TROUPE_MHC_CASE(H)                                                                                  \
-  case H:                                                                                                   \
-    mhc_fused_finish_kernel<H, HEAD><<<grid, 256, 0, s>>>(X, partial, slices, base, scale, p, y, post, comb); \
+#define TROUPE_MHC_CASE(H)                                                                             \
+  case H:                                                                                              \
+    mhc_fused_finish_kernel<H, HEAD><<<grid, 256, 0, s>>>(X, partial, slices, base, scale, p, y, post, comb, \
+                                                          norm, norm_weight, norm_eps, nt);            \
     break;
     TROUPE_MHC_CASE(1)
     TROUPE_MHC_CASE(2)
@@ -1034,7 +1062,8 @@ int64_t mhc_fused_workspace(int64_t rows, const Weight& fn, const MhcParams& p) 
 }
 
 bool mhc_fused(const float* X, int64_t rows, const Weight& fn, const float* base, const float* scale,
-               const MhcParams& p, bool head, float* y, float* post, float* comb, float* workspace, cudaStream_t s) {
+               const MhcParams& p, bool head, bool norm, const float* norm_weight, float norm_eps, float* y,
+               float* post, float* comb, float* workspace, cudaStream_t s) {
   if (rows == 0) return true;
   if (mhc_fused_workspace(rows, fn, p) == 0 || reinterpret_cast<uintptr_t>(X) % 16 != 0 ||
       reinterpret_cast<uintptr_t>(y) % 16 != 0) {
@@ -1052,9 +1081,9 @@ bool mhc_fused(const float* X, int64_t rows, const Weight& fn, const float* base
   }
   const int slices = static_cast<int>(ceil_div(width, kMixSlice));
   if (head) {
-    mhc_fused_finish<true>(X, workspace, rows, slices, base, scale, p, y, post, comb, s);
+    mhc_fused_finish<true>(X, workspace, rows, slices, base, scale, p, y, post, comb, norm, norm_weight, norm_eps, s);
   } else {
-    mhc_fused_finish<false>(X, workspace, rows, slices, base, scale, p, y, post, comb, s);
+    mhc_fused_finish<false>(X, workspace, rows, slices, base, scale, p, y, post, comb, norm, norm_weight, norm_eps, s);
   }
   return true;
 }

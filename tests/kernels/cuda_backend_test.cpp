@@ -195,6 +195,20 @@ TEST_F(CudaBackendTest, mhc_pre_post_head_match_cpu) {
       EXPECT_CLOSE(y.gpu_host(rows * dim), y.cpu_host(rows * dim), 1e-5);
       EXPECT_CLOSE(post.gpu_host(rows * hc), post.cpu_host(rows * hc), 1e-5);
       EXPECT_CLOSE(comb.gpu_host(rows * hc * hc), comb.cpu_host(rows * hc * hc), 1e-5);
+      // mhc_pre with the layer's RMSNorm in one call: bit for bit mhc_pre then rmsnorm.
+      Mirror normw(cpu(), gpu(), randn(dim, rng_, 0.5f)), yn(cpu(), gpu(), rows * dim * 4);
+      yn.poison();
+      cpu().mhc_pre_norm(X.cpu(), rows, fn.cw, base.cpu(), scale.cpu(), p, normw.cpu(), 1e-6f, yn.cpu(), post.cpu(),
+                         comb.cpu());
+      gpu().mhc_pre_norm(X.gpu(), rows, fn.gw, base.gpu(), scale.gpu(), p, normw.gpu(), 1e-6f, yn.gpu(), post.gpu(),
+                         comb.gpu());
+      EXPECT_CLOSE(yn.gpu_host(rows * dim), yn.cpu_host(rows * dim), 1e-5);
+      {
+        Mirror yp(cpu(), gpu(), rows * dim * 4);
+        gpu().rmsnorm(y.gpu(), normw.gpu(), yp.gpu(), rows, dim, 1e-6f);
+        const auto fused = yn.gpu_host(rows * dim), pair = yp.gpu_host(rows * dim);
+        EXPECT_TRUE(fused == pair) << "mhc_pre_norm differs from mhc_pre + rmsnorm";
+      }
       if (rows > 1) {  // a row's result does not depend on the rows run with it (decode = forward)
         Mirror y1(cpu(), gpu(), dim * 4), post1(cpu(), gpu(), hc * 4), comb1(cpu(), gpu(), hc * hc * 4);
         y1.poison();
@@ -215,6 +229,16 @@ TEST_F(CudaBackendTest, mhc_pre_post_head_match_cpu) {
       cpu().mhc_head(X.cpu(), rows, head_fn.cw, base.cpu(), scale.cpu(), hp, y.cpu());
       gpu().mhc_head(X.gpu(), rows, head_fn.gw, base.gpu(), scale.gpu(), hp, y.gpu());
       EXPECT_CLOSE(y.gpu_host(rows * dim), y.cpu_host(rows * dim), 1e-5);
+      yn.poison();
+      cpu().mhc_head_norm(X.cpu(), rows, head_fn.cw, base.cpu(), scale.cpu(), hp, nullptr, 1e-6f, yn.cpu());
+      gpu().mhc_head_norm(X.gpu(), rows, head_fn.gw, base.gpu(), scale.gpu(), hp, nullptr, 1e-6f, yn.gpu());
+      EXPECT_CLOSE(yn.gpu_host(rows * dim), yn.cpu_host(rows * dim), 1e-5);
+      {
+        Mirror yp(cpu(), gpu(), rows * dim * 4);
+        gpu().rmsnorm(y.gpu(), nullptr, yp.gpu(), rows, dim, 1e-6f);
+        const auto fused = yn.gpu_host(rows * dim), pair = yp.gpu_host(rows * dim);
+        EXPECT_TRUE(fused == pair) << "mhc_head_norm differs from mhc_head + rmsnorm";
+      }
     }
   }
 }

@@ -24,7 +24,16 @@
 # Writes OUT/results.jsonl (every JSON line), OUT/log.txt, OUT/tests.txt and
 # OUT/e2e.md (the tables for docs/benchmarks.md); prints the summary last.
 #
-# The figures in docs/benchmarks.md (2026-11-30): a bundle of a RelWithDebInfo
+# Branch gpu-s3's calls (docs/benchmarks.md, docs/kernel-runs/e2e-gpu-s3.md), from
+# .gpu-carry/ holding bench/ and bundle.tar.xz, with
+# TROUPE_TOKENIZER_DIR=$PWD/../model/tokenizer/data/deepseek-v4 and POSITIONS=2304 PREFILL=256:
+#   call 3: E2E_DEADLINE=440 TEST_S=60 SKIP_EXTRA=1 SKIP_B8=1 NCU=1 SANITIZE='*mhc*' \
+#           VARIANTS="TROUPE_MHC_UNFUSED=1" (273 s; ncu then flushed caches: NCU_CACHE=all now)
+#   call 4: E2E_DEADLINE=190 TEST_S=40 SKIP_EXTRA=1 SKIP_B8=1 SKIP_FIXTURES=1 F32_TC=0 \
+#           SANITIZE='*mhc*:*argmax*' SANITIZE_TOOLS=memcheck (its bench stage hit the deadline)
+#   call 5: E2E_DEADLINE=100 SKIP_TESTS=1 SKIP_HF=1 SKIP_LOGITS=1 SKIP_FIXTURES=1 SKIP_EXTRA=1 \
+#           SKIP_B8=1 VARIANTS="TROUPE_MHC_UNFUSED=1" (on call 4's warm machine: its model in /dev/shm)
+# The earlier figures in docs/benchmarks.md (2026-11-30): a bundle of a RelWithDebInfo
 # build, binaries stripped of debug info, as OUT.tar.xz (16 MB); then
 #   E2E_DEADLINE=370 TEST_S=60 POSITIONS=2304 PREFILL=256 bench/gpu/e2e.sh e2e.tar.xz $OUT
 # (about 150 s; the flash-shaped model is generated there, ~20 s). The device

@@ -148,6 +148,20 @@ class Backend {
   virtual void mhc_head(const float* X, int64_t rows, const Weight& fn, const float* base,
                         const float* scale, const MhcParams& p, float* y) = 0;
 
+  // mhc_pre (mhc_head), then y = rmsnorm(y) * norm_weight (unweighted when null) over
+  // dim with norm_eps: the two calls as one, which a backend may fuse.
+  virtual void mhc_pre_norm(const float* X, int64_t rows, const Weight& fn, const float* base, const float* scale,
+                            const MhcParams& p, const float* norm_weight, float norm_eps, float* y, float* post,
+                            float* comb) {
+    mhc_pre(X, rows, fn, base, scale, p, y, post, comb);
+    rmsnorm(y, norm_weight, y, rows, p.dim, norm_eps);
+  }
+  virtual void mhc_head_norm(const float* X, int64_t rows, const Weight& fn, const float* base, const float* scale,
+                             const MhcParams& p, const float* norm_weight, float norm_eps, float* y) {
+    mhc_head(X, rows, fn, base, scale, p, y);
+    rmsnorm(y, norm_weight, y, rows, p.dim, norm_eps);
+  }
+
   // ---- V4 attention ------------------------------------------------------------
   // Compressor window pooling for `count` new entries. Entry e pools `slots` slots;
   // slot s reads kv_src[e*slots+s] and score_src[e*slots+s] (`dim` floats each,

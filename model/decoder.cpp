@@ -378,8 +378,7 @@ void Decoder::run_ops(int64_t n) {
   mark("tables and embedding");
   for (int l = 0; l < c.num_hidden_layers; ++l) layer_ops(l, n);
   kernels::MhcParams hp{c.hc_mult, D, 0, c.hc_eps, c.rms_norm_eps};
-  be.mhc_head(b.X, n, w.hc_head.fn, w.hc_head.base, w.hc_head.scale, hp, b.z);
-  be.rmsnorm(b.z, w.final_norm, b.z, n, D, c.rms_norm_eps);
+  be.mhc_head_norm(b.X, n, w.hc_head.fn, w.hc_head.base, w.hc_head.scale, hp, w.final_norm, c.rms_norm_eps, b.z);
   mark("head mHC and norm");
   be.linear(b.z, n, w.lm_head, b.logits);
   mark("lm_head");
@@ -402,13 +401,13 @@ void Decoder::layer_ops(int layer, int64_t n) {
   auto& b = *buf_;
   const int64_t D = c.hidden_size;
   kernels::MhcParams hp{c.hc_mult, D, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps};
-  be.mhc_pre(b.X, n, lw.attn_hc.fn, lw.attn_hc.base, lw.attn_hc.scale, hp, b.y, b.post, b.comb);
-  be.rmsnorm(b.y, lw.input_norm, b.y, n, D, c.rms_norm_eps);
+  be.mhc_pre_norm(b.X, n, lw.attn_hc.fn, lw.attn_hc.base, lw.attn_hc.scale, hp, lw.input_norm, c.rms_norm_eps, b.y,
+                  b.post, b.comb);
   mark("mHC pre and norm");
   attention_ops(layer, n, b.y, b.f);
   be.mhc_post(b.X, n, b.f, b.post, b.comb, hp);
-  be.mhc_pre(b.X, n, lw.ffn_hc.fn, lw.ffn_hc.base, lw.ffn_hc.scale, hp, b.y, b.post, b.comb);
-  be.rmsnorm(b.y, lw.post_attention_norm, b.y, n, D, c.rms_norm_eps);
+  be.mhc_pre_norm(b.X, n, lw.ffn_hc.fn, lw.ffn_hc.base, lw.ffn_hc.scale, hp, lw.post_attention_norm, c.rms_norm_eps,
+                  b.y, b.post, b.comb);
   mark("mHC pre and norm");
   moe_ops(layer, n, b.y, b.f);
   be.mhc_post(b.X, n, b.f, b.post, b.comb, hp);

@@ -234,13 +234,13 @@ void Model::run_layer(int layer, Batch& b) {
   float* comb = b.scratch.floats(T * c.hc_mult * c.hc_mult);
   float* f = b.scratch.floats(T * D);
 
-  backend_.mhc_pre(b.X, T, lw.attn_hc.fn, lw.attn_hc.base, lw.attn_hc.scale, hp, y, post, comb);
-  backend_.rmsnorm(y, lw.input_norm, y, T, D, c.rms_norm_eps);
+  backend_.mhc_pre_norm(b.X, T, lw.attn_hc.fn, lw.attn_hc.base, lw.attn_hc.scale, hp, lw.input_norm, c.rms_norm_eps, y,
+                        post, comb);
   attention_block(layer, b, y, f);
   backend_.mhc_post(b.X, T, f, post, comb, hp);
 
-  backend_.mhc_pre(b.X, T, lw.ffn_hc.fn, lw.ffn_hc.base, lw.ffn_hc.scale, hp, y, post, comb);
-  backend_.rmsnorm(y, lw.post_attention_norm, y, T, D, c.rms_norm_eps);
+  backend_.mhc_pre_norm(b.X, T, lw.ffn_hc.fn, lw.ffn_hc.base, lw.ffn_hc.scale, hp, lw.post_attention_norm,
+                        c.rms_norm_eps, y, post, comb);
   moe_block(layer, b, y, f);
   backend_.mhc_post(b.X, T, f, post, comb, hp);
 }

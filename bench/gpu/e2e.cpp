@@ -8,6 +8,11 @@
 //   troupe_gpu_e2e logits --model DIR --ids IDS.npy --prefill P --out OUT.npy
 //       teacher-forced logits: P tokens through Model::forward, the rest one Decoder
 //       step each (replayed graphs)
+//   troupe_gpu_e2e logits ... --weights f32
+//       the same with fp32 matrices (TROUPE_ATTENTION_FP32=1 in the environment: fp32
+//       attention too), against transformers' fp32 oracle
+//   troupe_gpu_e2e profile-steps --model DIR --prompt N --steps S
+//       S eager batch-1 decode steps between cudaProfilerStart/Stop (for ncu)
 //   troupe_gpu_e2e bench --model DIR --batch B --prompt N --new M
 //       generate (prefill + M-1 chained greedy Decoder steps) and steady decode
 //       steps/s, the weight bytes a step reads and the copy bandwidth of the card
@@ -23,6 +28,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -32,6 +38,10 @@
 #include <sstream>
 
 #include <nlohmann/json.hpp>
+
+#if TROUPE_E2E_PROFILER
+#include <cuda_profiler_api.h>
+#endif
 
 #include "base/npy.hpp"
 #include "engine/engine.hpp"
@@ -152,10 +162,17 @@ int fixtures(const std::string& dir) {
   return 0;
 }
 
-int logits(const std::string& dir, const std::string& ids_path, int64_t p, const std::string& out_path) {
+kernels::WeightType weight_type(const std::string& name) {
+  if (name == "bf16") return kernels::WeightType::bf16;
+  if (name == "f32") return kernels::WeightType::f32;
+  throw std::invalid_argument("--weights must be bf16 or f32, not '" + name + "'");
+}
+
+int logits(const std::string& dir, const std::string& ids_path, int64_t p, const std::string& out_path,
+           const std::string& weights) {
   auto gpu = cuda();
   const double t0 = now();
-  auto m = model::Model::load(dir, *gpu);
+  auto m = model::Model::load(dir, *gpu, weight_type(weights));
   const double t1 = now();
   std::vector<int32_t> ids;
   for (int64_t v : read_npy(ids_path).as_i64()) ids.push_back(static_cast<int32_t>(v));
@@ -163,7 +180,9 @@ int logits(const std::string& dir, const std::string& ids_path, int64_t p, const
   const auto out = prefill_then_decode(*m, ids, p, &replays);
   const double t2 = now();
   write_npy_f32(out_path, out.data(), {static_cast<int64_t>(ids.size()), m->config().vocab_size});
-  emit({{"kind", "logits"}, {"tokens", ids.size()}, {"prefill", p}, {"replays", replays}, {"load_s", t1 - t0},
+  const char* exact = std::getenv("TROUPE_ATTENTION_FP32");
+  emit({{"kind", "logits"}, {"weights", weights}, {"attention_fp32", exact != nullptr && std::string(exact) == "1"},
+        {"out", out_path}, {"tokens", ids.size()}, {"prefill", p}, {"replays", replays}, {"load_s", t1 - t0},
         {"run_s", t2 - t1}, {"weight_bytes", m->weights_bytes()}});
   return 0;
 }
@@ -338,7 +357,8 @@ int bench(const std::string& dir, int batch, int64_t prompt, int64_t fresh, int 
   const double roof_s = (wbytes + sbytes) / bw;
   json toks = json::array();
   for (const auto& t : last.tokens) toks.push_back(t);
-  emit({{"kind", "bench"}, {"batch", batch}, {"prompt", prompt}, {"new", fresh}, {"repeats", repeats},
+  const char* variant = std::getenv("TROUPE_VARIANT");
+  emit({{"kind", "bench"}, {"variant", variant != nullptr ? variant : "default"}, {"batch", batch}, {"prompt", prompt}, {"new", fresh}, {"repeats", repeats},
         {"prefill_s", pre_s}, {"decode_s", dec_s}, {"generate_tok_s", batch * fresh / (pre_s + dec_s)},
         {"prefill_tok_s", batch * prompt / pre_s}, {"decode_tok_s", batch * (fresh - 1) / dec_s},
         {"steady_step_ms", step_s * 1e3}, {"steady_tok_s", batch / step_s}, {"copy_tb_s", bw / 1e12},
@@ -346,6 +366,35 @@ int bench(const std::string& dir, int batch, int64_t prompt, int64_t fresh, int 
         {"roofline_step_ms", roof_s * 1e3}, {"roofline_tok_s", batch / roof_s},
         {"fraction_of_roofline", roof_s / step_s}, {"replays", dec.replays() + steady.replays()},
         {"steps", dec.steps() + steady.steps()}, {"tokens_last_run", toks}});
+  return 0;
+}
+
+// Eager decode steps (no graphs) between cudaProfilerStart/Stop, for
+// `ncu --profile-from-start off`: the kernels of `steps` batch-1 steps at `prompt` context.
+int profile_steps(const std::string& dir, int64_t prompt, int steps) {
+  auto gpu = cuda();
+  auto m = model::Model::load(dir, *gpu);
+  std::mt19937_64 rng(5);
+  const auto ids = random_ids(rng, prompt, m->config().vocab_size);
+  auto st = m->new_dense_state();
+  model::Chunk c{st.get(), ids, model::LogitsWanted::none};
+  m->forward(std::span(&c, 1));
+  model::Decoder dec(*m, {1, prompt + steps + 8, false});
+  const int slot = dec.bind(*st);
+  const int slots[1] = {slot};
+  const int32_t first = 7;
+  dec.step(slots, std::span<const int32_t>(&first, 1));
+  dec.step(slots, {});
+  dec.tokens();
+#if TROUPE_E2E_PROFILER
+  if (cudaProfilerStart() != cudaSuccess) throw std::runtime_error("cudaProfilerStart failed");
+#endif
+  for (int i = 0; i < steps; ++i) dec.step(slots, {});
+  dec.tokens();
+#if TROUPE_E2E_PROFILER
+  if (cudaProfilerStop() != cudaSuccess) throw std::runtime_error("cudaProfilerStop failed");
+#endif
+  emit({{"kind", "profile_steps"}, {"prompt", prompt}, {"steps", steps}});
   return 0;
 }
 
@@ -505,6 +554,12 @@ int main(int argc, char** argv) {
   lg->add_option("--ids", ids)->required();
   lg->add_option("--prefill", prefill)->required();
   lg->add_option("--out", out)->required();
+  std::string weights = "bf16";
+  lg->add_option("--weights", weights, "matrix type on the device: bf16 (as served) or f32");
+  auto* ps = app.add_subcommand("profile-steps", "eager batch-1 decode steps inside cudaProfilerStart/Stop (ncu)");
+  ps->add_option("--model", model_dir)->required();
+  ps->add_option("--prompt", prompt);
+  ps->add_option("--steps", steps);
   auto* bn = app.add_subcommand("bench", "generate and decode throughput");
   auto* cx = app.add_subcommand("context", "decode throughput at long contexts");
   auto* en = app.add_subcommand("engine", "engine::Engine on the CUDA backend");
@@ -521,7 +576,8 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     if (fx->parsed()) return fixtures(dir);
-    if (lg->parsed()) return logits(model_dir, ids, prefill, out);
+    if (lg->parsed()) return logits(model_dir, ids, prefill, out, weights);
+    if (ps->parsed()) return profile_steps(model_dir, prompt, steps);
     if (bn->parsed()) return bench(model_dir, batch, prompt, fresh, repeats, seed);
     if (cx->parsed()) return context(model_dir, parse_list(contexts), steps);
     if (en->parsed()) return run_engine(model_dir, batch, prompt, fresh, seed);

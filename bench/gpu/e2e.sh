@@ -15,12 +15,25 @@
 #      weights in fp32) and by troupe: teacher-forced top-1 agreement; generate
 #      throughput of both at batch 1 and 8; troupe's decode at 4K and 128K
 #      context; engine::Engine on CUDA with a parked-and-resumed request
-# SKIP_TESTS=1 skips stage 1, SKIP_HF=1 transformers, SKIP_EXTRA=1 the long-context and engine stages.
+#      and the same with fp32 matrices on troupe's side (F32_AGREEMENT=0 skips it)
+# SKIP_TESTS=1 skips stage 1, SKIP_HF=1 transformers, SKIP_EXTRA=1 the long-context and engine stages,
+# SKIP_B8=1 the batch-8 bench, SKIP_LOGITS=1 troupe's teacher-forced logits; NCU=1 adds a per-kernel ncu profile of batch-1 decode steps;
+# VARIANTS="ENV=VALUE ..." reruns the batch-1 bench under each setting; SANITIZE=FILTER runs
+# compute-sanitizer (memcheck, racecheck) over those kernels_cuda_backend_test cases.
 # POSITIONS (320) / PREFILL (192): the agreement run's length and its prefill part.
 # Writes OUT/results.jsonl (every JSON line), OUT/log.txt, OUT/tests.txt and
 # OUT/e2e.md (the tables for docs/benchmarks.md); prints the summary last.
 #
-# The figures in docs/benchmarks.md (2026-11-30): a bundle of a RelWithDebInfo
+# Branch gpu-s3's calls (docs/benchmarks.md, docs/kernel-runs/e2e-gpu-s3.md), from
+# .gpu-carry/ holding bench/ and bundle.tar.xz, with
+# TROUPE_TOKENIZER_DIR=$PWD/../model/tokenizer/data/deepseek-v4 and POSITIONS=2304 PREFILL=256:
+#   call 3: E2E_DEADLINE=440 TEST_S=60 SKIP_EXTRA=1 SKIP_B8=1 NCU=1 SANITIZE='*mhc*' \
+#           VARIANTS="TROUPE_MHC_UNFUSED=1" (273 s; ncu then flushed caches: NCU_CACHE=all now)
+#   call 4: E2E_DEADLINE=190 TEST_S=40 SKIP_EXTRA=1 SKIP_B8=1 SKIP_FIXTURES=1 F32_TC=0 \
+#           SANITIZE='*mhc*:*argmax*' SANITIZE_TOOLS=memcheck (its bench stage hit the deadline)
+#   call 5: E2E_DEADLINE=100 SKIP_TESTS=1 SKIP_HF=1 SKIP_LOGITS=1 SKIP_FIXTURES=1 SKIP_EXTRA=1 \
+#           SKIP_B8=1 VARIANTS="TROUPE_MHC_UNFUSED=1" (on call 4's warm machine: its model in /dev/shm)
+# The earlier figures in docs/benchmarks.md (2026-11-30): a bundle of a RelWithDebInfo
 # build, binaries stripped of debug info, as OUT.tar.xz (16 MB); then
 #   E2E_DEADLINE=370 TEST_S=60 POSITIONS=2304 PREFILL=256 bench/gpu/e2e.sh e2e.tar.xz $OUT
 # (about 150 s; the flash-shaped model is generated there, ~20 s). The device
@@ -74,9 +87,18 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   grep -E "decoder  \]|FAILED|Failure" "$out/model_tests.txt" | head -20 | tee -a "$L"
   cat "$out/model_tests.txt" >> "$out/tests.txt" && rm "$out/model_tests.txt"
   grep -E "^\[  FAILED|Failure|error" "$out/tests.txt" | head -20 | tee -a "$L"
+  # SANITIZE=GTEST_FILTER: compute-sanitizer memcheck (and racecheck) over those backend tests.
+  if [ -n "${SANITIZE:-}" ]; then
+    for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
+      LD_LIBRARY_PATH="$bundle/lib:${LD_LIBRARY_PATH:-}" timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 \
+        "$bundle/kernels_cuda_backend_test" --gtest_filter="$SANITIZE" > "$out/sanitizer-$tool.txt" 2>&1
+      echo "compute-sanitizer $tool ($SANITIZE): exit $?, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer-$tool.txt" | tail -1)" | tee -a "$L"
+    done
+    cat "$out"/sanitizer-*.txt >> "$out/tests.txt" && rm "$out"/sanitizer-*.txt
+  fi
 fi
 
-stage fixtures 90 "$bundle/run.sh" troupe_gpu_e2e fixtures --dir "$fixtures"
+[ "${SKIP_FIXTURES:-0}" = 1 ] || stage fixtures 90 "$bundle/run.sh" troupe_gpu_e2e fixtures --dir "$fixtures"
 
 model=$shm/flash
 if [ ! -f "$model/config.json" ]; then
@@ -87,12 +109,39 @@ if [ "${SKIP_HF:-0}" != 1 ]; then
   stage transformers 200 python3 "$here/e2e_hf.py" --model "$model" --positions "${POSITIONS:-320}" \
     --ids-out "$shm/ids.npy" --bf16-out "$shm/hf_bf16.npy" --fp32-out "$shm/hf_fp32.npy"
 fi
-stage logits 60 "$bundle/run.sh" troupe_gpu_e2e logits --model "$model" --ids "$shm/ids.npy" --prefill "$prefill" \
+[ "${SKIP_LOGITS:-0}" = 1 ] || stage logits 60 "$bundle/run.sh" troupe_gpu_e2e logits --model "$model" --ids "$shm/ids.npy" --prefill "$prefill" \
   --out "$shm/troupe_logits.npy"
-python3 "$here/e2e_report.py" "$out" "$shm" "$prefill" 2>&1 | grep -A4 "^| reference" | tee -a "$L"
+# fp32 matrices on troupe's side (the weights are the same bf16 values, widened),
+# with fp32 attention (TROUPE_ATTENTION_FP32=1) and with the served bf16 tensor-core
+# attention (F32_TC=0 skips this one): against transformers' fp32 run of the same
+# checkpoint, this separates troupe's arithmetic from bf16 rounding. F32_AGREEMENT=0 skips both.
+if [ "${F32_AGREEMENT:-1}" = 1 ] && [ "${SKIP_LOGITS:-0}" != 1 ]; then
+  stage logits-f32-exact 120 env TROUPE_ATTENTION_FP32=1 "$bundle/run.sh" troupe_gpu_e2e logits --weights f32 \
+    --model "$model" --ids "$shm/ids.npy" --prefill "$prefill" --out "$shm/troupe_logits_f32_exact.npy"
+  [ "${F32_TC:-1}" = 1 ] && stage logits-f32 120 "$bundle/run.sh" troupe_gpu_e2e logits --weights f32 \
+    --model "$model" --ids "$shm/ids.npy" --prefill "$prefill" --out "$shm/troupe_logits_f32.npy"
+fi
+python3 "$here/e2e_report.py" "$out" "$shm" "$prefill" 2>&1 | grep -A8 "^| troupe" | tee -a "$L"
 stage bench-b1 60 "$bundle/run.sh" troupe_gpu_e2e bench --model "$model" --batch 1 --prompt 512 --new 32
+# VARIANTS="NAME=VALUE ...": batch 1 again with each setting (A/B in the same run).
+for v in ${VARIANTS:-}; do
+  stage "bench-b1 $v" 60 env "$v" TROUPE_VARIANT="$v" "$bundle/run.sh" troupe_gpu_e2e bench --model "$model" --batch 1 \
+    --prompt 512 --new 32
+done
 [ "${SKIP_EXTRA:-0}" = 1 ] || stage engine 90 "$bundle/run.sh" troupe_gpu_e2e engine --model "$model" --batch 8 --prompt 512 --new 32
-stage bench-b8 60 "$bundle/run.sh" troupe_gpu_e2e bench --model "$model" --batch 8 --prompt 512 --new 32
+[ "${SKIP_B8:-0}" = 1 ] || stage bench-b8 60 "$bundle/run.sh" troupe_gpu_e2e bench --model "$model" --batch 8 --prompt 512 --new 32
+# NCU=1: every kernel of 2 eager batch-1 decode steps timed by ncu (no graphs, so
+# launch gaps are not in these times), summed per kernel name -> OUT/kernels.md. Caches are
+# not flushed between kernels (NCU_CACHE=all flushes them: every kernel then starts cold).
+if [ "${NCU:-0}" = 1 ]; then
+  t0=$SECONDS
+  timeout 150 ncu --profile-from-start off --clock-control none --cache-control "${NCU_CACHE:-none}" \
+    --metrics gpu__time_duration.sum --csv \
+    "$bundle/run.sh" troupe_gpu_e2e profile-steps --model "$model" --prompt 512 --steps 2 > "$shm/ncu.csv" 2>> "$L"
+  echo "stage ncu: exit $?, $((SECONDS - t0)) s" | tee -a "$L"
+  python3 "$here/ncu_steps.py" "$shm/ncu.csv" 2 > "$out/kernels.md" 2>> "$L"
+  head -n 40 "$out/kernels.md"
+fi
 [ "${SKIP_EXTRA:-0}" = 1 ] || stage context 90 "$bundle/run.sh" troupe_gpu_e2e context --model "$model" --contexts "${CONTEXTS:-4096,131072}" --steps 50
 tail -n 30 "$L" | grep -v "^stage" | tail -n 12
 python3 "$here/e2e_report.py" "$out" "$shm" "$prefill" > "$out/report.txt" 2>&1

@@ -2,8 +2,8 @@
 """The peer of bench/gpu/e2e.sh: transformers' DeepseekV4ForCausalLM on the model
 troupe loads, on the same card.
 
-Writes the teacher-forced logits of random ids (bf16 eager, as served; then the
-same bf16 weights computed in fp32, the tighter oracle), and times `generate`
+Writes the teacher-forced logits of random ids (bf16 eager, as served; the bf16
+model cast to fp32; and the checkpoint loaded in fp32, the oracle), and times `generate`
 (greedy, fixed lengths) at the given shapes. One JSON object on stdout."""
 import argparse
 import json
@@ -74,7 +74,16 @@ for spec in a.generate.split(","):
                  "prefill_s": pre, "new_tokens": int(res.shape[1] - N)})
 out["generate"] = gens
 
-model = model.float()  # the same bf16 weights, computed in fp32
+# The bf16 model cast to fp32: its matrices are the checkpoint's bf16 values, but the
+# fp32 vectors of the checkpoint (norm weights, mHC base/scale, sinks, biases) went
+# through bf16 at load or in the cast above, so they differ from the file's.
+model = model.float()
+with torch.no_grad():
+    np.save(a.fp32_out.replace(".npy", "cast.npy"), model(x, use_cache=False).logits[0].float().cpu().numpy())
+# The oracle: the checkpoint loaded in fp32 (every value exactly the file's), computed in fp32.
+del model
+torch.cuda.empty_cache()
+model = DeepseekV4ForCausalLM.from_pretrained(a.model, dtype=torch.float32, attn_implementation="eager").eval().cuda()
 with torch.no_grad():
     np.save(a.fp32_out, model(x, use_cache=False).logits[0].float().cpu().numpy())
 out["torch"] = torch.__version__

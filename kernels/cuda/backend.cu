@@ -168,6 +168,16 @@ cudaDataType_t cuda_type(WeightType t) {
   return CUDA_R_32F;
 }
 
+// TROUPE_MHC_UNFUSED=1: the mix GEMV and the one-block-per-row finish (the form
+// before the fused kernels), for comparisons.
+bool mhc_unfused() {
+  static const bool off = [] {
+    const char* e = std::getenv("TROUPE_MHC_UNFUSED");
+    return e != nullptr && std::strcmp(e, "1") == 0;
+  }();
+  return off;
+}
+
 constexpr int64_t kPairsWithoutSync = 64;  // MoE pairs of one row handled pair by pair
 constexpr int64_t kRowsWithoutSync = 64;   // MoE rows handled without a host round trip
 
@@ -423,10 +433,31 @@ void CudaBackend::mhc_pre(const float* X, int64_t rows, const Weight& fn, const 
                           const MhcParams& p, float* y, float* post, float* comb) {
   if (rows == 0) return;
   impl_->arena.begin();
+  if (const int64_t ws = mhc_fused_workspace(rows, fn, p); ws > 0 && !mhc_unfused()) {
+    if (mhc_fused(X, rows, fn, base, scale, p, false, false, nullptr, 0.f, y, post, comb, impl_->arena.take<float>(ws),
+                  impl_->s())) {
+      return;
+    }
+  }
   float* mix = impl_->arena.take<float>(rows * fn.rows);
   gemv(X, p.hc * p.dim, rows, fn, mix, fn.rows, 0.f, 0, impl_->s());  // exact fp32 activations
   mhc_pre_finish(X, mix, rows, base, scale, p, y, post, comb, impl_->s());
 }
+void CudaBackend::mhc_pre_norm(const float* X, int64_t rows, const Weight& fn, const float* base, const float* scale,
+                               const MhcParams& p, const float* norm_weight, float norm_eps, float* y, float* post,
+                               float* comb) {
+  if (rows == 0) return;
+  impl_->arena.begin();
+  if (const int64_t ws = mhc_fused_workspace(rows, fn, p); ws > 0 && !mhc_unfused()) {
+    if (mhc_fused(X, rows, fn, base, scale, p, false, true, norm_weight, norm_eps, y, post, comb,
+                  impl_->arena.take<float>(ws), impl_->s())) {
+      return;
+    }
+  }
+  mhc_pre(X, rows, fn, base, scale, p, y, post, comb);
+  rmsnorm(y, norm_weight, y, rows, p.dim, norm_eps);
+}
+
 void CudaBackend::mhc_post(float* X, int64_t rows, const float* f, const float* post, const float* comb,
                            const MhcParams& p) {
   cuda::mhc_post(X, rows, f, post, comb, p, impl_->s());
@@ -435,9 +466,28 @@ void CudaBackend::mhc_head(const float* X, int64_t rows, const Weight& fn, const
                            const MhcParams& p, float* y) {
   if (rows == 0) return;
   impl_->arena.begin();
+  if (const int64_t ws = mhc_fused_workspace(rows, fn, p); ws > 0 && !mhc_unfused()) {
+    if (mhc_fused(X, rows, fn, base, scale, p, true, false, nullptr, 0.f, y, nullptr, nullptr,
+                  impl_->arena.take<float>(ws), impl_->s())) {
+      return;
+    }
+  }
   float* mix = impl_->arena.take<float>(rows * fn.rows);
   gemv(X, p.hc * p.dim, rows, fn, mix, fn.rows, 0.f, 0, impl_->s());
   mhc_head_finish(X, mix, rows, base, scale, p, y, impl_->s());
+}
+void CudaBackend::mhc_head_norm(const float* X, int64_t rows, const Weight& fn, const float* base, const float* scale,
+                                const MhcParams& p, const float* norm_weight, float norm_eps, float* y) {
+  if (rows == 0) return;
+  impl_->arena.begin();
+  if (const int64_t ws = mhc_fused_workspace(rows, fn, p); ws > 0 && !mhc_unfused()) {
+    if (mhc_fused(X, rows, fn, base, scale, p, true, true, norm_weight, norm_eps, y, nullptr, nullptr,
+                  impl_->arena.take<float>(ws), impl_->s())) {
+      return;
+    }
+  }
+  mhc_head(X, rows, fn, base, scale, p, y);
+  rmsnorm(y, norm_weight, y, rows, p.dim, norm_eps);
 }
 
 void CudaBackend::compress(int64_t count, int slots, int64_t dim, const float* const* kv_src,
@@ -499,7 +549,11 @@ void CudaBackend::attention(const float* q, int64_t n_queries, int heads, int64_
     const std::vector<int64_t> off = impl_->host_offsets(keys.offsets, n_queries);
     for (int64_t t = 0; t < n_queries; ++t) max_keys = std::max(max_keys, off[t + 1] - off[t]);
   }
-  if (dim != 64 && dim != 128 && dim != 256 && dim != 512) {  // small test models: the fp32 fallback
+  static const bool exact = [] {  // TROUPE_ATTENTION_FP32=1: fp32 throughout (agreement checks; slow)
+    const char* e = std::getenv("TROUPE_ATTENTION_FP32");
+    return e != nullptr && std::strcmp(e, "1") == 0;
+  }();
+  if (exact || (dim != 64 && dim != 128 && dim != 256 && dim != 512)) {  // small test models: the fp32 fallback
     float* ws = impl_->arena.take<float>(n_queries * heads * std::max<int64_t>(max_keys, 1));
     attention_fallback(q, n_queries, heads, dim, keys.rows, keys.offsets, max_keys, sinks, scale, out, ws, impl_->s());
     return;
@@ -614,6 +668,13 @@ void CudaBackend::scatter_pointers(void** table, const int64_t* index, void* con
   cuda::scatter_pointers(table, index, values, count, impl_->s());
 }
 void CudaBackend::argmax(const float* x, int64_t rows, int64_t n, int32_t* out) {
+  if (const int64_t ws = argmax_split_workspace(rows, n); ws > 0) {
+    impl_->arena.begin();
+    float* v = impl_->arena.take<float>(ws);
+    auto* i = impl_->arena.take<int32_t>(ws);
+    argmax_rows_split(x, rows, n, out, v, i, impl_->s());
+    return;
+  }
   cuda::argmax_rows(x, rows, n, out, impl_->s());
 }
 

@@ -60,6 +60,11 @@ class CudaBackend final : public Backend {
   void embed(const Weight& table, const int32_t* ids, int64_t rows, int copies, float* out) override;
   void gather_rows(const float* x, int64_t dim, const int64_t* index, int64_t count, float* out) override;
 
+  void mhc_pre_norm(const float* X, int64_t rows, const Weight& fn, const float* base, const float* scale,
+                    const MhcParams& p, const float* norm_weight, float norm_eps, float* y, float* post,
+                    float* comb) override;
+  void mhc_head_norm(const float* X, int64_t rows, const Weight& fn, const float* base, const float* scale,
+                     const MhcParams& p, const float* norm_weight, float norm_eps, float* y) override;
   void mhc_pre(const float* X, int64_t rows, const Weight& fn, const float* base, const float* scale,
                const MhcParams& p, float* y, float* post, float* comb) override;
   void mhc_post(float* X, int64_t rows, const float* f, const float* post, const float* comb,

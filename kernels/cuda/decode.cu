@@ -181,6 +181,54 @@ __global__ void __launch_bounds__(1024) argmax_kernel(const float* x, int64_t n,
   }
 }
 
+// Long rows (the lm_head's logits): kArgmaxSplits blocks a row, each the best of
+// its range, then one warp a row over those (the same winner: the largest value,
+// the lowest index among equals, NaN skipped).
+constexpr int kArgmaxSplits = 64;
+__global__ void __launch_bounds__(256) argmax_split_kernel(const float* x, int64_t n, int64_t per, float* pv,
+                                                           int32_t* pi) {
+  __shared__ float sv[8];
+  __shared__ int si[8];
+  const float* xr = x + static_cast<int64_t>(blockIdx.y) * n;
+  const int64_t lo = static_cast<int64_t>(blockIdx.x) * per, hi = lo + per < n ? lo + per : n;
+  float bv = -INFINITY;
+  int bi = 0x7fffffff;
+  for (int64_t j = lo + threadIdx.x; j < hi; j += blockDim.x) {
+    const float v = xr[j];
+    if (!isnan(v)) better(bv, bi, v, static_cast<int>(j));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    better(bv, bi, ov, oi);
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) {
+    sv[warp] = bv;
+    si[warp] = bi;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w) better(bv, bi, sv[w], si[w]);
+    pv[blockIdx.y * gridDim.x + blockIdx.x] = bv;
+    pi[blockIdx.y * gridDim.x + blockIdx.x] = bi;
+  }
+}
+
+__global__ void argmax_merge_kernel(const float* pv, const int32_t* pi, int splits, int32_t* out) {
+  float bv = -INFINITY;
+  int bi = 0x7fffffff;
+  for (int k = threadIdx.x; k < splits; k += 32) better(bv, bi, pv[blockIdx.x * splits + k], pi[blockIdx.x * splits + k]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    better(bv, bi, ov, oi);
+  }
+  if (threadIdx.x == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
+}
+
 __global__ void ragged_lengths_kernel(const int64_t* offsets, int64_t n, int32_t* lengths) {
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < n;
        t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -291,6 +339,21 @@ void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out, cudaStre
   if (rows == 0) return;
   TROUPE_REQUIRE(rows <= 0x7fffffff && n <= 0x7fffffff, "argmax: too large");
   argmax_kernel<<<static_cast<unsigned>(rows), 1024, 0, s>>>(x, n, out);
+  TROUPE_LAUNCHED();
+}
+
+int64_t argmax_split_workspace(int64_t rows, int64_t n) {
+  return n >= 16384 && rows <= 65535 ? rows * kArgmaxSplits : 0;
+}
+
+void argmax_rows_split(const float* x, int64_t rows, int64_t n, int32_t* out, float* ws_v, int32_t* ws_i,
+                       cudaStream_t s) {
+  if (rows == 0) return;
+  TROUPE_REQUIRE(argmax_split_workspace(rows, n) > 0 && n <= 0x7fffffff, "argmax: split form needs long rows");
+  const int64_t per = ceil_div(n, kArgmaxSplits);
+  argmax_split_kernel<<<dim3(kArgmaxSplits, static_cast<unsigned>(rows)), 256, 0, s>>>(x, n, per, ws_v, ws_i);
+  TROUPE_LAUNCHED();
+  argmax_merge_kernel<<<static_cast<unsigned>(rows), 32, 0, s>>>(ws_v, ws_i, kArgmaxSplits, out);
   TROUPE_LAUNCHED();
 }
 

@@ -22,6 +22,11 @@ void decode_compress_rows(int64_t batch, const int64_t* positions, const int32_t
                           float** out, int64_t* entry_pos, float** ring_dst, const float** ring_src, cudaStream_t s);
 void scatter_pointers(void** table, const int64_t* index, void* const* values, int64_t count, cudaStream_t s);
 void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out, cudaStream_t s);
+// The same for long rows over 64 blocks a row: workspace of argmax_split_workspace()
+// entries each in ws_v and ws_i (0: use argmax_rows).
+int64_t argmax_split_workspace(int64_t rows, int64_t n);
+void argmax_rows_split(const float* x, int64_t rows, int64_t n, int32_t* out, float* ws_v, int32_t* ws_i,
+                       cudaStream_t s);
 // Attention with sinks for head widths the tensor-core kernel does not take (any
 // dim <= 1024; fp32, for small test models): workspace holds n_queries * heads *
 // max_keys floats.

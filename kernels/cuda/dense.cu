@@ -398,6 +398,220 @@ __global__ void mhc_head_kernel(const float* X, const float* mix, const float* b
   }
 }
 
+// ---- mHC, fused (rows of X read once, many blocks) ------------------------------------
+// The unfused form above runs the mix GEMV (24 rows of fn: few blocks), then one
+// block per row that re-reads the 16K-wide X row for its RMS, runs the Sinkhorn in
+// one thread and re-reads X for y: ~40 us a call at batch 1, far over its bytes.
+// Here kernel 1 splits the width into slices of kMixSlice columns, one block per
+// (slice, tile of M rows): each block stages its X slice in shared memory and
+// writes, per row, the slice's share of every mix dot and of the sum of squares.
+// Kernel 2 (a block per row) sums the slices in order, runs the Sinkhorn with one
+// thread per matrix entry (the same operations in the same order as the serial
+// form) and forms y from X (now in L2). The per-row arithmetic does not depend on
+// how many rows run together (M only shares the weight loads).
+constexpr int kMixThreads = 256;
+constexpr int kMixSlice = 512;  // columns of X per block of kernel 1
+
+// partial[(row * slices + s) * (n_mix + 1) + j]: slice s's share of fn row j . X row
+// (j < n_mix) and of X row's sum of squares (j = n_mix).
+template <class WT, int M>
+__global__ void __launch_bounds__(kMixThreads) mhc_mix_kernel(const float* __restrict__ X, int64_t rows,
+                                                              int64_t width, const WT* __restrict__ fn, int n_mix,
+                                                              float* __restrict__ partial) {
+  constexpr int VEC = WLoad<WT>::kVec;
+  constexpr int CPL = kMixSlice / (32 * VEC);  // 16-byte weight chunks per lane and fn row
+  constexpr int kWarps = kMixThreads / 32;
+  static_assert(M <= kWarps, "one warp per row for the sum of squares");
+  __shared__ __align__(16) float xs[M][kMixSlice];
+  const int s = static_cast<int>(blockIdx.x), slices = static_cast<int>(gridDim.x);
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * M;
+  const int mh = rows - r0 < M ? static_cast<int>(rows - r0) : M;
+  const int64_t c0 = static_cast<int64_t>(s) * kMixSlice;
+  const int len = width - c0 < kMixSlice ? static_cast<int>(width - c0) : kMixSlice;  // a multiple of 4
+  for (int i = threadIdx.x; i < M * (kMixSlice / 4); i += kMixThreads) {
+    const int mm = i / (kMixSlice / 4), c = (i % (kMixSlice / 4)) * 4;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (mm < mh && c < len) v = *reinterpret_cast<const float4*>(X + (r0 + mm) * width + c0 + c);
+    *reinterpret_cast<float4*>(&xs[mm][c]) = v;
+  }
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int stride = n_mix + 1;
+  if (warp < mh) {
+    float ss = 0.f;
+    for (int c = lane; c < kMixSlice; c += 32) ss = fmaf(xs[warp][c], xs[warp][c], ss);
+    ss = warp_sum(ss);
+    if (lane == 0) partial[((r0 + warp) * slices + s) * stride + n_mix] = ss;
+  }
+  // Warp w takes fn rows w, w + kWarps, ... two at a time (their loads in flight together).
+  for (int j0 = warp; j0 < n_mix; j0 += 2 * kWarps) {
+    uint4 raw[2][CPL];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int j = j0 + u * kWarps;
+#pragma unroll
+      for (int q = 0; q < CPL; ++q) {
+        const int col = (lane + 32 * q) * VEC;
+        raw[u][q] = j < n_mix && col < len ? ld_stream(fn + static_cast<int64_t>(j) * width + c0 + col)
+                                           : make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+    float acc[2][M];
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+#pragma unroll
+      for (int mm = 0; mm < M; ++mm) acc[u][mm] = 0.f;
+#pragma unroll
+    for (int q = 0; q < CPL; ++q) {
+      const int col = (lane + 32 * q) * VEC;
+      float wf[2][VEC];
+#pragma unroll
+      for (int u = 0; u < 2; ++u) WLoad<WT>::cvt(raw[u][q], wf[u]);
+#pragma unroll
+      for (int mm = 0; mm < M; ++mm) {
+        float xv[VEC];
+#pragma unroll
+        for (int h = 0; h < VEC / 4; ++h) {
+          const float4 t = *reinterpret_cast<const float4*>(&xs[mm][col + 4 * h]);
+          xv[4 * h] = t.x;
+          xv[4 * h + 1] = t.y;
+          xv[4 * h + 2] = t.z;
+          xv[4 * h + 3] = t.w;
+        }
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) acc[u][mm] = fmaf(wf[u][i], xv[i], acc[u][mm]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int j = j0 + u * kWarps;
+#pragma unroll
+      for (int mm = 0; mm < M; ++mm) {
+        const float v = warp_sum(acc[u][mm]);
+        if (lane == 0 && j < n_mix && mm < mh) partial[((r0 + mm) * slices + s) * stride + j] = v;
+      }
+    }
+  }
+}
+
+// One block per row: the mix from the partials, then (HEAD: pre only) pre, post and
+// the Sinkhorn-normalised comb, then y = sum_j pre[j] * X[j].
+// With `norm`, y is then RMS-normalised (times norm_weight when not null) exactly as
+// rmsnorm_kernel does with `norm_threads` threads (the same sums in the same order).
+template <int HC, bool HEAD>
+__global__ void __launch_bounds__(256) mhc_fused_finish_kernel(const float* __restrict__ X,
+                                                               const float* __restrict__ partial, int slices,
+                                                               const float* base, const float* scale, MhcParams p,
+                                                               float* y, float* post, float* comb, bool norm,
+                                                               const float* norm_weight, float norm_eps,
+                                                               int norm_threads) {
+  constexpr int hc = HC;
+  constexpr int n_mix = HEAD ? hc : (2 + hc) * hc;
+  constexpr int kSl = 32;  // slices staged in shared memory at a time
+  __shared__ float m[n_mix + 1];
+  __shared__ float c[hc * hc];
+  __shared__ float pre[hc];
+  __shared__ float buf[kSl * (n_mix + 1)];
+  __shared__ float scratch[32];
+  const int64_t r = blockIdx.x;
+  const int t = threadIdx.x;
+  const float* pr = partial + r * slices * (n_mix + 1);
+  // The slices' partials, summed in slice order (thread j keeps mix j's running sum);
+  // the loads of a group of slices are all in flight together.
+  float run = 0.f;
+  for (int k0 = 0; k0 < slices; k0 += kSl) {
+    const int nk = slices - k0 < kSl ? slices - k0 : kSl;
+    for (int i = t; i < nk * (n_mix + 1); i += blockDim.x) buf[i] = pr[k0 * (n_mix + 1) + i];
+    __syncthreads();
+    if (t <= n_mix)
+      for (int k = 0; k < nk; ++k) run += buf[k * (n_mix + 1) + t];
+    __syncthreads();
+  }
+  if (t <= n_mix) m[t] = run;
+  __syncthreads();
+  const float inv = 1.0f / sqrtf(m[n_mix] / static_cast<float>(hc * p.dim) + p.norm_eps);
+  if (t < hc) {
+    pre[t] = sigmoidf(m[t] * inv * scale[0] + base[t]) + p.hc_eps;
+    if (!HEAD) post[r * hc + t] = 2.0f * sigmoidf(m[hc + t] * inv * scale[1] + base[hc + t]);
+  }
+  if (!HEAD) {
+    // Entry (a, b) on thread a * hc + b; every sum in the serial form's order.
+    const bool own = t < hc * hc;
+    const int a = t / hc, b = t % hc;
+    if (own) c[t] = m[2 * hc + t] * inv * scale[2] + base[2 * hc + t];
+    __syncthreads();
+    float v = 0.f;
+    if (own) {
+      float mx = -INFINITY;
+      for (int bb = 0; bb < hc; ++bb) mx = fmaxf(mx, c[a * hc + bb]);
+      float sum = 0.f;
+      for (int bb = 0; bb < hc; ++bb) sum += expf(c[a * hc + bb] - mx);
+      v = expf(c[t] - mx) / sum + p.hc_eps;
+    }
+    __syncthreads();
+    if (own) c[t] = v;
+    __syncthreads();
+    auto cols = [&] {
+      float s = 0.f;
+      if (own)
+        for (int aa = 0; aa < hc; ++aa) s += c[aa * hc + b];
+      __syncthreads();
+      if (own) c[t] /= (s + p.hc_eps);
+      __syncthreads();
+    };
+    auto rows = [&] {
+      float s = 0.f;
+      if (own)
+        for (int bb = 0; bb < hc; ++bb) s += c[a * hc + bb];
+      __syncthreads();
+      if (own) c[t] /= (s + p.hc_eps);
+      __syncthreads();
+    };
+    cols();
+    for (int it = 0; it < p.sinkhorn_iters - 1; ++it) {
+      rows();
+      cols();
+    }
+    if (own) comb[r * hc * hc + t] = c[t];
+  }
+  __syncthreads();
+  const float* xr = X + r * hc * p.dim;
+  float* yr = y + r * p.dim;
+  if (p.dim % 4 == 0) {
+    for (int64_t i = t; i < p.dim / 4; i += blockDim.x) {
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int j = 0; j < hc; ++j) {
+        const float4 v = reinterpret_cast<const float4*>(xr + j * p.dim)[i];
+        acc.x += pre[j] * v.x;
+        acc.y += pre[j] * v.y;
+        acc.z += pre[j] * v.z;
+        acc.w += pre[j] * v.w;
+      }
+      reinterpret_cast<float4*>(yr)[i] = acc;
+    }
+  } else {
+    for (int64_t i = t; i < p.dim; i += blockDim.x) {
+      float acc = 0.f;
+      for (int j = 0; j < hc; ++j) acc += pre[j] * xr[j * p.dim + i];
+      yr[i] = acc;
+    }
+  }
+  if (!norm) return;
+  __syncthreads();  // y of every thread written
+  float ss = 0.f;
+  if (t < norm_threads)
+    for (int64_t i = t; i < p.dim; i += norm_threads) ss += yr[i] * yr[i];
+  ss = block_sum(ss, scratch);
+  const float inv_y = 1.0f / sqrtf(ss / static_cast<float>(p.dim) + norm_eps);
+  __syncthreads();  // every sum read y before it is overwritten
+  for (int64_t i = t; i < p.dim; i += blockDim.x) {
+    yr[i] = norm_weight != nullptr ? norm_weight[i] * (yr[i] * inv_y) : yr[i] * inv_y;
+  }
+}
+
 __global__ void mhc_post_kernel(float* X, int64_t rows, const float* f, const float* post, const float* comb,
                                 MhcParams p) {
   const int hc = p.hc;
@@ -792,6 +1006,86 @@ void mhc_head_finish(const float* X, const float* mix, int64_t rows, const float
   if (rows == 0) return;
   mhc_head_kernel<<<static_cast<unsigned>(rows), 256, 0, s>>>(X, mix, base, scale, p, y);
   TROUPE_LAUNCHED();
+}
+
+namespace {
+template <class WT>
+void mhc_mix_typed(const float* X, int64_t rows, const WT* fn, int64_t n_mix, int64_t width, float* partial,
+                   cudaStream_t s) {
+  const auto slices = static_cast<unsigned>(ceil_div(width, kMixSlice));
+  if (rows == 1) {
+    mhc_mix_kernel<WT, 1><<<dim3(slices, 1), kMixThreads, 0, s>>>(X, rows, width, fn, static_cast<int>(n_mix), partial);
+  } else {
+    const int64_t tiles = ceil_div(rows, 4);
+    TROUPE_REQUIRE(tiles <= 65535, "mhc: too many rows");
+    mhc_mix_kernel<WT, 4><<<dim3(slices, static_cast<unsigned>(tiles)), kMixThreads, 0, s>>>(
+        X, rows, width, fn, static_cast<int>(n_mix), partial);
+  }
+  TROUPE_LAUNCHED();
+}
+
+template <bool HEAD>
+void mhc_fused_finish(const float* X, const float* partial, int64_t rows, int slices, const float* base,
+                      const float* scale, const MhcParams& p, float* y, float* post, float* comb, bool norm,
+                      const float* norm_weight, float norm_eps, cudaStream_t s) {
+  const auto grid = static_cast<unsigned>(rows);
+  const int nt = threads_for(p.dim);  // rmsnorm_kernel's block size for this dim
+  switch (p.hc) {
+#define TROUPE_MHC_CASE(H)                                                                             \
+  case H:                                                                                              \
+    mhc_fused_finish_kernel<H, HEAD><<<grid, 256, 0, s>>>(X, partial, slices, base, scale, p, y, post, comb, \
+                                                          norm, norm_weight, norm_eps, nt);            \
+    break;
+    TROUPE_MHC_CASE(1)
+    TROUPE_MHC_CASE(2)
+    TROUPE_MHC_CASE(3)
+    TROUPE_MHC_CASE(4)
+    TROUPE_MHC_CASE(5)
+    TROUPE_MHC_CASE(6)
+    TROUPE_MHC_CASE(7)
+    TROUPE_MHC_CASE(8)
+#undef TROUPE_MHC_CASE
+    default: break;
+  }
+  TROUPE_LAUNCHED();
+}
+}  // namespace
+
+int64_t mhc_fused_workspace(int64_t rows, const Weight& fn, const MhcParams& p) {
+  const int vec = fn.type == WeightType::f32 ? 4 : 8;
+  const int64_t width = static_cast<int64_t>(p.hc) * p.dim;
+  if (p.hc < 1 || p.hc > kMaxHc || fn.cols != width || width % vec != 0 ||
+      reinterpret_cast<uintptr_t>(fn.data) % 16 != 0 || rows < 1 || rows > 65535) {
+    return 0;
+  }
+  return rows * ceil_div(width, kMixSlice) * (fn.rows + 1);
+}
+
+bool mhc_fused(const float* X, int64_t rows, const Weight& fn, const float* base, const float* scale,
+               const MhcParams& p, bool head, bool norm, const float* norm_weight, float norm_eps, float* y,
+               float* post, float* comb, float* workspace, cudaStream_t s) {
+  if (rows == 0) return true;
+  if (mhc_fused_workspace(rows, fn, p) == 0 || reinterpret_cast<uintptr_t>(X) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(y) % 16 != 0) {
+    return false;
+  }
+  const int64_t n_mix = head ? p.hc : (2 + p.hc) * p.hc;
+  TROUPE_REQUIRE(fn.rows == n_mix, "mhc: fn must have (2 + hc) * hc rows (hc for the head)");
+  const int64_t width = static_cast<int64_t>(p.hc) * p.dim;
+  switch (fn.type) {
+    case WeightType::f32: mhc_mix_typed(X, rows, static_cast<const float*>(fn.data), n_mix, width, workspace, s); break;
+    case WeightType::bf16:
+      mhc_mix_typed(X, rows, static_cast<const __nv_bfloat16*>(fn.data), n_mix, width, workspace, s);
+      break;
+    case WeightType::f16: mhc_mix_typed(X, rows, static_cast<const __half*>(fn.data), n_mix, width, workspace, s); break;
+  }
+  const int slices = static_cast<int>(ceil_div(width, kMixSlice));
+  if (head) {
+    mhc_fused_finish<true>(X, workspace, rows, slices, base, scale, p, y, post, comb, norm, norm_weight, norm_eps, s);
+  } else {
+    mhc_fused_finish<false>(X, workspace, rows, slices, base, scale, p, y, post, comb, norm, norm_weight, norm_eps, s);
+  }
+  return true;
 }
 
 void route(const float* logits, int64_t rows, int experts, ScoreFn fn, const float* bias, int k,

@@ -47,6 +47,17 @@ void mhc_post(float* X, int64_t rows, const float* f, const float* post, const f
 void mhc_head_finish(const float* X, const float* mix, int64_t rows, const float* base, const float* scale,
                      const MhcParams& p, float* y, cudaStream_t s);
 
+// mHC pre (head = false) or head (head = true, pre only) in two launches: the mix
+// GEMV split over slices of the X row with its sum of squares, then one block per
+// row for the mix, the Sinkhorn and y (with `norm`, then y's RMSNorm times
+// norm_weight, bit for bit rmsnorm()'s). `workspace` holds mhc_fused_workspace()
+// floats; 0 there (or false here) means the shapes do not qualify: use the
+// unfused form.
+int64_t mhc_fused_workspace(int64_t rows, const Weight& fn, const MhcParams& p);
+bool mhc_fused(const float* X, int64_t rows, const Weight& fn, const float* base, const float* scale,
+               const MhcParams& p, bool head, bool norm, const float* norm_weight, float norm_eps, float* y,
+               float* post, float* comb, float* workspace, cudaStream_t s);
+
 void route(const float* logits, int64_t rows, int experts, ScoreFn fn, const float* bias, int k,
            const int64_t* hash_table, const int32_t* ids, float route_scale, int32_t* out_idx, float* out_weight,
            cudaStream_t s);

@@ -174,9 +174,12 @@ TEST_F(CudaBackendTest, row_moves_match_cpu) {
 }
 
 TEST_F(CudaBackendTest, mhc_pre_post_head_match_cpu) {
-  const int hc = 4;
-  for (int64_t dim : {4096, 256}) {
+  // hc 4 x 4096: V4's shape (the fused kernels, width split in 32 slices); 200: a
+  // partial last slice; hc 3 x 6: a width the fused form refuses (the unfused path).
+  const std::pair<int, int64_t> shapes[] = {{4, 4096}, {4, 256}, {4, 200}, {3, 1000}, {3, 6}};
+  for (const auto& [hc, dim] : shapes) {
     for (int64_t rows : {1, 5, 33}) {
+      SCOPED_TRACE("hc " + std::to_string(hc) + " dim " + std::to_string(dim) + " rows " + std::to_string(rows));
       MhcParams p{hc, dim, 20, 1e-6f, 1e-6f};
       MirrorWeight fn(cpu(), gpu(), (2 + hc) * hc, hc * dim, WeightType::bf16, rng_, 0.02f);
       MirrorWeight head_fn(cpu(), gpu(), hc, hc * dim, WeightType::bf16, rng_, 0.02f);
@@ -192,6 +195,31 @@ TEST_F(CudaBackendTest, mhc_pre_post_head_match_cpu) {
       EXPECT_CLOSE(y.gpu_host(rows * dim), y.cpu_host(rows * dim), 1e-5);
       EXPECT_CLOSE(post.gpu_host(rows * hc), post.cpu_host(rows * hc), 1e-5);
       EXPECT_CLOSE(comb.gpu_host(rows * hc * hc), comb.cpu_host(rows * hc * hc), 1e-5);
+      // mhc_pre with the layer's RMSNorm in one call: bit for bit mhc_pre then rmsnorm.
+      Mirror normw(cpu(), gpu(), randn(dim, rng_, 0.5f)), yn(cpu(), gpu(), rows * dim * 4);
+      yn.poison();
+      cpu().mhc_pre_norm(X.cpu(), rows, fn.cw, base.cpu(), scale.cpu(), p, normw.cpu(), 1e-6f, yn.cpu(), post.cpu(),
+                         comb.cpu());
+      gpu().mhc_pre_norm(X.gpu(), rows, fn.gw, base.gpu(), scale.gpu(), p, normw.gpu(), 1e-6f, yn.gpu(), post.gpu(),
+                         comb.gpu());
+      EXPECT_CLOSE(yn.gpu_host(rows * dim), yn.cpu_host(rows * dim), 1e-5);
+      {
+        Mirror yp(cpu(), gpu(), rows * dim * 4);
+        gpu().rmsnorm(y.gpu(), normw.gpu(), yp.gpu(), rows, dim, 1e-6f);
+        const auto fused = yn.gpu_host(rows * dim), pair = yp.gpu_host(rows * dim);
+        EXPECT_TRUE(fused == pair) << "mhc_pre_norm differs from mhc_pre + rmsnorm";
+      }
+      if (rows > 1) {  // a row's result does not depend on the rows run with it (decode = forward)
+        Mirror y1(cpu(), gpu(), dim * 4), post1(cpu(), gpu(), hc * 4), comb1(cpu(), gpu(), hc * hc * 4);
+        y1.poison();
+        const int64_t last = rows - 1;
+        gpu().mhc_pre(X.gpu() + last * hc * dim, 1, fn.gw, base.gpu(), scale.gpu(), p, y1.gpu(), post1.gpu(),
+                      comb1.gpu());
+        const auto all_y = y.gpu_host(rows * dim), all_comb = comb.gpu_host(rows * hc * hc);
+        const auto one_y = y1.gpu_host(dim), one_comb = comb1.gpu_host(hc * hc);
+        EXPECT_TRUE(std::equal(one_y.begin(), one_y.end(), all_y.begin() + last * dim));
+        EXPECT_TRUE(std::equal(one_comb.begin(), one_comb.end(), all_comb.begin() + last * hc * hc));
+      }
       Mirror f(cpu(), gpu(), randn(rows * dim, rng_));
       cpu().mhc_post(X.cpu(), rows, f.cpu(), post.cpu(), comb.cpu(), p);
       gpu().mhc_post(X.gpu(), rows, f.gpu(), post.gpu(), comb.gpu(), p);
@@ -201,6 +229,16 @@ TEST_F(CudaBackendTest, mhc_pre_post_head_match_cpu) {
       cpu().mhc_head(X.cpu(), rows, head_fn.cw, base.cpu(), scale.cpu(), hp, y.cpu());
       gpu().mhc_head(X.gpu(), rows, head_fn.gw, base.gpu(), scale.gpu(), hp, y.gpu());
       EXPECT_CLOSE(y.gpu_host(rows * dim), y.cpu_host(rows * dim), 1e-5);
+      yn.poison();
+      cpu().mhc_head_norm(X.cpu(), rows, head_fn.cw, base.cpu(), scale.cpu(), hp, nullptr, 1e-6f, yn.cpu());
+      gpu().mhc_head_norm(X.gpu(), rows, head_fn.gw, base.gpu(), scale.gpu(), hp, nullptr, 1e-6f, yn.gpu());
+      EXPECT_CLOSE(yn.gpu_host(rows * dim), yn.cpu_host(rows * dim), 1e-5);
+      {
+        Mirror yp(cpu(), gpu(), rows * dim * 4);
+        gpu().rmsnorm(y.gpu(), nullptr, yp.gpu(), rows, dim, 1e-6f);
+        const auto fused = yn.gpu_host(rows * dim), pair = yp.gpu_host(rows * dim);
+        EXPECT_TRUE(fused == pair) << "mhc_head_norm differs from mhc_head + rmsnorm";
+      }
     }
   }
 }

@@ -15,6 +15,7 @@ struct Running {
   bool handing_off = false;       // parked for a handoff (PD or migration), exporting
   caf::actor handoff_to;          // the worker that continues it
   bool long_tail_parked = false;  // parked by the supervisor's long-tail policy
+  bool client_parked = false;     // parked by its client (frame Park): only the client's Resume continues it
   bool superseded = false;        // a later attempt of the request runs here instead: silent until it ends
 };
 
@@ -176,7 +177,13 @@ void on_event(Self self, const engine::Event& e) {
       break;
     }
     case engine::EventKind::parked: {
-      if (!run.handoff_to || run.handing_off) break;  // a long-tail park: the stream just pauses
+      if (!e.ok && run.client_parked && !run.handoff_to) {
+        // It was between tiers (loading, resuming): the client's park is tried again shortly.
+        run.client_parked = false;
+        self->delayed_send(self, std::chrono::milliseconds(20), client_park_atom::value, run.job.id);
+        break;
+      }
+      if (!run.handoff_to || run.handing_off) break;  // a long-tail or client park: the stream just pauses
       run.handing_off = true;
       if (!e.ok) {
         // No state to hand over (no host tier, no room there, or the request was
@@ -313,11 +320,39 @@ caf::behavior worker_actor(Self self, std::shared_ptr<model::Model> model, Worke
         auto it = s.by_request.find(id);
         if (it == s.by_request.end()) return;
         auto& run = s.by_engine.at(it->second);
-        if (run.handing_off || run.long_tail_parked) return;
+        if (run.handing_off || run.long_tail_parked || run.client_parked) return;
         run.long_tail_parked = true;
         s.engine->park(it->second);
         if (s.metrics) {
           s.metrics->counter("troupe_long_tail_parked_total", "Requests parked by the long-tail policy",
+                             {{"worker", s.config.name}}).inc();
+        }
+      },
+      [=](client_park_atom, RequestId id) {  // frame Park: the gateway holds the stream
+        auto& s = self->state;
+        auto it = s.by_request.find(id);
+        if (it == s.by_request.end()) return;
+        auto& run = s.by_engine.at(it->second);
+        if (run.handing_off || run.client_parked) return;
+        const bool was_parked = run.long_tail_parked;
+        run.client_parked = true;
+        run.long_tail_parked = false;  // the client's Resume decides now, not the long-tail policy
+        if (!was_parked) s.engine->park(it->second);
+        if (s.metrics) {
+          s.metrics->counter("troupe_client_parked_total", "Requests parked by their client (frame Park)",
+                             {{"worker", s.config.name}}).inc();
+        }
+      },
+      [=](client_resume_atom, RequestId id) {
+        auto& s = self->state;
+        auto it = s.by_request.find(id);
+        if (it == s.by_request.end()) return;
+        auto& run = s.by_engine.at(it->second);
+        if (!run.client_parked) return;
+        run.client_parked = false;
+        s.engine->resume(it->second);
+        if (s.metrics) {
+          s.metrics->counter("troupe_client_resumed_total", "Requests resumed by their client (frame Resume)",
                              {{"worker", s.config.name}}).inc();
         }
       },
@@ -340,8 +375,9 @@ caf::behavior worker_actor(Self self, std::shared_ptr<model::Model> model, Worke
         for (auto& [eid, run] : s.by_engine) {
           if (run.handing_off || run.handoff_to) continue;
           run.handoff_to = target;
-          if (run.long_tail_parked) {  // already parked: export right away
-            run.long_tail_parked = false;
+          if (run.long_tail_parked || run.client_parked) {  // already parked: export right away
+            // (a client-parked request is parked again on the target by its gateway)
+            run.long_tail_parked = run.client_parked = false;
             on_event(self, engine::make_event(eid, engine::EventKind::parked));
           } else {
             s.engine->park(eid);
@@ -349,6 +385,12 @@ caf::behavior worker_actor(Self self, std::shared_ptr<model::Model> model, Worke
         }
       },
       [=](drain_atom) { self->state.draining = true; },
+      [=](fence_atom, const std::string&, bool fenced) {  // back in service after a drain (the fleet's scale up)
+        if (!fenced && self->state.draining) {
+          spdlog::info("worker {}: back in service", self->state.config.name);
+          self->state.draining = false;
+        }
+      },
       [=](tick_atom) {
         report_load(self);
         self->delayed_send(self, self->state.config.load_every, tick_atom::value);

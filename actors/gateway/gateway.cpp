@@ -251,15 +251,15 @@ void retry(Self self, RequestId id, const std::string& why) {
   auto it = st.inflight.find(id);
   if (it == st.inflight.end()) return;
   InFlight& f = it->second;
-  if (++f.attempts > st.config.max_attempts) {
-    fail(self, id, ApiError{503, "request failed after " + std::to_string(f.attempts) + " attempts: " + why,
-                            "service_unavailable", "", ""});
-    return;
-  }
   if (f.client_parked) {  // its client parked it: run it again on Resume
     spdlog::info("gateway: request {} lost its worker while parked ({}); resubmitted on resume", id, why);
     f.worker = nullptr;
     f.resubmit_on_resume = true;
+    return;
+  }
+  if (++f.attempts > st.config.max_attempts) {
+    fail(self, id, ApiError{503, "request failed after " + std::to_string(f.attempts) + " attempts: " + why,
+                            "service_unavailable", "", ""});
     return;
   }
   spdlog::info("gateway: request {} resubmitted ({}; {} tokens already streamed)", id, why, f.result.token_ids.size());

@@ -64,7 +64,8 @@ void start_job(Self self, Job job) {
     // (the gateway resubmitted after a release or a lost worker) replaces a
     // run that is still being torn down here.
     auto run = st.by_engine.find(it->second);
-    if (run == st.by_engine.end() || run->second.job.attempt >= job.attempt) return;
+    // (One dropped here on its client's park is replaced by the same attempt on Resume.)
+    if (run == st.by_engine.end() || (run->second.job.attempt >= job.attempt && !run->second.superseded)) return;
     // The gateway gave up on the earlier attempt (it lost sight of this
     // worker for a while): that run ends without a word, this one streams.
     // One that is handing its state over ends when the handoff does.
@@ -178,9 +179,21 @@ void on_event(Self self, const engine::Event& e) {
     }
     case engine::EventKind::parked: {
       if (!e.ok && run.client_parked && !run.handoff_to) {
-        // It was between tiers (loading, resuming): the client's park is tried again shortly.
-        run.client_parked = false;
-        self->delayed_send(self, std::chrono::milliseconds(20), client_park_atom::value, run.job.id);
+        if (st.config.engine.host_bytes > 0 && e.message.find("no room") == std::string::npos) {
+          // It was between tiers (loading, resuming): the client's park is tried again shortly.
+          run.client_parked = false;
+          self->delayed_send(self, std::chrono::milliseconds(20), client_park_atom::value, run.job.id);
+          break;
+        }
+        // No host tier, or no room in it: the state cannot be kept. It is
+        // dropped here (its device pages free) and the gateway, which holds
+        // the stream, recomputes it from its tokens on Resume.
+        spdlog::info("worker {}: request {} parked by its client cannot keep its state ({}); it is recomputed on "
+                     "resume", st.config.name, run.job.id, e.message);
+        run.superseded = true;
+        st.engine->abort(e.id);
+        self->send(run.job.reply_to, Failed{run.job.id, ErrorCode::unavailable,
+                                            "parked without room in a host tier: " + e.message, me});
         break;
       }
       if (!run.handoff_to || run.handing_off) break;  // a long-tail or client park: the stream just pauses

@@ -30,7 +30,8 @@ frame_port = None
 def srv():
     global server, frame_port
     if server is None or not server.alive():
-        server = harness.Server(A.troupe, A.home, ["--frame-port", "0", "--max-model-len", str(MAX_LEN)], name="frames")
+        server = harness.Server(A.troupe, A.home, ["--frame-port", "0", "--max-model-len", str(MAX_LEN),
+                                                   "--host-memory-mib", "64"], name="frames")
         m = re.search(r"frames on tcp://[^:]+:(\d+)", server.tail(100000))
         assert m, server.tail()
         frame_port = int(m.group(1))
@@ -207,10 +208,10 @@ def test_park_resume():
     tier (the worker's parked gauge says so); Resume: Ack, and the stream goes
     on with exactly the greedy ids of an unparked run; Finish.parks counts."""
     prompt = "Park me for a while, then carry on"
-    ref = http_completion(prompt, 60, ignore_eos=True)["token_ids"]
+    ref = http_completion(prompt, 120, ignore_eos=True)["token_ids"]
     parks_before = srv().metric_sum("troupe_frame_parks_total")
     with client() as c:
-        rid = c.submit(text=prompt, max_tokens=60, temperature=0.0, ignore_eos=True, return_token_ids=True)
+        rid = c.submit(text=prompt, max_tokens=120, temperature=0.0, ignore_eos=True, return_token_ids=True)
         ids, acks, finish = [], [], None
         parked_at = None
         for kind, msg in c.events(rid):
@@ -244,9 +245,9 @@ def test_park_resume():
                 finish = msg
         assert acks == ["park", "park", "resume"], acks
         assert ids == ref, (parked_at, ids, ref)
-        assert str(finish.reason) == "length" and finish.parks == 1 and finish.completionTokens == 60, finish
+        assert str(finish.reason) == "length" and finish.parks == 1 and finish.completionTokens == 120, finish
         # Parked before its first token (Park right after submit): the same ids.
-        rid = c.submit(text=prompt, max_tokens=60, temperature=0.0, ignore_eos=True, return_token_ids=True)
+        rid = c.submit(text=prompt, max_tokens=120, temperature=0.0, ignore_eos=True, return_token_ids=True)
         c.park(rid)
         kind, msg = next(c.events(rid))
         assert kind == "ack" and str(msg.ofKind) == "park", (kind, msg)
@@ -275,6 +276,26 @@ def test_park_resume():
             assert kind == c.kind.tokenChunk, (kind, msg)  # held tokens are dropped; none should come
     assert srv().metric_sum("troupe_frame_parks_total") - parks_before == 3
     srv().idle_pages()
+    # Without a host tier the state cannot be kept: the worker drops it and the
+    # request is recomputed from its tokens on Resume; the ids are the same.
+    with harness.Server(A.troupe, A.home, ["--frame-port", "0", "--max-model-len", str(MAX_LEN)], name="fnohost") as s:
+        port = int(re.search(r"frames on tcp://[^:]+:(\d+)", s.tail(100000)).group(1))
+        with Client("127.0.0.1", port, timeout=120) as c:
+            rid = c.submit(text=prompt, max_tokens=120, temperature=0.0, ignore_eos=True, return_token_ids=True)
+            ids, finish = [], None
+            for kind, msg in c.events(rid):
+                if kind == "chunk":
+                    ids += list(msg.tokenIds)
+                    if len(ids) >= 5 and finish is None and not s.metric_sum("troupe_frame_parks_total"):
+                        c.park(rid)
+                elif kind == "ack" and str(msg.ofKind) == "park":
+                    s.wait_for("the worker to drop the parked request's state",
+                               lambda: s.metric_sum("troupe_running") == 0, timeout=30)
+                    c.resume(rid)
+                elif kind == "finish":
+                    finish = msg
+        assert ids == ref and finish.parks == 1, (ids, ref, finish)
+        s.idle_pages()
     # troupe client --park-after: parks after 3 chunks, resumes 300 ms later, same ids.
     ids_ref = http_completion(prompt, 20, ignore_eos=True)
     p = subprocess.run([A.troupe, "client", "--connect", f"127.0.0.1:{frame_port}", "generate", "--prompt", prompt,

@@ -183,7 +183,7 @@ NodeProcess::NodeProcess(RunOptions options) : impl_(std::make_unique<Impl>()) {
   if (!im.runs_gateway) {
     gateway::HttpOptions ho;
     ho.address = bind_host;
-    ho.port = im.options.http_port >= 0 ? static_cast<uint16_t>(im.options.http_port) : me.ports.http;
+    ho.port = im.options.http_port >= 0 ? static_cast<uint16_t>(im.options.http_port) : (discovery == deploy::Discovery::static_addresses ? topo.http_port(im.instance) : me.ports.http);
     ho.threads = 1;
     Impl* raw = impl_.get();
     im.health = std::make_unique<gateway::HttpServer>(
@@ -290,7 +290,7 @@ NodeProcess::NodeProcess(RunOptions options) : impl_(std::make_unique<Impl>()) {
     gc.model_name = fs::path(model_dir).filename().string();
     gc.max_model_len = std::min<int64_t>(config->max_position_embeddings, 32768);
     gc.http.address = bind_host;
-    gc.http.port = im.options.http_port >= 0 ? static_cast<uint16_t>(im.options.http_port) : me.ports.http;
+    gc.http.port = im.options.http_port >= 0 ? static_cast<uint16_t>(im.options.http_port) : (discovery == deploy::Discovery::static_addresses ? topo.http_port(im.instance) : me.ports.http);
     gc.min_workers_ready = 1;
     Impl* raw = impl_.get();
     gc.not_ready = [raw] { return raw->not_ready(); };

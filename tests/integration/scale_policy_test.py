@@ -73,7 +73,7 @@ class ScalePolicy(unittest.TestCase):
         self.procs = {
             "front": self.cluster.start("front", manifest),
             "decode-0": self.cluster.start("decode-0", manifest, args=run),
-            "decode-1": self.cluster.start("decode-1", manifest, args=run + ["--http-port", str(base + 11)]),
+            "decode-1": self.cluster.start("decode-1", manifest, args=run),  # http: ports.http + 1 (same host)
         }
         h.wait_all_ready(self.cluster, HOST, [base, base + 10, base + 11])
         self.model = h.model_id(HOST, base)
@@ -109,8 +109,8 @@ class ScalePolicy(unittest.TestCase):
 
     def test_scale_up_down_and_admin_drain_across_processes(self):
         self.assertEqual(self.slots(), {"decode-0": "active", "decode-1": "standby"})
-        prompts = h.prompts(30, length=16, seed=11)
-        max_tokens = 48
+        prompts = h.prompts(40, length=16, seed=11)
+        max_tokens = 300
         # The oracle, one request at a time (nothing waits: no scale up yet).
         reference = []
         for p in prompts:
@@ -120,9 +120,11 @@ class ScalePolicy(unittest.TestCase):
         self.assertEqual(self.slots()["decode-1"], "standby", "scaled up without load")
         self.assertEqual(self.metric("decode-1", "troupe_cached_tokens"), 0, "a standby got requests")
 
-        # 1. Load: 30 streams against 8 running places on decode-0.
+        # 1. Load: 40 streams against 8 running places on decode-0.
+        t0 = time.time()
         wave = h.Streams(HOST, self.front, self.model, prompts, max_tokens)
         self.wait_slots(lambda s: s["decode-1"] == "active", "the front did not scale up under load")
+        print(f"scaled up {time.time() - t0:.2f} s after the load started")
         self.check(wave.join(timeout=240), reference, "first wave")
         m = h.metrics(HOST, self.front)
         self.assertGreaterEqual(sum(v for k, v in m.items() if k.startswith("troupe_scale_events_total{")

@@ -13,7 +13,7 @@ zero.
 2. Idle again: after the cooldown the front drains one decode worker back to
    standby (both processes stay up).
 3. Admin: POST /admin/scale {"node": "decode", "workers": 2} admits it again;
-   under 8 streams spread over both, {"workers": 1} drains one: it is fenced,
+   under 16 streams spread over both, {"workers": 1} drains one: it is fenced,
    its running requests move with their KV to the other (no resubmission) and
    every stream's greedy ids equal an undisturbed run's.
 4. Admin: POST /admin/drain {"worker": "decode-1"} reaches the remote process:
@@ -144,13 +144,15 @@ class ScalePolicy(unittest.TestCase):
         print(f"scaled down when idle: {slots}")
         self.assertTrue(all(p.alive() for p in self.procs.values()))
 
-        # 3. Admin scale to 2, then to 1 under 8 streams spread over both workers.
-        long_tokens = 240
+        # 3. Admin scale to 2, then to 1 under 16 streams spread over both workers.
+        long_tokens = 400
+        long_prompts = prompts[:16]
         long_ref = []
-        for p in prompts[:8]:
-            r = h.complete(HOST, self.front, self.model, p, long_tokens)
-            self.assertIsNone(r["error"], r)
-            long_ref.append(r["token_ids"])
+        for part in (long_prompts[:8], long_prompts[8:]):  # 8 at once: none waits, so no scale up
+            for r in h.Streams(HOST, self.front, self.model, part, long_tokens, stream=False).join(timeout=240):
+                self.assertIsNotNone(r)
+                self.assertIsNone(r["error"], r)
+                long_ref.append(r["token_ids"])
         self.assertEqual(post(self.front, "/admin/scale", {"node": "decode", "workers": 3})[0], 400)
         self.assertEqual(post(self.front, "/admin/scale", {"node": "nope", "workers": 1})[0], 400)
         self.assertEqual(post(self.front, "/admin/scale", {"workers": "x"})[0], 400)
@@ -158,7 +160,7 @@ class ScalePolicy(unittest.TestCase):
         self.assertEqual(status, 200, body)
         self.wait_slots(lambda s: list(s.values()) == ["active", "active"], "admin scale up")
         handoffs_before = {n: self.metric(n, "troupe_handoffs_total") for n in ("decode-0", "decode-1")}
-        streams = h.Streams(HOST, self.front, self.model, prompts[:8], long_tokens)
+        streams = h.Streams(HOST, self.front, self.model, long_prompts, long_tokens)
         end = time.time() + 120
         while time.time() < end and not (self.metric("decode-0", "troupe_running") > 0
                                          and self.metric("decode-1", "troupe_running") > 0):
@@ -180,7 +182,7 @@ class ScalePolicy(unittest.TestCase):
         status, body = post(self.front, "/admin/scale", {"node": "decode", "workers": 2})
         self.assertEqual(status, 200, body)
         self.wait_slots(lambda s: list(s.values()) == ["active", "active"], "admin scale up again")
-        streams = h.Streams(HOST, self.front, self.model, prompts[:8], long_tokens)
+        streams = h.Streams(HOST, self.front, self.model, long_prompts, long_tokens)
         end = time.time() + 120
         while time.time() < end and self.metric("decode-1", "troupe_running") == 0:
             time.sleep(0.05)

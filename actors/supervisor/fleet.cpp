@@ -29,6 +29,7 @@ struct Slot {
   SlotState state = SlotState::standby;
   Clock::time_point last_migrate{};
   Clock::time_point drain_started{};
+  bool gone = false;  // removed, and its worker has left the router since
 };
 
 struct FleetState {
@@ -223,6 +224,15 @@ void on_loads(Self self, std::vector<WorkerLoad> loads) {
   const auto handoffs = st.config.handoffs ? st.config.handoffs() : std::map<std::string, int64_t>{};
   for (auto& s : st.slots) {
     if (s.state == SlotState::draining) step_drain(self, s, handoffs);
+    if (s.state != SlotState::removed) continue;
+    // An admin removed it and its process stopped; started again, it serves again.
+    if (load_of(st, s.name) == nullptr) {
+      s.gone = true;
+    } else if (s.gone) {
+      spdlog::info("fleet: {} is back after its removal; in service", s.name);
+      s.gone = false;
+      s.state = SlotState::active;
+    }
   }
   for (size_t i = 0; i < st.config.nodes.size(); ++i) {
     if (count(st, i, SlotState::draining) == 0) scale_node(self, i, handoffs);  // one change at a time per node

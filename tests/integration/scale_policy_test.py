@@ -17,7 +17,8 @@ zero.
    its running requests move with their KV to the other (no resubmission) and
    every stream's greedy ids equal an undisturbed run's.
 4. Admin: POST /admin/drain {"worker": "decode-1"} reaches the remote process:
-   it drains itself and exits 0 while a stream it ran finishes unchanged.
+   it drains itself and exits 0 while the streams it ran finish unchanged;
+   started again by the operator, it is back in service.
 
 Run by ctest (tests/integration/CMakeLists.txt).
 """
@@ -68,6 +69,7 @@ class ScalePolicy(unittest.TestCase):
                 "kv_use_high": 0.99, "kv_use_low": 0.0001, "outstanding_handoffs_high": 64,
                 "cooldown_s": COOLDOWN_S}
         manifest = h.write_manifest(self.dir / "scale.yaml", "scale", model, nodes, drain_timeout_s=60, scale=[rule])
+        self.manifest = manifest
         self.front, self.http = base, {"decode-0": base + 10, "decode-1": base + 11}
         run = ["--max-running", str(MAX_RUNNING)]
         self.procs = {
@@ -193,6 +195,9 @@ class ScalePolicy(unittest.TestCase):
         self.check(streams.join(timeout=240), long_ref, "admin drain")
         self.assertEqual(self.slots()["decode-1"], "removed")
         self.assertTrue(self.procs["decode-0"].alive() and self.procs["front"].alive())
+        # The operator starts it again: it serves again.
+        self.procs["decode-1"] = self.cluster.start("decode-1", self.manifest, args=["--max-running", str(MAX_RUNNING)])
+        self.wait_slots(lambda s: s["decode-1"] == "active", "a removed worker started again")
 
 
 if __name__ == "__main__":

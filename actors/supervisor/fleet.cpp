@@ -165,9 +165,16 @@ void scale_node(Self self, size_t i, const std::map<std::string, int64_t>& hando
     if (Clock::now() - st.last_scale[i] < r.cooldown) return;
     int64_t waiting = 0, pending = 0, live = 0;
     double kv = 0;
+    // Outstanding handoffs: for decode workers, the states prefill processes
+    // lent and no decode worker has taken yet; otherwise the node's own.
+    for (const auto& s : st.slots) {
+      const bool counts = node.role == WorkerRole::decode ? st.config.nodes[s.node].role == WorkerRole::prefill
+                                                          : s.node == i;
+      if (!counts) continue;
+      if (auto h = handoffs.find(s.name); h != handoffs.end()) pending += h->second;
+    }
     for (const auto& s : st.slots) {
       if (s.node != i || s.state != SlotState::active) continue;
-      if (auto h = handoffs.find(s.name); h != handoffs.end()) pending += h->second;
       const WorkerLoad* l = load_of(st, s.name);
       if (l == nullptr) continue;
       ++live;

@@ -50,7 +50,8 @@ struct FleetScaleRule {
   int64_t queue_depth_low = 0;
   double kv_use_high = 0.85;      // of the most used active worker
   double kv_use_low = 0.3;
-  int64_t outstanding_handoffs_high = 16;  // summed over the node's processes
+  int64_t outstanding_handoffs_high = 16;  // KV handoffs lent and not yet taken: for a decode node those of
+                                           // the prefill processes, else the node's own (from heartbeats)
   std::chrono::milliseconds cooldown{60000};
 };
 

@@ -36,6 +36,9 @@ import harness as h  # noqa: E402
 HOST = "127.0.0.1"
 COOLDOWN_S = 3
 MAX_RUNNING = 8
+# Prefill workers that run one prompt at a time in chunks of 256 tokens: a
+# wave of long prompts queues there for a while.
+PREFILL_ARGS = ["--max-running", "1", "--step-tokens", "256"]
 
 
 def post(port, path, body, timeout=10):
@@ -198,6 +201,100 @@ class ScalePolicy(unittest.TestCase):
         # The operator starts it again: it serves again.
         self.procs["decode-1"] = self.cluster.start("decode-1", self.manifest, args=["--max-running", str(MAX_RUNNING)])
         self.wait_slots(lambda s: s["decode-1"] == "active", "a removed worker started again")
+
+
+class ScalePrefill(unittest.TestCase):
+    """Disaggregated: front, a prefill node with two slots (prefill-1 a standby)
+    and a decode process. Prefill workers queue what they cannot run, so the
+    rule on prefill scales it from queue depth; the handoffs to the decode
+    process go on from either prefill worker with the same greedy tokens."""
+
+    def setUp(self):
+        troupe, model = h.paths()
+        h.ensure_model(troupe, model)
+        self.dir = Path(tempfile.mkdtemp(prefix="troupe-scale-prefill-"))
+        self.cluster = h.Cluster(self.dir, troupe, {"UCX_NET_DEVICES": "lo"})
+        self.addCleanup(self.cluster.close)
+        base = h.free_port_block(30)
+        nodes = [
+            {"name": "front", "actors": ["gateway", "router"], "address": HOST,
+             "ports": (base, base + 1, base + 2, base + 9)},
+            {"name": "prefill", "actors": ["prefill", "cache_shard"], "address": HOST, "replicas": 1,
+             "transports": [base + 12, base + 13], "ports": (base + 10, base + 12, base + 14, base + 19)},
+            {"name": "decode", "actors": ["decode", "cache_shard"], "address": HOST,
+             "ports": (base + 20, base + 21, base + 22, base + 29)},
+        ]
+        rule = {"node": "prefill", "min_workers": 1, "max_workers": 2, "queue_depth_high": 2, "queue_depth_low": 0,
+                "kv_use_high": 0.99, "kv_use_low": 0.0001, "outstanding_handoffs_high": 1000,
+                "cooldown_s": COOLDOWN_S}
+        manifest = h.write_manifest(self.dir / "prefill.yaml", "prefill", model, nodes, drain_timeout_s=60,
+                                    scale=[rule])
+        self.front = base
+        self.procs = {
+            "front": self.cluster.start("front", manifest),
+            "prefill-0": self.cluster.start("prefill-0", manifest, args=PREFILL_ARGS),
+            "prefill-1": self.cluster.start("prefill-1", manifest, args=PREFILL_ARGS),
+            "decode": self.cluster.start("decode", manifest),
+        }
+        h.wait_all_ready(self.cluster, HOST, [base, base + 10, base + 11, base + 20])
+        self.model = h.model_id(HOST, base)
+        self.http = {"prefill-0": base + 10, "prefill-1": base + 11}
+
+    def tearDown(self):
+        if self._outcome.result.failures or self._outcome.result.errors:
+            print(self.cluster.logs())
+
+    def slots(self):
+        status, body = h.get(HOST, self.front, "/admin/scale")
+        self.assertEqual(status, 200, body)
+        node = [n for n in json.loads(body)["nodes"] if n["node"] == "prefill"][0]
+        self.assertEqual(node["role"], "prefill")
+        return {s["name"]: s["state"] for s in node["slots"]}
+
+    def wait_slots(self, want, what, timeout=60):
+        end = time.time() + timeout
+        got = None
+        while time.time() < end:
+            got = self.slots()
+            if want(got):
+                return got
+            time.sleep(0.1)
+        raise AssertionError(f"{what}: the prefill slots are {got}\n{self.cluster.logs()}")
+
+    def test_prefill_scales_from_its_queue_and_back(self):
+        self.assertEqual(self.slots(), {"prefill-0": "active", "prefill-1": "standby"})
+        prompts = h.prompts(24, length=1500, seed=17)  # long prompts: prefill is the bottleneck
+        max_tokens = 16
+        reference = []
+        for p in prompts:
+            r = h.complete(HOST, self.front, self.model, p, max_tokens)
+            self.assertIsNone(r["error"], r)
+            reference.append(r["token_ids"])
+        self.assertEqual(self.slots()["prefill-1"], "standby", "scaled up without load")
+        t0 = time.time()
+        wave = h.Streams(HOST, self.front, self.model, prompts, max_tokens)
+        self.wait_slots(lambda s: s["prefill-1"] == "active", "the front did not add a prefill worker")
+        print(f"prefill scaled up {time.time() - t0:.2f} s after the load started")
+        results = wave.join(timeout=240)
+        for i, r in enumerate(results):
+            self.assertIsNotNone(r, f"request {i} never returned")
+            self.assertIsNone(r["error"], f"request {i}: {r}")
+            self.assertEqual(r["token_ids"], reference[i], f"request {i} changed")
+        # A second wave runs on both prefill workers, with the same tokens.
+        wave = h.Streams(HOST, self.front, self.model, prompts[:8], max_tokens)
+        ran = 0
+        while any(t.is_alive() for t in wave.threads):
+            ran = max(ran, h.metric_sum(h.metrics(HOST, self.http["prefill-1"]), "troupe_running"))
+            time.sleep(0.02)
+        for i, r in enumerate(wave.join(timeout=240)):
+            self.assertIsNone(r["error"], f"request {i}: {r}")
+            self.assertEqual(r["token_ids"], reference[i], f"second wave request {i} changed")
+        self.assertGreater(ran, 0, "the added prefill worker ran no request")
+        # Idle: back to one prefill worker; every process stays up.
+        self.wait_slots(lambda s: sorted(s.values()) == ["active", "standby"],
+                        "the front did not remove a prefill worker when idle", timeout=COOLDOWN_S + 60)
+        self.assertTrue(all(p.alive() for p in self.procs.values()))
+        self.assertEqual(h.metric_sum(h.metrics(HOST, self.front), "troupe_resubmits_total"), 0)
 
 
 if __name__ == "__main__":

@@ -335,8 +335,11 @@ NodeProcess::NodeProcess(RunOptions options) : impl_(std::make_unique<Impl>()) {
     auto on_drain = im.options.on_drain_request;
     const std::string me_name = im.instance.name;
     im.control = im.system->spawn([on_drain, me_name](caf::event_based_actor*) -> caf::behavior {
+      auto asked = std::make_shared<bool>(false);  // once: a second SIGTERM would end the drain at once
       return {
           [=](drain_atom) {
+            if (*asked) return;
+            *asked = true;
             if (on_drain) {
               spdlog::info("run: {}: the router's process asks this process to drain and stop", me_name);
               on_drain();

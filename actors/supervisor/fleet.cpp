@@ -345,8 +345,17 @@ caf::behavior fleet_actor(Self self, FleetConfig config, caf::actor router, std:
           if (workers < lo || workers > hi) {
             return fmt::format("node {} runs between {} and {} workers; asked for {}", node, lo, hi, workers);
           }
-          spdlog::info("fleet: admin asks node {} for {} workers (now {})", node, workers,
-                       count(s, i, SlotState::active));
+          const int active = count(s, i, SlotState::active);
+          int standby_up = 0;
+          for (const auto& x : s.slots) {
+            standby_up += x.node == i && x.state == SlotState::standby && load_of(s, x.name) ? 1 : 0;
+          }
+          if (workers > active + standby_up) {
+            return fmt::format("node {} has {} workers in service and {} standby process{} up; {} cannot be "
+                               "reached (start the processes of its other slots first)",
+                               node, active, standby_up, standby_up == 1 ? "" : "es", workers);
+          }
+          spdlog::info("fleet: admin asks node {} for {} workers (now {})", node, workers, active);
           s.target[i] = workers;
           return "";
         }

@@ -198,6 +198,10 @@ class ScalePolicy(unittest.TestCase):
         self.check(streams.join(timeout=240), long_ref, "admin drain")
         self.assertEqual(self.slots()["decode-1"], "removed")
         self.assertTrue(self.procs["decode-0"].alive() and self.procs["front"].alive())
+        # Growing needs a standby process that is up: none is.
+        status, body = post(self.front, "/admin/scale", {"node": "decode", "workers": 2})
+        self.assertEqual(status, 400, body)
+        self.assertIn("standby", body["error"]["message"])
         # The operator starts it again: it serves again.
         self.procs["decode-1"] = self.cluster.start("decode-1", self.manifest, args=["--max-running", str(MAX_RUNNING)])
         self.wait_slots(lambda s: s["decode-1"] == "active", "a removed worker started again")

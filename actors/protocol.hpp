@@ -118,6 +118,11 @@ using crash_atom = caf::atom_constant<caf::atom("crash")>;
 using migrate_atom = caf::atom_constant<caf::atom("migrate")>;
 using fence_atom = caf::atom_constant<caf::atom("fence")>;
 using scale_atom = caf::atom_constant<caf::atom("scale")>;
+using hold_atom = caf::atom_constant<caf::atom("hold")>;
+// A client's Park / Resume of its request (frames): unlike the long-tail
+// policy's park_atom, no policy resumes it; only the client's Resume does.
+using client_park_atom = caf::atom_constant<caf::atom("cpark")>;
+using client_resume_atom = caf::atom_constant<caf::atom("cresume")>;
 
 }  // namespace troupe::actors
 

@@ -1,6 +1,7 @@
 #include "actors/run.hpp"
 
 #include <signal.h>
+#include <map>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
@@ -17,6 +18,7 @@
 #include "actors/node/node.hpp"
 #include "actors/router/router.hpp"
 #include "actors/serve.hpp"
+#include "actors/supervisor/fleet.hpp"
 #include "actors/supervisor/supervisor.hpp"
 #include "base/error.hpp"
 #include "cache/layout.hpp"
@@ -75,6 +77,8 @@ struct NodeProcess::Impl {
   std::unique_ptr<gateway::HttpServer> health;  // nodes without a gateway
   uint16_t port = 0;
   caf::actor router, gateway, supervisor;
+  caf::actor fleet;    // the router's process: scale and admin drains across processes
+  caf::actor control;  // worker processes: a remote drain request (the fleet's admin drain)
   std::unique_ptr<kernels::Backend> backend;
   std::shared_ptr<model::Model> model;
   std::atomic<bool> draining{false};
@@ -179,7 +183,7 @@ NodeProcess::NodeProcess(RunOptions options) : impl_(std::make_unique<Impl>()) {
   if (!im.runs_gateway) {
     gateway::HttpOptions ho;
     ho.address = bind_host;
-    ho.port = me.ports.http;
+    ho.port = im.options.http_port >= 0 ? static_cast<uint16_t>(im.options.http_port) : (discovery == deploy::Discovery::static_addresses ? topo.http_port(im.instance) : me.ports.http);
     ho.threads = 1;
     Impl* raw = impl_.get();
     im.health = std::make_unique<gateway::HttpServer>(
@@ -234,6 +238,45 @@ NodeProcess::NodeProcess(RunOptions options) : impl_(std::make_unique<Impl>()) {
     RouterOptions ro;
     ro.hold_when_empty = std::chrono::milliseconds(static_cast<int64_t>(topo.drain.timeout_s * 1000));
     im.router = spawn_router(*im.system, im.metrics, ro);
+    // The fleet before anyone can register: standby slots are held out of service first.
+    FleetConfig fc;
+    for (const auto& n : topo.nodes) {
+      if (!n.is_worker() || n.workload == deploy::Workload::deployment) continue;
+      FleetNode fn;
+      fn.name = n.name;
+      const bool p = n.runs(deploy::ActorKind::prefill), d = n.runs(deploy::ActorKind::decode);
+      fn.role = p && d ? WorkerRole::colocated : p ? WorkerRole::prefill : WorkerRole::decode;
+      for (const auto& i : topo.instances()) {
+        if (i.node == &n) fn.slots.push_back(i.name);
+      }
+      fn.active = std::min<int>(n.replicas, static_cast<int>(fn.slots.size()));
+      if (const deploy::ScalePolicy* r = topo.scale_rule(n.name)) {
+        FleetScaleRule fr;
+        fr.min_workers = r->min_workers;
+        fr.max_workers = r->max_workers;
+        fr.queue_depth_high = r->queue_depth_high;
+        fr.queue_depth_low = r->queue_depth_low;
+        fr.kv_use_high = r->kv_use_high;
+        fr.kv_use_low = r->kv_use_low;
+        fr.outstanding_handoffs_high = r->outstanding_handoffs_high;
+        fr.cooldown = std::chrono::milliseconds(static_cast<int64_t>(r->cooldown_s * 1000));
+        fn.rule = fr;
+      }
+      fc.nodes.push_back(std::move(fn));
+    }
+    std::weak_ptr<node::Node> weak = im.node;
+    fc.control = [weak](const std::string& instance) -> caf::actor {
+      auto n = weak.lock();
+      return n ? n->remote(instance, "control") : nullptr;
+    };
+    fc.handoffs = [weak] {
+      std::map<std::string, int64_t> out;
+      if (auto n = weak.lock()) {
+        for (const auto& p : n->peers()) out[p.name] = p.handoffs_outstanding;
+      }
+      return out;
+    };
+    im.fleet = spawn_fleet(*im.system, std::move(fc), im.router, im.metrics);
     im.node->publish("router", im.router);
   } else if (!im.router_instance.empty()) {
     im.router = im.node->remote(im.router_instance, "router");
@@ -247,12 +290,14 @@ NodeProcess::NodeProcess(RunOptions options) : impl_(std::make_unique<Impl>()) {
     gc.model_name = fs::path(model_dir).filename().string();
     gc.max_model_len = std::min<int64_t>(config->max_position_embeddings, 32768);
     gc.http.address = bind_host;
-    gc.http.port = me.ports.http;
+    gc.http.port = im.options.http_port >= 0 ? static_cast<uint16_t>(im.options.http_port) : (discovery == deploy::Discovery::static_addresses ? topo.http_port(im.instance) : me.ports.http);
     gc.min_workers_ready = 1;
     Impl* raw = impl_.get();
     gc.not_ready = [raw] { return raw->not_ready(); };
     im.gateway = spawn_gateway(*im.system, gc, tok, im.router, im.metrics, &im.port);
     im.node->publish("gateway", im.gateway);
+    // Admin routes (drain, scale) reach every process's workers through the fleet.
+    if (im.fleet) attach_supervisor(im.gateway, im.fleet);
   }
 
   if (im.runs_worker) {
@@ -285,6 +330,26 @@ NodeProcess::NodeProcess(RunOptions options) : impl_(std::make_unique<Impl>()) {
       sc.long_tail = lt;
     }
     im.supervisor = spawn_supervisor(*im.system, im.model, std::move(sc), im.router, im.metrics);
+    if (im.fleet) caf::anon_send(im.fleet, local_atom::value, im.supervisor, im.instance.name);
+    // The fleet's admin drain of this worker: the process drains itself and exits (as on SIGTERM).
+    auto on_drain = im.options.on_drain_request;
+    const std::string me_name = im.instance.name;
+    im.control = im.system->spawn([on_drain, me_name](caf::event_based_actor*) -> caf::behavior {
+      auto asked = std::make_shared<bool>(false);  // once: a second SIGTERM would end the drain at once
+      return {
+          [=](drain_atom) {
+            if (*asked) return;
+            *asked = true;
+            if (on_drain) {
+              spdlog::info("run: {}: the router's process asks this process to drain and stop", me_name);
+              on_drain();
+            } else {
+              spdlog::warn("run: {}: asked to drain and stop, but this process cannot stop itself", me_name);
+            }
+          },
+      };
+    });
+    im.node->publish("control", im.control);
     im.node->set_weights_ready(true);
   }
 
@@ -311,13 +376,13 @@ NodeProcess::~NodeProcess() {
     caf::scoped_actor self{*im.system};
     self->request(im.supervisor, std::chrono::seconds(5), stop_atom::value).receive([](bool) {}, [](caf::error&) {});
   }
-  for (const auto& a : {im.gateway, im.supervisor, im.router}) {
+  for (const auto& a : {im.gateway, im.supervisor, im.router, im.fleet, im.control}) {
     if (a) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
   }
   im.health.reset();
   // Peers see this process go; every proxy ends.
   if (im.node) im.node->stop();
-  im.router = im.gateway = im.supervisor = nullptr;
+  im.router = im.gateway = im.supervisor = im.fleet = im.control = nullptr;
   im.system->await_all_actors_done();
   im.node.reset();
   im.system.reset();
@@ -393,6 +458,8 @@ int run_until_signal(RunOptions options) {
   sigaddset(&set, SIGINT);
   sigaddset(&set, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);  // every thread started below inherits the mask
+  // A drain the router's process asks for (admin): the SIGTERM path below.
+  options.on_drain_request = [] { ::kill(::getpid(), SIGTERM); };
   auto process = std::make_unique<NodeProcess>(std::move(options));
   int sig = 0;
   sigwait(&set, &sig);

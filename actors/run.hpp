@@ -21,6 +21,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -32,6 +33,12 @@ struct RunOptions {
   std::string backend = "cpu"; // cpu | cuda
   int64_t step_tokens = 512;
   int max_running = 256;
+  // HTTP port instead of the node's ports.http (several slots of one node on
+  // one host); -1: the manifest's.
+  int http_port = -1;
+  // Called when the router's process asks this one to drain and stop (an
+  // admin's POST /admin/drain of its worker); run_until_signal raises SIGTERM.
+  std::function<void()> on_drain_request;
 };
 
 class NodeProcess {

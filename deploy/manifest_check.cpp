@@ -229,9 +229,17 @@ void check_topology(Reader& r, Topology& t, bool disaggregation_given) {
       const std::string who = fmt::format("{}-{}", n.name, j);
       const bool listed = r.source_of(f + ".address[0]").line > 0;  // given as a list
       const std::string fa = listed ? index(f + ".address", j) : f + ".address";
-      std::vector<Use> mine = {{who + " http", {n.ports.http, n.ports.http}},
-                               {who + " transport", {e.port, e.port}},
-                               {who + " transport_range", n.ports.transport_range}};
+      // Slots of one node on one host: the k-th serves HTTP on ports.http + k
+      // (Topology::http_port) and they share the transport_range.
+      const uint16_t http = t.http_port(Instance{&n, static_cast<int32_t>(j), who});
+      bool shares = false;
+      for (size_t k = 0; k < j; ++k) shares = shares || n.addresses[k].host == e.host;
+      std::vector<Use> mine = {{who + " http", {http, http}}, {who + " transport", {e.port, e.port}}};
+      if (!shares) mine.push_back({who + " transport_range", n.ports.transport_range});
+      if (http != n.ports.http && (http == e.port || n.ports.transport_range.contains(http))) {
+        r.error_at(fa, fmt::format("{}: http port {} (ports.http + {}, slots on one host) collides with a transport "
+                                   "port or the transport_range", who, http, http - n.ports.http));
+      }
       if (e.port == n.ports.http || n.ports.transport_range.contains(e.port)) {
         r.error_at(fa, fmt::format("{}: transport port {} collides with its own http port or transport_range", who, e.port));
       }

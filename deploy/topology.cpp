@@ -97,6 +97,15 @@ Endpoint Topology::transport_endpoint(const Instance& instance, Discovery discov
           n.ports.transport};
 }
 
+uint16_t Topology::http_port(const Instance& instance) const {
+  const Node& n = *instance.node;
+  if (instance.ordinal <= 0 || static_cast<size_t>(instance.ordinal) >= n.addresses.size()) return n.ports.http;
+  const std::string& host = n.addresses[static_cast<size_t>(instance.ordinal)].host;
+  int k = 0;
+  for (int32_t j = 0; j < instance.ordinal; ++j) k += n.addresses[static_cast<size_t>(j)].host == host ? 1 : 0;
+  return static_cast<uint16_t>(n.ports.http + k);
+}
+
 std::vector<std::string> Topology::required_peers(const Instance& instance) const {
   std::vector<std::string> out;
   const Node* router = nullptr;

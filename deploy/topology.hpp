@@ -223,6 +223,10 @@ struct Topology {
   // namespace is the pod's own (POD_NAMESPACE) on Kubernetes.
   Endpoint transport_endpoint(const Instance& instance, Discovery discovery,
                               std::string_view pod_namespace = "default") const;
+  // The HTTP port of an instance: the node's ports.http, plus k for the k-th
+  // of the node's slots that share one static host (several slots of a
+  // scaled node on one machine; they share its transport_range).
+  uint16_t http_port(const Instance& instance) const;
   // Instances that must be connected before `instance` reports ready: every
   // process needs the router; the router needs the first min_workers (or
   // replicas) slots of every prefill and decode node. /health answers 200 only

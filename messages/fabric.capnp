@@ -210,5 +210,7 @@ struct ActorMessage {
     call @17 :Call;
     reply @18 :Reply;
     exited @19 :Exited;
+    clientPark @20 :UInt64;    # (client_park_atom, request id): a client's Park; the stream pauses until its Resume
+    clientResume @21 :UInt64;  # (client_resume_atom, request id)
   }
 }

@@ -99,6 +99,14 @@ struct InFlight {
   Clock::time_point start;
   Clock::time_point last_token;
   bool first = true;
+  // A client's Park (frames): the stream is silent until its Resume. What
+  // arrives meanwhile (tokens sampled before the park took hold, or after a
+  // migration) is held here and sent on Resume.
+  bool client_parked = false;
+  uint32_t parks = 0;
+  std::vector<TokenBatch> held;
+  std::optional<Done> held_done;
+  bool resubmit_on_resume = false;  // its worker was lost while parked
 };
 
 struct GatewayState {
@@ -171,6 +179,7 @@ void send_finish(const FrameSink& s, const InFlight& f, msg::FinishReason reason
   b.root().setPromptTokens(static_cast<uint32_t>(f.job.prompt_tokens));
   b.root().setCompletionTokens(static_cast<uint32_t>(f.result.token_ids.size()));
   b.root().setCachedTokens(static_cast<uint32_t>(f.result.cached_tokens));
+  b.root().setParks(f.parks);
   (void)s.conn->send(b.finish(s.rid));
 }
 
@@ -242,6 +251,12 @@ void retry(Self self, RequestId id, const std::string& why) {
   auto it = st.inflight.find(id);
   if (it == st.inflight.end()) return;
   InFlight& f = it->second;
+  if (f.client_parked) {  // its client parked it: run it again on Resume
+    spdlog::info("gateway: request {} lost its worker while parked ({}); resubmitted on resume", id, why);
+    f.worker = nullptr;
+    f.resubmit_on_resume = true;
+    return;
+  }
   if (++f.attempts > st.config.max_attempts) {
     fail(self, id, ApiError{503, "request failed after " + std::to_string(f.attempts) + " attempts: " + why,
                             "service_unavailable", "", ""});
@@ -266,6 +281,11 @@ void on_tokens(Self self, const TokenBatch& b) {
   if (b.worker && f.worker != b.worker) {  // PD handoff: the decode worker streams now
     f.worker = b.worker;
     watch(self, b.worker);
+    if (f.client_parked) self->send(b.worker, client_park_atom::value, b.id);
+  }
+  if (f.client_parked) {
+    f.held.push_back(b);
+    return;
   }
   std::string delta;
   std::vector<int32_t> ids;
@@ -307,6 +327,25 @@ void on_tokens(Self self, const TokenBatch& b) {
     if (f.worker) self->send(f.worker, abort_atom::value, b.id);
     finish(self, b.id, "stop");
   }
+}
+
+void on_done(Self self, const Done& d) {
+  auto& s = self->state;
+  auto it = s.inflight.find(d.id);
+  if (it == s.inflight.end()) return;
+  if (d.reason == engine::FinishReason::abort) {
+    // The gateway forgets a request before it aborts it, so this worker
+    // dropped it on its own (a stale attempt, a worker stopping): the
+    // client has not got all its tokens; run it again.
+    retry(self, d.id, "the worker aborted it");
+    return;
+  }
+  if (it->second.client_parked) {  // finished as the park arrived: the client hears it on Resume
+    it->second.held_done = d;
+    return;
+  }
+  it->second.result.cached_tokens = std::max(it->second.result.cached_tokens, d.usage.cached_tokens);
+  finish(self, d.id, d.reason == engine::FinishReason::length ? "length" : "stop");
 }
 
 // Where an admitted request answers: an HTTP responder or a frame connection.
@@ -564,6 +603,80 @@ void frame_abort(Self self, const transport::ConnectionPtr& conn, const messages
   forget(st, it);
 }
 
+void send_ack(const transport::ConnectionPtr& conn, uint64_t rid, msg::Kind of, const std::string& detail) {
+  messages::FrameBuilder<msg::Ack> b;
+  b.root().setOfKind(of);
+  b.root().setDetail(detail);
+  (void)conn->send(b.finish(rid));
+}
+
+// Park: the request's state goes to its worker's host tier and its stream
+// pauses (Ack first; nothing more until Resume). Non-blocking: the worker
+// parks it on its engine thread; tokens sampled before that are held here.
+void frame_park(Self self, const transport::ConnectionPtr& conn, const messages::Frame& frame) {
+  auto& st = self->state;
+  const uint64_t rid = frame.request_id();
+  auto k = st.frame_ids.find(FrameKey{conn->id(), rid});
+  auto it = k == st.frame_ids.end() ? st.inflight.end() : st.inflight.find(k->second);
+  if (it == st.inflight.end()) {
+    send_frame_error(conn, rid, ErrorCode::not_found,
+                     fmt::format("Park: request {} is not running on this connection", rid), msg::Kind::PARK);
+    return;
+  }
+  InFlight& f = it->second;
+  if (f.client_parked) {
+    send_ack(conn, rid, msg::Kind::PARK, "already parked");
+    return;
+  }
+  f.client_parked = true;
+  ++f.parks;
+  // Without a worker yet (the router is placing it), Assigned parks it there.
+  if (f.worker) self->send(f.worker, client_park_atom::value, f.job.id);
+  st.metrics->counter("troupe_frame_parks_total", "Requests parked by their frame client").inc();
+  send_ack(conn, rid, msg::Kind::PARK, "");
+}
+
+// Resume: what was held goes out, then the request continues where it
+// stopped (on its worker; the placement hint is not used).
+void frame_resume(Self self, const transport::ConnectionPtr& conn, const messages::Frame& frame) {
+  auto& st = self->state;
+  const uint64_t rid = frame.request_id();
+  auto k = st.frame_ids.find(FrameKey{conn->id(), rid});
+  auto it = k == st.frame_ids.end() ? st.inflight.end() : st.inflight.find(k->second);
+  if (it == st.inflight.end()) {
+    send_frame_error(conn, rid, ErrorCode::not_found,
+                     fmt::format("Resume: request {} is not running on this connection", rid), msg::Kind::RESUME);
+    return;
+  }
+  InFlight& f = it->second;
+  if (!f.client_parked) {
+    send_frame_error(conn, rid, ErrorCode::invalid_argument,
+                     fmt::format("Resume: request {} is not parked", rid), msg::Kind::RESUME);
+    return;
+  }
+  const RequestId id = f.job.id;
+  f.client_parked = false;
+  st.metrics->counter("troupe_frame_resumes_total", "Requests resumed by their frame client").inc();
+  send_ack(conn, rid, msg::Kind::RESUME, "");
+  std::vector<TokenBatch> held = std::move(f.held);
+  std::optional<Done> done = std::move(f.held_done);
+  const bool resubmit = f.resubmit_on_resume;
+  f.held.clear();
+  f.held_done.reset();
+  f.resubmit_on_resume = false;
+  for (const auto& b : held) {
+    on_tokens(self, b);
+    if (!st.inflight.count(id)) return;  // a stop string ended it
+  }
+  if (done) return on_done(self, *done);
+  InFlight& g = st.inflight.at(id);
+  if (resubmit) {
+    submit(self, g);
+  } else if (g.worker) {
+    self->send(g.worker, client_resume_atom::value, id);
+  }
+}
+
 void frame_list_models(Self self, const transport::ConnectionPtr& conn, const messages::Frame& frame) {
   auto& st = self->state;
   messages::FrameBuilder<msg::ModelList> b;
@@ -581,13 +694,8 @@ void dispatch_frame(Self self, const transport::ConnectionPtr& conn, const messa
     case msg::Kind::GENERATE_REQUEST: return frame_generate(self, conn, frame);
     case msg::Kind::ABORT: return frame_abort(self, conn, frame);
     case msg::Kind::LIST_MODELS: return frame_list_models(self, conn, frame);
-    case msg::Kind::PARK:
-    case msg::Kind::RESUME:
-      send_frame_error(conn, frame.request_id(), ErrorCode::unsupported,
-                       fmt::format("{} is not supported by this endpoint (troupe serve --frame-port)",
-                                   messages::kind_name(frame.kind())),
-                       frame.kind());
-      return;
+    case msg::Kind::PARK: return frame_park(self, conn, frame);
+    case msg::Kind::RESUME: return frame_resume(self, conn, frame);
     default:
       send_frame_error(conn, frame.request_id(), ErrorCode::unsupported,
                        fmt::format("a client does not send {} frames to the gateway", messages::kind_name(frame.kind())),
@@ -681,6 +789,44 @@ void handle_admin(Self self, HttpCall call, const std::string& path) {
               } else {
                 respond_error(*responder, ApiError{404, "no live worker named '" + *name + "'",
                                                    "invalid_request_error", "worker", ""});
+              }
+            },
+            [=](caf::error& e) {
+              respond_error(*responder, ApiError{503, "the supervisor did not answer: " + caf::to_string(e),
+                                                 "service_unavailable", "", ""});
+            });
+    return;
+  }
+  if (path == "/admin/scale" && method == "GET") {
+    self->request(st.supervisor, std::chrono::seconds(5), scale_atom::value)
+        .then([=](const std::string& body) { responder->respond(200, "application/json", body); },
+              [=](caf::error& e) {
+                respond_error(*responder, ApiError{503, "the supervisor did not answer: " + caf::to_string(e),
+                                                   "service_unavailable", "", ""});
+              });
+    return;
+  }
+  if (path == "/admin/scale" && method == "POST") {
+    json j = json::parse(call.request.body, nullptr, false);
+    if (!j.is_object() || !j.contains("workers") || !j["workers"].is_number_integer() ||
+        (j.contains("node") && !j["node"].is_string())) {
+      respond_error(*responder, ApiError{400, R"(send {"node": NAME, "workers": N}; GET /admin/scale lists the nodes)",
+                                         "invalid_request_error", "workers", ""});
+      return;
+    }
+    const std::string node = j.value("node", std::string());
+    const int64_t workers = j["workers"].get<int64_t>();
+    if (workers < 0 || workers > 1024) {
+      respond_error(*responder, ApiError{400, "workers must be between 0 and 1024", "invalid_request_error", "workers", ""});
+      return;
+    }
+    self->request(st.supervisor, std::chrono::seconds(5), scale_atom::value, node, static_cast<int32_t>(workers))
+        .then(
+            [=](const std::string& why) {
+              if (why.empty()) {
+                responder->respond(200, "application/json", json{{"node", node}, {"workers", workers}}.dump());
+              } else {
+                respond_error(*responder, ApiError{400, why, "invalid_request_error", "workers", ""});
               }
             },
             [=](caf::error& e) {
@@ -799,24 +945,12 @@ caf::behavior gateway_actor(Self self, GatewayConfig config, std::shared_ptr<con
         }
         it->second.worker = a.worker;
         watch(self, a.worker);
+        // Parked by its client before it was placed, or moved (drain, handoff)
+        // while parked: it stays parked on the worker that has it now.
+        if (it->second.client_parked) self->send(a.worker, client_park_atom::value, a.id);
       },
       [=](const TokenBatch& b) { on_tokens(self, b); },
-      [=](const Done& d) {
-        auto& s = self->state;
-        auto it = s.inflight.find(d.id);
-        if (it == s.inflight.end()) return;
-        if (d.reason == engine::FinishReason::abort) {
-          // The gateway forgets a request before it aborts it, so this worker
-          // dropped it on its own (a stale attempt, a worker stopping): the
-          // client has not got all its tokens; run it again.
-          retry(self, d.id, "the worker aborted it");
-          return;
-        }
-        it->second.result.cached_tokens = std::max(it->second.result.cached_tokens, d.usage.cached_tokens);
-        finish(self, d.id, d.reason == engine::FinishReason::length ? "length"
-                           : d.reason == engine::FinishReason::abort ? "abort"
-                                                                      : "stop");
-      },
+      [=](const Done& d) { on_done(self, d); },
       [=](const Failed& f) {
         if (f.code == ErrorCode::unavailable) {
           retry(self, f.id, f.message);

@@ -51,11 +51,16 @@ struct HttpCall {
 // stop strings, resubmitted on worker loss like HTTP requests) is answered
 // with TokenChunk frames and a Finish, or an Error; Abort ends a request
 // (Finish{aborted}); ListModels; a closed connection aborts its requests.
-// Park and Resume answer Error{unsupported}.
+// Park pauses a request (its KV goes to its worker's host tier; Ack, then
+// silence) and Resume continues it (Ack, then the stream goes on with the
+// tokens an unparked run gives); both answer Error{notFound} for an unknown
+// id, Resume Error{invalidArgument} for a request that is not parked.
 // Admin routes (behind the API key like /v1/*), answered with the supervisor's help:
 //   GET  /admin/workers                   the router's view of every worker (load, role, draining)
 //   POST /admin/drain {"worker": NAME}    remove a worker: fence, migrate its requests, stop it
 //   POST /admin/crash {"worker": NAME}    make a worker fail (only with test_hooks)
+//   GET  /admin/scale                     the worker groups and their slots
+//   POST /admin/scale {"node": NAME, "workers": N}   grow or shrink a group to N workers (drains remove)
 // Without a supervisor attached they answer 503.
 //
 // The gateway also answers (drain_atom) -> int64_t: from then on new requests

@@ -275,6 +275,16 @@ bool encode_body(const caf::message& m, RefMap& refs, msg::ActorMessage::Body::B
     body.setResume(request_id);
     return true;
   }
+  if (m.match_elements<client_park_atom, RequestId>()) {
+    request_id = m.get_as<RequestId>(1);
+    body.setClientPark(request_id);
+    return true;
+  }
+  if (m.match_elements<client_resume_atom, RequestId>()) {
+    request_id = m.get_as<RequestId>(1);
+    body.setClientResume(request_id);
+    return true;
+  }
   if (m.match_elements<confirm_atom, uint64_t>()) {
     body.setConfirm(m.get_as<uint64_t>(1));
     return true;
@@ -346,6 +356,12 @@ bool deliver_body(msg::ActorMessage::Body::Reader body, RefMap& refs, const caf:
       return true;
     case B::RESUME:
       caf::anon_send(target, resume_atom::value, RequestId{body.getResume()});
+      return true;
+    case B::CLIENT_PARK:
+      caf::anon_send(target, client_park_atom::value, RequestId{body.getClientPark()});
+      return true;
+    case B::CLIENT_RESUME:
+      caf::anon_send(target, client_resume_atom::value, RequestId{body.getClientResume()});
       return true;
     case B::CONFIRM:
       caf::anon_send(target, confirm_atom::value, uint64_t{body.getConfirm()});

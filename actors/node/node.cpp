@@ -184,7 +184,9 @@ std::string Node::not_ready() const {
 std::vector<PeerStatus> Node::peers() const {
   std::vector<PeerStatus> out;
   std::lock_guard lock(mu_);
-  for (const auto& [n, p] : peers_) out.push_back({n, p.up, p.weights_ready, p.spec.required, p.spec.dial});
+  for (const auto& [n, p] : peers_) {
+    out.push_back({n, p.up, p.weights_ready, p.spec.required, p.spec.dial, p.up ? p.handoffs_outstanding : 0});
+  }
   return out;
 }
 
@@ -431,7 +433,12 @@ void Node::send_heartbeat(const std::string& peer) {
   h.setSentUnixNanos(unix_nanos());
   h.setIncarnation(incarnation_);
   h.setWeightsReady(!options_.has_weights || weights_ready_);
-  h.initLoad().setHandoffsOutstanding(static_cast<uint32_t>(kv_->stats().leases));
+  size_t pending = 0;  // handoffs lent from here whose taker has not confirmed, or their KV leases
+  {
+    std::lock_guard lock(mu_);
+    pending = handoffs_.size();
+  }
+  h.initLoad().setHandoffsOutstanding(static_cast<uint32_t>(std::max<size_t>(kv_->stats().leases, pending)));
   (void)transport_->send(peer, b.finish(0));
 }
 
@@ -483,6 +490,7 @@ void Node::on_frame(const std::string& peer, Frame frame) {
         restarted = p.incarnation != 0 && p.incarnation != inc;
         p.incarnation = inc;
         p.weights_ready = v->root().getWeightsReady();
+        p.handoffs_outstanding = v->root().getLoad().getHandoffsOutstanding();
       }
       if (restarted) {
         // The transport reports a restart as down then up; this only guards

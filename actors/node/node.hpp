@@ -74,6 +74,7 @@ struct PeerStatus {
   bool weights_ready = false;
   bool required = false;
   bool dial = false;
+  uint32_t handoffs_outstanding = 0;  // from its last heartbeat: KV handoffs it lent that are not confirmed
 };
 
 struct NodeStats {
@@ -163,6 +164,7 @@ class Node final : public RefMap, public std::enable_shared_from_this<Node> {
     PeerSpec spec;
     bool up = false;
     bool weights_ready = false;
+    uint32_t handoffs_outstanding = 0;
     uint64_t incarnation = 0;
     std::chrono::steady_clock::time_point last_heard{};
     std::chrono::steady_clock::time_point next_dial{};

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <deque>
 #include <limits>
+#include <set>
 
 namespace troupe::actors {
 namespace {
@@ -24,6 +25,9 @@ struct RouterState {
   std::shared_ptr<MetricsRegistry> metrics;
   RouterOptions options;
   std::deque<std::pair<std::chrono::steady_clock::time_point, Job>> held;  // waiting for a worker (hold_when_empty)
+  // Workers kept out of service by name (the fleet's standby slots and
+  // scale-downs): unlike a fence, this outlives a worker's re-registration.
+  std::set<std::string> out_of_service;
 };
 
 using Self = caf::stateful_actor<RouterState>*;
@@ -33,7 +37,7 @@ int64_t score(const Entry& e) { return e.load.running + e.load.waiting + e.assig
 Entry* least_loaded(RouterState& st, std::initializer_list<WorkerRole> roles) {
   Entry* best = nullptr;
   for (auto& e : st.workers) {
-    if (e.fenced || e.load.draining) continue;
+    if (e.fenced || e.load.draining || st.out_of_service.count(e.name)) continue;
     if (std::find(roles.begin(), roles.end(), e.role) == roles.end()) continue;
     if (best == nullptr || score(e) < score(*best)) best = &e;
   }
@@ -129,11 +133,17 @@ caf::behavior router_actor(Self self, std::shared_ptr<MetricsRegistry> metrics, 
         }
         if (!fenced) release_held(self);
       },
+      [=](hold_atom, const std::string& name, bool out) {
+        if (out) self->state.out_of_service.insert(name);
+        else self->state.out_of_service.erase(name);
+        if (!out) release_held(self);
+      },
       [=](workers_atom) {
         std::vector<WorkerLoad> out;
         for (const auto& e : self->state.workers) {
           WorkerLoad l = e.load;
-          l.draining = l.draining || e.fenced;
+          l.draining = l.draining || e.fenced || self->state.out_of_service.count(e.name) > 0;
+          l.actor = e.actor;
           out.push_back(l);
         }
         return out;

@@ -22,6 +22,10 @@ struct RouterOptions {
 
 caf::actor spawn_router(caf::actor_system& sys, std::shared_ptr<MetricsRegistry> metrics, RouterOptions options = {});
 
-// (workers_atom) -> std::vector<WorkerLoad>: the router's view, for tests and policies.
+// (workers_atom) -> std::vector<WorkerLoad>: the router's view, for tests and policies
+//   (a worker fenced or out of service shows as draining).
+// (fence_atom, name, bool): a worker gets no new requests (until it registers again).
+// (hold_atom, name, bool): a worker gets no new requests while held, across
+//   re-registrations (the fleet's standby slots and scale-downs).
 
 }  // namespace troupe::actors

@@ -4,6 +4,7 @@
 
 #include <deque>
 #include <map>
+#include <nlohmann/json.hpp>
 
 namespace troupe::actors {
 namespace {
@@ -212,6 +213,41 @@ caf::behavior supervisor_actor(Self self, std::shared_ptr<model::Model> model, S
         if (it == s.members.end() || it->second.draining) return false;
         drain_member(self, name);
         return true;
+      },
+      [=](scale_atom, const std::string&, int32_t workers) -> std::string {  // admin: one group here, `node` unused
+        auto& s = self->state;
+        const int lo = s.config.scale ? s.config.scale->min_workers : 1;
+        const int hi = s.config.scale ? s.config.scale->max_workers : 64;
+        if (workers < lo || workers > hi) {
+          return fmt::format("this server runs between {} and {} workers; asked for {}", lo, hi, workers);
+        }
+        int live = 0;
+        for (const auto& [n, m] : s.members) live += m.draining ? 0 : 1;
+        spdlog::info("supervisor: admin asks for {} workers (now {})", workers, live);
+        for (; live < workers; ++live) {
+          WorkerConfig c = s.config.worker_template;
+          c.name = c.name + "-" + std::to_string(s.next_index++);
+          start_member(self, std::move(c));
+        }
+        for (; live > workers; --live) {
+          const Member* pick = nullptr;
+          for (auto& [n, m] : s.members) {
+            if (!m.draining && (pick == nullptr || m.load.running < pick->load.running)) pick = &m;
+          }
+          drain_member(self, pick->config.name);
+        }
+        s.last_scale = Clock::now();
+        return "";
+      },
+      [=](scale_atom) -> std::string {
+        nlohmann::json slots = nlohmann::json::array();
+        int active = 0;
+        for (const auto& [n, m] : self->state.members) {
+          slots.push_back({{"name", n}, {"state", m.draining ? "draining" : "active"}, {"up", true}});
+          active += m.draining ? 0 : 1;
+        }
+        return nlohmann::json{{"nodes", nlohmann::json::array({{{"node", ""}, {"active", active}, {"slots", slots}}})}}
+            .dump();
       },
       [=](stop_atom) -> bool {  // shutdown: stop every worker, restart none
         for (auto& [n, m] : self->state.members) {

@@ -68,6 +68,11 @@ caf::actor spawn_supervisor(caf::actor_system& sys, std::shared_ptr<model::Model
 //   (drain_atom, name)      -> bool  remove a worker: fence, migrate, stop (admin / scale down);
 //                                   false when there is no such live worker
 //   (stop_atom)             -> bool  stop every worker (shutdown; none is restarted)
-//   (scale_atom?) via ScalePolicy   automatic
+//   (scale_atom, node, n)   -> std::string  admin: grow (start workers) or shrink (drain) to n
+//                                   workers ("" when done, else why not; `node` is unused: one group)
+//   (scale_atom)            -> std::string  JSON: the workers and their state
+// The ScalePolicy applies itself on ticks. Under `troupe run` each process
+// supervises its own worker; the scale policy across processes and admin
+// drains of remote workers are the fleet's (actors/supervisor/fleet.hpp).
 
 }  // namespace troupe::actors

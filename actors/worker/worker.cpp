@@ -15,6 +15,7 @@ struct Running {
   bool handing_off = false;       // parked for a handoff (PD or migration), exporting
   caf::actor handoff_to;          // the worker that continues it
   bool long_tail_parked = false;  // parked by the supervisor's long-tail policy
+  bool client_parked = false;     // parked by its client (frame Park): only the client's Resume continues it
   bool superseded = false;        // a later attempt of the request runs here instead: silent until it ends
 };
 
@@ -63,7 +64,8 @@ void start_job(Self self, Job job) {
     // (the gateway resubmitted after a release or a lost worker) replaces a
     // run that is still being torn down here.
     auto run = st.by_engine.find(it->second);
-    if (run == st.by_engine.end() || run->second.job.attempt >= job.attempt) return;
+    // (One dropped here on its client's park is replaced by the same attempt on Resume.)
+    if (run == st.by_engine.end() || (run->second.job.attempt >= job.attempt && !run->second.superseded)) return;
     // The gateway gave up on the earlier attempt (it lost sight of this
     // worker for a while): that run ends without a word, this one streams.
     // One that is handing its state over ends when the handoff does.
@@ -176,7 +178,25 @@ void on_event(Self self, const engine::Event& e) {
       break;
     }
     case engine::EventKind::parked: {
-      if (!run.handoff_to || run.handing_off) break;  // a long-tail park: the stream just pauses
+      if (!e.ok && run.client_parked && !run.handoff_to) {
+        if (st.config.engine.host_bytes > 0 && e.message.find("no room") == std::string::npos) {
+          // It was between tiers (loading, resuming): the client's park is tried again shortly.
+          run.client_parked = false;
+          self->delayed_send(self, std::chrono::milliseconds(20), client_park_atom::value, run.job.id);
+          break;
+        }
+        // No host tier, or no room in it: the state cannot be kept. It is
+        // dropped here (its device pages free) and the gateway, which holds
+        // the stream, recomputes it from its tokens on Resume.
+        spdlog::info("worker {}: request {} parked by its client cannot keep its state ({}); it is recomputed on "
+                     "resume", st.config.name, run.job.id, e.message);
+        run.superseded = true;
+        st.engine->abort(e.id);
+        self->send(run.job.reply_to, Failed{run.job.id, ErrorCode::unavailable,
+                                            "parked without room in a host tier: " + e.message, me});
+        break;
+      }
+      if (!run.handoff_to || run.handing_off) break;  // a long-tail or client park: the stream just pauses
       run.handing_off = true;
       if (!e.ok) {
         // No state to hand over (no host tier, no room there, or the request was
@@ -313,11 +333,39 @@ caf::behavior worker_actor(Self self, std::shared_ptr<model::Model> model, Worke
         auto it = s.by_request.find(id);
         if (it == s.by_request.end()) return;
         auto& run = s.by_engine.at(it->second);
-        if (run.handing_off || run.long_tail_parked) return;
+        if (run.handing_off || run.long_tail_parked || run.client_parked) return;
         run.long_tail_parked = true;
         s.engine->park(it->second);
         if (s.metrics) {
           s.metrics->counter("troupe_long_tail_parked_total", "Requests parked by the long-tail policy",
+                             {{"worker", s.config.name}}).inc();
+        }
+      },
+      [=](client_park_atom, RequestId id) {  // frame Park: the gateway holds the stream
+        auto& s = self->state;
+        auto it = s.by_request.find(id);
+        if (it == s.by_request.end()) return;
+        auto& run = s.by_engine.at(it->second);
+        if (run.handing_off || run.client_parked) return;
+        const bool was_parked = run.long_tail_parked;
+        run.client_parked = true;
+        run.long_tail_parked = false;  // the client's Resume decides now, not the long-tail policy
+        if (!was_parked) s.engine->park(it->second);
+        if (s.metrics) {
+          s.metrics->counter("troupe_client_parked_total", "Requests parked by their client (frame Park)",
+                             {{"worker", s.config.name}}).inc();
+        }
+      },
+      [=](client_resume_atom, RequestId id) {
+        auto& s = self->state;
+        auto it = s.by_request.find(id);
+        if (it == s.by_request.end()) return;
+        auto& run = s.by_engine.at(it->second);
+        if (!run.client_parked) return;
+        run.client_parked = false;
+        s.engine->resume(it->second);
+        if (s.metrics) {
+          s.metrics->counter("troupe_client_resumed_total", "Requests resumed by their client (frame Resume)",
                              {{"worker", s.config.name}}).inc();
         }
       },
@@ -340,8 +388,9 @@ caf::behavior worker_actor(Self self, std::shared_ptr<model::Model> model, Worke
         for (auto& [eid, run] : s.by_engine) {
           if (run.handing_off || run.handoff_to) continue;
           run.handoff_to = target;
-          if (run.long_tail_parked) {  // already parked: export right away
-            run.long_tail_parked = false;
+          if (run.long_tail_parked || run.client_parked) {  // already parked: export right away
+            // (a client-parked request is parked again on the target by its gateway)
+            run.long_tail_parked = run.client_parked = false;
             on_event(self, engine::make_event(eid, engine::EventKind::parked));
           } else {
             s.engine->park(eid);
@@ -349,6 +398,12 @@ caf::behavior worker_actor(Self self, std::shared_ptr<model::Model> model, Worke
         }
       },
       [=](drain_atom) { self->state.draining = true; },
+      [=](fence_atom, const std::string&, bool fenced) {  // back in service after a drain (the fleet's scale up)
+        if (!fenced && self->state.draining) {
+          spdlog::info("worker {}: back in service", self->state.config.name);
+          self->state.draining = false;
+        }
+      },
       [=](tick_atom) {
         report_load(self);
         self->delayed_send(self, self->state.config.load_every, tick_atom::value);

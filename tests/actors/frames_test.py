@@ -3,8 +3,8 @@
 
 The Python client (clients/python/troupe_client.py) and `troupe client`
 against one server (embedded model) that also serves HTTP: greedy generation
-over frames gives the same ids and text as /v1/completions; Abort, ListModels,
-a closed connection aborts its requests; bad requests get Error frames and
+over frames gives the same ids and text as /v1/completions; Abort, Park and
+Resume (same greedy ids), ListModels, a closed connection aborts its requests; bad requests get Error frames and
 the server keeps serving.
 """
 import re
@@ -30,7 +30,8 @@ frame_port = None
 def srv():
     global server, frame_port
     if server is None or not server.alive():
-        server = harness.Server(A.troupe, A.home, ["--frame-port", "0", "--max-model-len", str(MAX_LEN)], name="frames")
+        server = harness.Server(A.troupe, A.home, ["--frame-port", "0", "--max-model-len", str(MAX_LEN),
+                                                   "--host-memory-mib", "64"], name="frames")
         m = re.search(r"frames on tcp://[^:]+:(\d+)", server.tail(100000))
         assert m, server.tail()
         frame_port = int(m.group(1))
@@ -153,9 +154,19 @@ def test_bad_requests():
         expect_error(lambda: c.generate(token_ids=[], max_tokens=2), "invalidArgument", "empty")
         expect_error(lambda: c.generate(text="x", temperature=5.0, max_tokens=2), "invalidArgument", "temperature")
         expect_error(lambda: c.generate(token_ids=[1] * 100, max_tokens=MAX_LEN), "invalidArgument", "context length")
-        rid = c.submit(text="park me", max_tokens=400, temperature=0.0, ignore_eos=True)
-        c.park(rid)
-        expect_error(lambda: list(c.events(rid)), "unsupported", "not supported")
+        # Park / Resume of a request that is not running; Resume of one not parked.
+        c.park(999)
+        expect_error(lambda: list(c.events(999)), "notFound", "999")
+        c.resume(998)
+        expect_error(lambda: list(c.events(998)), "notFound", "998")
+        rid = c.submit(text="not parked", max_tokens=400, temperature=0.0, ignore_eos=True)
+        c.resume(rid)
+        while True:
+            kind, msg = c._wait(rid)
+            if kind == c.kind.error:
+                assert str(msg.code) == "invalidArgument" and "not parked" in msg.message, msg
+                break
+            assert kind == c.kind.tokenChunk, (kind, msg)
         c.abort(rid)  # the request itself is still running: abort it
         while True:
             kind, msg = c._wait(rid)
@@ -189,6 +200,112 @@ def test_bad_requests():
         kind, rid, body = c.recv_frame()
         assert kind == c.kind.error and rid == 7, (kind, rid)
         still_serving(c)
+    still_serving()
+
+
+def test_park_resume():
+    """Park a running request: Ack, then silence while its KV sits in the host
+    tier (the worker's parked gauge says so); Resume: Ack, and the stream goes
+    on with exactly the greedy ids of an unparked run; Finish.parks counts."""
+    prompt = "Park me for a while, then carry on"
+    ref = http_completion(prompt, 120, ignore_eos=True)["token_ids"]
+    parks_before = srv().metric_sum("troupe_frame_parks_total")
+    with client() as c:
+        rid = c.submit(text=prompt, max_tokens=120, temperature=0.0, ignore_eos=True, return_token_ids=True)
+        ids, acks, finish = [], [], None
+        parked_at = None
+        for kind, msg in c.events(rid):
+            if kind == "chunk":
+                assert not acks or acks[-1] != "park", "a token arrived while parked"
+                ids += list(msg.tokenIds)
+                if len(ids) >= 5 and parked_at is None:
+                    c.park(rid, "test")
+                    parked_at = len(ids)
+            elif kind == "ack":
+                of = str(msg.ofKind)
+                acks.append(of)
+                if of == "park":
+                    if len(acks) == 1:
+                        c.park(rid)  # again: acknowledged, nothing changes
+                        continue
+                    assert msg.detail == "already parked", msg
+                    # Parked: its state sits in the host tier and nothing streams.
+                    srv().wait_for("the request to be parked in the engine",
+                                   lambda: srv().metric_sum("troupe_parked") >= 1, timeout=30)
+                    c.sock.settimeout(0.8)
+                    try:
+                        c.recv_frame()
+                        raise AssertionError("a frame arrived while the request was parked")
+                    except socket.timeout:
+                        pass
+                    finally:
+                        c.sock.settimeout(120)
+                    c.resume(rid)
+            elif kind == "finish":
+                finish = msg
+        assert acks == ["park", "park", "resume"], acks
+        assert ids == ref, (parked_at, ids, ref)
+        assert str(finish.reason) == "length" and finish.parks == 1 and finish.completionTokens == 120, finish
+        # Parked before its first token (Park right after submit): the same ids.
+        rid = c.submit(text=prompt, max_tokens=120, temperature=0.0, ignore_eos=True, return_token_ids=True)
+        c.park(rid)
+        kind, msg = next(c.events(rid))
+        assert kind == "ack" and str(msg.ofKind) == "park", (kind, msg)
+        time.sleep(0.3)
+        c.resume(rid)
+        ids = []
+        for kind, msg in c.events(rid):
+            if kind == "chunk":
+                ids += list(msg.tokenIds)
+        assert ids == ref, (ids, ref)
+        # Park, then Abort while parked: Finish{aborted}, and its host pages go.
+        rid = c.submit(text=prompt, max_tokens=400, temperature=0.0, ignore_eos=True)
+        kind, _ = next(c.events(rid))
+        assert kind == "chunk"
+        c.park(rid)
+        while True:
+            kind, msg = c._wait(rid)
+            if kind == c.kind.ack:
+                break
+        c.abort(rid)
+        while True:
+            kind, msg = c._wait(rid)
+            if kind == c.kind.finish:
+                assert str(msg.reason) == "aborted", msg
+                break
+            assert kind == c.kind.tokenChunk, (kind, msg)  # held tokens are dropped; none should come
+    assert srv().metric_sum("troupe_frame_parks_total") - parks_before == 3
+    srv().idle_pages()
+    # Without a host tier the state cannot be kept: the worker drops it and the
+    # request is recomputed from its tokens on Resume; the ids are the same.
+    with harness.Server(A.troupe, A.home, ["--frame-port", "0", "--max-model-len", str(MAX_LEN)], name="fnohost") as s:
+        port = int(re.search(r"frames on tcp://[^:]+:(\d+)", s.tail(100000)).group(1))
+        with Client("127.0.0.1", port, timeout=120) as c:
+            rid = c.submit(text=prompt, max_tokens=120, temperature=0.0, ignore_eos=True, return_token_ids=True)
+            ids, finish = [], None
+            for kind, msg in c.events(rid):
+                if kind == "chunk":
+                    ids += list(msg.tokenIds)
+                    if len(ids) >= 5 and finish is None and not s.metric_sum("troupe_frame_parks_total"):
+                        c.park(rid)
+                elif kind == "ack" and str(msg.ofKind) == "park":
+                    s.wait_for("the worker to drop the parked request's state",
+                               lambda: s.metric_sum("troupe_running") == 0, timeout=30)
+                    c.resume(rid)
+                elif kind == "finish":
+                    finish = msg
+        assert ids == ref and finish.parks == 1, (ids, ref, finish)
+        s.idle_pages()
+    # troupe client --park-after: parks after 3 chunks, resumes 300 ms later, same ids.
+    ids_ref = http_completion(prompt, 20, ignore_eos=True)
+    p = subprocess.run([A.troupe, "client", "--connect", f"127.0.0.1:{frame_port}", "generate", "--prompt", prompt,
+                        "--max-tokens", "20", "--temperature", "0", "--ignore-eos", "--return-token-ids",
+                        "--park-after", "3", "--resume-after-ms", "300"], capture_output=True, text=True, timeout=120,
+                       preexec_fn=harness._die_with_parent)
+    assert p.returncode == 0, (p.returncode, p.stdout, p.stderr)
+    ids = [int(x) for x in re.search(r"^ids: (.*)$", p.stdout, re.M).group(1).split(",")]
+    assert ids == ids_ref["token_ids"], (ids, ids_ref["token_ids"])
+    assert "[Park acknowledged" in p.stderr and "[Resume acknowledged" in p.stderr and "parks 1]" in p.stderr, p.stderr
     still_serving()
 
 

@@ -192,6 +192,29 @@ TEST(DeployManifest, cross_field_rules) {
         "kubernetes.gateway_service.type: 'Ingress' is not one of: ClusterIP, NodePort, LoadBalancer");
 }
 
+TEST(DeployManifest, slots_of_a_node_on_one_host_get_their_own_http_ports) {
+  auto p = parse_manifest(R"(version: 1
+name: one-host
+model: {path: embedded}
+discovery: static
+nodes:
+  - {name: front, actors: [gateway, router], address: 127.0.0.1:7400, ports: {transport_range: 7600-7610}}
+  - name: decode
+    actors: [prefill, decode, cache_shard]
+    address: [127.0.0.1:7410, 127.0.0.1:7411, 127.0.0.2:7410]
+    ports: {http: 7420, transport_range: 7501-7520}
+policies:
+  scale: [{node: decode, max_workers: 3}]
+)",
+                          "x.yaml");
+  ASSERT_TRUE(p.ok()) << p.report();
+  const auto& t = *p.topology;
+  EXPECT_EQ(t.http_port(*t.find_instance("decode-0")), 7420);
+  EXPECT_EQ(t.http_port(*t.find_instance("decode-1")), 7421);  // the second slot on 127.0.0.1
+  EXPECT_EQ(t.http_port(*t.find_instance("decode-2")), 7420);  // the first on 127.0.0.2
+  EXPECT_EQ(t.http_port(*t.find_instance("front")), 8000);
+}
+
 TEST(DeployManifest, embedded_model_needs_no_model_volume_path) {
   auto p = parse_manifest(std::string(kMinimal) + "kubernetes: {model_volume: {claim: weights}}\n", "x.yaml");
   EXPECT_TRUE(p.ok()) << p.report();

@@ -106,12 +106,12 @@ class Cluster:
         self.env.update(env_extra or {})
         atexit.register(self.close)
 
-    def start(self, node, manifest, netns=None, env=None):
+    def start(self, node, manifest, netns=None, env=None, args=()):
         e = dict(self.env)
         e.update(env or {})
         n = sum(1 for k in self.procs if k.startswith(node))
         log = self.workdir / f"{node}.{n}.log"
-        p = Proc(node, [self.troupe, "run", "--manifest", str(manifest), "--node", node], log, e, netns)
+        p = Proc(node, [self.troupe, "run", "--manifest", str(manifest), "--node", node, *args], log, e, netns)
         self.procs[node] = p
         self.every.append(p)
         return p
@@ -426,8 +426,10 @@ def free_port_block(n):
 
 
 def write_manifest(path, name, model, nodes, handoff_timeout_s=10, drain_timeout_s=30, memory_budget="256MiB",
-                   extra=""):
-    """nodes: [{"name", "actors": [...], "address": "IP", "ports": (http, transport, range_first, range_last)}]."""
+                   extra="", scale=()):
+    """nodes: [{"name", "actors": [...], "address": "IP", "ports": (http, transport, range_first, range_last)}];
+    a node may list "transports" (one transport port per slot) and "replicas" instead.
+    scale: rules for policies.scale, each a dict of its fields ({"node": "decode", "max_workers": 2, ...})."""
     lines = [f"version: 1", f"name: {name}", "model:", f"  path: {model}", "discovery: static",
              "pools:", f"  memory_budget: {memory_budget}", "nodes:"]
     prefill, decode = [], []
@@ -435,7 +437,12 @@ def write_manifest(path, name, model, nodes, handoff_timeout_s=10, drain_timeout
         lines.append(f"  - name: {n['name']}")
         lines.append(f"    actors: [{', '.join(n['actors'])}]")
         http_port, transport, first, last = n["ports"]
-        lines.append(f"    address: {n['address']}:{transport}")
+        if "transports" in n:
+            slots = ", ".join(f"{n['address']}:{t}" for t in n["transports"])
+            lines.append(f"    address: [{slots}]")
+            lines.append(f"    replicas: {n.get('replicas', 1)}")
+        else:
+            lines.append(f"    address: {n['address']}:{transport}")
         lines += ["    ports:", f"      http: {http_port}", f"      transport: {transport}",
                   f"      transport_range: {first}-{last}"]
         if "prefill" in n["actors"]:
@@ -444,7 +451,14 @@ def write_manifest(path, name, model, nodes, handoff_timeout_s=10, drain_timeout
             decode.append(n["name"])
     lines += ["policies:", "  restart:", "    max_restarts: 5", "    window_s: 60", "  disaggregation:",
               f"    prefill: [{', '.join(prefill)}]", f"    decode: [{', '.join(decode)}]",
-              f"    handoff_timeout_s: {handoff_timeout_s}", "drain:", f"  timeout_s: {drain_timeout_s}"]
+              f"    handoff_timeout_s: {handoff_timeout_s}"]
+    if scale:
+        lines.append("  scale:")
+        for rule in scale:
+            items = list(rule.items())
+            lines.append(f"    - {items[0][0]}: {items[0][1]}")
+            lines += [f"      {k}: {v}" for k, v in items[1:]]
+    lines += ["drain:", f"  timeout_s: {drain_timeout_s}"]
     Path(path).write_text("\n".join(lines) + "\n" + extra)
     return Path(path)
 

@@ -168,6 +168,18 @@ TEST_F(NodeFabric, messages_cross_as_the_same_structs_and_handles_become_one_pro
   m = worker_in_->pop();
   ASSERT_TRUE((m.match_elements<abort_atom, RequestId>())) << caf::to_string(m);
   EXPECT_EQ(m.get_as<RequestId>(1), 42u);
+
+  // A frame client's Park / Resume stay distinct from the long-tail policy's.
+  caf::anon_send(w, client_park_atom::value, RequestId{43});
+  m = worker_in_->pop();
+  ASSERT_TRUE((m.match_elements<client_park_atom, RequestId>())) << caf::to_string(m);
+  EXPECT_EQ(m.get_as<RequestId>(1), 43u);
+  caf::anon_send(w, client_resume_atom::value, RequestId{43});
+  m = worker_in_->pop();
+  ASSERT_TRUE((m.match_elements<client_resume_atom, RequestId>())) << caf::to_string(m);
+  caf::anon_send(w, park_atom::value, RequestId{44});
+  m = worker_in_->pop();
+  ASSERT_TRUE((m.match_elements<park_atom, RequestId>())) << caf::to_string(m);
 }
 
 TEST_F(NodeFabric, a_request_through_a_proxy_gets_the_remote_reply) {

@@ -50,10 +50,17 @@ void conn_request_cb(ucp_conn_request_h request, void* arg) {
   static_cast<UcxTransport::Impl*>(arg)->accepted.push_back(request);
 }
 
+struct CloseCtx {
+  UcxTransport::Impl* impl;
+  uint64_t conn;
+  ucp_ep_h ep;
+};
+
 void close_cb(void* request, ucs_status_t, void* user) {
-  auto* pair = static_cast<std::pair<UcxTransport::Impl*, uint64_t>*>(user);
-  pair->first->closed.push_back(pair->second);
-  delete pair;
+  auto* ctx = static_cast<CloseCtx*>(user);
+  ctx->impl->closed.push_back(ctx->conn);
+  ctx->impl->closed_eps.insert(ctx->ep);
+  delete ctx;
   ucp_request_free(request);
 }
 
@@ -399,8 +406,10 @@ void UcxTransport::Impl::shutdown_in_thread() {
     user_calls.clear();
   }
   for (auto& [id, c] : conns) {
+    // Closes that did not complete within the second (a peer that never
+    // answers the flush) are forced, as for an endpoint never closed.
     for (ucp_ep_h ep : {c->ep, c->data_ep}) {
-      if (!ep || c->closes_pending > 0) continue;  // a close already started owns it
+      if (!ep || closed_eps.count(ep)) continue;
       ucp_request_param_t p{};
       p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
       p.flags = UCP_EP_CLOSE_FLAG_FORCE;
@@ -702,12 +711,13 @@ void UcxTransport::Impl::close_conn(Conn& c, Error reason, bool force) {
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
     p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     p.cb.send = close_cb;
-    auto* pair = new std::pair<Impl*, uint64_t>(this, c.id);
-    p.user_data = pair;
+    auto* ctx = new CloseCtx{this, c.id, ep};
+    p.user_data = ctx;
     auto* req = ucp_ep_close_nbx(ep, &p);
     if (!UCS_PTR_IS_PTR(req)) {
-      delete pair;
+      delete ctx;
       closed.push_back(c.id);
+      closed_eps.insert(ep);
     }
   }
 }
@@ -717,7 +727,11 @@ void UcxTransport::Impl::finish_close(uint64_t id) {
   if (!c) return;
   drop_rkeys(*c);
   by_ep.erase(c->ep);
-  if (c->data_ep) by_ep.erase(c->data_ep);
+  closed_eps.erase(c->ep);
+  if (c->data_ep) {
+    by_ep.erase(c->data_ep);
+    closed_eps.erase(c->data_ep);
+  }
   Error why = c->down_reason.value_or(Error(ErrorCode::unavailable, "closed"));
   if (c->connect_promise) c->connect_promise->set_value(why);
   report_down(*c);

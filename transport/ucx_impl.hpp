@@ -141,7 +141,8 @@ struct UcxTransport::Impl {
   std::map<std::string, uint64_t> by_name;
   std::vector<ucp_conn_request_h> accepted;
   std::vector<std::pair<ucp_ep_h, ucs_status_t>> failed;
-  std::vector<uint64_t> closed;          // conns whose ep close completed
+  std::vector<uint64_t> closed;          // conns with an endpoint close completed (one entry per endpoint)
+  std::set<ucp_ep_h> closed_eps;         // those endpoints, until their conn is finished
   std::set<uint64_t> dirty;              // conns with arrivals to deliver
   std::deque<std::function<void()>> user_calls;  // events to run outside UCX callbacks
   std::map<uint64_t, LocalUcxRegion> regions;

@@ -267,7 +267,7 @@ Status UcxTransport::Impl::init() {
     return ucs_error(ErrorCode::unavailable, "ucp_worker_create", st);
   }
   if ((st = ucp_worker_get_efd(worker, &efd)) != UCS_OK) return ucs_error(ErrorCode::unavailable, "ucp_worker_get_efd", st);
-  if (const char* d = std::getenv("TROUPE_UCX_DIRECT"); d && std::string_view(d) == "0") opt.direct_endpoints = false;
+  if (const char* d = std::getenv("TROUPE_UCX_DIRECT"); d && *d) opt.direct_endpoints = std::string_view(d) != "0";
   if (opt.direct_endpoints) {
     ucp_address_t* a = nullptr;
     size_t len = 0;

@@ -22,6 +22,7 @@ struct Factory {
     if (kind == "inproc") return std::make_unique<InProcessTransport>(fabric, name);
     UcxOptions o;
     o.name = name;
+    o.direct_endpoints = kind == "ucx_direct";
     return std::make_unique<UcxTransport>(o);
   }
 };
@@ -256,7 +257,7 @@ TEST(UcxBackpressure, a_full_send_queue_answers_resource_exhausted) {
   EXPECT_TRUE(a.send("beta", f).ok());
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, Conformance, ::testing::Values("inproc", "ucx"),
+INSTANTIATE_TEST_SUITE_P(Transports, Conformance, ::testing::Values("inproc", "ucx", "ucx_direct"),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

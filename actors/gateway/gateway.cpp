@@ -586,16 +586,25 @@ void frame_generate(Self self, const transport::ConnectionPtr& conn, const messa
   if (auto e = admit(self, std::move(api), kind, kFrameRoute, std::move(origin))) refuse(code_of(*e), e->message);
 }
 
-void frame_abort(Self self, const transport::ConnectionPtr& conn, const messages::Frame& frame) {
-  auto& st = self->state;
-  auto k = st.frame_ids.find(FrameKey{conn->id(), frame.request_id()});
+// The request a client's Abort / Park / Resume frame names on its connection,
+// or inflight.end() after answering not_found.
+auto frame_request(GatewayState& st, const transport::ConnectionPtr& conn, const messages::Frame& frame) {
+  const uint64_t rid = frame.request_id();
+  auto k = st.frame_ids.find(FrameKey{conn->id(), rid});
   auto it = k == st.frame_ids.end() ? st.inflight.end() : st.inflight.find(k->second);
   if (it == st.inflight.end()) {
-    send_frame_error(conn, frame.request_id(), ErrorCode::not_found,
-                     fmt::format("Abort: request {} is not running on this connection", frame.request_id()),
-                     msg::Kind::ABORT);
-    return;
+    send_frame_error(conn, rid, ErrorCode::not_found,
+                     fmt::format("{}: request {} is not running on this connection",
+                                 messages::kind_name(frame.kind()), rid),
+                     frame.kind());
   }
+  return it;
+}
+
+void frame_abort(Self self, const transport::ConnectionPtr& conn, const messages::Frame& frame) {
+  auto& st = self->state;
+  auto it = frame_request(st, conn, frame);
+  if (it == st.inflight.end()) return;
   InFlight& f = it->second;
   if (f.worker) self->send(f.worker, abort_atom::value, f.job.id);
   send_finish(*f.frames, f, msg::FinishReason::ABORTED);
@@ -616,13 +625,8 @@ void send_ack(const transport::ConnectionPtr& conn, uint64_t rid, msg::Kind of, 
 void frame_park(Self self, const transport::ConnectionPtr& conn, const messages::Frame& frame) {
   auto& st = self->state;
   const uint64_t rid = frame.request_id();
-  auto k = st.frame_ids.find(FrameKey{conn->id(), rid});
-  auto it = k == st.frame_ids.end() ? st.inflight.end() : st.inflight.find(k->second);
-  if (it == st.inflight.end()) {
-    send_frame_error(conn, rid, ErrorCode::not_found,
-                     fmt::format("Park: request {} is not running on this connection", rid), msg::Kind::PARK);
-    return;
-  }
+  auto it = frame_request(st, conn, frame);
+  if (it == st.inflight.end()) return;
   InFlight& f = it->second;
   if (f.client_parked) {
     send_ack(conn, rid, msg::Kind::PARK, "already parked");
@@ -641,13 +645,8 @@ void frame_park(Self self, const transport::ConnectionPtr& conn, const messages:
 void frame_resume(Self self, const transport::ConnectionPtr& conn, const messages::Frame& frame) {
   auto& st = self->state;
   const uint64_t rid = frame.request_id();
-  auto k = st.frame_ids.find(FrameKey{conn->id(), rid});
-  auto it = k == st.frame_ids.end() ? st.inflight.end() : st.inflight.find(k->second);
-  if (it == st.inflight.end()) {
-    send_frame_error(conn, rid, ErrorCode::not_found,
-                     fmt::format("Resume: request {} is not running on this connection", rid), msg::Kind::RESUME);
-    return;
-  }
+  auto it = frame_request(st, conn, frame);
+  if (it == st.inflight.end()) return;
   InFlight& f = it->second;
   if (!f.client_parked) {
     send_frame_error(conn, rid, ErrorCode::invalid_argument,

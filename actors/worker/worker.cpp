@@ -243,6 +243,18 @@ void on_event(Self self, const engine::Event& e) {
   }
 }
 
+// Resumes a request parked by `who` (the client or the long-tail policy), if it still is.
+void resume_parked(Self self, RequestId id, bool Running::*who, const char* counter, const char* help) {
+  auto& s = self->state;
+  auto it = s.by_request.find(id);
+  if (it == s.by_request.end()) return;
+  auto& run = s.by_engine.at(it->second);
+  if (!(run.*who)) return;
+  run.*who = false;
+  s.engine->resume(it->second);
+  if (s.metrics) s.metrics->counter(counter, help, {{"worker", s.config.name}}).inc();
+}
+
 caf::behavior worker_actor(Self self, std::shared_ptr<model::Model> model, WorkerConfig config, caf::actor router,
                            std::shared_ptr<MetricsRegistry> metrics, caf::actor supervisor) {
   auto& st = self->state;
@@ -357,30 +369,12 @@ caf::behavior worker_actor(Self self, std::shared_ptr<model::Model> model, Worke
         }
       },
       [=](client_resume_atom, RequestId id) {
-        auto& s = self->state;
-        auto it = s.by_request.find(id);
-        if (it == s.by_request.end()) return;
-        auto& run = s.by_engine.at(it->second);
-        if (!run.client_parked) return;
-        run.client_parked = false;
-        s.engine->resume(it->second);
-        if (s.metrics) {
-          s.metrics->counter("troupe_client_resumed_total", "Requests resumed by their client (frame Resume)",
-                             {{"worker", s.config.name}}).inc();
-        }
+        resume_parked(self, id, &Running::client_parked, "troupe_client_resumed_total",
+                      "Requests resumed by their client (frame Resume)");
       },
       [=](resume_atom, RequestId id) {
-        auto& s = self->state;
-        auto it = s.by_request.find(id);
-        if (it == s.by_request.end()) return;
-        auto& run = s.by_engine.at(it->second);
-        if (!run.long_tail_parked) return;
-        run.long_tail_parked = false;
-        s.engine->resume(it->second);
-        if (s.metrics) {
-          s.metrics->counter("troupe_long_tail_resumed_total", "Requests resumed by the long-tail policy",
-                             {{"worker", s.config.name}}).inc();
-        }
+        resume_parked(self, id, &Running::long_tail_parked, "troupe_long_tail_resumed_total",
+                      "Requests resumed by the long-tail policy");
       },
       [=](migrate_atom, caf::actor target) {  // drain: every running request moves to `target`
         auto& s = self->state;

@@ -51,14 +51,63 @@ def post(port, path, body, timeout=10):
         c.close()
 
 
-class ScalePolicy(unittest.TestCase):
-    def setUp(self):
+class ScaleCase(unittest.TestCase):
+    """A cluster on 127.0.0.1 with one scaled node, NODE (its slots' role: ROLE, checked when set)."""
+    NODE = ""
+    ROLE = None
+
+    def start_cluster(self, prefix, ports):
+        """Makes the cluster (cleaned up after the test); returns (model directory, the first of `ports` ports)."""
         troupe, model = h.paths()
         h.ensure_model(troupe, model)
-        self.dir = Path(tempfile.mkdtemp(prefix="troupe-scale-policy-"))
+        self.dir = Path(tempfile.mkdtemp(prefix=prefix))
         self.cluster = h.Cluster(self.dir, troupe, {"UCX_NET_DEVICES": "lo"})
         self.addCleanup(self.cluster.close)
-        base = h.free_port_block(20)
+        return model, h.free_port_block(ports)
+
+    def tearDown(self):
+        if self._outcome.result.failures or self._outcome.result.errors:
+            print(self.cluster.logs())
+
+    def slots(self):
+        status, body = h.get(HOST, self.front, "/admin/scale")
+        self.assertEqual(status, 200, body)
+        node = [n for n in json.loads(body)["nodes"] if n["node"] == self.NODE][0]
+        if self.ROLE:
+            self.assertEqual(node["role"], self.ROLE)
+        return {s["name"]: s["state"] for s in node["slots"]}
+
+    def wait_slots(self, want, what, timeout=60):
+        end = time.time() + timeout
+        got = None
+        while time.time() < end:
+            got = self.slots()
+            if want(got):
+                return got
+            time.sleep(0.1)
+        raise AssertionError(f"{what}: the {self.NODE} slots are {got}\n{self.cluster.logs()}")
+
+    def references(self, prompts, max_tokens):
+        """The oracle: each prompt's greedy ids, one request at a time."""
+        out = []
+        for p in prompts:
+            r = h.complete(HOST, self.front, self.model, p, max_tokens)
+            self.assertIsNone(r["error"], r)
+            out.append(r["token_ids"])
+        return out
+
+    def check(self, results, reference, what):
+        for i, r in enumerate(results):
+            self.assertIsNotNone(r, f"{what}: request {i} never returned")
+            self.assertIsNone(r["error"], f"{what}: request {i}: {r}")
+            self.assertEqual(r["token_ids"], reference[i], f"{what}: request {i} changed")
+
+
+class ScalePolicy(ScaleCase):
+    NODE = "decode"
+
+    def setUp(self):
+        model, base = self.start_cluster("troupe-scale-policy-", 20)
         # front: base..base+9; the worker node: http base+10 (slot 0) and base+11 (slot 1), transports
         # base+12 and base+13.
         nodes = [
@@ -83,45 +132,14 @@ class ScalePolicy(unittest.TestCase):
         h.wait_all_ready(self.cluster, HOST, [base, base + 10, base + 11])
         self.model = h.model_id(HOST, base)
 
-    def tearDown(self):
-        if self._outcome.result.failures or self._outcome.result.errors:
-            print(self.cluster.logs())
-
-    def slots(self):
-        status, body = h.get(HOST, self.front, "/admin/scale")
-        self.assertEqual(status, 200, body)
-        node = [n for n in json.loads(body)["nodes"] if n["node"] == "decode"][0]
-        return {s["name"]: s["state"] for s in node["slots"]}
-
-    def wait_slots(self, want, what, timeout=60):
-        end = time.time() + timeout
-        got = None
-        while time.time() < end:
-            got = self.slots()
-            if want(got):
-                return got
-            time.sleep(0.1)
-        raise AssertionError(f"{what}: the decode slots are {got}\n{self.cluster.logs()}")
-
     def metric(self, node, name):
         return h.metric_sum(h.metrics(HOST, self.http[node]), name)
-
-    def check(self, results, reference, what):
-        for i, r in enumerate(results):
-            self.assertIsNotNone(r, f"{what}: request {i} never returned")
-            self.assertIsNone(r["error"], f"{what}: request {i}: {r}")
-            self.assertEqual(r["token_ids"], reference[i], f"{what}: request {i} changed")
 
     def test_scale_up_down_and_admin_drain_across_processes(self):
         self.assertEqual(self.slots(), {"decode-0": "active", "decode-1": "standby"})
         prompts = h.prompts(40, length=16, seed=11)
         max_tokens = 300
-        # The oracle, one request at a time (nothing waits: no scale up yet).
-        reference = []
-        for p in prompts:
-            r = h.complete(HOST, self.front, self.model, p, max_tokens)
-            self.assertIsNone(r["error"], r)
-            reference.append(r["token_ids"])
+        reference = self.references(prompts, max_tokens)  # nothing waits: no scale up yet
         self.assertEqual(self.slots()["decode-1"], "standby", "scaled up without load")
         self.assertEqual(self.metric("decode-1", "troupe_cached_tokens"), 0, "a standby got requests")
 
@@ -207,19 +225,16 @@ class ScalePolicy(unittest.TestCase):
         self.wait_slots(lambda s: s["decode-1"] == "active", "a removed worker started again")
 
 
-class ScalePrefill(unittest.TestCase):
+class ScalePrefill(ScaleCase):
     """Disaggregated: front, a prefill node with two slots (prefill-1 a standby)
     and a decode process. Prefill workers queue what they cannot run, so the
     rule on prefill scales it from queue depth; the handoffs to the decode
     process go on from either prefill worker with the same greedy tokens."""
 
+    NODE = ROLE = "prefill"
+
     def setUp(self):
-        troupe, model = h.paths()
-        h.ensure_model(troupe, model)
-        self.dir = Path(tempfile.mkdtemp(prefix="troupe-scale-prefill-"))
-        self.cluster = h.Cluster(self.dir, troupe, {"UCX_NET_DEVICES": "lo"})
-        self.addCleanup(self.cluster.close)
-        base = h.free_port_block(30)
+        model, base = self.start_cluster("troupe-scale-prefill-", 30)
         nodes = [
             {"name": "front", "actors": ["gateway", "router"], "address": HOST,
              "ports": (base, base + 1, base + 2, base + 9)},
@@ -244,46 +259,17 @@ class ScalePrefill(unittest.TestCase):
         self.model = h.model_id(HOST, base)
         self.http = {"prefill-0": base + 10, "prefill-1": base + 11}
 
-    def tearDown(self):
-        if self._outcome.result.failures or self._outcome.result.errors:
-            print(self.cluster.logs())
-
-    def slots(self):
-        status, body = h.get(HOST, self.front, "/admin/scale")
-        self.assertEqual(status, 200, body)
-        node = [n for n in json.loads(body)["nodes"] if n["node"] == "prefill"][0]
-        self.assertEqual(node["role"], "prefill")
-        return {s["name"]: s["state"] for s in node["slots"]}
-
-    def wait_slots(self, want, what, timeout=60):
-        end = time.time() + timeout
-        got = None
-        while time.time() < end:
-            got = self.slots()
-            if want(got):
-                return got
-            time.sleep(0.1)
-        raise AssertionError(f"{what}: the prefill slots are {got}\n{self.cluster.logs()}")
-
     def test_prefill_scales_from_its_queue_and_back(self):
         self.assertEqual(self.slots(), {"prefill-0": "active", "prefill-1": "standby"})
         prompts = h.prompts(24, length=1500, seed=17)  # long prompts: prefill is the bottleneck
         max_tokens = 16
-        reference = []
-        for p in prompts:
-            r = h.complete(HOST, self.front, self.model, p, max_tokens)
-            self.assertIsNone(r["error"], r)
-            reference.append(r["token_ids"])
+        reference = self.references(prompts, max_tokens)
         self.assertEqual(self.slots()["prefill-1"], "standby", "scaled up without load")
         t0 = time.time()
         wave = h.Streams(HOST, self.front, self.model, prompts, max_tokens)
         self.wait_slots(lambda s: s["prefill-1"] == "active", "the front did not add a prefill worker")
         print(f"prefill scaled up {time.time() - t0:.2f} s after the load started")
-        results = wave.join(timeout=240)
-        for i, r in enumerate(results):
-            self.assertIsNotNone(r, f"request {i} never returned")
-            self.assertIsNone(r["error"], f"request {i}: {r}")
-            self.assertEqual(r["token_ids"], reference[i], f"request {i} changed")
+        self.check(wave.join(timeout=240), reference, "first wave")
         # A second wave runs on both prefill workers, with the same tokens.
         wave = h.Streams(HOST, self.front, self.model, prompts[:8], max_tokens)
         ran = 0

@@ -24,11 +24,7 @@ class DecodeFailover(h.TwoDecodeProcesses):
         prompts = h.prompts(8, length=32, seed=11)
         max_tokens = 160
         # The oracle: the same requests with nothing killed.
-        reference = []
-        for p in prompts:
-            r = h.complete(HOST, self.front, self.model, p, max_tokens)
-            self.assertIsNone(r["error"], r)
-            reference.append(r["token_ids"])
+        reference = h.references(HOST, self.front, self.model, prompts, max_tokens)
 
         streams = h.Streams(HOST, self.front, self.model, prompts, max_tokens)
         # Mid-stream: every request has tokens out, none is finished.

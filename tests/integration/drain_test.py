@@ -23,11 +23,7 @@ class Drain(h.TwoDecodeProcesses):
     def test_sigterm_drains_a_decode_process_under_load_and_loses_nothing(self):
         prompts = h.prompts(10, length=28, seed=5)
         max_tokens = 160
-        reference = []
-        for p in prompts:
-            r = h.complete(HOST, self.front, self.model, p, max_tokens)
-            self.assertIsNone(r["error"], r)
-            reference.append(r["token_ids"])
+        reference = h.references(HOST, self.front, self.model, prompts, max_tokens)
         pulled_before = h.metric_sum(h.metrics(HOST, self.topo.port("decodeb")), "troupe_kv_bytes_pulled")
 
         streams = h.Streams(HOST, self.front, self.model, prompts, max_tokens)

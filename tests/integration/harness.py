@@ -209,6 +209,17 @@ def model_id(host, port):
     return json.loads(body)["data"][0]["id"]
 
 
+def references(host, port, model, prompts, max_tokens):
+    """The oracle of a test: each prompt's greedy ids, one request at a time."""
+    out = []
+    for p in prompts:
+        r = complete(host, port, model, p, max_tokens)
+        if r["error"] is not None:
+            raise AssertionError(f"a reference request failed: {r}")
+        out.append(r["token_ids"])
+    return out
+
+
 def complete(host, port, model, prompt, max_tokens, stream=False, timeout=120, on_token=None):
     """Greedy completion of token ids; returns {"token_ids", "finish_reason", "error", "status"}."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,

@@ -87,15 +87,6 @@ class ScaleCase(unittest.TestCase):
             time.sleep(0.1)
         raise AssertionError(f"{what}: the {self.NODE} slots are {got}\n{self.cluster.logs()}")
 
-    def references(self, prompts, max_tokens):
-        """The oracle: each prompt's greedy ids, one request at a time."""
-        out = []
-        for p in prompts:
-            r = h.complete(HOST, self.front, self.model, p, max_tokens)
-            self.assertIsNone(r["error"], r)
-            out.append(r["token_ids"])
-        return out
-
     def check(self, results, reference, what):
         for i, r in enumerate(results):
             self.assertIsNotNone(r, f"{what}: request {i} never returned")
@@ -139,7 +130,8 @@ class ScalePolicy(ScaleCase):
         self.assertEqual(self.slots(), {"decode-0": "active", "decode-1": "standby"})
         prompts = h.prompts(40, length=16, seed=11)
         max_tokens = 300
-        reference = self.references(prompts, max_tokens)  # nothing waits: no scale up yet
+        # The oracle, one request at a time (nothing waits: no scale up yet).
+        reference = h.references(HOST, self.front, self.model, prompts, max_tokens)
         self.assertEqual(self.slots()["decode-1"], "standby", "scaled up without load")
         self.assertEqual(self.metric("decode-1", "troupe_cached_tokens"), 0, "a standby got requests")
 
@@ -263,7 +255,7 @@ class ScalePrefill(ScaleCase):
         self.assertEqual(self.slots(), {"prefill-0": "active", "prefill-1": "standby"})
         prompts = h.prompts(24, length=1500, seed=17)  # long prompts: prefill is the bottleneck
         max_tokens = 16
-        reference = self.references(prompts, max_tokens)
+        reference = h.references(HOST, self.front, self.model, prompts, max_tokens)
         self.assertEqual(self.slots()["prefill-1"], "standby", "scaled up without load")
         t0 = time.time()
         wave = h.Streams(HOST, self.front, self.model, prompts, max_tokens)

@@ -397,11 +397,7 @@ void UcxTransport::Impl::shutdown_in_thread() {
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
   while (!conns.empty() && std::chrono::steady_clock::now() < deadline) {
     ucp_worker_progress(worker);
-    for (uint64_t id : std::exchange(closed, {})) {
-      Conn* c = conn_by_id(id);
-      if (c && --c->closes_pending > 0) continue;
-      finish_close(id);
-    }
+    for (uint64_t id : std::exchange(closed, {})) finish_close(id);
     failed.clear();
     user_calls.clear();
   }
@@ -452,8 +448,6 @@ bool UcxTransport::Impl::run_deferred() {
   }
   for (uint64_t id : std::exchange(closed, {})) {
     did = true;
-    Conn* c = conn_by_id(id);
-    if (c && --c->closes_pending > 0) continue;  // its other endpoint is still closing
     finish_close(id);
   }
   return did;
@@ -703,8 +697,7 @@ void UcxTransport::Impl::close_conn(Conn& c, Error reason, bool force) {
     std::lock_guard lock(names_mu);
     up_names.erase(c.name);
   }
-  // Each endpoint's close lands in `closed`; the last one finishes the connection.
-  c.closes_pending = c.data_ep ? 2 : 1;
+  // Each endpoint's close lands in `closed` / `closed_eps`; the last one finishes the connection.
   for (ucp_ep_h ep : {c.data_ep, c.ep}) {
     if (!ep) continue;
     ucp_request_param_t p{};
@@ -725,6 +718,7 @@ void UcxTransport::Impl::close_conn(Conn& c, Error reason, bool force) {
 void UcxTransport::Impl::finish_close(uint64_t id) {
   Conn* c = conn_by_id(id);
   if (!c) return;
+  if (!closed_eps.count(c->ep) || (c->data_ep && !closed_eps.count(c->data_ep))) return;  // one still closing
   drop_rkeys(*c);
   by_ep.erase(c->ep);
   closed_eps.erase(c->ep);

@@ -54,7 +54,6 @@ struct Conn {
   ucp_ep_h ep = nullptr;
   ucp_ep_h data_ep = nullptr;  // direct endpoint (null: everything over `ep`)
   uint64_t peer_token = 0;     // the peer's id for this connection
-  int closes_pending = 0;      // endpoint closes not yet completed
   ucp_ep_h tx() const { return data_ep ? data_ep : ep; }
   std::string name;  // empty until the handshake
   State state = State::handshaking;

@@ -647,6 +647,7 @@ void Node::on_handoff(const std::string& peer, msg::ActorMessage::Reader m) {
 
 void Node::on_peer_up(const std::string& peer) {
   if (stopping_) return;
+  std::vector<Registration> regs;
   {
     std::lock_guard lock(mu_);
     auto& p = peers_[peer];
@@ -656,20 +657,18 @@ void Node::on_peer_up(const std::string& peer) {
     p.incarnation = 0;
     p.last_heard = Clock::now();
     p.backoff = std::chrono::milliseconds(0);
-  }
-  spdlog::info("node {}: peer {} up", options_.name, peer);
-  send_heartbeat(peer);
-  replay_registrations(peer);
-}
-
-void Node::replay_registrations(const std::string& peer) {
-  std::vector<Registration> regs;
-  {
-    std::lock_guard lock(mu_);
+    // Taken with `up` set: a registration made after this point (connected()
+    // is already true) goes out by itself and must not be sent twice.
     for (auto& [n, r] : registrations_) {
       if (r.peer == peer) regs.push_back(r);
     }
   }
+  spdlog::info("node {}: peer {} up", options_.name, peer);
+  send_heartbeat(peer);
+  replay_registrations(peer, regs);
+}
+
+void Node::replay_registrations(const std::string& peer, const std::vector<Registration>& regs) {
   for (const auto& r : regs) {
     auto out = build(ProxyRef{r.peer, 0, r.target},
                      caf::make_message(register_atom::value, r.worker, r.name, r.role));

@@ -195,7 +195,7 @@ class Node final : public RefMap, public std::enable_shared_from_this<Node> {
   caf::actor proxy_for(const std::string& peer, uint64_t id, const std::string& label);
   caf::actor dead_proxy(const std::string& label);
   void send_heartbeat(const std::string& peer);
-  void replay_registrations(const std::string& peer);
+  void replay_registrations(const std::string& peer, const std::vector<Registration>& regs);
   void dial_loop();
 
   // Entry points called from outside the transport thread hold a Use: stop()

@@ -55,6 +55,11 @@ struct Done {
   engine::FinishReason reason = engine::FinishReason::stop;
   engine::Usage usage;
   caf::actor worker;
+  // The output index after the worker's last token: the client has the whole
+  // answer once every TokenBatch up to it arrived. TokenBatches from two
+  // workers (PD: the prefill worker's first token, the decode worker's rest)
+  // come from two processes and may arrive in either order; so may this.
+  int64_t end_index = 0;
 };
 
 struct Failed {
@@ -89,6 +94,7 @@ struct Assigned {
   RequestId id = 0;
   caf::actor worker;
   std::string worker_name;
+  int64_t from_index = 0;  // the output index the worker streams from (Job::generated_before)
 };
 
 // A prefill worker's finished state for a decode worker (PD handoff).

@@ -251,7 +251,7 @@ NodeProcess::NodeProcess(RunOptions options) : impl_(std::make_unique<Impl>()) {
       }
       fn.active = std::min<int>(n.replicas, static_cast<int>(fn.slots.size()));
       if (const deploy::ScalePolicy* r = topo.scale_rule(n.name)) {
-        FleetScaleRule fr;
+        ScaleRule fr;
         fr.min_workers = r->min_workers;
         fr.max_workers = r->max_workers;
         fr.queue_depth_high = r->queue_depth_high;

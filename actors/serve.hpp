@@ -36,7 +36,7 @@ struct ServeOptions {
   size_t max_body_bytes = 8u << 20;
   int read_timeout_s = 30;
   std::optional<LongTailPolicy> long_tail;
-  std::optional<ScalePolicy> scale;
+  std::optional<ScaleRule> scale;
   RestartPolicy restart;
   std::string backend = "cpu";
   double drain_timeout_s = 30;      // SIGTERM: how long requests in flight may take to finish

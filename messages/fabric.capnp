@@ -87,6 +87,7 @@ struct Done {
   reason @1 :Generate.FinishReason;  # engine::FinishReason (abort -> aborted)
   usage @2 :Usage;
   worker @3 :ActorRef;
+  endIndex @4 :Int64;  # the output index after the last token (TokenBatch.index + tokens)
 }
 
 struct Failed {
@@ -117,6 +118,7 @@ struct Assigned {
   id @0 :UInt64;
   worker @1 :ActorRef;
   workerName @2 :Text;
+  fromIndex @3 :Int64;  # the output index the worker streams from
 }
 
 # A worker announces itself to the router (register_atom).

@@ -77,6 +77,7 @@ using server_atom = caf::atom_constant<caf::atom("server")>;
 using admin_atom = caf::atom_constant<caf::atom("admin")>;
 using fserver_atom = caf::atom_constant<caf::atom("fserver")>;
 using deadline_atom = caf::atom_constant<caf::atom("deadline")>;
+using gap_atom = caf::atom_constant<caf::atom("gap")>;
 
 // Where a request admitted from the frame endpoint answers.
 struct FrameSink {
@@ -95,6 +96,7 @@ struct InFlight {
   std::unique_ptr<tokenizer::StopStrings> stops;
   Job job;                      // as first submitted
   caf::actor worker;            // the worker streaming it now
+  int64_t worker_from = 0;      // the output index it streams from
   int attempts = 0;
   Clock::time_point start;
   Clock::time_point last_token;
@@ -107,6 +109,12 @@ struct InFlight {
   std::vector<TokenBatch> held;
   std::optional<Done> held_done;
   bool resubmit_on_resume = false;  // its worker was lost while parked
+  // Two workers in two processes can stream one request (PD: the prefill
+  // worker's first token, the decode worker's rest; a migration): their
+  // messages may arrive in either order. A batch past a gap waits here for
+  // the one before it, by index; a Done waits for its last token.
+  std::map<int64_t, TokenBatch> early;
+  std::optional<Done> early_done;
 };
 
 struct GatewayState {
@@ -265,6 +273,8 @@ void retry(Self self, RequestId id, const std::string& why) {
   spdlog::info("gateway: request {} resubmitted ({}; {} tokens already streamed)", id, why, f.result.token_ids.size());
   st.metrics->counter("troupe_resubmits_total", "Requests resubmitted after a worker loss").inc();
   f.worker = nullptr;
+  f.early.clear();  // the next attempt streams from what the client has
+  f.early_done.reset();
   submit(self, f);
 }
 
@@ -273,20 +283,24 @@ void watch(Self self, const caf::actor& worker) {
   if (self->state.watched.insert(worker.address()).second) self->monitor(worker);
 }
 
-void on_tokens(Self self, const TokenBatch& b) {
+// `worker` streams request `id` from output index `from` on: it is the one to
+// watch, abort and park, unless one that took over later announced itself
+// first (an earlier worker's message arriving late changes nothing).
+void take_over(Self self, InFlight& f, RequestId id, const caf::actor& worker, int64_t from) {
+  if (!worker || worker == f.worker) return;
+  if (f.worker && from < f.worker_from) return;
+  f.worker = worker;
+  f.worker_from = from;
+  watch(self, worker);
+  if (f.client_parked) self->send(worker, client_park_atom::value, id);
+}
+
+void on_done(Self self, const Done& d);
+
+// Streams the new tokens of `b` (b.index <= what the client has); false when
+// that ended the request (a stop string): `f` is gone then.
+bool stream_batch(Self self, InFlight& f, const TokenBatch& b) {
   auto& st = self->state;
-  auto it = st.inflight.find(b.id);
-  if (it == st.inflight.end()) return;
-  InFlight& f = it->second;
-  if (b.worker && f.worker != b.worker) {  // PD handoff: the decode worker streams now
-    f.worker = b.worker;
-    watch(self, b.worker);
-    if (f.client_parked) self->send(b.worker, client_park_atom::value, b.id);
-  }
-  if (f.client_parked) {
-    f.held.push_back(b);
-    return;
-  }
   std::string delta;
   std::vector<int32_t> ids;
   bool stopped = false;
@@ -306,7 +320,7 @@ void on_tokens(Self self, const TokenBatch& b) {
     delta += step.text;
     stopped = step.stopped;
   }
-  if (ids.empty()) return;
+  if (ids.empty()) return true;
   const auto now = Clock::now();
   if (f.first) {
     st.metrics->histogram("troupe_ttft_seconds", "Time to first token", MetricsRegistry::latency_buckets())
@@ -326,6 +340,36 @@ void on_tokens(Self self, const TokenBatch& b) {
   if (stopped) {
     if (f.worker) self->send(f.worker, abort_atom::value, b.id);
     finish(self, b.id, "stop");
+    return false;
+  }
+  return true;
+}
+
+void on_tokens(Self self, const TokenBatch& b) {
+  auto& st = self->state;
+  auto it = st.inflight.find(b.id);
+  if (it == st.inflight.end()) return;
+  InFlight& f = it->second;
+  take_over(self, f, b.id, b.worker, b.index);
+  if (f.client_parked) {
+    f.held.push_back(b);
+    return;
+  }
+  auto have = [&f] { return static_cast<int64_t>(f.result.token_ids.size()); };
+  if (b.index > have()) {  // the batch before it is still on its way
+    f.early.emplace(b.index, b);
+    return;
+  }
+  if (!stream_batch(self, f, b)) return;
+  while (!f.early.empty() && f.early.begin()->first <= have()) {
+    const TokenBatch next = std::move(f.early.begin()->second);
+    f.early.erase(f.early.begin());
+    if (!stream_batch(self, f, next)) return;
+  }
+  if (f.early_done && f.early_done->end_index <= have()) {
+    const Done d = *f.early_done;
+    f.early_done.reset();
+    on_done(self, d);
   }
 }
 
@@ -342,6 +386,14 @@ void on_done(Self self, const Done& d) {
   }
   if (it->second.client_parked) {  // finished as the park arrived: the client hears it on Resume
     it->second.held_done = d;
+    return;
+  }
+  if (d.end_index > static_cast<int64_t>(it->second.result.token_ids.size())) {
+    // Its last tokens are on their way (another process sent some of them).
+    if (!it->second.early_done) {
+      self->delayed_send(self, s.config.token_gap_timeout, gap_atom::value, d.id, it->second.attempts);
+    }
+    it->second.early_done = d;
     return;
   }
   it->second.result.cached_tokens = std::max(it->second.result.cached_tokens, d.usage.cached_tokens);
@@ -942,11 +994,9 @@ caf::behavior gateway_actor(Self self, GatewayConfig config, std::shared_ptr<con
           self->send(a.worker, abort_atom::value, a.id);
           return;
         }
-        it->second.worker = a.worker;
-        watch(self, a.worker);
         // Parked by its client before it was placed, or moved (drain, handoff)
-        // while parked: it stays parked on the worker that has it now.
-        if (it->second.client_parked) self->send(a.worker, client_park_atom::value, a.id);
+        // while parked: take_over parks it on the worker that has it now.
+        take_over(self, it->second, a.id, a.worker, a.from_index);
       },
       [=](const TokenBatch& b) { on_tokens(self, b); },
       [=](const Done& d) { on_done(self, d); },
@@ -969,6 +1019,15 @@ caf::behavior gateway_actor(Self self, GatewayConfig config, std::shared_ptr<con
       [=](const frames::FrameCall& call) { handle_frame(self, call); },
       [=](const frames::FrameClosed& c) { frame_closed(self, c.conn); },
       [=](fserver_atom, std::shared_ptr<frames::Front> front) { self->state.frame_front = std::move(front); },
+      [=](gap_atom, RequestId id, int attempt) {  // a Done still waits for tokens that never came
+        auto& s = self->state;
+        auto it = s.inflight.find(id);
+        if (it == s.inflight.end() || !it->second.early_done || it->second.attempts != attempt) return;
+        spdlog::warn("gateway: request {} finished at token {} but only {} arrived in {} ms; running it again from there",
+                     id, it->second.early_done->end_index, it->second.result.token_ids.size(),
+                     s.config.token_gap_timeout.count());
+        retry(self, id, "tokens lost between processes");
+      },
       [=](deadline_atom, RequestId id) {
         auto& s = self->state;
         auto it = s.inflight.find(id);

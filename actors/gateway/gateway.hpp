@@ -31,6 +31,10 @@ struct GatewayConfig {
   // returns why the process is not ready, "" when it is. Empty function: none.
   std::function<std::string()> not_ready;
   bool test_hooks = false;            // POST /admin/crash: fault injection (tests only)
+  // A Done whose tokens did not all arrive waits this long for them (they
+  // come from another process: PD's first token), then the request runs again
+  // from what the client has.
+  std::chrono::milliseconds token_gap_timeout{10000};
   // The frame endpoint (docs/messages.md): troupe frames over TCP on
   // frame_host:frame_port (0: any free port). Unset: no frame endpoint.
   std::optional<uint16_t> frame_port;

@@ -228,6 +228,7 @@ bool encode_body(const caf::message& m, RefMap& refs, msg::ActorMessage::Body::B
     out.setReason(reason_to_wire(d.reason));
     usage_to_wire(d.usage, out.initUsage());
     refs.to_wire(d.worker, out.initWorker());
+    out.setEndIndex(d.end_index);
     return true;
   }
   if (m.match_elements<Failed>()) {
@@ -247,6 +248,7 @@ bool encode_body(const caf::message& m, RefMap& refs, msg::ActorMessage::Body::B
     out.setId(a.id);
     refs.to_wire(a.worker, out.initWorker());
     out.setWorkerName(a.worker_name);
+    out.setFromIndex(a.from_index);
     return true;
   }
   if (m.match_elements<WorkerLoad>()) {
@@ -325,7 +327,7 @@ bool deliver_body(msg::ActorMessage::Body::Reader body, RefMap& refs, const caf:
     case B::DONE: {
       auto in = body.getDone();
       caf::anon_send(target, Done{in.getId(), reason_from_wire(in.getReason()), usage_from_wire(in.getUsage()),
-                                  refs.from_wire(in.getWorker())});
+                                  refs.from_wire(in.getWorker()), in.getEndIndex()});
       return true;
     }
     case B::FAILED: {
@@ -336,7 +338,8 @@ bool deliver_body(msg::ActorMessage::Body::Reader body, RefMap& refs, const caf:
     }
     case B::ASSIGNED: {
       auto in = body.getAssigned();
-      caf::anon_send(target, Assigned{in.getId(), refs.from_wire(in.getWorker()), in.getWorkerName().cStr()});
+      caf::anon_send(target, Assigned{in.getId(), refs.from_wire(in.getWorker()), in.getWorkerName().cStr(),
+                                      in.getFromIndex()});
       return true;
     }
     case B::WORKER_LOAD:

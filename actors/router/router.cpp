@@ -60,7 +60,7 @@ bool dispatch(Self self, Job& job) {
   if (target == nullptr) target = least_loaded(st, {WorkerRole::colocated, WorkerRole::decode});
   if (target == nullptr) return false;
   ++target->assigned_since_report;
-  self->send(job.reply_to, Assigned{job.id, target->actor, target->name});
+  self->send(job.reply_to, Assigned{job.id, target->actor, target->name, job.generated_before});
   self->send(target->actor, std::move(job));
   return true;
 }
@@ -134,9 +134,18 @@ caf::behavior router_actor(Self self, std::shared_ptr<MetricsRegistry> metrics, 
         if (!fenced) release_held(self);
       },
       [=](hold_atom, const std::string& name, bool out) {
-        if (out) self->state.out_of_service.insert(name);
-        else self->state.out_of_service.erase(name);
-        if (!out) release_held(self);
+        if (out) {
+          self->state.out_of_service.insert(name);
+          return;
+        }
+        self->state.out_of_service.erase(name);
+        // Back in service (the fleet tells the worker too): its last report
+        // still says it drains until its next one; a worker that really
+        // drains (its process stops) says so again then.
+        for (auto& e : self->state.workers) {
+          if (e.name == name) e.load.draining = false;
+        }
+        release_held(self);
       },
       [=](workers_atom) {
         std::vector<WorkerLoad> out;

@@ -38,7 +38,7 @@ struct FleetState {
   caf::actor router;
   std::shared_ptr<MetricsRegistry> metrics;
   std::vector<Slot> slots;
-  std::vector<Clock::time_point> last_scale;  // per node
+  std::vector<ScaleGate> gates;               // per node
   std::vector<std::optional<int>> target;     // per node: an admin's worker count, applied over ticks
   std::map<std::string, Clock::time_point> warned;  // rate-limited warnings by key
   std::vector<WorkerLoad> loads;                    // the router's last view
@@ -156,47 +156,42 @@ void scale_node(Self self, size_t i, const std::map<std::string, int64_t>& hando
   const int active = count(st, i, SlotState::active);
   int want = active;
   std::string why;
-  if (st.target[i]) {
-    want = *st.target[i];
-    why = "admin";
-    if (want == active) st.target[i].reset();
-  } else if (node.rule) {
-    const auto& r = *node.rule;
-    if (Clock::now() - st.last_scale[i] < r.cooldown) return;
-    int64_t waiting = 0, pending = 0, live = 0;
-    double kv = 0;
+  if (node.rule) {
     // Outstanding handoffs: for decode workers, the states prefill processes
     // lent and no decode worker has taken yet; otherwise the node's own.
+    ScaleReading in;
     for (const auto& s : st.slots) {
       const bool counts = node.role == WorkerRole::decode ? st.config.nodes[s.node].role == WorkerRole::prefill
                                                           : s.node == i;
       if (!counts) continue;
-      if (auto h = handoffs.find(s.name); h != handoffs.end()) pending += h->second;
+      if (auto h = handoffs.find(s.name); h != handoffs.end()) in.outstanding_handoffs += h->second;
     }
     for (const auto& s : st.slots) {
       if (s.node != i || s.state != SlotState::active) continue;
       const WorkerLoad* l = load_of(st, s.name);
       if (l == nullptr) continue;
-      ++live;
-      waiting += l->waiting;
-      kv = std::max(kv, l->kv_use);
+      ++in.active;
+      in.waiting += l->waiting;
+      in.kv_use = std::max(in.kv_use, l->kv_use);
     }
-    if (live == 0) return;
-    if (active < r.max_workers && (waiting / live > r.queue_depth_high || kv > r.kv_use_high ||
-                                   pending > r.outstanding_handoffs_high)) {
-      want = active + 1;
-      why = fmt::format("queue depth {} per worker, KV use {:.2f}, {} outstanding handoffs", waiting / live, kv, pending);
-    } else if (active > r.min_workers && waiting <= r.queue_depth_low * live && kv < r.kv_use_low && pending == 0) {
-      want = active - 1;
-      why = fmt::format("queue depth {}, KV use {:.2f}: below the low marks", waiting, kv);
+    // Read on every tick, also while an admin's count applies: the low marks' window runs on.
+    const ScaleDecision d = st.gates[i].decide(*node.rule, in);
+    if (d.step != ScaleStep::hold) {
+      want = active + (d.step == ScaleStep::up ? 1 : -1);
+      why = d.why;
     }
+  }
+  if (st.target[i]) {
+    want = *st.target[i];
+    why = "admin";
+    if (want == active) st.target[i].reset();
   }
   if (want > active) {
     // The lowest standby slot whose process is up and registered.
     for (auto& s : st.slots) {
       if (s.node != i || s.state != SlotState::standby || load_of(st, s.name) == nullptr) continue;
       activate(self, s, "scale up: " + why);
-      st.last_scale[i] = Clock::now();
+      st.gates[i].changed();
       st.metrics->counter("troupe_scale_events_total", "Workers added or removed by the scale policy",
                           {{"node", node.name}, {"dir", "up"}}).inc();
       return;
@@ -219,7 +214,7 @@ void scale_node(Self self, size_t i, const std::map<std::string, int64_t>& hando
     }
     if (pick == nullptr) return;
     begin_drain(self, *pick, "scale down: " + why);
-    st.last_scale[i] = Clock::now();
+    st.gates[i].changed();
     st.metrics->counter("troupe_scale_events_total", "Workers added or removed by the scale policy",
                         {{"node", node.name}, {"dir", "down"}}).inc();
   }
@@ -274,7 +269,7 @@ caf::behavior fleet_actor(Self self, FleetConfig config, caf::actor router, std:
   st.config = std::move(config);
   st.router = std::move(router);
   st.metrics = std::move(metrics);
-  st.last_scale.assign(st.config.nodes.size(), Clock::now());
+  st.gates.assign(st.config.nodes.size(), ScaleGate{});
   st.target.assign(st.config.nodes.size(), std::nullopt);
   for (size_t i = 0; i < st.config.nodes.size(); ++i) {
     const auto& n = st.config.nodes[i];

@@ -6,10 +6,10 @@
 //   scale   per scaled node (the manifest's policies.scale rules): from what
 //           the workers report (queue depth and KV use in their loads, which
 //           reach the router over the fabric, and outstanding KV handoffs in
-//           their processes' heartbeats), add a worker when any high mark is
-//           crossed, remove one when every low mark holds, at most once per
-//           cooldown, within [min_workers, max_workers]; or to the count an
-//           admin asks for.
+//           their processes' heartbeats), add or remove a worker as the
+//           node's ScaleRule says (scale_rule.hpp: up on any high mark, down
+//           when every low mark held for a whole cooldown); or to the count
+//           an admin asks for.
 //   drain   an admin's removal of a worker of any process.
 //
 // What "add" and "remove" are with static addresses on one host: every slot
@@ -39,28 +39,17 @@
 #include <vector>
 
 #include "actors/protocol.hpp"
+#include "actors/supervisor/scale_rule.hpp"
 #include "base/metrics.hpp"
 
 namespace troupe::actors {
-
-struct FleetScaleRule {
-  int min_workers = 1;
-  int max_workers = 1;
-  int64_t queue_depth_high = 32;  // waiting requests per active worker
-  int64_t queue_depth_low = 0;
-  double kv_use_high = 0.85;      // of the most used active worker
-  double kv_use_low = 0.3;
-  int64_t outstanding_handoffs_high = 16;  // KV handoffs lent and not yet taken: for a decode node those of
-                                           // the prefill processes, else the node's own (from heartbeats)
-  std::chrono::milliseconds cooldown{60000};
-};
 
 struct FleetNode {
   std::string name;                  // the manifest's node ("decode")
   WorkerRole role = WorkerRole::colocated;
   std::vector<std::string> slots;    // instance names in slot order ("decode-0", "decode-1", ...)
   int active = 0;                    // slots [0, active) serve from the start; the rest are standbys
-  std::optional<FleetScaleRule> rule;
+  std::optional<ScaleRule> rule;
 };
 
 struct FleetConfig {

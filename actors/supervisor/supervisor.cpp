@@ -29,7 +29,7 @@ struct SupervisorState {
   std::map<RequestId, int> deferrals;         // long-tail parks per request
   std::map<RequestId, double> parked_share;   // the pool share a parked request took when parked
   std::map<std::string, Clock::time_point> last_park;  // per worker
-  Clock::time_point last_scale = Clock::now();
+  ScaleGate scale_gate;
   int next_index = 0;
 };
 
@@ -106,34 +106,30 @@ void long_tail(Self self, Member& m) {
 
 void scale(Self self) {
   auto& st = self->state;
-  const auto& p = *st.config.scale;
-  if (Clock::now() - st.last_scale < p.cooldown) return;
-  int live = 0;
-  int64_t waiting = 0;
-  double kv = 0;
+  ScaleReading in;
   for (auto& [n, m] : st.members) {
     if (m.draining) continue;
-    ++live;
-    waiting += m.load.waiting;
-    kv = std::max(kv, m.load.kv_use);
+    ++in.active;
+    in.waiting += m.load.waiting;
+    in.kv_use = std::max(in.kv_use, m.load.kv_use);
   }
-  if (live == 0) return;
-  if (live < p.max_workers && (waiting / live > p.queue_depth_high || kv > p.kv_use_high)) {
+  const ScaleDecision d = st.scale_gate.decide(*st.config.scale, in);
+  if (d.step == ScaleStep::up) {
     WorkerConfig c = st.config.worker_template;
     c.name = c.name + "-" + std::to_string(st.next_index++);
-    spdlog::info("supervisor: scale up to {} workers ({})", live + 1, c.name);
+    spdlog::info("supervisor: scale up to {} workers ({}: {})", in.active + 1, c.name, d.why);
     start_member(self, std::move(c));
-    st.last_scale = Clock::now();
+    st.scale_gate.changed();
     st.metrics->counter("troupe_scale_events_total", "Workers added or removed by the scale policy", {{"dir", "up"}}).inc();
-  } else if (live > p.min_workers && waiting <= p.queue_depth_low && kv < p.kv_use_low) {
+  } else if (d.step == ScaleStep::down) {
     // Remove the least loaded worker.
     const Member* pick = nullptr;
     for (auto& [n, m] : st.members) {
       if (!m.draining && (pick == nullptr || m.load.running < pick->load.running)) pick = &m;
     }
-    spdlog::info("supervisor: scale down: draining {}", pick->config.name);
+    spdlog::info("supervisor: scale down: draining {} ({})", pick->config.name, d.why);
     drain_member(self, pick->config.name);
-    st.last_scale = Clock::now();
+    st.scale_gate.changed();
     st.metrics->counter("troupe_scale_events_total", "Workers added or removed by the scale policy", {{"dir", "down"}})
         .inc();
   }
@@ -236,7 +232,7 @@ caf::behavior supervisor_actor(Self self, std::shared_ptr<model::Model> model, S
           }
           drain_member(self, pick->config.name);
         }
-        s.last_scale = Clock::now();
+        s.scale_gate.changed();
         return "";
       },
       [=](scale_atom) -> std::string {

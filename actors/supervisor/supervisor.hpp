@@ -7,8 +7,8 @@
 //              the largest projected state (if it holds min_share of the pool);
 //              resume it when it fits back under resume_threshold or nothing
 //              else runs; after max_deferrals parks it is left to finish
-//   scale      add a worker when queue depth or KV use stays high, remove (drain)
-//              one when both stay low, within [min_workers, max_workers]
+//   scale      add a worker when queue depth or KV use is high, remove (drain)
+//              one when both stayed low for a cooldown (scale_rule.hpp)
 // A removed worker drains: the router fences it, its running requests move to
 // other workers with their state (park, export, import), then it stops.
 #pragma once
@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "actors/protocol.hpp"
+#include "actors/supervisor/scale_rule.hpp"
 #include "actors/worker/worker.hpp"
 #include "base/metrics.hpp"
 
@@ -40,22 +41,12 @@ struct LongTailPolicy {
   std::chrono::milliseconds cooldown{2000};  // between two parks on one worker (loads are audited every 32 steps)
 };
 
-struct ScalePolicy {
-  int min_workers = 1;
-  int max_workers = 4;
-  int64_t queue_depth_high = 8;     // waiting requests per worker that call for one more
-  int64_t queue_depth_low = 0;
-  double kv_use_high = 0.85;
-  double kv_use_low = 0.2;
-  std::chrono::seconds cooldown{10};
-};
-
 struct SupervisorConfig {
   std::vector<WorkerConfig> workers;   // the initial group
   WorkerConfig worker_template;        // for workers the scale policy adds
   RestartPolicy restart;
   std::optional<LongTailPolicy> long_tail;
-  std::optional<ScalePolicy> scale;
+  std::optional<ScaleRule> scale;
   std::chrono::milliseconds tick{100};
 };
 

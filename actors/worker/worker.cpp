@@ -91,7 +91,7 @@ void start_job(Self self, Job job) {
   // the jobs it places; a request that moved here (handoff, migration,
   // recompute fallback) is announced by its new worker.
   if (job.image || job.generated_before > 0 || job.attempt > 0) {
-    self->send(job.reply_to, Assigned{job.id, caf::actor_cast<caf::actor>(self), st.config.name});
+    self->send(job.reply_to, Assigned{job.id, caf::actor_cast<caf::actor>(self), st.config.name, job.generated_before});
   }
   run.job = std::move(job);
   st.by_request[run.job.id] = eid;
@@ -224,6 +224,7 @@ void on_event(Self self, const engine::Event& e) {
     }
     case engine::EventKind::finished: {
       const Job job = run.job;
+      const int64_t end_index = run.next_index;
       const bool handed_off = run.handing_off || run.superseded;
       if (auto br = st.by_request.find(job.id); br != st.by_request.end() && br->second == e.id) st.by_request.erase(br);
       st.by_engine.erase(it);
@@ -234,7 +235,7 @@ void on_event(Self self, const engine::Event& e) {
       } else {
         engine::Usage u = e.usage;
         u.prompt_tokens = job.prompt_tokens;
-        self->send(job.reply_to, Done{job.id, e.reason, u, me});
+        self->send(job.reply_to, Done{job.id, e.reason, u, me, end_index});
       }
       break;
     }

@@ -12,8 +12,10 @@ Command add_serve(CLI::App& app) {
   auto restart_window_s = std::make_shared<int64_t>(60);
   auto long_tail = std::make_shared<bool>(false);
   auto lt = std::make_shared<actors::LongTailPolicy>();
-  auto sp = std::make_shared<actors::ScalePolicy>();
+  auto sp = std::make_shared<actors::ScaleRule>();
   sp->max_workers = 0;
+  sp->queue_depth_high = 8;
+  sp->kv_use_low = 0.2;
   auto scale_cooldown_s = std::make_shared<int64_t>(10);
   auto frame_port = std::make_shared<int>(-1);
   auto* cmd = app.add_subcommand("serve", "serve a model over an OpenAI-compatible HTTP API and, with --frame-port, troupe frames (all actors in one process)");
@@ -54,7 +56,7 @@ Command add_serve(CLI::App& app) {
   cmd->add_option("--scale-queue-high", sp->queue_depth_high, "scale: add a worker above this queue depth per worker");
   cmd->add_option("--scale-kv-high", sp->kv_use_high, "scale: add a worker above this KV use");
   cmd->add_option("--scale-kv-low", sp->kv_use_low, "scale: remove one below this KV use with an empty queue");
-  cmd->add_option("--scale-cooldown", *scale_cooldown_s, "scale: seconds between two scale events");
+  cmd->add_option("--scale-cooldown", *scale_cooldown_s, "scale: seconds between two scale events, and how long the low marks must hold before a removal");
   cmd->add_flag("--test-hooks", o->test_hooks, "enable POST /admin/crash (fault injection for tests)");
   return [o, kv_mib, host_mib, body_mib, restart_window_s, long_tail, lt, sp, scale_cooldown_s, frame_port] {
     if (*frame_port >= 0) o->frame_port = static_cast<uint16_t>(*frame_port);

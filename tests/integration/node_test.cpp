@@ -159,10 +159,11 @@ TEST_F(NodeFabric, messages_cross_as_the_same_structs_and_handles_become_one_pro
   EXPECT_EQ(m.get_as<TokenBatch>(0).tokens, (std::vector<int32_t>{11, 12}));
   EXPECT_EQ(m.get_as<TokenBatch>(0).worker, w);
 
-  caf::anon_send(got.reply_to, Done{42, engine::FinishReason::length, {}, worker_});
+  caf::anon_send(got.reply_to, Done{42, engine::FinishReason::length, {}, worker_, 2});
   m = router_in_->pop();
   ASSERT_TRUE(m.match_elements<Done>()) << caf::to_string(m);
   EXPECT_EQ(m.get_as<Done>(0).reason, engine::FinishReason::length);
+  EXPECT_EQ(m.get_as<Done>(0).end_index, 2);
 
   caf::anon_send(w, abort_atom::value, RequestId{42});
   m = worker_in_->pop();

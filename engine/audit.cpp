@@ -58,7 +58,11 @@ void Engine::publish_stats() {
   counters_.parked = 0;
   for (const auto& [id, s] : seqs_) {
     if (s->phase == Phase::running || s->phase == Phase::loading) ++counters_.running;
-    if (s->phase == Phase::parked || s->phase == Phase::parking || s->phase == Phase::resuming) ++counters_.parked;
+    // A parked request that wants to resume (an imported handoff or migration,
+    // a long-tail park whose time came) waits for room like a new one: it is
+    // the queue a decode worker has.
+    if (s->phase == Phase::parked && s->resume_wanted) ++counters_.waiting;
+    else if (s->phase == Phase::parked || s->phase == Phase::parking || s->phase == Phase::resuming) ++counters_.parked;
   }
   const bool full = counters_.steps % 32 == 0 || idle();
   if (full) counters_.requests.clear();

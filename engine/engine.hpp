@@ -96,7 +96,7 @@ struct EngineStats {
   int64_t admission_waits = 0;      // steps in which a waiting request could not be admitted for memory
   int64_t decoder_steps = 0;        // steps run through model::Decoder (no host round trip inside)
   int64_t graph_replays = 0;        // of those, replayed from a recorded graph
-  int64_t waiting = 0, running = 0, parked = 0;
+  int64_t waiting = 0, running = 0, parked = 0;  // waiting: for admission, or parked and wanting to resume
   int64_t tree_nodes = 0, tree_pages = 0;
   uint64_t copied_bytes = 0;
   std::string waiting_reason;       // why the head of the queue waits (empty when nothing waits on memory)

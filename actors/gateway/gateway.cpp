@@ -358,6 +358,9 @@ void on_tokens(Self self, const TokenBatch& b) {
   auto have = [&f] { return static_cast<int64_t>(f.result.token_ids.size()); };
   if (b.index > have()) {  // the batch before it is still on its way
     f.early.emplace(b.index, b);
+    st.metrics->counter("troupe_early_batches_total",
+                        "Token batches that overtook an earlier one of their request (two workers, two processes) "
+                        "and waited for it").inc();
     return;
   }
   if (!stream_batch(self, f, b)) return;

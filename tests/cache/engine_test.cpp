@@ -328,6 +328,59 @@ TEST(EngineHandoff, prefill_then_decode_elsewhere_gives_the_same_tokens) {
   }
 }
 
+TEST(EngineHandoff, an_image_waiting_for_device_room_counts_as_waiting) {
+  // A decode worker's queue is the handoffs it took and cannot run yet: the
+  // scale rule reads it as queue depth, so it must not hide among the parked.
+  auto& m = tiny();
+  std::mt19937_64 rng(23);
+  EngineOptions with_host;
+  with_host.host_bytes = 32 << 20;
+  Harness prefill(m, with_host);
+  auto r = test::greedy(test::random_ids(rng, 300, m.config().vocab_size), 10);
+  r.park_after_prefill = true;
+  const auto id = prefill.submit(std::move(r));
+  prefill.run();
+  auto future = prefill.engine().export_parked(id);
+  prefill.engine().step();
+  auto image = future.get();
+  ASSERT_TRUE(image.has_value());
+
+  const auto g = cache::CacheGeometry::of(m.config());
+  EngineOptions o = with_host;
+  o.slab_bytes = cache::PoolSet::default_slab_bytes(g);
+  o.device_bytes = 6 * o.slab_bytes;
+  o.prefix_cache = false;
+  Harness decode(m, o);
+  // Requests that fill the device tier first.
+  std::vector<RequestId> busy;
+  for (int i = 0; i < 6; ++i) busy.push_back(decode.submit(greedy(test::random_ids(rng, 300, m.config().vocab_size), 40)));
+  for (int i = 0; i < 8; ++i) decode.engine().step();
+  const auto moved = decode.engine().import(std::move(*image));
+  bool counted = false;
+  while (!decode.engine().idle()) {
+    decode.engine().step();
+    const auto s = decode.engine().stats();
+    if (s.steps % 32 != 0) continue;  // the request list is refreshed with the full audit
+    for (const auto& q : s.requests) {
+      if (q.id == moved && q.phase == "parked") {
+        EXPECT_GE(s.waiting, 1);
+        EXPECT_EQ(s.parked, 0);
+        counted = true;
+      }
+    }
+  }
+  decode.collect();
+  EXPECT_TRUE(counted) << "the image never had to wait: give the busy requests more of the device";
+  ASSERT_TRUE(decode[moved].finished) << decode[moved].last.message;
+  EXPECT_EQ(decode[moved].last.reason, FinishReason::length) << decode[moved].last.message;
+  prefill.engine().abort(id);
+  prefill.run();
+  prefill.engine().clear_cache();
+  prefill.expect_no_leaks(true);
+  decode.engine().clear_cache();
+  decode.expect_no_leaks(true);
+}
+
 TEST(EngineHandoff, a_bad_image_finishes_with_an_error) {
   auto& m = tiny();
   Harness h(m, EngineOptions{});

@@ -278,6 +278,7 @@ NodeProcess::NodeProcess(RunOptions options) : impl_(std::make_unique<Impl>()) {
     };
     im.fleet = spawn_fleet(*im.system, std::move(fc), im.router, im.metrics);
     im.node->publish("router", im.router);
+    im.node->publish("fleet", im.fleet);
   } else if (!im.router_instance.empty()) {
     im.router = im.node->remote(im.router_instance, "router");
   }
@@ -296,8 +297,11 @@ NodeProcess::NodeProcess(RunOptions options) : impl_(std::make_unique<Impl>()) {
     gc.not_ready = [raw] { return raw->not_ready(); };
     im.gateway = spawn_gateway(*im.system, gc, tok, im.router, im.metrics, &im.port);
     im.node->publish("gateway", im.gateway);
-    // Admin routes (drain, scale) reach every process's workers through the fleet.
+    // Admin routes (drain, scale) reach every process's workers through the
+    // fleet: here, or in the router's process (a gateway-only process, e.g. a
+    // Kubernetes Deployment behind the Service, asks it over the fabric).
     if (im.fleet) attach_supervisor(im.gateway, im.fleet);
+    else if (!im.router_instance.empty()) attach_supervisor(im.gateway, im.node->remote(im.router_instance, "fleet"));
   }
 
   if (im.runs_worker) {

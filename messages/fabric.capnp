@@ -164,12 +164,17 @@ struct Handoff {
 # What a Call asks.
 enum CallKind {
   routerWorkers @0;            # (workers_atom) to a router -> Reply.workers
+  fleetDrain @1;               # (drain_atom, name) to the fleet: an admin's drain -> Reply.flag (started)
+  fleetScale @2;               # (scale_atom) to the fleet: its slots as JSON -> Reply.text
+  fleetScaleTo @3;             # (scale_atom, node, count) to the fleet -> Reply.text ("" or why not)
 }
 
 # A request that expects one reply (CAF request/response through a proxy).
 struct Call {
   corr @0 :UInt64;             # the caller's correlation id, echoed in the Reply
   kind @1 :CallKind;
+  name @2 :Text;               # fleetDrain: the worker; fleetScaleTo: the node
+  count @3 :Int32;             # fleetScaleTo: the workers wanted
 }
 
 struct Reply {
@@ -177,6 +182,8 @@ struct Reply {
   union {
     workers @1 :List(WorkerLoad);
     error @2 :Common.Error;
+    flag @3 :Bool;
+    text @4 :Text;
   }
 }
 

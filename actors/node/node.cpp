@@ -51,15 +51,24 @@ caf::behavior node_actor(caf::event_based_actor* self, std::weak_ptr<Node> node,
         n->on_tick();
         self->delayed_send(self, every, tick_atom::value);
       },
-      [=](node_call_atom, const std::string& peer, uint64_t corr, const caf::actor& target) {
-        self->request(target, std::chrono::seconds(5), workers_atom::value)
-            .then(
-                [=](const std::vector<WorkerLoad>& loads) {
-                  if (auto n = node.lock()) n->send_reply(peer, corr, &loads, {});
-                },
-                [=](caf::error& e) {
-                  if (auto n = node.lock()) n->send_reply(peer, corr, nullptr, caf::to_string(e));
-                });
+      [=](node_call_atom, const std::string& peer, uint64_t corr, const caf::actor& target, const caf::message& ask) {
+        auto reply = [=](Node::ReplyValue v) {
+          if (auto n = node.lock()) n->send_reply(peer, corr, v);
+        };
+        auto failed = [=](caf::error& e) { reply(Error(ErrorCode::unavailable, caf::to_string(e))); };
+        const auto timeout = std::chrono::seconds(5);
+        if (ask.match_elements<workers_atom>()) {
+          self->request(target, timeout, workers_atom::value)
+              .then([=](const std::vector<WorkerLoad>& loads) { reply(loads); }, failed);
+        } else if (ask.match_elements<drain_atom, std::string>()) {
+          self->request(target, timeout, drain_atom::value, ask.get_as<std::string>(1))
+              .then([=](bool started) { reply(started); }, failed);
+        } else if (ask.match_elements<scale_atom>()) {
+          self->request(target, timeout, scale_atom::value).then([=](const std::string& s) { reply(s); }, failed);
+        } else if (ask.match_elements<scale_atom, std::string, int32_t>()) {
+          self->request(target, timeout, scale_atom::value, ask.get_as<std::string>(1), ask.get_as<int32_t>(2))
+              .then([=](const std::string& s) { reply(s); }, failed);
+        }
       },
   };
 }
@@ -358,7 +367,16 @@ Expected<Outgoing> Node::build(const ProxyRef& ref, const caf::message& m) {
 Expected<Frame> Node::build_call(const ProxyRef& ref, const caf::message& m, const caf::actor& proxy, uint64_t& corr) {
   if (stopping_) return Error(ErrorCode::unavailable, "the node is stopping");
   if (ref.peer.empty()) return Error(ErrorCode::unavailable, "the actor is gone");
-  if (!m.match_elements<workers_atom>()) {
+  msg::CallKind kind;
+  if (m.match_elements<workers_atom>()) {
+    kind = msg::CallKind::ROUTER_WORKERS;
+  } else if (m.match_elements<drain_atom, std::string>()) {
+    kind = msg::CallKind::FLEET_DRAIN;
+  } else if (m.match_elements<scale_atom>()) {
+    kind = msg::CallKind::FLEET_SCALE;
+  } else if (m.match_elements<scale_atom, std::string, int32_t>()) {
+    kind = msg::CallKind::FLEET_SCALE_TO;
+  } else {
     return Error(ErrorCode::unsupported, "a request the fabric does not carry: " + caf::to_string(m));
   }
   {
@@ -373,7 +391,9 @@ Expected<Frame> Node::build_call(const ProxyRef& ref, const caf::message& m, con
   target.setName(ref.name);
   auto call = b.root().getBody().initCall();
   call.setCorr(corr);
-  call.setKind(msg::CallKind::ROUTER_WORKERS);
+  call.setKind(kind);
+  if (kind == msg::CallKind::FLEET_DRAIN || kind == msg::CallKind::FLEET_SCALE_TO) call.setName(m.get_as<std::string>(1));
+  if (kind == msg::CallKind::FLEET_SCALE_TO) call.setCount(m.get_as<int32_t>(2));
   return b.finish(0);
 }
 
@@ -402,20 +422,24 @@ void Node::forget(const caf::actor_addr& proxy) {
   proxy_refs_.erase(it);
 }
 
-void Node::send_reply(const std::string& peer, uint64_t corr, const std::vector<WorkerLoad>* loads,
-                      const std::string& error) {
+void Node::send_reply(const std::string& peer, uint64_t corr, const ReplyValue& value) {
   Use use(*this);
   if (!use) return;
   messages::FrameBuilder<msg::ActorMessage> b;
   auto reply = b.root().getBody().initReply();
   reply.setCorr(corr);
-  if (loads) {
+  if (auto* loads = std::get_if<std::vector<WorkerLoad>>(&value)) {
     auto list = reply.initWorkers(static_cast<unsigned>(loads->size()));
     for (size_t i = 0; i < loads->size(); ++i) node::to_wire((*loads)[i], *this, list[static_cast<unsigned>(i)]);
+  } else if (auto* flag = std::get_if<bool>(&value)) {
+    reply.setFlag(*flag);
+  } else if (auto* text = std::get_if<std::string>(&value)) {
+    reply.setText(*text);
   } else {
+    const auto& err = std::get<Error>(value);
     auto e = reply.initError();
-    e.setCode(msg::ErrorCode::UNAVAILABLE);
-    e.setMessage(error);
+    e.setCode(messages::to_wire(err.code()));
+    e.setMessage(err.what());
   }
   (void)transport_->send(peer, b.finish(0));
 }
@@ -545,12 +569,22 @@ void Node::on_actor_message(const std::string& peer, const Frame& frame) {
         proxy = it->second;
         calls_.erase(it);
       }
-      if (r.isWorkers()) {
-        std::vector<WorkerLoad> loads;
-        for (auto l : r.getWorkers()) loads.push_back(node::from_wire(l, *this));
-        caf::anon_send(proxy, proxy_reply_atom::value, r.getCorr(), std::move(loads));
-      } else {
-        caf::anon_send(proxy, proxy_reply_atom::value, r.getCorr(), std::string(r.getError().getMessage().cStr()));
+      switch (r.which()) {
+        case msg::Reply::WORKERS: {
+          std::vector<WorkerLoad> loads;
+          for (auto l : r.getWorkers()) loads.push_back(node::from_wire(l, *this));
+          caf::anon_send(proxy, proxy_reply_atom::value, r.getCorr(), caf::make_message(std::move(loads)));
+          break;
+        }
+        case msg::Reply::FLAG:
+          caf::anon_send(proxy, proxy_reply_atom::value, r.getCorr(), caf::make_message(r.getFlag()));
+          break;
+        case msg::Reply::TEXT:
+          caf::anon_send(proxy, proxy_reply_atom::value, r.getCorr(), caf::make_message(std::string(r.getText().cStr())));
+          break;
+        default:
+          caf::anon_send(proxy, proxy_reply_atom::value, r.getCorr(), std::string(r.getError().getMessage().cStr()));
+          break;
       }
       return;
     }
@@ -589,7 +623,21 @@ void Node::on_actor_message(const std::string& peer, const Frame& frame) {
     return;
   }
   if (body.isCall()) {
-    caf::anon_send(node_actor_, node_call_atom::value, peer, body.getCall().getCorr(), target);
+    auto call = body.getCall();
+    caf::message ask;
+    switch (call.getKind()) {
+      case msg::CallKind::ROUTER_WORKERS: ask = caf::make_message(workers_atom::value); break;
+      case msg::CallKind::FLEET_DRAIN: ask = caf::make_message(drain_atom::value, std::string(call.getName().cStr())); break;
+      case msg::CallKind::FLEET_SCALE: ask = caf::make_message(scale_atom::value); break;
+      case msg::CallKind::FLEET_SCALE_TO:
+        ask = caf::make_message(scale_atom::value, std::string(call.getName().cStr()), call.getCount());
+        break;
+    }
+    if (ask.empty()) {  // a kind this build does not know (a newer peer)
+      send_reply(peer, call.getCorr(), Error(ErrorCode::unsupported, "a call this process does not answer"));
+      return;
+    }
+    caf::anon_send(node_actor_, node_call_atom::value, peer, call.getCorr(), target, std::move(ask));
     return;
   }
   if (body.isConfirm()) {  // the taker's worker holds the state: the handoff is over

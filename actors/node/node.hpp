@@ -36,6 +36,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <variant>
 #include <vector>
 
 #include "actors/node/codec.hpp"
@@ -153,7 +154,9 @@ class Node final : public RefMap, public std::enable_shared_from_this<Node> {
   // A proxy that gave up waiting for its peer: no longer handed out.
   void forget(const caf::actor_addr& proxy);
   void on_tick();
-  void send_reply(const std::string& peer, uint64_t corr, const std::vector<WorkerLoad>* loads, const std::string& error);
+  // A Call's answer: its result (one of the Reply union's values) or an error.
+  using ReplyValue = std::variant<std::vector<WorkerLoad>, bool, std::string, Error>;
+  void send_reply(const std::string& peer, uint64_t corr, const ReplyValue& value);
 
   // ---- RefMap ---------------------------------------------------------------
   void to_wire(const caf::actor& actor, msg::ActorRef::Builder out) override;

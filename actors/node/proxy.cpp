@@ -102,10 +102,10 @@ caf::behavior proxy_actor(Self self, std::weak_ptr<Node> node, ProxyRef ref) {
         self->state.retry_scheduled = false;
         flush(self);
       },
-      [=](proxy_reply_atom, uint64_t corr, const std::vector<WorkerLoad>& loads) {
+      [=](proxy_reply_atom, uint64_t corr, const caf::message& result) {
         auto it = self->state.calls.find(corr);
         if (it == self->state.calls.end()) return;
-        it->second.deliver(loads);
+        it->second.deliver(result);
         self->state.calls.erase(it);
       },
       [=](proxy_reply_atom, uint64_t corr, const std::string& error) {

@@ -6,8 +6,8 @@
 namespace troupe::actors::node {
 
 using proxy_retry_atom = caf::atom_constant<caf::atom("pxretry")>;  // send what backpressure held back
-using proxy_reply_atom = caf::atom_constant<caf::atom("pxreply")>;  // (corr, result or error text): a Call's Reply
+using proxy_reply_atom = caf::atom_constant<caf::atom("pxreply")>;  // (corr, result message or error text): a Call's Reply
 using proxy_quit_atom = caf::atom_constant<caf::atom("pxquit")>;    // (reason): the remote actor or its process is gone
-using node_call_atom = caf::atom_constant<caf::atom("nodecall")>;   // (peer, corr, target): run a remote Call here
+using node_call_atom = caf::atom_constant<caf::atom("nodecall")>;   // (peer, corr, target, request): run a remote Call here
 
 }  // namespace troupe::actors::node

@@ -19,6 +19,9 @@ zero.
 4. Admin: POST /admin/drain {"worker": "decode-1"} reaches the remote process:
    it drains itself and exits 0 while the streams it ran finish unchanged;
    started again by the operator, it is back in service.
+A gateway-only process (edge, as a Kubernetes gateway Deployment would be)
+answers the admin routes too: it asks the fleet in the router's process over
+the fabric (GET /admin/scale, POST /admin/scale, POST /admin/drain).
 
 Run by ctest (tests/integration/CMakeLists.txt).
 """
@@ -69,8 +72,8 @@ class ScaleCase(unittest.TestCase):
         if self._outcome.result.failures or self._outcome.result.errors:
             print(self.cluster.logs())
 
-    def slots(self):
-        status, body = h.get(HOST, self.front, "/admin/scale")
+    def slots(self, port=None):
+        status, body = h.get(HOST, port or self.front, "/admin/scale")
         self.assertEqual(status, 200, body)
         node = [n for n in json.loads(body)["nodes"] if n["node"] == self.NODE][0]
         if self.ROLE:
@@ -98,14 +101,16 @@ class ScalePolicy(ScaleCase):
     NODE = "decode"
 
     def setUp(self):
-        model, base = self.start_cluster("troupe-scale-policy-", 20)
+        model, base = self.start_cluster("troupe-scale-policy-", 30)
         # front: base..base+9; the worker node: http base+10 (slot 0) and base+11 (slot 1), transports
-        # base+12 and base+13.
+        # base+12 and base+13; edge (gateway only): base+20..base+29.
         nodes = [
             {"name": "front", "actors": ["gateway", "router"], "address": HOST,
              "ports": (base, base + 1, base + 2, base + 9)},
             {"name": "decode", "actors": ["prefill", "decode", "cache_shard"], "address": HOST, "replicas": 1,
              "transports": [base + 12, base + 13], "ports": (base + 10, base + 12, base + 14, base + 19)},
+            {"name": "edge", "actors": ["gateway"], "address": HOST,
+             "ports": (base + 20, base + 21, base + 22, base + 29)},
         ]
         # KV use is about zero only when nothing runs: the low mark holds when idle, never under load.
         rule = {"node": "decode", "min_workers": 1, "max_workers": 2, "queue_depth_high": 2, "queue_depth_low": 0,
@@ -113,14 +118,15 @@ class ScalePolicy(ScaleCase):
                 "cooldown_s": COOLDOWN_S}
         manifest = h.write_manifest(self.dir / "scale.yaml", "scale", model, nodes, drain_timeout_s=60, scale=[rule])
         self.manifest = manifest
-        self.front, self.http = base, {"decode-0": base + 10, "decode-1": base + 11}
+        self.front, self.edge, self.http = base, base + 20, {"decode-0": base + 10, "decode-1": base + 11}
         run = ["--max-running", str(MAX_RUNNING)]
         self.procs = {
             "front": self.cluster.start("front", manifest),
             "decode-0": self.cluster.start("decode-0", manifest, args=run),
             "decode-1": self.cluster.start("decode-1", manifest, args=run),  # http: ports.http + 1 (same host)
+            "edge": self.cluster.start("edge", manifest),
         }
-        h.wait_all_ready(self.cluster, HOST, [base, base + 10, base + 11])
+        h.wait_all_ready(self.cluster, HOST, [base, base + 10, base + 11, base + 20])
         self.model = h.model_id(HOST, base)
 
     def metric(self, node, name):
@@ -128,6 +134,7 @@ class ScalePolicy(ScaleCase):
 
     def test_scale_up_down_and_admin_drain_across_processes(self):
         self.assertEqual(self.slots(), {"decode-0": "active", "decode-1": "standby"})
+        self.assertEqual(self.slots(self.edge), {"decode-0": "active", "decode-1": "standby"})
         prompts = h.prompts(40, length=16, seed=11)
         max_tokens = 300
         # The oracle, one request at a time (nothing waits: no scale up yet).
@@ -169,9 +176,11 @@ class ScalePolicy(ScaleCase):
                 self.assertIsNone(r["error"], r)
                 long_ref.append(r["token_ids"])
         self.assertEqual(post(self.front, "/admin/scale", {"node": "decode", "workers": 3})[0], 400)
-        self.assertEqual(post(self.front, "/admin/scale", {"node": "nope", "workers": 1})[0], 400)
+        status, body = post(self.edge, "/admin/scale", {"node": "nope", "workers": 1})
+        self.assertEqual(status, 400, body)
+        self.assertIn("no worker node 'nope'", body["error"]["message"])
         self.assertEqual(post(self.front, "/admin/scale", {"workers": "x"})[0], 400)
-        status, body = post(self.front, "/admin/scale", {"node": "decode", "workers": 2})
+        status, body = post(self.edge, "/admin/scale", {"node": "decode", "workers": 2})  # through the fabric
         self.assertEqual(status, 200, body)
         self.wait_slots(lambda s: list(s.values()) == ["active", "active"], "admin scale up")
         handoffs_before = {n: self.metric(n, "troupe_handoffs_total") for n in ("decode-0", "decode-1")}
@@ -194,6 +203,7 @@ class ScalePolicy(ScaleCase):
 
         # 4. Admin drain of a remote worker: its process drains and exits 0.
         self.assertEqual(post(self.front, "/admin/drain", {"worker": "nope-3"})[0], 404)
+        self.assertEqual(post(self.edge, "/admin/drain", {"worker": "nope-3"})[0], 404)
         status, body = post(self.front, "/admin/scale", {"node": "decode", "workers": 2})
         self.assertEqual(status, 200, body)
         self.wait_slots(lambda s: list(s.values()) == ["active", "active"], "admin scale up again")
@@ -201,7 +211,7 @@ class ScalePolicy(ScaleCase):
         end = time.time() + 120
         while time.time() < end and self.metric("decode-1", "troupe_running") == 0:
             time.sleep(0.05)
-        status, body = post(self.front, "/admin/drain", {"worker": "decode-1"})
+        status, body = post(self.edge, "/admin/drain", {"worker": "decode-1"})  # through the fabric
         self.assertEqual(status, 200, body)
         code = self.procs["decode-1"].reap(timeout=90)
         self.assertEqual(code, 0, f"decode-1 exited with {code}:\n{self.procs['decode-1'].tail()}")

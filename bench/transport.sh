@@ -10,7 +10,7 @@ shift || true
 BIN=$BUILD/bin/transport_bench
 [ -x "$BIN" ] || cmake --build "$BUILD" --target transport_bench
 export UCX_NET_DEVICES=lo UCX_MM_ERROR_HANDLING=y
-# Direct endpoints (UcxOptions::direct_endpoints) unless TROUPE_UCX_DIRECT says otherwise.
+# Direct endpoints (UcxOptions::direct_endpoints, the default) unless TROUPE_UCX_DIRECT=0 says otherwise.
 export TROUPE_UCX_DIRECT=${TROUPE_UCX_DIRECT:-1}
 
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)

@@ -33,10 +33,10 @@ struct UcxOptions {
   size_t max_send_queue_bytes = 1ull << 30;
   // After the handshake, send frames and RMA over endpoints made from the
   // peers' worker addresses (see Conn in ucx_impl.hpp): 1.8x the frame
-  // bandwidth at 4 MiB on one host. Off (the default until the multi-process
-  // tests have run with it long enough): everything over the sockaddr
-  // endpoints. TROUPE_UCX_DIRECT=1 / =0 in the environment overrides this.
-  bool direct_endpoints = false;
+  // bandwidth at 4 MiB on one host (UCX gives a sockaddr endpoint's large
+  // active messages tcp lanes). Off: everything over the sockaddr endpoints.
+  // TROUPE_UCX_DIRECT=1 / =0 in the environment overrides this.
+  bool direct_endpoints = true;
 };
 
 class UcxTransport final : public Transport {

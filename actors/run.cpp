@@ -19,6 +19,7 @@
 #include "actors/router/router.hpp"
 #include "actors/serve.hpp"
 #include "actors/supervisor/fleet.hpp"
+#include "actors/supervisor/kube_scale.hpp"
 #include "actors/supervisor/supervisor.hpp"
 #include "base/error.hpp"
 #include "cache/layout.hpp"
@@ -261,8 +262,24 @@ NodeProcess::NodeProcess(RunOptions options) : impl_(std::make_unique<Impl>()) {
         fr.outstanding_handoffs_high = r->outstanding_handoffs_high;
         fr.cooldown = std::chrono::milliseconds(static_cast<int64_t>(r->cooldown_s * 1000));
         fn.rule = fr;
+        if (discovery == deploy::Discovery::kubernetes && n.workload == deploy::Workload::stateful_set) {
+          fn.statefulset = topo.object_name(n);
+        }
       }
       fc.nodes.push_back(std::move(fn));
+    }
+    // On Kubernetes the fleet resizes the scaled nodes' StatefulSets as the
+    // pod's service account (the renderer's Role allows exactly that).
+    if (discovery == deploy::Discovery::kubernetes && !topo.policies.scale.empty()) {
+      if (auto api = KubeApiOptions::in_cluster(topo.kubernetes.namespace_name)) {
+        auto scaler = std::make_shared<KubeScaler>(*api);
+        fc.set_replicas = [scaler](const std::string& ss, int32_t n) { return scaler->set_replicas(ss, n); };
+        spdlog::info("run: the fleet resizes StatefulSets through https://{}:{} (namespace {})", api->host, api->port,
+                     api->namespace_name);
+      } else {
+        spdlog::warn("run: not in a Kubernetes pod (no KUBERNETES_SERVICE_HOST): the scale policy admits only pods "
+                     "that are already up");
+      }
     }
     std::weak_ptr<node::Node> weak = im.node;
     fc.control = [weak](const std::string& instance) -> caf::actor {

@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 namespace troupe::actors {
@@ -43,7 +44,10 @@ struct FleetState {
   std::map<std::string, Clock::time_point> warned;  // rate-limited warnings by key
   std::vector<WorkerLoad> loads;                    // the router's last view
   bool asking = false;                              // a workers request to the router is out
+  std::vector<int32_t> asked_replicas;              // per node: the StatefulSet size last asked for (-1: none)
 };
+
+using replicas_atom = caf::atom_constant<caf::atom("replicas")>;
 
 using Self = caf::stateful_actor<FleetState>*;
 
@@ -117,6 +121,8 @@ void activate(Self self, Slot& slot, const std::string& why) {
   }
 }
 
+void resize(Self self, size_t i);
+
 // A draining worker: migrate again until it holds nothing, then it is a standby.
 void step_drain(Self self, Slot& slot, const std::map<std::string, int64_t>& handoffs) {
   auto& st = self->state;
@@ -126,6 +132,7 @@ void step_drain(Self self, Slot& slot, const std::map<std::string, int64_t>& han
   if (mine == nullptr) {  // gone (its process stopped): nothing left to move
     spdlog::info("fleet: {} left while draining", slot.name);
     slot.state = SlotState::standby;
+    resize(self, slot.node);
     return;
   }
   // Loads arrive every 50 ms; the first migrate has had time to show up once a
@@ -136,6 +143,7 @@ void step_drain(Self self, Slot& slot, const std::map<std::string, int64_t>& han
     spdlog::info("fleet: {} drained in {} ms; standby now", slot.name,
                  std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - slot.drain_started).count());
     slot.state = SlotState::standby;
+    resize(self, slot.node);  // Kubernetes: its pod goes
     return;
   }
   if (Clock::now() - slot.last_migrate < st.config.migrate_every || !mine->actor) return;
@@ -148,6 +156,27 @@ void step_drain(Self self, Slot& slot, const std::map<std::string, int64_t>& han
               slot.name + " is draining but no other worker of its role is in service: its requests finish there");
     self->send(mine->actor, drain_atom::value);
   }
+}
+
+// Kubernetes: the StatefulSet of node `i` gets one pod per slot up to the
+// highest one in service (or draining), as the slots now say.
+void resize(Self self, size_t i) {
+  auto& st = self->state;
+  const auto& node = st.config.nodes[i];
+  if (node.statefulset.empty() || !st.config.set_replicas) return;
+  int32_t pods = 0;
+  for (const auto& s : st.slots) {
+    if (s.node == i && (s.state == SlotState::active || s.state == SlotState::draining)) pods = std::max(pods, s.ordinal + 1);
+  }
+  if (st.asked_replicas[i] == pods) return;
+  st.asked_replicas[i] = pods;
+  spdlog::info("fleet: StatefulSet {} to {} replicas", node.statefulset, pods);
+  auto set = st.config.set_replicas;
+  const auto me = caf::actor_cast<caf::actor>(self);
+  std::thread([set, me, i, name = node.statefulset, pods] {
+    auto r = set(name, pods);
+    caf::anon_send(me, replicas_atom::value, static_cast<uint64_t>(i), pods, r ? std::string() : std::string(r.error().what()));
+  }).detach();
 }
 
 void scale_node(Self self, size_t i, const std::map<std::string, int64_t>& handoffs) {
@@ -187,27 +216,35 @@ void scale_node(Self self, size_t i, const std::map<std::string, int64_t>& hando
     if (want == active) st.target[i].reset();
   }
   if (want > active) {
-    // The lowest standby slot whose process is up and registered.
-    for (auto& s : st.slots) {
-      if (s.node != i || s.state != SlotState::standby || load_of(st, s.name) == nullptr) continue;
-      activate(self, s, "scale up: " + why);
-      st.gates[i].changed();
-      st.metrics->counter("troupe_scale_events_total", "Workers added or removed by the scale policy",
-                          {{"node", node.name}, {"dir", "up"}}).inc();
-      return;
-    }
+    // The lowest standby slot whose process is up and registered; on
+    // Kubernetes, else the lowest standby slot, whose pod the resize makes.
+    auto add = [&](bool up) {
+      for (auto& s : st.slots) {
+        if (s.node != i || s.state != SlotState::standby || (load_of(st, s.name) != nullptr) != up) continue;
+        activate(self, s, (up ? "scale up: " : "scale up, new pod: ") + why);
+        st.gates[i].changed();
+        st.metrics->counter("troupe_scale_events_total", "Workers added or removed by the scale policy",
+                            {{"node", node.name}, {"dir", "up"}}).inc();
+        resize(self, i);
+        return true;
+      }
+      return false;
+    };
+    if (add(true) || (!node.statefulset.empty() && st.config.set_replicas && add(false))) return;
     warn_once(st, "no-standby-" + node.name,
               fmt::format("node {} should grow to {} workers ({}) but no standby process of it is up", node.name,
                           want, why));
   } else if (want < active) {
-    // The least loaded active slot, the highest one on a tie.
+    // The least loaded active slot, the highest one on a tie; on Kubernetes
+    // the highest one (a StatefulSet removes its last pod).
+    const bool highest = !node.statefulset.empty();
     Slot* pick = nullptr;
     int64_t pick_load = 0;
     for (auto& s : st.slots) {
       if (s.node != i || s.state != SlotState::active || local(st, s.name)) continue;
       const WorkerLoad* l = load_of(st, s.name);
       const int64_t load = l ? l->running + l->waiting : 0;
-      if (pick == nullptr || load <= pick_load) {
+      if (pick == nullptr || highest || load <= pick_load) {
         pick = &s;
         pick_load = load;
       }
@@ -270,6 +307,7 @@ caf::behavior fleet_actor(Self self, FleetConfig config, caf::actor router, std:
   st.router = std::move(router);
   st.metrics = std::move(metrics);
   st.gates.assign(st.config.nodes.size(), ScaleGate{});
+  st.asked_replicas.assign(st.config.nodes.size(), -1);
   st.target.assign(st.config.nodes.size(), std::nullopt);
   for (size_t i = 0; i < st.config.nodes.size(); ++i) {
     const auto& n = st.config.nodes[i];
@@ -359,6 +397,26 @@ caf::behavior fleet_actor(Self self, FleetConfig config, caf::actor router, std:
         return fmt::format("no worker node '{}'; the worker nodes: {}", node, names);
       },
       [=](scale_atom) -> std::string { return describe(self->state); },
+      [=](replicas_atom, uint64_t node, int32_t pods, const std::string& error) {
+        auto& s = self->state;
+        if (node >= s.config.nodes.size()) return;
+        const auto& n = s.config.nodes[node];
+        if (error.empty()) {
+          spdlog::info("fleet: StatefulSet {} has {} replicas", n.statefulset, pods);
+          return;
+        }
+        spdlog::warn("fleet: resizing StatefulSet {} to {} failed: {}", n.statefulset, pods, error);
+        if (s.asked_replicas[node] == pods) s.asked_replicas[node] = -1;  // asked again on the next change
+        // Slots waiting for a pod that will not come go back to standby.
+        for (auto& slot : s.slots) {
+          if (slot.node == node && slot.state == SlotState::active && slot.ordinal >= pods - 1 &&
+              load_of(s, slot.name) == nullptr) {
+            slot.state = SlotState::standby;
+            self->send(s.router, hold_atom::value, slot.name, true);
+          }
+        }
+        update_gauges(s);
+      },
       [=](local_atom, caf::actor supervisor, const std::string& worker) {
         self->state.config.local_supervisor = std::move(supervisor);
         self->state.config.local_workers.push_back(worker);

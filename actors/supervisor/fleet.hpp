@@ -25,7 +25,14 @@
 // exit (the SIGTERM path: fence, migrate with the KV, exit 0), through the
 // process's published "control" actor.
 //
-// Handlers never block: the router's view arrives as a response message.
+// On Kubernetes (FleetNode::statefulset) adding a worker whose pod does not
+// exist yet resizes the node's StatefulSet through the API server
+// (kube_scale.hpp) and serves it once it registers; removing one drains the
+// highest slot (the pod a StatefulSet removes first) and then shrinks the
+// StatefulSet, which deletes that pod.
+//
+// Handlers never block: the router's view arrives as a response message, the
+// Kubernetes calls' outcome too.
 #pragma once
 
 #include <caf/all.hpp>
@@ -40,6 +47,7 @@
 
 #include "actors/protocol.hpp"
 #include "actors/supervisor/scale_rule.hpp"
+#include "base/error.hpp"
 #include "base/metrics.hpp"
 
 namespace troupe::actors {
@@ -50,6 +58,10 @@ struct FleetNode {
   std::vector<std::string> slots;    // instance names in slot order ("decode-0", "decode-1", ...)
   int active = 0;                    // slots [0, active) serve from the start; the rest are standbys
   std::optional<ScaleRule> rule;
+  // Kubernetes: the node's StatefulSet, which the fleet resizes (adding
+  // creates the next pod; removing drains the highest slot, then deletes its
+  // pod). Empty: the slots are processes an operator started (standbys).
+  std::string statefulset;
 };
 
 struct FleetConfig {
@@ -60,6 +72,9 @@ struct FleetConfig {
   std::function<caf::actor(const std::string& instance)> control;
   // Outstanding KV handoffs per instance, from the processes' heartbeats.
   std::function<std::map<std::string, int64_t>()> handoffs;
+  // Sets a StatefulSet's replicas; blocking (the fleet calls it on a thread
+  // of its own). Empty: nothing is resized, only standbys that are up join.
+  std::function<Expected<int32_t>(const std::string& statefulset, int32_t replicas)> set_replicas;
   // Workers of this process (their drains go to the local supervisor).
   std::vector<std::string> local_workers;
   caf::actor local_supervisor;

@@ -28,7 +28,7 @@ struct Slot {
   size_t node = 0;  // index into config.nodes
   int ordinal = 0;
   SlotState state = SlotState::standby;
-  Clock::time_point last_migrate{};
+  Clock::time_point first_migrate{}, last_migrate{};  // of the drain under way
   Clock::time_point drain_started{};
   bool gone = false;  // removed, and its worker has left the router since
 };
@@ -105,7 +105,7 @@ void begin_drain(Self self, Slot& slot, const std::string& why) {
   spdlog::info("fleet: draining {} ({})", slot.name, why);
   slot.state = SlotState::draining;
   slot.drain_started = Clock::now();
-  slot.last_migrate = Clock::time_point{};
+  slot.first_migrate = slot.last_migrate = Clock::time_point{};
   self->send(st.router, hold_atom::value, slot.name, true);
   st.metrics->counter("troupe_drains_total", "Workers drained (scale down or admin)").inc();
 }
@@ -137,8 +137,9 @@ void step_drain(Self self, Slot& slot, const std::map<std::string, int64_t>& han
   }
   // Loads arrive every 50 ms; the first migrate has had time to show up once a
   // report newer than it says the worker is empty.
-  const bool migrated = slot.last_migrate != Clock::time_point{} &&
-                        Clock::now() - slot.last_migrate > std::chrono::milliseconds(300);
+  // (The first migrate counts: later ones only repeat it, every migrate_every.)
+  const bool migrated = slot.first_migrate != Clock::time_point{} &&
+                        Clock::now() - slot.first_migrate > std::chrono::milliseconds(300);
   if (migrated && mine->running == 0 && mine->waiting == 0 && mine->parked == 0 && pending == 0) {
     spdlog::info("fleet: {} drained in {} ms; standby now", slot.name,
                  std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - slot.drain_started).count());
@@ -148,6 +149,7 @@ void step_drain(Self self, Slot& slot, const std::map<std::string, int64_t>& han
   }
   if (Clock::now() - slot.last_migrate < st.config.migrate_every || !mine->actor) return;
   slot.last_migrate = Clock::now();
+  if (slot.first_migrate == Clock::time_point{}) slot.first_migrate = slot.last_migrate;
   const auto& node = st.config.nodes[slot.node];
   if (const WorkerLoad* to = target_for(st, node.role, slot.name)) {
     self->send(mine->actor, migrate_atom::value, to->actor);

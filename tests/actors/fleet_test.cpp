@@ -87,7 +87,7 @@ class FleetK8s : public ::testing::Test {
     FleetConfig fc;
     fc.nodes = {node};
     fc.tick = 20ms;
-    fc.migrate_every = 500ms;  // (a drain counts as done 300 ms after its last migrate)
+    fc.migrate_every = 50ms;
     auto w = w_;
     fc.set_replicas = [w](const std::string& ss, int32_t n) -> Expected<int32_t> {
       std::lock_guard lock(w->mu);

@@ -40,6 +40,15 @@ struct Job {
   // Migration / handoff: continue from this state instead of computing the prompt.
   std::shared_ptr<const engine::SequenceImage> image;
   int32_t attempt = 0;                 // resubmissions after a worker was lost
+  int32_t logprobs = -1;               // alternatives per token to report with its logprob (0..20); -1: none
+};
+
+// A sampled token's log-probability (log-softmax of the raw logits) and the
+// most likely alternatives, best first.
+struct TokenLogprob {
+  float logprob = 0;
+  std::vector<int32_t> top_ids;
+  std::vector<float> top_logprobs;
 };
 
 // Tokens of one request, in output order starting at `index`.
@@ -48,6 +57,7 @@ struct TokenBatch {
   int64_t index = 0;
   std::vector<int32_t> tokens;
   caf::actor worker;
+  std::vector<TokenLogprob> logprobs;  // one per token when the job asked for them
 };
 
 struct Done {

@@ -73,6 +73,15 @@ struct Job {
   replyTo @6 :ActorRef;
   decodeTo @7 :ActorRef;
   attempt @8 :Int32;
+  logprobs @9 :Int32 = -1;     # alternatives per token to report with its logprob (0..20); -1: none
+}
+
+# A sampled token's log-probability under the model (log-softmax of its raw
+# logits) and the most likely alternatives, best first.
+struct TokenLogprob {
+  logprob @0 :Float32;
+  topIds @1 :List(Int32);
+  topLogprobs @2 :List(Float32);
 }
 
 struct TokenBatch {
@@ -80,6 +89,7 @@ struct TokenBatch {
   index @1 :Int64;
   tokens @2 :List(Int32);
   worker @3 :ActorRef;
+  logprobs @4 :List(TokenLogprob);  # one per token when the job asked for them
 }
 
 struct Done {

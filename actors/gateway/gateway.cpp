@@ -310,6 +310,21 @@ bool stream_batch(Self self, InFlight& f, const TokenBatch& b) {
     const int32_t tok = b.tokens[i];
     f.result.token_ids.push_back(tok);
     ids.push_back(tok);
+    if (f.api.logprobs >= 0) {
+      gateway::LogprobEntry e;
+      auto bytes = [&](int32_t id) {
+        return id >= 0 && id < st.tok->vocab_size() ? std::string(st.tok->token_bytes(id)) : std::string();
+      };
+      e.bytes = bytes(tok);
+      if (i < b.logprobs.size()) {  // (a worker that did not compute them leaves the entry at 0)
+        const auto& l = b.logprobs[i];
+        e.logprob = l.logprob;
+        for (size_t k = 0; k < l.top_ids.size() && k < l.top_logprobs.size(); ++k) {
+          e.top.emplace_back(bytes(l.top_ids[k]), l.top_logprobs[k]);
+        }
+      }
+      f.result.logprobs.push_back(std::move(e));
+    }
     std::string text;
     try {
       text = f.decoder->push(tok);
@@ -333,8 +348,10 @@ bool stream_batch(Self self, InFlight& f, const TokenBatch& b) {
   f.result.text += delta;
   if (f.frames) {
     send_chunk(*f.frames, static_cast<uint32_t>(f.result.token_ids.size() - ids.size()), ids, delta);
-  } else if (f.api.stream && (!delta.empty() || f.api.return_token_ids)) {
-    f.responder->send(gateway::stream_delta(f.api, f.result, delta, ids, f.first));
+  } else if (f.api.stream && (!delta.empty() || f.api.return_token_ids || f.api.logprobs >= 0)) {
+    std::vector<gateway::LogprobEntry> lps;
+    if (f.api.logprobs >= 0) lps.assign(f.result.logprobs.end() - static_cast<std::ptrdiff_t>(ids.size()), f.result.logprobs.end());
+    f.responder->send(gateway::stream_delta(f.api, f.result, delta, ids, f.first, lps));
     f.first = false;
   }
   if (stopped) {
@@ -492,6 +509,7 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
   job.prompt = std::move(prompt);
   job.prompt_tokens = plen;
   job.reply_to = caf::actor_cast<caf::actor>(self);
+  job.logprobs = api.logprobs;
   auto& s = job.sampling;
   s.temperature = api.sampling.temperature;
   s.top_p = api.sampling.top_p;

@@ -205,11 +205,68 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
       r.include_usage = so["include_usage"].get<bool>();
     }
   }
-  if (j.contains("logprobs") && !j["logprobs"].is_null() && !(j["logprobs"].is_boolean() && !j["logprobs"].get<bool>())) {
-    return bad("logprobs", "logprobs are not supported yet");
+  if (kind == ApiKind::completion) {
+    // "logprobs": N alternatives (0..20), null: none.
+    if (j.contains("logprobs") && !j["logprobs"].is_null()) {
+      if (j["logprobs"].is_boolean()) return bad("logprobs", "'logprobs' must be an integer from 0 to 20 (alternatives per token)");
+      f.integer("logprobs", [&](int64_t v) { r.logprobs = static_cast<int32_t>(v); }, 0, 20);
+    }
+    if (!f.error && r.logprobs >= 0 && r.echo) return bad("echo", "'echo' with 'logprobs' (the prompt's logprobs) is not supported");
+  } else {
+    bool want = false;
+    f.boolean("logprobs", want);
+    int64_t top = 0;
+    f.integer("top_logprobs", [&](int64_t v) { top = v; }, 0, 20);
+    if (!f.error && f.has("top_logprobs") && !j["top_logprobs"].is_null() && !want) {
+      return bad("top_logprobs", "'top_logprobs' needs 'logprobs': true");
+    }
+    if (want) r.logprobs = static_cast<int32_t>(top);
   }
+  if (f.error) return *f.error;
   return r;
 }
+
+namespace {
+
+// The bytes as text (invalid UTF-8 replaced) and as the list of byte values OpenAI's "bytes" field carries.
+json byte_list(const std::string& b) {
+  json out = json::array();
+  for (unsigned char c : b) out.push_back(static_cast<int>(c));
+  return out;
+}
+
+// The "logprobs" of a choice for `entries`, which start at token `first` of the
+// answer (`offset`: the text offset of that token, completions only).
+json logprobs_json(const ApiRequest& req, const std::vector<LogprobEntry>& entries, size_t offset) {
+  if (req.logprobs < 0) return nullptr;
+  if (req.kind == ApiKind::chat) {
+    json content = json::array();
+    for (const auto& e : entries) {
+      json top = json::array();
+      for (const auto& [b, lp] : e.top) top.push_back({{"token", b}, {"logprob", lp}, {"bytes", byte_list(b)}});
+      content.push_back({{"token", e.bytes}, {"logprob", e.logprob}, {"bytes", byte_list(e.bytes)}, {"top_logprobs", top}});
+    }
+    return {{"content", content}};
+  }
+  json tokens = json::array(), lps = json::array(), tops = json::array(), offsets = json::array();
+  for (const auto& e : entries) {
+    tokens.push_back(e.bytes);
+    lps.push_back(e.logprob);
+    json top = json::object();
+    for (const auto& [b, lp] : e.top) {
+      if (!top.contains(b)) top[b] = lp;
+    }
+    tops.push_back(top);
+    offsets.push_back(offset);
+    offset += e.bytes.size();
+  }
+  return {{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops}, {"text_offset", offsets}};
+}
+
+// Token bytes need not be valid UTF-8: replace what is not (U+FFFD) instead of failing.
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+}  // namespace
 
 json usage_json(const ApiResult& r) {
   const auto p = static_cast<int64_t>(r.prompt_ids.size()), c = static_cast<int64_t>(r.token_ids.size());
@@ -220,7 +277,7 @@ json usage_json(const ApiResult& r) {
 }
 
 std::string response_body(const ApiRequest& req, const ApiResult& r) {
-  json choice = {{"index", 0}, {"finish_reason", r.finish_reason}, {"logprobs", nullptr}};
+  json choice = {{"index", 0}, {"finish_reason", r.finish_reason}, {"logprobs", logprobs_json(req, r.logprobs, 0)}};
   json j = {{"id", r.id}, {"created", r.created}, {"model", r.model}, {"usage", usage_json(r)}};
   if (req.kind == ApiKind::chat) {
     j["object"] = "chat.completion";
@@ -234,12 +291,15 @@ std::string response_body(const ApiRequest& req, const ApiResult& r) {
     choice["prompt_token_ids"] = r.prompt_ids;
   }
   j["choices"] = json::array({choice});
-  return j.dump();
+  return dump(j);
 }
 
 std::string stream_delta(const ApiRequest& req, const ApiResult& r, const std::string& delta,
-                         const std::vector<int32_t>& delta_ids, bool first) {
-  json choice = {{"index", 0}, {"finish_reason", nullptr}, {"logprobs", nullptr}};
+                         const std::vector<int32_t>& delta_ids, bool first,
+                         const std::vector<LogprobEntry>& delta_logprobs) {
+  size_t offset = 0;  // the text offset of the delta's first token: the bytes of the tokens before it
+  for (size_t i = 0; i + delta_logprobs.size() < r.logprobs.size(); ++i) offset += r.logprobs[i].bytes.size();
+  json choice = {{"index", 0}, {"finish_reason", nullptr}, {"logprobs", logprobs_json(req, delta_logprobs, offset)}};
   json j = {{"id", r.id}, {"created", r.created}, {"model", r.model}};
   if (req.kind == ApiKind::chat) {
     j["object"] = "chat.completion.chunk";
@@ -255,7 +315,7 @@ std::string stream_delta(const ApiRequest& req, const ApiResult& r, const std::s
     if (first) choice["prompt_token_ids"] = r.prompt_ids;
   }
   j["choices"] = json::array({choice});
-  return "data: " + j.dump() + "\n\n";
+  return "data: " + dump(j) + "\n\n";
 }
 
 std::string stream_finish(const ApiRequest& req, const ApiResult& r) {

@@ -42,6 +42,10 @@ struct ApiRequest {
   bool include_usage = false;         // stream_options.include_usage
   bool return_token_ids = false;
   bool echo = false;                  // completions: prepend the prompt text
+  // Alternatives per token to report with each token's logprob (0..20); -1:
+  // no logprobs. Completions: "logprobs": N; chat: "logprobs": true with
+  // "top_logprobs": N.
+  int32_t logprobs = -1;
 };
 
 // An error as the API reports it: HTTP status + OpenAI error body.
@@ -61,6 +65,15 @@ ApiError to_api_error(const Error& e);
 // that names the parameter.
 std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKind kind);
 
+// One generated token's log-probability as the API reports it: the token's
+// bytes (its text may be part of a UTF-8 sequence), its logprob, and the most
+// likely alternatives (bytes, logprob), best first.
+struct LogprobEntry {
+  std::string bytes;
+  float logprob = 0;
+  std::vector<std::pair<std::string, float>> top;
+};
+
 // What the gateway knows when it answers.
 struct ApiResult {
   std::string id;          // "cmpl-..." or "chatcmpl-..."
@@ -71,13 +84,16 @@ struct ApiResult {
   std::vector<int32_t> token_ids;
   std::string finish_reason;  // "stop", "length", "abort"
   int64_t cached_tokens = 0;
+  std::vector<LogprobEntry> logprobs;  // one per token id when asked
 };
 
 nlohmann::json usage_json(const ApiResult& r);
 std::string response_body(const ApiRequest& req, const ApiResult& r);
 // One SSE event ("data: {...}\n\n") carrying a text delta (and token ids when asked).
+// `delta_logprobs`: the entries of the delta's tokens (when the request asked).
 std::string stream_delta(const ApiRequest& req, const ApiResult& r, const std::string& delta,
-                         const std::vector<int32_t>& delta_ids, bool first);
+                         const std::vector<int32_t>& delta_ids, bool first,
+                         const std::vector<LogprobEntry>& delta_logprobs = {});
 // The closing events: finish reason, optional usage, then "data: [DONE]".
 std::string stream_finish(const ApiRequest& req, const ApiResult& r);
 std::string stream_error(const ApiError& e);

@@ -114,6 +114,7 @@ void to_wire(const Job& job, RefMap& refs, msg::Job::Builder out) {
   refs.to_wire(job.reply_to, out.initReplyTo());
   refs.to_wire(job.decode_to, out.initDecodeTo());
   out.setAttempt(job.attempt);
+  out.setLogprobs(job.logprobs);
 }
 
 Job from_wire(msg::Job::Reader in, RefMap& refs) {
@@ -127,6 +128,7 @@ Job from_wire(msg::Job::Reader in, RefMap& refs) {
   job.reply_to = refs.from_wire(in.getReplyTo());
   job.decode_to = refs.from_wire(in.getDecodeTo());
   job.attempt = in.getAttempt();
+  job.logprobs = std::clamp(in.getLogprobs(), -1, 20);
   return job;
 }
 
@@ -218,6 +220,17 @@ bool encode_body(const caf::message& m, RefMap& refs, msg::ActorMessage::Body::B
     out.setIndex(b.index);
     set_list(out.initTokens(static_cast<unsigned>(b.tokens.size())), b.tokens);
     refs.to_wire(b.worker, out.initWorker());
+    if (!b.logprobs.empty()) {
+      auto lps = out.initLogprobs(static_cast<unsigned>(b.logprobs.size()));
+      for (size_t i = 0; i < b.logprobs.size(); ++i) {
+        const auto& l = b.logprobs[i];
+        auto o = lps[static_cast<unsigned>(i)];
+        o.setLogprob(l.logprob);
+        set_list(o.initTopIds(static_cast<unsigned>(l.top_ids.size())), l.top_ids);
+        auto tl = o.initTopLogprobs(static_cast<unsigned>(l.top_logprobs.size()));
+        for (size_t k = 0; k < l.top_logprobs.size(); ++k) tl.set(static_cast<unsigned>(k), l.top_logprobs[k]);
+      }
+    }
     return true;
   }
   if (m.match_elements<Done>()) {
@@ -321,7 +334,15 @@ bool deliver_body(msg::ActorMessage::Body::Reader body, RefMap& refs, const caf:
       return true;
     case B::TOKEN_BATCH: {
       auto in = body.getTokenBatch();
-      caf::anon_send(target, TokenBatch{in.getId(), in.getIndex(), ints(in.getTokens()), refs.from_wire(in.getWorker())});
+      TokenBatch b{in.getId(), in.getIndex(), ints(in.getTokens()), refs.from_wire(in.getWorker()), {}};
+      for (auto l : in.getLogprobs()) {
+        TokenLogprob t;
+        t.logprob = l.getLogprob();
+        t.top_ids = ints(l.getTopIds());
+        for (float v : l.getTopLogprobs()) t.top_logprobs.push_back(v);
+        b.logprobs.push_back(std::move(t));
+      }
+      caf::anon_send(target, std::move(b));
       return true;
     }
     case B::DONE: {

@@ -2,7 +2,11 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
 #include <map>
+#include <span>
 #include <thread>
 
 namespace troupe::actors {
@@ -18,6 +22,36 @@ struct Running {
   bool client_parked = false;     // parked by its client (frame Park): only the client's Resume continues it
   bool superseded = false;        // a later attempt of the request runs here instead: silent until it ends
 };
+
+// The log-probability of `token` under `logits` (log-softmax, the raw
+// logits as the model gave them) and the `top` most likely ids, best first
+// (lowest id on ties).
+TokenLogprob logprob_of(std::span<const float> logits, int32_t token, int32_t top) {
+  TokenLogprob out;
+  if (logits.empty()) return out;
+  float mx = -std::numeric_limits<float>::infinity();
+  for (float x : logits) mx = std::max(mx, x);
+  double sum = 0;
+  for (float x : logits) sum += std::exp(static_cast<double>(x) - mx);
+  const double lse = mx + std::log(sum);
+  auto lp = [&](int32_t id) { return static_cast<float>(logits[static_cast<size_t>(id)] - lse); };
+  if (token >= 0 && static_cast<size_t>(token) < logits.size()) out.logprob = lp(token);
+  const size_t k = std::min<size_t>(static_cast<size_t>(std::max(top, 0)), logits.size());
+  if (k > 0) {
+    std::vector<int32_t> ids(logits.size());
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i);
+    auto better = [&](int32_t a, int32_t b) {
+      const float x = logits[static_cast<size_t>(a)], y = logits[static_cast<size_t>(b)];
+      return x > y || (x == y && a < b);
+    };
+    std::partial_sort(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(k), ids.end(), better);
+    for (size_t i = 0; i < k; ++i) {
+      out.top_ids.push_back(ids[i]);
+      out.top_logprobs.push_back(lp(ids[i]));
+    }
+  }
+  return out;
+}
 
 // The job that continues `run` from scratch elsewhere: prompt plus what was sampled.
 Job continuation(const Running& run) {
@@ -82,6 +116,7 @@ void start_job(Self self, Job job) {
     r.prompt = job.prompt;
     r.sampling = job.sampling;
     r.park_after_prefill = static_cast<bool>(job.decode_to);
+    if (job.logprobs >= 0) r.logits = engine::LogitsMode::sampled;  // each token comes with its logits row
     eid = st.engine->submit(std::move(r));
   }
   Running run;
@@ -173,7 +208,8 @@ void on_event(Self self, const engine::Event& e) {
     case engine::EventKind::token: {
       if (run.superseded) break;
       run.sampled.push_back(e.token);
-      TokenBatch b{run.job.id, run.next_index++, {e.token}, me};
+      TokenBatch b{run.job.id, run.next_index++, {e.token}, me, {}};
+      if (run.job.logprobs >= 0) b.logprobs.push_back(logprob_of(e.logits, e.token, run.job.logprobs));
       self->send(run.job.reply_to, std::move(b));
       break;
     }

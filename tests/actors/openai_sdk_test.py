@@ -106,6 +106,53 @@ def test_chat_greedy_is_forward_argmax_and_stream_matches():
     assert sids == ids and text == c.message.content and roles == {"assistant"}
 
 
+def test_logprobs_are_the_forward_logits_log_softmax():
+    """Completions "logprobs": N and chat "logprobs"/"top_logprobs": each token's
+    logprob is the log-softmax of `troupe forward`'s logits at its position; the
+    greedy token is the first alternative; streaming gives the same entries."""
+    import numpy as np
+    r = client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
+                                    extra_body=dict(return_token_ids=True))
+    c = r.choices[0]
+    ids, prompt_ids, lp = extra(c, "token_ids"), extra(c, "prompt_token_ids"), c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) == 6, lp
+    logits = harness.forward_logits(A.troupe, harness.model_dir(A.home), list(prompt_ids) + ids[:-1], len(prompt_ids))
+    rows = logits[len(prompt_ids) - 1:].astype(np.float64)
+    ref = rows - (rows.max(axis=1, keepdims=True) + np.log(np.exp(rows - rows.max(axis=1, keepdims=True)).sum(axis=1, keepdims=True)))
+    for i, t in enumerate(ids):
+        assert abs(lp.token_logprobs[i] - ref[i, t]) < 1e-3, (i, lp.token_logprobs[i], ref[i, t])
+        assert len(lp.top_logprobs[i]) == 3, lp.top_logprobs[i]
+        assert max(lp.top_logprobs[i].values()) == lp.token_logprobs[i]  # greedy: the best one
+        assert lp.text_offset[i] == sum(len(x.encode()) for x in lp.tokens[:i]) or i == 0
+    # Chat, streamed against not streamed.
+    msgs = [{"role": "user", "content": "Name three actors."}]
+    r = client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0, logprobs=True,
+                                         top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in content), content
+    assert all(e.top_logprobs[0].logprob == e.logprob for e in content)
+    assert b"".join(bytes(e.bytes) for e in content).decode("utf-8", "replace") == r.choices[0].message.content
+    streamed = []
+    for ch in client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0, logprobs=True,
+                                               top_logprobs=2, stream=True):
+        for d in ch.choices:
+            if d.logprobs and d.logprobs.content:
+                streamed += d.logprobs.content
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in content]
+    # Bad values are a 400 naming the parameter.
+    for kw in (dict(logprobs=21), dict(logprobs=2, echo=True)):
+        try:
+            client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, **kw)
+            raise AssertionError(f"{kw} was accepted")
+        except openai.BadRequestError as e:
+            assert e.status_code == 400 and ("logprobs" in str(e) or "echo" in str(e)), e
+    try:
+        client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, top_logprobs=2)
+        raise AssertionError("top_logprobs without logprobs was accepted")
+    except openai.BadRequestError as e:
+        assert "top_logprobs" in str(e), e
+
+
 def test_repeated_prompt_reports_cached_tokens():
     long_prompt = " ".join(f"word{i}" for i in range(120))
     first = greedy(long_prompt, n=4)

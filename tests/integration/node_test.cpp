@@ -139,6 +139,7 @@ TEST_F(NodeFabric, messages_cross_as_the_same_structs_and_handles_become_one_pro
   job.sampling.max_tokens = 9;
   job.sampling.seed = 77;
   job.reply_to = router_;
+  job.logprobs = 3;
   caf::anon_send(w, job);
   auto m = worker_in_->pop();
   ASSERT_TRUE(m.match_elements<Job>()) << caf::to_string(m);
@@ -148,16 +149,25 @@ TEST_F(NodeFabric, messages_cross_as_the_same_structs_and_handles_become_one_pro
   EXPECT_EQ(got.sampling.max_tokens, 9);
   ASSERT_TRUE(got.sampling.seed.has_value());
   EXPECT_EQ(*got.sampling.seed, 77u);
+  EXPECT_EQ(got.logprobs, 3);
   ASSERT_TRUE(got.reply_to);
   EXPECT_NE(got.reply_to, router_);
 
   // The worker answers through the reply_to proxy, naming itself: a's side
   // sees the same proxy it already holds for the worker.
-  caf::anon_send(got.reply_to, TokenBatch{42, 0, {11, 12}, worker_});
+  TokenBatch batch{42, 0, {11, 12}, worker_, {}};
+  batch.logprobs = {TokenLogprob{-0.5f, {11, 3}, {-0.5f, -1.25f}}, TokenLogprob{-2.0f, {}, {}}};
+  caf::anon_send(got.reply_to, batch);
   m = router_in_->pop();
   ASSERT_TRUE(m.match_elements<TokenBatch>()) << caf::to_string(m);
   EXPECT_EQ(m.get_as<TokenBatch>(0).tokens, (std::vector<int32_t>{11, 12}));
   EXPECT_EQ(m.get_as<TokenBatch>(0).worker, w);
+  const auto& lps = m.get_as<TokenBatch>(0).logprobs;
+  ASSERT_EQ(lps.size(), 2u);
+  EXPECT_EQ(lps[0].logprob, -0.5f);
+  EXPECT_EQ(lps[0].top_ids, (std::vector<int32_t>{11, 3}));
+  EXPECT_EQ(lps[0].top_logprobs, (std::vector<float>{-0.5f, -1.25f}));
+  EXPECT_EQ(lps[1].logprob, -2.0f);
 
   caf::anon_send(got.reply_to, Done{42, engine::FinishReason::length, {}, worker_, 2});
   m = router_in_->pop();

@@ -67,7 +67,8 @@ def test_wrong_types_name_the_parameter():
              ({"stream": "yes"}, "stream"), ({"prompt": 5}, "prompt"), ({"top_p": 0}, "top_p"),
              ({"seed": 1.5}, "seed"), ({"stop": [1, 2]}, "stop"), ({"n": 2}, "n"), ({"model": 7}, "model"),
              ({"prompt": [1, -4]}, "prompt"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-             ({"temperature": 3.5}, "temperature"), ({"logprobs": 3}, "logprobs")]
+             ({"temperature": 3.5}, "temperature"), ({"logprobs": 21}, "logprobs"),
+             ({"logprobs": True}, "logprobs"), ({"logprobs": "2"}, "logprobs")]
     for patch, param in cases:
         body = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
         body.update(patch)
@@ -77,6 +78,11 @@ def test_wrong_types_name_the_parameter():
     expect_error(s, b, 400, param="messages")
     s, b = post({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, path="/v1/chat/completions")
     expect_error(s, b, 400, param="messages", words=("wizard",))
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for patch, param in [({"logprobs": 2}, "logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                         ({"top_logprobs": 2}, "top_logprobs")]:
+        s, b = post({**chat, **patch}, path="/v1/chat/completions")
+        expect_error(s, b, 400, param=param)
     still_serving()
 
 

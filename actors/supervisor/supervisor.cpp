@@ -104,6 +104,27 @@ void long_tail(Self self, Member& m) {
   }
 }
 
+// One more worker from the template (scale up, admin); returns its name.
+std::string add_member(Self self) {
+  auto& st = self->state;
+  WorkerConfig c = st.config.worker_template;
+  c.name = c.name + "-" + std::to_string(st.next_index++);
+  std::string name = c.name;
+  start_member(self, std::move(c));
+  return name;
+}
+
+// Drains the least loaded worker not draining yet (scale down, admin); returns its name.
+std::string remove_least_loaded(Self self) {
+  const Member* pick = nullptr;
+  for (auto& [n, m] : self->state.members) {
+    if (!m.draining && (pick == nullptr || m.load.running < pick->load.running)) pick = &m;
+  }
+  std::string name = pick->config.name;
+  drain_member(self, name);
+  return name;
+}
+
 void scale(Self self) {
   auto& st = self->state;
   ScaleReading in;
@@ -115,20 +136,13 @@ void scale(Self self) {
   }
   const ScaleDecision d = st.scale_gate.decide(*st.config.scale, in);
   if (d.step == ScaleStep::up) {
-    WorkerConfig c = st.config.worker_template;
-    c.name = c.name + "-" + std::to_string(st.next_index++);
-    spdlog::info("supervisor: scale up to {} workers ({}: {})", in.active + 1, c.name, d.why);
-    start_member(self, std::move(c));
+    const std::string name = add_member(self);
+    spdlog::info("supervisor: scale up to {} workers ({}: {})", in.active + 1, name, d.why);
     st.scale_gate.changed();
     st.metrics->counter("troupe_scale_events_total", "Workers added or removed by the scale policy", {{"dir", "up"}}).inc();
   } else if (d.step == ScaleStep::down) {
-    // Remove the least loaded worker.
-    const Member* pick = nullptr;
-    for (auto& [n, m] : st.members) {
-      if (!m.draining && (pick == nullptr || m.load.running < pick->load.running)) pick = &m;
-    }
-    spdlog::info("supervisor: scale down: draining {} ({})", pick->config.name, d.why);
-    drain_member(self, pick->config.name);
+    const std::string name = remove_least_loaded(self);
+    spdlog::info("supervisor: scale down: draining {} ({})", name, d.why);
     st.scale_gate.changed();
     st.metrics->counter("troupe_scale_events_total", "Workers added or removed by the scale policy", {{"dir", "down"}})
         .inc();
@@ -220,18 +234,8 @@ caf::behavior supervisor_actor(Self self, std::shared_ptr<model::Model> model, S
         int live = 0;
         for (const auto& [n, m] : s.members) live += m.draining ? 0 : 1;
         spdlog::info("supervisor: admin asks for {} workers (now {})", workers, live);
-        for (; live < workers; ++live) {
-          WorkerConfig c = s.config.worker_template;
-          c.name = c.name + "-" + std::to_string(s.next_index++);
-          start_member(self, std::move(c));
-        }
-        for (; live > workers; --live) {
-          const Member* pick = nullptr;
-          for (auto& [n, m] : s.members) {
-            if (!m.draining && (pick == nullptr || m.load.running < pick->load.running)) pick = &m;
-          }
-          drain_member(self, pick->config.name);
-        }
+        for (; live < workers; ++live) add_member(self);
+        for (; live > workers; --live) remove_least_loaded(self);
         s.scale_gate.changed();
         return "";
       },

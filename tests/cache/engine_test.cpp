@@ -271,6 +271,32 @@ TEST(Engine, runs_on_its_own_thread) {
 namespace troupe::engine {
 namespace {
 
+// The prefill side of a PD handoff: `r` runs on `prefill` until its first
+// token, parks, and its state is exported (`id`: the request there).
+std::optional<SequenceImage> prefill_and_export(Harness& prefill, Request r, RequestId& id) {
+  r.park_after_prefill = true;
+  id = prefill.submit(std::move(r));
+  prefill.run();
+  if (prefill[id].finished || prefill[id].generated.size() != 1u) {
+    ADD_FAILURE() << "the prefill did not park after its first token";
+    return std::nullopt;
+  }
+  auto future = prefill.engine().export_parked(id);
+  prefill.engine().step();
+  return future.get();
+}
+
+// The end of a handoff: the prefill side lets go of its parked request once
+// the decode side has the state; with the caches cleared, nothing leaks on either.
+void release_handoff(Harness& prefill, RequestId id, Harness& decode) {
+  prefill.engine().abort(id);
+  prefill.run();
+  prefill.engine().clear_cache();
+  prefill.expect_no_leaks(true);
+  decode.engine().clear_cache();
+  decode.expect_no_leaks(true);
+}
+
 // PD handoff: a prefill engine parks the request after its first token, its
 // state is exported as an image and imported by a decode engine, which
 // continues with the tokens of a single engine's run.
@@ -292,15 +318,8 @@ TEST(EngineHandoff, prefill_then_decode_elsewhere_gives_the_same_tokens) {
   with_host.host_bytes = 32 << 20;
   for (bool decode_host : {true, false}) {
     Harness prefill(m, with_host);
-    auto r = request();
-    r.park_after_prefill = true;
-    const auto id = prefill.submit(std::move(r));
-    prefill.run();
-    ASSERT_FALSE(prefill[id].finished);
-    ASSERT_EQ(prefill[id].generated.size(), 1u);
-    auto future = prefill.engine().export_parked(id);
-    prefill.engine().step();
-    auto image = future.get();
+    RequestId id = 0;
+    auto image = prefill_and_export(prefill, request(), id);
     ASSERT_TRUE(image.has_value());
     EXPECT_GT(image->bytes(), 0u);
     EXPECT_EQ(image->length, static_cast<int64_t>(prompt.size()));
@@ -318,13 +337,7 @@ TEST(EngineHandoff, prefill_then_decode_elsewhere_gives_the_same_tokens) {
     for (const auto& [pos, row] : decode[moved].rows) {
       EXPECT_EQ(row, one[whole].rows.at(pos));
     }
-    // The prefill side lets go once the decode side has the state.
-    prefill.engine().abort(id);
-    prefill.run();
-    prefill.engine().clear_cache();
-    prefill.expect_no_leaks(true);
-    decode.engine().clear_cache();
-    decode.expect_no_leaks(true);
+    release_handoff(prefill, id, decode);
   }
 }
 
@@ -336,13 +349,8 @@ TEST(EngineHandoff, an_image_waiting_for_device_room_counts_as_waiting) {
   EngineOptions with_host;
   with_host.host_bytes = 32 << 20;
   Harness prefill(m, with_host);
-  auto r = test::greedy(test::random_ids(rng, 300, m.config().vocab_size), 10);
-  r.park_after_prefill = true;
-  const auto id = prefill.submit(std::move(r));
-  prefill.run();
-  auto future = prefill.engine().export_parked(id);
-  prefill.engine().step();
-  auto image = future.get();
+  RequestId id = 0;
+  auto image = prefill_and_export(prefill, test::greedy(test::random_ids(rng, 300, m.config().vocab_size), 10), id);
   ASSERT_TRUE(image.has_value());
 
   const auto g = cache::CacheGeometry::of(m.config());
@@ -373,12 +381,7 @@ TEST(EngineHandoff, an_image_waiting_for_device_room_counts_as_waiting) {
   EXPECT_TRUE(counted) << "the image never had to wait: give the busy requests more of the device";
   ASSERT_TRUE(decode[moved].finished) << decode[moved].last.message;
   EXPECT_EQ(decode[moved].last.reason, FinishReason::length) << decode[moved].last.message;
-  prefill.engine().abort(id);
-  prefill.run();
-  prefill.engine().clear_cache();
-  prefill.expect_no_leaks(true);
-  decode.engine().clear_cache();
-  decode.expect_no_leaks(true);
+  release_handoff(prefill, id, decode);
 }
 
 TEST(EngineHandoff, a_bad_image_finishes_with_an_error) {

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "actors/supervisor/fleet.hpp"
+#include "tests/support/wait.hpp"
 
 namespace troupe::actors {
 namespace {
@@ -50,14 +51,7 @@ caf::behavior worker(caf::event_based_actor* self, std::shared_ptr<World> w, std
   };
 }
 
-bool wait_until(const std::function<bool()>& pred, std::chrono::milliseconds timeout = 5000ms) {
-  const auto end = std::chrono::steady_clock::now() + timeout;
-  while (std::chrono::steady_clock::now() < end) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(5ms);
-  }
-  return pred();
-}
+using troupe::testing::wait_until;
 
 class FleetK8s : public ::testing::Test {
  protected:

@@ -11,6 +11,7 @@
 
 #include "actors/node/node.hpp"
 #include "transport/in_process.hpp"
+#include "tests/support/wait.hpp"
 
 namespace troupe::actors::node {
 namespace {
@@ -81,14 +82,7 @@ struct Process {
   std::shared_ptr<Node> node;
 };
 
-bool wait_until(const std::function<bool()>& pred, std::chrono::milliseconds timeout = 5000ms) {
-  const auto end = std::chrono::steady_clock::now() + timeout;
-  while (std::chrono::steady_clock::now() < end) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(2ms);
-  }
-  return pred();
-}
+using troupe::testing::wait_until;
 
 class NodeFabric : public ::testing::Test {
  protected:

@@ -38,7 +38,9 @@ void finish_send(SendOp* op) {
 }
 
 void send_cb(void* request, ucs_status_t, void* user) {
-  finish_send(static_cast<SendOp*>(user));
+  auto* op = static_cast<SendOp*>(user);
+  op->impl->requests.erase(request);
+  finish_send(op);
   ucp_request_free(request);
 }
 
@@ -68,6 +70,7 @@ void rndv_done(RndvRecv* r, ucs_status_t st) {
   auto* impl = r->impl;
   Conn* c = impl->conn_by_id(r->conn_id);
   if (c) {
+    if (--c->receiving == 0 && c->close_deferred) impl->close_ready.push_back(c->id);
     Arrival& a = c->arrivals[r->seq];
     a.ready = true;
     if (st == UCS_OK) {
@@ -84,7 +87,9 @@ void rndv_done(RndvRecv* r, ucs_status_t st) {
 }
 
 void rndv_cb(void* request, ucs_status_t st, size_t, void* user) {
-  rndv_done(static_cast<RndvRecv*>(user), st);
+  auto* r = static_cast<RndvRecv*>(user);
+  r->impl->requests.erase(request);
+  rndv_done(r, st);
   ucp_request_free(request);
 }
 
@@ -188,6 +193,7 @@ ucs_status_t am_frame_cb(void* arg, const void* header, size_t header_length, vo
     // Start the data fetch here, inside the callback (UCX allows it), so the
     // next frame's transfer overlaps the delivery of this one.
     auto* r = new RndvRecv{impl, c->id, seq, *h, data, messages::alloc_body_words(length)};
+    ++c->receiving;  // until rndv_done
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.cb.recv_am = rndv_cb;
@@ -197,6 +203,8 @@ ucs_status_t am_frame_cb(void* arg, const void* header, size_t header_length, vo
       rndv_done(r, UCS_OK);
     } else if (UCS_PTR_IS_ERR(req)) {
       rndv_done(r, UCS_PTR_STATUS(req));
+    } else {
+      impl->requests.insert(req);
     }
     return UCS_INPROGRESS;
   }
@@ -383,15 +391,29 @@ void UcxTransport::Impl::run() {
   shutdown_in_thread();
 }
 
-// Closes every endpoint (flushing what is queued, for at most a second),
-// then stops. Runs on the progress thread.
+// Lets frame sends and rendezvous receives in flight finish (for at most a
+// second), then closes every endpoint (flushing what is queued, for at most a
+// second more), then stops. Runs on the progress thread. UCX 1.13 aborts in
+// ucp_worker_destroy when an endpoint still holds a request (a rendezvous
+// receive survives a flush close): what is still in flight after the first
+// second is cancelled by closing its endpoints with force.
 void UcxTransport::Impl::shutdown_in_thread() {
+  auto drain_until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  while (!requests.empty() && std::chrono::steady_clock::now() < drain_until) {
+    ucp_worker_progress(worker);
+    for (auto [ep, st] : std::exchange(failed, {})) {
+      if (Conn* c = conn_by_ep(ep)) close_conn(*c, ucs_error(ErrorCode::unavailable, "peer lost", st), true);
+    }
+  }
+  bool force = !requests.empty();
+  if (force) spdlog::warn("ucx {}: {} transfers still in flight at shutdown, cancelled", opt.name, requests.size());
   std::vector<uint64_t> ids;
   for (auto& [id, c] : conns) ids.push_back(id);
   for (uint64_t id : ids) {
     if (Conn* c = conn_by_id(id)) {
       c->name.clear();  // no on_peer_down for our own shutdown
-      close_conn(*c, Error(ErrorCode::unavailable, "transport closing"), false);
+      close_conn(*c, Error(ErrorCode::unavailable, "transport closing"), force);
+      if (c->close_deferred) close_endpoints(*c, true);  // its receives did not end within the second
     }
   }
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
@@ -401,21 +423,10 @@ void UcxTransport::Impl::shutdown_in_thread() {
     failed.clear();
     user_calls.clear();
   }
-  for (auto& [id, c] : conns) {
-    // Closes that did not complete within the second (a peer that never
-    // answers the flush) are forced, as for an endpoint never closed.
-    for (ucp_ep_h ep : {c->ep, c->data_ep}) {
-      if (!ep || closed_eps.count(ep)) continue;
-      ucp_request_param_t p{};
-      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-      auto* req = ucp_ep_close_nbx(ep, &p);
-      if (UCS_PTR_IS_PTR(req)) {
-        while (ucp_request_check_status(req) == UCS_INPROGRESS) ucp_worker_progress(worker);
-        ucp_request_free(req);
-      }
-    }
-  }
+  // A close that did not complete within the second (a peer that never
+  // answers the flush) is left to ucp_worker_destroy: its endpoint handle is
+  // spent, a second close of it would be a use after free.
+  if (!conns.empty()) spdlog::warn("ucx {}: {} connections still closing at shutdown", opt.name, conns.size());
   conns.clear();
   {
     std::lock_guard lock(names_mu);
@@ -428,6 +439,10 @@ bool UcxTransport::Impl::run_deferred() {
   for (auto request : std::exchange(accepted, {})) {
     did = true;
     if (ucp_ep_h ep = create_server_ep(request)) add_conn(ep);
+  }
+  for (uint64_t id : std::exchange(close_ready, {})) {
+    did = true;
+    if (Conn* c = conn_by_id(id); c && c->close_deferred) close_endpoints(*c, c->close_force);
   }
   for (auto [ep, st] : std::exchange(failed, {})) {
     did = true;
@@ -523,6 +538,7 @@ void UcxTransport::Impl::start_connect(const std::string& host, uint16_t port,
 
 void UcxTransport::Impl::send_am(Conn& c, unsigned id, std::unique_ptr<SendOp> op, std::span<const std::byte> body,
                                  ucp_ep_h ep) {
+  op->impl = this;
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   p.flags = ep ? 0 : UCP_AM_SEND_FLAG_REPLY;  // a direct endpoint's frames carry the token instead
@@ -536,6 +552,7 @@ void UcxTransport::Impl::send_am(Conn& c, unsigned id, std::unique_ptr<SendOp> o
     finish_send(op.release());  // done (or failed: the endpoint's error callback reports the peer)
     return;
   }
+  requests.insert(req);
   op.release();  // send_cb frees it
 }
 
@@ -686,7 +703,10 @@ void UcxTransport::Impl::handle_fault(Conn& c, const FrameFault& f) {
 // now on), closes the endpoint (force: cancel what is in flight; else flush
 // first), and reports the peer down when UCX says the endpoint is closed.
 void UcxTransport::Impl::close_conn(Conn& c, Error reason, bool force) {
-  if (c.state == Conn::State::closing) return;
+  if (c.state == Conn::State::closing) {
+    c.close_force |= force;  // a deferred close learns that the peer is gone
+    return;
+  }
   bool was_named = c.state == Conn::State::up;
   if (!was_named) c.name.clear();  // never announced: nothing to report
   c.state = Conn::State::closing;
@@ -697,7 +717,17 @@ void UcxTransport::Impl::close_conn(Conn& c, Error reason, bool force) {
     std::lock_guard lock(names_mu);
     up_names.erase(c.name);
   }
-  // Each endpoint's close lands in `closed` / `closed_eps`; the last one finishes the connection.
+  if (c.receiving > 0) {  // rndv_done starts the close when the last receive ends (failed or not)
+    c.close_deferred = true;
+    c.close_force = force;
+    return;
+  }
+  close_endpoints(c, force);
+}
+
+// Each endpoint's close lands in `closed` / `closed_eps`; the last one finishes the connection.
+void UcxTransport::Impl::close_endpoints(Conn& c, bool force) {
+  c.close_deferred = false;
   for (ucp_ep_h ep : {c.data_ep, c.ep}) {
     if (!ep) continue;
     ucp_request_param_t p{};

@@ -65,6 +65,12 @@ struct Conn {
   uint32_t faults = 0;
   std::optional<Error> down_reason;
   bool down_reported = false;  // on_peer_down already ran (replaced by a reconnect)
+  // Rendezvous receives in flight. UCX 1.13 leaves one of them attached to
+  // an endpoint that is closed under it (and ucp_worker_destroy aborts on
+  // it), so a close waits for them: close_deferred until `receiving` is 0.
+  unsigned receiving = 0;
+  bool close_deferred = false;
+  bool close_force = false;
   std::chrono::steady_clock::time_point down_since;
 };
 
@@ -141,8 +147,10 @@ struct UcxTransport::Impl {
   std::vector<ucp_conn_request_h> accepted;
   std::vector<std::pair<ucp_ep_h, ucs_status_t>> failed;
   std::vector<uint64_t> closed;          // conns with an endpoint close completed (one entry per endpoint)
+  std::vector<uint64_t> close_ready;     // conns whose deferred close can start (last receive done)
   std::set<ucp_ep_h> closed_eps;         // those endpoints, until their conn is finished
   std::set<uint64_t> dirty;              // conns with arrivals to deliver
+  std::set<void*> requests;              // frame sends and rendezvous receives UCX still holds
   std::deque<std::function<void()>> user_calls;  // events to run outside UCX callbacks
   std::map<uint64_t, LocalUcxRegion> regions;
   uint64_t next_region = 1;
@@ -177,6 +185,7 @@ struct UcxTransport::Impl {
   void deliver(Conn& c);
   void handle_fault(Conn& c, const FrameFault& fault);
   void close_conn(Conn& c, Error reason, bool force);
+  void close_endpoints(Conn& c, bool force);
   void finish_close(uint64_t conn_id);
   void report_down(Conn& c);
   bool run_deferred();

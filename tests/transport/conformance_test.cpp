@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <thread>
 
 #include "tests/messages/samples.hpp"
 #include "tests/transport/harness.hpp"
@@ -255,6 +256,36 @@ TEST(UcxBackpressure, a_full_send_queue_answers_resource_exhausted) {
   ASSERT_TRUE(ib.wait_frames(accepted, 20s));
   EXPECT_TRUE(ia.wait([&] { return a.stats().send_queue_bytes == 0; }, 5s));
   EXPECT_TRUE(a.send("beta", f).ok());
+}
+
+// UCX only: a connection closed (or a transport shut down) while rendezvous
+// frames are still arriving must not leave a receive attached to a closed
+// endpoint: UCX 1.13 aborts the process in ucp_worker_destroy if it does.
+TEST(UcxClose, closing_while_large_frames_arrive_leaves_nothing_behind) {
+  FrameBuilder<msg::StageActivation> big;
+  big.root().getPayload().initInline(1 << 20);
+  auto f = big.finish(1);
+  for (int round = 0; round < 24; ++round) {
+    Inbox ia, ib;
+    UcxOptions oa, ob;
+    oa.name = "alpha";
+    ob.name = "beta";
+    oa.direct_endpoints = ob.direct_endpoints = round % 2 == 0;
+    auto a = std::make_unique<UcxTransport>(oa);
+    auto b = std::make_unique<UcxTransport>(ob);
+    ASSERT_TRUE(a->start(ia.events()).ok());
+    ASSERT_TRUE(b->start(ib.events()).ok());
+    ASSERT_TRUE(a->connect(b->address(), 5s).ok());
+    ASSERT_TRUE(ib.wait_up("alpha"));
+    for (int i = 0; i < 6; ++i) (void)a->send("beta", f.with_request_id(i));
+    std::this_thread::sleep_for(std::chrono::microseconds(250 * (round / 2 % 6)));
+    if (round % 4 < 2) {
+      b->disconnect("alpha");  // the receiver closes mid-stream
+      EXPECT_TRUE(ib.wait_down("alpha"));
+    }
+    b.reset();  // the receiver shuts down mid-stream (or after its close)
+    a.reset();
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, Conformance, ::testing::Values("inproc", "ucx", "ucx_direct"),

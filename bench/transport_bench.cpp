@@ -3,7 +3,7 @@
 // sizes and UCX settings, in the same run. Prints a markdown table.
 //
 //   transport_bench [--sizes 64,4096,...] [--trials 3] [--gib 1] [--perftest PATH]
-//                   [--spin-us N] [--no-perftest]
+//                   [--spin-us N] [--spin-in-flight] [--no-perftest] [--no-puts]
 //
 // Frames: the client sends n frames back to back (at most max(32 MiB, 4
 // frames) queued), then a marker; the server answers the marker once it has
@@ -57,11 +57,13 @@ constexpr size_t kRegionBytes = 64u << 20;
 // ------------------------------------------------------------------ server
 
 int g_spin_us = 0;
+bool g_spin_in_flight = false;
 
 int serve() {
   UcxOptions o;
   o.name = "bench-server";
   o.spin_after_work_us = g_spin_us;
+  o.spin_while_in_flight = g_spin_in_flight;
   UcxTransport t(o);
   std::atomic<uint64_t> count{0};
   std::vector<uint8_t> caller(kRegionBytes);
@@ -114,6 +116,7 @@ class Client {
     o.name = "bench-client";
     o.listen_host.clear();
     o.spin_after_work_us = g_spin_us;
+    o.spin_while_in_flight = g_spin_in_flight;
     t_ = std::make_unique<UcxTransport>(o);
     TransportEvents e;
     e.on_frame = [this](const std::string&, Frame f) {
@@ -223,14 +226,18 @@ int main(int argc, char** argv) {
   std::string perftest_bin = args.get("--perftest", "ucx_perftest");
   double target_gib = std::atof(args.get("--gib", "1").c_str());
   g_spin_us = static_cast<int>(args.num("--spin-us", 0));
+  g_spin_in_flight = args.flag("--spin-in-flight");
   bool no_perftest = args.flag("--no-perftest");
+  bool no_puts = args.flag("--no-puts");  // frames only (profiling the frame path)
   setenv("UCX_NET_DEVICES", "lo", 0);
   setenv("UCX_MM_ERROR_HANDLING", "y", 0);
   spdlog::set_default_logger(spdlog::stderr_color_mt("bench"));  // stdout is the table
   spdlog::set_level(spdlog::level::warn);
   if (serve_mode) return serve();
 
-  auto server = spawn({"/proc/self/exe", "--serve", "--spin-us", std::to_string(g_spin_us)});
+  std::vector<std::string> server_args = {"/proc/self/exe", "--serve", "--spin-us", std::to_string(g_spin_us)};
+  if (g_spin_in_flight) server_args.push_back("--spin-in-flight");
+  auto server = spawn(server_args);
   std::string ready = read_line(server.out);
   auto addr = ready.substr(ready.find("ucx=") + 4);
   Client client(addr);
@@ -262,6 +269,7 @@ int main(int argc, char** argv) {
         if (r.bytes_per_s > 0) am_ratio.push_back(ours * body / r.bytes_per_s);
         am_sleep = std::max(am_sleep, perftest(perftest_bin, "ucp_am_bw", body, n, true, true).bytes_per_s);
       }
+      if (no_puts) continue;
       double p = client.puts(true, size, n_put);
       put = std::max(put, p);
       if (!no_perftest) {

@@ -108,7 +108,7 @@ namespace {
 class BodyPool final : public kj::ArrayDisposer {
  public:
   static constexpr size_t kMinPooledBytes = 256u << 10;
-  static constexpr size_t kMaxCachedBytes = 256u << 20;
+  static constexpr size_t kMaxCachedBytes = 512u << 20;
 
   static BodyPool& instance() {
     static BodyPool* pool = new BodyPool;  // never destroyed: frames may outlive statics

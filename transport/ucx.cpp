@@ -276,6 +276,7 @@ Status UcxTransport::Impl::init() {
   }
   if ((st = ucp_worker_get_efd(worker, &efd)) != UCS_OK) return ucs_error(ErrorCode::unavailable, "ucp_worker_get_efd", st);
   if (const char* d = std::getenv("TROUPE_UCX_DIRECT"); d && *d) opt.direct_endpoints = std::string_view(d) != "0";
+  if (const char* d = std::getenv("TROUPE_UCX_SPIN_IN_FLIGHT"); d && *d) opt.spin_while_in_flight = std::string_view(d) != "0";
   if (opt.direct_endpoints) {
     ucp_address_t* a = nullptr;
     size_t len = 0;
@@ -383,6 +384,10 @@ void UcxTransport::Impl::run() {
     // flight (rendezvous fragments through a shared-memory FIFO) needs this
     // side to progress again within microseconds. Idle, the thread sleeps.
     if (now - last_work < spin) continue;
+    if (opt.spin_while_in_flight && (!requests.empty() || rma_in_flight > 0)) {
+      std::this_thread::yield();
+      continue;
+    }
     ucs_status_t st = ucp_worker_arm(worker);
     if (st == UCS_ERR_BUSY) continue;
     pollfd pfd{efd, POLLIN, 0};

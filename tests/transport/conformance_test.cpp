@@ -23,7 +23,8 @@ struct Factory {
     if (kind == "inproc") return std::make_unique<InProcessTransport>(fabric, name);
     UcxOptions o;
     o.name = name;
-    o.direct_endpoints = kind == "ucx_direct";
+    o.direct_endpoints = kind != "ucx";
+    o.spin_while_in_flight = kind == "ucx_spin";
     return std::make_unique<UcxTransport>(o);
   }
 };
@@ -288,7 +289,7 @@ TEST(UcxClose, closing_while_large_frames_arrive_leaves_nothing_behind) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, Conformance, ::testing::Values("inproc", "ucx", "ucx_direct"),
+INSTANTIATE_TEST_SUITE_P(Transports, Conformance, ::testing::Values("inproc", "ucx", "ucx_direct", "ucx_spin"),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

@@ -23,8 +23,9 @@ section=$(cat <<MD
 ## KV handoff over UCX vs ucx_perftest
 
 $(date -u +%Y-%m-%d), commit $(git rev-parse --short HEAD), $(nproc) cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)),
-UCX $(ucx_info -v | sed -n 's/.*version=\([0-9.]*\).*/\1/p'), loopback, both sides
-\`UCX_NET_DEVICES=lo UCX_MM_ERROR_HANDLING=y\`, error mode PEER on both (ucx_perftest \`-e\`).
+UCX $(ucx_info -v | sed -n 's/^# Version \(.*\)/\1/p'), loopback, both sides
+\`UCX_NET_DEVICES=lo UCX_MM_ERROR_HANDLING=y\`, error mode PEER on both (ucx_perftest \`-e\`).${GLIBC_TUNABLES:+
+\`GLIBC_TUNABLES=$GLIBC_TUNABLES\` for both (troupe and ucx_perftest).}
 Load average before/after: ${load_before} / ${load_after} (the machine is shared; best of ${TRIALS:-3} trials,
 each the mean of 8 handoffs, interleaved with ucx_perftest). Target (PERF-TARGETS.md): pull >= 90% of ucx_perftest.
 

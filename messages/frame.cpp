@@ -4,8 +4,12 @@
 #include <fmt/format.h>
 #include <kj/exception.h>
 
+#include <algorithm>
+#include <atomic>
+#include <bit>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <new>
@@ -104,7 +108,10 @@ namespace {
 
 // Recycles large bodies: receivers of big frames (activations, rendezvous
 // bodies) see the same sizes again and again, and a fresh 64 MiB buffer
-// costs page faults and a new UCX registration every time.
+// costs page faults and a new UCX registration every time. At most
+// kMaxCachedBytes stay cached; past that the buffers returned longest ago
+// are freed first, whatever their size (a process that moved from 4 MiB to
+// 64 MiB frames keeps the 64 MiB ones).
 class BodyPool final : public kj::ArrayDisposer {
  public:
   static constexpr size_t kMinPooledBytes = 256u << 10;
@@ -116,48 +123,75 @@ class BodyPool final : public kj::ArrayDisposer {
   }
 
   kj::Array<capnp::word> take(size_t words) {
-    size_t cap = capacity(words);
+    const size_t cap = capacity(words);
     void* p = nullptr;
     {
       std::lock_guard lock(mu_);
-      auto it = free_.find(cap);
-      if (it != free_.end() && !it->second.empty()) {
-        p = it->second.back();
-        it->second.pop_back();
-        cached_ -= cap * sizeof(capnp::word);
+      for (auto it = cached_.rbegin(); it != cached_.rend(); ++it) {  // the most recently returned first: warm
+        if (it->words == cap) {
+          p = it->p;
+          cached_bytes_ -= cap * sizeof(capnp::word);
+          cached_.erase(std::next(it).base());
+          break;
+        }
       }
     }
-    if (!p) p = std::aligned_alloc(64, cap * sizeof(capnp::word));
-    if (!p) throw std::bad_alloc();
+    if (p) {
+      ++reused_;
+    } else {
+      ++allocated_;
+      p = std::aligned_alloc(64, cap * sizeof(capnp::word));
+      if (!p) throw std::bad_alloc();
+    }
     return kj::Array<capnp::word>(static_cast<capnp::word*>(p), words, *this);
   }
 
+  BodyPoolStats stats() const {
+    std::lock_guard lock(mu_);
+    return {cached_bytes_, cached_.size(), reused_, allocated_};
+  }
+
  private:
-  // Rounded up to whole MiB, so that equal-sized frames share buffers.
+  struct Cached {
+    size_t words;
+    void* p;
+  };
+
+  // Rounded up to an eighth of the size's power of two (64 KiB at least), so
+  // that equal-sized frames share buffers; what is rounded up but never
+  // written is never touched, so it costs address space, not memory.
   static size_t capacity(size_t words) {
-    constexpr size_t mib_words = (1u << 20) / sizeof(capnp::word);
-    return (words + mib_words - 1) / mib_words * mib_words;
+    constexpr size_t word = sizeof(capnp::word);
+    size_t bytes = words * word;
+    size_t granule = std::max<size_t>(size_t{64} << 10, std::bit_floor(bytes) / 8);
+    return (bytes + granule - 1) / granule * granule / word;
   }
 
   void disposeImpl(void* first, size_t, size_t count, size_t, void (*)(void*)) const override {
-    size_t cap = capacity(count);
+    const size_t cap = capacity(count);
+    std::vector<void*> evicted;
     {
       std::lock_guard lock(mu_);
-      if (cached_ + cap * sizeof(capnp::word) <= kMaxCachedBytes) {
-        free_[cap].push_back(first);
-        cached_ += cap * sizeof(capnp::word);
-        return;
+      cached_.push_back({cap, first});
+      cached_bytes_ += cap * sizeof(capnp::word);
+      while (cached_bytes_ > kMaxCachedBytes) {
+        cached_bytes_ -= cached_.front().words * sizeof(capnp::word);
+        evicted.push_back(cached_.front().p);
+        cached_.pop_front();
       }
     }
-    std::free(first);
+    for (void* p : evicted) std::free(p);
   }
 
   mutable std::mutex mu_;
-  mutable std::map<size_t, std::vector<void*>> free_;
-  mutable size_t cached_ = 0;
+  mutable std::deque<Cached> cached_;  // oldest first
+  mutable size_t cached_bytes_ = 0;
+  std::atomic<uint64_t> reused_{0}, allocated_{0};
 };
 
 }  // namespace
+
+BodyPoolStats body_pool_stats() { return BodyPool::instance().stats(); }
 
 kj::Array<capnp::word> alloc_body_words(size_t bytes) {
   size_t words = bytes / sizeof(capnp::word);

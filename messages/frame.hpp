@@ -106,6 +106,15 @@ struct FrameBody {
 // fill a body in place (TCP reads, UCX rendezvous).
 kj::Array<capnp::word> alloc_body_words(size_t bytes);
 
+// The pool behind alloc_body_words for bodies of 256 KiB and more.
+struct BodyPoolStats {
+  size_t cached_bytes = 0;    // buffers waiting for reuse (at most 512 MiB)
+  size_t cached_buffers = 0;
+  uint64_t reused = 0;        // takes served from the pool
+  uint64_t allocated = 0;     // takes that allocated fresh memory
+};
+BodyPoolStats body_pool_stats();
+
 // A header plus a shared, immutable body. Cheap to copy; safe to read from
 // several threads at once.
 class Frame {

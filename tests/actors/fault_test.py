@@ -8,6 +8,10 @@
 - Scale down under load: a worker is drained (fence, migrate with its KV,
   stop) while 50 streams run: none fails, their tokens are those of an
   undisturbed run, the worker stops.
+- The admin's /admin/scale on `troupe serve`: GET lists the workers, POST
+  grows the group and shrinks it again under load (the least loaded drained,
+  every stream intact); a count out of range or of the wrong type is a 400
+  and changes nothing.
 """
 import time
 
@@ -105,6 +109,50 @@ def test_sigterm_drains_requests_in_flight():
         assert s.proc.returncode == 0, s.proc.returncode
     finally:
         s.stop()
+
+
+def scale_active(s):
+    st, b = s.get("/admin/scale")
+    assert st == 200, b
+    [node] = b["nodes"]
+    return node["active"]
+
+
+def test_admin_scale_grows_and_shrinks_the_group():
+    with harness.Server(A.troupe, A.home, ["--workers", "1", "--host-memory-mib", "512"], name="scale") as s:
+        assert scale_active(s) == 1
+        for bad, why in [({"workers": 0}, "between 1 and"), ({"workers": 5000}, "between 0 and 1024"),
+                         ({"workers": "2"}, "workers"), ({}, "workers"), ({"workers": 2, "node": 3}, "workers")]:
+            st, b = s.post("/admin/scale", bad)
+            assert st == 400 and why in b["error"]["message"], (bad, st, b)
+        assert scale_active(s) == 1 and set(workers(s)) == {"worker-0"}
+
+        st, b = s.post("/admin/scale", {"workers": 3})
+        assert st == 200 and b == {"node": "", "workers": 3}, b
+        s.wait_for("3 workers", lambda: len(workers(s)) == 3, timeout=30)
+        assert scale_active(s) == 3
+        bs = bodies(12, 24)
+        ref = undisturbed(s, bs)
+
+        # Back to one while 12 streams run: two workers drain, their requests move with their KV.
+        run = harness.Streams(s.base_url, bs)
+        s.wait_for("6 streams with 3 tokens", lambda: run.count_with(3) >= 6, timeout=120, every=0.02)
+        st, b = s.post("/admin/scale", {"workers": 1})
+        assert st == 200 and b == {"node": "", "workers": 1}, b
+        assert scale_active(s) == 1
+        run.join()
+        assert not run.errors, run.errors
+        assert run.finish == ["length"] * 12, run.finish
+        diff = [i for i in range(12) if run.tokens[i] != ref[i]]
+        assert not diff, f"streams {diff} differ from the undisturbed run"
+        s.wait_for("one worker left", lambda: len(workers(s)) == 1, timeout=30)
+        m = s.idle_pages()
+        assert harness.metric(m, "troupe_drains_total") == 2
+        assert harness.metric(m, "troupe_leaked_pages") == 0
+        assert harness.metric(m, "troupe_restarts_total") == 0
+        st, b = s.post("/v1/completions", {"model": MODEL, "prompt": "after", "max_tokens": 3})
+        assert st == 200 and b["usage"]["completion_tokens"] == 3
+        print(f"admin scale: 1 -> 3 -> 1 workers, 12 streams through the shrink identical to the undisturbed run")
 
 
 if __name__ == "__main__":

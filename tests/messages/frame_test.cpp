@@ -275,6 +275,35 @@ TEST(Frame, random_mutations_never_throw) {
   EXPECT_GT(frames_ok, 100);
 }
 
+// Large bodies come back from a pool: the same size gets a buffer returned
+// before (no page faults), and a pool full of other sizes gives up its
+// oldest buffers rather than the newest.
+TEST(Frame, large_bodies_are_recycled_and_the_oldest_evicted) {
+  auto stats = messages::body_pool_stats;
+  { auto a = messages::alloc_body_words(64u << 20); }
+  auto s0 = stats();
+  {
+    auto b = messages::alloc_body_words(64u << 20);
+    EXPECT_EQ(b.size(), (64u << 20) / sizeof(capnp::word));
+    EXPECT_EQ(stats().reused, s0.reused + 1) << "a 64 MiB body of the same size reuses the one returned";
+  }
+  // 40 buffers of about 12 MiB returned after the 64 MiB one: past 512 MiB the oldest go first.
+  {
+    std::vector<kj::Array<capnp::word>> others;
+    for (int i = 0; i < 40; ++i) others.push_back(messages::alloc_body_words((12u << 20) + (1u << 16) * i));
+  }
+  auto s1 = stats();
+  EXPECT_LE(s1.cached_bytes, size_t{512} << 20);
+  EXPECT_GT(s1.cached_bytes, size_t{400} << 20);
+  { auto c = messages::alloc_body_words(64u << 20); }
+  EXPECT_EQ(stats().allocated, s1.allocated + 1) << "the 64 MiB buffer, returned first, was evicted";
+  { auto d = messages::alloc_body_words((12u << 20) + (1u << 16) * 39); }
+  EXPECT_EQ(stats().reused, s1.reused + 1) << "the buffer returned last is still there";
+  auto s2 = stats();
+  { auto small = messages::alloc_body_words(4096); }
+  EXPECT_EQ(stats().allocated + stats().reused, s2.allocated + s2.reused) << "small bodies bypass the pool";
+}
+
 TEST(Frame, error_codes_map_both_ways) {
   for (int c = 0; c <= static_cast<int>(ErrorCode::internal); ++c) {
     auto code = static_cast<ErrorCode>(c);

@@ -447,7 +447,7 @@ bool UcxTransport::Impl::run_deferred() {
   }
   for (uint64_t id : std::exchange(close_ready, {})) {
     did = true;
-    if (Conn* c = conn_by_id(id); c && c->close_deferred) close_endpoints(*c, c->close_force);
+    if (Conn* c = conn_by_id(id); c && c->close_deferred) close_endpoints(*c, false);
   }
   for (auto [ep, st] : std::exchange(failed, {})) {
     did = true;
@@ -709,7 +709,7 @@ void UcxTransport::Impl::handle_fault(Conn& c, const FrameFault& f) {
 // first), and reports the peer down when UCX says the endpoint is closed.
 void UcxTransport::Impl::close_conn(Conn& c, Error reason, bool force) {
   if (c.state == Conn::State::closing) {
-    c.close_force |= force;  // a deferred close learns that the peer is gone
+    if (force && c.close_deferred) close_endpoints(c, true);  // the peer is gone: its receives never end
     return;
   }
   bool was_named = c.state == Conn::State::up;
@@ -722,9 +722,11 @@ void UcxTransport::Impl::close_conn(Conn& c, Error reason, bool force) {
     std::lock_guard lock(names_mu);
     up_names.erase(c.name);
   }
-  if (c.receiving > 0) {  // rndv_done starts the close when the last receive ends (failed or not)
+  // Closing an endpoint under a live peer's rendezvous leaves the receive on
+  // it: rndv_done starts the close when the last one ends. A failed peer's
+  // endpoints are closed with force at once (that purges their receives).
+  if (c.receiving > 0 && !force) {
     c.close_deferred = true;
-    c.close_force = force;
     return;
   }
   close_endpoints(c, force);

@@ -66,11 +66,11 @@ struct Conn {
   std::optional<Error> down_reason;
   bool down_reported = false;  // on_peer_down already ran (replaced by a reconnect)
   // Rendezvous receives in flight. UCX 1.13 leaves one of them attached to
-  // an endpoint that is closed under it (and ucp_worker_destroy aborts on
-  // it), so a close waits for them: close_deferred until `receiving` is 0.
+  // an endpoint that is flush-closed under it (and ucp_worker_destroy aborts
+  // on it), so our own close waits for them: close_deferred until
+  // `receiving` is 0 (a failed peer's endpoints are force-closed at once).
   unsigned receiving = 0;
   bool close_deferred = false;
-  bool close_force = false;
   std::chrono::steady_clock::time_point down_since;
 };
 

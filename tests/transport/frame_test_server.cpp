@@ -6,6 +6,9 @@
 // then serves until SIGTERM/SIGINT (logs on stderr).
 //   --offer-bytes N   after each UCX peer connects, register N bytes (pattern
 //                     seed = N) and send it a KvOffer (lease id N) to take.
+//   --flood-bytes N   after each UCX peer connects, send it StageActivation
+//                     frames of about N bytes back to back until it is gone
+//                     (rendezvous transfers always in flight, for kill tests).
 // Client mode, for tests that kill a client:
 //   --tcp-client HOST:PORT --generate N   submit one GenerateRequest, print
 //                     READY after its first TokenChunk, keep reading.
@@ -66,6 +69,7 @@ int main(int argc, char** argv) {
   std::string name = args.get("--name", "test-server");
   std::vector<std::string> connect = args.all("--connect");
   uint64_t offer_bytes = static_cast<uint64_t>(args.num("--offer-bytes", 0));
+  uint64_t flood_bytes = static_cast<uint64_t>(args.num("--flood-bytes", 0));
   uint32_t max_body = static_cast<uint32_t>(args.num("--max-body", 8u << 20));
   std::string tcp_client = args.get("--tcp-client");
   uint32_t generate = static_cast<uint32_t>(args.num("--generate", 16));
@@ -120,6 +124,24 @@ int main(int argc, char** argv) {
           d.setDtype(msg::Dtype::U8);
           transport::to_wire(r->key, d.initRegion());
           (void)t->send(peer, b.finish(7));
+        }).detach();
+      };
+    }
+    if (flood_bytes) {
+      auto up = events.on_peer_up;
+      auto* t = ut.get();
+      events.on_peer_up = [up, t, flood_bytes](const std::string& peer) {
+        up(peer);
+        std::thread([t, peer, flood_bytes] {
+          messages::FrameBuilder<msg::StageActivation> b;
+          b.root().getPayload().initInline(flood_bytes);
+          auto f = b.finish(1);
+          for (uint64_t i = 0; !g_stop; ++i) {
+            auto s = t->send(peer, f.with_request_id(i));
+            if (s.ok()) continue;
+            if (s.error().code() != ErrorCode::resource_exhausted) return;  // the peer is gone
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          }
         }).detach();
       };
     }

@@ -34,6 +34,7 @@ struct Survivor {
   std::map<std::string, Clock::time_point> down_at;
   std::map<std::string, size_t> failed_requests, released_regions;
   std::vector<Frame> others;
+  size_t activations = 0;  // StageActivation frames (counted, not kept)
   bool taken_ok = false;
 
   Survivor() {
@@ -74,6 +75,8 @@ struct Survivor {
       });
     } else if (f.kind() == msg::Kind::TOKEN_CHUNK) {
       chunks[f.request_id()].push_back(messages::open<msg::TokenChunk>(f)->root().getIndex());
+    } else if (f.kind() == msg::Kind::STAGE_ACTIVATION) {
+      ++activations;
     } else if (f.kind() == msg::Kind::FINISH) {
       finished[f.request_id()] = messages::open<msg::Finish>(f)->root().getCompletionTokens();
       pending[peer].erase(f.request_id());
@@ -192,6 +195,33 @@ TEST(PeerFailure, ucx_peer_killed_is_reported_within_a_second_and_released) {
   EXPECT_LT(ms, 1000.0);
   EXPECT_EQ(s.t->stats().regions, 0u);
   EXPECT_TRUE(s.t->peers().empty());
+}
+
+// A peer killed while its large frames are still arriving (rendezvous
+// receives in flight): its death is reported within a second (a close that
+// waited for those receives never reported it) and the survivor shuts down
+// cleanly (UCX 1.13 aborts in ucp_worker_destroy if a receive is left on a
+// closed endpoint).
+TEST(PeerFailure, ucx_peer_killed_mid_rendezvous_is_reported_and_shutdown_is_clean) {
+  auto s = std::make_unique<Survivor>();
+  Child b2({server_binary(), "--ucx", "--name", "b2", "--token-interval-ms", "5"}, log_path("peer_failure_flood_b2"));
+  ASSERT_TRUE(s->t->connect(Child::field(b2.read_line(), "ucx"), 10s).ok());
+  Child b3({server_binary(), "--ucx", "--name", "b3", "--connect", s->t->address(), "--flood-bytes", "4194304"},
+           log_path("peer_failure_flood_b3"));
+  b3.read_line();
+  ASSERT_TRUE(s->wait([&] { return s->activations >= 8; }, 30s)) << "b3's frames did not arrive";
+  auto t0 = Clock::now();
+  b3.kill9();
+  ASSERT_TRUE(s->wait([&] { return s->down_at.count("b3") > 0; }, 5s)) << "b3's death was not reported";
+  auto ms = std::chrono::duration<double, std::milli>(s->down_at["b3"] - t0).count();
+  std::cout << "[ measure ] ucx peer killed mid-rendezvous -> on_peer_down: " << ms << " ms (" << s->activations
+            << " frames of 4 MiB received)\n";
+  EXPECT_LT(ms, 1000.0);
+  // Not checked here: that b2 is still served. With shared memory, a peer
+  // killed while writing into our UCX receive FIFO can wedge it for every
+  // other local peer (3 of 40 runs under CPU load; README, known problems).
+  EXPECT_EQ(s->t->peers(), std::vector<std::string>{"b2"});
+  s.reset();  // must not abort
 }
 
 // Wraps the test service to time on_close.

@@ -160,22 +160,32 @@ Expected<uint64_t> KvHandoff::lend(const std::string& taker, const engine::Seque
 }
 
 void KvHandoff::end_lease(uint64_t lease, bool confirmed) {
-  transport::LocalRegion region;
-  bool keep = false;
+  std::vector<uint64_t> retire;
   {
     std::lock_guard lock(mu_);
     auto it = leases_.find(lease);
     if (it == leases_.end()) return;
-    region = it->second->region;
+    const transport::LocalRegion region = it->second->region;
     if (confirmed) stats_.bytes_lent += it->second->bytes;
     leases_.erase(it);
     --stats_.leases;
+    if (abandoned_ || region.length == 0) return;
     // Only a region the taker is done with goes back to the pool: after an
     // expiry or a lost taker a late get must not read the next lease's pages.
-    keep = abandoned_ || (confirmed && region.length > 0 && free_regions_.size() < options_.pooled_regions);
-    if (keep && !abandoned_) free_regions_.push_back(region);
+    if (!confirmed) {
+      retire.push_back(region.key.region_id);
+    } else {
+      // The newest stays; past pooled_regions the ones returned longest ago
+      // go (a pool full of other sizes would otherwise make every lease of a
+      // new size allocate, register and map a fresh region).
+      free_regions_.push_back(region);
+      while (free_regions_.size() > options_.pooled_regions) {
+        retire.push_back(free_regions_.front().key.region_id);
+        free_regions_.erase(free_regions_.begin());
+      }
+    }
   }
-  if (!keep && region.length > 0) (void)transport_.deregister_region(region.key.region_id);
+  for (uint64_t id : retire) (void)transport_.deregister_region(id);
 }
 
 void KvHandoff::on_confirm(const std::string& peer, uint64_t lease) {

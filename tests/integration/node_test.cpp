@@ -9,6 +9,9 @@
 #include <condition_variable>
 #include <deque>
 
+#include <capnp/message.h>
+
+#include "actors/node/kv_handoff.hpp"
 #include "actors/node/node.hpp"
 #include "transport/in_process.hpp"
 #include "tests/support/wait.hpp"
@@ -306,6 +309,37 @@ TEST_F(NodeFabric, a_handoff_moves_the_pages_by_rma_and_ends_the_lease_on_confir
   m = router_in_->pop();
   ASSERT_TRUE((m.match_elements<confirm_atom, uint64_t>())) << caf::to_string(m);
   EXPECT_EQ(a_->node->stats().handoffs_pending, 0u);
+}
+
+// The owner's pool of lent regions keeps the newest: once two other sizes
+// fill it, leases of a third size reuse their region instead of allocating,
+// registering (and having the taker map) a fresh one every time.
+TEST(KvHandoffPool, a_full_pool_gives_up_its_oldest_region_not_the_newest) {
+  auto fabric = std::make_shared<transport::InProcessFabric>();
+  transport::InProcessTransport t(fabric, "owner");
+  ASSERT_TRUE(t.start({}).ok());
+  KvHandoffOptions o;
+  o.pooled_regions = 2;
+  KvHandoff kv(t, o);
+  auto lend_and_confirm = [&](size_t bytes) -> uint64_t {
+    engine::SequenceImage im = sample_image();
+    im.pages.resize(1);
+    im.pages[0].bytes.assign(bytes, std::byte{1});
+    capnp::MallocMessageBuilder mb;
+    auto offer = mb.initRoot<msg::KvOffer>();
+    auto lease = kv.lend("taker", im, std::chrono::seconds(10), offer);
+    EXPECT_TRUE(lease.ok());
+    if (!lease.ok()) return 0;
+    uint64_t region = offer.getDescriptors()[0].getRegion().getRegionId();
+    kv.on_confirm("taker", *lease);
+    return region;
+  };
+  lend_and_confirm(1u << 20);
+  lend_and_confirm(16u << 20);
+  const uint64_t first = lend_and_confirm(64u << 20);
+  EXPECT_EQ(lend_and_confirm(64u << 20), first) << "the 64 MiB region was not kept for the next 64 MiB lease";
+  EXPECT_EQ(t.stats().regions, 2u) << "the pool holds at most pooled_regions regions";
+  EXPECT_EQ(kv.stats().leases, 0u);
 }
 
 }  // namespace

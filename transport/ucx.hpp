@@ -38,6 +38,8 @@ struct UcxOptions {
   // Bytes of frames queued or in flight, all peers together; send() answers
   // resource_exhausted beyond it (backpressure instead of unbounded memory).
   size_t max_send_queue_bytes = 1ull << 30;
+  // Unpacked region keys kept per peer (least recently used idle ones go).
+  size_t max_remote_keys = 32;
   // After the handshake, send frames and RMA over endpoints made from the
   // peers' worker addresses (see Conn in ucx_impl.hpp): 1.8x the frame
   // bandwidth at 4 MiB on one host (UCX gives a sockaddr endpoint's large

@@ -60,7 +60,17 @@ struct Conn {
   uint64_t send_seq = 0;
   uint64_t recv_next = 0;
   std::map<uint64_t, Arrival> arrivals;
-  std::map<uint64_t, ucp_rkey_h> rkeys;  // peer's region id -> unpacked key
+  // The peer's region id -> its unpacked key. At most UcxOptions::
+  // max_remote_keys per peer: the least recently used idle one goes (an
+  // unpacked key of a shared-memory region keeps that memory mapped here,
+  // even after its owner freed it). `busy`: RMA batches using it.
+  struct RemoteKey {
+    ucp_rkey_h rkey = nullptr;
+    uint64_t last_use = 0;
+    unsigned busy = 0;
+    bool forgotten = false;  // forget_remote came while busy: destroy when idle
+  };
+  std::map<uint64_t, RemoteKey> rkeys;
   std::shared_ptr<std::promise<Expected<std::string>>> connect_promise;
   uint32_t faults = 0;
   std::optional<Error> down_reason;
@@ -99,6 +109,7 @@ struct RndvRecv {
 struct Batch {
   struct UcxTransport::Impl* impl = nullptr;
   Completion done;
+  uint64_t conn_id = 0, region_id = 0;  // the remote key it holds busy (conn_id 0: none)
   Status status = Ok{};
   size_t outstanding = 0;
   bool issued = false;  // all ops posted; completion may run when outstanding hits 0
@@ -195,6 +206,8 @@ struct UcxTransport::Impl {
   Status unmap_region(uint64_t region_id);
   void start_rma(bool is_put, const std::string& peer, const RegionKey& remote, std::vector<RmaOp> ops, Completion done);
   Expected<ucp_rkey_h> rkey_for(Conn& c, const RegionKey& remote);
+  void release_rkey(uint64_t conn_id, uint64_t region_id);  // a batch is done with it
+  uint64_t rkey_clock = 0;
   void drop_rkeys(Conn& c);
 };
 

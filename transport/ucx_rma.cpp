@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "transport/ucx_impl.hpp"
@@ -24,6 +25,7 @@ void Batch::op_done(ucs_status_t st) {
 
 void Batch::maybe_finish() {
   if (!issued || outstanding > 0) return;
+  if (conn_id) impl->release_rkey(conn_id, region_id);
   // The user's completion runs outside UCX callbacks, like every event.
   impl->user_calls.push_back([impl = impl, d = std::move(done), s = std::move(status)]() mutable {
     --impl->rma_in_flight;
@@ -83,22 +85,52 @@ Status UcxTransport::Impl::unmap_region(uint64_t region_id) {
 }
 
 Expected<ucp_rkey_h> UcxTransport::Impl::rkey_for(Conn& c, const RegionKey& remote) {
-  if (auto it = c.rkeys.find(remote.region_id); it != c.rkeys.end()) return it->second;
+  if (auto it = c.rkeys.find(remote.region_id); it != c.rkeys.end() && !it->second.forgotten) {
+    it->second.last_use = ++rkey_clock;
+    return it->second.rkey;
+  }
   if (remote.packed_key.size() < 8) {
     return Error(ErrorCode::invalid_argument, fmt::format("region {} of {} has no usable key", remote.region_id, c.name));
+  }
+  if (c.rkeys.count(remote.region_id)) {
+    return Error(ErrorCode::unavailable,
+                 fmt::format("region {} of {} was forgotten and is still in use", remote.region_id, c.name));
   }
   ucp_rkey_h rkey = nullptr;
   if (auto st = ucp_ep_rkey_unpack(c.tx(), remote.packed_key.data(), &rkey); st != UCS_OK) {
     return Error(ErrorCode::invalid_argument,
                  fmt::format("cannot unpack the key of region {} of {}: {}", remote.region_id, c.name, ucs_status_string(st)));
   }
-  c.rkeys[remote.region_id] = rkey;
+  // Room for it: the least recently used idle key goes.
+  while (c.rkeys.size() >= std::max<size_t>(opt.max_remote_keys, 1)) {
+    auto victim = c.rkeys.end();
+    for (auto it = c.rkeys.begin(); it != c.rkeys.end(); ++it) {
+      if (it->second.busy == 0 && (victim == c.rkeys.end() || it->second.last_use < victim->second.last_use)) victim = it;
+    }
+    if (victim == c.rkeys.end()) break;  // all busy: go over for now
+    ucp_rkey_destroy(victim->second.rkey);
+    c.rkeys.erase(victim);
+    --n_remote_keys;
+  }
+  c.rkeys[remote.region_id] = {rkey, ++rkey_clock, 0, false};
   ++n_remote_keys;
   return rkey;
 }
 
+void UcxTransport::Impl::release_rkey(uint64_t conn_id, uint64_t region_id) {
+  Conn* c = conn_by_id(conn_id);
+  if (!c) return;
+  auto it = c->rkeys.find(region_id);
+  if (it == c->rkeys.end()) return;
+  if (--it->second.busy == 0 && it->second.forgotten) {
+    ucp_rkey_destroy(it->second.rkey);
+    c->rkeys.erase(it);
+    --n_remote_keys;
+  }
+}
+
 void UcxTransport::Impl::drop_rkeys(Conn& c) {
-  for (auto& [id, rkey] : c.rkeys) ucp_rkey_destroy(rkey);
+  for (auto& [id, k] : c.rkeys) ucp_rkey_destroy(k.rkey);
   n_remote_keys -= c.rkeys.size();
   c.rkeys.clear();
 }
@@ -121,6 +153,9 @@ void UcxTransport::Impl::start_rma(bool is_put, const std::string& peer, const R
   if (auto s = check_bounds(remote, ops); !s) return fail(s.error());
   auto rkey = rkey_for(*c, remote);
   if (!rkey) return fail(rkey.error());
+  ++c->rkeys[remote.region_id].busy;  // until the batch finishes (maybe_finish)
+  b->conn_id = c->id;
+  b->region_id = remote.region_id;
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   p.cb.send = rma_cb;
@@ -190,7 +225,11 @@ void UcxTransport::forget_remote(const std::string& peer, uint64_t region_id) {
     Conn* c = impl->conn_by_name(peer);
     if (!c) return;
     if (auto it = c->rkeys.find(region_id); it != c->rkeys.end()) {
-      ucp_rkey_destroy(it->second);
+      if (it->second.busy > 0) {
+        it->second.forgotten = true;  // release_rkey destroys it
+        return;
+      }
+      ucp_rkey_destroy(it->second.rkey);
       c->rkeys.erase(it);
       --impl->n_remote_keys;
     }

@@ -2,10 +2,12 @@
 // idea): the in-process transport and UCX must behave the same.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <memory>
 #include <thread>
 
 #include "tests/messages/samples.hpp"
+#include "tests/support/wait.hpp"
 #include "tests/transport/harness.hpp"
 #include "transport/in_process.hpp"
 #include "transport/ucx.hpp"
@@ -287,6 +289,46 @@ TEST(UcxClose, closing_while_large_frames_arrive_leaves_nothing_behind) {
     b.reset();  // the receiver shuts down mid-stream (or after its close)
     a.reset();
   }
+}
+
+// UCX only: a peer's region keys are cached up to max_remote_keys; the least
+// recently used idle one goes (it keeps the owner's memory mapped here), and
+// a region whose key went is unpacked again on its next use.
+TEST(UcxRemoteKeys, the_key_cache_is_bounded_and_evicts_the_least_recently_used) {
+  Inbox ia, ib;
+  UcxOptions oa, ob;
+  oa.name = "alpha";
+  oa.max_remote_keys = 8;
+  ob.name = "beta";
+  UcxTransport a(oa), b(ob);
+  ASSERT_TRUE(a.start(ia.events()).ok());
+  ASSERT_TRUE(b.start(ib.events()).ok());
+  ASSERT_TRUE(a.connect(b.address(), 5s).ok());
+  ASSERT_TRUE(ib.wait_up("alpha"));
+  std::vector<LocalRegion> regions;
+  for (int i = 0; i < 20; ++i) {
+    auto r = b.allocate_region(4096);
+    ASSERT_TRUE(r.ok());
+    std::memset(r->base, i + 1, 4096);
+    regions.push_back(*r);
+  }
+  std::vector<std::byte> buf(4096);
+  auto get_and_check = [&](int i) {
+    auto s = get_wait(a, "beta", regions[i].key, {{buf.data(), 0, buf.size()}});
+    ASSERT_TRUE(s.ok()) << i << ": " << s.error().what();
+    EXPECT_EQ(buf[0], std::byte(i + 1));
+    EXPECT_EQ(buf[4095], std::byte(i + 1));
+  };
+  for (int i = 0; i < 20; ++i) {
+    get_and_check(0);  // region 0 stays the most recently used
+    get_and_check(i);
+    EXPECT_LE(a.stats().remote_keys, 8u) << "after region " << i;
+  }
+  EXPECT_EQ(a.stats().remote_keys, 8u);
+  get_and_check(1);  // evicted long ago: unpacked again
+  get_and_check(19);
+  a.forget_remote("beta", regions[19].key.region_id);
+  EXPECT_TRUE(troupe::testing::wait_until([&] { return a.stats().remote_keys == 7u; }));
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, Conformance, ::testing::Values("inproc", "ucx", "ucx_direct", "ucx_spin"),

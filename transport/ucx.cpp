@@ -418,7 +418,8 @@ void UcxTransport::Impl::shutdown_in_thread() {
     if (Conn* c = conn_by_id(id)) {
       c->name.clear();  // no on_peer_down for our own shutdown
       close_conn(*c, Error(ErrorCode::unavailable, "transport closing"), force);
-      if (c->close_deferred) close_endpoints(*c, true);  // its receives did not end within the second
+      // A close that waited for receives: flush if they ended, else force (they did not end within the second).
+      if (c->close_deferred) close_endpoints(*c, c->receiving > 0);
     }
   }
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);

@@ -406,9 +406,7 @@ void UcxTransport::Impl::shutdown_in_thread() {
   auto drain_until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
   while (!requests.empty() && std::chrono::steady_clock::now() < drain_until) {
     ucp_worker_progress(worker);
-    for (auto [ep, st] : std::exchange(failed, {})) {
-      if (Conn* c = conn_by_ep(ep)) close_conn(*c, ucs_error(ErrorCode::unavailable, "peer lost", st), true);
-    }
+    close_failed();
   }
   bool force = !requests.empty();
   if (force) spdlog::warn("ucx {}: {} transfers still in flight at shutdown, cancelled", opt.name, requests.size());
@@ -440,6 +438,20 @@ void UcxTransport::Impl::shutdown_in_thread() {
   }
 }
 
+// Force-closes the connections whose endpoint UCX reported failed (the peer
+// is gone); whether there were any.
+bool UcxTransport::Impl::close_failed() {
+  bool any = false;
+  for (auto [ep, st] : std::exchange(failed, {})) {
+    any = true;
+    if (Conn* c = conn_by_ep(ep)) {
+      close_conn(*c, ucs_error(ErrorCode::unavailable, fmt::format("peer {} lost", c->name.empty() ? "?" : c->name), st),
+                 true);
+    }
+  }
+  return any;
+}
+
 bool UcxTransport::Impl::run_deferred() {
   bool did = false;
   for (auto request : std::exchange(accepted, {})) {
@@ -450,13 +462,7 @@ bool UcxTransport::Impl::run_deferred() {
     did = true;
     if (Conn* c = conn_by_id(id); c && c->close_deferred) close_endpoints(*c, false);
   }
-  for (auto [ep, st] : std::exchange(failed, {})) {
-    did = true;
-    if (Conn* c = conn_by_ep(ep)) {
-      close_conn(*c, ucs_error(ErrorCode::unavailable, fmt::format("peer {} lost", c->name.empty() ? "?" : c->name), st),
-                 true);
-    }
-  }
+  did |= close_failed();
   while (!user_calls.empty()) {
     did = true;
     auto fn = std::move(user_calls.front());

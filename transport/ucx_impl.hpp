@@ -200,12 +200,14 @@ struct UcxTransport::Impl {
   void finish_close(uint64_t conn_id);
   void report_down(Conn& c);
   bool run_deferred();
+  bool close_failed();
 
   // RMA (ucx_rma.cpp)
   Expected<LocalRegion> map_region(void* base, size_t length, bool allocate);
   Status unmap_region(uint64_t region_id);
   void start_rma(bool is_put, const std::string& peer, const RegionKey& remote, std::vector<RmaOp> ops, Completion done);
-  Expected<ucp_rkey_h> rkey_for(Conn& c, const RegionKey& remote);
+  // The peer's unpacked key for `remote` (unpacked and cached on first use).
+  Expected<Conn::RemoteKey*> rkey_for(Conn& c, const RegionKey& remote);
   void release_rkey(uint64_t conn_id, uint64_t region_id);  // a batch is done with it
   uint64_t rkey_clock = 0;
   void drop_rkeys(Conn& c);

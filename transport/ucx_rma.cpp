@@ -84,17 +84,17 @@ Status UcxTransport::Impl::unmap_region(uint64_t region_id) {
   return Ok{};
 }
 
-Expected<ucp_rkey_h> UcxTransport::Impl::rkey_for(Conn& c, const RegionKey& remote) {
-  if (auto it = c.rkeys.find(remote.region_id); it != c.rkeys.end() && !it->second.forgotten) {
+Expected<Conn::RemoteKey*> UcxTransport::Impl::rkey_for(Conn& c, const RegionKey& remote) {
+  if (auto it = c.rkeys.find(remote.region_id); it != c.rkeys.end()) {
+    if (it->second.forgotten) {
+      return Error(ErrorCode::unavailable,
+                   fmt::format("region {} of {} was forgotten and is still in use", remote.region_id, c.name));
+    }
     it->second.last_use = ++rkey_clock;
-    return it->second.rkey;
+    return &it->second;
   }
   if (remote.packed_key.size() < 8) {
     return Error(ErrorCode::invalid_argument, fmt::format("region {} of {} has no usable key", remote.region_id, c.name));
-  }
-  if (c.rkeys.count(remote.region_id)) {
-    return Error(ErrorCode::unavailable,
-                 fmt::format("region {} of {} was forgotten and is still in use", remote.region_id, c.name));
   }
   ucp_rkey_h rkey = nullptr;
   if (auto st = ucp_ep_rkey_unpack(c.tx(), remote.packed_key.data(), &rkey); st != UCS_OK) {
@@ -112,9 +112,8 @@ Expected<ucp_rkey_h> UcxTransport::Impl::rkey_for(Conn& c, const RegionKey& remo
     c.rkeys.erase(victim);
     --n_remote_keys;
   }
-  c.rkeys[remote.region_id] = {rkey, ++rkey_clock, 0, false};
   ++n_remote_keys;
-  return rkey;
+  return &(c.rkeys[remote.region_id] = {rkey, ++rkey_clock, 0, false});
 }
 
 void UcxTransport::Impl::release_rkey(uint64_t conn_id, uint64_t region_id) {
@@ -151,9 +150,10 @@ void UcxTransport::Impl::start_rma(bool is_put, const std::string& peer, const R
                                                                remote.owner, peer)));
   }
   if (auto s = check_bounds(remote, ops); !s) return fail(s.error());
-  auto rkey = rkey_for(*c, remote);
-  if (!rkey) return fail(rkey.error());
-  ++c->rkeys[remote.region_id].busy;  // until the batch finishes (maybe_finish)
+  auto key = rkey_for(*c, remote);
+  if (!key) return fail(key.error());
+  ucp_rkey_h rkey = (*key)->rkey;
+  ++(*key)->busy;  // until the batch finishes (maybe_finish)
   b->conn_id = c->id;
   b->region_id = remote.region_id;
   ucp_request_param_t p{};
@@ -171,8 +171,8 @@ void UcxTransport::Impl::start_rma(bool is_put, const std::string& peer, const R
   for (const auto& op : ops) {
     if (op.length == 0) continue;
     uint64_t addr = remote.address + op.remote_offset;
-    track(is_put ? ucp_put_nbx(c->tx(), op.local, op.length, addr, *rkey, &p)
-                 : ucp_get_nbx(c->tx(), op.local, op.length, addr, *rkey, &p));
+    track(is_put ? ucp_put_nbx(c->tx(), op.local, op.length, addr, rkey, &p)
+                 : ucp_get_nbx(c->tx(), op.local, op.length, addr, rkey, &p));
   }
   // Puts complete locally first; the flush makes them remotely visible.
   if (is_put) track(ucp_ep_flush_nbx(c->tx(), &p));

@@ -229,19 +229,33 @@ TEST_P(Conformance, connecting_to_nothing_fails_cleanly) {
   EXPECT_TRUE(ib_.wait_frames(1));
 }
 
+// Two started UCX transports, alpha connected to beta, for the UCX-only
+// tests that need their own options.
+struct UcxPair {
+  Inbox ia, ib;
+  std::unique_ptr<UcxTransport> a, b;
+  void connect(UcxOptions oa, UcxOptions ob) {
+    oa.name = "alpha";
+    ob.name = "beta";
+    a = std::make_unique<UcxTransport>(oa);
+    b = std::make_unique<UcxTransport>(ob);
+    ASSERT_TRUE(a->start(ia.events()).ok());
+    ASSERT_TRUE(b->start(ib.events()).ok());
+    ASSERT_TRUE(a->connect(b->address(), 5s).ok());
+    ASSERT_TRUE(ib.wait_up("alpha"));
+  }
+};
+
 // UCX only (the in-process transport hands frames over at once): a full
 // send queue pushes back instead of growing without bound.
 TEST(UcxBackpressure, a_full_send_queue_answers_resource_exhausted) {
-  Inbox ia, ib;
   UcxOptions oa;
-  oa.name = "alpha";
   oa.max_send_queue_bytes = 1 << 20;
-  UcxOptions ob;
-  ob.name = "beta";
-  UcxTransport a(oa), b(ob);
-  ASSERT_TRUE(a.start(ia.events()).ok());
-  ASSERT_TRUE(b.start(ib.events()).ok());
-  ASSERT_TRUE(a.connect(b.address(), 5s).ok());
+  UcxPair p;
+  ASSERT_NO_FATAL_FAILURE(p.connect(oa, {}));
+  auto& a = *p.a;
+  auto& ia = p.ia;
+  auto& ib = p.ib;
   FrameBuilder<msg::StageActivation> big;
   big.root().getPayload().initInline(256 << 10);
   auto f = big.finish(1);
@@ -269,25 +283,18 @@ TEST(UcxClose, closing_while_large_frames_arrive_leaves_nothing_behind) {
   big.root().getPayload().initInline(1 << 20);
   auto f = big.finish(1);
   for (int round = 0; round < 24; ++round) {
-    Inbox ia, ib;
-    UcxOptions oa, ob;
-    oa.name = "alpha";
-    ob.name = "beta";
-    oa.direct_endpoints = ob.direct_endpoints = round % 2 == 0;
-    auto a = std::make_unique<UcxTransport>(oa);
-    auto b = std::make_unique<UcxTransport>(ob);
-    ASSERT_TRUE(a->start(ia.events()).ok());
-    ASSERT_TRUE(b->start(ib.events()).ok());
-    ASSERT_TRUE(a->connect(b->address(), 5s).ok());
-    ASSERT_TRUE(ib.wait_up("alpha"));
-    for (int i = 0; i < 6; ++i) (void)a->send("beta", f.with_request_id(i));
+    UcxOptions o;
+    o.direct_endpoints = round % 2 == 0;
+    UcxPair p;
+    ASSERT_NO_FATAL_FAILURE(p.connect(o, o));
+    for (int i = 0; i < 6; ++i) (void)p.a->send("beta", f.with_request_id(i));
     std::this_thread::sleep_for(std::chrono::microseconds(250 * (round / 2 % 6)));
     if (round % 4 < 2) {
-      b->disconnect("alpha");  // the receiver closes mid-stream
-      EXPECT_TRUE(ib.wait_down("alpha"));
+      p.b->disconnect("alpha");  // the receiver closes mid-stream
+      EXPECT_TRUE(p.ib.wait_down("alpha"));
     }
-    b.reset();  // the receiver shuts down mid-stream (or after its close)
-    a.reset();
+    p.b.reset();  // the receiver shuts down mid-stream (or after its close)
+    p.a.reset();
   }
 }
 
@@ -295,16 +302,12 @@ TEST(UcxClose, closing_while_large_frames_arrive_leaves_nothing_behind) {
 // recently used idle one goes (it keeps the owner's memory mapped here), and
 // a region whose key went is unpacked again on its next use.
 TEST(UcxRemoteKeys, the_key_cache_is_bounded_and_evicts_the_least_recently_used) {
-  Inbox ia, ib;
-  UcxOptions oa, ob;
-  oa.name = "alpha";
+  UcxOptions oa;
   oa.max_remote_keys = 8;
-  ob.name = "beta";
-  UcxTransport a(oa), b(ob);
-  ASSERT_TRUE(a.start(ia.events()).ok());
-  ASSERT_TRUE(b.start(ib.events()).ok());
-  ASSERT_TRUE(a.connect(b.address(), 5s).ok());
-  ASSERT_TRUE(ib.wait_up("alpha"));
+  UcxPair p;
+  ASSERT_NO_FATAL_FAILURE(p.connect(oa, {}));
+  auto& a = *p.a;
+  auto& b = *p.b;
   std::vector<LocalRegion> regions;
   for (int i = 0; i < 20; ++i) {
     auto r = b.allocate_region(4096);

@@ -121,7 +121,18 @@ if [ "${F32_AGREEMENT:-1}" = 1 ] && [ "${SKIP_LOGITS:-0}" != 1 ]; then
   [ "${F32_TC:-1}" = 1 ] && stage logits-f32 120 "$bundle/run.sh" troupe_gpu_e2e logits --weights f32 \
     --model "$model" --ids "$shm/ids.npy" --prefill "$prefill" --out "$shm/troupe_logits_f32.npy"
 fi
-python3 "$here/e2e_report.py" "$out" "$shm" "$prefill" 2>&1 | grep -A8 "^| troupe" | tee -a "$L"
+# PRECISION=1: bf16 matrices again with one source of rounding removed at a time (fp32
+# attention; split-activation GEMMs, TROUPE_GEMM_SPLIT=1; both), to find where the
+# served form's flips against the fp32 oracle come from.
+if [ "${PRECISION:-0}" = 1 ] && [ "${SKIP_LOGITS:-0}" != 1 ]; then
+  stage logits-attn32 120 env TROUPE_ATTENTION_FP32=1 "$bundle/run.sh" troupe_gpu_e2e logits \
+    --model "$model" --ids "$shm/ids.npy" --prefill "$prefill" --out "$shm/troupe_logits_attn32.npy"
+  stage logits-split 120 env TROUPE_GEMM_SPLIT=1 "$bundle/run.sh" troupe_gpu_e2e logits \
+    --model "$model" --ids "$shm/ids.npy" --prefill "$prefill" --out "$shm/troupe_logits_split.npy"
+  stage logits-split-attn32 120 env TROUPE_GEMM_SPLIT=1 TROUPE_ATTENTION_FP32=1 "$bundle/run.sh" troupe_gpu_e2e \
+    logits --model "$model" --ids "$shm/ids.npy" --prefill "$prefill" --out "$shm/troupe_logits_split_attn32.npy"
+fi
+python3 "$here/e2e_report.py" "$out" "$shm" "$prefill" 2>&1 | grep -A12 "^| troupe" | tee -a "$L"
 stage bench-b1 60 "$bundle/run.sh" troupe_gpu_e2e bench --model "$model" --batch 1 --prompt 512 --new 32
 # VARIANTS="NAME=VALUE ...": batch 1 again with each setting (A/B in the same run).
 for v in ${VARIANTS:-}; do

@@ -47,7 +47,10 @@ if fx:
 # troupe's runs (each a .npy of teacher-forced logits, if present) against both oracles.
 RUNS = (("troupe_logits", "troupe, bf16 matrices (as served)"),
         ("troupe_logits_f32", "troupe, fp32 matrices, bf16 tensor-core attention"),
-        ("troupe_logits_f32_exact", "troupe, fp32 matrices, fp32 attention"))
+        ("troupe_logits_f32_exact", "troupe, fp32 matrices, fp32 attention"),
+        ("troupe_logits_attn32", "troupe, bf16 matrices, fp32 attention"),
+        ("troupe_logits_split", "troupe, bf16 matrices, split-activation GEMMs"),
+        ("troupe_logits_split_attn32", "troupe, bf16 matrices, split-activation GEMMs, fp32 attention"))
 REFS = (("bf16", "transformers bf16 eager"),
         ("fp32cast", "transformers bf16 model cast to fp32 (norm weights etc. bf16-rounded)"),
         ("fp32", "transformers fp32: the checkpoint's exact values"))

@@ -236,24 +236,30 @@ __global__ void ragged_lengths_kernel(const int64_t* offsets, int64_t n, int32_t
   }
 }
 
-// Pass 1: probabilities of query t, head h over its keys (sink in the denominator).
-__global__ void attn_fallback_probs(const float* q, int heads, int64_t dim, const float* const* rows,
-                                    const int64_t* offsets, int64_t max_keys, const float* sinks, float scale,
-                                    float* ws) {
+// keys[t, j, :] = rows[offsets[t] + j] for j below the query's length, zeros
+// up to max_keys (so that padded scores are finite and padded products zero).
+__global__ void gather_key_rows_kernel(const float* const* rows, const int64_t* offsets, int64_t max_keys,
+                                       int64_t dim, float* keys) {
+  const int64_t t = blockIdx.y;
+  const int64_t beg = offsets[t], n = offsets[t + 1] - beg;
+  for (int64_t j = blockIdx.x; j < max_keys; j += gridDim.x) {
+    float* dst = keys + (t * max_keys + j) * dim;
+    const float* src = j < n ? rows[beg + j] : nullptr;
+    for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) dst[c] = src != nullptr ? src[c] : 0.f;
+  }
+}
+
+// In place over scores[t, h, :] (already scaled): the probabilities of the
+// query's keys with the head's sink in the denominator; zeros past its length.
+__global__ void attention_softmax_kernel(float* scores, int heads, int64_t max_keys, const int64_t* offsets,
+                                         const float* sinks) {
   __shared__ float scratch[32];
   const int64_t t = blockIdx.x;
   const int h = blockIdx.y;
-  const int64_t beg = offsets[t], n = offsets[t + 1] - beg;
-  const float* qh = q + (t * heads + h) * dim;
-  float* p = ws + (t * heads + h) * max_keys;
+  const int64_t n = offsets[t + 1] - offsets[t];
+  float* p = scores + (t * heads + h) * max_keys;
   float mx = sinks != nullptr ? sinks[h] : -INFINITY;
-  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
-    const float* k = rows[beg + j];
-    float acc = 0.f;
-    for (int64_t c = 0; c < dim; ++c) acc += qh[c] * k[c];
-    p[j] = acc * scale;
-    mx = fmaxf(mx, p[j]);
-  }
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) mx = fmaxf(mx, p[j]);
   mx = block_max(mx, scratch);
   float sum = 0.f;
   for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
@@ -263,36 +269,27 @@ __global__ void attn_fallback_probs(const float* q, int heads, int64_t dim, cons
   sum = block_sum(sum, scratch);
   if (sinks != nullptr) sum += expf(sinks[h] - mx);
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
-  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) p[j] *= inv;
-}
-
-// Pass 2: out[t, h, c] = sum_j p_j k_j[c].
-__global__ void attn_fallback_out(int heads, int64_t dim, const float* const* rows, const int64_t* offsets,
-                                  int64_t max_keys, const float* ws, float* out) {
-  const int64_t t = blockIdx.x;
-  const int h = blockIdx.y;
-  const int64_t beg = offsets[t], n = offsets[t + 1] - beg;
-  const float* p = ws + (t * heads + h) * max_keys;
-  for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
-    float acc = 0.f;
-    for (int64_t j = 0; j < n; ++j) acc += p[j] * rows[beg + j][c];
-    out[(t * heads + h) * dim + c] = acc;
-  }
+  for (int64_t j = threadIdx.x; j < max_keys; j += blockDim.x) p[j] = j < n ? p[j] * inv : 0.f;
 }
 
 }  // namespace
 
-void attention_fallback(const float* q, int64_t n_queries, int heads, int64_t dim, const float* const* rows,
-                        const int64_t* offsets, int64_t max_keys, const float* sinks, float scale, float* out,
-                        float* workspace, cudaStream_t s) {
-  if (n_queries == 0) return;
-  TROUPE_REQUIRE(n_queries <= 0x7fffffff && heads <= 65535 && dim <= 1024, "attention fallback: too large");
-  const dim3 grid(static_cast<unsigned>(n_queries), static_cast<unsigned>(heads));
-  attn_fallback_probs<<<grid, 128, 0, s>>>(q, heads, dim, rows, offsets, std::max<int64_t>(max_keys, 1), sinks, scale,
-                                           workspace);
+void gather_key_rows(const float* const* rows, const int64_t* offsets, int64_t n_queries, int64_t max_keys,
+                     int64_t dim, float* keys, cudaStream_t s) {
+  if (n_queries == 0 || max_keys == 0) return;
+  TROUPE_REQUIRE(n_queries <= 65535, "gather_key_rows: too many queries");
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(max_keys, 1024)), static_cast<unsigned>(n_queries));
+  gather_key_rows_kernel<<<grid, static_cast<unsigned>(std::min<int64_t>((dim + 31) / 32 * 32, 512)), 0, s>>>(
+      rows, offsets, max_keys, dim, keys);
   TROUPE_LAUNCHED();
-  attn_fallback_out<<<grid, static_cast<unsigned>(std::min<int64_t>(std::max<int64_t>((dim + 31) / 32 * 32, 32), 1024)),
-                      0, s>>>(heads, dim, rows, offsets, std::max<int64_t>(max_keys, 1), workspace, out);
+}
+
+void attention_softmax(float* scores, int64_t n_queries, int heads, int64_t max_keys, const int64_t* offsets,
+                       const float* sinks, cudaStream_t s) {
+  if (n_queries == 0) return;
+  TROUPE_REQUIRE(n_queries <= 0x7fffffff && heads <= 65535, "attention_softmax: too large");
+  const dim3 grid(static_cast<unsigned>(n_queries), static_cast<unsigned>(heads));
+  attention_softmax_kernel<<<grid, 256, 0, s>>>(scores, heads, max_keys, offsets, sinks);
   TROUPE_LAUNCHED();
 }
 

@@ -27,12 +27,15 @@ void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out, cudaStre
 int64_t argmax_split_workspace(int64_t rows, int64_t n);
 void argmax_rows_split(const float* x, int64_t rows, int64_t n, int32_t* out, float* ws_v, int32_t* ws_i,
                        cudaStream_t s);
-// Attention with sinks for head widths the tensor-core kernel does not take (any
-// dim <= 1024; fp32, for small test models): workspace holds n_queries * heads *
-// max_keys floats.
-void attention_fallback(const float* q, int64_t n_queries, int heads, int64_t dim, const float* const* rows,
-                        const int64_t* offsets, int64_t max_keys, const float* sinks, float scale, float* out,
-                        float* workspace, cudaStream_t s);
+// The fp32 attention (CudaBackend::attention) around two batched SGEMMs:
+// keys[t, j, :] = rows[offsets[t] + j], zero-padded to max_keys rows a query
+// (n_queries <= 65535); and, in place over scores[t, h, 0..max_keys) already
+// scaled, the probabilities with the head's sink (nullable) in the denominator,
+// zeros past the query's length.
+void gather_key_rows(const float* const* rows, const int64_t* offsets, int64_t n_queries, int64_t max_keys,
+                     int64_t dim, float* keys, cudaStream_t s);
+void attention_softmax(float* scores, int64_t n_queries, int heads, int64_t max_keys, const int64_t* offsets,
+                       const float* sinks, cudaStream_t s);
 // Several GEMVs over the same rows of x in one launch: y_i[m, w_i.rows] = x[m, k] @ w_i^T,
 // every w_i of the same type with k columns, m <= 8.
 struct GemvSegment {

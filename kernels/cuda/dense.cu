@@ -293,14 +293,22 @@ __global__ void add_kernel(float* y, const float* x, int64_t n) {
 }
 
 template <class HT>
-__global__ void to_half_kernel(const float* x, int64_t n, HT* out) {
+__device__ __forceinline__ HT round_half(float v) {
+  if constexpr (std::is_same_v<HT, __half>) {
+    return __float2half_rn(v);
+  } else {
+    return __float2bfloat16_rn(v);
+  }
+}
+
+// out = half(x); lo (when given) = half(x - out): the two terms of a split product.
+template <class HT>
+__global__ void to_half_kernel(const float* x, int64_t n, HT* out, HT* lo) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    if constexpr (std::is_same_v<HT, __half>) {
-      out[i] = __float2half_rn(x[i]);
-    } else {
-      out[i] = __float2bfloat16_rn(x[i]);
-    }
+    const HT h = round_half<HT>(x[i]);
+    out[i] = h;
+    if (lo != nullptr) lo[i] = round_half<HT>(x[i] - static_cast<float>(h));
   }
 }
 
@@ -964,12 +972,13 @@ void add(float* y, const float* x, int64_t n, cudaStream_t s) {
   TROUPE_LAUNCHED();
 }
 
-void to_half(const float* x, int64_t n, void* out, WeightType type, cudaStream_t s) {
+void to_half(const float* x, int64_t n, void* out, WeightType type, cudaStream_t s, void* lo) {
   if (n == 0) return;
   if (type == WeightType::f16) {
-    to_half_kernel<<<grid_for(n), 256, 0, s>>>(x, n, static_cast<__half*>(out));
+    to_half_kernel<<<grid_for(n), 256, 0, s>>>(x, n, static_cast<__half*>(out), static_cast<__half*>(lo));
   } else {
-    to_half_kernel<<<grid_for(n), 256, 0, s>>>(x, n, static_cast<__nv_bfloat16*>(out));
+    to_half_kernel<<<grid_for(n), 256, 0, s>>>(x, n, static_cast<__nv_bfloat16*>(out),
+                                               static_cast<__nv_bfloat16*>(lo));
   }
   TROUPE_LAUNCHED();
 }

@@ -37,7 +37,9 @@ void embed(const Weight& table, const int32_t* ids, int64_t rows, int copies, fl
 void gather_rows(const float* x, int64_t dim, const int64_t* index, int64_t count, float* out, cudaStream_t s);
 void swiglu(const float* g, const float* u, float* y, int64_t n, float limit, cudaStream_t s);
 void add(float* y, const float* x, int64_t n, cudaStream_t s);
-void to_half(const float* x, int64_t n, void* out, WeightType type, cudaStream_t s);  // bf16 or f16
+// bf16 or f16 copy of x; with `lo`, also the rounding residual half(x - out), so that
+// W.out + W.lo carries ~16 mantissa bits of x into a half-precision product.
+void to_half(const float* x, int64_t n, void* out, WeightType type, cudaStream_t s, void* lo = nullptr);
 
 // mHC: `mix` = X @ fn^T computed beforehand (raw X, not normalised).
 void mhc_pre_finish(const float* X, const float* mix, int64_t rows, const float* base, const float* scale,

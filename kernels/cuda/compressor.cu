@@ -2,6 +2,7 @@
 // pools 4 channels (or 1 when dim % 4 != 0) with an online softmax over the
 // slots, loads of several slots in flight; then rmsnorm and RoPE over the entry.
 #include <algorithm>
+#include <cstdlib>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/compressor.hpp"
@@ -331,8 +332,14 @@ void launch(const Source& src, int64_t count, int slots, const NormRope& nr, Ent
     return true;
   }();
   (void)attr;
+  // TROUPE_COMPRESSOR_UNROLL8=1: the 8-slot-chunk kernels only (an A/B switch for the
+  // 64-register variants below, whose 4-slot chunks round the online softmax differently).
+  static const bool only8 = [] {
+    const char* e = std::getenv("TROUPE_COMPRESSOR_UNROLL8");
+    return e != nullptr && e[0] == '1';
+  }();
   const dim3 grid(static_cast<unsigned>(count));
-  if (vec && threads <= 128 && smem <= 24 * 1024) {
+  if (!only8 && vec && threads <= 128 && smem <= 24 * 1024) {
     // Short windows (CSA): 128-thread CTAs held to 64 registers, 8 per SM (was 4 at 114
     // registers), so twice the warps keep loads in flight through each entry's epilogue.
     if (type == EntryType::f32) {
@@ -340,7 +347,7 @@ void launch(const Source& src, int64_t count, int slots, const NormRope& nr, Ent
     } else {
       compress_kernel<Source, __nv_bfloat16, 4, 128, 8, 4><<<grid, threads, smem, stream>>>(src, n2);
     }
-  } else if (vec && smem <= 100 * 1024) {
+  } else if (!only8 && vec && smem <= 100 * 1024) {
     // Long windows (HCA, up to 512 threads): held to 64 registers, two CTAs per SM (was one).
     if (type == EntryType::f32) {
       compress_kernel<Source, float, 4, 512, 2, 4><<<grid, threads, smem, stream>>>(src, n2);

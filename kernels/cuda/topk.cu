@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 #include <cub/block/block_radix_sort.cuh>
 #include <mutex>
 
@@ -69,7 +70,7 @@ constexpr int kSmemBytes = kKeysOffset + kEpt * kThreads * 4;  // ~105 KB: two C
 
 // Order-preserving map of fp32 to uint32 (larger float -> larger key).
 __device__ __forceinline__ uint32_t order_key(float f) {
-  const uint32_t u = __float_as_uint(f);
+  const uint32_t u = __float_as_uint(f) == 0x80000000u ? 0u : __float_as_uint(f);  // -0 ties with +0
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
@@ -577,6 +578,8 @@ struct GSmem {
   uint32_t above_ctr, tie_ctr, local_above, local_tie;
   uint32_t base_above, base_tie;
   uint32_t ticket, last;
+  // block_select's open ties: more elements equal the k-th value than slots remain.
+  uint32_t tie_key, tie_need, tie_base, tie_open;
 };
 
 __device__ __forceinline__ long long global_ns() {
@@ -606,7 +609,10 @@ __device__ __forceinline__ int32_t translate_g(const GridParams& p, int row, int
 
 // Block-local radix select over keys[0 .. n) (valid(i) says which exist; all valid keys
 // share the top `lbits` bits `lp`): emits the `lneed` largest, emit(position, i) with
-// positions 0 .. lneed-1. Every thread of the block calls it.
+// positions 0 .. lneed-1. When more elements equal the last chosen value than
+// positions remain, it emits none of those and leaves sm.tie_open set, with the value's
+// key, the count and the first position, for ties_in_index_order. Every thread of the
+// block calls it.
 template <class Valid, class Emit>
 __device__ __forceinline__ void block_select(const uint32_t* keys, uint32_t n, Valid&& valid, uint32_t lp, int lbits,
                                              uint32_t lneed, GSmem& sm, Emit&& emit) {
@@ -635,7 +641,13 @@ __device__ __forceinline__ void block_select(const uint32_t* keys, uint32_t n, V
   const bool all = lcnt == lneed;
   const uint32_t tie_base = need0 - lneed;
   const unsigned lane = tid & 31, lt = (1u << lane) - 1u;
-  if (tid == 0) sm.local_above = sm.local_tie = 0;
+  if (tid == 0) {
+    sm.local_above = sm.local_tie = 0;
+    sm.tie_open = all ? 0u : 1u;  // then lbits == 32: lp is the whole key of the tied value
+    sm.tie_key = lp;
+    sm.tie_need = lneed;
+    sm.tie_base = tie_base;
+  }
   __syncthreads();
   for (uint32_t i0 = 0; i0 < n; i0 += kThreads) {  // uniform trip count: ballots below
     const uint32_t i = i0 + tid;
@@ -655,11 +667,41 @@ __device__ __forceinline__ void block_select(const uint32_t* keys, uint32_t n, V
       uint32_t b = 0;
       if (lane == static_cast<unsigned>(__ffs(mt) - 1)) b = atomicAdd(&sm.local_tie, __popc(mt));
       b = __shfl_sync(0xffffffffu, b, __ffs(mt) - 1);
-      const uint32_t t = b + __popc(mt & lt);
-      if (is_tie && (all || t < lneed)) emit(tie_base + t, i);
+      if (is_tie && all) emit(tie_base + b + __popc(mt & lt), i);
     }
   }
   __syncthreads();
+}
+
+// Ties at the k-th value settled as a stable sort settles them (the CPU backend's
+// rule): of the row's elements in [0, len) whose key is tie_key, the `need` with the
+// lowest indices, in index order, to out[0 .. need). One block scans the row in index
+// order and stops once it has them (reads up to the whole row: only rows whose k-th
+// value is shared by more elements than slots remain come here).
+__device__ __noinline__ void ties_in_index_order(const GridParams& p, int row, int64_t len, uint32_t tie_key,
+                                                 uint32_t need, int32_t* out, GSmem& sm) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const unsigned lt = (1u << lane) - 1u;
+  const float* src = p.scores + row * p.row_stride;
+  uint32_t base = 0;  // the same in every thread
+  for (int64_t x0 = 0; x0 < len && base < need; x0 += kThreads) {
+    const int64_t x = x0 + tid;
+    const bool is_tie = x < len && order_key(__ldcg(src + x)) == tie_key;
+    const unsigned m = __ballot_sync(0xffffffffu, is_tie);
+    if (lane == 0) sm.scan[warp] = __popc(m);
+    __syncthreads();
+    uint32_t before = 0, total = 0;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) {
+      const uint32_t c = sm.scan[w];
+      before += w < warp ? c : 0u;
+      total += c;
+    }
+    const uint32_t pos = base + before + __popc(m & lt);
+    if (is_tie && pos < need) out[pos] = translate_g(p, row, x);
+    base += total;
+    __syncthreads();  // sm.scan is rewritten next round
+  }
 }
 
 template <int EPT>
@@ -741,6 +783,7 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
       block_select(
           sk, kChunk, [&](uint32_t i) { return index_of(i) < len; }, 0u, 0, kk, sm,
           [&](uint32_t pos, uint32_t i) { out[pos] = translate_g(p, row, index_of(i)); });
+      if (sm.tie_open) ties_in_index_order(p, row, len, sm.tie_key, sm.tie_need, out + sm.tie_base, sm);
       if (p.out_count != nullptr && tid == 0) p.out_count[row] = p.k;
     } else {
       uint32_t* w = p.ws + static_cast<int64_t>(lrow) * p.row_words;
@@ -840,7 +883,7 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
         if (gather) {
           __stcg(&cand_key[g], sk[e * kThreads + tid]);
           __stcg(&cand_idx[g], static_cast<int32_t>(index_of(e * kThreads + tid)));
-        } else if (take_all || g < need) {
+        } else if (take_all) {  // otherwise the last CTA settles the ties in index order
           out[total_above + g] = translate_g(p, row, index_of(e * kThreads + tid));
         }
       }
@@ -863,6 +906,11 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
           block_select(
               sk, cnt, [](uint32_t) { return true; }, prefix, pbits, need, sm,
               [&](uint32_t pos2, uint32_t i) { out[total_above + pos2] = translate_g(p, row, __ldcg(&cand_idx[i])); });
+          if (sm.tie_open) {
+            ties_in_index_order(p, row, len, sm.tie_key, sm.tie_need, out + total_above + sm.tie_base, sm);
+          }
+        } else if (!take_all) {  // all 32 bits resolved: more elements equal the k-th value than slots remain
+          ties_in_index_order(p, row, len, prefix, need, out + total_above, sm);
         }
         for (int i = tid; i < kGRounds * kGBins + kCounters; i += kThreads) w[i] = 0;  // ready for the next call
         if (p.out_count != nullptr && tid == 0) p.out_count[row] = p.k;
@@ -1000,7 +1048,19 @@ void launch_grid_topk(const TopkArgs& a, const GridPlan& g, void* workspace, cud
 
 }  // namespace
 
+// TROUPE_TOPK_CLUSTER=N (1..16, power of two): calls that leave max_cluster at 0 use the
+// cluster kernel with clusters of N CTAs instead of the grid kernel (an A/B switch).
+int default_cluster() {
+  static const int n = [] {
+    const char* e = std::getenv("TROUPE_TOPK_CLUSTER");
+    const int v = e != nullptr ? std::atoi(e) : 0;
+    return v >= 1 && v <= 16 && (v & (v - 1)) == 0 ? v : 0;
+  }();
+  return n;
+}
+
 size_t topk_workspace_bytes(int rows, int64_t max_len, int k, int max_cluster) {
+  if (max_cluster == 0) max_cluster = default_cluster();
   if (max_cluster == 0 && rows > 0) {
     const GridPlan g = make_grid_plan(rows, std::max<int64_t>(max_len, 1));
     if (g.ok) return grid_workspace_bytes(rows, std::max<int64_t>(max_len, 1));
@@ -1015,7 +1075,9 @@ void topk_workspace_init(void* workspace, size_t bytes, cudaStream_t stream) {
   if (bytes > 0) TROUPE_CUDA(cudaMemsetAsync(workspace, 0, bytes, stream));
 }
 
-void topk(const TopkArgs& a, void* workspace, cudaStream_t stream) {
+void topk(const TopkArgs& args, void* workspace, cudaStream_t stream) {
+  TopkArgs a = args;
+  if (a.max_cluster == 0) a.max_cluster = default_cluster();
   TROUPE_REQUIRE(a.k >= 1 && a.k <= kMaxK, "top-k: k must be in 1..2048");
   TROUPE_REQUIRE(a.out_stride >= a.k, "top-k: out_stride < k");
   TROUPE_REQUIRE(a.rows <= 65535, "top-k: at most 65535 rows per call");

@@ -2,8 +2,10 @@
 //
 // Both kernels select by radix histograms of an order-preserving 32-bit key
 // (11 + 11 + 10 bits, stopping as soon as the threshold bucket is taken whole);
-// elements above the threshold are written directly; ties at the k-th value are
-// settled exactly (any k of the tied elements, so the set equals a sort-based
+// elements above the threshold are written directly. Ties at the k-th value: the
+// grid kernel settles them as a stable sort does (lower index first, -0 equal to +0,
+// the CPU backend's rule), so its set is deterministic and equals the CPU's; the
+// cluster kernel takes any of the tied elements (the set equals a sort-based
 // reference up to ties). Both are launched as programmatic dependents of the
 // previous kernel on the stream (PDL), so the launch overlaps the producer's tail.
 //
@@ -43,8 +45,9 @@ struct TopkArgs {
   const int32_t* page_table = nullptr;
   int64_t page_stride = 0;
   int page_bits = 0;
-  int max_cluster = 0;              // 0: the grid kernel (cluster kernel for longer rows); else the cluster
-                                    // kernel with clusters of 1..16 CTAs (power of two)
+  int max_cluster = 0;              // 0: the grid kernel (cluster kernel for longer rows, or the cluster size
+                                    // in TROUPE_TOPK_CLUSTER); else the cluster kernel with clusters of 1..16
+                                    // CTAs (power of two)
   long long* profile = nullptr;     // debugging aid: phase-end stamps of row 0 (cluster kernel: 12 SM clocks;
                                     // grid kernel: 9 %globaltimer ns values, see bench/gpu/bench.py)
 };

@@ -2,6 +2,7 @@
 // pools 4 channels (or 1 when dim % 4 != 0) with an online softmax over the
 // slots, loads of several slots in flight; then rmsnorm and RoPE over the entry.
 #include <algorithm>
+#include <cstdlib>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/compressor.hpp"
@@ -152,8 +153,9 @@ __device__ __forceinline__ void store_out<__nv_bfloat16>(void* out, int64_t i, f
   static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(v);
 }
 
-template <class Source, class OutT, int VEC>
-__global__ void __launch_bounds__(512) compress_kernel(const Source src, const NormRope nr) {
+// MAXT / MINB: launch bounds; UNROLL: slots whose loads are in flight together per thread.
+template <class Source, class OutT, int VEC, int MAXT = 512, int MINB = 1, int UNROLL = kUnroll>
+__global__ void __launch_bounds__(MAXT, MINB) compress_kernel(const Source src, const NormRope nr) {
   extern __shared__ __align__(16) float pooled[];  // [dim], 32 floats of reduction scratch, the slot table
   float* scratch = pooled + nr.dim;
   Slot* table = reinterpret_cast<Slot*>(scratch + 32);
@@ -187,10 +189,10 @@ __global__ void __launch_bounds__(512) compress_kernel(const Source src, const N
     }
     // Online softmax over chunks of kUnroll slots: every load of a chunk in flight
     // together, one rescale per chunk, no data-dependent branches.
-    for (int s0 = s_begin; s0 < s_end; s0 += kUnroll) {
-      float kvf[kUnroll][VEC], scf[kUnroll][VEC];
+    for (int s0 = s_begin; s0 < s_end; s0 += UNROLL) {
+      float kvf[UNROLL][VEC], scf[UNROLL][VEC];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
+      for (int u = 0; u < UNROLL; ++u) {
         const int s = s0 + u;
         const Slot sl = s < s_end ? table[s] : Slot{};
         if (sl.kv != nullptr) {
@@ -215,12 +217,12 @@ __global__ void __launch_bounds__(512) compress_kernel(const Source src, const N
       for (int i = 0; i < VEC; ++i) {
         float mn = m[i];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) mn = fmaxf(mn, scf[u][i]);
+        for (int u = 0; u < UNROLL; ++u) mn = fmaxf(mn, scf[u][i]);
         if (mn > -INFINITY) {
           const float f = expf(m[i] - mn);  // 0 while m is -inf
           float a = acc[i] * f, ls = l[i] * f;
 #pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
+          for (int u = 0; u < UNROLL; ++u) {
             const float pr = expf(scf[u][i] - mn);  // 0 for empty slots
             a = fmaf(pr, kvf[u][i], a);
             ls += pr;
@@ -322,14 +324,37 @@ void launch(const Source& src, int64_t count, int slots, const NormRope& nr, Ent
   TROUPE_REQUIRE(smem <= 200 * 1024, "compressor: entry too wide");
   static bool attr = [] {
     for (auto f : {compress_kernel<Source, float, 4>, compress_kernel<Source, float, 1>,
-                   compress_kernel<Source, __nv_bfloat16, 4>, compress_kernel<Source, __nv_bfloat16, 1>}) {
+                   compress_kernel<Source, __nv_bfloat16, 4>, compress_kernel<Source, __nv_bfloat16, 1>,
+                   compress_kernel<Source, float, 4, 128, 8, 4>, compress_kernel<Source, __nv_bfloat16, 4, 128, 8, 4>,
+                   compress_kernel<Source, float, 4, 512, 2, 4>, compress_kernel<Source, __nv_bfloat16, 4, 512, 2, 4>}) {
       TROUPE_CUDA(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
     }
     return true;
   }();
   (void)attr;
+  // TROUPE_COMPRESSOR_UNROLL8=1: the 8-slot-chunk kernels only (an A/B switch for the
+  // 64-register variants below, whose 4-slot chunks round the online softmax differently).
+  static const bool only8 = [] {
+    const char* e = std::getenv("TROUPE_COMPRESSOR_UNROLL8");
+    return e != nullptr && e[0] == '1';
+  }();
   const dim3 grid(static_cast<unsigned>(count));
-  if (type == EntryType::f32) {
+  if (!only8 && vec && threads <= 128 && smem <= 24 * 1024) {
+    // Short windows (CSA): 128-thread CTAs held to 64 registers, 8 per SM (was 4 at 114
+    // registers), so twice the warps keep loads in flight through each entry's epilogue.
+    if (type == EntryType::f32) {
+      compress_kernel<Source, float, 4, 128, 8, 4><<<grid, threads, smem, stream>>>(src, n2);
+    } else {
+      compress_kernel<Source, __nv_bfloat16, 4, 128, 8, 4><<<grid, threads, smem, stream>>>(src, n2);
+    }
+  } else if (!only8 && vec && smem <= 100 * 1024) {
+    // Long windows (HCA, up to 512 threads): held to 64 registers, two CTAs per SM (was one).
+    if (type == EntryType::f32) {
+      compress_kernel<Source, float, 4, 512, 2, 4><<<grid, threads, smem, stream>>>(src, n2);
+    } else {
+      compress_kernel<Source, __nv_bfloat16, 4, 512, 2, 4><<<grid, threads, smem, stream>>>(src, n2);
+    }
+  } else if (type == EntryType::f32) {
     if (vec) {
       compress_kernel<Source, float, 4><<<grid, threads, smem, stream>>>(src, n2);
     } else {

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 #include <cub/block/block_radix_sort.cuh>
 #include <mutex>
 
@@ -69,7 +70,7 @@ constexpr int kSmemBytes = kKeysOffset + kEpt * kThreads * 4;  // ~105 KB: two C
 
 // Order-preserving map of fp32 to uint32 (larger float -> larger key).
 __device__ __forceinline__ uint32_t order_key(float f) {
-  const uint32_t u = __float_as_uint(f);
+  const uint32_t u = __float_as_uint(f) == 0x80000000u ? 0u : __float_as_uint(f);  // -0 ties with +0
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
@@ -110,9 +111,10 @@ __device__ __forceinline__ int32_t translate(const Params& p, int row, int64_t i
 // The bucket where a running count from the top reaches `need`: on return
 // sm.thr_bin / thr_above (elements in higher buckets) / thr_cnt (in the bucket).
 // Every thread of the block calls it; `hist` holds nbins counts.
-__device__ __forceinline__ void find_threshold(const uint32_t* hist, uint32_t nbins, uint32_t need, Smem& sm) {
+template <int NT = kThreads, class S>
+__device__ __forceinline__ void find_threshold(const uint32_t* hist, uint32_t nbins, uint32_t need, S& sm) {
   const int tid = threadIdx.x;
-  const uint32_t per = nbins >= kThreads ? nbins / kThreads : 1;
+  const uint32_t per = nbins >= NT ? nbins / NT : 1;
   const uint32_t rb0 = tid * per;
   uint32_t local = 0;
   if (rb0 < nbins) {
@@ -527,9 +529,542 @@ Plan make_plan(int64_t max_len, int k, int max_cluster) {
   return {c, segments, seg_cap};
 }
 
+
+
+// ---- grid top-k: every SM, one read, rows co-ordinated through global memory -------
+// Each CTA owns a chunk of kThreads * EPT scores of one row, kept in shared memory
+// from the one read on (16-byte loads in batches, the round-0 digits counted while
+// later loads are in flight). A row of one chunk is selected inside its CTA. Longer
+// rows: every CTA adds its radix histogram to the row's histogram in the workspace
+// (global atomics), waits at the row's arrival counter until all CTAs of the row
+// have added theirs, and finds the threshold bucket itself; elements above it are
+// written straight out, the bucket's elements are gathered into the workspace once
+// few enough (else one more global round on the next digit), and the last CTA of
+// the row to finish selects among them alone and zeroes the row's workspace.
+// Waiting on other CTAs is safe because the host launches at most as many CTAs as
+// the device holds at once, or hands out chunks by arrival tickets (a CTA takes its
+// chunk once resident) with at most half the device's CTAs per row: the lowest
+// unfinished row then always has all its CTAs resident.
+constexpr int kGBins = 2048;
+constexpr int kGRounds = 3;
+enum GCounter { kArrive0 = 0, kAbove = kGRounds, kTie, kCand, kDone, kCounters = 8 };
+
+struct GridParams {
+  const float* scores;
+  int64_t row_stride;
+  const int32_t* lengths;
+  int64_t max_len;
+  int k;
+  int32_t* out_idx;
+  int64_t out_stride;
+  int32_t* out_count;
+  const int32_t* page_table;
+  int64_t page_stride;
+  int page_bits;
+  bool vec_ok;
+  int row0;            // first row of this launch
+  int cpr;             // CTAs per row (chunks of the longest row)
+  bool ticketed;       // chunks by arrival ticket (grid larger than the device holds at once)
+  uint32_t* ws;        // [rows][row_words]; zero between calls
+  int64_t row_words;
+  uint32_t* tickets;   // [2]: next ticket, CTAs finished; zero between calls
+  long long* profile;  // optional: %globaltimer (ns) at phase ends (row 0)
+};
+
+struct GSmem {
+  uint32_t hist[kGBins];
+  uint32_t scan[32];
+  uint32_t thr_bin, thr_above, thr_cnt;
+  uint32_t above_ctr, tie_ctr, local_above, local_tie;
+  uint32_t base_above, base_tie;
+  uint32_t ticket, last;
+  // block_select's open ties: more elements equal the k-th value than slots remain.
+  uint32_t tie_key, tie_need, tie_base, tie_open;
+};
+
+__device__ __forceinline__ long long global_ns() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ void grid_arrive_and_wait(uint32_t* ctr, uint32_t expected) {
+  __threadfence();  // every thread's histogram atomics before the arrival
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    atomicAdd(ctr, 1u);
+    uint32_t v;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ctr) : "memory");
+    } while (v < expected);
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ int32_t translate_g(const GridParams& p, int row, int64_t i) {
+  if (p.page_table == nullptr) return static_cast<int32_t>(i);
+  const int32_t page = p.page_table[row * p.page_stride + (i >> p.page_bits)];
+  return (page << p.page_bits) | static_cast<int32_t>(i & ((int64_t{1} << p.page_bits) - 1));
+}
+
+// Block-local radix select over keys[0 .. n) (valid(i) says which exist; all valid keys
+// share the top `lbits` bits `lp`): emits the `lneed` largest, emit(position, i) with
+// positions 0 .. lneed-1. When more elements equal the last chosen value than
+// positions remain, it emits none of those and leaves sm.tie_open set, with the value's
+// key, the count and the first position, for ties_in_index_order. Every thread of the
+// block calls it.
+template <class Valid, class Emit>
+__device__ __forceinline__ void block_select(const uint32_t* keys, uint32_t n, Valid&& valid, uint32_t lp, int lbits,
+                                             uint32_t lneed, GSmem& sm, Emit&& emit) {
+  const int tid = threadIdx.x;
+  const uint32_t need0 = lneed;
+  uint32_t lcnt = 0xffffffffu;
+#pragma unroll 1
+  while (lbits < 32 && lcnt != lneed) {
+    const int bits = 32 - lbits < 11 ? 32 - lbits : 11;
+    const int shift = 32 - lbits - bits;
+    const uint32_t nbins = 1u << bits;
+    for (uint32_t i = tid; i < nbins; i += kThreads) sm.hist[i] = 0;
+    __syncthreads();
+    for (uint32_t i = tid; i < n; i += kThreads) {
+      const uint32_t k = keys[i];
+      if (valid(i) && (lbits == 0 || (k >> (32 - lbits)) == lp)) atomicAdd(&sm.hist[(k >> shift) & (nbins - 1)], 1u);
+    }
+    __syncthreads();
+    find_threshold(sm.hist, nbins, lneed, sm);
+    lneed -= sm.thr_above;
+    lcnt = sm.thr_cnt;
+    lp = (lp << bits) | sm.thr_bin;
+    lbits += bits;
+    __syncthreads();
+  }
+  const bool all = lcnt == lneed;
+  const uint32_t tie_base = need0 - lneed;
+  const unsigned lane = tid & 31, lt = (1u << lane) - 1u;
+  if (tid == 0) {
+    sm.local_above = sm.local_tie = 0;
+    sm.tie_open = all ? 0u : 1u;  // then lbits == 32: lp is the whole key of the tied value
+    sm.tie_key = lp;
+    sm.tie_need = lneed;
+    sm.tie_base = tie_base;
+  }
+  __syncthreads();
+  for (uint32_t i0 = 0; i0 < n; i0 += kThreads) {  // uniform trip count: ballots below
+    const uint32_t i = i0 + tid;
+    const bool v = i < n && valid(i);
+    const uint32_t k = v ? keys[i] : 0u;
+    const uint32_t hi = lbits == 0 ? 0u : k >> (32 - lbits);
+    const bool is_above = v && hi > lp, is_tie = v && hi == lp;
+    const unsigned ma = __ballot_sync(0xffffffffu, is_above);
+    if (ma != 0) {
+      uint32_t b = 0;
+      if (lane == static_cast<unsigned>(__ffs(ma) - 1)) b = atomicAdd(&sm.local_above, __popc(ma));
+      b = __shfl_sync(0xffffffffu, b, __ffs(ma) - 1);
+      if (is_above) emit(b + __popc(ma & lt), i);
+    }
+    const unsigned mt = __ballot_sync(0xffffffffu, is_tie);
+    if (mt != 0) {
+      uint32_t b = 0;
+      if (lane == static_cast<unsigned>(__ffs(mt) - 1)) b = atomicAdd(&sm.local_tie, __popc(mt));
+      b = __shfl_sync(0xffffffffu, b, __ffs(mt) - 1);
+      if (is_tie && all) emit(tie_base + b + __popc(mt & lt), i);
+    }
+  }
+  __syncthreads();
+}
+
+// Ties at the k-th value settled as a stable sort settles them (the CPU backend's
+// rule): of the row's elements in [0, len) whose key is tie_key, the `need` with the
+// lowest indices, in index order, to out[0 .. need). One block scans the row in index
+// order and stops once it has them (reads up to the whole row: only rows whose k-th
+// value is shared by more elements than slots remain come here).
+__device__ __noinline__ void ties_in_index_order(const GridParams& p, int row, int64_t len, uint32_t tie_key,
+                                                 uint32_t need, int32_t* out, GSmem& sm) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const unsigned lt = (1u << lane) - 1u;
+  const float* src = p.scores + row * p.row_stride;
+  uint32_t base = 0;  // the same in every thread
+  for (int64_t x0 = 0; x0 < len && base < need; x0 += kThreads) {
+    const int64_t x = x0 + tid;
+    const bool is_tie = x < len && order_key(__ldcg(src + x)) == tie_key;
+    const unsigned m = __ballot_sync(0xffffffffu, is_tie);
+    if (lane == 0) sm.scan[warp] = __popc(m);
+    __syncthreads();
+    uint32_t before = 0, total = 0;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) {
+      const uint32_t c = sm.scan[w];
+      before += w < warp ? c : 0u;
+      total += c;
+    }
+    const uint32_t pos = base + before + __popc(m & lt);
+    if (is_tie && pos < need) out[pos] = translate_g(p, row, x);
+    base += total;
+    __syncthreads();  // sm.scan is rewritten next round
+  }
+}
+
+template <int EPT>
+__global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams p) {
+  constexpr int kChunk = kThreads * EPT;
+  extern __shared__ __align__(16) uint8_t gsmem[];
+  GSmem& sm = *reinterpret_cast<GSmem*>(gsmem);
+  uint32_t* sk = reinterpret_cast<uint32_t*>(gsmem + (sizeof(GSmem) + 15) / 16 * 16);  // [EPT][kThreads]
+  const int tid = threadIdx.x;
+  long long* prof = p.profile != nullptr && blockIdx.x == 0 && tid == 0 ? p.profile : nullptr;
+  if (prof) prof[0] = global_ns();
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // the scores' producer has finished
+  if (prof) prof[1] = global_ns();
+  int64_t t = blockIdx.x;
+  if (p.ticketed) {
+    if (tid == 0) sm.ticket = atomicAdd(&p.tickets[0], 1u);
+    __syncthreads();
+    t = sm.ticket;
+  }
+  const int lrow = static_cast<int>(t / p.cpr), chunk = static_cast<int>(t % p.cpr);
+  const int row = p.row0 + lrow;
+  int64_t len = p.lengths != nullptr ? p.lengths[row] : p.max_len;
+  len = len < 0 ? 0 : (len > p.max_len ? p.max_len : len);
+  int32_t* out = p.out_idx + row * p.out_stride;
+  const int64_t nrow = (len + kChunk - 1) / kChunk;
+  if (len <= p.k) {  // every candidate is chosen
+    if (chunk == 0) {
+      for (int64_t i = tid; i < p.k; i += kThreads) out[i] = i < len ? translate_g(p, row, i) : -1;
+      if (p.out_count != nullptr && tid == 0) p.out_count[row] = static_cast<int32_t>(len);
+    }
+  } else if (chunk < nrow) {
+    // Load the chunk (16-byte loads where aligned) and count the round-0 digits.
+    for (int i = tid; i < kGBins; i += kThreads) sm.hist[i] = 0;
+    __syncthreads();
+    const int64_t c0 = static_cast<int64_t>(chunk) * kChunk;
+    const int64_t n_here = len - c0 < kChunk ? len - c0 : kChunk;
+    const float* src = p.scores + row * p.row_stride + c0;
+    // Element e of this thread: offset (e / 4) * 4 * kThreads + 4 * tid + e % 4, key at sk[e * kThreads + tid].
+    uint32_t vmask = 0;
+    if (p.vec_ok && n_here == kChunk) {
+      constexpr int kBatch = EPT / 4 < 4 ? EPT / 4 : 4;
+#pragma unroll
+      for (int q0 = 0; q0 < EPT / 4; q0 += kBatch) {
+        float4 v[kBatch];
+#pragma unroll
+        for (int q = 0; q < kBatch; ++q) v[q] = __ldg(reinterpret_cast<const float4*>(src) + (q0 + q) * kThreads + tid);
+#pragma unroll
+        for (int q = 0; q < kBatch; ++q) {
+          const uint32_t k4[4] = {order_key(v[q].x), order_key(v[q].y), order_key(v[q].z), order_key(v[q].w)};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            sk[(4 * (q0 + q) + j) * kThreads + tid] = k4[j];
+            atomicAdd(&sm.hist[k4[j] >> 21], 1u);
+          }
+        }
+      }
+      vmask = EPT == 32 ? 0xffffffffu : (1u << EPT) - 1u;
+    } else {
+#pragma unroll
+      for (int e = 0; e < EPT; ++e) {
+        const int64_t off = (e >> 2) * (kThreads * 4) + tid * 4 + (e & 3);
+        const bool v = off < n_here;
+        const uint32_t key = order_key(v ? __ldg(src + off) : 0.f);
+        sk[e * kThreads + tid] = key;
+        if (v) {
+          vmask |= 1u << e;
+          atomicAdd(&sm.hist[key >> 21], 1u);
+        }
+      }
+    }
+    if (prof) prof[2] = global_ns();
+    auto index_of = [&](uint32_t flat) -> int64_t {  // flat = e * kThreads + thread
+      const uint32_t e = flat / kThreads, th = flat % kThreads;
+      return c0 + (e >> 2) * (kThreads * 4) + th * 4 + (e & 3);
+    };
+    const uint32_t kk = static_cast<uint32_t>(p.k);
+    if (nrow == 1) {  // the whole row is here: select in this CTA
+      __syncthreads();
+      block_select(
+          sk, kChunk, [&](uint32_t i) { return index_of(i) < len; }, 0u, 0, kk, sm,
+          [&](uint32_t pos, uint32_t i) { out[pos] = translate_g(p, row, index_of(i)); });
+      if (sm.tie_open) ties_in_index_order(p, row, len, sm.tie_key, sm.tie_need, out + sm.tie_base, sm);
+      if (p.out_count != nullptr && tid == 0) p.out_count[row] = p.k;
+    } else {
+      uint32_t* w = p.ws + static_cast<int64_t>(lrow) * p.row_words;
+      uint32_t* ctr = w + kGRounds * kGBins;
+      uint32_t* cand_key = ctr + kCounters;
+      int32_t* cand_idx = reinterpret_cast<int32_t*>(cand_key + kChunk);
+      uint32_t prefix = 0, need = kk, cnt = 0;
+      int pbits = 0;
+      bool gather = false;
+#pragma unroll 1
+      for (int round = 0; round < kGRounds; ++round) {
+        const int shift = round == 0 ? 21 : round == 1 ? 10 : 0;
+        const int bits = round == 2 ? 10 : 11;
+        const uint32_t nbins = 1u << bits;
+        if (round > 0) {
+          for (uint32_t i = tid; i < nbins; i += kThreads) sm.hist[i] = 0;
+          __syncthreads();
+#pragma unroll
+          for (int e = 0; e < EPT; ++e) {
+            const uint32_t key = sk[e * kThreads + tid];
+            if (((vmask >> e) & 1u) && (key >> (32 - pbits)) == prefix) {
+              atomicAdd(&sm.hist[(key >> shift) & (nbins - 1)], 1u);
+            }
+          }
+        }
+        __syncthreads();
+        uint32_t* gh = w + round * kGBins;
+        for (uint32_t i = tid; i < nbins; i += kThreads) {
+          const uint32_t v = sm.hist[i];
+          if (v != 0) atomicAdd(&gh[i], v);
+        }
+        if (prof && round == 0) prof[3] = global_ns();
+        grid_arrive_and_wait(&ctr[kArrive0 + round], static_cast<uint32_t>(nrow));
+        for (uint32_t i = tid; i < nbins; i += kThreads) sm.hist[i] = __ldcg(&gh[i]);
+        __syncthreads();
+        find_threshold(sm.hist, nbins, need, sm);
+        need -= sm.thr_above;
+        cnt = sm.thr_cnt;
+        prefix = (prefix << bits) | sm.thr_bin;
+        pbits += bits;
+        __syncthreads();
+        if (prof && round == 0) prof[4] = global_ns();
+        if (cnt == need) break;                          // the whole threshold bucket is taken
+        if (pbits < 32 && cnt <= static_cast<uint32_t>(kChunk)) {  // few enough for one CTA
+          gather = true;
+          break;
+        }
+      }
+      const bool take_all = cnt == need;
+      const uint32_t total_above = kk - need;
+      const int drop = 32 - pbits;
+      // This thread's chosen elements as masks, then output ranges: warp scans, one
+      // shared atomic per warp, one global atomic per CTA.
+      uint32_t above_mask = 0, tie_mask = 0;
+#pragma unroll
+      for (int e = 0; e < EPT; ++e) {
+        const uint32_t hi = sk[e * kThreads + tid] >> drop;
+        const uint32_t v = (vmask >> e) & 1u;
+        above_mask |= (v & static_cast<uint32_t>(hi > prefix)) << e;
+        tie_mask |= (v & static_cast<uint32_t>(hi == prefix)) << e;
+      }
+      const uint32_t n_above = __popc(above_mask), n_tie = __popc(tie_mask);
+      const unsigned lane = tid & 31;
+      uint32_t a_incl = n_above, t_incl = n_tie;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const uint32_t x = __shfl_up_sync(0xffffffffu, a_incl, o);
+        const uint32_t y = __shfl_up_sync(0xffffffffu, t_incl, o);
+        if (lane >= static_cast<unsigned>(o)) {
+          a_incl += x;
+          t_incl += y;
+        }
+      }
+      if (tid == 0) sm.above_ctr = sm.tie_ctr = 0;
+      __syncthreads();
+      uint32_t a_warp = 0, t_warp = 0;
+      if (lane == 31) {
+        a_warp = atomicAdd(&sm.above_ctr, a_incl);
+        t_warp = atomicAdd(&sm.tie_ctr, t_incl);
+      }
+      a_warp = __shfl_sync(0xffffffffu, a_warp, 31);
+      t_warp = __shfl_sync(0xffffffffu, t_warp, 31);
+      __syncthreads();
+      if (tid == 0) {
+        sm.base_above = sm.above_ctr != 0 ? atomicAdd(&ctr[kAbove], sm.above_ctr) : 0u;
+        sm.base_tie = sm.tie_ctr != 0 ? atomicAdd(&ctr[gather ? kCand : kTie], sm.tie_ctr) : 0u;
+      }
+      __syncthreads();
+      uint32_t pos = sm.base_above + a_warp + a_incl - n_above;
+      for (uint32_t m = above_mask; m != 0; m &= m - 1) {
+        const int e = __ffs(m) - 1;
+        out[pos++] = translate_g(p, row, index_of(e * kThreads + tid));
+      }
+      uint32_t g = sm.base_tie + t_warp + t_incl - n_tie;
+      for (uint32_t m = tie_mask; m != 0; m &= m - 1, ++g) {
+        const int e = __ffs(m) - 1;
+        if (gather) {
+          __stcg(&cand_key[g], sk[e * kThreads + tid]);
+          __stcg(&cand_idx[g], static_cast<int32_t>(index_of(e * kThreads + tid)));
+        } else if (take_all) {  // otherwise the last CTA settles the ties in index order
+          out[total_above + g] = translate_g(p, row, index_of(e * kThreads + tid));
+        }
+      }
+      if (prof) prof[5] = global_ns();
+      // The last CTA of the row to get here finishes it.
+      __threadfence();  // every thread's output and candidate stores before the arrival
+      __syncthreads();
+      if (tid == 0) {
+        sm.last = atomicAdd(&ctr[kDone], 1u) == static_cast<uint32_t>(nrow - 1);
+        if (sm.last) __threadfence();
+      }
+      __syncthreads();
+      if (sm.last) {
+        long long* lprof = p.profile != nullptr && row == 0 && tid == 0 ? p.profile : nullptr;
+        if (lprof) lprof[6] = global_ns();
+        if (gather) {
+          for (uint32_t i = tid; i < cnt; i += kThreads) sk[i] = __ldcg(&cand_key[i]);
+          __syncthreads();
+          if (lprof) lprof[7] = global_ns();
+          block_select(
+              sk, cnt, [](uint32_t) { return true; }, prefix, pbits, need, sm,
+              [&](uint32_t pos2, uint32_t i) { out[total_above + pos2] = translate_g(p, row, __ldcg(&cand_idx[i])); });
+          if (sm.tie_open) {
+            ties_in_index_order(p, row, len, sm.tie_key, sm.tie_need, out + total_above + sm.tie_base, sm);
+          }
+        } else if (!take_all) {  // all 32 bits resolved: more elements equal the k-th value than slots remain
+          ties_in_index_order(p, row, len, prefix, need, out + total_above, sm);
+        }
+        for (int i = tid; i < kGRounds * kGBins + kCounters; i += kThreads) w[i] = 0;  // ready for the next call
+        if (p.out_count != nullptr && tid == 0) p.out_count[row] = p.k;
+        if (lprof) lprof[8] = global_ns();
+      }
+    }
+  }
+  if (p.ticketed) {  // the last CTA of the grid puts the tickets back
+    __syncthreads();
+    if (tid == 0) {
+      __threadfence();
+      if (atomicAdd(&p.tickets[1], 1u) == gridDim.x - 1) {
+        p.tickets[0] = 0;
+        p.tickets[1] = 0;
+      }
+    }
+  }
+}
+
+template <int EPT>
+constexpr int grid_smem_bytes() {
+  return static_cast<int>((sizeof(GSmem) + 15) / 16 * 16) + kThreads * EPT * 4;
+}
+
+template <int EPT>
+int grid_capacity() {  // CTAs of grid_topk_kernel<EPT> the device holds at once
+  static std::once_flag once;
+  static int cap = 0;
+  std::call_once(once, [] {
+    TROUPE_CUDA(cudaFuncSetAttribute(grid_topk_kernel<EPT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     grid_smem_bytes<EPT>()));
+    int dev = 0, sms = 0, per = 0;
+    TROUPE_CUDA(cudaGetDevice(&dev));
+    TROUPE_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    TROUPE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, grid_topk_kernel<EPT>, kThreads,
+                                                              grid_smem_bytes<EPT>()));
+    cap = per * sms;
+  });
+  return cap;
+}
+
+constexpr int kGridMaxRowsPerLaunch = 128;
+constexpr int kSmallEPT = 8, kLargeEPT = 32;  // chunks of 4,096 / 16,384 scores
+
+int64_t grid_row_words(int ept) { return kGRounds * kGBins + kCounters + 2 * static_cast<int64_t>(kThreads) * ept; }
+
+// Small chunks for the least latency when every chunk of the call fits on the device
+// at once; else large chunks (fewer, fuller CTAs share each row's barriers), by
+// tickets when the grid is larger than the device holds.
+struct GridPlan {
+  bool ok = false;  // false: the cluster kernel
+  int ept = 0;
+  int cpr = 0;
+  int rows_per_launch = 0;
+  bool ticketed = false;
+  int64_t row_words = 0;
+};
+
+GridPlan make_grid_plan(int rows, int64_t max_len) {
+  GridPlan g;
+  const int64_t c8 = ceil_div(max_len, kThreads * kSmallEPT), c32 = ceil_div(max_len, kThreads * kLargeEPT);
+  const int cap8 = grid_capacity<kSmallEPT>(), cap32 = grid_capacity<kLargeEPT>();
+  if (static_cast<int64_t>(rows) * c8 <= cap8) {
+    g.ept = kSmallEPT;
+    g.cpr = static_cast<int>(c8);
+    g.rows_per_launch = rows;
+  } else if (c32 == 1 || 2 * c32 <= cap32) {
+    g.ept = kLargeEPT;
+    g.cpr = static_cast<int>(c32);
+    g.rows_per_launch = c32 == 1 ? rows : std::min(rows, kGridMaxRowsPerLaunch);
+    g.ticketed = c32 > 1 && static_cast<int64_t>(g.rows_per_launch) * c32 > cap32;
+  } else {
+    return g;  // rows too long for the grid kernel: the cluster kernel
+  }
+  g.ok = true;
+  g.row_words = g.cpr > 1 ? grid_row_words(g.ept) : 0;
+  return g;
+}
+
+// Enough for a call of any number of rows up to `rows` with this max_len (a smaller
+// call can pick the other chunk size): 256 bytes of tickets, then the rows of one
+// launch.
+size_t grid_workspace_bytes(int rows, int64_t max_len) {
+  const int64_t c8 = ceil_div(max_len, kThreads * kSmallEPT), c32 = ceil_div(max_len, kThreads * kLargeEPT);
+  int64_t words = 0;
+  if (c8 > 1) words = std::min<int64_t>(rows, grid_capacity<kSmallEPT>() / c8) * grid_row_words(kSmallEPT);
+  if (c32 > 1) words = std::max(words, std::min<int64_t>(rows, kGridMaxRowsPerLaunch) * grid_row_words(kLargeEPT));
+  return static_cast<size_t>(words) * 4 + 256;
+}
+
+void launch_grid_topk(const TopkArgs& a, const GridPlan& g, void* workspace, cudaStream_t stream) {
+  GridParams p{};
+  p.scores = a.scores;
+  p.row_stride = a.row_stride;
+  p.lengths = a.lengths;
+  p.max_len = a.max_len;
+  p.k = a.k;
+  p.out_idx = a.out_idx;
+  p.out_stride = a.out_stride;
+  p.out_count = a.out_count;
+  p.page_table = a.page_table;
+  p.page_stride = a.page_stride;
+  p.page_bits = a.page_bits;
+  p.vec_ok = (reinterpret_cast<uintptr_t>(a.scores) % 16 == 0) && (a.row_stride % 4 == 0);
+  p.cpr = g.cpr;
+  p.ticketed = g.ticketed;
+  p.row_words = g.row_words;
+  p.profile = a.profile;
+  if (g.row_words > 0) {
+    TROUPE_REQUIRE(workspace != nullptr, "top-k: this row length needs a workspace");
+    p.tickets = static_cast<uint32_t*>(workspace);  // the first 256 bytes; the rows' words after them
+    p.ws = p.tickets + 64;
+  }
+  for (int r0 = 0; r0 < a.rows; r0 += g.rows_per_launch) {
+    p.row0 = r0;
+    const int rows = std::min(g.rows_per_launch, a.rows - r0);
+    cudaLaunchConfig_t cfg{};
+    cfg.dynamicSmemBytes = static_cast<size_t>(g.ept == kSmallEPT ? grid_smem_bytes<kSmallEPT>()
+                                                                  : grid_smem_bytes<kLargeEPT>());
+    cfg.gridDim = dim3(static_cast<unsigned>(static_cast<int64_t>(rows) * g.cpr), 1, 1);
+    cfg.blockDim = dim3(kThreads, 1, 1);
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1]{};
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // hides the launch behind the producer
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    if (g.ept == kSmallEPT) {
+      TROUPE_CUDA(cudaLaunchKernelEx(&cfg, grid_topk_kernel<kSmallEPT>, p));
+    } else {
+      TROUPE_CUDA(cudaLaunchKernelEx(&cfg, grid_topk_kernel<kLargeEPT>, p));
+    }
+  }
+}
+
 }  // namespace
 
+// TROUPE_TOPK_CLUSTER=N (1..16, power of two): calls that leave max_cluster at 0 use the
+// cluster kernel with clusters of N CTAs instead of the grid kernel (an A/B switch).
+int default_cluster() {
+  static const int n = [] {
+    const char* e = std::getenv("TROUPE_TOPK_CLUSTER");
+    const int v = e != nullptr ? std::atoi(e) : 0;
+    return v >= 1 && v <= 16 && (v & (v - 1)) == 0 ? v : 0;
+  }();
+  return n;
+}
+
 size_t topk_workspace_bytes(int rows, int64_t max_len, int k, int max_cluster) {
+  if (max_cluster == 0) max_cluster = default_cluster();
+  if (max_cluster == 0 && rows > 0) {
+    const GridPlan g = make_grid_plan(rows, std::max<int64_t>(max_len, 1));
+    if (g.ok) return grid_workspace_bytes(rows, std::max<int64_t>(max_len, 1));
+  }
   const Plan plan = make_plan(max_len, k, max_cluster);
   if (plan.segments == 1) return 0;
   const size_t per = static_cast<size_t>(plan.segments) * k;
@@ -540,12 +1075,21 @@ void topk_workspace_init(void* workspace, size_t bytes, cudaStream_t stream) {
   if (bytes > 0) TROUPE_CUDA(cudaMemsetAsync(workspace, 0, bytes, stream));
 }
 
-void topk(const TopkArgs& a, void* workspace, cudaStream_t stream) {
+void topk(const TopkArgs& args, void* workspace, cudaStream_t stream) {
+  TopkArgs a = args;
+  if (a.max_cluster == 0) a.max_cluster = default_cluster();
   TROUPE_REQUIRE(a.k >= 1 && a.k <= kMaxK, "top-k: k must be in 1..2048");
   TROUPE_REQUIRE(a.out_stride >= a.k, "top-k: out_stride < k");
   TROUPE_REQUIRE(a.rows <= 65535, "top-k: at most 65535 rows per call");
   TROUPE_REQUIRE(a.max_len <= INT32_MAX, "top-k: rows longer than 2^31");
   if (a.rows == 0) return;
+  if (a.max_cluster == 0) {
+    const GridPlan g = make_grid_plan(a.rows, std::max<int64_t>(a.max_len, 1));
+    if (g.ok) {
+      launch_grid_topk(a, g, workspace, stream);
+      return;
+    }
+  }
   const Plan plan = make_plan(std::max<int64_t>(a.max_len, 1), a.k, a.max_cluster);
   Params p{};
   p.scores = a.scores;

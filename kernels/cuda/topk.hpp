@@ -1,16 +1,26 @@
 // Exact top-k over fp32 score rows on the GPU (one read of the scores).
 //
-// Each row (or segment of a long row) is owned by one thread-block cluster; the
-// CTAs keep their slice in registers, build radix histograms of an
-// order-preserving 32-bit key (11 + 11 + 10 bits, stopping as soon as the
-// threshold bucket is taken whole) and reduce them across the cluster through
-// distributed shared memory. Elements above the threshold are written
-// directly; ties at the k-th value are settled exactly (any k of the tied
-// elements, so the set equals a sort-based reference up to ties). Rows longer
-// than one cluster's capacity are split into segments whose candidates the
-// last-arriving cluster merges (no grid-wide barrier, no second launch). The
-// kernel is launched as a programmatic dependent of the previous kernel on the
-// stream (PDL), so its launch overlaps the tail of the scores' producer.
+// Both kernels select by radix histograms of an order-preserving 32-bit key
+// (11 + 11 + 10 bits, stopping as soon as the threshold bucket is taken whole);
+// elements above the threshold are written directly. Ties at the k-th value: the
+// grid kernel settles them as a stable sort does (lower index first, -0 equal to +0,
+// the CPU backend's rule), so its set is deterministic and equals the CPU's; the
+// cluster kernel takes any of the tied elements (the set equals a sort-based
+// reference up to ties). Both are launched as programmatic dependents of the
+// previous kernel on the stream (PDL), so the launch overlaps the producer's tail.
+//
+// Grid kernel (the default): every SM. Each CTA keeps a chunk of 4,096 (or, for
+// many rows, 16,384) scores of one row in shared memory; the CTAs of a row add
+// their histograms in the workspace with global atomics and meet at a per-row
+// arrival counter, the threshold bucket's elements are gathered and the row's
+// last CTA finishes them. Used while a row needs at most half the CTAs the device
+// holds at once (rows up to ~3 M scores on an H200).
+//
+// Cluster kernel (max_cluster != 0, or longer rows): each row (or segment of a
+// long row) is owned by one thread-block cluster whose CTAs reduce their
+// histograms through distributed shared memory; rows longer than one cluster's
+// capacity are split into segments whose candidates the last-arriving cluster
+// merges (no grid-wide barrier, no second launch).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -35,12 +45,16 @@ struct TopkArgs {
   const int32_t* page_table = nullptr;
   int64_t page_stride = 0;
   int page_bits = 0;
-  int max_cluster = 0;              // 0: the largest the device allows (16 or 8); else 1..16, power of two
-  long long* profile = nullptr;     // debugging aid: 12 SM-clock stamps of row 0's first CTA at phase ends
+  int max_cluster = 0;              // 0: the grid kernel (cluster kernel for longer rows, or the cluster size
+                                    // in TROUPE_TOPK_CLUSTER); else the cluster kernel with clusters of 1..16
+                                    // CTAs (power of two)
+  long long* profile = nullptr;     // debugging aid: phase-end stamps of row 0 (cluster kernel: 12 SM clocks;
+                                    // grid kernel: 9 %globaltimer ns values, see bench/gpu/bench.py)
 };
 
-// Scratch the call needs (0 when every row fits one cluster). The workspace must be
-// zeroed once after allocation (topk_workspace_init); calls leave it zeroed.
+// Scratch the call needs (enough for any call with at most `rows` rows and this
+// max_len; may be 0). The workspace must be zeroed once after allocation
+// (topk_workspace_init); calls leave it zeroed. One call at a time per workspace.
 size_t topk_workspace_bytes(int rows, int64_t max_len, int k, int max_cluster = 0);
 void topk_workspace_init(void* workspace, size_t bytes, cudaStream_t stream);
 void topk(const TopkArgs& args, void* workspace, cudaStream_t stream);

@@ -7,6 +7,8 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <set>
 
@@ -95,8 +97,23 @@ void check_topk_row(const float* v, int64_t len, int k, const int32_t* out, int3
   ASSERT_EQ(above, above_all) << "a value above the k-th was left out";
 }
 
+// The grid kernel settles ties as a stable sort does (the CPU backend's rule): the chosen
+// set is exactly the first k of the row ordered by value, then by lower index.
+void check_topk_row_stable(const float* row, int64_t len, int k, const int32_t* out, int32_t count,
+                           const std::string& what) {
+  std::vector<int32_t> order(static_cast<size_t>(len));
+  std::iota(order.begin(), order.end(), 0);
+  const int64_t take = std::min<int64_t>(k, len);
+  std::partial_sort(order.begin(), order.begin() + take, order.end(),
+                    [&](int32_t a, int32_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
+  std::vector<int32_t> want(order.begin(), order.begin() + take), got(out, out + std::min<int64_t>(count, k));
+  std::sort(want.begin(), want.end());
+  std::sort(got.begin(), got.end());
+  ASSERT_EQ(got, want) << what << ": not the stable sort's choice at ties";
+}
+
 TEST_F(CudaKernelsTest, topk_equals_a_sort_up_to_ties) {
-  enum Dist { normal, few_values, all_equal, with_infinities };
+  enum Dist { normal, few_values, all_equal, with_infinities, signed_zeros };
   struct Case {
     int rows;
     int64_t len;
@@ -104,6 +121,7 @@ TEST_F(CudaKernelsTest, topk_equals_a_sort_up_to_ties) {
     Dist dist;
     bool ragged;
     int max_cluster;
+    int ws_rows = 0;  // workspace sized for this many rows (0: rows), as the backend sizes it once
   };
   const Case cases[] = {
       {1, 262144, 512, normal, false, 0},      {64, 262144, 512, normal, false, 0},
@@ -112,6 +130,9 @@ TEST_F(CudaKernelsTest, topk_equals_a_sort_up_to_ties) {
       {5, 5000, 512, with_infinities, true, 0}, {3, 100000, 1, normal, false, 0},
       {2, 50, 512, normal, false, 0},          {3, 262144, 512, normal, false, 8},
       {2, 300000, 2048, few_values, true, 4},  {128, 16384, 64, normal, true, 0},
+      {150, 8000, 512, normal, true, 0, 300},  {100, 65536, 256, few_values, false, 0, 200},
+      {3, 4000, 512, few_values, true, 0},     {2, 1048576, 2048, few_values, false, 0},
+      {4, 262144, 512, signed_zeros, true, 0}, {1, 3000, 100, signed_zeros, false, 0},
   };
   for (const auto& c : cases) {
     const std::string what = "rows " + std::to_string(c.rows) + " len " + std::to_string(c.len) + " k " +
@@ -127,6 +148,10 @@ TEST_F(CudaKernelsTest, topk_equals_a_sort_up_to_ties) {
         case normal: x = nd(rng_); break;
         case few_values: x = static_cast<float>(small(rng_)); break;
         case all_equal: x = 0.5f; break;
+        case signed_zeros: {  // mostly +0 and -0 (one value), some positive
+          const int r = small(rng_);
+          x = r < 4 ? 0.f : r < 8 ? -0.f : std::fabs(nd(rng_));
+        } break;
         case with_infinities: {
           const int r = small(rng_);
           x = r == 0 ? -INFINITY : r == 1 ? INFINITY : nd(rng_);
@@ -139,7 +164,7 @@ TEST_F(CudaKernelsTest, topk_equals_a_sort_up_to_ties) {
     int32_t* dl = dev(lengths);
     int32_t* out = dev<int32_t>(c.rows * c.k);
     int32_t* cnt = dev<int32_t>(c.rows);
-    const size_t ws_bytes = cuda::topk_workspace_bytes(c.rows, c.len, c.k, c.max_cluster);
+    const size_t ws_bytes = cuda::topk_workspace_bytes(c.ws_rows > 0 ? c.ws_rows : c.rows, c.len, c.k, c.max_cluster);
     void* ws = ws_bytes > 0 ? dev<char>(ws_bytes) : nullptr;
     cuda::topk_workspace_init(ws, ws_bytes, stream());
     for (int rep = 0; rep < 2; ++rep) {  // the workspace must come back zeroed
@@ -160,8 +185,11 @@ TEST_F(CudaKernelsTest, topk_equals_a_sort_up_to_ties) {
       const auto ho = host(out, c.rows * c.k);
       const auto hc = host(cnt, c.rows);
       for (int r = 0; r < c.rows; ++r) {
-        check_topk_row(v.data() + r * stride, lengths[r], c.k, ho.data() + r * c.k, hc[r],
-                       "row " + std::to_string(r) + " rep " + std::to_string(rep));
+        const std::string row_what = "row " + std::to_string(r) + " rep " + std::to_string(rep);
+        check_topk_row(v.data() + r * stride, lengths[r], c.k, ho.data() + r * c.k, hc[r], row_what);
+        if (c.max_cluster == 0) {  // the grid kernel (rows this short): ties by lower index
+          check_topk_row_stable(v.data() + r * stride, lengths[r], c.k, ho.data() + r * c.k, hc[r], row_what);
+        }
       }
     }
   }

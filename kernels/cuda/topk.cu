@@ -578,8 +578,8 @@ struct GSmem {
   uint32_t above_ctr, tie_ctr, local_above, local_tie;
   uint32_t base_above, base_tie;
   uint32_t ticket, last;
-  // block_select's open ties: more elements equal the k-th value than slots remain.
-  uint32_t tie_key, tie_need, tie_base, tie_open;
+  // radix_select's open ties: more elements equal the k-th value than slots remain.
+  uint32_t tie_key, tie_need, tie_base;
 };
 
 __device__ __forceinline__ long long global_ns() {
@@ -610,11 +610,11 @@ __device__ __forceinline__ int32_t translate_g(const GridParams& p, int row, int
 // Block-local radix select over keys[0 .. n) (valid(i) says which exist; all valid keys
 // share the top `lbits` bits `lp`): emits the `lneed` largest, emit(position, i) with
 // positions 0 .. lneed-1. When more elements equal the last chosen value than
-// positions remain, it emits none of those and leaves sm.tie_open set, with the value's
-// key, the count and the first position, for ties_in_index_order. Every thread of the
+// positions remain, it emits none of those, leaves their key, the count still needed
+// and the first free position in sm.tie_* and returns true. Every thread of the
 // block calls it.
 template <class Valid, class Emit>
-__device__ __forceinline__ void block_select(const uint32_t* keys, uint32_t n, Valid&& valid, uint32_t lp, int lbits,
+__device__ __forceinline__ bool radix_select(const uint32_t* keys, uint32_t n, Valid&& valid, uint32_t lp, int lbits,
                                              uint32_t lneed, GSmem& sm, Emit&& emit) {
   const int tid = threadIdx.x;
   const uint32_t need0 = lneed;
@@ -643,8 +643,7 @@ __device__ __forceinline__ void block_select(const uint32_t* keys, uint32_t n, V
   const unsigned lane = tid & 31, lt = (1u << lane) - 1u;
   if (tid == 0) {
     sm.local_above = sm.local_tie = 0;
-    sm.tie_open = all ? 0u : 1u;  // then lbits == 32: lp is the whole key of the tied value
-    sm.tie_key = lp;
+    sm.tie_key = lp;  // unless all: lbits == 32, so lp is the whole key of the tied value
     sm.tie_need = lneed;
     sm.tie_base = tie_base;
   }
@@ -671,14 +670,33 @@ __device__ __forceinline__ void block_select(const uint32_t* keys, uint32_t n, V
     }
   }
   __syncthreads();
+  return !all;
 }
 
-// Ties at the k-th value settled as a stable sort settles them (the CPU backend's
-// rule): of the row's elements in [0, len) whose key is tie_key, the `need` with the
-// lowest indices, in index order, to out[0 .. need). One block scans the row in index
-// order and stops once it has them (reads up to the whole row: only rows whose k-th
-// value is shared by more elements than slots remain come here).
-__device__ __noinline__ void ties_in_index_order(const GridParams& p, int row, int64_t len, uint32_t tie_key,
+// radix_select, with ties at the last chosen value settled as a stable sort settles
+// them (the CPU backend's rule): of the tied elements, those with the lowest
+// index(i), by a second select over their inverted indices (which are distinct).
+// Overwrites keys[].
+template <class Valid, class Index, class Emit>
+__device__ __forceinline__ void block_select(uint32_t* keys, uint32_t n, Valid&& valid, Index&& index, uint32_t lp,
+                                             int lbits, uint32_t lneed, GSmem& sm, Emit&& emit) {
+  if (!radix_select(keys, n, valid, lp, lbits, lneed, sm, emit)) return;
+  const uint32_t tie_key = sm.tie_key, need = sm.tie_need, base = sm.tie_base;
+  __syncthreads();  // every thread has read sm.tie_*
+  for (uint32_t i = threadIdx.x; i < n; i += kThreads) {
+    keys[i] = valid(i) && keys[i] == tie_key ? ~static_cast<uint32_t>(index(i)) : 0u;  // indices < 2^31: never 0
+  }
+  __syncthreads();
+  radix_select(
+      keys, n, [&](uint32_t i) { return keys[i] != 0u; }, 0u, 0, need, sm,
+      [&](uint32_t pos, uint32_t i) { emit(base + pos, i); });
+}
+
+// Ties at the k-th value settled as a stable sort settles them, for rows where more
+// elements than one CTA's chunk share the k-th value: of the row's elements in
+// [0, len) whose key is tie_key, the `need` with the lowest indices, to out[0 .. need).
+// One block scans the row in index order and stops once it has them.
+__device__ __forceinline__ void ties_in_index_order(const GridParams& p, int row, int64_t len, uint32_t tie_key,
                                                  uint32_t need, int32_t* out, GSmem& sm) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const unsigned lt = (1u << lane) - 1u;
@@ -781,9 +799,9 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
     if (nrow == 1) {  // the whole row is here: select in this CTA
       __syncthreads();
       block_select(
-          sk, kChunk, [&](uint32_t i) { return index_of(i) < len; }, 0u, 0, kk, sm,
+          sk, kChunk, [&](uint32_t i) { return index_of(i) < len; },
+          [&](uint32_t i) { return static_cast<uint32_t>(index_of(i)); }, 0u, 0, kk, sm,
           [&](uint32_t pos, uint32_t i) { out[pos] = translate_g(p, row, index_of(i)); });
-      if (sm.tie_open) ties_in_index_order(p, row, len, sm.tie_key, sm.tie_need, out + sm.tie_base, sm);
       if (p.out_count != nullptr && tid == 0) p.out_count[row] = p.k;
     } else {
       uint32_t* w = p.ws + static_cast<int64_t>(lrow) * p.row_words;
@@ -827,7 +845,9 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
         __syncthreads();
         if (prof && round == 0) prof[4] = global_ns();
         if (cnt == need) break;                          // the whole threshold bucket is taken
-        if (pbits < 32 && cnt <= static_cast<uint32_t>(kChunk)) {  // few enough for one CTA
+        // Few enough for one CTA (after the last round: the elements equal to the k-th
+        // value, whose ties the last CTA settles by index).
+        if (cnt <= static_cast<uint32_t>(kChunk)) {
           gather = true;
           break;
         }
@@ -904,12 +924,10 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
           __syncthreads();
           if (lprof) lprof[7] = global_ns();
           block_select(
-              sk, cnt, [](uint32_t) { return true; }, prefix, pbits, need, sm,
+              sk, cnt, [](uint32_t) { return true; },
+              [&](uint32_t i) { return static_cast<uint32_t>(__ldcg(&cand_idx[i])); }, prefix, pbits, need, sm,
               [&](uint32_t pos2, uint32_t i) { out[total_above + pos2] = translate_g(p, row, __ldcg(&cand_idx[i])); });
-          if (sm.tie_open) {
-            ties_in_index_order(p, row, len, sm.tie_key, sm.tie_need, out + total_above + sm.tie_base, sm);
-          }
-        } else if (!take_all) {  // all 32 bits resolved: more elements equal the k-th value than slots remain
+        } else if (!take_all) {  // more than a chunk's worth of elements equal the k-th value
           ties_in_index_order(p, row, len, prefix, need, out + total_above, sm);
         }
         for (int i = tid; i < kGRounds * kGBins + kCounters; i += kThreads) w[i] = 0;  // ready for the next call

@@ -7,6 +7,8 @@
 #include <kj/exception.h>
 #include <spdlog/spdlog.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "transport/ucx_impl.hpp"
@@ -214,6 +216,44 @@ ucs_status_t am_frame_cb(void* arg, const void* header, size_t header_length, vo
   return UCS_OK;
 }
 
+ucs_status_t am_probe_common(void* arg, const void* header, size_t header_length, void* data,
+                             const ucp_am_recv_param_t* param, bool is_reply) {
+  auto* impl = static_cast<UcxTransport::Impl*>(arg);
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+    ucp_am_data_release(impl->worker, data);
+    return UCS_OK;
+  }
+  if (header_length != 16) return UCS_OK;
+  auto* hb = static_cast<const std::byte*>(header);
+  const uint64_t token = load_u64(hb), nonce = load_u64(hb + 8);
+  impl->user_calls.push_back([impl, token, nonce, is_reply] { impl->on_probe(token, nonce, is_reply); });
+  return UCS_OK;
+}
+
+ucs_status_t am_probe_cb(void* arg, const void* h, size_t hl, void* d, size_t, const ucp_am_recv_param_t* p) {
+  return am_probe_common(arg, h, hl, d, p, false);
+}
+ucs_status_t am_probe_reply_cb(void* arg, const void* h, size_t hl, void* d, size_t, const ucp_am_recv_param_t* p) {
+  return am_probe_common(arg, h, hl, d, p, true);
+}
+
+// Whether UCX gave the endpoint shared-memory lanes (the peer is on this host),
+// from its printed configuration (UCX 1.13 has no query for the transports).
+bool has_shared_memory_lanes(ucp_ep_h ep) {
+  char* buf = nullptr;
+  size_t len = 0;
+  FILE* f = open_memstream(&buf, &len);
+  if (f == nullptr) return false;
+  ucp_ep_print_info(ep, f);
+  std::fclose(f);
+  std::string info(buf != nullptr ? buf : "", len);
+  std::free(buf);
+  for (const char* tl : {"posix/", "sysv/", "xpmem/"}) {
+    if (info.find(tl) != std::string::npos) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- lifecycle
@@ -226,7 +266,7 @@ UcxTransport::~UcxTransport() {
       std::lock_guard lock(impl_->cmd_mu);
       impl_->stopping = true;
     }
-    ucp_worker_signal(impl_->worker);
+    impl_->signal();
     impl_->thread.join();
   }
   impl_->teardown();
@@ -260,6 +300,11 @@ Status UcxTransport::Impl::init() {
   if (!std::getenv("UCX_MM_ERROR_HANDLING")) {
     ucp_config_modify(config, "MM_ERROR_HANDLING", "y");
   }
+  // A rebuilt worker (reset_worker) listens again on the same port while the
+  // old listener's accepted sockets may linger.
+  if (!std::getenv("UCX_TCP_CM_REUSEADDR") && !std::getenv("UCX_CM_REUSEADDR")) {
+    ucp_config_modify(config, "CM_REUSEADDR", "y");  // the key the tcp and rdma cm tables inherit
+  }
   ucp_params_t p{};
   p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
   p.features = UCP_FEATURE_AM | UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
@@ -268,6 +313,14 @@ Status UcxTransport::Impl::init() {
   ucp_config_release(config);
   if (st != UCS_OK) return ucs_error(ErrorCode::unavailable, "ucp_init", st);
 
+  if (const char* d = std::getenv("TROUPE_UCX_DIRECT"); d && *d) opt.direct_endpoints = std::string_view(d) != "0";
+  if (const char* d = std::getenv("TROUPE_UCX_SPIN_IN_FLIGHT"); d && *d) opt.spin_while_in_flight = std::string_view(d) != "0";
+  if (const char* d = std::getenv("TROUPE_UCX_INBOX_PROBE_MS"); d && *d) opt.inbox_probe_ms = std::atoi(d);
+  return init_worker();
+}
+
+Status UcxTransport::Impl::init_worker() {
+  ucs_status_t st;
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wp.thread_mode = UCS_THREAD_MODE_SINGLE;
@@ -275,8 +328,6 @@ Status UcxTransport::Impl::init() {
     return ucs_error(ErrorCode::unavailable, "ucp_worker_create", st);
   }
   if ((st = ucp_worker_get_efd(worker, &efd)) != UCS_OK) return ucs_error(ErrorCode::unavailable, "ucp_worker_get_efd", st);
-  if (const char* d = std::getenv("TROUPE_UCX_DIRECT"); d && *d) opt.direct_endpoints = std::string_view(d) != "0";
-  if (const char* d = std::getenv("TROUPE_UCX_SPIN_IN_FLIGHT"); d && *d) opt.spin_while_in_flight = std::string_view(d) != "0";
   if (opt.direct_endpoints) {
     ucp_address_t* a = nullptr;
     size_t len = 0;
@@ -292,7 +343,8 @@ Status UcxTransport::Impl::init() {
     unsigned id;
     ucp_am_recv_callback_t cb;
   };
-  for (auto h : {Handler{kAmHello, am_hello_cb}, Handler{kAmHelloAck, am_ack_cb}, Handler{kAmFrame, am_frame_cb}}) {
+  for (auto h : {Handler{kAmHello, am_hello_cb}, Handler{kAmHelloAck, am_ack_cb}, Handler{kAmFrame, am_frame_cb},
+                 Handler{kAmProbe, am_probe_cb}, Handler{kAmProbeReply, am_probe_reply_cb}}) {
     ucp_am_handler_param_t hp{};
     hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
     hp.id = h.id;
@@ -323,9 +375,13 @@ Status UcxTransport::Impl::init() {
     la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
     if ((st = ucp_listener_query(listener, &la)) != UCS_OK) return ucs_error(ErrorCode::internal, "ucp_listener_query", st);
     auto* bound = reinterpret_cast<const sockaddr_in*>(&la.sockaddr);
-    address = fmt::format("ucx://{}:{}", opt.listen_host, ntohs(bound->sin_port));
-  } else {
-    address = fmt::format("ucx://-/{}", opt.name);
+    opt.listen_port = ntohs(bound->sin_port);  // a rebuilt worker listens at the same address
+  }
+  // Read by other threads: written once (a rebuilt worker has the same address).
+  if (std::string a = opt.listen_host.empty() ? fmt::format("ucx://-/{}", opt.name)
+                                              : fmt::format("ucx://{}:{}", opt.listen_host, opt.listen_port);
+      a != address) {
+    address = std::move(a);
   }
   return Ok{};
 }
@@ -335,12 +391,18 @@ void UcxTransport::Impl::teardown() {
     if (r.memh) ucp_mem_unmap(ctx, r.memh);
   }
   regions.clear();
+  destroy_worker();
+  if (ctx) ucp_cleanup(ctx);
+  ctx = nullptr;
+}
+
+void UcxTransport::Impl::destroy_worker() {
   if (listener) ucp_listener_destroy(listener);
   listener = nullptr;
   if (worker) ucp_worker_destroy(worker);
   worker = nullptr;
-  if (ctx) ucp_cleanup(ctx);
-  ctx = nullptr;
+  efd = -1;
+  worker_address.clear();
 }
 
 bool UcxTransport::Impl::post(std::function<void()> fn) {
@@ -351,8 +413,13 @@ bool UcxTransport::Impl::post(std::function<void()> fn) {
     was_empty = cmds.empty();
     cmds.push_back(std::move(fn));
   }
-  if (was_empty) ucp_worker_signal(worker);
+  if (was_empty) signal();
   return true;
+}
+
+void UcxTransport::Impl::signal() {
+  std::lock_guard lock(worker_mu);
+  if (worker) ucp_worker_signal(worker);  // none mid-rebuild: the loop takes the command when it is back
 }
 
 // The progress loop: commands, progress until idle, deferred work, then
@@ -372,9 +439,23 @@ void UcxTransport::Impl::run() {
     }
     if (stop) break;
     for (auto& fn : batch) fn();
+    if (worker == nullptr) {  // a rebuild failed: try again every second
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      if (std::chrono::steady_clock::now() >= next_rebuild) {
+        next_rebuild = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+        std::lock_guard lock(worker_mu);
+        if (auto s = init_worker(); !s) {
+          destroy_worker();
+        } else {
+          spdlog::info("ucx {}: the UCX worker is back at {}", opt.name, address);
+        }
+      }
+      continue;
+    }
     unsigned progressed = 0;
     while (unsigned n = ucp_worker_progress(worker)) progressed += n;
     bool did = run_deferred() || !batch.empty() || progressed > 0;
+    did |= check_inbox();
     auto now = std::chrono::steady_clock::now();
     if (did) {
       last_work = now;
@@ -403,6 +484,8 @@ void UcxTransport::Impl::run() {
 // receive survives a flush close): what is still in flight after the first
 // second is cancelled by closing its endpoints with force.
 void UcxTransport::Impl::shutdown_in_thread() {
+  opt.inbox_probe_ms = 0;  // no probes (nor a rebuild) while closing
+  if (worker == nullptr) return;  // a failed rebuild left nothing to close
   auto drain_until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
   while (!requests.empty() && std::chrono::steady_clock::now() < drain_until) {
     ucp_worker_progress(worker);
@@ -441,15 +524,131 @@ void UcxTransport::Impl::shutdown_in_thread() {
 // Force-closes the connections whose endpoint UCX reported failed (the peer
 // is gone); whether there were any.
 bool UcxTransport::Impl::close_failed() {
-  bool any = false;
+  bool any = false, shm_peer_failed = false;
   for (auto [ep, st] : std::exchange(failed, {})) {
     any = true;
     if (Conn* c = conn_by_ep(ep)) {
+      shm_peer_failed |= c->shm && c->state != Conn::State::closing;
       close_conn(*c, ucs_error(ErrorCode::unavailable, fmt::format("peer {} lost", c->name.empty() ? "?" : c->name), st),
                  true);
     }
   }
+  if (shm_peer_failed && opt.inbox_probe_ms > 0) {
+    // It may have died writing into our shared-memory inbox: ask the others.
+    inbox_suspect = true;
+    probing.clear();
+    probe_deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(opt.inbox_probe_ms);
+    for (auto& [id, c] : conns) {
+      if (c->state == Conn::State::up && c->shm) probe(*c);
+    }
+    spdlog::info("ucx {}: a shared-memory peer failed; probing {} other shared-memory peers", opt.name,
+                 probing.size());
+  }
   return any;
+}
+
+void UcxTransport::Impl::probe(Conn& c) {
+  if (!c.data_ep) return;
+  auto op = std::make_unique<SendOp>();
+  op->raw_header.resize(16);
+  const uint64_t nonce = ++probe_nonce;
+  std::memcpy(op->raw_header.data(), &c.peer_token, 8);
+  std::memcpy(op->raw_header.data() + 8, &nonce, 8);
+  probing.insert(c.id);
+  send_am(c, kAmProbe, std::move(op), {}, c.data_ep);
+}
+
+void UcxTransport::Impl::on_probe(uint64_t conn_id, uint64_t nonce, bool is_reply) {
+  Conn* c = conn_by_id(conn_id);
+  if (!c || c->state != Conn::State::up || !c->data_ep) return;
+  if (!is_reply) {
+    if (!opt.answer_probes) return;
+    auto op = std::make_unique<SendOp>();
+    op->raw_header.resize(16);
+    std::memcpy(op->raw_header.data(), &c->peer_token, 8);
+    std::memcpy(op->raw_header.data() + 8, &nonce, 8);
+    send_am(*c, kAmProbeReply, std::move(op), {}, c->data_ep);
+    return;
+  }
+  // An answer from a peer on this host came through the shared-memory inbox: it works.
+  if (c->shm && inbox_suspect) {
+    spdlog::info("ucx {}: {} answered the probe; the shared-memory inbox works", opt.name, c->name);
+    inbox_suspect = false;
+    probing.clear();
+  }
+}
+
+bool UcxTransport::Impl::check_inbox() {
+  if (!inbox_suspect || probing.empty()) return false;
+  for (auto it = probing.begin(); it != probing.end();) {
+    Conn* c = conn_by_id(*it);
+    it = (!c || c->state != Conn::State::up) ? probing.erase(it) : std::next(it);
+  }
+  // Everyone asked is gone: the next shared-memory peer to come up is asked (mark_up).
+  if (probing.empty() || std::chrono::steady_clock::now() < probe_deadline) return false;
+  reset_worker(fmt::format("{} shared-memory peer(s) did not answer within {} ms after a shared-memory peer failed",
+                           probing.size(), opt.inbox_probe_ms));
+  return true;
+}
+
+// The shared-memory inbox is taken to be wedged: every connection ends (the
+// peers are reported down; whoever dials them dials again), the worker and
+// its listener are destroyed and made again at the same address. Regions
+// stay (they belong to the UCX context).
+void UcxTransport::Impl::reset_worker(const std::string& why) {
+  spdlog::error("ucx {}: {}: rebuilding the UCX worker; every connection is dropped and made again", opt.name, why);
+  ++resets;
+  inbox_suspect = false;
+  probing.clear();
+  drop_all_connections(Error(ErrorCode::unavailable, "transport reset: " + why));
+  for (auto request : std::exchange(accepted, {})) ucp_listener_reject(listener, request);
+  if (!requests.empty()) spdlog::warn("ucx {}: {} transfers still held by UCX at the rebuild", opt.name, requests.size());
+  requests.clear();
+  std::lock_guard lock(worker_mu);
+  destroy_worker();
+  Status s = Error(ErrorCode::unavailable, "not tried");
+  for (int attempt = 0; attempt < 30; ++attempt) {  // the old listener's port may take a moment to free
+    if ((s = init_worker())) break;
+    destroy_worker();
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  if (!s) {
+    spdlog::error("ucx {}: the UCX worker could not be rebuilt: {}; trying again every second", opt.name,
+                  s.error().what());
+    next_rebuild = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  }
+}
+
+void UcxTransport::Impl::drop_all_connections(const Error& why) {
+  std::vector<uint64_t> ids;
+  for (auto& [id, c] : conns) ids.push_back(id);
+  for (uint64_t id : ids) {
+    if (Conn* c = conn_by_id(id)) {
+      close_conn(*c, why, true);
+      if (c->close_deferred) close_endpoints(*c, true);
+    }
+  }
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  while (!conns.empty() && std::chrono::steady_clock::now() < deadline) {
+    ucp_worker_progress(worker);
+    for (uint64_t id : std::exchange(closed, {})) finish_close(id);
+    failed.clear();
+  }
+  for (auto& [id, c] : conns) {  // closes that did not complete: their handles go with the worker
+    drop_rkeys(*c);
+    if (c->connect_promise) c->connect_promise->set_value(why);
+    report_down(*c);
+  }
+  conns.clear();
+  by_ep.clear();
+  by_name.clear();
+  closed_eps.clear();
+  closed.clear();
+  close_ready.clear();
+  dirty.clear();
+  failed.clear();
+  std::lock_guard lock(names_mu);
+  up_names.clear();
 }
 
 bool UcxTransport::Impl::run_deferred() {
@@ -539,6 +738,10 @@ void UcxTransport::Impl::start_connect(const std::string& host, uint16_t port,
   ep.err_handler.cb = ep_err_cb;
   ep.err_handler.arg = this;
   ucp_ep_h h = nullptr;
+  if (worker == nullptr) {
+    promise->set_value(Error(ErrorCode::unavailable, "the UCX worker could not be rebuilt"));
+    return;
+  }
   if (auto st = ucp_ep_create(worker, &ep, &h); st != UCS_OK) {
     promise->set_value(ucs_error(ErrorCode::unavailable, fmt::format("connect to {}:{}", host, port), st));
     return;
@@ -646,6 +849,7 @@ void UcxTransport::Impl::open_direct(Conn& c, uint64_t token, const std::vector<
   }
   c.data_ep = h;
   c.peer_token = token;
+  c.shm = has_shared_memory_lanes(h);
   by_ep[h] = c.id;
 }
 
@@ -657,7 +861,13 @@ void UcxTransport::Impl::mark_up(Conn& c, const std::string& peer) {
     std::lock_guard lock(names_mu);
     up_names.insert(peer);
   }
-  spdlog::debug("ucx {}: peer {} up", opt.name, peer);
+  spdlog::debug("ucx {}: peer {} up{}", opt.name, peer, c.shm ? " (shared memory)" : "");
+  if (inbox_suspect && c.shm && opt.inbox_probe_ms > 0) {  // no one was left to ask when the peer failed
+    if (probing.empty()) {
+      probe_deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(opt.inbox_probe_ms);
+    }
+    probe(c);
+  }
   if (events.on_peer_up) events.on_peer_up(peer);
   deliver(c);  // frames that overtook the handshake
 }
@@ -886,6 +1096,7 @@ TransportStats UcxTransport::stats() const {
   s.frames_sent = impl_->frames_sent;
   s.frames_received = impl_->frames_received;
   s.bad_frames = impl_->bad_frames;
+  s.resets = impl_->resets;
   return s;
 }
 

@@ -46,6 +46,17 @@ struct UcxOptions {
   // active messages tcp lanes). Off: everything over the sockaddr endpoints.
   // TROUPE_UCX_DIRECT=1 / =0 in the environment overrides this.
   bool direct_endpoints = true;
+  // Recovery of a wedged shared-memory inbox. UCX 1.13's shared-memory FIFO
+  // waits for good on a slot a writer claimed and never finished; a local
+  // peer killed in the middle of writing into this process's FIFO leaves it
+  // so, and nothing from any local peer arrives again. After a peer reached
+  // over shared memory fails, every other such peer is probed; if none
+  // answers within this many ms, the transport rebuilds its UCX worker (same
+  // listening address): every connection is reported down and made again by
+  // whoever dials it. 0: never probe. TROUPE_UCX_INBOX_PROBE_MS overrides.
+  // (5 s: a node's peer_silence, so a busy peer is not taken for a wedge.)
+  int inbox_probe_ms = 5000;
+  bool answer_probes = true;  // test hook: false plays a peer whose answers never arrive
 };
 
 class UcxTransport final : public Transport {

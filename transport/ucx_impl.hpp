@@ -28,6 +28,10 @@ enum : unsigned {
   // Frame: header = frame header (24 bytes) + u64 sequence [+ u64 token of
   // the receiver's connection, on a direct endpoint]; data = body.
   kAmFrame = 23,
+  // Inbox probe over a direct endpoint: header = u64 token of the receiver's
+  // connection + u64 nonce, no data; answered with kAmProbeReply, same header shape.
+  kAmProbe = 24,
+  kAmProbeReply = 25,
 };
 inline constexpr size_t kAmFrameHeaderBytes = messages::kHeaderBytes + 8;
 inline constexpr size_t kAmDirectHeaderBytes = kAmFrameHeaderBytes + 8;
@@ -54,6 +58,7 @@ struct Conn {
   ucp_ep_h ep = nullptr;
   ucp_ep_h data_ep = nullptr;  // direct endpoint (null: everything over `ep`)
   uint64_t peer_token = 0;     // the peer's id for this connection
+  bool shm = false;            // data_ep has shared-memory lanes (the peer is on this host)
   ucp_ep_h tx() const { return data_ep ? data_ep : ep; }
   std::string name;  // empty until the handshake
   State state = State::handshaking;
@@ -141,13 +146,17 @@ struct UcxTransport::Impl {
   // Commands from other threads.
   std::mutex cmd_mu;
   std::deque<std::function<void()>> cmds;
+  // Held while the worker is destroyed or made (reset_worker), so that other
+  // threads' ucp_worker_signal never meets a dying worker.
+  std::mutex worker_mu;
+  void signal();
   bool stopping = false;  // guarded by cmd_mu
 
   // Names of connected peers, readable from any thread.
   mutable std::mutex names_mu;
   std::set<std::string> up_names;
 
-  std::atomic<uint64_t> frames_sent{0}, frames_received{0}, bad_frames{0};
+  std::atomic<uint64_t> frames_sent{0}, frames_received{0}, bad_frames{0}, resets{0};
   std::atomic<size_t> rma_in_flight{0}, n_regions{0}, n_remote_keys{0}, send_queue_bytes{0};
 
   // --- progress thread only ---
@@ -165,8 +174,18 @@ struct UcxTransport::Impl {
   std::deque<std::function<void()>> user_calls;  // events to run outside UCX callbacks
   std::map<uint64_t, LocalUcxRegion> regions;
   uint64_t next_region = 1;
+  // Inbox probe (UcxOptions::inbox_probe_ms): set when a shared-memory peer
+  // failed; cleared by any probe answer from a shared-memory peer. `probing`:
+  // connections asked and not yet answered, by `probe_deadline`.
+  bool inbox_suspect = false;
+  std::set<uint64_t> probing;
+  std::chrono::steady_clock::time_point probe_deadline;
+  uint64_t probe_nonce = 0;
+  std::chrono::steady_clock::time_point next_rebuild;  // while worker is null (a failed rebuild)
 
   Status init();
+  Status init_worker();       // worker, wakeup fd, address, handlers, listener
+  void destroy_worker();      // listener and worker (connections already gone)
   void run();
   void shutdown_in_thread();
   void teardown();
@@ -201,6 +220,12 @@ struct UcxTransport::Impl {
   void report_down(Conn& c);
   bool run_deferred();
   bool close_failed();
+  void probe(Conn& c);
+  void on_probe(uint64_t conn_id, uint64_t nonce, bool is_reply);
+  bool check_inbox();   // rebuilds the worker when the probes' time ran out
+  void reset_worker(const std::string& why);
+  // Ends every connection (force-closed, reported down) within about a second.
+  void drop_all_connections(const Error& why);
 
   // RMA (ucx_rma.cpp)
   Expected<LocalRegion> map_region(void* base, size_t length, bool allocate);

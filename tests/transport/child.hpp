@@ -34,6 +34,9 @@ class Child {
       dup2(out[1], 1);
       int err = open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       if (err >= 0) dup2(err, 2);
+      // Nothing else of ours: an inherited listening socket (UCX does not set
+      // close-on-exec) would keep our port bound after we close it.
+      close_range(3, ~0u, 0);
       std::vector<char*> args;
       for (auto& a : argv) args.push_back(a.data());
       args.push_back(nullptr);

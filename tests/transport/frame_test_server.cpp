@@ -9,6 +9,8 @@
 //   --flood-bytes N   after each UCX peer connects, send it StageActivation
 //                     frames of about N bytes back to back until it is gone
 //                     (rendezvous transfers always in flight, for kill tests).
+//   --no-probe-replies  never answer a peer's inbox probe (UcxOptions::answer_probes),
+//                     as if this process's answers could not reach the peer.
 // Client mode, for tests that kill a client:
 //   --tcp-client HOST:PORT --generate N   submit one GenerateRequest, print
 //                     READY after its first TokenChunk, keep reading.
@@ -97,6 +99,7 @@ int main(int argc, char** argv) {
   if (ucx) {
     transport::UcxOptions uo;
     uo.name = name;
+    uo.answer_probes = !args.flag("--no-probe-replies");
     ut = std::make_unique<transport::UcxTransport>(uo);
     auto events = server.transport_events(*ut);
     if (offer_bytes) {

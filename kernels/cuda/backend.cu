@@ -189,7 +189,11 @@ bool gemm_split() {
   return on;
 }
 
-constexpr int64_t kAttentionF32Queries = kGemvBatchRows;  // attention calls this small run in fp32
+constexpr int64_t kAttentionF32Queries = kGemvBatchRows;  // attention calls this small run in fp32,
+// when their key lists are bounded by this: the fp32 path pads every list to the bound
+// (a Decoder's HCA bound is the window plus every entry max_context allows), so a
+// long bound would cost its full length at any context.
+constexpr int64_t kAttentionF32MaxKeys = 2048;
 constexpr int64_t kPairsWithoutSync = 64;  // MoE pairs of one row handled pair by pair
 constexpr int64_t kRowsWithoutSync = 64;   // MoE rows handled without a host round trip
 
@@ -598,16 +602,18 @@ void CudaBackend::attention(const float* q, int64_t n_queries, int heads, int64_
     const std::vector<int64_t> off = impl_->host_offsets(keys.offsets, n_queries);
     for (int64_t t = 0; t < n_queries; ++t) max_keys = std::max(max_keys, off[t + 1] - off[t]);
   }
-  // fp32 throughout for calls of decode size (the bf16 tensor-core kernel's rounding
-  // of queries, keys and probabilities is what moves a batch-1 decode off the fp32
-  // oracle; see docs/kernels-notes.md), for head widths the tensor-core kernel does
-  // not take, and for every call under TROUPE_ATTENTION_FP32=1 (=0: never by size).
+  // fp32 throughout for calls of decode size whose key lists are bounded by 2,048 (the
+  // bf16 tensor-core kernel's rounding of queries, keys and probabilities is what moves
+  // a batch-1 decode off the fp32 oracle; see docs/kernels-notes.md), for head widths
+  // the tensor-core kernel does not take, and for every call under
+  // TROUPE_ATTENTION_FP32=1 (=0: never by size).
   static const int forced = [] {
     const char* e = std::getenv("TROUPE_ATTENTION_FP32");
     return e == nullptr ? -1 : std::strcmp(e, "1") == 0 ? 1 : 0;
   }();
   const bool tc_dim = dim == 64 || dim == 128 || dim == 256 || dim == 512;
-  if (forced == 1 || !tc_dim || (forced == -1 && n_queries <= kAttentionF32Queries)) {
+  if (forced == 1 || !tc_dim ||
+      (forced == -1 && n_queries <= kAttentionF32Queries && max_keys <= kAttentionF32MaxKeys)) {
     impl_->attention_f32(q, n_queries, heads, dim, keys, std::max<int64_t>(max_keys, 1), sinks, scale, out);
     return;
   }

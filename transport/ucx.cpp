@@ -493,32 +493,8 @@ void UcxTransport::Impl::shutdown_in_thread() {
   }
   bool force = !requests.empty();
   if (force) spdlog::warn("ucx {}: {} transfers still in flight at shutdown, cancelled", opt.name, requests.size());
-  std::vector<uint64_t> ids;
-  for (auto& [id, c] : conns) ids.push_back(id);
-  for (uint64_t id : ids) {
-    if (Conn* c = conn_by_id(id)) {
-      c->name.clear();  // no on_peer_down for our own shutdown
-      close_conn(*c, Error(ErrorCode::unavailable, "transport closing"), force);
-      // A close that waited for receives: flush if they ended, else force (they did not end within the second).
-      if (c->close_deferred) close_endpoints(*c, c->receiving > 0);
-    }
-  }
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-  while (!conns.empty() && std::chrono::steady_clock::now() < deadline) {
-    ucp_worker_progress(worker);
-    for (uint64_t id : std::exchange(closed, {})) finish_close(id);
-    failed.clear();
-    user_calls.clear();
-  }
-  // A close that did not complete within the second (a peer that never
-  // answers the flush) is left to ucp_worker_destroy: its endpoint handle is
-  // spent, a second close of it would be a use after free.
-  if (!conns.empty()) spdlog::warn("ucx {}: {} connections still closing at shutdown", opt.name, conns.size());
-  conns.clear();
-  {
-    std::lock_guard lock(names_mu);
-    up_names.clear();
-  }
+  for (auto& [id, c] : conns) c->name.clear();  // no on_peer_down for our own shutdown
+  end_all_connections(Error(ErrorCode::unavailable, "transport closing"), force);
 }
 
 // Force-closes the connections whose endpoint UCX reported failed (the peer
@@ -549,25 +525,24 @@ bool UcxTransport::Impl::close_failed() {
 
 void UcxTransport::Impl::probe(Conn& c) {
   if (!c.data_ep) return;
+  probing.insert(c.id);
+  send_probe(c, kAmProbe, ++probe_nonce);
+}
+
+// A probe or its answer over the direct endpoint: the receiver's token, the nonce.
+void UcxTransport::Impl::send_probe(Conn& c, unsigned id, uint64_t nonce) {
   auto op = std::make_unique<SendOp>();
   op->raw_header.resize(16);
-  const uint64_t nonce = ++probe_nonce;
   std::memcpy(op->raw_header.data(), &c.peer_token, 8);
   std::memcpy(op->raw_header.data() + 8, &nonce, 8);
-  probing.insert(c.id);
-  send_am(c, kAmProbe, std::move(op), {}, c.data_ep);
+  send_am(c, id, std::move(op), {}, c.data_ep);
 }
 
 void UcxTransport::Impl::on_probe(uint64_t conn_id, uint64_t nonce, bool is_reply) {
   Conn* c = conn_by_id(conn_id);
   if (!c || c->state != Conn::State::up || !c->data_ep) return;
   if (!is_reply) {
-    if (!opt.answer_probes) return;
-    auto op = std::make_unique<SendOp>();
-    op->raw_header.resize(16);
-    std::memcpy(op->raw_header.data(), &c->peer_token, 8);
-    std::memcpy(op->raw_header.data() + 8, &nonce, 8);
-    send_am(*c, kAmProbeReply, std::move(op), {}, c->data_ep);
+    if (opt.answer_probes) send_probe(*c, kAmProbeReply, nonce);
     return;
   }
   // An answer from a peer on this host came through the shared-memory inbox: it works.
@@ -600,7 +575,7 @@ void UcxTransport::Impl::reset_worker(const std::string& why) {
   ++resets;
   inbox_suspect = false;
   probing.clear();
-  drop_all_connections(Error(ErrorCode::unavailable, "transport reset: " + why));
+  end_all_connections(Error(ErrorCode::unavailable, "transport reset: " + why), true);
   for (auto request : std::exchange(accepted, {})) ucp_listener_reject(listener, request);
   if (!requests.empty()) spdlog::warn("ucx {}: {} transfers still held by UCX at the rebuild", opt.name, requests.size());
   requests.clear();
@@ -619,13 +594,14 @@ void UcxTransport::Impl::reset_worker(const std::string& why) {
   }
 }
 
-void UcxTransport::Impl::drop_all_connections(const Error& why) {
+void UcxTransport::Impl::end_all_connections(const Error& why, bool force) {
   std::vector<uint64_t> ids;
   for (auto& [id, c] : conns) ids.push_back(id);
   for (uint64_t id : ids) {
     if (Conn* c = conn_by_id(id)) {
-      close_conn(*c, why, true);
-      if (c->close_deferred) close_endpoints(*c, true);
+      close_conn(*c, why, force);
+      // A close that waited for receives: flush if they ended, else force.
+      if (c->close_deferred) close_endpoints(*c, c->receiving > 0);
     }
   }
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
@@ -633,8 +609,13 @@ void UcxTransport::Impl::drop_all_connections(const Error& why) {
     ucp_worker_progress(worker);
     for (uint64_t id : std::exchange(closed, {})) finish_close(id);
     failed.clear();
+    user_calls.clear();
   }
-  for (auto& [id, c] : conns) {  // closes that did not complete: their handles go with the worker
+  // A close that did not complete within the second (a peer that never answers
+  // the flush) is left to ucp_worker_destroy: its endpoint handle is spent, a
+  // second close of it would be a use after free.
+  if (!conns.empty()) spdlog::warn("ucx {}: {} connections still closing, left to the worker", opt.name, conns.size());
+  for (auto& [id, c] : conns) {
     drop_rkeys(*c);
     if (c->connect_promise) c->connect_promise->set_value(why);
     report_down(*c);

@@ -221,11 +221,14 @@ struct UcxTransport::Impl {
   bool run_deferred();
   bool close_failed();
   void probe(Conn& c);
+  void send_probe(Conn& c, unsigned id, uint64_t nonce);
   void on_probe(uint64_t conn_id, uint64_t nonce, bool is_reply);
   bool check_inbox();   // rebuilds the worker when the probes' time ran out
   void reset_worker(const std::string& why);
-  // Ends every connection (force-closed, reported down) within about a second.
-  void drop_all_connections(const Error& why);
+  // Ends every connection within about a second (force: cancel what is in
+  // flight), each reported down (unless its name was cleared); the shutdown and
+  // the worker rebuild.
+  void end_all_connections(const Error& why, bool force);
 
   // RMA (ucx_rma.cpp)
   Expected<LocalRegion> map_region(void* base, size_t length, bool allocate);

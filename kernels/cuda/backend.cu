@@ -242,13 +242,12 @@ struct CudaBackend::Impl {
     void* xh = arena.take<uint16_t>(m * w.cols);
     void* xl = gemm_split() ? arena.take<uint16_t>(m * w.cols) : nullptr;
     to_half(x, m * w.cols, xh, w.type, s(), xl);
-    TROUPE_CUBLAS(cublasGemmEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, w.data, cuda_type(w.type), K, xh,
-                               cuda_type(w.type), K, &beta, y, CUDA_R_32F, N, CUBLAS_COMPUTE_32F,
-                               CUBLAS_GEMM_DEFAULT));
-    if (xl != nullptr) {
-      TROUPE_CUBLAS(cublasGemmEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, w.data, cuda_type(w.type), K,
-                                 xl, cuda_type(w.type), K, &one, y, CUDA_R_32F, N, CUBLAS_COMPUTE_32F,
-                                 CUBLAS_GEMM_DEFAULT));
+    int pass = 0;
+    for (const void* xp : {static_cast<const void*>(xh), static_cast<const void*>(xl)}) {  // xl: the split's second term
+      if (xp == nullptr) continue;
+      TROUPE_CUBLAS(cublasGemmEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, w.data, cuda_type(w.type), K, xp,
+                                 cuda_type(w.type), K, pass++ == 0 ? &beta : &one, y, CUDA_R_32F, N,
+                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     }
   }
 

@@ -76,6 +76,43 @@ __device__ __forceinline__ uint32_t order_key(float f) {
 
 __device__ __forceinline__ int elem_offset(int e) { return (e >> 2) * (kThreads * 4) + threadIdx.x * 4 + (e & 3); }
 
+// This thread's elements (e = 0 .. EPT-1 at sk[e * kThreads + tid], valid where vmask
+// says) whose key's top 32 - drop bits are above / equal to `prefix`, as bit masks,
+// with their counts and the warp's inclusive scans of those counts (both kernels
+// then take output ranges: one shared atomic per warp, one per CTA).
+struct Chosen {
+  uint32_t above_mask = 0, tie_mask = 0;
+  uint32_t n_above = 0, n_tie = 0, a_incl = 0, t_incl = 0;
+};
+
+template <int EPT>
+__device__ __forceinline__ Chosen chosen_elements(const uint32_t* sk, uint32_t vmask, int drop, uint32_t prefix) {
+  const int tid = threadIdx.x;
+  Chosen c;
+#pragma unroll
+  for (int e = 0; e < EPT; ++e) {
+    const uint32_t hi = sk[e * kThreads + tid] >> drop;
+    const uint32_t v = (vmask >> e) & 1u;
+    c.above_mask |= (v & static_cast<uint32_t>(hi > prefix)) << e;
+    c.tie_mask |= (v & static_cast<uint32_t>(hi == prefix)) << e;
+  }
+  c.n_above = __popc(c.above_mask);
+  c.n_tie = __popc(c.tie_mask);
+  const unsigned lane = tid & 31;
+  c.a_incl = c.n_above;
+  c.t_incl = c.n_tie;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t x = __shfl_up_sync(0xffffffffu, c.a_incl, o);
+    const uint32_t y = __shfl_up_sync(0xffffffffu, c.t_incl, o);
+    if (lane >= static_cast<unsigned>(o)) {
+      c.a_incl += x;
+      c.t_incl += y;
+    }
+  }
+  return c;
+}
+
 __device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* warp_tot) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   uint32_t incl = v;
@@ -224,26 +261,9 @@ __device__ __forceinline__ void cluster_select(const uint32_t* sk, uint32_t vmas
 
   // Chosen elements of this thread as bit masks, then output ranges: warp scans,
   // one shared atomic per warp, one DSMEM atomic per CTA on the leader's counters.
-  uint32_t above_mask = 0, tie_mask = 0;
-#pragma unroll
-  for (int e = 0; e < kEpt; ++e) {
-    const uint32_t hi = sk[e * kThreads + tid] >> drop;
-    const uint32_t v = (vmask >> e) & 1u;
-    above_mask |= (v & static_cast<uint32_t>(hi > prefix)) << e;
-    tie_mask |= (v & static_cast<uint32_t>(hi == prefix)) << e;
-  }
-  const uint32_t n_above = __popc(above_mask), n_tie = __popc(tie_mask);
+  const auto [above_mask, tie_mask, n_above, n_tie, a_incl, t_incl] =
+      chosen_elements<kEpt>(sk, vmask, drop, prefix);
   const unsigned lane = tid & 31;
-  uint32_t a_incl = n_above, t_incl = n_tie;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const uint32_t x = __shfl_up_sync(0xffffffffu, a_incl, o);
-    const uint32_t y = __shfl_up_sync(0xffffffffu, t_incl, o);
-    if (lane >= static_cast<unsigned>(o)) {
-      a_incl += x;
-      t_incl += y;
-    }
-  }
   uint32_t a_warp = 0, t_warp = 0;
   if (lane == 31) {
     a_warp = atomicAdd(&sm.above_ctr, a_incl);
@@ -857,26 +877,9 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
       const int drop = 32 - pbits;
       // This thread's chosen elements as masks, then output ranges: warp scans, one
       // shared atomic per warp, one global atomic per CTA.
-      uint32_t above_mask = 0, tie_mask = 0;
-#pragma unroll
-      for (int e = 0; e < EPT; ++e) {
-        const uint32_t hi = sk[e * kThreads + tid] >> drop;
-        const uint32_t v = (vmask >> e) & 1u;
-        above_mask |= (v & static_cast<uint32_t>(hi > prefix)) << e;
-        tie_mask |= (v & static_cast<uint32_t>(hi == prefix)) << e;
-      }
-      const uint32_t n_above = __popc(above_mask), n_tie = __popc(tie_mask);
+      const auto [above_mask, tie_mask, n_above, n_tie, a_incl, t_incl] =
+          chosen_elements<EPT>(sk, vmask, drop, prefix);
       const unsigned lane = tid & 31;
-      uint32_t a_incl = n_above, t_incl = n_tie;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const uint32_t x = __shfl_up_sync(0xffffffffu, a_incl, o);
-        const uint32_t y = __shfl_up_sync(0xffffffffu, t_incl, o);
-        if (lane >= static_cast<unsigned>(o)) {
-          a_incl += x;
-          t_incl += y;
-        }
-      }
       if (tid == 0) sm.above_ctr = sm.tie_ctr = 0;
       __syncthreads();
       uint32_t a_warp = 0, t_warp = 0;

@@ -83,6 +83,7 @@ struct Layout {
 
 template <int DIM, bool BF16>
 __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) {
+  pdl_entry();  // see launch_kernel
   using L = Layout<DIM, BF16>;
   constexpr int kRow = L::kRow;
   constexpr int kNTW = DIM / 64;  // n-tiles (8 channels) per warp in the PV phase
@@ -346,6 +347,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
 
 // Merges the splits of (query, head): O = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s.
 __global__ void combine_kernel(const Params p, int splits, int dim) {
+  pdl_entry();  // see launch_kernel
   const int64_t t = blockIdx.x;
   const int h = blockIdx.y;
   float mx = -INFINITY;
@@ -402,7 +404,7 @@ void launch_dim(const Params& p, dim3 grid, cudaStream_t stream) {
     return true;
   }();
   (void)attr;
-  attention_kernel<DIM, BF16><<<grid, kThreads, L::kBytes, stream>>>(p);
+  launch_kernel(attention_kernel<DIM, BF16>, grid, kThreads, L::kBytes, stream, p);
   TROUPE_LAUNCHED();
 }
 
@@ -457,7 +459,7 @@ void attention(const AttentionArgs& a, void* workspace, cudaStream_t stream) {
     launch<false>(a.dim, p, grid, stream);
   }
   if (splits > 1) {
-    combine_kernel<<<dim3(static_cast<unsigned>(a.n_queries), static_cast<unsigned>(a.heads)), 128, 0, stream>>>(
+    launch_kernel(combine_kernel, dim3(static_cast<unsigned>(a.n_queries), static_cast<unsigned>(a.heads)), 128, 0, stream, 
         p, splits, static_cast<int>(a.dim));
     TROUPE_LAUNCHED();
   }

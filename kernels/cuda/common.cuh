@@ -7,8 +7,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace troupe::kernels::cuda {
 
@@ -33,6 +35,64 @@ namespace troupe::kernels::cuda {
   } while (0)
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ---- launches ------------------------------------------------------------------
+// Every kernel of this library is launched by launch_kernel with programmatic
+// dependent launch (PDL): the next kernel in the stream may be launched while this
+// one still runs, and waits in pdl_entry() (griddepcontrol.wait) until every grid it
+// depends on has finished and its writes are visible. So each kernel calls
+// pdl_entry() before it reads anything an earlier kernel wrote and before it writes
+// anything (an earlier kernel may still be reading it); work that touches only data
+// no kernel writes (weights) may come first: the GEMV streams its first weights
+// before it waits. Kernels without the attribute (cuBLAS) are ordered as usual.
+// TROUPE_PDL=0 launches without the attribute (every kernel then waits for the last).
+inline bool pdl_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("TROUPE_PDL");
+    return e == nullptr || e[0] != '0';
+  }();
+  return on;
+}
+
+// Launches `kernel` on `stream` with the PDL attribute (and `extra` attributes,
+// e.g. a cluster shape) and checks the launch.
+template <class... KArgs, class... Args>
+void launch_kernel_ex(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                      const cudaLaunchAttribute* extra, int n_extra, Args&&... args) {
+  cudaLaunchAttribute attrs[4];
+  int n = 0;
+  for (int i = 0; i < n_extra && n < 3; ++i) attrs[n++] = extra[i];
+  if (pdl_enabled()) {
+    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attrs;
+  cfg.numAttrs = static_cast<unsigned>(n);
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // not left for an unrelated later check
+    fail("cudaLaunchKernelEx", __FILE__, __LINE__, cudaGetErrorString(err));
+  }
+}
+
+template <class... KArgs, class... Args>
+void launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                   Args&&... args) {
+  launch_kernel_ex(kernel, grid, block, smem, stream, nullptr, 0, std::forward<Args>(args)...);
+}
+
+// The first statement of every kernel (see launch_kernel): wait for the grids this
+// one depends on, then let the next kernel in the stream be launched.
+__device__ __forceinline__ void pdl_entry() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
 
 // ---- device utilities ---------------------------------------------------------
 template <class T>

@@ -156,6 +156,7 @@ __device__ __forceinline__ void store_out<__nv_bfloat16>(void* out, int64_t i, f
 // MAXT / MINB: launch bounds; UNROLL: slots whose loads are in flight together per thread.
 template <class Source, class OutT, int VEC, int MAXT = 512, int MINB = 1, int UNROLL = kUnroll>
 __global__ void __launch_bounds__(MAXT, MINB) compress_kernel(const Source src, const NormRope nr) {
+  pdl_entry();  // see launch_kernel
   extern __shared__ __align__(16) float pooled[];  // [dim], 32 floats of reduction scratch, the slot table
   float* scratch = pooled + nr.dim;
   Slot* table = reinterpret_cast<Slot*>(scratch + 32);
@@ -290,6 +291,7 @@ __global__ void __launch_bounds__(MAXT, MINB) compress_kernel(const Source src, 
 // The chunk's last ring_slots tokens go into the ring (kv, then score + bias).
 __global__ void ring_update_kernel(const float* kv, const float* score, WindowGeometry g, int64_t start,
                                    int64_t first_token, float* ring) {
+  pdl_entry();  // see launch_kernel
   const int64_t j = first_token + blockIdx.x;
   const int64_t t = j - start;
   float* r = ring + (j % g.ring_slots) * 2 * g.width;
@@ -343,28 +345,28 @@ void launch(const Source& src, int64_t count, int slots, const NormRope& nr, Ent
     // Short windows (CSA): 128-thread CTAs held to 64 registers, 8 per SM (was 4 at 114
     // registers), so twice the warps keep loads in flight through each entry's epilogue.
     if (type == EntryType::f32) {
-      compress_kernel<Source, float, 4, 128, 8, 4><<<grid, threads, smem, stream>>>(src, n2);
+      launch_kernel(compress_kernel<Source, float, 4, 128, 8, 4>, grid, threads, smem, stream, src, n2);
     } else {
-      compress_kernel<Source, __nv_bfloat16, 4, 128, 8, 4><<<grid, threads, smem, stream>>>(src, n2);
+      launch_kernel(compress_kernel<Source, __nv_bfloat16, 4, 128, 8, 4>, grid, threads, smem, stream, src, n2);
     }
   } else if (!only8 && vec && smem <= 100 * 1024) {
     // Long windows (HCA, up to 512 threads): held to 64 registers, two CTAs per SM (was one).
     if (type == EntryType::f32) {
-      compress_kernel<Source, float, 4, 512, 2, 4><<<grid, threads, smem, stream>>>(src, n2);
+      launch_kernel(compress_kernel<Source, float, 4, 512, 2, 4>, grid, threads, smem, stream, src, n2);
     } else {
-      compress_kernel<Source, __nv_bfloat16, 4, 512, 2, 4><<<grid, threads, smem, stream>>>(src, n2);
+      launch_kernel(compress_kernel<Source, __nv_bfloat16, 4, 512, 2, 4>, grid, threads, smem, stream, src, n2);
     }
   } else if (type == EntryType::f32) {
     if (vec) {
-      compress_kernel<Source, float, 4><<<grid, threads, smem, stream>>>(src, n2);
+      launch_kernel(compress_kernel<Source, float, 4>, grid, threads, smem, stream, src, n2);
     } else {
-      compress_kernel<Source, float, 1><<<grid, threads, smem, stream>>>(src, n2);
+      launch_kernel(compress_kernel<Source, float, 1>, grid, threads, smem, stream, src, n2);
     }
   } else {
     if (vec) {
-      compress_kernel<Source, __nv_bfloat16, 4><<<grid, threads, smem, stream>>>(src, n2);
+      launch_kernel(compress_kernel<Source, __nv_bfloat16, 4>, grid, threads, smem, stream, src, n2);
     } else {
-      compress_kernel<Source, __nv_bfloat16, 1><<<grid, threads, smem, stream>>>(src, n2);
+      launch_kernel(compress_kernel<Source, __nv_bfloat16, 1>, grid, threads, smem, stream, src, n2);
     }
   }
   TROUPE_LAUNCHED();
@@ -395,7 +397,7 @@ void compress_prefill(const CompressorShape& s, const float* kv, const float* sc
   const int64_t first = std::max(start, start + tokens - g.ring_slots);
   const int64_t n = start + tokens - first;
   if (n > 0 && ring != nullptr) {
-    ring_update_kernel<<<static_cast<unsigned>(n), 256, 0, stream>>>(kv, score, g, start, first, ring);
+    launch_kernel(ring_update_kernel, static_cast<unsigned>(n), 256, 0, stream, kv, score, g, start, first, ring);
     TROUPE_LAUNCHED();
   }
 }

@@ -34,6 +34,7 @@ __device__ __forceinline__ int64_t entry_len(const RowsArgs& a, int64_t b, int64
 // grid (batch, entry chunks): block (b, y) writes entry rows [y * kRowsPerBlock, +kRowsPerBlock)
 // of query b; blocks with y == 0 also write the window rows and the offset.
 __global__ void decode_rows_kernel(const RowsArgs a, int64_t batch) {
+  pdl_entry();  // see launch_kernel
   __shared__ long long partial[32];
   const int64_t b = blockIdx.x;
   // Offset of query b: the lengths of the queries before it.
@@ -76,6 +77,7 @@ __global__ void decode_compress_kernel(const int64_t* positions, const int32_t* 
                                        int64_t ring_stride, float* const* entries, int64_t entry_stride,
                                        const float** kv_src, const float** score_src, float** out, int64_t* entry_pos,
                                        float** ring_dst, const float** ring_src) {
+  pdl_entry();  // see launch_kernel
   const int64_t b = blockIdx.x;
   const int64_t width = overlap ? 2 * dim : dim;
   const int64_t ring_slots = overlap ? 2 * rate : rate;
@@ -132,6 +134,7 @@ __global__ void decode_compress_kernel(const int64_t* positions, const int32_t* 
 }
 
 __global__ void scatter_kernel(void** table, const int64_t* index, void* const* values, int64_t count) {
+  pdl_entry();  // see launch_kernel
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t at = index[i];
@@ -147,6 +150,7 @@ __device__ __forceinline__ void better(float& bv, int& bi, float v, int i) {
 }
 
 __global__ void __launch_bounds__(1024) argmax_kernel(const float* x, int64_t n, int32_t* out) {
+  pdl_entry();  // see launch_kernel
   __shared__ float sv[32];
   __shared__ int si[32];
   const float* xr = x + static_cast<int64_t>(blockIdx.x) * n;
@@ -187,6 +191,7 @@ __global__ void __launch_bounds__(1024) argmax_kernel(const float* x, int64_t n,
 constexpr int kArgmaxSplits = 64;
 __global__ void __launch_bounds__(256) argmax_split_kernel(const float* x, int64_t n, int64_t per, float* pv,
                                                            int32_t* pi) {
+  pdl_entry();  // see launch_kernel
   __shared__ float sv[8];
   __shared__ int si[8];
   const float* xr = x + static_cast<int64_t>(blockIdx.y) * n;
@@ -217,6 +222,7 @@ __global__ void __launch_bounds__(256) argmax_split_kernel(const float* x, int64
 }
 
 __global__ void argmax_merge_kernel(const float* pv, const int32_t* pi, int splits, int32_t* out) {
+  pdl_entry();  // see launch_kernel
   float bv = -INFINITY;
   int bi = 0x7fffffff;
   for (int k = threadIdx.x; k < splits; k += 32) better(bv, bi, pv[blockIdx.x * splits + k], pi[blockIdx.x * splits + k]);
@@ -230,6 +236,7 @@ __global__ void argmax_merge_kernel(const float* pv, const int32_t* pi, int spli
 }
 
 __global__ void ragged_lengths_kernel(const int64_t* offsets, int64_t n, int32_t* lengths) {
+  pdl_entry();  // see launch_kernel
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < n;
        t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     lengths[t] = static_cast<int32_t>(offsets[t + 1] - offsets[t]);
@@ -240,6 +247,7 @@ __global__ void ragged_lengths_kernel(const int64_t* offsets, int64_t n, int32_t
 // up to max_keys (so that padded scores are finite and padded products zero).
 __global__ void gather_key_rows_kernel(const float* const* rows, const int64_t* offsets, int64_t max_keys,
                                        int64_t dim, float* keys) {
+  pdl_entry();  // see launch_kernel
   const int64_t t = blockIdx.y;
   const int64_t beg = offsets[t], n = offsets[t + 1] - beg;
   for (int64_t j = blockIdx.x; j < max_keys; j += gridDim.x) {
@@ -253,6 +261,7 @@ __global__ void gather_key_rows_kernel(const float* const* rows, const int64_t* 
 // query's keys with the head's sink in the denominator; zeros past its length.
 __global__ void attention_softmax_kernel(float* scores, int heads, int64_t max_keys, const int64_t* offsets,
                                          const float* sinks) {
+  pdl_entry();  // see launch_kernel
   __shared__ float scratch[32];
   const int64_t t = blockIdx.x;
   const int h = blockIdx.y;
@@ -279,7 +288,7 @@ void gather_key_rows(const float* const* rows, const int64_t* offsets, int64_t n
   if (n_queries == 0 || max_keys == 0) return;
   TROUPE_REQUIRE(n_queries <= 65535, "gather_key_rows: too many queries");
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(max_keys, 1024)), static_cast<unsigned>(n_queries));
-  gather_key_rows_kernel<<<grid, static_cast<unsigned>(std::min<int64_t>((dim + 31) / 32 * 32, 512)), 0, s>>>(
+  launch_kernel(gather_key_rows_kernel, grid, static_cast<unsigned>(std::min<int64_t>((dim + 31) / 32 * 32, 512)), 0, s, 
       rows, offsets, max_keys, dim, keys);
   TROUPE_LAUNCHED();
 }
@@ -289,7 +298,7 @@ void attention_softmax(float* scores, int64_t n_queries, int heads, int64_t max_
   if (n_queries == 0) return;
   TROUPE_REQUIRE(n_queries <= 0x7fffffff && heads <= 65535, "attention_softmax: too large");
   const dim3 grid(static_cast<unsigned>(n_queries), static_cast<unsigned>(heads));
-  attention_softmax_kernel<<<grid, 256, 0, s>>>(scores, heads, max_keys, offsets, sinks);
+  launch_kernel(attention_softmax_kernel, grid, 256, 0, s, scores, heads, max_keys, offsets, sinks);
   TROUPE_LAUNCHED();
 }
 
@@ -306,7 +315,7 @@ void decode_rows(int64_t batch, const int64_t* positions, const int32_t* table_o
   const int64_t most = entries == nullptr ? 0 : picked != nullptr ? k : entry_stride;
   const int64_t chunks = std::max<int64_t>(1, ceil_div(most, kRowsPerBlock));
   TROUPE_REQUIRE(chunks <= 65535, "decode_rows: entry tables too large");
-  decode_rows_kernel<<<dim3(static_cast<unsigned>(batch), static_cast<unsigned>(chunks)), 256, 0, s>>>(a, batch);
+  launch_kernel(decode_rows_kernel, dim3(static_cast<unsigned>(batch), static_cast<unsigned>(chunks)), 256, 0, s, a, batch);
   TROUPE_LAUNCHED();
 }
 
@@ -319,7 +328,7 @@ void decode_compress_rows(int64_t batch, const int64_t* positions, const int32_t
   TROUPE_REQUIRE(rate >= 1 && batch <= 0x7fffffff, "decode_compress_rows: bad arguments");
   const int64_t slots = overlap ? 2 * rate : rate;
   const int threads = static_cast<int>(std::clamp<int64_t>((slots + 31) / 32 * 32, 32, 256));
-  decode_compress_kernel<<<static_cast<unsigned>(batch), threads, 0, s>>>(
+  launch_kernel(decode_compress_kernel, static_cast<unsigned>(batch), threads, 0, s, 
       positions, table_of, rate, overlap, dim, kv, score, bias, ring, ring_stride, entries, entry_stride, kv_src, score_src,
       out, entry_pos, ring_dst, ring_src);
   TROUPE_LAUNCHED();
@@ -328,14 +337,14 @@ void decode_compress_rows(int64_t batch, const int64_t* positions, const int32_t
 void scatter_pointers(void** table, const int64_t* index, void* const* values, int64_t count, cudaStream_t s) {
   if (count == 0) return;
   const unsigned blocks = static_cast<unsigned>(std::clamp<int64_t>(ceil_div(count, 256), 1, 1024));
-  scatter_kernel<<<blocks, 256, 0, s>>>(table, index, values, count);
+  launch_kernel(scatter_kernel, blocks, 256, 0, s, table, index, values, count);
   TROUPE_LAUNCHED();
 }
 
 void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out, cudaStream_t s) {
   if (rows == 0) return;
   TROUPE_REQUIRE(rows <= 0x7fffffff && n <= 0x7fffffff, "argmax: too large");
-  argmax_kernel<<<static_cast<unsigned>(rows), 1024, 0, s>>>(x, n, out);
+  launch_kernel(argmax_kernel, static_cast<unsigned>(rows), 1024, 0, s, x, n, out);
   TROUPE_LAUNCHED();
 }
 
@@ -348,16 +357,16 @@ void argmax_rows_split(const float* x, int64_t rows, int64_t n, int32_t* out, fl
   if (rows == 0) return;
   TROUPE_REQUIRE(argmax_split_workspace(rows, n) > 0 && n <= 0x7fffffff, "argmax: split form needs long rows");
   const int64_t per = ceil_div(n, kArgmaxSplits);
-  argmax_split_kernel<<<dim3(kArgmaxSplits, static_cast<unsigned>(rows)), 256, 0, s>>>(x, n, per, ws_v, ws_i);
+  launch_kernel(argmax_split_kernel, dim3(kArgmaxSplits, static_cast<unsigned>(rows)), 256, 0, s, x, n, per, ws_v, ws_i);
   TROUPE_LAUNCHED();
-  argmax_merge_kernel<<<static_cast<unsigned>(rows), 32, 0, s>>>(ws_v, ws_i, kArgmaxSplits, out);
+  launch_kernel(argmax_merge_kernel, static_cast<unsigned>(rows), 32, 0, s, ws_v, ws_i, kArgmaxSplits, out);
   TROUPE_LAUNCHED();
 }
 
 void ragged_lengths(const int64_t* offsets, int64_t n, int32_t* lengths, cudaStream_t s) {
   if (n == 0) return;
   const unsigned blocks = static_cast<unsigned>(std::clamp<int64_t>(ceil_div(n, 256), 1, 1024));
-  ragged_lengths_kernel<<<blocks, 256, 0, s>>>(offsets, n, lengths);
+  launch_kernel(ragged_lengths_kernel, blocks, 256, 0, s, offsets, n, lengths);
   TROUPE_LAUNCHED();
 }
 

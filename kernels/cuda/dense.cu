@@ -52,8 +52,10 @@ struct WLoad<__half> {
 
 // Accumulates acc[r][mm] = w[row0 + r, :] . x[mm, :] over this thread's share of k,
 // then reduces over the block; returns true on threads t < G*M holding the sum of
-// (r = t / M, mm = t % M) in `out`.
-template <class WT, int M, int G>
+// (r = t / M, mm = t % M) in `out`. PREFETCH: the kernel has not called pdl_entry()
+// yet; this thread's first weights are requested before it does (weights are never
+// written by a kernel), so they stream in while the previous kernel finishes.
+template <class WT, int M, int G, bool PREFETCH = false>
 __device__ __forceinline__ bool gemv_core(const float* __restrict__ x, int64_t ldx, int mh, const WT* __restrict__ w,
                                           int64_t n, int64_t k, int64_t row0, float& out) {
   constexpr int VEC = WLoad<WT>::kVec;
@@ -64,6 +66,7 @@ __device__ __forceinline__ bool gemv_core(const float* __restrict__ x, int64_t l
 #pragma unroll
     for (int mm = 0; mm < M; ++mm) acc[r][mm] = 0.f;
   const int64_t chunks = k / VEC;
+  bool waited = !PREFETCH;
   for (int64_t ci = threadIdx.x; ci < chunks; ci += 2 * kGemvThreads) {
     uint4 raw[2][G];
     const bool second = ci + kGemvThreads < chunks;
@@ -75,6 +78,10 @@ __device__ __forceinline__ bool gemv_core(const float* __restrict__ x, int64_t l
         raw[u][r] = (row0 + r < n && (u == 0 || second)) ? ld_stream(w + (row0 + r) * k + c * VEC)
                                                          : make_uint4(0u, 0u, 0u, 0u);
       }
+    }
+    if (!waited) {
+      pdl_entry();
+      waited = true;
     }
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
@@ -104,6 +111,7 @@ __device__ __forceinline__ bool gemv_core(const float* __restrict__ x, int64_t l
       }
     }
   }
+  if (!waited) pdl_entry();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll
   for (int r = 0; r < G; ++r)
@@ -127,13 +135,14 @@ template <class WT, int M, int G>
 __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const float* x, int64_t ldx, int64_t m, const WT* w,
                                                             int64_t n, int64_t k, float* y, int64_t ldy, float beta,
                                                             int64_t group_rows) {
+  // pdl_entry() inside gemv_core, after this thread's first weight loads
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * G;
   const int64_t m0 = static_cast<int64_t>(blockIdx.y) * M;
   const int64_t left = m - m0;
   const int mh = left < M ? static_cast<int>(left) : M;
   const int64_t xoff = group_rows > 0 ? (row0 / group_rows) * k : 0;
   float s;
-  if (gemv_core<WT, M, G>(x + m0 * ldx + xoff, ldx, mh, w, n, k, row0, s)) {
+  if (gemv_core<WT, M, G, true>(x + m0 * ldx + xoff, ldx, mh, w, n, k, row0, s)) {
     const int r = threadIdx.x / M, mm = threadIdx.x % M;
     if (row0 + r < n && mm < mh) {
       float* yy = y + (m0 + mm) * ldy + row0 + r;
@@ -153,13 +162,14 @@ struct MultiSegments {
 template <class WT, int M>
 __global__ void __launch_bounds__(kGemvThreads) gemv_multi_kernel(const float* x, int64_t k, int mh,
                                                                   const MultiSegments seg) {
+  // pdl_entry() inside gemv_core, after this thread's first weight loads
   int i = 0;
   while (i < seg.count - 1 && static_cast<int64_t>(blockIdx.x) >= seg.cta_end[i]) ++i;
   const int64_t first = i == 0 ? 0 : seg.cta_end[i - 1];
   const int64_t row0 = (static_cast<int64_t>(blockIdx.x) - first) * 4;
   const int64_t n = seg.rows[i];
   float s;
-  if (gemv_core<WT, M, 4>(x, k, mh, static_cast<const WT*>(seg.w[i]), n, k, row0, s)) {
+  if (gemv_core<WT, M, 4, true>(x, k, mh, static_cast<const WT*>(seg.w[i]), n, k, row0, s)) {
     const int r = threadIdx.x / M, mm = threadIdx.x % M;
     if (row0 + r < n && mm < mh) seg.y[i][mm * n + row0 + r] = s;
   }
@@ -169,6 +179,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_multi_kernel(const float* x
 template <class WT>
 __global__ void gemv_scalar_kernel(const float* x, int64_t ldx, const WT* w, int64_t k, float* y, int64_t ldy,
                                    float beta, int64_t group_rows) {
+  pdl_entry();  // see launch_kernel
   __shared__ float scratch[32];
   const int64_t row = blockIdx.x, mm = blockIdx.y;
   const int64_t xoff = group_rows > 0 ? (row / group_rows) * k : 0;
@@ -189,7 +200,7 @@ void gemv_typed(const float* x, int64_t ldx, int64_t m, const WT* w, int64_t n, 
                        reinterpret_cast<uintptr_t>(x) % 16 == 0 && (k * sizeof(WT)) % 16 == 0;
   if (!aligned) {
     TROUPE_REQUIRE(m <= 65535, "gemv: too many rows");
-    gemv_scalar_kernel<WT><<<dim3(static_cast<unsigned>(n), static_cast<unsigned>(m)), 128, 0, s>>>(
+    launch_kernel(gemv_scalar_kernel<WT>, dim3(static_cast<unsigned>(n), static_cast<unsigned>(m)), 128, 0, s, 
         x, ldx, w, k, y, ldy, beta, group_rows);
     TROUPE_LAUNCHED();
     return;
@@ -202,23 +213,24 @@ void gemv_typed(const float* x, int64_t ldx, int64_t m, const WT* w, int64_t n, 
   const int G = g4 ? 4 : 1;
   const dim3 grid(static_cast<unsigned>(ceil_div(n, G)), static_cast<unsigned>(mtiles));
   if (wide && g4) {
-    gemv_kernel<WT, kGemvBatchRows, 4><<<grid, kGemvThreads, 0, s>>>(x, ldx, m, w, n, k, y, ldy, beta, group_rows);
+    launch_kernel(gemv_kernel<WT, kGemvBatchRows, 4>, grid, kGemvThreads, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);
   } else if (wide) {
-    gemv_kernel<WT, kGemvBatchRows, 1><<<grid, kGemvThreads, 0, s>>>(x, ldx, m, w, n, k, y, ldy, beta, group_rows);
+    launch_kernel(gemv_kernel<WT, kGemvBatchRows, 1>, grid, kGemvThreads, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);
   } else if (one && g4) {
-    gemv_kernel<WT, 1, 4><<<grid, kGemvThreads, 0, s>>>(x, ldx, m, w, n, k, y, ldy, beta, group_rows);
+    launch_kernel(gemv_kernel<WT, 1, 4>, grid, kGemvThreads, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);
   } else if (one) {
-    gemv_kernel<WT, 1, 1><<<grid, kGemvThreads, 0, s>>>(x, ldx, m, w, n, k, y, ldy, beta, group_rows);
+    launch_kernel(gemv_kernel<WT, 1, 1>, grid, kGemvThreads, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);
   } else if (g4) {
-    gemv_kernel<WT, kGemvMaxRows, 4><<<grid, kGemvThreads, 0, s>>>(x, ldx, m, w, n, k, y, ldy, beta, group_rows);
+    launch_kernel(gemv_kernel<WT, kGemvMaxRows, 4>, grid, kGemvThreads, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);
   } else {
-    gemv_kernel<WT, kGemvMaxRows, 1><<<grid, kGemvThreads, 0, s>>>(x, ldx, m, w, n, k, y, ldy, beta, group_rows);
+    launch_kernel(gemv_kernel<WT, kGemvMaxRows, 1>, grid, kGemvThreads, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);
   }
   TROUPE_LAUNCHED();
 }
 
 // ---- elementwise -----------------------------------------------------------------
 __global__ void rmsnorm_kernel(const float* x, const float* weight, float* y, int64_t dim, float eps) {
+  pdl_entry();  // see launch_kernel
   __shared__ float scratch[32];
   const float* xr = x + blockIdx.x * dim;
   float* yr = y + blockIdx.x * dim;
@@ -233,6 +245,7 @@ __global__ void rmsnorm_kernel(const float* x, const float* weight, float* y, in
 
 __global__ void rope_kernel(float* x, int64_t rows, int heads, int64_t head_dim, RopeTable rope,
                             const int64_t* positions, bool inverse) {
+  pdl_entry();  // see launch_kernel
   const int64_t half = rope.rope_dim / 2;
   const int64_t total = rows * heads * half;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
@@ -246,12 +259,14 @@ __global__ void rope_kernel(float* x, int64_t rows, int heads, int64_t head_dim,
 
 __global__ void position_bias_kernel(float* x, int64_t rows, int64_t dim, const int64_t* positions, const float* bias,
                                      int64_t period) {
+  pdl_entry();  // see launch_kernel
   const int64_t r = blockIdx.x;
   const float* b = bias + (positions[r] % period) * dim;
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) x[r * dim + i] += b[i];
 }
 
 __global__ void copy_rows_kernel(float* const* dst, const float* const* src, int64_t n) {
+  pdl_entry();  // see launch_kernel
   float* d = dst[blockIdx.x];
   const float* s = src[blockIdx.x];
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) d[i] = s[i];
@@ -259,6 +274,7 @@ __global__ void copy_rows_kernel(float* const* dst, const float* const* src, int
 
 template <class WT>
 __global__ void embed_kernel(const WT* table, int64_t cols, const int32_t* ids, int copies, float* out) {
+  pdl_entry();  // see launch_kernel
   const int64_t r = blockIdx.x;
   const WT* src = table + static_cast<int64_t>(ids[r]) * cols;
   for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
@@ -268,6 +284,7 @@ __global__ void embed_kernel(const WT* table, int64_t cols, const int32_t* ids, 
 }
 
 __global__ void gather_rows_kernel(const float* x, int64_t dim, const int64_t* index, float* out) {
+  pdl_entry();  // see launch_kernel
   const float* s = x + index[blockIdx.x] * dim;
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) out[blockIdx.x * dim + i] = s[i];
 }
@@ -279,6 +296,7 @@ __device__ __forceinline__ float swiglu1(float g, float u, float limit) {
 }
 
 __global__ void swiglu_kernel(const float* g, const float* u, float* y, int64_t n, float limit) {
+  pdl_entry();  // see launch_kernel
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     y[i] = swiglu1(g[i], u[i], limit);
@@ -286,6 +304,7 @@ __global__ void swiglu_kernel(const float* g, const float* u, float* y, int64_t 
 }
 
 __global__ void add_kernel(float* y, const float* x, int64_t n) {
+  pdl_entry();  // see launch_kernel
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     y[i] += x[i];
@@ -304,6 +323,7 @@ __device__ __forceinline__ HT round_half(float v) {
 // out = half(x); lo (when given) = half(x - out): the two terms of a split product.
 template <class HT>
 __global__ void to_half_kernel(const float* x, int64_t n, HT* out, HT* lo) {
+  pdl_entry();  // see launch_kernel
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const HT h = round_half<HT>(x[i]);
@@ -335,6 +355,7 @@ __device__ float hc_inv_rms(const float* xr, int64_t width, float eps, float* sc
 template <int HC>
 __global__ void mhc_pre_kernel(const float* X, const float* mix, const float* base, const float* scale, MhcParams p,
                                float* y, float* post, float* comb) {
+  pdl_entry();  // see launch_kernel
   __shared__ float scratch[32];
   __shared__ float pre[kMaxHc];
   constexpr int hc = HC;
@@ -391,6 +412,7 @@ __global__ void mhc_pre_kernel(const float* X, const float* mix, const float* ba
 
 __global__ void mhc_head_kernel(const float* X, const float* mix, const float* base, const float* scale, MhcParams p,
                                 float* y) {
+  pdl_entry();  // see launch_kernel
   __shared__ float scratch[32];
   __shared__ float pre[kMaxHc];
   const int hc = p.hc;
@@ -426,6 +448,7 @@ template <class WT, int M>
 __global__ void __launch_bounds__(kMixThreads) mhc_mix_kernel(const float* __restrict__ X, int64_t rows,
                                                               int64_t width, const WT* __restrict__ fn, int n_mix,
                                                               float* __restrict__ partial) {
+  pdl_entry();  // see launch_kernel
   constexpr int VEC = WLoad<WT>::kVec;
   constexpr int CPL = kMixSlice / (32 * VEC);  // 16-byte weight chunks per lane and fn row
   constexpr int kWarps = kMixThreads / 32;
@@ -515,6 +538,7 @@ __global__ void __launch_bounds__(256) mhc_fused_finish_kernel(const float* __re
                                                                float* y, float* post, float* comb, bool norm,
                                                                const float* norm_weight, float norm_eps,
                                                                int norm_threads) {
+  pdl_entry();  // see launch_kernel
   constexpr int hc = HC;
   constexpr int n_mix = HEAD ? hc : (2 + hc) * hc;
   constexpr int kSl = 32;  // slices staged in shared memory at a time
@@ -622,6 +646,7 @@ __global__ void __launch_bounds__(256) mhc_fused_finish_kernel(const float* __re
 
 __global__ void mhc_post_kernel(float* X, int64_t rows, const float* f, const float* post, const float* comb,
                                 MhcParams p) {
+  pdl_entry();  // see launch_kernel
   const int hc = p.hc;
   const int64_t total = rows * p.dim;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
@@ -644,6 +669,7 @@ __global__ void mhc_post_kernel(float* X, int64_t rows, const float* f, const fl
 __global__ void route_kernel(const float* logits, int experts, ScoreFn fn, const float* bias, int k,
                              const int64_t* hash_table, const int32_t* ids, float route_scale, int32_t* out_idx,
                              float* out_weight) {
+  pdl_entry();  // see launch_kernel
   extern __shared__ float sm[];
   float* score = sm;               // [experts]
   float* keyed = sm + experts;     // [experts]
@@ -733,6 +759,7 @@ __global__ void route_kernel(const float* logits, int experts, ScoreFn fn, const
 template <class WT>
 __global__ void __launch_bounds__(kGemvThreads) moe_gate_up_kernel(const float* x, int64_t dim, const int32_t* idx,
                                                                    int k, ExpertTables t, float limit, float* h) {
+  pdl_entry();  // see launch_kernel
   const int64_t p = blockIdx.y;
   const int e = idx[p];
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * 4;
@@ -747,6 +774,7 @@ __global__ void __launch_bounds__(kGemvThreads) moe_gate_up_kernel(const float* 
 template <class WT>
 __global__ void __launch_bounds__(kGemvThreads) moe_down_kernel(const float* h, int64_t dim, const int32_t* idx,
                                                                  ExpertTables t, float* ys) {
+  pdl_entry();  // see launch_kernel
   const int64_t p = blockIdx.y;
   const int e = idx[p];
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * 4;
@@ -762,6 +790,7 @@ __global__ void __launch_bounds__(kGemvThreads) moe_grouped_gate_up_kernel(const
                                                                            const int32_t* counts,
                                                                            const int32_t* offsets, ExpertTables t,
                                                                            float limit, float* h) {
+  pdl_entry();  // see launch_kernel
   const int e = blockIdx.y;
   const int64_t m0 = static_cast<int64_t>(blockIdx.z) * kGemvBatchRows;
   const int64_t cnt = counts[e];
@@ -786,6 +815,7 @@ __global__ void __launch_bounds__(kGemvThreads) moe_grouped_down_kernel(const fl
                                                                          const int32_t* counts,
                                                                          const int32_t* offsets, ExpertTables t,
                                                                          float* ys) {
+  pdl_entry();  // see launch_kernel
   const int e = blockIdx.y;
   const int64_t m0 = static_cast<int64_t>(blockIdx.z) * kGemvBatchRows;
   const int64_t cnt = counts[e];
@@ -803,6 +833,7 @@ __global__ void __launch_bounds__(kGemvThreads) moe_grouped_down_kernel(const fl
 
 __global__ void moe_combine_kernel(const float* ys, const int32_t* inv, const float* weight, int64_t rows, int k,
                                    int64_t dim, float* out) {
+  pdl_entry();  // see launch_kernel
   const int64_t total = rows * dim;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -819,6 +850,7 @@ __global__ void moe_combine_kernel(const float* ys, const int32_t* inv, const fl
 
 __global__ void moe_sort_kernel(const int32_t* idx, int64_t pairs, int experts, int32_t* counts, int32_t* offsets,
                                 int32_t* perm, int32_t* inv) {
+  pdl_entry();  // see launch_kernel
   extern __shared__ int32_t cur[];  // [experts]
   for (int e = threadIdx.x; e < experts; e += blockDim.x) cur[e] = 0;
   __syncthreads();
@@ -844,6 +876,7 @@ __global__ void moe_sort_kernel(const int32_t* idx, int64_t pairs, int experts, 
 }
 
 __global__ void moe_gather_kernel(const float* x, int64_t dim, const int32_t* perm, int k, float* xs) {
+  pdl_entry();  // see launch_kernel
   const float* s = x + static_cast<int64_t>(perm[blockIdx.x] / k) * dim;
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) xs[blockIdx.x * dim + i] = s[i];
 }
@@ -871,11 +904,11 @@ void gemv_multi_typed(const float* x, int64_t m, int64_t k, const MultiSegments&
   const dim3 grid(static_cast<unsigned>(seg.cta_end[seg.count - 1]));
   const int mh = static_cast<int>(m);
   if (m == 1) {
-    gemv_multi_kernel<WT, 1><<<grid, kGemvThreads, 0, s>>>(x, k, mh, seg);
+    launch_kernel(gemv_multi_kernel<WT, 1>, grid, kGemvThreads, 0, s, x, k, mh, seg);
   } else if (m <= kGemvMaxRows) {
-    gemv_multi_kernel<WT, kGemvMaxRows><<<grid, kGemvThreads, 0, s>>>(x, k, mh, seg);
+    launch_kernel(gemv_multi_kernel<WT, kGemvMaxRows>, grid, kGemvThreads, 0, s, x, k, mh, seg);
   } else {
-    gemv_multi_kernel<WT, kGemvBatchRows><<<grid, kGemvThreads, 0, s>>>(x, k, mh, seg);
+    launch_kernel(gemv_multi_kernel<WT, kGemvBatchRows>, grid, kGemvThreads, 0, s, x, k, mh, seg);
   }
   TROUPE_LAUNCHED();
 }
@@ -910,7 +943,7 @@ bool gemv_multi(const float* x, int64_t m, const Weight* w, float* const* y, int
 void rmsnorm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim, float eps, cudaStream_t s) {
   if (rows == 0) return;
   TROUPE_REQUIRE(rows <= 0x7fffffff, "rmsnorm: too many rows");
-  rmsnorm_kernel<<<static_cast<unsigned>(rows), threads_for(dim), 0, s>>>(x, weight, y, dim, eps);
+  launch_kernel(rmsnorm_kernel, static_cast<unsigned>(rows), threads_for(dim), 0, s, x, weight, y, dim, eps);
   TROUPE_LAUNCHED();
 }
 
@@ -918,20 +951,20 @@ void rope(float* x, int64_t rows, int heads, int64_t head_dim, const RopeTable& 
           bool inverse, cudaStream_t s) {
   const int64_t total = rows * heads * (r.rope_dim / 2);
   if (total == 0) return;
-  rope_kernel<<<grid_for(total), 256, 0, s>>>(x, rows, heads, head_dim, r, positions, inverse);
+  launch_kernel(rope_kernel, grid_for(total), 256, 0, s, x, rows, heads, head_dim, r, positions, inverse);
   TROUPE_LAUNCHED();
 }
 
 void add_position_bias(float* x, int64_t rows, int64_t dim, const int64_t* positions, const float* bias,
                        int64_t period, cudaStream_t s) {
   if (rows == 0) return;
-  position_bias_kernel<<<static_cast<unsigned>(rows), threads_for(dim), 0, s>>>(x, rows, dim, positions, bias, period);
+  launch_kernel(position_bias_kernel, static_cast<unsigned>(rows), threads_for(dim), 0, s, x, rows, dim, positions, bias, period);
   TROUPE_LAUNCHED();
 }
 
 void copy_rows(float* const* dst, const float* const* src, int64_t count, int64_t n, cudaStream_t s) {
   if (count == 0) return;
-  copy_rows_kernel<<<static_cast<unsigned>(count), threads_for(n), 0, s>>>(dst, src, n);
+  launch_kernel(copy_rows_kernel, static_cast<unsigned>(count), threads_for(n), 0, s, dst, src, n);
   TROUPE_LAUNCHED();
 }
 
@@ -941,14 +974,14 @@ void embed(const Weight& table, const int32_t* ids, int64_t rows, int copies, fl
   const int threads = threads_for(table.cols);
   switch (table.type) {
     case WeightType::f32:
-      embed_kernel<<<grid, threads, 0, s>>>(static_cast<const float*>(table.data), table.cols, ids, copies, out);
+      launch_kernel(embed_kernel<float>, grid, threads, 0, s, static_cast<const float*>(table.data), table.cols, ids, copies, out);
       break;
     case WeightType::bf16:
-      embed_kernel<<<grid, threads, 0, s>>>(static_cast<const __nv_bfloat16*>(table.data), table.cols, ids, copies,
+      launch_kernel(embed_kernel<__nv_bfloat16>, grid, threads, 0, s, static_cast<const __nv_bfloat16*>(table.data), table.cols, ids, copies,
                                             out);
       break;
     case WeightType::f16:
-      embed_kernel<<<grid, threads, 0, s>>>(static_cast<const __half*>(table.data), table.cols, ids, copies, out);
+      launch_kernel(embed_kernel<__half>, grid, threads, 0, s, static_cast<const __half*>(table.data), table.cols, ids, copies, out);
       break;
   }
   TROUPE_LAUNCHED();
@@ -956,28 +989,28 @@ void embed(const Weight& table, const int32_t* ids, int64_t rows, int copies, fl
 
 void gather_rows(const float* x, int64_t dim, const int64_t* index, int64_t count, float* out, cudaStream_t s) {
   if (count == 0) return;
-  gather_rows_kernel<<<static_cast<unsigned>(count), threads_for(dim), 0, s>>>(x, dim, index, out);
+  launch_kernel(gather_rows_kernel, static_cast<unsigned>(count), threads_for(dim), 0, s, x, dim, index, out);
   TROUPE_LAUNCHED();
 }
 
 void swiglu(const float* g, const float* u, float* y, int64_t n, float limit, cudaStream_t s) {
   if (n == 0) return;
-  swiglu_kernel<<<grid_for(n), 256, 0, s>>>(g, u, y, n, limit);
+  launch_kernel(swiglu_kernel, grid_for(n), 256, 0, s, g, u, y, n, limit);
   TROUPE_LAUNCHED();
 }
 
 void add(float* y, const float* x, int64_t n, cudaStream_t s) {
   if (n == 0) return;
-  add_kernel<<<grid_for(n), 256, 0, s>>>(y, x, n);
+  launch_kernel(add_kernel, grid_for(n), 256, 0, s, y, x, n);
   TROUPE_LAUNCHED();
 }
 
 void to_half(const float* x, int64_t n, void* out, WeightType type, cudaStream_t s, void* lo) {
   if (n == 0) return;
   if (type == WeightType::f16) {
-    to_half_kernel<<<grid_for(n), 256, 0, s>>>(x, n, static_cast<__half*>(out), static_cast<__half*>(lo));
+    launch_kernel(to_half_kernel<__half>, grid_for(n), 256, 0, s, x, n, static_cast<__half*>(out), static_cast<__half*>(lo));
   } else {
-    to_half_kernel<<<grid_for(n), 256, 0, s>>>(x, n, static_cast<__nv_bfloat16*>(out),
+    launch_kernel(to_half_kernel<__nv_bfloat16>, grid_for(n), 256, 0, s, x, n, static_cast<__nv_bfloat16*>(out),
                                                static_cast<__nv_bfloat16*>(lo));
   }
   TROUPE_LAUNCHED();
@@ -989,14 +1022,14 @@ void mhc_pre_finish(const float* X, const float* mix, int64_t rows, const float*
   if (rows == 0) return;
   const auto grid = static_cast<unsigned>(rows);
   switch (p.hc) {
-    case 1: mhc_pre_kernel<1><<<grid, 256, 0, s>>>(X, mix, base, scale, p, y, post, comb); break;
-    case 2: mhc_pre_kernel<2><<<grid, 256, 0, s>>>(X, mix, base, scale, p, y, post, comb); break;
-    case 3: mhc_pre_kernel<3><<<grid, 256, 0, s>>>(X, mix, base, scale, p, y, post, comb); break;
-    case 4: mhc_pre_kernel<4><<<grid, 256, 0, s>>>(X, mix, base, scale, p, y, post, comb); break;
-    case 5: mhc_pre_kernel<5><<<grid, 256, 0, s>>>(X, mix, base, scale, p, y, post, comb); break;
-    case 6: mhc_pre_kernel<6><<<grid, 256, 0, s>>>(X, mix, base, scale, p, y, post, comb); break;
-    case 7: mhc_pre_kernel<7><<<grid, 256, 0, s>>>(X, mix, base, scale, p, y, post, comb); break;
-    default: mhc_pre_kernel<8><<<grid, 256, 0, s>>>(X, mix, base, scale, p, y, post, comb); break;
+    case 1: launch_kernel(mhc_pre_kernel<1>, grid, 256, 0, s, X, mix, base, scale, p, y, post, comb); break;
+    case 2: launch_kernel(mhc_pre_kernel<2>, grid, 256, 0, s, X, mix, base, scale, p, y, post, comb); break;
+    case 3: launch_kernel(mhc_pre_kernel<3>, grid, 256, 0, s, X, mix, base, scale, p, y, post, comb); break;
+    case 4: launch_kernel(mhc_pre_kernel<4>, grid, 256, 0, s, X, mix, base, scale, p, y, post, comb); break;
+    case 5: launch_kernel(mhc_pre_kernel<5>, grid, 256, 0, s, X, mix, base, scale, p, y, post, comb); break;
+    case 6: launch_kernel(mhc_pre_kernel<6>, grid, 256, 0, s, X, mix, base, scale, p, y, post, comb); break;
+    case 7: launch_kernel(mhc_pre_kernel<7>, grid, 256, 0, s, X, mix, base, scale, p, y, post, comb); break;
+    default: launch_kernel(mhc_pre_kernel<8>, grid, 256, 0, s, X, mix, base, scale, p, y, post, comb); break;
   }
   TROUPE_LAUNCHED();
 }
@@ -1005,7 +1038,7 @@ void mhc_post(float* X, int64_t rows, const float* f, const float* post, const f
               cudaStream_t s) {
   TROUPE_REQUIRE(p.hc >= 1 && p.hc <= kMaxHc, "mhc: hc_mult must be 1..8");
   if (rows == 0) return;
-  mhc_post_kernel<<<grid_for(rows * p.dim), 256, 0, s>>>(X, rows, f, post, comb, p);
+  launch_kernel(mhc_post_kernel, grid_for(rows * p.dim), 256, 0, s, X, rows, f, post, comb, p);
   TROUPE_LAUNCHED();
 }
 
@@ -1013,7 +1046,7 @@ void mhc_head_finish(const float* X, const float* mix, int64_t rows, const float
                      const MhcParams& p, float* y, cudaStream_t s) {
   TROUPE_REQUIRE(p.hc >= 1 && p.hc <= kMaxHc, "mhc: hc_mult must be 1..8");
   if (rows == 0) return;
-  mhc_head_kernel<<<static_cast<unsigned>(rows), 256, 0, s>>>(X, mix, base, scale, p, y);
+  launch_kernel(mhc_head_kernel, static_cast<unsigned>(rows), 256, 0, s, X, mix, base, scale, p, y);
   TROUPE_LAUNCHED();
 }
 
@@ -1023,11 +1056,11 @@ void mhc_mix_typed(const float* X, int64_t rows, const WT* fn, int64_t n_mix, in
                    cudaStream_t s) {
   const auto slices = static_cast<unsigned>(ceil_div(width, kMixSlice));
   if (rows == 1) {
-    mhc_mix_kernel<WT, 1><<<dim3(slices, 1), kMixThreads, 0, s>>>(X, rows, width, fn, static_cast<int>(n_mix), partial);
+    launch_kernel(mhc_mix_kernel<WT, 1>, dim3(slices, 1), kMixThreads, 0, s, X, rows, width, fn, static_cast<int>(n_mix), partial);
   } else {
     const int64_t tiles = ceil_div(rows, 4);
     TROUPE_REQUIRE(tiles <= 65535, "mhc: too many rows");
-    mhc_mix_kernel<WT, 4><<<dim3(slices, static_cast<unsigned>(tiles)), kMixThreads, 0, s>>>(
+    launch_kernel(mhc_mix_kernel<WT, 4>, dim3(slices, static_cast<unsigned>(tiles)), kMixThreads, 0, s, 
         X, rows, width, fn, static_cast<int>(n_mix), partial);
   }
   TROUPE_LAUNCHED();
@@ -1042,7 +1075,7 @@ void mhc_fused_finish(const float* X, const float* partial, int64_t rows, int sl
   switch (p.hc) {
 #define TROUPE_MHC_CASE(H)                                                                             \
   case H:                                                                                              \
-    mhc_fused_finish_kernel<H, HEAD><<<grid, 256, 0, s>>>(X, partial, slices, base, scale, p, y, post, comb, \
+    launch_kernel(mhc_fused_finish_kernel<H, HEAD>, grid, 256, 0, s, X, partial, slices, base, scale, p, y, post, comb, \
                                                           norm, norm_weight, norm_eps, nt);            \
     break;
     TROUPE_MHC_CASE(1)
@@ -1103,7 +1136,7 @@ void route(const float* logits, int64_t rows, int experts, ScoreFn fn, const flo
   TROUPE_REQUIRE(k >= 1 && k <= 64 && k <= experts, "route: k must be 1..64 and <= experts");
   TROUPE_REQUIRE(experts <= 16384, "route: too many experts");
   if (rows == 0) return;
-  route_kernel<<<static_cast<unsigned>(rows), 256, static_cast<size_t>(experts) * 8, s>>>(
+  launch_kernel(route_kernel, static_cast<unsigned>(rows), 256, static_cast<size_t>(experts) * 8, s, 
       logits, experts, fn, bias, k, hash_table, ids, route_scale, out_idx, out_weight);
   TROUPE_LAUNCHED();
 }
@@ -1119,19 +1152,19 @@ void moe_pairs(const float* x, int64_t rows, int64_t dim, const int32_t* idx, co
   const dim3 g2(static_cast<unsigned>(ceil_div(dim, 4)), static_cast<unsigned>(pairs));
   switch (t.type) {
     case WeightType::f32:
-      moe_gate_up_kernel<float><<<g1, kGemvThreads, 0, s>>>(x, dim, idx, k, t, limit, h);
+      launch_kernel(moe_gate_up_kernel<float>, g1, kGemvThreads, 0, s, x, dim, idx, k, t, limit, h);
       TROUPE_LAUNCHED();
-      moe_down_kernel<float><<<g2, kGemvThreads, 0, s>>>(h, dim, idx, t, ys);
+      launch_kernel(moe_down_kernel<float>, g2, kGemvThreads, 0, s, h, dim, idx, t, ys);
       break;
     case WeightType::bf16:
-      moe_gate_up_kernel<__nv_bfloat16><<<g1, kGemvThreads, 0, s>>>(x, dim, idx, k, t, limit, h);
+      launch_kernel(moe_gate_up_kernel<__nv_bfloat16>, g1, kGemvThreads, 0, s, x, dim, idx, k, t, limit, h);
       TROUPE_LAUNCHED();
-      moe_down_kernel<__nv_bfloat16><<<g2, kGemvThreads, 0, s>>>(h, dim, idx, t, ys);
+      launch_kernel(moe_down_kernel<__nv_bfloat16>, g2, kGemvThreads, 0, s, h, dim, idx, t, ys);
       break;
     case WeightType::f16:
-      moe_gate_up_kernel<__half><<<g1, kGemvThreads, 0, s>>>(x, dim, idx, k, t, limit, h);
+      launch_kernel(moe_gate_up_kernel<__half>, g1, kGemvThreads, 0, s, x, dim, idx, k, t, limit, h);
       TROUPE_LAUNCHED();
-      moe_down_kernel<__half><<<g2, kGemvThreads, 0, s>>>(h, dim, idx, t, ys);
+      launch_kernel(moe_down_kernel<__half>, g2, kGemvThreads, 0, s, h, dim, idx, t, ys);
       break;
   }
   TROUPE_LAUNCHED();
@@ -1154,19 +1187,19 @@ void moe_grouped(const float* x, int64_t rows, int64_t dim, const int32_t* idx, 
   const dim3 g2(static_cast<unsigned>(ceil_div(dim, 4)), static_cast<unsigned>(experts), ztiles);
   switch (t.type) {
     case WeightType::f32:
-      moe_grouped_gate_up_kernel<float><<<g1, kGemvThreads, 0, s>>>(xs, dim, counts, offsets, t, limit, h);
+      launch_kernel(moe_grouped_gate_up_kernel<float>, g1, kGemvThreads, 0, s, xs, dim, counts, offsets, t, limit, h);
       TROUPE_LAUNCHED();
-      moe_grouped_down_kernel<float><<<g2, kGemvThreads, 0, s>>>(h, dim, counts, offsets, t, ys);
+      launch_kernel(moe_grouped_down_kernel<float>, g2, kGemvThreads, 0, s, h, dim, counts, offsets, t, ys);
       break;
     case WeightType::bf16:
-      moe_grouped_gate_up_kernel<__nv_bfloat16><<<g1, kGemvThreads, 0, s>>>(xs, dim, counts, offsets, t, limit, h);
+      launch_kernel(moe_grouped_gate_up_kernel<__nv_bfloat16>, g1, kGemvThreads, 0, s, xs, dim, counts, offsets, t, limit, h);
       TROUPE_LAUNCHED();
-      moe_grouped_down_kernel<__nv_bfloat16><<<g2, kGemvThreads, 0, s>>>(h, dim, counts, offsets, t, ys);
+      launch_kernel(moe_grouped_down_kernel<__nv_bfloat16>, g2, kGemvThreads, 0, s, h, dim, counts, offsets, t, ys);
       break;
     case WeightType::f16:
-      moe_grouped_gate_up_kernel<__half><<<g1, kGemvThreads, 0, s>>>(xs, dim, counts, offsets, t, limit, h);
+      launch_kernel(moe_grouped_gate_up_kernel<__half>, g1, kGemvThreads, 0, s, xs, dim, counts, offsets, t, limit, h);
       TROUPE_LAUNCHED();
-      moe_grouped_down_kernel<__half><<<g2, kGemvThreads, 0, s>>>(h, dim, counts, offsets, t, ys);
+      launch_kernel(moe_grouped_down_kernel<__half>, g2, kGemvThreads, 0, s, h, dim, counts, offsets, t, ys);
       break;
   }
   TROUPE_LAUNCHED();
@@ -1175,20 +1208,20 @@ void moe_grouped(const float* x, int64_t rows, int64_t dim, const int32_t* idx, 
 
 void moe_sort(const int32_t* idx, int64_t pairs, int experts, int32_t* counts, int32_t* offsets, int32_t* perm,
               int32_t* inv, cudaStream_t s) {
-  moe_sort_kernel<<<1, 1024, static_cast<size_t>(experts) * 4, s>>>(idx, pairs, experts, counts, offsets, perm, inv);
+  launch_kernel(moe_sort_kernel, 1, 1024, static_cast<size_t>(experts) * 4, s, idx, pairs, experts, counts, offsets, perm, inv);
   TROUPE_LAUNCHED();
 }
 
 void moe_gather(const float* x, int64_t dim, const int32_t* perm, int64_t pairs, int k, float* xs, cudaStream_t s) {
   if (pairs == 0) return;
-  moe_gather_kernel<<<static_cast<unsigned>(pairs), threads_for(dim), 0, s>>>(x, dim, perm, k, xs);
+  launch_kernel(moe_gather_kernel, static_cast<unsigned>(pairs), threads_for(dim), 0, s, x, dim, perm, k, xs);
   TROUPE_LAUNCHED();
 }
 
 void moe_combine(const float* ys, const int32_t* inv, const float* weight, int64_t rows, int k, int64_t dim, float* out,
                  cudaStream_t s) {
   if (rows == 0) return;
-  moe_combine_kernel<<<grid_for(rows * dim), 256, 0, s>>>(ys, inv, weight, rows, k, dim, out);
+  launch_kernel(moe_combine_kernel, grid_for(rows * dim), 256, 0, s, ys, inv, weight, rows, k, dim, out);
   TROUPE_LAUNCHED();
 }
 

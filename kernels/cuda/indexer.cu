@@ -83,6 +83,7 @@ __device__ __forceinline__ int64_t key_row(const ScoreParams& p, int b, int64_t 
 // FP8: false = bf16 keys (256-byte rows), true = e4m3 keys (128-byte rows).
 template <bool FP8>
 __global__ void __launch_bounds__(kWarps * 32, 1) indexer_mma_kernel(const ScoreParams p) {
+  pdl_entry();  // see launch_kernel
   constexpr int kLoads = FP8 ? 2 : 4;     // 16-byte loads per thread per n-tile
   constexpr int kRowBytes = FP8 ? 128 : 256;
   extern __shared__ __align__(16) uint8_t smem[];
@@ -228,6 +229,7 @@ constexpr int kChunk = 64;  // keys per CTA
 __global__ void __launch_bounds__(256) indexer_ragged_kernel(const float* q, const float* w, int heads, int dim,
                                                              float scale, float weight_scale, RaggedRows keys,
                                                              float* scores, int64_t score_stride) {
+  pdl_entry();  // see launch_kernel
   extern __shared__ __align__(16) float sm[];
   const int ks = dim + 4;
   float* q_s = sm;                    // [heads][dim]
@@ -279,6 +281,7 @@ __global__ void __launch_bounds__(256) indexer_ragged_kernel(const float* q, con
 }
 
 __global__ void quantize_e4m3_kernel(const float* x, int64_t rows, uint8_t* q, float* scales) {
+  pdl_entry();  // see launch_kernel
   const int64_t r = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (r >= rows) return;
   const int lane = threadIdx.x & 31;
@@ -298,6 +301,7 @@ __global__ void quantize_e4m3_kernel(const float* x, int64_t rows, uint8_t* q, f
 }
 
 __global__ void to_bf16_kernel(const float* x, int64_t n, __nv_bfloat16* out) {
+  pdl_entry();  // see launch_kernel
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     out[i] = __float2bfloat16_rn(x[i]);
@@ -346,7 +350,7 @@ void indexer_scores(const IndexerArgs& a, cudaStream_t stream) {
       return true;
     }();
     (void)attr;
-    indexer_mma_kernel<false><<<grid, kWarps * 32, smem, stream>>>(p);
+    launch_kernel(indexer_mma_kernel<false>, grid, kWarps * 32, smem, stream, p);
   } else {
     const size_t smem = static_cast<size_t>(kWarps) * kStages * kTiles * 2 * 512 + 64 * kDim * 4;
     static bool attr = [&] {
@@ -355,7 +359,7 @@ void indexer_scores(const IndexerArgs& a, cudaStream_t stream) {
       return true;
     }();
     (void)attr;
-    indexer_mma_kernel<true><<<grid, kWarps * 32, smem, stream>>>(p);
+    launch_kernel(indexer_mma_kernel<true>, grid, kWarps * 32, smem, stream, p);
   }
   TROUPE_LAUNCHED();
 }
@@ -402,21 +406,21 @@ void indexer_scores_ragged(const float* q, const float* w, int64_t n_queries, in
   }();
   (void)attr;
   const dim3 grid(static_cast<unsigned>(ceil_div(max_keys, kChunk)), static_cast<unsigned>(n_queries));
-  indexer_ragged_kernel<<<grid, 256, smem, stream>>>(q, w, heads, static_cast<int>(dim), scale, weight_scale, keys,
+  launch_kernel(indexer_ragged_kernel, grid, 256, smem, stream, q, w, heads, static_cast<int>(dim), scale, weight_scale, keys,
                                                      scores, score_stride);
   TROUPE_LAUNCHED();
 }
 
 void quantize_keys_e4m3(const float* x, int64_t rows, uint8_t* q, float* scales, cudaStream_t stream) {
   if (rows == 0) return;
-  quantize_e4m3_kernel<<<static_cast<unsigned>(ceil_div(rows, 8)), 256, 0, stream>>>(x, rows, q, scales);
+  launch_kernel(quantize_e4m3_kernel, static_cast<unsigned>(ceil_div(rows, 8)), 256, 0, stream, x, rows, q, scales);
   TROUPE_LAUNCHED();
 }
 
 void convert_to_bf16(const float* x, int64_t n, void* out, cudaStream_t stream) {
   if (n == 0) return;
   const int64_t blocks = std::min<int64_t>(ceil_div(n, 256), 4096);
-  to_bf16_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(x, n, static_cast<__nv_bfloat16*>(out));
+  launch_kernel(to_bf16_kernel, static_cast<unsigned>(blocks), 256, 0, stream, x, n, static_cast<__nv_bfloat16*>(out));
   TROUPE_LAUNCHED();
 }
 

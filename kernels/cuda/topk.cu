@@ -404,6 +404,7 @@ __device__ __forceinline__ void load_scores(const float* src, int64_t n_here, bo
 }
 
 __global__ void __launch_bounds__(kThreads, 2) topk_kernel(const Params p) {
+  pdl_entry();  // see launch_kernel
   extern __shared__ __align__(16) uint8_t topk_smem[];
   Smem& sm = *reinterpret_cast<Smem*>(topk_smem);
   uint32_t* sk = reinterpret_cast<uint32_t*>(topk_smem + kKeysOffset);  // [kEpt][kThreads] keys
@@ -744,6 +745,7 @@ __device__ __forceinline__ void ties_in_index_order(const GridParams& p, int row
 
 template <int EPT>
 __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams p) {
+  pdl_entry();  // see launch_kernel
   constexpr int kChunk = kThreads * EPT;
   extern __shared__ __align__(16) uint8_t gsmem[];
   GSmem& sm = *reinterpret_cast<GSmem*>(gsmem);
@@ -1048,21 +1050,13 @@ void launch_grid_topk(const TopkArgs& a, const GridPlan& g, void* workspace, cud
   for (int r0 = 0; r0 < a.rows; r0 += g.rows_per_launch) {
     p.row0 = r0;
     const int rows = std::min(g.rows_per_launch, a.rows - r0);
-    cudaLaunchConfig_t cfg{};
-    cfg.dynamicSmemBytes = static_cast<size_t>(g.ept == kSmallEPT ? grid_smem_bytes<kSmallEPT>()
-                                                                  : grid_smem_bytes<kLargeEPT>());
-    cfg.gridDim = dim3(static_cast<unsigned>(static_cast<int64_t>(rows) * g.cpr), 1, 1);
-    cfg.blockDim = dim3(kThreads, 1, 1);
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1]{};
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // hides the launch behind the producer
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    const size_t smem = static_cast<size_t>(g.ept == kSmallEPT ? grid_smem_bytes<kSmallEPT>()
+                                                               : grid_smem_bytes<kLargeEPT>());
+    const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(rows) * g.cpr), 1, 1);
     if (g.ept == kSmallEPT) {
-      TROUPE_CUDA(cudaLaunchKernelEx(&cfg, grid_topk_kernel<kSmallEPT>, p));
+      launch_kernel(grid_topk_kernel<kSmallEPT>, grid, kThreads, smem, stream, p);
     } else {
-      TROUPE_CUDA(cudaLaunchKernelEx(&cfg, grid_topk_kernel<kLargeEPT>, p));
+      launch_kernel(grid_topk_kernel<kLargeEPT>, grid, kThreads, smem, stream, p);
     }
   }
 }
@@ -1138,21 +1132,13 @@ void topk(const TopkArgs& args, void* workspace, cudaStream_t stream) {
     p.arrivals = reinterpret_cast<uint32_t*>(base + a.rows * per * 8 + static_cast<size_t>(a.rows) * plan.segments * 4);
   }
   set_kernel_attributes();
-  cudaLaunchConfig_t cfg{};
-  cfg.dynamicSmemBytes = kSmemBytes;
-  cfg.gridDim = dim3(static_cast<unsigned>(plan.segments * plan.cluster), static_cast<unsigned>(a.rows), 1);
-  cfg.blockDim = dim3(kThreads, 1, 1);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[2]{};
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(plan.cluster);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // hides the launch behind the producer
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 2;
-  TROUPE_CUDA(cudaLaunchKernelEx(&cfg, topk_kernel, p));
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = static_cast<unsigned>(plan.cluster);
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  launch_kernel_ex(topk_kernel, dim3(static_cast<unsigned>(plan.segments * plan.cluster), static_cast<unsigned>(a.rows), 1),
+                   kThreads, kSmemBytes, stream, &cluster, 1, p);
 }
 
 // ---- ascending order of chosen indices (the backend's contract) -----------------
@@ -1162,6 +1148,7 @@ constexpr int kSortItems = 8;  // 2048 = kMaxK
 
 __global__ void __launch_bounds__(kSortThreads) sort_rows_kernel(int32_t* idx, int64_t stride, const int32_t* count,
                                                                   int k) {
+  pdl_entry();  // see launch_kernel
   using Sort = cub::BlockRadixSort<uint32_t, kSortThreads, kSortItems>;
   __shared__ typename Sort::TempStorage temp;
   int32_t* row = idx + blockIdx.x * stride;
@@ -1184,7 +1171,7 @@ __global__ void __launch_bounds__(kSortThreads) sort_rows_kernel(int32_t* idx, i
 void sort_rows_ascending(int32_t* idx, int64_t stride, const int32_t* count, int rows, int k, cudaStream_t stream) {
   TROUPE_REQUIRE(k <= kSortThreads * kSortItems, "sort_rows_ascending: k > 2048");
   if (rows == 0) return;
-  sort_rows_kernel<<<rows, kSortThreads, 0, stream>>>(idx, stride, count, k);
+  launch_kernel(sort_rows_kernel, rows, kSortThreads, 0, stream, idx, stride, count, k);
   TROUPE_LAUNCHED();
 }
 

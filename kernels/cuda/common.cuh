@@ -7,7 +7,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -54,6 +56,32 @@ inline bool pdl_enabled() {
   return on;
 }
 
+// Whether `kernel` gets the PDL attribute: pdl_enabled(), and its name matches none
+// of the comma-separated substrings in TROUPE_PDL_EXCLUDE and (when set) one of
+// TROUPE_PDL_ONLY (bisection switches for a race; names as cudaFuncGetName gives them).
+inline bool pdl_for(const void* kernel) {
+  if (!pdl_enabled()) return false;
+  static const char* only = std::getenv("TROUPE_PDL_ONLY");
+  static const char* exclude = std::getenv("TROUPE_PDL_EXCLUDE");
+  if (only == nullptr && exclude == nullptr) return true;
+  const char* name = nullptr;
+  if (cudaFuncGetName(&name, kernel) != cudaSuccess || name == nullptr) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  const auto any = [name](const char* list) {
+    std::string l(list);
+    for (size_t b = 0; b <= l.size();) {
+      const size_t e = std::min(l.find(',', b), l.size());
+      if (e > b && std::strstr(name, l.substr(b, e - b).c_str()) != nullptr) return true;
+      b = e + 1;
+    }
+    return false;
+  };
+  if (exclude != nullptr && any(exclude)) return false;
+  return only == nullptr || any(only);
+}
+
 // Launches `kernel` on `stream` with the PDL attribute (and `extra` attributes,
 // e.g. a cluster shape) and checks the launch.
 template <class... KArgs, class... Args>
@@ -62,7 +90,7 @@ void launch_kernel_ex(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t sm
   cudaLaunchAttribute attrs[4];
   int n = 0;
   for (int i = 0; i < n_extra && n < 3; ++i) attrs[n++] = extra[i];
-  if (pdl_enabled()) {
+  if (pdl_for(reinterpret_cast<const void*>(kernel))) {
     attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attrs[n].val.programmaticStreamSerializationAllowed = 1;
     ++n;

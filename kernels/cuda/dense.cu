@@ -56,7 +56,7 @@ struct WLoad<__half> {
 // yet; this thread's first weights are requested before it does (weights are never
 // written by a kernel), so they stream in while the previous kernel finishes.
 template <class WT, int M, int G, bool PREFETCH = false>
-__device__ __forceinline__ bool gemv_core(const float* __restrict__ x, int64_t ldx, int mh, const WT* __restrict__ w,
+__device__ __forceinline__ bool gemv_core(const float* x, int64_t ldx, int mh, const WT* __restrict__ w,
                                           int64_t n, int64_t k, int64_t row0, float& out) {
   constexpr int VEC = WLoad<WT>::kVec;
   __shared__ float red[kGemvThreads / 32][G * M];
@@ -97,7 +97,7 @@ __device__ __forceinline__ bool gemv_core(const float* __restrict__ x, int64_t l
           const float4* xp = reinterpret_cast<const float4*>(x + mm * ldx + c * VEC);
 #pragma unroll
           for (int q = 0; q < VEC / 4; ++q) {
-            const float4 t = __ldg(xp + q);
+            const float4 t = xp[q];  // a plain load: x is an earlier kernel's output (see pdl_entry)
             xv[4 * q] = t.x;
             xv[4 * q + 1] = t.y;
             xv[4 * q + 2] = t.z;
@@ -445,9 +445,9 @@ constexpr int kMixSlice = 512;  // columns of X per block of kernel 1
 // partial[(row * slices + s) * (n_mix + 1) + j]: slice s's share of fn row j . X row
 // (j < n_mix) and of X row's sum of squares (j = n_mix).
 template <class WT, int M>
-__global__ void __launch_bounds__(kMixThreads) mhc_mix_kernel(const float* __restrict__ X, int64_t rows,
+__global__ void __launch_bounds__(kMixThreads) mhc_mix_kernel(const float* X, int64_t rows,
                                                               int64_t width, const WT* __restrict__ fn, int n_mix,
-                                                              float* __restrict__ partial) {
+                                                              float* partial) {
   pdl_entry();  // see launch_kernel
   constexpr int VEC = WLoad<WT>::kVec;
   constexpr int CPL = kMixSlice / (32 * VEC);  // 16-byte weight chunks per lane and fn row
@@ -532,8 +532,8 @@ __global__ void __launch_bounds__(kMixThreads) mhc_mix_kernel(const float* __res
 // With `norm`, y is then RMS-normalised (times norm_weight when not null) exactly as
 // rmsnorm_kernel does with `norm_threads` threads (the same sums in the same order).
 template <int HC, bool HEAD>
-__global__ void __launch_bounds__(256) mhc_fused_finish_kernel(const float* __restrict__ X,
-                                                               const float* __restrict__ partial, int slices,
+__global__ void __launch_bounds__(256) mhc_fused_finish_kernel(const float* X,
+                                                               const float* partial, int slices,
                                                                const float* base, const float* scale, MhcParams p,
                                                                float* y, float* post, float* comb, bool norm,
                                                                const float* norm_weight, float norm_eps,
@@ -568,8 +568,43 @@ __global__ void __launch_bounds__(256) mhc_fused_finish_kernel(const float* __re
     pre[t] = sigmoidf(m[t] * inv * scale[0] + base[t]) + p.hc_eps;
     if (!HEAD) post[r * hc + t] = 2.0f * sigmoidf(m[hc + t] * inv * scale[1] + base[hc + t]);
   }
-  if (!HEAD) {
-    // Entry (a, b) on thread a * hc + b; every sum in the serial form's order.
+  // pre and m are read below by every warp
+  __syncthreads();
+  // Warp 0 runs the Sinkhorn normalisation of comb (hc * hc <= 32 entries, one a lane,
+  // shuffles instead of block barriers) while the other warps form y; for hc > 5 the
+  // whole block runs it first through shared memory. Both keep every sum in the
+  // serial form's order.
+  constexpr bool kWarpSinkhorn = HC * HC <= 32;
+  const int warp = t >> 5;
+  if (!HEAD && kWarpSinkhorn && warp == 0) {
+    const bool own = t < hc * hc;
+    const int a = own ? t / hc : 0, b = own ? t % hc : 0;
+    float v = own ? m[2 * hc + t] * inv * scale[2] + base[2 * hc + t] : 0.f;
+    const auto entry = [&](int i) { return __shfl_sync(0xffffffffu, v, i); };
+    float mx = -INFINITY;
+    for (int bb = 0; bb < hc; ++bb) mx = fmaxf(mx, entry(a * hc + bb));
+    float sum = 0.f;
+    for (int bb = 0; bb < hc; ++bb) sum += expf(entry(a * hc + bb) - mx);
+    v = expf(v - mx) / sum + p.hc_eps;
+    const auto cols = [&] {
+      float cs = 0.f;
+      for (int aa = 0; aa < hc; ++aa) cs += entry(aa * hc + b);
+      v /= (cs + p.hc_eps);
+    };
+    const auto rows = [&] {
+      float rs = 0.f;
+      for (int bb = 0; bb < hc; ++bb) rs += entry(a * hc + bb);
+      v /= (rs + p.hc_eps);
+    };
+    cols();
+    for (int it = 0; it < p.sinkhorn_iters - 1; ++it) {
+      rows();
+      cols();
+    }
+    if (own) comb[r * hc * hc + t] = v;
+  }
+  if (!HEAD && !kWarpSinkhorn) {
+    // Entry (a, b) on thread a * hc + b.
     const bool own = t < hc * hc;
     const int a = t / hc, b = t % hc;
     if (own) c[t] = m[2 * hc + t] * inv * scale[2] + base[2 * hc + t];
@@ -586,19 +621,19 @@ __global__ void __launch_bounds__(256) mhc_fused_finish_kernel(const float* __re
     if (own) c[t] = v;
     __syncthreads();
     auto cols = [&] {
-      float s = 0.f;
+      float cs = 0.f;
       if (own)
-        for (int aa = 0; aa < hc; ++aa) s += c[aa * hc + b];
+        for (int aa = 0; aa < hc; ++aa) cs += c[aa * hc + b];
       __syncthreads();
-      if (own) c[t] /= (s + p.hc_eps);
+      if (own) c[t] /= (cs + p.hc_eps);
       __syncthreads();
     };
     auto rows = [&] {
-      float s = 0.f;
+      float rs = 0.f;
       if (own)
-        for (int bb = 0; bb < hc; ++bb) s += c[a * hc + bb];
+        for (int bb = 0; bb < hc; ++bb) rs += c[a * hc + bb];
       __syncthreads();
-      if (own) c[t] /= (s + p.hc_eps);
+      if (own) c[t] /= (rs + p.hc_eps);
       __syncthreads();
     };
     cols();
@@ -608,27 +643,31 @@ __global__ void __launch_bounds__(256) mhc_fused_finish_kernel(const float* __re
     }
     if (own) comb[r * hc * hc + t] = c[t];
   }
-  __syncthreads();
+  // y = sum_j pre[j] * X[j] on the threads not busy with the warp Sinkhorn.
+  const int y0 = !HEAD && kWarpSinkhorn ? 32 : 0;
+  const int yn = static_cast<int>(blockDim.x) - y0;
   const float* xr = X + r * hc * p.dim;
   float* yr = y + r * p.dim;
-  if (p.dim % 4 == 0) {
-    for (int64_t i = t; i < p.dim / 4; i += blockDim.x) {
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (t >= y0) {
+    if (p.dim % 4 == 0) {
+      for (int64_t i = t - y0; i < p.dim / 4; i += yn) {
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-      for (int j = 0; j < hc; ++j) {
-        const float4 v = reinterpret_cast<const float4*>(xr + j * p.dim)[i];
-        acc.x += pre[j] * v.x;
-        acc.y += pre[j] * v.y;
-        acc.z += pre[j] * v.z;
-        acc.w += pre[j] * v.w;
+        for (int j = 0; j < hc; ++j) {
+          const float4 v = reinterpret_cast<const float4*>(xr + j * p.dim)[i];
+          acc.x += pre[j] * v.x;
+          acc.y += pre[j] * v.y;
+          acc.z += pre[j] * v.z;
+          acc.w += pre[j] * v.w;
+        }
+        reinterpret_cast<float4*>(yr)[i] = acc;
       }
-      reinterpret_cast<float4*>(yr)[i] = acc;
-    }
-  } else {
-    for (int64_t i = t; i < p.dim; i += blockDim.x) {
-      float acc = 0.f;
-      for (int j = 0; j < hc; ++j) acc += pre[j] * xr[j * p.dim + i];
-      yr[i] = acc;
+    } else {
+      for (int64_t i = t - y0; i < p.dim; i += yn) {
+        float acc = 0.f;
+        for (int j = 0; j < hc; ++j) acc += pre[j] * xr[j * p.dim + i];
+        yr[i] = acc;
+      }
     }
   }
   if (!norm) return;

@@ -224,42 +224,51 @@ __global__ void __launch_bounds__(kWarps * 32, 1) indexer_mma_kernel(const Score
 }
 
 // ---- fp32 ragged scoring (the backend op) ------------------------------------
-constexpr int kChunk = 64;  // keys per CTA
+// A CTA scores CHUNK keys of one query against every head: thread (key kk, head
+// group hg) sums heads hg, hg + G, ... Long key lists take 64 keys a CTA (the query,
+// staged once per CTA, is amortised over more keys); a grid that would not fill the
+// GPU (decode: one query, a few hundred keys) takes 16, four times the CTAs, each
+// with a quarter of the serial dot products.
+constexpr int kThreadsRagged = 256;
 
-__global__ void __launch_bounds__(256) indexer_ragged_kernel(const float* q, const float* w, int heads, int dim,
-                                                             float scale, float weight_scale, RaggedRows keys,
-                                                             float* scores, int64_t score_stride) {
+template <int CHUNK>
+__global__ void __launch_bounds__(kThreadsRagged) indexer_ragged_kernel(const float* q, const float* w, int heads,
+                                                                        int dim, float scale, float weight_scale,
+                                                                        RaggedRows keys, float* scores,
+                                                                        int64_t score_stride) {
   pdl_entry();  // see launch_kernel
+  constexpr int G = kThreadsRagged / CHUNK;  // head groups
+  constexpr int HPT = 64 / G;                // heads a thread sums (heads <= 64)
   extern __shared__ __align__(16) float sm[];
   const int ks = dim + 4;
   float* q_s = sm;                    // [heads][dim]
-  float* k_s = q_s + heads * dim;     // [kChunk][dim + 4]
-  float* red = k_s + kChunk * ks;     // [4][kChunk]
+  float* k_s = q_s + heads * dim;     // [CHUNK][dim + 4]
+  float* red = k_s + CHUNK * ks;      // [G][CHUNK]
   const int64_t t = blockIdx.y;
   const int64_t begin = keys.offsets[t];
   const int64_t n = keys.offsets[t + 1] - begin;
-  const int64_t s0 = static_cast<int64_t>(blockIdx.x) * kChunk;
+  const int64_t s0 = static_cast<int64_t>(blockIdx.x) * CHUNK;
   if (s0 >= n) return;
   const int d4 = dim / 4;
   for (int i = threadIdx.x; i < heads * d4; i += blockDim.x) {
     reinterpret_cast<float4*>(q_s)[i] = reinterpret_cast<const float4*>(q + t * heads * dim)[i];
   }
-  for (int i = threadIdx.x; i < kChunk * d4; i += blockDim.x) {
+  for (int i = threadIdx.x; i < CHUNK * d4; i += blockDim.x) {
     const int r = i / d4, c4 = i % d4;
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
     if (s0 + r < n) v = reinterpret_cast<const float4*>(keys.rows[begin + s0 + r])[c4];
     *reinterpret_cast<float4*>(k_s + r * ks + 4 * c4) = v;
   }
   __syncthreads();
-  const int kk = threadIdx.x % kChunk, hg = threadIdx.x / kChunk;
-  float acc[16];
+  const int kk = threadIdx.x % CHUNK, hg = threadIdx.x / CHUNK;
+  float acc[HPT];
 #pragma unroll
-  for (int j = 0; j < 16; ++j) acc[j] = 0.f;
+  for (int j = 0; j < HPT; ++j) acc[j] = 0.f;
   for (int d = 0; d < dim; d += 4) {
     const float4 kv = *reinterpret_cast<const float4*>(k_s + kk * ks + d);
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const int h = hg + 4 * j;
+    for (int j = 0; j < HPT; ++j) {
+      const int h = hg + G * j;
       if (h < heads) {
         const float4 qv = *reinterpret_cast<const float4*>(q_s + h * dim + d);
         acc[j] += qv.x * kv.x + qv.y * kv.y + qv.z * kv.z + qv.w * kv.w;
@@ -268,15 +277,18 @@ __global__ void __launch_bounds__(256) indexer_ragged_kernel(const float* q, con
   }
   float part = 0.f;
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const int h = hg + 4 * j;
+  for (int j = 0; j < HPT; ++j) {
+    const int h = hg + G * j;
     if (h < heads) part += (fmaxf(acc[j], 0.f) * scale) * (w[t * heads + h] * weight_scale);
   }
-  red[hg * kChunk + kk] = part;
+  red[hg * CHUNK + kk] = part;
   __syncthreads();
-  if (threadIdx.x < kChunk && s0 + threadIdx.x < n) {
+  if (threadIdx.x < CHUNK && s0 + threadIdx.x < n) {
     const int i = threadIdx.x;
-    scores[t * score_stride + s0 + i] = red[i] + red[kChunk + i] + red[2 * kChunk + i] + red[3 * kChunk + i];
+    float sum = 0.f;
+#pragma unroll
+    for (int g = 0; g < G; ++g) sum += red[g * CHUNK + i];
+    scores[t * score_stride + s0 + i] = sum;
   }
 }
 
@@ -399,15 +411,20 @@ void indexer_scores_ragged(const float* q, const float* w, int64_t n_queries, in
   TROUPE_REQUIRE(heads >= 1 && heads <= 64, "indexer: 1..64 heads");
   TROUPE_REQUIRE(dim % 4 == 0 && dim <= 512, "indexer: dim must be a multiple of 4, <= 512");
   if (n_queries == 0 || max_keys == 0) return;
-  const size_t smem = (static_cast<size_t>(heads) * dim + kChunk * (dim + 4) + 4 * kChunk) * 4;
   static bool attr = [] {
-    TROUPE_CUDA(cudaFuncSetAttribute(indexer_ragged_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
+    TROUPE_CUDA(cudaFuncSetAttribute(indexer_ragged_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
+    TROUPE_CUDA(cudaFuncSetAttribute(indexer_ragged_kernel<16>, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
     return true;
   }();
   (void)attr;
-  const dim3 grid(static_cast<unsigned>(ceil_div(max_keys, kChunk)), static_cast<unsigned>(n_queries));
-  launch_kernel(indexer_ragged_kernel, grid, 256, smem, stream, q, w, heads, static_cast<int>(dim), scale, weight_scale, keys,
-                                                     scores, score_stride);
+  // 64 keys a CTA when that makes two CTAs per SM or more (132 SMs on the H200), else 16.
+  const bool wide = ceil_div(max_keys, 64) * n_queries >= 264;
+  const int chunk = wide ? 64 : 16;
+  const size_t smem =
+      (static_cast<size_t>(heads) * dim + static_cast<size_t>(chunk) * (dim + 4) + kThreadsRagged) * sizeof(float);
+  const dim3 grid(static_cast<unsigned>(ceil_div(max_keys, chunk)), static_cast<unsigned>(n_queries));
+  launch_kernel(wide ? indexer_ragged_kernel<64> : indexer_ragged_kernel<16>, grid, kThreadsRagged, smem, stream, q, w,
+                heads, static_cast<int>(dim), scale, weight_scale, keys, scores, score_stride);
   TROUPE_LAUNCHED();
 }
 

@@ -367,7 +367,7 @@ __device__ __forceinline__ void load_scores(const float* src, int64_t n_here, bo
     for (int q0 = 0; q0 < kEpt / 4; q0 += kBatch) {
       float4 v[kBatch];
 #pragma unroll
-      for (int q = 0; q < kBatch; ++q) v[q] = __ldg(reinterpret_cast<const float4*>(src) + (q0 + q) * kThreads + tid);
+      for (int q = 0; q < kBatch; ++q) v[q] = reinterpret_cast<const float4*>(src)[(q0 + q) * kThreads + tid];
 #pragma unroll
       for (int q = 0; q < kBatch; ++q) {
         const uint32_t k4[4] = {order_key(v[q].x), order_key(v[q].y), order_key(v[q].z), order_key(v[q].w)};
@@ -389,7 +389,7 @@ __device__ __forceinline__ void load_scores(const float* src, int64_t n_here, bo
 #pragma unroll
     for (int e = 0; e < kBatch; ++e) {
       const int64_t off = elem_offset(e0 + e);
-      f[e] = off < n_here ? __ldg(src + off) : 0.f;
+      f[e] = off < n_here ? src[off] : 0.f;
     }
 #pragma unroll
     for (int e = 0; e < kBatch; ++e) {
@@ -787,7 +787,7 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
       for (int q0 = 0; q0 < EPT / 4; q0 += kBatch) {
         float4 v[kBatch];
 #pragma unroll
-        for (int q = 0; q < kBatch; ++q) v[q] = __ldg(reinterpret_cast<const float4*>(src) + (q0 + q) * kThreads + tid);
+        for (int q = 0; q < kBatch; ++q) v[q] = reinterpret_cast<const float4*>(src)[(q0 + q) * kThreads + tid];
 #pragma unroll
         for (int q = 0; q < kBatch; ++q) {
           const uint32_t k4[4] = {order_key(v[q].x), order_key(v[q].y), order_key(v[q].z), order_key(v[q].w)};
@@ -804,7 +804,7 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
       for (int e = 0; e < EPT; ++e) {
         const int64_t off = (e >> 2) * (kThreads * 4) + tid * 4 + (e & 3);
         const bool v = off < n_here;
-        const uint32_t key = order_key(v ? __ldg(src + off) : 0.f);
+        const uint32_t key = order_key(v ? src[off] : 0.f);
         sk[e * kThreads + tid] = key;
         if (v) {
           vmask |= 1u << e;

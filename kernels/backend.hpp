@@ -233,6 +233,34 @@ class Backend {
                                     float* const* ring, int64_t ring_stride, float* const* entries,
                                     int64_t entry_stride, const float** kv_src, const float** score_src, float** out,
                                     int64_t* entry_pos, float** ring_dst, const float** ring_src) = 0;
+  // Scratch of decode_compress's composed form: batch * slots kv_src and score_src
+  // entries, batch out and entry_pos, 2 * batch ring_dst and ring_src.
+  struct DecodeCompressScratch {
+    const float** kv_src = nullptr;
+    const float** score_src = nullptr;
+    float** out = nullptr;
+    int64_t* entry_pos = nullptr;
+    float** ring_dst = nullptr;
+    const float** ring_src = nullptr;
+  };
+  // The whole compressor step of one decode token per sequence: decode_compress_rows
+  // (position bias into score, the closing windows' slot lists, the ring store's rows),
+  // then compress() into the closed entries (norm_weight, eps, rope as compress takes
+  // them), then the ring store (copy_rows of 2 * batch rows of width floats, after the
+  // entries have read the ring). A backend may fuse the three; this form composes them.
+  virtual void decode_compress(int64_t batch, const int64_t* positions, const int32_t* table_of, int64_t rate,
+                               bool overlap, int64_t dim, const float* kv, float* score, const float* bias,
+                               float* const* ring, int64_t ring_stride, float* const* entries, int64_t entry_stride,
+                               const float* norm_weight, float eps, const RopeTable& rope,
+                               const DecodeCompressScratch& scratch) {
+    decode_compress_rows(batch, positions, table_of, rate, overlap, dim, kv, score, bias, ring, ring_stride, entries,
+                         entry_stride, scratch.kv_src, scratch.score_src, scratch.out, scratch.entry_pos,
+                         scratch.ring_dst, scratch.ring_src);
+    const int slots = static_cast<int>(overlap ? 2 * rate : rate);
+    compress(batch, slots, dim, scratch.kv_src, scratch.score_src, norm_weight, eps, scratch.entry_pos, rope,
+             scratch.out);
+    copy_rows(scratch.ring_dst, scratch.ring_src, 2 * batch, overlap ? 2 * dim : dim);
+  }
   // table[index[i]] = values[i] for i < count where index[i] >= 0.
   virtual void scatter_pointers(void** table, const int64_t* index, void* const* values, int64_t count) = 0;
   // out[r] = the index of the largest of x[r, 0..n) (the lowest index among equals;

@@ -423,16 +423,12 @@ void Decoder::compress_ops(int layer, int64_t n, const CompressorWeights& cw, Ri
   const int64_t rate = c.compress_rate(layer);
   const bool overlap = c.layer_types[static_cast<size_t>(layer)] == LayerType::csa;
   const int64_t dim = index_keys ? c.index_head_dim : c.head_dim;
-  const int slots = static_cast<int>(overlap ? 2 * rate : rate);
-  // Adds the position bias to the new scores, lists the window's slots and the ring store.
-  be.decode_compress_rows(n, b.positions, b.table_of, rate, overlap, dim, kv, score, cw.position_bias,
-                          table(t.ring[static_cast<int>(ring)]), slot_stride_,
-                          table(index_keys ? t.index_keys : t.entries), slot_stride_, b.kv_src, b.score_src, b.cout,
-                          b.epos, b.ring_dst, b.ring_src);
-  be.compress(n, slots, dim, b.kv_src, b.score_src, cw.kv_norm, c.rms_norm_eps, b.epos,
-              rope_table(c.rope_compress, model_.rope_compress_), b.cout);
-  // The ring is written after the entries have read it.
-  be.copy_rows(b.ring_dst, b.ring_src, 2 * n, cw.width);
+  // The position bias, the closing windows' entries and the ring store (one kernel on CUDA).
+  be.decode_compress(n, b.positions, b.table_of, rate, overlap, dim, kv, score, cw.position_bias,
+                     table(t.ring[static_cast<int>(ring)]), slot_stride_,
+                     table(index_keys ? t.index_keys : t.entries), slot_stride_, cw.kv_norm, c.rms_norm_eps,
+                     rope_table(c.rope_compress, model_.rope_compress_),
+                     {b.kv_src, b.score_src, b.cout, b.epos, b.ring_dst, b.ring_src});
 }
 
 void Decoder::attention_ops(int layer, int64_t n, const float* h, float* out) {

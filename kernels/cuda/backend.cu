@@ -722,6 +722,32 @@ void CudaBackend::decode_compress_rows(int64_t batch, const int64_t* positions, 
   cuda::decode_compress_rows(batch, positions, table_of, rate, overlap, dim, kv, score, bias, ring, ring_stride, entries,
                              entry_stride, kv_src, score_src, out, entry_pos, ring_dst, ring_src, impl_->s());
 }
+void CudaBackend::decode_compress(int64_t batch, const int64_t* positions, const int32_t* table_of, int64_t rate,
+                                  bool overlap, int64_t dim, const float* kv, float* score, const float* bias,
+                                  float* const* ring, int64_t ring_stride, float* const* entries, int64_t entry_stride,
+                                  const float* norm_weight, float eps, const RopeTable& rope,
+                                  const DecodeCompressScratch& scratch) {
+  static const bool fused = [] {
+    const char* e = std::getenv("TROUPE_COMPRESS_FUSED");
+    return e == nullptr || e[0] != '0';
+  }();
+  if (!fused) {
+    Backend::decode_compress(batch, positions, table_of, rate, overlap, dim, kv, score, bias, ring, ring_stride,
+                             entries, entry_stride, norm_weight, eps, rope, scratch);
+    return;
+  }
+  if (batch == 0) return;
+  CompressorShape s;
+  s.rate = static_cast<int>(rate);
+  s.overlap = overlap;
+  s.dim = dim;
+  s.ape = bias;
+  s.norm_weight = norm_weight;
+  s.eps = eps;
+  s.rope = rope;
+  compress_decode_paged(s, batch, positions, table_of, kv, score, ring, ring_stride, entries, entry_stride,
+                        impl_->s());
+}
 void CudaBackend::scatter_pointers(void** table, const int64_t* index, void* const* values, int64_t count) {
   cuda::scatter_pointers(table, index, values, count, impl_->s());
 }

@@ -126,6 +126,56 @@ struct DecodeSource {
   }
 };
 
+// The Decoder's form of DecodeSource: rings and entries are per-sequence tables of row
+// pointers (row t = table_of[b] of tables `ring_stride` / `entry_stride` apart), the new
+// token's score gets the position bias on the fly, and after() stores the token into
+// its ring row and its biased score back into `score` (Backend::decode_compress).
+struct PagedDecodeSource {
+  WindowGeometry g;
+  const float* kv;  // [batch, width]
+  float* score;     // [batch, width], raw
+  const float* bias;  // [rate, width] or null
+  const int64_t* positions;
+  const int32_t* table_of;
+  float* const* ring;
+  int64_t ring_stride;
+  float* const* entries;
+  int64_t entry_stride;
+  __device__ int64_t row(int64_t b) const { return table_of != nullptr ? table_of[b] : b; }
+  __device__ bool active(int64_t b) const { return (positions[b] + 1) % g.rate == 0; }
+  __device__ int num_slots() const { return g.overlap ? 2 * g.rate : g.rate; }
+  __device__ Slot slot(int64_t b, int s) const {
+    const int64_t p = positions[b];
+    int half;
+    const int64_t j = g.token(p / g.rate, s, half);
+    if (j < 0) return Slot{};
+    if (j == p) {
+      const int64_t r = b * g.width + half * g.dim;
+      return Slot{kv + r, score + r, bias != nullptr ? bias + (p % g.rate) * g.width + half * g.dim : nullptr};
+    }
+    const float* r = ring[row(b) * ring_stride + j % g.ring_slots];
+    return Slot{r + half * g.dim, r + g.width + half * g.dim, nullptr};
+  }
+  __device__ int64_t position(int64_t b) const { return (positions[b] / g.rate) * g.rate; }
+  __device__ void* out_row(int64_t b) const { return entries[row(b) * entry_stride + positions[b] / g.rate]; }
+  // Token p's ring row is not one of the window's other slots (they are the ring_slots - 1
+  // tokens before p at most), so no entry of this call reads what this writes.
+  __device__ void after(int64_t b, int64_t) const {
+    const int64_t p = positions[b];
+    float* r = ring[row(b) * ring_stride + p % g.ring_slots];
+    const float* br = bias != nullptr ? bias + (p % g.rate) * g.width : nullptr;
+    for (int64_t c = threadIdx.x; c < g.width; c += blockDim.x) {
+      float sc = score[b * g.width + c];
+      if (br != nullptr) {
+        sc += br[c];
+        score[b * g.width + c] = sc;
+      }
+      r[c] = kv[b * g.width + c];
+      r[g.width + c] = sc;
+    }
+  }
+};
+
 template <int VEC>
 struct Vec;
 template <>
@@ -408,6 +458,15 @@ void compress_decode(const CompressorShape& s, const float* kv, const float* sco
   TROUPE_REQUIRE(s.rate >= 1, "compress_decode: bad rate");
   DecodeSource src{geometry(s), kv, score, positions, rings, out_rows};
   launch(src, batch, s.overlap ? 2 * s.rate : s.rate, NormRope{s.dim, s.norm_weight, s.eps, s.rope, 1}, out_type,
+         stream);
+}
+
+void compress_decode_paged(const CompressorShape& s, int64_t batch, const int64_t* positions, const int32_t* table_of,
+                           const float* kv, float* score, float* const* ring, int64_t ring_stride,
+                           float* const* entries, int64_t entry_stride, cudaStream_t stream) {
+  TROUPE_REQUIRE(s.rate >= 1, "compress_decode_paged: bad rate");
+  PagedDecodeSource src{geometry(s), kv, score, s.ape, positions, table_of, ring, ring_stride, entries, entry_stride};
+  launch(src, batch, s.overlap ? 2 * s.rate : s.rate, NormRope{s.dim, s.norm_weight, s.eps, s.rope, 1}, EntryType::f32,
          stream);
 }
 

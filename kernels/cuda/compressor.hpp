@@ -46,6 +46,13 @@ void compress_decode(const CompressorShape& s, const float* kv, const float* sco
                      const int64_t* positions, float* const* rings, void* const* out_rows, EntryType out_type,
                      cudaStream_t stream);
 
+// Backend::decode_compress in one kernel: rings and entries as per-sequence tables of
+// row pointers (see there); score gets s.ape (the position bias) of the new token in
+// place; entries are f32.
+void compress_decode_paged(const CompressorShape& s, int64_t batch, const int64_t* positions, const int32_t* table_of,
+                           const float* kv, float* score, float* const* ring, int64_t ring_stride,
+                           float* const* entries, int64_t entry_stride, cudaStream_t stream);
+
 // The backend op: `count` entries of `slots` slots given by row pointers (score already
 // carries the bias; null slot = empty). See Backend::compress.
 void compress_slots(int64_t count, int slots, int64_t dim, const float* const* kv_src, const float* const* score_src,

@@ -98,6 +98,11 @@ class CudaBackend final : public Backend {
                             int64_t ring_stride, float* const* entries, int64_t entry_stride, const float** kv_src,
                             const float** score_src, float** out, int64_t* entry_pos, float** ring_dst,
                             const float** ring_src) override;
+  // One fused kernel (compressor.hpp); TROUPE_COMPRESS_FUSED=0 runs the composed form.
+  void decode_compress(int64_t batch, const int64_t* positions, const int32_t* table_of, int64_t rate, bool overlap,
+                       int64_t dim, const float* kv, float* score, const float* bias, float* const* ring,
+                       int64_t ring_stride, float* const* entries, int64_t entry_stride, const float* norm_weight,
+                       float eps, const RopeTable& rope, const DecodeCompressScratch& scratch) override;
   void scatter_pointers(void** table, const int64_t* index, void* const* values, int64_t count) override;
   void argmax(const float* x, int64_t rows, int64_t n, int32_t* out) override;
 

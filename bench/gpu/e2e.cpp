@@ -256,6 +256,30 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// Where a step's time goes: steps run eagerly, synchronizing after each group of ops
+// (launch gaps included, so the groups sum to more than a replayed step). Emits a
+// "profile" line with `extra` fields; the sequences' states grow by the steps run.
+void emit_profile(model::Model& m, const std::vector<model::SequenceState*>& seqs, int64_t max_context,
+                  const std::vector<int32_t>& ids, json extra) {
+  model::Decoder prof(m, {static_cast<int>(seqs.size()), max_context, false, true});
+  std::vector<int> pslots;
+  for (auto* s : seqs) pslots.push_back(prof.bind(*s));
+  prof.step(pslots, ids);
+  const int psteps = 20;
+  for (int i = 1; i < psteps; ++i) prof.step(pslots, {});
+  prof.tokens();
+  json groups = json::object();
+  double prof_total = 0;
+  for (const auto& [name, sec] : prof.profile()) {
+    groups[name] = sec / psteps * 1e6;
+    prof_total += sec / psteps * 1e6;
+  }
+  extra["kind"] = "profile";
+  extra["us_per_step"] = groups;
+  extra["total_us"] = prof_total;
+  emit(extra);
+}
+
 int bench(const std::string& dir, int batch, int64_t prompt, int64_t fresh, int repeats, uint64_t seed) {
   auto gpu = cuda();
   auto m = model::Model::load(dir, *gpu);
@@ -328,23 +352,9 @@ int bench(const std::string& dir, int batch, int64_t prompt, int64_t fresh, int 
   steady.tokens();
   const double step_s = (now() - t0) / steps;
 
-  // Where a step's time goes: the same steps run eagerly, synchronizing after each
-  // group of ops (launch gaps included, so the groups sum to more than a replayed step).
-  model::Decoder prof(*m, {batch, prompt + 400, false, true});
-  std::vector<int> pslots;
-  for (int b = 0; b < batch; ++b) pslots.push_back(prof.bind(*st[b]));
-  prof.step(pslots, ids);
-  const int psteps = 20;
-  for (int i = 1; i < psteps; ++i) prof.step(pslots, {});
-  prof.tokens();
-  json groups = json::object();
-  double prof_total = 0;
-  for (const auto& [name, sec] : prof.profile()) {
-    groups[name] = sec / psteps * 1e6;
-    prof_total += sec / psteps * 1e6;
-  }
-  emit({{"kind", "profile"}, {"batch", batch}, {"us_per_step", groups}, {"total_us", prof_total},
-        {"replayed_step_us", step_s * 1e6}});
+  std::vector<model::SequenceState*> seqs;
+  for (auto& s : st) seqs.push_back(s.get());
+  emit_profile(*m, seqs, prompt + 400, ids, {{"batch", batch}, {"replayed_step_us", step_s * 1e6}});
 
   const double pre_s = median(pre), dec_s = median(dsec);
   const double experts = batch == 1 ? static_cast<double>(c.num_experts_per_tok)
@@ -445,6 +455,23 @@ int context(const std::string& dir, const std::vector<int64_t>& contexts, int st
     const double s = (now() - t0) / steps;
     emit({{"kind", "context"}, {"context", ctx}, {"steps", steps}, {"step_ms", s * 1e3}, {"tok_s", 1.0 / s},
           {"fill_s", fill_s}, {"replays", dec.replays()}, {"state_bytes_per_step", step_state_bytes(c, ctx)}});
+    dec.unbind(slot);
+    emit_profile(*m, {st.get()}, ctx + steps + 64, {first}, {{"context", ctx}, {"replayed_step_us", s * 1e6}});
+#if TROUPE_E2E_PROFILER
+    // TROUPE_E2E_NCU=1: two eager steps at this context between cudaProfilerStart/Stop
+    // (`ncu --profile-from-start off`), after the profiled ones.
+    if (const char* e = std::getenv("TROUPE_E2E_NCU"); e != nullptr && e[0] == '1') {
+      model::Decoder eager(*m, {1, ctx + steps + 128, false});
+      const int es = eager.bind(*st);
+      const int eslots[1] = {es};
+      eager.step(eslots, std::span<const int32_t>(&first, 1));
+      eager.tokens();
+      if (cudaProfilerStart() != cudaSuccess) throw std::runtime_error("cudaProfilerStart failed");
+      for (int i = 0; i < 2; ++i) eager.step(eslots, {});
+      eager.tokens();
+      if (cudaProfilerStop() != cudaSuccess) throw std::runtime_error("cudaProfilerStop failed");
+    }
+#endif
   }
   return 0;
 }

@@ -12,6 +12,8 @@
 
 #include <algorithm>
 
+#include <cstdlib>
+
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/indexer.hpp"
 #include "kernels/cuda/topk.hpp"
@@ -224,26 +226,30 @@ __global__ void __launch_bounds__(kWarps * 32, 1) indexer_mma_kernel(const Score
 }
 
 // ---- fp32 ragged scoring (the backend op) ------------------------------------
-// A CTA scores CHUNK keys of one query against every head: thread (key kk, head
-// group hg) sums heads hg, hg + G, ... Long key lists take 64 keys a CTA (the query,
-// staged once per CTA, is amortised over more keys); a grid that would not fill the
-// GPU (decode: one query, a few hundred keys) takes 16, four times the CTAs, each
-// with a quarter of the serial dot products.
+// A CTA scores CHUNK keys of one query against every head (<= 64). Thread (kg, hg) of
+// KG key groups x 256 / KG head groups holds a register tile of keys kg, kg + KG, ...
+// (CHUNK / KG of them) by heads hg, hg + 256 / KG, ...: per 4 channels it reads those
+// key and query vectors from shared memory. Long key lists take 64 keys a CTA (the
+// query, staged once per CTA, is amortised over more keys), as a 4 x 4 tile (KG 16) or,
+// under TROUPE_INDEXER_TILE=0, one key by 16 heads (KG 64); a grid that would not fill
+// the GPU (decode: one query, a few hundred keys) takes 16 keys a CTA, one key by 4
+// heads a thread, four times the CTAs.
 constexpr int kThreadsRagged = 256;
 
-template <int CHUNK>
+template <int CHUNK, int KG>
 __global__ void __launch_bounds__(kThreadsRagged) indexer_ragged_kernel(const float* q, const float* w, int heads,
                                                                         int dim, float scale, float weight_scale,
                                                                         RaggedRows keys, float* scores,
                                                                         int64_t score_stride) {
   pdl_entry();  // see launch_kernel
-  constexpr int G = kThreadsRagged / CHUNK;  // head groups
-  constexpr int HPT = 64 / G;                // heads a thread sums (heads <= 64)
+  constexpr int HG = kThreadsRagged / KG;
+  constexpr int KPT = CHUNK / KG;  // keys a thread scores
+  constexpr int HPT = 64 / HG;     // heads a thread sums
   extern __shared__ __align__(16) float sm[];
   const int ks = dim + 4;
   float* q_s = sm;                    // [heads][dim]
   float* k_s = q_s + heads * dim;     // [CHUNK][dim + 4]
-  float* red = k_s + CHUNK * ks;      // [G][CHUNK]
+  float* red = k_s + CHUNK * ks;      // [HG][CHUNK]
   const int64_t t = blockIdx.y;
   const int64_t begin = keys.offsets[t];
   const int64_t n = keys.offsets[t + 1] - begin;
@@ -260,34 +266,46 @@ __global__ void __launch_bounds__(kThreadsRagged) indexer_ragged_kernel(const fl
     *reinterpret_cast<float4*>(k_s + r * ks + 4 * c4) = v;
   }
   __syncthreads();
-  const int kk = threadIdx.x % CHUNK, hg = threadIdx.x / CHUNK;
-  float acc[HPT];
+  const int kg = threadIdx.x % KG, hg = threadIdx.x / KG;
+  float acc[KPT][HPT];
 #pragma unroll
-  for (int j = 0; j < HPT; ++j) acc[j] = 0.f;
+  for (int i = 0; i < KPT; ++i)
+#pragma unroll
+    for (int j = 0; j < HPT; ++j) acc[i][j] = 0.f;
   for (int d = 0; d < dim; d += 4) {
-    const float4 kv = *reinterpret_cast<const float4*>(k_s + kk * ks + d);
+    float4 kv[KPT], qv[HPT];
+#pragma unroll
+    for (int i = 0; i < KPT; ++i) kv[i] = *reinterpret_cast<const float4*>(k_s + (kg + KG * i) * ks + d);
 #pragma unroll
     for (int j = 0; j < HPT; ++j) {
-      const int h = hg + G * j;
-      if (h < heads) {
-        const float4 qv = *reinterpret_cast<const float4*>(q_s + h * dim + d);
-        acc[j] += qv.x * kv.x + qv.y * kv.y + qv.z * kv.z + qv.w * kv.w;
-      }
+      const int h = hg + HG * j;
+      qv[j] = h < heads ? *reinterpret_cast<const float4*>(q_s + h * dim + d) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
+#pragma unroll
+    for (int i = 0; i < KPT; ++i)
+#pragma unroll
+      for (int j = 0; j < HPT; ++j)
+        acc[i][j] += qv[j].x * kv[i].x + qv[j].y * kv[i].y + qv[j].z * kv[i].z + qv[j].w * kv[i].w;
   }
-  float part = 0.f;
+  float wh[HPT];
 #pragma unroll
   for (int j = 0; j < HPT; ++j) {
-    const int h = hg + G * j;
-    if (h < heads) part += (fmaxf(acc[j], 0.f) * scale) * (w[t * heads + h] * weight_scale);
+    const int h = hg + HG * j;
+    wh[j] = h < heads ? w[t * heads + h] * weight_scale : 0.f;
   }
-  red[hg * CHUNK + kk] = part;
+#pragma unroll
+  for (int i = 0; i < KPT; ++i) {
+    float part = 0.f;
+#pragma unroll
+    for (int j = 0; j < HPT; ++j) part += (fmaxf(acc[i][j], 0.f) * scale) * wh[j];
+    red[hg * CHUNK + kg + KG * i] = part;
+  }
   __syncthreads();
   if (threadIdx.x < CHUNK && s0 + threadIdx.x < n) {
     const int i = threadIdx.x;
     float sum = 0.f;
 #pragma unroll
-    for (int g = 0; g < G; ++g) sum += red[g * CHUNK + i];
+    for (int g = 0; g < HG; ++g) sum += red[g * CHUNK + i];
     scores[t * score_stride + s0 + i] = sum;
   }
 }
@@ -411,20 +429,28 @@ void indexer_scores_ragged(const float* q, const float* w, int64_t n_queries, in
   TROUPE_REQUIRE(heads >= 1 && heads <= 64, "indexer: 1..64 heads");
   TROUPE_REQUIRE(dim % 4 == 0 && dim <= 512, "indexer: dim must be a multiple of 4, <= 512");
   if (n_queries == 0 || max_keys == 0) return;
+  static const bool tile = [] {
+    const char* e = std::getenv("TROUPE_INDEXER_TILE");
+    return e == nullptr || e[0] != '0';
+  }();
   static bool attr = [] {
-    TROUPE_CUDA(cudaFuncSetAttribute(indexer_ragged_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
-    TROUPE_CUDA(cudaFuncSetAttribute(indexer_ragged_kernel<16>, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
+    for (auto f : {indexer_ragged_kernel<64, 16>, indexer_ragged_kernel<64, 64>, indexer_ragged_kernel<16, 16>}) {
+      TROUPE_CUDA(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
+    }
     return true;
   }();
   (void)attr;
   // 64 keys a CTA when that makes two CTAs per SM or more (132 SMs on the H200), else 16.
   const bool wide = ceil_div(max_keys, 64) * n_queries >= 264;
   const int chunk = wide ? 64 : 16;
+  const int head_groups = wide && !tile ? 4 : 16;
   const size_t smem =
-      (static_cast<size_t>(heads) * dim + static_cast<size_t>(chunk) * (dim + 4) + kThreadsRagged) * sizeof(float);
+      (static_cast<size_t>(heads) * dim + static_cast<size_t>(chunk) * (dim + 4 + head_groups)) * sizeof(float);
   const dim3 grid(static_cast<unsigned>(ceil_div(max_keys, chunk)), static_cast<unsigned>(n_queries));
-  launch_kernel(wide ? indexer_ragged_kernel<64> : indexer_ragged_kernel<16>, grid, kThreadsRagged, smem, stream, q, w,
-                heads, static_cast<int>(dim), scale, weight_scale, keys, scores, score_stride);
+  const auto kernel = !wide ? indexer_ragged_kernel<16, 16> : tile ? indexer_ragged_kernel<64, 16>
+                                                                   : indexer_ragged_kernel<64, 64>;
+  launch_kernel(kernel, grid, kThreadsRagged, smem, stream, q, w, heads, static_cast<int>(dim), scale, weight_scale,
+                keys, scores, score_stride);
   TROUPE_LAUNCHED();
 }
 

@@ -92,6 +92,57 @@ struct PrefillSource {
   __device__ void after(int64_t, int64_t) const {}
 };
 
+// Token p's ring row: r[c] = kv[c], r[width + c] = score[c] + bias[c] (bias may be
+// null); with `score_out`, the biased score is also written there. Every thread's
+// loads of a pass are issued before its stores (a store could alias the next loads,
+// so a plain loop waits for each load in turn: 8 round trips for a CSA row).
+__device__ __forceinline__ void store_ring_row(float* r, const float* kv, const float* score, const float* bias,
+                                               float* score_out, int64_t width) {
+  const bool vec = width % 4 == 0 &&
+                   ((reinterpret_cast<uintptr_t>(r) | reinterpret_cast<uintptr_t>(kv) |
+                     reinterpret_cast<uintptr_t>(score) | reinterpret_cast<uintptr_t>(bias) |
+                     reinterpret_cast<uintptr_t>(score_out)) & 15) == 0;
+  if (vec) {
+    constexpr int kPass = 2;  // float4s a thread has in flight per array
+    const int64_t n4 = width / 4;
+    const auto* kv4 = reinterpret_cast<const float4*>(kv);
+    const auto* sc4 = reinterpret_cast<const float4*>(score);
+    const auto* b4 = reinterpret_cast<const float4*>(bias);
+    auto* r4 = reinterpret_cast<float4*>(r);
+    for (int64_t i0 = threadIdx.x; i0 < n4; i0 += kPass * blockDim.x) {
+      float4 k[kPass], sc[kPass];
+#pragma unroll
+      for (int u = 0; u < kPass; ++u) {
+        const int64_t i = i0 + u * blockDim.x;
+        if (i < n4) {
+          k[u] = kv4[i];
+          sc[u] = sc4[i];
+          if (bias != nullptr) {
+            const float4 b = b4[i];
+            sc[u] = make_float4(sc[u].x + b.x, sc[u].y + b.y, sc[u].z + b.z, sc[u].w + b.w);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kPass; ++u) {
+        const int64_t i = i0 + u * blockDim.x;
+        if (i < n4) {
+          r4[i] = k[u];
+          r4[n4 + i] = sc[u];
+          if (score_out != nullptr) reinterpret_cast<float4*>(score_out)[i] = sc[u];
+        }
+      }
+    }
+    return;
+  }
+  for (int64_t c = threadIdx.x; c < width; c += blockDim.x) {
+    const float sc = score[c] + (bias != nullptr ? bias[c] : 0.f);
+    r[c] = kv[c];
+    r[width + c] = sc;
+    if (score_out != nullptr) score_out[c] = sc;
+  }
+}
+
 struct DecodeSource {
   WindowGeometry g;
   const float* kv;     // [batch, width]
@@ -117,12 +168,8 @@ struct DecodeSource {
   // The new token goes into its ring row once every slot has been read.
   __device__ void after(int64_t b, int64_t) const {
     const int64_t p = positions[b];
-    float* r = rings[b] + (p % g.ring_slots) * 2 * g.width;
-    const float* bias = g.ape + (p % g.rate) * g.width;
-    for (int64_t c = threadIdx.x; c < g.width; c += blockDim.x) {
-      r[c] = kv[b * g.width + c];
-      r[g.width + c] = score[b * g.width + c] + bias[c];
-    }
+    store_ring_row(rings[b] + (p % g.ring_slots) * 2 * g.width, kv + b * g.width, score + b * g.width,
+                   g.ape + (p % g.rate) * g.width, nullptr, g.width);
   }
 };
 
@@ -162,17 +209,9 @@ struct PagedDecodeSource {
   // tokens before p at most), so no entry of this call reads what this writes.
   __device__ void after(int64_t b, int64_t) const {
     const int64_t p = positions[b];
-    float* r = ring[row(b) * ring_stride + p % g.ring_slots];
-    const float* br = bias != nullptr ? bias + (p % g.rate) * g.width : nullptr;
-    for (int64_t c = threadIdx.x; c < g.width; c += blockDim.x) {
-      float sc = score[b * g.width + c];
-      if (br != nullptr) {
-        sc += br[c];
-        score[b * g.width + c] = sc;
-      }
-      r[c] = kv[b * g.width + c];
-      r[g.width + c] = sc;
-    }
+    store_ring_row(ring[row(b) * ring_stride + p % g.ring_slots], kv + b * g.width, score + b * g.width,
+                   bias != nullptr ? bias + (p % g.rate) * g.width : nullptr,
+                   bias != nullptr ? score + b * g.width : nullptr, g.width);
   }
 };
 

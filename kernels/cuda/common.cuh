@@ -6,8 +6,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <cstdint>
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -47,6 +47,10 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // anything (an earlier kernel may still be reading it); work that touches only data
 // no kernel writes (weights) may come first: the GEMV streams its first weights
 // before it waits. Kernels without the attribute (cuBLAS) are ordered as usual.
+// An earlier kernel's output is read with plain loads, never __ldg or through a
+// `const T* __restrict__` (ld.global.nc assumes nothing writes the data while the
+// kernel runs; under PDL the kernel starts before its producer ends: the GEMV's
+// __ldg of x read stale rows, docs/kernels-notes.md).
 // TROUPE_PDL=0 launches without the attribute (every kernel then waits for the last).
 inline bool pdl_enabled() {
   static const bool on = [] {

@@ -352,6 +352,67 @@ __device__ float hc_inv_rms(const float* xr, int64_t width, float eps, float* sc
 // HC = p.hc as a compile-time constant: the Sinkhorn matrix stays in registers
 // (with a run-time hc it went to local memory, and the one thread that runs the
 // 20 iterations took ~30 us a call, most of an mHC step at batch 1).
+// comb = Sinkhorn(softmax_rows(z)) for z[e] = logits[e] * inv * scale + base[e], e < hc * hc,
+// by one warp (every lane calls it): lane l holds entries l and l + 32 and reads the
+// others by shuffles; every sum runs in the serial form's order (rows then columns,
+// index ascending), so the result is the same as one thread's loops.
+template <int HC>
+__device__ __forceinline__ void sinkhorn_warp(const float* logits, float inv, float scale, const float* base,
+                                              const MhcParams& p, float* comb) {
+  constexpr int hc = HC;
+  constexpr int K = (HC * HC + 31) / 32;  // entries a lane holds
+  const int lane = threadIdx.x & 31;
+  bool own[K];
+  int a[K], b[K];
+  float v[K], nv[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int e = lane + 32 * k;
+    own[k] = e < hc * hc;
+    a[k] = own[k] ? e / hc : 0;
+    b[k] = own[k] ? e % hc : 0;
+    v[k] = own[k] ? logits[e] * inv * scale + base[e] : 0.f;
+  }
+  const auto entry = [&](int i) {
+    float x = 0.f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const float y = __shfl_sync(0xffffffffu, v[k], i & 31);
+      if (i >> 5 == k) x = y;
+    }
+    return x;
+  };
+#pragma unroll
+  for (int k = 0; k < K; ++k) {  // softmax over each row
+    float mx = -INFINITY;
+    for (int j = 0; j < hc; ++j) mx = fmaxf(mx, entry(a[k] * hc + j));
+    float sum = 0.f;
+    for (int j = 0; j < hc; ++j) sum += expf(entry(a[k] * hc + j) - mx);
+    nv[k] = expf(v[k] - mx) / sum + p.hc_eps;
+  }
+#pragma unroll
+  for (int k = 0; k < K; ++k) v[k] = nv[k];
+  const auto normalise = [&](bool by_column) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      float s = 0.f;
+      for (int j = 0; j < hc; ++j) s += entry(by_column ? j * hc + b[k] : a[k] * hc + j);
+      nv[k] = v[k] / (s + p.hc_eps);
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) v[k] = nv[k];
+  };
+  normalise(true);
+  for (int it = 0; it < p.sinkhorn_iters - 1; ++it) {
+    normalise(false);
+    normalise(true);
+  }
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    if (own[k]) comb[lane + 32 * k] = v[k];
+  }
+}
+
 template <int HC>
 __global__ void mhc_pre_kernel(const float* X, const float* mix, const float* base, const float* scale, MhcParams p,
                                float* y, float* post, float* comb) {
@@ -367,40 +428,9 @@ __global__ void mhc_pre_kernel(const float* X, const float* mix, const float* ba
     const float* m = mix + r * n_mix;
     for (int j = 0; j < hc; ++j) pre[j] = sigmoidf(m[j] * inv * scale[0] + base[j]) + p.hc_eps;
     for (int j = 0; j < hc; ++j) post[r * hc + j] = 2.0f * sigmoidf(m[hc + j] * inv * scale[1] + base[hc + j]);
-    float c[hc * hc];
-    for (int a = 0; a < hc; ++a) {
-      float mx = -INFINITY;
-      for (int b = 0; b < hc; ++b) {
-        c[a * hc + b] = m[2 * hc + a * hc + b] * inv * scale[2] + base[2 * hc + a * hc + b];
-        mx = fmaxf(mx, c[a * hc + b]);
-      }
-      float sum = 0.f;
-      for (int b = 0; b < hc; ++b) {
-        c[a * hc + b] = expf(c[a * hc + b] - mx);
-        sum += c[a * hc + b];
-      }
-      for (int b = 0; b < hc; ++b) c[a * hc + b] = c[a * hc + b] / sum + p.hc_eps;
-    }
-    auto cols = [&] {
-      for (int b = 0; b < hc; ++b) {
-        float s = 0.f;
-        for (int a = 0; a < hc; ++a) s += c[a * hc + b];
-        for (int a = 0; a < hc; ++a) c[a * hc + b] /= (s + p.hc_eps);
-      }
-    };
-    auto rows = [&] {
-      for (int a = 0; a < hc; ++a) {
-        float s = 0.f;
-        for (int b = 0; b < hc; ++b) s += c[a * hc + b];
-        for (int b = 0; b < hc; ++b) c[a * hc + b] /= (s + p.hc_eps);
-      }
-    };
-    cols();
-    for (int it = 0; it < p.sinkhorn_iters - 1; ++it) {
-      rows();
-      cols();
-    }
-    for (int i = 0; i < hc * hc; ++i) comb[r * hc * hc + i] = c[i];
+  }
+  if (threadIdx.x < 32) {
+    sinkhorn_warp<HC>(mix + r * (2 + hc) * hc + 2 * hc, inv, scale[2], base + 2 * hc, p, comb + r * hc * hc);
   }
   __syncthreads();
   for (int64_t i = threadIdx.x; i < p.dim; i += blockDim.x) {
@@ -543,7 +573,6 @@ __global__ void __launch_bounds__(256) mhc_fused_finish_kernel(const float* X,
   constexpr int n_mix = HEAD ? hc : (2 + hc) * hc;
   constexpr int kSl = 32;  // slices staged in shared memory at a time
   __shared__ float m[n_mix + 1];
-  __shared__ float c[hc * hc];
   __shared__ float pre[hc];
   __shared__ float buf[kSl * (n_mix + 1)];
   __shared__ float scratch[32];
@@ -570,81 +599,12 @@ __global__ void __launch_bounds__(256) mhc_fused_finish_kernel(const float* X,
   }
   // pre and m are read below by every warp
   __syncthreads();
-  // Warp 0 runs the Sinkhorn normalisation of comb (hc * hc <= 32 entries, one a lane,
-  // shuffles instead of block barriers) while the other warps form y; for hc > 5 the
-  // whole block runs it first through shared memory. Both keep every sum in the
-  // serial form's order.
-  constexpr bool kWarpSinkhorn = HC * HC <= 32;
-  const int warp = t >> 5;
-  if (!HEAD && kWarpSinkhorn && warp == 0) {
-    const bool own = t < hc * hc;
-    const int a = own ? t / hc : 0, b = own ? t % hc : 0;
-    float v = own ? m[2 * hc + t] * inv * scale[2] + base[2 * hc + t] : 0.f;
-    const auto entry = [&](int i) { return __shfl_sync(0xffffffffu, v, i); };
-    float mx = -INFINITY;
-    for (int bb = 0; bb < hc; ++bb) mx = fmaxf(mx, entry(a * hc + bb));
-    float sum = 0.f;
-    for (int bb = 0; bb < hc; ++bb) sum += expf(entry(a * hc + bb) - mx);
-    v = expf(v - mx) / sum + p.hc_eps;
-    const auto cols = [&] {
-      float cs = 0.f;
-      for (int aa = 0; aa < hc; ++aa) cs += entry(aa * hc + b);
-      v /= (cs + p.hc_eps);
-    };
-    const auto rows = [&] {
-      float rs = 0.f;
-      for (int bb = 0; bb < hc; ++bb) rs += entry(a * hc + bb);
-      v /= (rs + p.hc_eps);
-    };
-    cols();
-    for (int it = 0; it < p.sinkhorn_iters - 1; ++it) {
-      rows();
-      cols();
-    }
-    if (own) comb[r * hc * hc + t] = v;
-  }
-  if (!HEAD && !kWarpSinkhorn) {
-    // Entry (a, b) on thread a * hc + b.
-    const bool own = t < hc * hc;
-    const int a = t / hc, b = t % hc;
-    if (own) c[t] = m[2 * hc + t] * inv * scale[2] + base[2 * hc + t];
-    __syncthreads();
-    float v = 0.f;
-    if (own) {
-      float mx = -INFINITY;
-      for (int bb = 0; bb < hc; ++bb) mx = fmaxf(mx, c[a * hc + bb]);
-      float sum = 0.f;
-      for (int bb = 0; bb < hc; ++bb) sum += expf(c[a * hc + bb] - mx);
-      v = expf(c[t] - mx) / sum + p.hc_eps;
-    }
-    __syncthreads();
-    if (own) c[t] = v;
-    __syncthreads();
-    auto cols = [&] {
-      float cs = 0.f;
-      if (own)
-        for (int aa = 0; aa < hc; ++aa) cs += c[aa * hc + b];
-      __syncthreads();
-      if (own) c[t] /= (cs + p.hc_eps);
-      __syncthreads();
-    };
-    auto rows = [&] {
-      float rs = 0.f;
-      if (own)
-        for (int bb = 0; bb < hc; ++bb) rs += c[a * hc + bb];
-      __syncthreads();
-      if (own) c[t] /= (rs + p.hc_eps);
-      __syncthreads();
-    };
-    cols();
-    for (int it = 0; it < p.sinkhorn_iters - 1; ++it) {
-      rows();
-      cols();
-    }
-    if (own) comb[r * hc * hc + t] = c[t];
+  // Warp 0 runs the Sinkhorn normalisation of comb while the other warps form y.
+  if constexpr (!HEAD) {
+    if ((t >> 5) == 0) sinkhorn_warp<HC>(m + 2 * hc, inv, scale[2], base + 2 * hc, p, comb + r * hc * hc);
   }
   // y = sum_j pre[j] * X[j] on the threads not busy with the warp Sinkhorn.
-  const int y0 = !HEAD && kWarpSinkhorn ? 32 : 0;
+  const int y0 = HEAD ? 0 : 32;
   const int yn = static_cast<int>(blockDim.x) - y0;
   const float* xr = X + r * hc * p.dim;
   float* yr = y + r * p.dim;

@@ -66,12 +66,7 @@ struct Decoder::Buffers {
   const float** krows = nullptr;
   int64_t* koffs = nullptr;
   int64_t* soffs = nullptr;
-  const float** kv_src = nullptr;
-  const float** score_src = nullptr;
-  float** cout = nullptr;
-  int64_t* epos = nullptr;
-  float** ring_dst = nullptr;
-  const float** ring_src = nullptr;
+  kernels::Backend::DecodeCompressScratch compress;  // decode_compress's slot lists and ring store
   float** swa_dst = nullptr;
   const float** kv_rows = nullptr;  // kv + b * head_dim
 };
@@ -172,12 +167,12 @@ Decoder::Decoder(Model& model, Options options) : model_(model), options_(option
   b.krows = b.alloc<const float*>(B * (W + std::max(topk, max_cap)));
   b.koffs = b.alloc<int64_t>(B + 1);
   b.soffs = b.alloc<int64_t>(B + 1);
-  b.kv_src = b.alloc<const float*>(B * max_slots);
-  b.score_src = b.alloc<const float*>(B * max_slots);
-  b.cout = b.alloc<float*>(B);
-  b.epos = b.alloc<int64_t>(B);
-  b.ring_dst = b.alloc<float*>(2 * B);
-  b.ring_src = b.alloc<const float*>(2 * B);
+  b.compress.kv_src = b.alloc<const float*>(B * max_slots);
+  b.compress.score_src = b.alloc<const float*>(B * max_slots);
+  b.compress.out = b.alloc<float*>(B);
+  b.compress.entry_pos = b.alloc<int64_t>(B);
+  b.compress.ring_dst = b.alloc<float*>(2 * B);
+  b.compress.ring_src = b.alloc<const float*>(2 * B);
   b.swa_dst = b.alloc<float*>(B);
   b.kv_rows = b.alloc<const float*>(B);
   {
@@ -425,10 +420,9 @@ void Decoder::compress_ops(int layer, int64_t n, const CompressorWeights& cw, Ri
   const int64_t dim = index_keys ? c.index_head_dim : c.head_dim;
   // The position bias, the closing windows' entries and the ring store (one kernel on CUDA).
   be.decode_compress(n, b.positions, b.table_of, rate, overlap, dim, kv, score, cw.position_bias,
-                     table(t.ring[static_cast<int>(ring)]), slot_stride_,
-                     table(index_keys ? t.index_keys : t.entries), slot_stride_, cw.kv_norm, c.rms_norm_eps,
-                     rope_table(c.rope_compress, model_.rope_compress_),
-                     {b.kv_src, b.score_src, b.cout, b.epos, b.ring_dst, b.ring_src});
+                     table(t.ring[static_cast<int>(ring)]), slot_stride_, table(index_keys ? t.index_keys : t.entries),
+                     slot_stride_, cw.kv_norm, c.rms_norm_eps, rope_table(c.rope_compress, model_.rope_compress_),
+                     b.compress);
 }
 
 void Decoder::attention_ops(int layer, int64_t n, const float* h, float* out) {

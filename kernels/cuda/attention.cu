@@ -459,8 +459,8 @@ void attention(const AttentionArgs& a, void* workspace, cudaStream_t stream) {
     launch<false>(a.dim, p, grid, stream);
   }
   if (splits > 1) {
-    launch_kernel(combine_kernel, dim3(static_cast<unsigned>(a.n_queries), static_cast<unsigned>(a.heads)), 128, 0, stream, 
-        p, splits, static_cast<int>(a.dim));
+    launch_kernel(combine_kernel, dim3(static_cast<unsigned>(a.n_queries), static_cast<unsigned>(a.heads)), 128, 0,
+                  stream, p, splits, static_cast<int>(a.dim));
     TROUPE_LAUNCHED();
   }
 }

@@ -745,8 +745,7 @@ void CudaBackend::decode_compress(int64_t batch, const int64_t* positions, const
   s.norm_weight = norm_weight;
   s.eps = eps;
   s.rope = rope;
-  compress_decode_paged(s, batch, positions, table_of, kv, score, ring, ring_stride, entries, entry_stride,
-                        impl_->s());
+  compress_decode_paged(s, batch, positions, table_of, kv, score, ring, ring_stride, entries, entry_stride, impl_->s());
 }
 void CudaBackend::scatter_pointers(void** table, const int64_t* index, void* const* values, int64_t count) {
   cuda::scatter_pointers(table, index, values, count, impl_->s());

@@ -114,8 +114,7 @@ void launch_kernel_ex(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t sm
 }
 
 template <class... KArgs, class... Args>
-void launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                   Args&&... args) {
+void launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
   launch_kernel_ex(kernel, grid, block, smem, stream, nullptr, 0, std::forward<Args>(args)...);
 }
 

@@ -62,8 +62,22 @@ struct WindowGeometry {
     return i * rate + s;
   }
   __device__ Slot from_ring(const float* ring, int64_t j, int half) const {
-    const float* r = ring + (j % ring_slots) * 2 * width;
+    return in_row(ring + (j % ring_slots) * 2 * width, half);
+  }
+  // Half `half` of a ring row (kv, then score + bias).
+  __device__ Slot in_row(const float* r, int half) const {
     return Slot{r + half * dim, r + width + half * dim, nullptr};
+  }
+  // Slot s of the entry that token p (a decode step's new token) closes: the token's own
+  // row (kv_p, score_p, its position bias bias_p or none) or ring_row(j) for token j < p.
+  template <class RingRow>
+  __device__ Slot decode_slot(int64_t p, int s, const float* kv_p, const float* score_p, const float* bias_p,
+                              RingRow ring_row) const {
+    int half;
+    const int64_t j = token(p / rate, s, half);
+    if (j < 0) return Slot{};
+    if (j == p) return Slot{kv_p + half * dim, score_p + half * dim, bias_p != nullptr ? bias_p + half * dim : nullptr};
+    return in_row(ring_row(j), half);
   }
 };
 
@@ -98,10 +112,10 @@ struct PrefillSource {
 // so a plain loop waits for each load in turn: 8 round trips for a CSA row).
 __device__ __forceinline__ void store_ring_row(float* r, const float* kv, const float* score, const float* bias,
                                                float* score_out, int64_t width) {
-  const bool vec = width % 4 == 0 &&
-                   ((reinterpret_cast<uintptr_t>(r) | reinterpret_cast<uintptr_t>(kv) |
-                     reinterpret_cast<uintptr_t>(score) | reinterpret_cast<uintptr_t>(bias) |
-                     reinterpret_cast<uintptr_t>(score_out)) & 15) == 0;
+  const bool vec = width % 4 == 0 && ((reinterpret_cast<uintptr_t>(r) | reinterpret_cast<uintptr_t>(kv) |
+                                       reinterpret_cast<uintptr_t>(score) | reinterpret_cast<uintptr_t>(bias) |
+                                       reinterpret_cast<uintptr_t>(score_out)) &
+                                      15) == 0;
   if (vec) {
     constexpr int kPass = 2;  // float4s a thread has in flight per array
     const int64_t n4 = width / 4;
@@ -154,14 +168,9 @@ struct DecodeSource {
   __device__ int num_slots() const { return g.overlap ? 2 * g.rate : g.rate; }
   __device__ Slot slot(int64_t b, int s) const {
     const int64_t p = positions[b];
-    int half;
-    const int64_t j = g.token(p / g.rate, s, half);
-    if (j < 0) return Slot{};
-    if (j == p) {
-      const int64_t r = b * g.width + half * g.dim;
-      return Slot{kv + r, score + r, g.ape + (p % g.rate) * g.width + half * g.dim};
-    }
-    return g.from_ring(rings[b], j, half);
+    const float* ring = rings[b];
+    return g.decode_slot(p, s, kv + b * g.width, score + b * g.width, g.ape + (p % g.rate) * g.width,
+                         [&](int64_t j) { return ring + (j % g.ring_slots) * 2 * g.width; });
   }
   __device__ int64_t position(int64_t b) const { return (positions[b] / g.rate) * g.rate; }
   __device__ void* out_row(int64_t b) const { return out[b]; }
@@ -179,8 +188,8 @@ struct DecodeSource {
 // its ring row and its biased score back into `score` (Backend::decode_compress).
 struct PagedDecodeSource {
   WindowGeometry g;
-  const float* kv;  // [batch, width]
-  float* score;     // [batch, width], raw
+  const float* kv;    // [batch, width]
+  float* score;       // [batch, width], raw
   const float* bias;  // [rate, width] or null
   const int64_t* positions;
   const int32_t* table_of;
@@ -193,15 +202,10 @@ struct PagedDecodeSource {
   __device__ int num_slots() const { return g.overlap ? 2 * g.rate : g.rate; }
   __device__ Slot slot(int64_t b, int s) const {
     const int64_t p = positions[b];
-    int half;
-    const int64_t j = g.token(p / g.rate, s, half);
-    if (j < 0) return Slot{};
-    if (j == p) {
-      const int64_t r = b * g.width + half * g.dim;
-      return Slot{kv + r, score + r, bias != nullptr ? bias + (p % g.rate) * g.width + half * g.dim : nullptr};
-    }
-    const float* r = ring[row(b) * ring_stride + j % g.ring_slots];
-    return Slot{r + half * g.dim, r + g.width + half * g.dim, nullptr};
+    float* const* rows = ring + row(b) * ring_stride;
+    return g.decode_slot(p, s, kv + b * g.width, score + b * g.width,
+                         bias != nullptr ? bias + (p % g.rate) * g.width : nullptr,
+                         [&](int64_t j) { return rows[j % g.ring_slots]; });
   }
   __device__ int64_t position(int64_t b) const { return (positions[b] / g.rate) * g.rate; }
   __device__ void* out_row(int64_t b) const { return entries[row(b) * entry_stride + positions[b] / g.rate]; }
@@ -245,7 +249,7 @@ __device__ __forceinline__ void store_out<__nv_bfloat16>(void* out, int64_t i, f
 // MAXT / MINB: launch bounds; UNROLL: slots whose loads are in flight together per thread.
 template <class Source, class OutT, int VEC, int MAXT = 512, int MINB = 1, int UNROLL = kUnroll>
 __global__ void __launch_bounds__(MAXT, MINB) compress_kernel(const Source src, const NormRope nr) {
-  pdl_entry();  // see launch_kernel
+  pdl_entry();                                     // see launch_kernel
   extern __shared__ __align__(16) float pooled[];  // [dim], 32 floats of reduction scratch, the slot table
   float* scratch = pooled + nr.dim;
   Slot* table = reinterpret_cast<Slot*>(scratch + 32);

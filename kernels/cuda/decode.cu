@@ -288,8 +288,8 @@ void gather_key_rows(const float* const* rows, const int64_t* offsets, int64_t n
   if (n_queries == 0 || max_keys == 0) return;
   TROUPE_REQUIRE(n_queries <= 65535, "gather_key_rows: too many queries");
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(max_keys, 1024)), static_cast<unsigned>(n_queries));
-  launch_kernel(gather_key_rows_kernel, grid, static_cast<unsigned>(std::min<int64_t>((dim + 31) / 32 * 32, 512)), 0, s, 
-      rows, offsets, max_keys, dim, keys);
+  launch_kernel(gather_key_rows_kernel, grid, static_cast<unsigned>(std::min<int64_t>((dim + 31) / 32 * 32, 512)), 0, s,
+                rows, offsets, max_keys, dim, keys);
   TROUPE_LAUNCHED();
 }
 
@@ -315,7 +315,8 @@ void decode_rows(int64_t batch, const int64_t* positions, const int32_t* table_o
   const int64_t most = entries == nullptr ? 0 : picked != nullptr ? k : entry_stride;
   const int64_t chunks = std::max<int64_t>(1, ceil_div(most, kRowsPerBlock));
   TROUPE_REQUIRE(chunks <= 65535, "decode_rows: entry tables too large");
-  launch_kernel(decode_rows_kernel, dim3(static_cast<unsigned>(batch), static_cast<unsigned>(chunks)), 256, 0, s, a, batch);
+  launch_kernel(decode_rows_kernel, dim3(static_cast<unsigned>(batch), static_cast<unsigned>(chunks)), 256, 0, s, a,
+                batch);
   TROUPE_LAUNCHED();
 }
 
@@ -328,9 +329,9 @@ void decode_compress_rows(int64_t batch, const int64_t* positions, const int32_t
   TROUPE_REQUIRE(rate >= 1 && batch <= 0x7fffffff, "decode_compress_rows: bad arguments");
   const int64_t slots = overlap ? 2 * rate : rate;
   const int threads = static_cast<int>(std::clamp<int64_t>((slots + 31) / 32 * 32, 32, 256));
-  launch_kernel(decode_compress_kernel, static_cast<unsigned>(batch), threads, 0, s, 
-      positions, table_of, rate, overlap, dim, kv, score, bias, ring, ring_stride, entries, entry_stride, kv_src, score_src,
-      out, entry_pos, ring_dst, ring_src);
+  launch_kernel(decode_compress_kernel, static_cast<unsigned>(batch), threads, 0, s, positions, table_of, rate, overlap,
+                dim, kv, score, bias, ring, ring_stride, entries, entry_stride, kv_src, score_src, out, entry_pos,
+                ring_dst, ring_src);
   TROUPE_LAUNCHED();
 }
 
@@ -357,7 +358,8 @@ void argmax_rows_split(const float* x, int64_t rows, int64_t n, int32_t* out, fl
   if (rows == 0) return;
   TROUPE_REQUIRE(argmax_split_workspace(rows, n) > 0 && n <= 0x7fffffff, "argmax: split form needs long rows");
   const int64_t per = ceil_div(n, kArgmaxSplits);
-  launch_kernel(argmax_split_kernel, dim3(kArgmaxSplits, static_cast<unsigned>(rows)), 256, 0, s, x, n, per, ws_v, ws_i);
+  launch_kernel(argmax_split_kernel, dim3(kArgmaxSplits, static_cast<unsigned>(rows)), 256, 0, s, x, n, per, ws_v,
+                ws_i);
   TROUPE_LAUNCHED();
   launch_kernel(argmax_merge_kernel, static_cast<unsigned>(rows), 32, 0, s, ws_v, ws_i, kArgmaxSplits, out);
   TROUPE_LAUNCHED();

@@ -56,8 +56,8 @@ struct WLoad<__half> {
 // yet; this thread's first weights are requested before it does (weights are never
 // written by a kernel), so they stream in while the previous kernel finishes.
 template <class WT, int M, int G, bool PREFETCH = false>
-__device__ __forceinline__ bool gemv_core(const float* x, int64_t ldx, int mh, const WT* __restrict__ w,
-                                          int64_t n, int64_t k, int64_t row0, float& out) {
+__device__ __forceinline__ bool gemv_core(const float* x, int64_t ldx, int mh, const WT* __restrict__ w, int64_t n,
+                                          int64_t k, int64_t row0, float& out) {
   constexpr int VEC = WLoad<WT>::kVec;
   __shared__ float red[kGemvThreads / 32][G * M];
   float acc[G][M];
@@ -200,8 +200,8 @@ void gemv_typed(const float* x, int64_t ldx, int64_t m, const WT* w, int64_t n, 
                        reinterpret_cast<uintptr_t>(x) % 16 == 0 && (k * sizeof(WT)) % 16 == 0;
   if (!aligned) {
     TROUPE_REQUIRE(m <= 65535, "gemv: too many rows");
-    launch_kernel(gemv_scalar_kernel<WT>, dim3(static_cast<unsigned>(n), static_cast<unsigned>(m)), 128, 0, s, 
-        x, ldx, w, k, y, ldy, beta, group_rows);
+    launch_kernel(gemv_scalar_kernel<WT>, dim3(static_cast<unsigned>(n), static_cast<unsigned>(m)), 128, 0, s, x, ldx,
+                  w, k, y, ldy, beta, group_rows);
     TROUPE_LAUNCHED();
     return;
   }
@@ -213,17 +213,21 @@ void gemv_typed(const float* x, int64_t ldx, int64_t m, const WT* w, int64_t n, 
   const int G = g4 ? 4 : 1;
   const dim3 grid(static_cast<unsigned>(ceil_div(n, G)), static_cast<unsigned>(mtiles));
   if (wide && g4) {
-    launch_kernel(gemv_kernel<WT, kGemvBatchRows, 4>, grid, kGemvThreads, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);
+    launch_kernel(gemv_kernel<WT, kGemvBatchRows, 4>, grid, kGemvThreads, 0, s, x, ldx, m, w, n, k, y, ldy, beta,
+                  group_rows);
   } else if (wide) {
-    launch_kernel(gemv_kernel<WT, kGemvBatchRows, 1>, grid, kGemvThreads, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);
+    launch_kernel(gemv_kernel<WT, kGemvBatchRows, 1>, grid, kGemvThreads, 0, s, x, ldx, m, w, n, k, y, ldy, beta,
+                  group_rows);
   } else if (one && g4) {
     launch_kernel(gemv_kernel<WT, 1, 4>, grid, kGemvThreads, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);
   } else if (one) {
     launch_kernel(gemv_kernel<WT, 1, 1>, grid, kGemvThreads, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);
   } else if (g4) {
-    launch_kernel(gemv_kernel<WT, kGemvMaxRows, 4>, grid, kGemvThreads, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);
+    launch_kernel(gemv_kernel<WT, kGemvMaxRows, 4>, grid, kGemvThreads, 0, s, x, ldx, m, w, n, k, y, ldy, beta,
+                  group_rows);
   } else {
-    launch_kernel(gemv_kernel<WT, kGemvMaxRows, 1>, grid, kGemvThreads, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);
+    launch_kernel(gemv_kernel<WT, kGemvMaxRows, 1>, grid, kGemvThreads, 0, s, x, ldx, m, w, n, k, y, ldy, beta,
+                  group_rows);
   }
   TROUPE_LAUNCHED();
 }
@@ -475,9 +479,8 @@ constexpr int kMixSlice = 512;  // columns of X per block of kernel 1
 // partial[(row * slices + s) * (n_mix + 1) + j]: slice s's share of fn row j . X row
 // (j < n_mix) and of X row's sum of squares (j = n_mix).
 template <class WT, int M>
-__global__ void __launch_bounds__(kMixThreads) mhc_mix_kernel(const float* X, int64_t rows,
-                                                              int64_t width, const WT* __restrict__ fn, int n_mix,
-                                                              float* partial) {
+__global__ void __launch_bounds__(kMixThreads)
+    mhc_mix_kernel(const float* X, int64_t rows, int64_t width, const WT* __restrict__ fn, int n_mix, float* partial) {
   pdl_entry();  // see launch_kernel
   constexpr int VEC = WLoad<WT>::kVec;
   constexpr int CPL = kMixSlice / (32 * VEC);  // 16-byte weight chunks per lane and fn row
@@ -562,12 +565,10 @@ __global__ void __launch_bounds__(kMixThreads) mhc_mix_kernel(const float* X, in
 // With `norm`, y is then RMS-normalised (times norm_weight when not null) exactly as
 // rmsnorm_kernel does with `norm_threads` threads (the same sums in the same order).
 template <int HC, bool HEAD>
-__global__ void __launch_bounds__(256) mhc_fused_finish_kernel(const float* X,
-                                                               const float* partial, int slices,
-                                                               const float* base, const float* scale, MhcParams p,
-                                                               float* y, float* post, float* comb, bool norm,
-                                                               const float* norm_weight, float norm_eps,
-                                                               int norm_threads) {
+__global__ void __launch_bounds__(256)
+    mhc_fused_finish_kernel(const float* X, const float* partial, int slices, const float* base, const float* scale,
+                            MhcParams p, float* y, float* post, float* comb, bool norm, const float* norm_weight,
+                            float norm_eps, int norm_threads) {
   pdl_entry();  // see launch_kernel
   constexpr int hc = HC;
   constexpr int n_mix = HEAD ? hc : (2 + hc) * hc;
@@ -849,7 +850,7 @@ __global__ void moe_combine_kernel(const float* ys, const int32_t* inv, const fl
 
 __global__ void moe_sort_kernel(const int32_t* idx, int64_t pairs, int experts, int32_t* counts, int32_t* offsets,
                                 int32_t* perm, int32_t* inv) {
-  pdl_entry();  // see launch_kernel
+  pdl_entry();                      // see launch_kernel
   extern __shared__ int32_t cur[];  // [experts]
   for (int e = threadIdx.x; e < experts; e += blockDim.x) cur[e] = 0;
   __syncthreads();
@@ -957,7 +958,8 @@ void rope(float* x, int64_t rows, int heads, int64_t head_dim, const RopeTable& 
 void add_position_bias(float* x, int64_t rows, int64_t dim, const int64_t* positions, const float* bias,
                        int64_t period, cudaStream_t s) {
   if (rows == 0) return;
-  launch_kernel(position_bias_kernel, static_cast<unsigned>(rows), threads_for(dim), 0, s, x, rows, dim, positions, bias, period);
+  launch_kernel(position_bias_kernel, static_cast<unsigned>(rows), threads_for(dim), 0, s, x, rows, dim, positions,
+                bias, period);
   TROUPE_LAUNCHED();
 }
 
@@ -973,14 +975,16 @@ void embed(const Weight& table, const int32_t* ids, int64_t rows, int copies, fl
   const int threads = threads_for(table.cols);
   switch (table.type) {
     case WeightType::f32:
-      launch_kernel(embed_kernel<float>, grid, threads, 0, s, static_cast<const float*>(table.data), table.cols, ids, copies, out);
+      launch_kernel(embed_kernel<float>, grid, threads, 0, s, static_cast<const float*>(table.data), table.cols, ids,
+                    copies, out);
       break;
     case WeightType::bf16:
-      launch_kernel(embed_kernel<__nv_bfloat16>, grid, threads, 0, s, static_cast<const __nv_bfloat16*>(table.data), table.cols, ids, copies,
-                                            out);
+      launch_kernel(embed_kernel<__nv_bfloat16>, grid, threads, 0, s, static_cast<const __nv_bfloat16*>(table.data),
+                    table.cols, ids, copies, out);
       break;
     case WeightType::f16:
-      launch_kernel(embed_kernel<__half>, grid, threads, 0, s, static_cast<const __half*>(table.data), table.cols, ids, copies, out);
+      launch_kernel(embed_kernel<__half>, grid, threads, 0, s, static_cast<const __half*>(table.data), table.cols, ids,
+                    copies, out);
       break;
   }
   TROUPE_LAUNCHED();
@@ -1007,10 +1011,11 @@ void add(float* y, const float* x, int64_t n, cudaStream_t s) {
 void to_half(const float* x, int64_t n, void* out, WeightType type, cudaStream_t s, void* lo) {
   if (n == 0) return;
   if (type == WeightType::f16) {
-    launch_kernel(to_half_kernel<__half>, grid_for(n), 256, 0, s, x, n, static_cast<__half*>(out), static_cast<__half*>(lo));
+    launch_kernel(to_half_kernel<__half>, grid_for(n), 256, 0, s, x, n, static_cast<__half*>(out),
+                  static_cast<__half*>(lo));
   } else {
     launch_kernel(to_half_kernel<__nv_bfloat16>, grid_for(n), 256, 0, s, x, n, static_cast<__nv_bfloat16*>(out),
-                                               static_cast<__nv_bfloat16*>(lo));
+                  static_cast<__nv_bfloat16*>(lo));
   }
   TROUPE_LAUNCHED();
 }
@@ -1019,17 +1024,10 @@ void mhc_pre_finish(const float* X, const float* mix, int64_t rows, const float*
                     const MhcParams& p, float* y, float* post, float* comb, cudaStream_t s) {
   TROUPE_REQUIRE(p.hc >= 1 && p.hc <= kMaxHc, "mhc: hc_mult must be 1..8");
   if (rows == 0) return;
-  const auto grid = static_cast<unsigned>(rows);
-  switch (p.hc) {
-    case 1: launch_kernel(mhc_pre_kernel<1>, grid, 256, 0, s, X, mix, base, scale, p, y, post, comb); break;
-    case 2: launch_kernel(mhc_pre_kernel<2>, grid, 256, 0, s, X, mix, base, scale, p, y, post, comb); break;
-    case 3: launch_kernel(mhc_pre_kernel<3>, grid, 256, 0, s, X, mix, base, scale, p, y, post, comb); break;
-    case 4: launch_kernel(mhc_pre_kernel<4>, grid, 256, 0, s, X, mix, base, scale, p, y, post, comb); break;
-    case 5: launch_kernel(mhc_pre_kernel<5>, grid, 256, 0, s, X, mix, base, scale, p, y, post, comb); break;
-    case 6: launch_kernel(mhc_pre_kernel<6>, grid, 256, 0, s, X, mix, base, scale, p, y, post, comb); break;
-    case 7: launch_kernel(mhc_pre_kernel<7>, grid, 256, 0, s, X, mix, base, scale, p, y, post, comb); break;
-    default: launch_kernel(mhc_pre_kernel<8>, grid, 256, 0, s, X, mix, base, scale, p, y, post, comb); break;
-  }
+  static constexpr decltype(&mhc_pre_kernel<1>) kByHc[kMaxHc] = {
+      mhc_pre_kernel<1>, mhc_pre_kernel<2>, mhc_pre_kernel<3>, mhc_pre_kernel<4>,
+      mhc_pre_kernel<5>, mhc_pre_kernel<6>, mhc_pre_kernel<7>, mhc_pre_kernel<8>};
+  launch_kernel(kByHc[p.hc - 1], static_cast<unsigned>(rows), 256, 0, s, X, mix, base, scale, p, y, post, comb);
   TROUPE_LAUNCHED();
 }
 
@@ -1055,12 +1053,13 @@ void mhc_mix_typed(const float* X, int64_t rows, const WT* fn, int64_t n_mix, in
                    cudaStream_t s) {
   const auto slices = static_cast<unsigned>(ceil_div(width, kMixSlice));
   if (rows == 1) {
-    launch_kernel(mhc_mix_kernel<WT, 1>, dim3(slices, 1), kMixThreads, 0, s, X, rows, width, fn, static_cast<int>(n_mix), partial);
+    launch_kernel(mhc_mix_kernel<WT, 1>, dim3(slices, 1), kMixThreads, 0, s, X, rows, width, fn,
+                  static_cast<int>(n_mix), partial);
   } else {
     const int64_t tiles = ceil_div(rows, 4);
     TROUPE_REQUIRE(tiles <= 65535, "mhc: too many rows");
-    launch_kernel(mhc_mix_kernel<WT, 4>, dim3(slices, static_cast<unsigned>(tiles)), kMixThreads, 0, s, 
-        X, rows, width, fn, static_cast<int>(n_mix), partial);
+    launch_kernel(mhc_mix_kernel<WT, 4>, dim3(slices, static_cast<unsigned>(tiles)), kMixThreads, 0, s, X, rows, width,
+                  fn, static_cast<int>(n_mix), partial);
   }
   TROUPE_LAUNCHED();
 }
@@ -1069,25 +1068,14 @@ template <bool HEAD>
 void mhc_fused_finish(const float* X, const float* partial, int64_t rows, int slices, const float* base,
                       const float* scale, const MhcParams& p, float* y, float* post, float* comb, bool norm,
                       const float* norm_weight, float norm_eps, cudaStream_t s) {
-  const auto grid = static_cast<unsigned>(rows);
   const int nt = threads_for(p.dim);  // rmsnorm_kernel's block size for this dim
-  switch (p.hc) {
-#define TROUPE_MHC_CASE(H)                                                                             \
-  case H:                                                                                              \
-    launch_kernel(mhc_fused_finish_kernel<H, HEAD>, grid, 256, 0, s, X, partial, slices, base, scale, p, y, post, comb, \
-                                                          norm, norm_weight, norm_eps, nt);            \
-    break;
-    TROUPE_MHC_CASE(1)
-    TROUPE_MHC_CASE(2)
-    TROUPE_MHC_CASE(3)
-    TROUPE_MHC_CASE(4)
-    TROUPE_MHC_CASE(5)
-    TROUPE_MHC_CASE(6)
-    TROUPE_MHC_CASE(7)
-    TROUPE_MHC_CASE(8)
-#undef TROUPE_MHC_CASE
-    default: break;
-  }
+  static constexpr decltype(&mhc_fused_finish_kernel<1, HEAD>) kByHc[kMaxHc] = {
+      mhc_fused_finish_kernel<1, HEAD>, mhc_fused_finish_kernel<2, HEAD>, mhc_fused_finish_kernel<3, HEAD>,
+      mhc_fused_finish_kernel<4, HEAD>, mhc_fused_finish_kernel<5, HEAD>, mhc_fused_finish_kernel<6, HEAD>,
+      mhc_fused_finish_kernel<7, HEAD>, mhc_fused_finish_kernel<8, HEAD>};
+  if (p.hc < 1 || p.hc > kMaxHc) return;
+  launch_kernel(kByHc[p.hc - 1], static_cast<unsigned>(rows), 256, 0, s, X, partial, slices, base, scale, p, y, post,
+                comb, norm, norm_weight, norm_eps, nt);
   TROUPE_LAUNCHED();
 }
 }  // namespace
@@ -1135,8 +1123,8 @@ void route(const float* logits, int64_t rows, int experts, ScoreFn fn, const flo
   TROUPE_REQUIRE(k >= 1 && k <= 64 && k <= experts, "route: k must be 1..64 and <= experts");
   TROUPE_REQUIRE(experts <= 16384, "route: too many experts");
   if (rows == 0) return;
-  launch_kernel(route_kernel, static_cast<unsigned>(rows), 256, static_cast<size_t>(experts) * 8, s, 
-      logits, experts, fn, bias, k, hash_table, ids, route_scale, out_idx, out_weight);
+  launch_kernel(route_kernel, static_cast<unsigned>(rows), 256, static_cast<size_t>(experts) * 8, s, logits, experts,
+                fn, bias, k, hash_table, ids, route_scale, out_idx, out_weight);
   TROUPE_LAUNCHED();
 }
 
@@ -1191,7 +1179,8 @@ void moe_grouped(const float* x, int64_t rows, int64_t dim, const int32_t* idx, 
       launch_kernel(moe_grouped_down_kernel<float>, g2, kGemvThreads, 0, s, h, dim, counts, offsets, t, ys);
       break;
     case WeightType::bf16:
-      launch_kernel(moe_grouped_gate_up_kernel<__nv_bfloat16>, g1, kGemvThreads, 0, s, xs, dim, counts, offsets, t, limit, h);
+      launch_kernel(moe_grouped_gate_up_kernel<__nv_bfloat16>, g1, kGemvThreads, 0, s, xs, dim, counts, offsets, t,
+                    limit, h);
       TROUPE_LAUNCHED();
       launch_kernel(moe_grouped_down_kernel<__nv_bfloat16>, g2, kGemvThreads, 0, s, h, dim, counts, offsets, t, ys);
       break;
@@ -1207,7 +1196,8 @@ void moe_grouped(const float* x, int64_t rows, int64_t dim, const int32_t* idx, 
 
 void moe_sort(const int32_t* idx, int64_t pairs, int experts, int32_t* counts, int32_t* offsets, int32_t* perm,
               int32_t* inv, cudaStream_t s) {
-  launch_kernel(moe_sort_kernel, 1, 1024, static_cast<size_t>(experts) * 4, s, idx, pairs, experts, counts, offsets, perm, inv);
+  launch_kernel(moe_sort_kernel, 1, 1024, static_cast<size_t>(experts) * 4, s, idx, pairs, experts, counts, offsets,
+                perm, inv);
   TROUPE_LAUNCHED();
 }
 

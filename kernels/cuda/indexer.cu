@@ -11,7 +11,6 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
-
 #include <cstdlib>
 
 #include "kernels/cuda/common.cuh"
@@ -85,7 +84,7 @@ __device__ __forceinline__ int64_t key_row(const ScoreParams& p, int b, int64_t 
 // FP8: false = bf16 keys (256-byte rows), true = e4m3 keys (128-byte rows).
 template <bool FP8>
 __global__ void __launch_bounds__(kWarps * 32, 1) indexer_mma_kernel(const ScoreParams p) {
-  pdl_entry();  // see launch_kernel
+  pdl_entry();                            // see launch_kernel
   constexpr int kLoads = FP8 ? 2 : 4;     // 16-byte loads per thread per n-tile
   constexpr int kRowBytes = FP8 ? 128 : 256;
   extern __shared__ __align__(16) uint8_t smem[];
@@ -237,10 +236,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1) indexer_mma_kernel(const Score
 constexpr int kThreadsRagged = 256;
 
 template <int CHUNK, int KG>
-__global__ void __launch_bounds__(kThreadsRagged) indexer_ragged_kernel(const float* q, const float* w, int heads,
-                                                                        int dim, float scale, float weight_scale,
-                                                                        RaggedRows keys, float* scores,
-                                                                        int64_t score_stride) {
+__global__ void __launch_bounds__(kThreadsRagged)
+    indexer_ragged_kernel(const float* q, const float* w, int heads, int dim, float scale, float weight_scale,
+                          RaggedRows keys, float* scores, int64_t score_stride) {
   pdl_entry();  // see launch_kernel
   constexpr int HG = kThreadsRagged / KG;
   constexpr int KPT = CHUNK / KG;  // keys a thread scores
@@ -447,8 +445,9 @@ void indexer_scores_ragged(const float* q, const float* w, int64_t n_queries, in
   const size_t smem =
       (static_cast<size_t>(heads) * dim + static_cast<size_t>(chunk) * (dim + 4 + head_groups)) * sizeof(float);
   const dim3 grid(static_cast<unsigned>(ceil_div(max_keys, chunk)), static_cast<unsigned>(n_queries));
-  const auto kernel = !wide ? indexer_ragged_kernel<16, 16> : tile ? indexer_ragged_kernel<64, 16>
-                                                                   : indexer_ragged_kernel<64, 64>;
+  const auto kernel = !wide  ? indexer_ragged_kernel<16, 16>
+                      : tile ? indexer_ragged_kernel<64, 16>
+                             : indexer_ragged_kernel<64, 64>;
   launch_kernel(kernel, grid, kThreadsRagged, smem, stream, q, w, heads, static_cast<int>(dim), scale, weight_scale,
                 keys, scores, score_stride);
   TROUPE_LAUNCHED();

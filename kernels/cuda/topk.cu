@@ -1050,8 +1050,8 @@ void launch_grid_topk(const TopkArgs& a, const GridPlan& g, void* workspace, cud
   for (int r0 = 0; r0 < a.rows; r0 += g.rows_per_launch) {
     p.row0 = r0;
     const int rows = std::min(g.rows_per_launch, a.rows - r0);
-    const size_t smem = static_cast<size_t>(g.ept == kSmallEPT ? grid_smem_bytes<kSmallEPT>()
-                                                               : grid_smem_bytes<kLargeEPT>());
+    const size_t smem =
+        static_cast<size_t>(g.ept == kSmallEPT ? grid_smem_bytes<kSmallEPT>() : grid_smem_bytes<kLargeEPT>());
     const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(rows) * g.cpr), 1, 1);
     if (g.ept == kSmallEPT) {
       launch_kernel(grid_topk_kernel<kSmallEPT>, grid, kThreads, smem, stream, p);
@@ -1137,7 +1137,8 @@ void topk(const TopkArgs& args, void* workspace, cudaStream_t stream) {
   cluster.val.clusterDim.x = static_cast<unsigned>(plan.cluster);
   cluster.val.clusterDim.y = 1;
   cluster.val.clusterDim.z = 1;
-  launch_kernel_ex(topk_kernel, dim3(static_cast<unsigned>(plan.segments * plan.cluster), static_cast<unsigned>(a.rows), 1),
+  launch_kernel_ex(topk_kernel,
+                   dim3(static_cast<unsigned>(plan.segments * plan.cluster), static_cast<unsigned>(a.rows), 1),
                    kThreads, kSmemBytes, stream, &cluster, 1, p);
 }
 

@@ -609,7 +609,7 @@ TEST_F(CudaBackendTest, fused_decode_compress_matches_cpu_composition) {
     SCOPED_TRACE((c.overlap ? "CSA dim " : "HCA dim ") + std::to_string(c.dim));
     const int64_t n = static_cast<int64_t>(c.positions.size()), w = c.overlap ? 2 * c.dim : c.dim;
     const int64_t ring_slots = c.overlap ? 2 * c.rate : c.rate, slots = ring_slots, cap = 700;
-    const int64_t stride = ring_slots + cap;  // per table row: the ring, then the entries
+    const int64_t stride = ring_slots + cap;                  // per table row: the ring, then the entries
     const int64_t rows = 3 * stride + 8, row_floats = 2 * w;  // pool rows fit a ring row (kv, score)
     Mirror pool(cpu(), gpu(), randn(rows * row_floats, rng_));
     std::vector<int64_t> row_of(3 * stride);
@@ -650,10 +650,12 @@ TEST_F(CudaBackendTest, fused_decode_compress_matches_cpu_composition) {
         const bool g = b == &gpu();
         float* const* t = g ? gt : ct;
         const RopeTable rope{g ? f.gpu() : f.cpu(), c.rope_dim, 1.f};
-        const Backend::DecodeCompressScratch scratch{
-            g ? ks.gpu<const float*>() : ks.cpu<const float*>(), g ? ss.gpu<const float*>() : ss.cpu<const float*>(),
-            g ? out.gpu<float*>() : out.cpu<float*>(), g ? epos.gpu<int64_t>() : epos.cpu<int64_t>(),
-            g ? rd.gpu<float*>() : rd.cpu<float*>(), g ? rs.gpu<const float*>() : rs.cpu<const float*>()};
+        const Backend::DecodeCompressScratch scratch{g ? ks.gpu<const float*>() : ks.cpu<const float*>(),
+                                                     g ? ss.gpu<const float*>() : ss.cpu<const float*>(),
+                                                     g ? out.gpu<float*>() : out.cpu<float*>(),
+                                                     g ? epos.gpu<int64_t>() : epos.cpu<int64_t>(),
+                                                     g ? rd.gpu<float*>() : rd.cpu<float*>(),
+                                                     g ? rs.gpu<const float*>() : rs.cpu<const float*>()};
         b->decode_compress(m, g ? pos.gpu<int64_t>() : pos.cpu<int64_t>(), g ? tof.gpu<int32_t>() : tof.cpu<int32_t>(),
                            c.rate, c.overlap, c.dim, (g ? kv.gpu() : kv.cpu()) + b0 * w,
                            (g ? sc.gpu() : sc.cpu()) + b0 * w, g ? bias.gpu() : bias.cpu(), t, stride, t + ring_slots,

@@ -16,6 +16,8 @@
 #      throughput of both at batch 1 and 8; troupe's decode at 4K and 128K
 #      context; engine::Engine on CUDA with a parked-and-resumed request
 #      and the same with fp32 matrices on troupe's side (F32_AGREEMENT=0 skips it)
+# The long-context stage also emits a per-group profile of a step at each context
+# ("profile" lines); TROUPE_E2E_NCU=1 there wraps two eager steps in cudaProfilerStart/Stop.
 # SKIP_TESTS=1 skips stage 1, SKIP_HF=1 transformers, SKIP_EXTRA=1 the long-context and engine stages,
 # SKIP_B8=1 the batch-8 bench, SKIP_LOGITS=1 troupe's teacher-forced logits; NCU=1 adds a per-kernel ncu profile of batch-1 decode steps;
 # VARIANTS="ENV=VALUE ..." reruns the batch-1 bench under each setting; SANITIZE=FILTER runs

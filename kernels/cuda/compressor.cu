@@ -249,7 +249,7 @@ __device__ __forceinline__ void store_out<__nv_bfloat16>(void* out, int64_t i, f
 // MAXT / MINB: launch bounds; UNROLL: slots whose loads are in flight together per thread.
 template <class Source, class OutT, int VEC, int MAXT = 512, int MINB = 1, int UNROLL = kUnroll>
 __global__ void __launch_bounds__(MAXT, MINB) compress_kernel(const Source src, const NormRope nr) {
-  pdl_entry();                                     // see launch_kernel
+  pdl_entry();  // see launch_kernel
   extern __shared__ __align__(16) float pooled[];  // [dim], 32 floats of reduction scratch, the slot table
   float* scratch = pooled + nr.dim;
   Slot* table = reinterpret_cast<Slot*>(scratch + 32);

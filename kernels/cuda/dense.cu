@@ -850,7 +850,7 @@ __global__ void moe_combine_kernel(const float* ys, const int32_t* inv, const fl
 
 __global__ void moe_sort_kernel(const int32_t* idx, int64_t pairs, int experts, int32_t* counts, int32_t* offsets,
                                 int32_t* perm, int32_t* inv) {
-  pdl_entry();                      // see launch_kernel
+  pdl_entry();  // see launch_kernel
   extern __shared__ int32_t cur[];  // [experts]
   for (int e = threadIdx.x; e < experts; e += blockDim.x) cur[e] = 0;
   __syncthreads();

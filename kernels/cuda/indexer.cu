@@ -84,7 +84,7 @@ __device__ __forceinline__ int64_t key_row(const ScoreParams& p, int b, int64_t 
 // FP8: false = bf16 keys (256-byte rows), true = e4m3 keys (128-byte rows).
 template <bool FP8>
 __global__ void __launch_bounds__(kWarps * 32, 1) indexer_mma_kernel(const ScoreParams p) {
-  pdl_entry();                            // see launch_kernel
+  pdl_entry();  // see launch_kernel
   constexpr int kLoads = FP8 ? 2 : 4;     // 16-byte loads per thread per n-tile
   constexpr int kRowBytes = FP8 ? 128 : 256;
   extern __shared__ __align__(16) uint8_t smem[];

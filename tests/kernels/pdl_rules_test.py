@@ -14,6 +14,17 @@ import re
 import sys
 
 
+def past_match(text, i, opening, closing):
+    """The index after the bracket that closes the one at text[i]."""
+    depth = 0
+    while True:
+        depth += text[i] == opening
+        depth -= text[i] == closing
+        i += 1
+        if depth == 0:
+            return i
+
+
 def kernels(text):
     """(name, body) of every __global__ function definition."""
     for m in re.finditer(r"__global__\s", text):
@@ -23,26 +34,12 @@ def kernels(text):
         if "__launch_bounds__" in head:
             i = text.index("(", text.index(")", i) + 1)
         name = re.findall(r"(\w+)\s*$", text[m.end():i])[0]
-        depth, j = 0, i
-        while True:
-            depth += text[j] == "("
-            depth -= text[j] == ")"
-            j += 1
-            if depth == 0:
-                break
-        k = j
+        k = past_match(text, i, "(", ")")
         while text[k] not in "{;":
             k += 1
         if text[k] == ";":
             continue  # a declaration
-        depth, e = 0, k
-        while True:
-            depth += text[e] == "{"
-            depth -= text[e] == "}"
-            e += 1
-            if depth == 0:
-                break
-        yield name, text[k + 1:e - 1]
+        yield name, text[k + 1:past_match(text, k, "{", "}") - 1]
 
 
 def first_statement(body):

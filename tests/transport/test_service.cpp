@@ -66,14 +66,50 @@ constexpr uint64_t kMaxHandoffBytes = 512ull << 20;
 
 uint64_t descriptor_bytes(msg::KvDescriptor::Reader d) { return uint64_t{d.getPages().size()} * d.getPageBytes(); }
 
-// Moves a list of descriptors (get: from the peer; put: to the peer) and
-// calls `done` with the checksum of all bytes in order, or an error.
+// A handoff in flight: the local buffers, the moves still pending, the first
+// error and the bytes moved.
 struct Handoff {
   std::vector<std::vector<std::byte>> buffers;
   size_t pending = 0;
   Status status = Ok{};
   uint64_t bytes = 0;
 };
+
+using Moves = std::vector<std::pair<transport::RegionKey, std::vector<transport::RmaOp>>>;
+
+// Runs `moves` (h->buffers[i] with moves[i]; get: from the peer, put: to it), then
+// answers request `rid` with a KvConfirm of lease `lease` (bytes moved, FNV-1a of the
+// buffers in order) or an Error frame for `kind`.
+void move_and_confirm(const ConnectionPtr& conn, transport::Transport* t, const std::shared_ptr<Handoff>& h,
+                      Moves moves, bool get, uint64_t lease, uint64_t rid, msg::Kind kind) {
+  h->pending = moves.size();
+  auto finish = [conn, h, lease, rid, kind] {
+    if (!h->status) {
+      return (void)conn->send(make_error_frame(rid, h->status.error().code(), h->status.error().what(), kind));
+    }
+    FrameBuilder<msg::KvConfirm> b;
+    uint64_t sum = 0xcbf29ce484222325ull;
+    for (auto& buf : h->buffers) sum = fnv1a(buf.data(), buf.size(), sum);
+    b.root().setLeaseId(lease);
+    b.root().setBytes(h->bytes);
+    b.root().setChecksum(sum);
+    (void)conn->send(b.finish(rid));
+  };
+  if (moves.empty()) return finish();
+  for (size_t i = 0; i < moves.size(); ++i) {
+    size_t n = h->buffers[i].size();
+    auto done = [h, n, finish](transport::Status s) {
+      if (!s && h->status) h->status = s;
+      h->bytes += n;
+      if (--h->pending == 0) finish();
+    };
+    if (get) {
+      t->get(moves[i].first.owner, moves[i].first, std::move(moves[i].second), std::move(done));
+    } else {
+      t->put(moves[i].first.owner, moves[i].first, std::move(moves[i].second), std::move(done));
+    }
+  }
+}
 
 }  // namespace
 
@@ -238,7 +274,7 @@ void TestService::take_offer(const ConnectionPtr& conn, const Frame& f) {
   if (total > kMaxHandoffBytes) return send_error(conn, f, ErrorCode::resource_exhausted, "offer too large");
   auto h = std::make_shared<Handoff>();
   uint64_t lease = offer.getLeaseId();
-  std::vector<std::pair<transport::RegionKey, std::vector<transport::RmaOp>>> moves;
+  Moves moves;
   for (auto d : offer.getDescriptors()) {
     h->buffers.emplace_back(descriptor_bytes(d));
     moves.emplace_back(transport::from_wire(d.getRegion()), page_ops(d, h->buffers.back().data()));
@@ -249,29 +285,7 @@ void TestService::take_offer(const ConnectionPtr& conn, const Frame& f) {
     pc.conn = conn;
     if (!moves.empty()) pc.leases[lease] = moves.front().first;
   }
-  h->pending = moves.size();
-  uint64_t rid = f.request_id();
-  auto finish = [conn, h, lease, rid] {
-    if (!h->status) {
-      return (void)conn->send(make_error_frame(rid, h->status.error().code(), h->status.error().what(), msg::Kind::KV_OFFER));
-    }
-    FrameBuilder<msg::KvConfirm> b;
-    uint64_t sum = 0xcbf29ce484222325ull;
-    for (auto& buf : h->buffers) sum = fnv1a(buf.data(), buf.size(), sum);
-    b.root().setLeaseId(lease);
-    b.root().setBytes(h->bytes);
-    b.root().setChecksum(sum);
-    (void)conn->send(b.finish(rid));
-  };
-  if (moves.empty()) return finish();
-  for (size_t i = 0; i < moves.size(); ++i) {
-    size_t n = h->buffers[i].size();
-    t->get(moves[i].first.owner, moves[i].first, std::move(moves[i].second), [h, n, finish](transport::Status s) {
-      if (!s && h->status) h->status = s;
-      h->bytes += n;
-      if (--h->pending == 0) finish();
-    });
-  }
+  move_and_confirm(conn, t, h, std::move(moves), true, lease, f.request_id(), msg::Kind::KV_OFFER);
 }
 
 void TestService::serve_pull(const ConnectionPtr& conn, const Frame& f) {
@@ -288,35 +302,14 @@ void TestService::serve_pull(const ConnectionPtr& conn, const Frame& f) {
   if (total > kMaxHandoffBytes) return send_error(conn, f, ErrorCode::resource_exhausted, "pull too large");
   auto h = std::make_shared<Handoff>();
   uint64_t lease = pull.getLeaseId(), rid = f.request_id();
-  std::vector<std::pair<transport::RegionKey, std::vector<transport::RmaOp>>> moves;
+  Moves moves;
   uint64_t k = 0;
   for (auto d : pull.getDestinations()) {
     h->buffers.emplace_back(descriptor_bytes(d));
     fill_pattern(h->buffers.back().data(), h->buffers.back().size(), lease + k++);
     moves.emplace_back(transport::from_wire(d.getRegion()), page_ops(d, h->buffers.back().data()));
   }
-  h->pending = moves.size();
-  auto finish = [conn, h, lease, rid] {
-    if (!h->status) {
-      return (void)conn->send(make_error_frame(rid, h->status.error().code(), h->status.error().what(), msg::Kind::KV_PULL));
-    }
-    FrameBuilder<msg::KvConfirm> b;
-    uint64_t sum = 0xcbf29ce484222325ull;
-    for (auto& buf : h->buffers) sum = fnv1a(buf.data(), buf.size(), sum);
-    b.root().setLeaseId(lease);
-    b.root().setBytes(h->bytes);
-    b.root().setChecksum(sum);
-    (void)conn->send(b.finish(rid));
-  };
-  if (moves.empty()) return finish();
-  for (size_t i = 0; i < moves.size(); ++i) {
-    size_t n = h->buffers[i].size();
-    t->put(moves[i].first.owner, moves[i].first, std::move(moves[i].second), [h, n, finish](transport::Status s) {
-      if (!s && h->status) h->status = s;
-      h->bytes += n;
-      if (--h->pending == 0) finish();
-    });
-  }
+  move_and_confirm(conn, t, h, std::move(moves), false, lease, rid, msg::Kind::KV_PULL);
 }
 
 // Emits one token per running request every interval.

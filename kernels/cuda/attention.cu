@@ -379,13 +379,6 @@ __global__ void combine_kernel(const Params p, int splits, int dim) {
   }
 }
 
-int sm_count() {
-  int dev = 0, n = 0;
-  TROUPE_CUDA(cudaGetDevice(&dev));
-  TROUPE_CUDA(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-  return n;
-}
-
 int plan_splits(const AttentionArgs& a) {
   if (a.splits > 0) return a.splits;
   static const int sms = sm_count();

@@ -38,6 +38,14 @@ namespace troupe::kernels::cuda {
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Streaming multiprocessors of the current device.
+inline int sm_count() {
+  int dev = 0, n = 0;
+  TROUPE_CUDA(cudaGetDevice(&dev));
+  TROUPE_CUDA(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  return n;
+}
+
 // ---- launches ------------------------------------------------------------------
 // Every kernel of this library is launched by launch_kernel with programmatic
 // dependent launch (PDL): the next kernel in the stream may be launched while this

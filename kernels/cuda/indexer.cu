@@ -336,13 +336,6 @@ __global__ void to_bf16_kernel(const float* x, int64_t n, __nv_bfloat16* out) {
   }
 }
 
-int sm_count() {
-  int dev = 0, n = 0;
-  TROUPE_CUDA(cudaGetDevice(&dev));
-  TROUPE_CUDA(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-  return n;
-}
-
 }  // namespace
 
 void indexer_scores(const IndexerArgs& a, cudaStream_t stream) {
@@ -438,8 +431,9 @@ void indexer_scores_ragged(const float* q, const float* w, int64_t n_queries, in
     return true;
   }();
   (void)attr;
-  // 64 keys a CTA when that makes two CTAs per SM or more (132 SMs on the H200), else 16.
-  const bool wide = ceil_div(max_keys, 64) * n_queries >= 264;
+  // 64 keys a CTA when that makes two CTAs per SM or more, else 16.
+  static const int sms = sm_count();
+  const bool wide = ceil_div(max_keys, 64) * n_queries >= 2 * sms;
   const int chunk = wide ? 64 : 16;
   const int head_groups = wide && !tile ? 4 : 16;
   const size_t smem =

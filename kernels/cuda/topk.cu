@@ -965,12 +965,10 @@ int grid_capacity() {  // CTAs of grid_topk_kernel<EPT> the device holds at once
   std::call_once(once, [] {
     TROUPE_CUDA(cudaFuncSetAttribute(grid_topk_kernel<EPT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      grid_smem_bytes<EPT>()));
-    int dev = 0, sms = 0, per = 0;
-    TROUPE_CUDA(cudaGetDevice(&dev));
-    TROUPE_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    int per = 0;
     TROUPE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, grid_topk_kernel<EPT>, kThreads,
                                                               grid_smem_bytes<EPT>()));
-    cap = per * sms;
+    cap = per * sm_count();
   });
   return cap;
 }

@@ -727,10 +727,7 @@ void CudaBackend::decode_compress(int64_t batch, const int64_t* positions, const
                                   float* const* ring, int64_t ring_stride, float* const* entries, int64_t entry_stride,
                                   const float* norm_weight, float eps, const RopeTable& rope,
                                   const DecodeCompressScratch& scratch) {
-  static const bool fused = [] {
-    const char* e = std::getenv("TROUPE_COMPRESS_FUSED");
-    return e == nullptr || e[0] != '0';
-  }();
+  static const bool fused = !env_off("TROUPE_COMPRESS_FUSED");
   if (!fused) {
     Backend::decode_compress(batch, positions, table_of, rate, overlap, dim, kv, score, bias, ring, ring_stride,
                              entries, entry_stride, norm_weight, eps, rope, scratch);

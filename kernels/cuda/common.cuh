@@ -46,6 +46,13 @@ inline int sm_count() {
   return n;
 }
 
+// An A/B switch that is on unless the environment sets it to 0 (read it once, into a
+// static: the environment is not re-read per call).
+inline bool env_off(const char* name) {
+  const char* e = std::getenv(name);
+  return e != nullptr && e[0] == '0';
+}
+
 // ---- launches ------------------------------------------------------------------
 // Every kernel of this library is launched by launch_kernel with programmatic
 // dependent launch (PDL): the next kernel in the stream may be launched while this
@@ -61,10 +68,7 @@ inline int sm_count() {
 // __ldg of x read stale rows, docs/kernels-notes.md).
 // TROUPE_PDL=0 launches without the attribute (every kernel then waits for the last).
 inline bool pdl_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("TROUPE_PDL");
-    return e == nullptr || e[0] != '0';
-  }();
+  static const bool on = !env_off("TROUPE_PDL");
   return on;
 }
 
@@ -99,9 +103,10 @@ inline bool pdl_for(const void* kernel) {
 template <class... KArgs, class... Args>
 void launch_kernel_ex(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                       const cudaLaunchAttribute* extra, int n_extra, Args&&... args) {
+  TROUPE_REQUIRE(n_extra >= 0 && n_extra <= 3, "launch_kernel_ex: at most 3 extra launch attributes");
   cudaLaunchAttribute attrs[4];
   int n = 0;
-  for (int i = 0; i < n_extra && n < 3; ++i) attrs[n++] = extra[i];
+  for (int i = 0; i < n_extra; ++i) attrs[n++] = extra[i];
   if (pdl_for(reinterpret_cast<const void*>(kernel))) {
     attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attrs[n].val.programmaticStreamSerializationAllowed = 1;

@@ -11,7 +11,6 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/indexer.hpp"
@@ -420,10 +419,7 @@ void indexer_scores_ragged(const float* q, const float* w, int64_t n_queries, in
   TROUPE_REQUIRE(heads >= 1 && heads <= 64, "indexer: 1..64 heads");
   TROUPE_REQUIRE(dim % 4 == 0 && dim <= 512, "indexer: dim must be a multiple of 4, <= 512");
   if (n_queries == 0 || max_keys == 0) return;
-  static const bool tile = [] {
-    const char* e = std::getenv("TROUPE_INDEXER_TILE");
-    return e == nullptr || e[0] != '0';
-  }();
+  static const bool tile = !env_off("TROUPE_INDEXER_TILE");
   static bool attr = [] {
     for (auto f : {indexer_ragged_kernel<64, 16>, indexer_ragged_kernel<64, 64>, indexer_ragged_kernel<16, 16>}) {
       TROUPE_CUDA(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));

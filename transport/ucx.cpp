@@ -396,6 +396,20 @@ void UcxTransport::Impl::teardown() {
   ctx = nullptr;
 }
 
+// Before this side closes its connections: a peer that sees one close dials
+// again at once, and UCX 1.13's TCP connection manager does not survive a
+// listener destroyed while such a dial is half open (the async thread hands
+// the late connection request to the freed listener: SIGSEGV in
+// ucp_cm_server_conn_request_cb, openucx/ucx#8243). Closed first, the port
+// refuses those dials instead.
+void UcxTransport::Impl::stop_listening() {
+  if (!listener) return;
+  for (auto request : std::exchange(accepted, {})) ucp_listener_reject(listener, request);
+  std::lock_guard lock(worker_mu);
+  ucp_listener_destroy(listener);
+  listener = nullptr;
+}
+
 void UcxTransport::Impl::destroy_worker() {
   if (listener) ucp_listener_destroy(listener);
   listener = nullptr;
@@ -486,6 +500,7 @@ void UcxTransport::Impl::run() {
 void UcxTransport::Impl::shutdown_in_thread() {
   opt.inbox_probe_ms = 0;  // no probes (nor a rebuild) while closing
   if (worker == nullptr) return;  // a failed rebuild left nothing to close
+  stop_listening();  // nobody new while the transfers in flight end
   auto drain_until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
   while (!requests.empty() && std::chrono::steady_clock::now() < drain_until) {
     ucp_worker_progress(worker);
@@ -575,8 +590,8 @@ void UcxTransport::Impl::reset_worker(const std::string& why) {
   ++resets;
   inbox_suspect = false;
   probing.clear();
+  stop_listening();
   end_all_connections(Error(ErrorCode::unavailable, "transport reset: " + why), true);
-  for (auto request : std::exchange(accepted, {})) ucp_listener_reject(listener, request);
   if (!requests.empty()) spdlog::warn("ucx {}: {} transfers still held by UCX at the rebuild", opt.name, requests.size());
   requests.clear();
   std::lock_guard lock(worker_mu);

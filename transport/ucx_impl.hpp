@@ -186,6 +186,7 @@ struct UcxTransport::Impl {
   Status init();
   Status init_worker();       // worker, wakeup fd, address, handlers, listener
   void destroy_worker();      // listener and worker (connections already gone)
+  void stop_listening();      // rejects what was accepted and not yet taken, destroys the listener
   void run();
   void shutdown_in_thread();
   void teardown();

@@ -1,7 +1,9 @@
 // One conformance suite for every Transport (llama.cpp's test-backend-ops
 // idea): the in-process transport and UCX must behave the same.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -295,6 +297,49 @@ TEST(UcxClose, closing_while_large_frames_arrive_leaves_nothing_behind) {
     }
     p.b.reset();  // the receiver shuts down mid-stream (or after its close)
     p.a.reset();
+  }
+}
+
+// UCX only: peers that dial again the moment a transport closes their
+// connection (as nodes do) must find its port refused, not a listener being
+// destroyed under a half-open connection request: UCX 1.13 crashes on that
+// (SIGSEGV in ucp_cm_server_conn_request_cb on the async thread).
+TEST(UcxClose, peers_redialling_at_once_do_not_crash_a_closing_transport) {
+  constexpr int kClients = 4;
+  for (int round = 0; round < 12; ++round) {
+    UcxOptions os;
+    os.name = "server";
+    Inbox is;
+    auto server = std::make_unique<UcxTransport>(os);
+    ASSERT_TRUE(server->start(is.events()).ok());
+    const std::string addr = server->address();
+    std::vector<std::unique_ptr<Inbox>> inboxes;
+    std::vector<std::unique_ptr<UcxTransport>> clients;
+    for (int i = 0; i < kClients; ++i) {
+      UcxOptions oc;
+      oc.name = fmt::format("client-{}", i);
+      oc.listen_host.clear();
+      inboxes.push_back(std::make_unique<Inbox>());
+      clients.push_back(std::make_unique<UcxTransport>(oc));
+      ASSERT_TRUE(clients.back()->start(inboxes.back()->events()).ok());
+      ASSERT_TRUE(clients.back()->connect(addr, 5s).ok());
+    }
+    std::atomic<bool> stop{false};
+    std::vector<std::thread> dialers;
+    for (int i = 0; i < kClients; ++i) {
+      dialers.emplace_back([&, i] {
+        while (!stop) {  // dial again as soon as the server is seen down, until told to stop
+          if (inboxes[i]->wait([&] { return !inboxes[i]->downs.empty(); }, 20ms)) {
+            (void)clients[i]->connect(addr, 200ms);
+          }
+        }
+      });
+    }
+    server.reset();  // closes every connection while the clients dial back
+    for (auto& in : inboxes) EXPECT_TRUE(in->wait_down("server"));
+    std::this_thread::sleep_for(50ms);
+    stop = true;
+    for (auto& t : dialers) t.join();
   }
 }
 

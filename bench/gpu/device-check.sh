@@ -3,7 +3,7 @@
 # device-bundle, see ../shared/docs/STACK.md section 9), a compute-sanitizer pass
 # over the smaller cases, and the benchmark (bench/gpu/run.sh). Logs go to OUT.
 #   bench/gpu/device-check.sh BUNDLE_DIR OUT [bench options]
-# Budgets (seconds) per stage: TEST_S, SAN_S, BENCH_S.
+# Budgets (seconds) per stage: TEST_S, SAN_S, BENCH_S. model_tests (DecoderGpu) runs when the bundle has it.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 bundle=$(cd "$1" && pwd) out=$2
@@ -15,12 +15,20 @@ for t in kernels_cuda_backend_test kernels_cuda_kernels_test; do
   timeout "${TEST_S:-150}" "$bundle/run.sh" "$t" > "$out/$t.log" 2>&1
   echo "$t: exit $? ($(grep -c '^\[       OK' "$out/$t.log") ok, $(grep -c '^\[  FAILED' "$out/$t.log") failed lines)"
 done
+if [ -x "$bundle/model_tests" ]; then  # the GPU decoder against the CPU forward pass
+  src=${BUILD_SOURCE_DIR:-/work/main}  # TROUPE_SOURCE_DIR of the build: where the binary looks for the fixtures
+  if [ ! -e "$src/tests/fixtures/model" ]; then
+    mkdir -p "$src/tests/fixtures" && ln -s "$PWD/tests/fixtures/model" "$src/tests/fixtures/model"
+  fi
+  timeout "${TEST_S:-150}" "$bundle/run.sh" model_tests --gtest_filter='DecoderGpu*' > "$out/decoder_gpu.log" 2>&1
+  echo "model_tests DecoderGpu: exit $? ($(grep -c '^\[       OK' "$out/decoder_gpu.log") ok, $(grep -c '^\[  FAILED' "$out/decoder_gpu.log") failed lines)"
+fi
 san="compute-sanitizer --tool memcheck --error-exitcode 9"
 LD_LIBRARY_PATH="$bundle/lib:${LD_LIBRARY_PATH:-}" timeout "${SAN_S:-120}" $san "$bundle/kernels_cuda_kernels_test" \
   --gtest_filter='*topk*:*compressor*:*attention*' > "$out/sanitizer.log" 2>&1
 echo "sanitizer (kernels): exit $?"
 LD_LIBRARY_PATH="$bundle/lib:${LD_LIBRARY_PATH:-}" timeout "${SAN_S:-120}" $san "$bundle/kernels_cuda_backend_test" \
-  --gtest_filter='*compress*:*mhc*:*route*:*moe*:*rmsnorm*:*rope*:*row_moves*:*swiglu*:*grouped*:*beta*' \
+  --gtest_filter='*compress*:*mhc*:*route*:*moe*:*rmsnorm*:*rope*:*row_moves*:*swiglu*:*grouped*:*beta*:*indexer*:*decode_rows*' \
   >> "$out/sanitizer.log" 2>&1
 echo "sanitizer (backend): exit $?"
 LD_LIBRARY_PATH="$bundle/lib:${LD_LIBRARY_PATH:-}" timeout "${SAN_S:-120}" compute-sanitizer --tool racecheck \

@@ -146,14 +146,6 @@ class Bench:
                 cnt = torch.empty(rows, dtype=torch.int32, device="cuda")
                 wsb = L.tb_topk_ws(rows, n, k, 0)
                 ws = torch.zeros(max(wsb, 16), dtype=torch.uint8, device="cuda")
-                # check: the chosen values equal torch.topk's values (ties give equal values)
-                self.ok(L.tb_topk(ptr(xs[0]), n, None, rows, n, k, ptr(out), ptr(cnt), ptr(ws), 0, stream()), "topk")
-                torch.cuda.synchronize()
-                mine = torch.gather(xs[0], 1, out.long()).sort(dim=1).values
-                ref = torch.topk(xs[0], k, dim=1, sorted=False).values.sort(dim=1).values
-                exact = bool(torch.equal(mine, ref)) and bool((cnt == k).all())
-                if not exact:
-                    self.failures.append(f"topk {rows}x{n} k={k}")
 
                 def ours(i):
                     L.tb_topk(ptr(xs[i % nbuf]), n, None, rows, n, k, ptr(out), ptr(cnt), ptr(ws), 0, stream())
@@ -161,23 +153,41 @@ class Bench:
                 def theirs(i):
                     torch.topk(xs[i % nbuf], k, dim=1, sorted=False)
 
-                t_ours = graph_time(ours)
-                t_torch = graph_time(theirs)
-                if rows == 1:  # where the time goes inside one CTA (SM clock stamps)
-                    prof = torch.zeros(16, dtype=torch.int64, device="cuda")
-                    self.ok(L.tb_topk_profiled(ptr(xs[1]), n, None, rows, n, k, ptr(out), ptr(cnt), ptr(ws), 0,
-                                               ptr(prof), stream()), "topk profile")
+                # Each way of finishing a row (TopkArgs::finish, read from TROUPE_TOPK_FINISH at each call,
+                # so at graph capture): 1 = the last CTA's radix rounds, 2 = the counted next digit + rank.
+                t_fin, exact = {}, True
+                for fin in ("1", "2"):
+                    os.environ["TROUPE_TOPK_FINISH"] = fin
+                    # check: the chosen values equal torch.topk's values (ties give equal values)
+                    self.ok(L.tb_topk(ptr(xs[0]), n, None, rows, n, k, ptr(out), ptr(cnt), ptr(ws), 0, stream()),
+                            "topk")
                     torch.cuda.synchronize()
-                    st = prof.tolist()  # %globaltimer ns: CTA 0's phases, then the row's last CTA
-                    names = ["entry", "wait", "load", "hist0", "threshold0", "emit", "last_cta", "cand_load",
-                             "end"]
-                    valid = [i for i in range(9) if st[i]]
-                    deltas = [(names[j], (st[j] - st[i]) / 1000.0) for i, j in zip(valid, valid[1:])]
-                    print(f"  topk {rows}x{n} phases (us): " + " ".join(f"{nm}={d:.2f}" for nm, d in deltas),
-                          flush=True)
+                    mine = torch.gather(xs[0], 1, out.long()).sort(dim=1).values
+                    ref = torch.topk(xs[0], k, dim=1, sorted=False).values.sort(dim=1).values
+                    ok = bool(torch.equal(mine, ref)) and bool((cnt == k).all())
+                    if not ok:
+                        self.failures.append(f"topk {rows}x{n} k={k} finish {fin}")
+                    exact = exact and ok
+                    t_fin[fin] = graph_time(ours)
+                    if rows == 1:  # where the time goes: CTA 0's phases, then the row's last CTA (%globaltimer)
+                        prof = torch.zeros(16, dtype=torch.int64, device="cuda")
+                        self.ok(L.tb_topk_profiled(ptr(xs[1]), n, None, rows, n, k, ptr(out), ptr(cnt), ptr(ws), 0,
+                                                   ptr(prof), stream()), "topk profile")
+                        torch.cuda.synchronize()
+                        st = prof.tolist()
+                        names = ["entry", "wait", "load", "hist0", "threshold0", "emit", "last_cta", "cand_load",
+                                 "end"]
+                        valid = [i for i in range(9) if st[i]]
+                        deltas = [(names[j], (st[j] - st[i]) / 1000.0) for i, j in zip(valid, valid[1:])]
+                        print(f"  topk {rows}x{n} finish {fin} phases (us): " +
+                              " ".join(f"{nm}={d:.2f}" for nm, d in deltas), flush=True)
+                os.environ.pop("TROUPE_TOPK_FINISH", None)
+                t_ours = t_fin["1"]
+                t_torch = graph_time(theirs)
                 target = {(262144, 1): 8.0, (262144, 64): 40.0, (1048576, 1): 12.0}.get((n, rows))
                 self.add(kernel="topk", shape=f"{rows}x{n} k={k}", ours_us=t_ours, torch_us=t_torch,
-                         speedup=t_torch / t_ours, target_us=target if target else "", exact=exact)
+                         speedup=t_torch / t_ours, target_us=target if target else "", exact=exact,
+                         finish2_us=t_fin["2"], finish2_speedup=t_torch / t_fin["2"])
                 del xs, out, ws
 
     # ---- fused compressor ---------------------------------------------------------------
@@ -332,10 +342,19 @@ class Bench:
                 if not (err < 1e-3 and exact):
                     self.failures.append(f"indexer n={n} B={B} fp8={fp8}: err {err} exact {exact}")
                 t_ours = graph_time(ours, calls=5, reps=10)
+                os.environ["TROUPE_TOPK_FINISH"] = "2"  # the top-k's other finish (see topk above), same check
+                ours(0)
+                torch.cuda.synchronize()
+                mine2 = torch.gather(scores, 1, out.long()).sort(dim=1).values
+                if not torch.equal(mine2, torch.topk(scores, k, dim=1).values.sort(dim=1).values):
+                    self.failures.append(f"indexer n={n} B={B} fp8={fp8}: top-k finish 2 not exact")
+                t_fin2 = graph_time(ours, calls=5, reps=10)
+                os.environ.pop("TROUPE_TOPK_FINISH", None)
                 key_bytes = B * n * (D + 4 if fp8 else 2 * D)
                 bw = key_bytes / (t_ours * 1e-6)
                 row = dict(kernel="indexer+topk " + ("e4m3" if fp8 else "bf16"), shape=f"{n * 4 // 1024}K ctx x {B}",
-                           ours_us=t_ours, gbps=bw / 1e9, pct_copy=100 * bw / self.copy_bw, rel_err=err, exact=exact)
+                           ours_us=t_ours, gbps=bw / 1e9, pct_copy=100 * bw / self.copy_bw, rel_err=err, exact=exact,
+                           finish2_us=t_fin2)
                 if not fp8:
                     def torch_bf16(i):
                         s = torch.einsum("bhd,bnd->bhn", q.bfloat16(), keys_bf.view(B, n, D)).float()
@@ -423,8 +442,8 @@ def self_rope(x, inv_freq, pos):
 
 
 def table(rows):
-    cols = ["kernel", "shape", "ours_us", "torch_us", "torch_bf16_us", "speedup", "target_us", "gbps", "pct_copy",
-            "tflops", "rel_err", "exact", "note"]
+    cols = ["kernel", "shape", "ours_us", "torch_us", "torch_bf16_us", "speedup", "finish2_us", "finish2_speedup",
+            "target_us", "gbps", "pct_copy", "tflops", "rel_err", "exact", "note"]
     used = [c for c in cols if any(c in r for r in rows)]
     fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
     lines = ["| " + " | ".join(used) + " |", "|" + "---|" * len(used)]

@@ -590,6 +590,7 @@ struct GridParams {
   int64_t row_words;
   uint32_t* tickets;   // [2]: next ticket, CTAs finished; zero between calls
   long long* profile;  // optional: %globaltimer (ns) at phase ends (row 0)
+  bool counted_finish; // TopkArgs::finish == 2: the gathering CTAs also count the bucket's next digit
 };
 
 struct GSmem {
@@ -743,6 +744,83 @@ __device__ __forceinline__ void ties_in_index_order(const GridParams& p, int row
   }
 }
 
+// The most elements counted_select ranks against each other (n^2 / kThreads
+// comparisons each); more than this share the threshold digit: block_select.
+constexpr uint32_t kRankMax = 256;
+
+// The last CTA's select over the `cnt` gathered candidates (all share the top `pbits`
+// bits `prefix`) when every CTA also counted its candidates' next digit (the bits
+// under the prefix, `(key >> nshift) & nmask`) into gh_next while gathering: the
+// threshold on that digit straight from the count, the candidates above it written
+// out, and those on it ranked against each other by key, then lower index (a stable
+// sort's order); their rank is their place. Instead of block_select's radix rounds
+// over every candidate (clear, count, scan: each round barrier-bound), which it
+// falls back to when more than kRankMax candidates share the threshold digit.
+// Writes the `need` chosen to out[0 .. need). Every thread of the block calls it.
+__device__ __forceinline__ void counted_select(const GridParams& p, int row, uint32_t* sk, uint32_t cnt,
+                                               const uint32_t* cand_key, const int32_t* cand_idx,
+                                               const uint32_t* gh_next, int nshift, uint32_t nmask, uint32_t prefix,
+                                               int pbits, uint32_t need, int32_t* out, GSmem& sm, long long* lprof) {
+  const int tid = threadIdx.x;
+  const uint32_t nbins = nmask + 1;
+  for (uint32_t i = tid; i < cnt; i += kThreads) sk[i] = __ldcg(&cand_key[i]);
+  for (uint32_t i = tid; i < nbins; i += kThreads) sm.hist[i] = __ldcg(&gh_next[i]);
+  __syncthreads();
+  if (lprof) lprof[7] = global_ns();
+  find_threshold(sm.hist, nbins, need, sm);  // ends with a barrier: the histogram is read
+  const uint32_t thr = sm.thr_bin, above = sm.thr_above, on = sm.thr_cnt, need_on = need - above;
+  const bool all_on = on == need_on;
+  if (!all_on && on > kRankMax) {  // the same in every thread
+    __syncthreads();  // every thread has read sm.thr_*
+    block_select(
+        sk, cnt, [](uint32_t) { return true; }, [&](uint32_t i) { return static_cast<uint32_t>(__ldcg(&cand_idx[i])); },
+        prefix, pbits, need, sm, [&](uint32_t pos, uint32_t i) { out[pos] = translate_g(p, row, __ldcg(&cand_idx[i])); });
+    return;
+  }
+  // The candidates on the threshold digit, as key << 32 | ~index (distinct: indices
+  // are), in the spent histogram's space (kRankMax 64-bit entries fit in it).
+  uint64_t* on_list = reinterpret_cast<uint64_t*>(sm.hist);
+  if (tid == 0) sm.local_above = sm.local_tie = 0;
+  __syncthreads();
+  const unsigned lane = tid & 31, lt = (1u << lane) - 1u;
+  for (uint32_t i0 = 0; i0 < cnt; i0 += kThreads) {  // uniform trip count: ballots below
+    const uint32_t i = i0 + tid;
+    const bool v = i < cnt;
+    const uint32_t key = v ? sk[i] : 0u;
+    const uint32_t d = (key >> nshift) & nmask;
+    const bool is_above = v && d > thr, is_on = v && d == thr;
+    const unsigned ma = __ballot_sync(0xffffffffu, is_above);
+    if (ma != 0) {
+      uint32_t b = 0;
+      if (lane == static_cast<unsigned>(__ffs(ma) - 1)) b = atomicAdd(&sm.local_above, __popc(ma));
+      b = __shfl_sync(0xffffffffu, b, __ffs(ma) - 1);
+      if (is_above) out[b + __popc(ma & lt)] = translate_g(p, row, __ldcg(&cand_idx[i]));
+    }
+    const unsigned mo = __ballot_sync(0xffffffffu, is_on);
+    if (mo != 0) {
+      uint32_t b = 0;
+      if (lane == static_cast<unsigned>(__ffs(mo) - 1)) b = atomicAdd(&sm.local_tie, __popc(mo));
+      b = __shfl_sync(0xffffffffu, b, __ffs(mo) - 1);
+      if (is_on) {
+        const int32_t idx = __ldcg(&cand_idx[i]);
+        if (all_on) {
+          out[above + b + __popc(mo & lt)] = translate_g(p, row, idx);
+        } else {
+          on_list[b + __popc(mo & lt)] = static_cast<uint64_t>(key) << 32 | ~static_cast<uint32_t>(idx);
+        }
+      }
+    }
+  }
+  if (all_on) return;
+  __syncthreads();
+  for (uint32_t t = tid; t < on; t += kThreads) {
+    const uint64_t mine = on_list[t];
+    uint32_t rank = 0;  // how many go before it
+    for (uint32_t j = 0; j < on; ++j) rank += on_list[j] > mine ? 1u : 0u;
+    if (rank < need_on) out[above + rank] = translate_g(p, row, static_cast<int32_t>(~static_cast<uint32_t>(mine)));
+  }
+}
+
 template <int EPT>
 __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams p) {
   pdl_entry();  // see launch_kernel
@@ -831,7 +909,7 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
       uint32_t* cand_key = ctr + kCounters;
       int32_t* cand_idx = reinterpret_cast<int32_t*>(cand_key + kChunk);
       uint32_t prefix = 0, need = kk, cnt = 0;
-      int pbits = 0;
+      int pbits = 0, gather_round = 0;
       bool gather = false;
 #pragma unroll 1
       for (int round = 0; round < kGRounds; ++round) {
@@ -871,9 +949,16 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
         // value, whose ties the last CTA settles by index).
         if (cnt <= static_cast<uint32_t>(kChunk)) {
           gather = true;
+          gather_round = round;
           break;
         }
       }
+      // counted_select's digit: the next round's (shift 10, 11 bits after round 0;
+      // shift 0, 10 bits after round 1), counted into that round's unused histogram.
+      const bool counted = gather && p.counted_finish && gather_round + 1 < kGRounds;
+      const int nshift = gather_round == 0 ? 10 : 0;
+      const uint32_t nmask = gather_round == 0 ? 0x7ffu : 0x3ffu;
+      uint32_t* gh_next = w + (gather_round + 1) * kGBins;
       const bool take_all = cnt == need;
       const uint32_t total_above = kk - need;
       const int drop = 32 - pbits;
@@ -906,8 +991,10 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
       for (uint32_t m = tie_mask; m != 0; m &= m - 1, ++g) {
         const int e = __ffs(m) - 1;
         if (gather) {
-          __stcg(&cand_key[g], sk[e * kThreads + tid]);
+          const uint32_t key = sk[e * kThreads + tid];
+          __stcg(&cand_key[g], key);
           __stcg(&cand_idx[g], static_cast<int32_t>(index_of(e * kThreads + tid)));
+          if (counted) atomicAdd(&gh_next[(key >> nshift) & nmask], 1u);
         } else if (take_all) {  // otherwise the last CTA settles the ties in index order
           out[total_above + g] = translate_g(p, row, index_of(e * kThreads + tid));
         }
@@ -924,7 +1011,10 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
       if (sm.last) {
         long long* lprof = p.profile != nullptr && row == 0 && tid == 0 ? p.profile : nullptr;
         if (lprof) lprof[6] = global_ns();
-        if (gather) {
+        if (counted) {
+          counted_select(p, row, sk, cnt, cand_key, cand_idx, gh_next, nshift, nmask, prefix, pbits, need,
+                         out + total_above, sm, lprof);
+        } else if (gather) {
           for (uint32_t i = tid; i < cnt; i += kThreads) sk[i] = __ldcg(&cand_key[i]);
           __syncthreads();
           if (lprof) lprof[7] = global_ns();
@@ -1022,6 +1112,13 @@ size_t grid_workspace_bytes(int rows, int64_t max_len) {
   return static_cast<size_t>(words) * 4 + 256;
 }
 
+// TopkArgs::finish, or TROUPE_TOPK_FINISH (read at each call) when it is 0; 1 by default.
+int topk_finish(const TopkArgs& a) {
+  if (a.finish != 0) return a.finish;
+  const char* e = std::getenv("TROUPE_TOPK_FINISH");
+  return e != nullptr && e[0] == '2' ? 2 : 1;
+}
+
 void launch_grid_topk(const TopkArgs& a, const GridPlan& g, void* workspace, cudaStream_t stream) {
   GridParams p{};
   p.scores = a.scores;
@@ -1040,6 +1137,7 @@ void launch_grid_topk(const TopkArgs& a, const GridPlan& g, void* workspace, cud
   p.ticketed = g.ticketed;
   p.row_words = g.row_words;
   p.profile = a.profile;
+  p.counted_finish = topk_finish(a) == 2;
   if (g.row_words > 0) {
     TROUPE_REQUIRE(workspace != nullptr, "top-k: this row length needs a workspace");
     p.tickets = static_cast<uint32_t*>(workspace);  // the first 256 bytes; the rows' words after them

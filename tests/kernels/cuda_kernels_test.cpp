@@ -113,7 +113,9 @@ void check_topk_row_stable(const float* row, int64_t len, int k, const int32_t* 
 }
 
 TEST_F(CudaKernelsTest, topk_equals_a_sort_up_to_ties) {
-  enum Dist { normal, few_values, all_equal, with_infinities, signed_zeros };
+  // fine_steps / coarse_steps: normal values rounded to 1/16 / 1/4, so that about a hundred / several hundred
+  // equal values sit at the k-th place of a 262,144 row (top-k finish 2: ranked, and the radix fallback).
+  enum Dist { normal, few_values, all_equal, with_infinities, signed_zeros, fine_steps, coarse_steps };
   struct Case {
     int rows;
     int64_t len;
@@ -133,6 +135,8 @@ TEST_F(CudaKernelsTest, topk_equals_a_sort_up_to_ties) {
       {150, 8000, 512, normal, true, 0, 300},  {100, 65536, 256, few_values, false, 0, 200},
       {3, 4000, 512, few_values, true, 0},     {2, 1048576, 2048, few_values, false, 0},
       {4, 262144, 512, signed_zeros, true, 0}, {1, 3000, 100, signed_zeros, false, 0},
+      {2, 262144, 512, fine_steps, false, 0},  {2, 262144, 512, coarse_steps, true, 0},
+      {1, 1048576, 2048, fine_steps, false, 0},
   };
   for (const auto& c : cases) {
     const std::string what = "rows " + std::to_string(c.rows) + " len " + std::to_string(c.len) + " k " +
@@ -152,6 +156,8 @@ TEST_F(CudaKernelsTest, topk_equals_a_sort_up_to_ties) {
           const int r = small(rng_);
           x = r < 4 ? 0.f : r < 8 ? -0.f : std::fabs(nd(rng_));
         } break;
+        case fine_steps: x = std::round(nd(rng_) * 16.f) / 16.f; break;
+        case coarse_steps: x = std::round(nd(rng_) * 4.f) / 4.f; break;
         case with_infinities: {
           const int r = small(rng_);
           x = r == 0 ? -INFINITY : r == 1 ? INFINITY : nd(rng_);
@@ -167,7 +173,9 @@ TEST_F(CudaKernelsTest, topk_equals_a_sort_up_to_ties) {
     const size_t ws_bytes = cuda::topk_workspace_bytes(c.ws_rows > 0 ? c.ws_rows : c.rows, c.len, c.k, c.max_cluster);
     void* ws = ws_bytes > 0 ? dev<char>(ws_bytes) : nullptr;
     cuda::topk_workspace_init(ws, ws_bytes, stream());
-    for (int rep = 0; rep < 2; ++rep) {  // the workspace must come back zeroed
+    // Each way of finishing a row (TopkArgs::finish), twice: the workspace must come back zeroed.
+    for (int run = 0; run < 4; ++run) {
+      const int finish = 1 + run / 2, rep = run % 2;
       poison(out, c.rows * c.k * 4);
       poison(cnt, c.rows * 4);
       cuda::TopkArgs a;
@@ -181,11 +189,13 @@ TEST_F(CudaKernelsTest, topk_equals_a_sort_up_to_ties) {
       a.out_stride = c.k;
       a.out_count = cnt;
       a.max_cluster = c.max_cluster;
+      a.finish = finish;
       cuda::topk(a, ws, stream());
       const auto ho = host(out, c.rows * c.k);
       const auto hc = host(cnt, c.rows);
       for (int r = 0; r < c.rows; ++r) {
-        const std::string row_what = "row " + std::to_string(r) + " rep " + std::to_string(rep);
+        const std::string row_what =
+            "row " + std::to_string(r) + " finish " + std::to_string(finish) + " rep " + std::to_string(rep);
         check_topk_row(v.data() + r * stride, lengths[r], c.k, ho.data() + r * c.k, hc[r], row_what);
         if (c.max_cluster == 0) {  // the grid kernel (rows this short): ties by lower index
           check_topk_row_stable(v.data() + r * stride, lengths[r], c.k, ho.data() + r * c.k, hc[r], row_what);
@@ -221,10 +231,18 @@ TEST_F(CudaKernelsTest, topk_translates_indices_to_pool_pages) {
   const size_t ws_bytes = cuda::topk_workspace_bytes(1, len, k);
   void* ws = ws_bytes > 0 ? dev<char>(ws_bytes) : nullptr;
   cuda::topk_workspace_init(ws, ws_bytes, stream());
-  cuda::topk(a, ws, stream());
-  auto ho = host(out, k);
-  for (auto& i : ho) i = (inverse[i >> bits] << bits) | (i & ((1 << bits) - 1));  // back to row indices
-  check_topk_row(v.data(), len, k, ho.data(), k, "paged");
+  for (int finish : {1, 2}) {
+    poison(out, k * 4);
+    a.finish = finish;
+    cuda::topk(a, ws, stream());
+    auto ho = host(out, k);
+    for (auto& i : ho) {  // back to row indices (a slot left poisoned stays -1: the check fails)
+      if (i >= 0 && (i >> bits) < static_cast<int32_t>(inverse.size())) {
+        i = (inverse[i >> bits] << bits) | (i & ((1 << bits) - 1));
+      }
+    }
+    check_topk_row(v.data(), len, k, ho.data(), k, "paged, finish " + std::to_string(finish));
+  }
 }
 
 // ---- fused compressor ----------------------------------------------------------------

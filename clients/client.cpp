@@ -107,6 +107,9 @@ Expected<uint64_t> Client::submit(const GenerateOptions& o) {
   s.setTopP(o.top_p);
   s.setTopK(o.top_k);
   if (o.seed) s.getSeed().setValue(*o.seed);
+  s.setRepetitionPenalty(o.repetition_penalty);
+  s.setFrequencyPenalty(o.frequency_penalty);
+  s.setPresencePenalty(o.presence_penalty);
   r.setMaxTokens(o.max_tokens);
   r.setMinTokens(o.min_tokens);
   auto stops = r.initStopStrings(o.stop.size());

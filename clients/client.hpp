@@ -46,6 +46,9 @@ struct GenerateOptions {
   float top_p = 1.0f;
   uint32_t top_k = 0;
   std::optional<uint64_t> seed;
+  float repetition_penalty = 1.0f;
+  float frequency_penalty = 0.0f;
+  float presence_penalty = 0.0f;
   uint32_t max_tokens = 16;
   uint32_t min_tokens = 0;
   std::vector<std::string> stop;

@@ -22,6 +22,19 @@ struct SamplingParams {
   int32_t max_tokens = 16;       // finish with `length` after this many tokens
   std::vector<int32_t> stop_ids; // finish with `stop` after sampling one of these (it is returned)
   bool ignore_eos = false;       // EOS ids are ordinary tokens
+  // Penalties on the logits before anything else (vLLM's order and meaning):
+  // repetition divides a positive logit (multiplies a negative one) of every token
+  // already in the sequence, prompt included; frequency subtracts its count in the
+  // answer times this, presence this once for a token the answer has. 1, 0, 0: off.
+  float repetition_penalty = 1.0f;  // > 0
+  float frequency_penalty = 0.0f;   // [-2, 2]
+  float presence_penalty = 0.0f;    // [-2, 2]
+  // Where the answer starts in the sequence: tokens before it count as prompt for the
+  // penalties. -1: at the end of the request's prompt. A request resubmitted with its
+  // answer so far appended to the prompt keeps the original prompt's length here.
+  int64_t answer_start = -1;
+
+  bool penalized() const { return repetition_penalty != 1.0f || frequency_penalty != 0.0f || presence_penalty != 0.0f; }
 };
 
 enum class LogitsMode : uint8_t {

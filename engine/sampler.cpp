@@ -6,6 +6,8 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace troupe::engine {
@@ -32,13 +34,51 @@ std::string check(const SamplingParams& p) {
   if (p.min_tokens < 0 || p.min_tokens > p.max_tokens) {
     return fmt::format("min_tokens {} must be in [0, max_tokens {}]", p.min_tokens, p.max_tokens);
   }
+  if (!(p.repetition_penalty > 0.0f) || !std::isfinite(p.repetition_penalty)) {
+    return fmt::format("repetition_penalty {} must be > 0", p.repetition_penalty);
+  }
+  if (!(p.frequency_penalty >= -2.0f && p.frequency_penalty <= 2.0f)) {
+    return fmt::format("frequency_penalty {} must be in [-2, 2]", p.frequency_penalty);
+  }
+  if (!(p.presence_penalty >= -2.0f && p.presence_penalty <= 2.0f)) {
+    return fmt::format("presence_penalty {} must be in [-2, 2]", p.presence_penalty);
+  }
   return {};
 }
 
+// Counts over the whole sequence at every token (O(length), only for requests with
+// penalties): simple and stateless, so a parked, migrated or resubmitted request
+// samples the same; a per-sequence count kept up to date would be the faster form.
+void apply_penalties(std::span<float> l, const SamplingParams& p, std::span<const int32_t> tokens,
+                     int64_t answer_start) {
+  if (!p.penalized()) return;
+  const auto V = static_cast<int64_t>(l.size());
+  const auto n = static_cast<int64_t>(tokens.size());
+  const int64_t start = std::clamp<int64_t>(answer_start, 0, n);
+  std::unordered_map<int32_t, int32_t> in_answer;  // token -> count in the answer
+  for (int64_t i = start; i < n; ++i) ++in_answer[tokens[static_cast<size_t>(i)]];
+  if (p.repetition_penalty != 1.0f) {
+    std::unordered_set<int32_t> seen(tokens.begin(), tokens.end());
+    for (int32_t t : seen) {
+      if (t < 0 || t >= V) continue;
+      float& x = l[static_cast<size_t>(t)];
+      x = x > 0.0f ? x / p.repetition_penalty : x * p.repetition_penalty;
+    }
+  }
+  if (p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f) {
+    for (auto [t, count] : in_answer) {
+      if (t < 0 || t >= V) continue;
+      l[static_cast<size_t>(t)] -= p.frequency_penalty * static_cast<float>(count) + p.presence_penalty;
+    }
+  }
+}
+
 int32_t sample(std::span<const float> logits, const SamplingParams& p, uint64_t seed, int64_t position,
-               int32_t generated, std::span<const int64_t> eos) {
+               int32_t generated, std::span<const int64_t> eos, std::span<const int32_t> tokens,
+               int64_t answer_start) {
   const auto V = static_cast<int32_t>(logits.size());
   std::vector<float> l(logits.begin(), logits.end());
+  apply_penalties(l, p, tokens, p.answer_start >= 0 ? p.answer_start : answer_start);
   constexpr float kOff = -std::numeric_limits<float>::infinity();
   if (generated < p.min_tokens) {
     for (int32_t s : p.stop_ids) {

@@ -48,6 +48,10 @@ struct Sampling {
   maxTokens @6 :Int32 = 16;
   stopIds @7 :List(Int32);
   ignoreEos @8 :Bool;
+  repetitionPenalty @9 :Float32 = 1.0;  # engine::SamplingParams' penalties (1, 0, 0: none)
+  frequencyPenalty @10 :Float32;
+  presencePenalty @11 :Float32;
+  answerStart @12 :Int64 = -1;          # where the answer starts in the sequence; -1: the prompt's end
 }
 
 # engine::Usage.

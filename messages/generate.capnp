@@ -22,6 +22,14 @@ struct SamplingParams {
     none @3 :Void;                # server picks one
     value @4 :UInt64;             # deterministic sampling given the same seed
   }
+  # Penalties on tokens already in the sequence, applied to the logits first
+  # (vLLM's meaning): repetition divides a positive logit (multiplies a negative
+  # one) of every token in the prompt or the answer so far, > 0, 1 = off;
+  # frequency subtracts this times the token's count in the answer, presence
+  # this once if the answer has it, both in [-2, 2], 0 = off.
+  repetitionPenalty @5 :Float32 = 1.0;
+  frequencyPenalty @6 :Float32 = 0.0;
+  presencePenalty @7 :Float32 = 0.0;
 }
 
 # Submit a generation. Answered by a stream of TokenChunk frames ended by one

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <cmath>
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -519,6 +520,10 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
   s.min_tokens = static_cast<int32_t>(std::min<int64_t>(api.sampling.min_tokens, max_tokens));
   s.stop_ids = api.sampling.stop_token_ids;
   s.ignore_eos = api.sampling.ignore_eos;
+  s.repetition_penalty = api.sampling.repetition_penalty;
+  s.frequency_penalty = api.sampling.frequency_penalty;
+  s.presence_penalty = api.sampling.presence_penalty;
+  s.answer_start = plen;  // a resubmission appends the answer so far to the prompt; the penalties still see it
   requests_counter(st, route, 200).inc();
   if (origin.responder) {
     if (api.stream) origin.responder->start_stream(200, "text/event-stream");
@@ -608,9 +613,22 @@ std::variant<ApiRequest, ApiError> from_frame(const messages::Frame& frame, cons
   if (!(t >= 0.0f && t <= 2.0f)) return bad("temperature", fmt::format("temperature must be between 0 and 2, got {}", t));
   if (!(p > 0.0f && p <= 1.0f)) return bad("top_p", fmt::format("topP must be in (0, 1], got {}", p));
   if (sp.getTopK() > (1u << 20)) return bad("top_k", fmt::format("topK must be at most {}, got {}", 1u << 20, sp.getTopK()));
+  const float rp = sp.getRepetitionPenalty(), fp = sp.getFrequencyPenalty(), pp = sp.getPresencePenalty();
+  if (!(rp > 0.0f) || !std::isfinite(rp)) {
+    return bad("repetition_penalty", fmt::format("repetitionPenalty must be greater than 0, got {}", rp));
+  }
+  if (!(fp >= -2.0f && fp <= 2.0f)) {
+    return bad("frequency_penalty", fmt::format("frequencyPenalty must be between -2 and 2, got {}", fp));
+  }
+  if (!(pp >= -2.0f && pp <= 2.0f)) {
+    return bad("presence_penalty", fmt::format("presencePenalty must be between -2 and 2, got {}", pp));
+  }
   s.temperature = t;
   s.top_p = p;
   s.top_k = static_cast<int32_t>(sp.getTopK());
+  s.repetition_penalty = rp;
+  s.frequency_penalty = fp;
+  s.presence_penalty = pp;
   if (sp.getSeed().isValue()) s.seed = sp.getSeed().getValue();
   if (r.getMaxTokens() < 1) return bad("max_tokens", "maxTokens must be at least 1");
   if (r.getMinTokens() > r.getMaxTokens()) return bad("min_tokens", "minTokens must not exceed maxTokens");

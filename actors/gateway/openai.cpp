@@ -173,6 +173,12 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
   f.integer(max_key, [&](int64_t v) { s.max_tokens = v; }, 1, int64_t{1} << 40);
   f.integer("min_tokens", [&](int64_t v) { s.min_tokens = v; }, 0, int64_t{1} << 40);
   f.boolean("ignore_eos", s.ignore_eos);
+  f.number("frequency_penalty", [&](double v) { s.frequency_penalty = static_cast<float>(v); }, -2.0, 2.0);
+  f.number("presence_penalty", [&](double v) { s.presence_penalty = static_cast<float>(v); }, -2.0, 2.0);
+  f.number("repetition_penalty", [&](double v) { s.repetition_penalty = static_cast<float>(v); }, 0.0, 1e6);
+  if (!f.error && f.has("repetition_penalty") && !(s.repetition_penalty > 0.0f)) {
+    f.error = bad("repetition_penalty", "'repetition_penalty' must be greater than 0");
+  }
   f.boolean("stream", r.stream);
   f.boolean("return_token_ids", r.return_token_ids);
   f.token_ids("stop_token_ids", s.stop_token_ids);

@@ -24,6 +24,9 @@ struct SamplingSpec {
   std::vector<std::string> stop;      // stop strings (not included in the output)
   std::vector<int32_t> stop_token_ids;
   bool ignore_eos = false;
+  float repetition_penalty = 1.0f;    // vLLM / SGLang extension; 1: off
+  float frequency_penalty = 0.0f;     // OpenAI, [-2, 2]
+  float presence_penalty = 0.0f;      // OpenAI, [-2, 2]
 };
 
 enum class ApiKind { completion, chat };

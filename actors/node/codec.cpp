@@ -60,6 +60,10 @@ void sampling_to_wire(const engine::SamplingParams& s, msg::Sampling::Builder ou
   auto stops = out.initStopIds(static_cast<unsigned>(s.stop_ids.size()));
   for (size_t i = 0; i < s.stop_ids.size(); ++i) stops.set(static_cast<unsigned>(i), s.stop_ids[i]);
   out.setIgnoreEos(s.ignore_eos);
+  out.setRepetitionPenalty(s.repetition_penalty);
+  out.setFrequencyPenalty(s.frequency_penalty);
+  out.setPresencePenalty(s.presence_penalty);
+  out.setAnswerStart(s.answer_start);
 }
 
 engine::SamplingParams sampling_from_wire(msg::Sampling::Reader in) {
@@ -72,6 +76,10 @@ engine::SamplingParams sampling_from_wire(msg::Sampling::Reader in) {
   s.max_tokens = in.getMaxTokens();
   s.stop_ids = ints(in.getStopIds());
   s.ignore_eos = in.getIgnoreEos();
+  s.repetition_penalty = in.getRepetitionPenalty();
+  s.frequency_penalty = in.getFrequencyPenalty();
+  s.presence_penalty = in.getPresencePenalty();
+  s.answer_start = in.getAnswerStart();
   return s;
 }
 

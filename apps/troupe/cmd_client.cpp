@@ -100,6 +100,9 @@ Command add_client(CLI::App& app) {
   gen->add_option("--top-p", o->gen.top_p, "nucleus mass");
   gen->add_option("--top-k", o->gen.top_k, "0 = off");
   gen->add_option("--seed", o->seed, "sampling seed");
+  gen->add_option("--repetition-penalty", o->gen.repetition_penalty, "> 0; 1 = off");
+  gen->add_option("--frequency-penalty", o->gen.frequency_penalty, "-2 .. 2; 0 = off");
+  gen->add_option("--presence-penalty", o->gen.presence_penalty, "-2 .. 2; 0 = off");
   gen->add_option("--stop", o->gen.stop, "stop strings");
   gen->add_option("--stop-ids", o->gen.stop_token_ids, "stop token ids")->delimiter(',');
   gen->add_flag("--ignore-eos", o->gen.ignore_eos, "keep going past end-of-sequence");

@@ -68,7 +68,9 @@ def test_wrong_types_name_the_parameter():
              ({"seed": 1.5}, "seed"), ({"stop": [1, 2]}, "stop"), ({"n": 2}, "n"), ({"model": 7}, "model"),
              ({"prompt": [1, -4]}, "prompt"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
              ({"temperature": 3.5}, "temperature"), ({"logprobs": 21}, "logprobs"),
-             ({"logprobs": True}, "logprobs"), ({"logprobs": "2"}, "logprobs")]
+             ({"logprobs": True}, "logprobs"), ({"logprobs": "2"}, "logprobs"),
+             ({"frequency_penalty": 3}, "frequency_penalty"), ({"presence_penalty": "x"}, "presence_penalty"),
+             ({"repetition_penalty": -1}, "repetition_penalty"), ({"repetition_penalty": 0}, "repetition_penalty")]
     for patch, param in cases:
         body = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
         body.update(patch)

@@ -95,6 +95,13 @@ def test_greedy_ids_match_http():
                 assert msg.index == index, (msg.index, index)
                 index += len(msg.tokenIds)
         assert index == 8
+        # Penalties (repetitionPenalty, frequencyPenalty, presencePenalty) as over HTTP.
+        pen = dict(repetition_penalty=0.8, frequency_penalty=0.3, presence_penalty=-2.0)
+        ref_pen = http_completion(prompt_ids, 24, ignore_eos=True, **pen)
+        assert ref_pen["token_ids"] != http_completion(prompt_ids, 24, ignore_eos=True)["token_ids"], ref_pen
+        out = c.generate(token_ids=prompt_ids, max_tokens=24, temperature=0.0, ignore_eos=True, return_token_ids=True,
+                         **pen)
+        assert out["token_ids"] == ref_pen["token_ids"], (out["token_ids"], ref_pen["token_ids"])
 
 
 def test_chat_matches_http():
@@ -153,6 +160,12 @@ def test_bad_requests():
         expect_error(lambda: c.generate(text="x", max_tokens=0), "invalidArgument", "maxTokens")
         expect_error(lambda: c.generate(token_ids=[], max_tokens=2), "invalidArgument", "empty")
         expect_error(lambda: c.generate(text="x", temperature=5.0, max_tokens=2), "invalidArgument", "temperature")
+        expect_error(lambda: c.generate(text="x", frequency_penalty=2.5, max_tokens=2), "invalidArgument",
+                     "frequencyPenalty")
+        expect_error(lambda: c.generate(text="x", presence_penalty=-2.5, max_tokens=2), "invalidArgument",
+                     "presencePenalty")
+        expect_error(lambda: c.generate(text="x", repetition_penalty=0.0, max_tokens=2), "invalidArgument",
+                     "repetitionPenalty")
         expect_error(lambda: c.generate(token_ids=[1] * 100, max_tokens=MAX_LEN), "invalidArgument", "context length")
         # Park / Resume of a request that is not running; Resume of one not parked.
         c.park(999)

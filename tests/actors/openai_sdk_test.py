@@ -153,6 +153,70 @@ def test_logprobs_are_the_forward_logits_log_softmax():
         assert "top_logprobs" in str(e), e
 
 
+def penalized_mismatches(prompt_ids, ids, rp, fp, pp):
+    """Checks `ids` against `troupe forward`'s logits after the penalties over the sequence so
+    far (repetition on prompt and answer, frequency and presence on the answer), in float32 as
+    the server computes them. Returns (positions where the penalized argmax differs, positions
+    where the penalties changed the raw argmax)."""
+    import numpy as np
+    rp, fp, pp = np.float32(rp), np.float32(fp), np.float32(pp)
+    logits = harness.forward_logits(A.troupe, harness.model_dir(A.home), list(prompt_ids) + ids[:-1], len(prompt_ids))
+    rows = logits[len(prompt_ids) - 1:].astype(np.float32)
+    seq, bad, changed = list(prompt_ids), [], []
+    for i, t in enumerate(ids):
+        row = rows[i].copy()
+        if int(np.argmax(row)) != t:
+            changed.append(i)
+        for tok in set(seq):
+            row[tok] = row[tok] / rp if row[tok] > 0 else row[tok] * rp
+        answer = seq[len(prompt_ids):]
+        for tok in set(answer):
+            row[tok] -= fp * np.float32(answer.count(tok)) + pp
+        best = int(np.argmax(row))
+        if best != t and abs(row[best] - row[t]) >= 1e-5:
+            bad.append((i, t, best))
+        seq.append(t)
+    return bad, changed
+
+
+def test_penalties_pick_the_argmax_of_the_penalized_forward_logits():
+    """frequency_penalty / presence_penalty (OpenAI) and repetition_penalty (vLLM's
+    extension): each greedy token is the argmax of `troupe forward`'s logits after
+    the penalties over the sequence so far; streaming and chat take them too; bad
+    values are a 400 naming the parameter. The values pull towards repeats: with
+    random weights nothing repeats by itself, so only then do they change tokens."""
+    rp, fp, pp, n = 0.8, 0.3, -2.0, 24
+    kw = dict(model=MODEL, max_tokens=n, temperature=0, frequency_penalty=fp, presence_penalty=pp)
+    r = client().completions.create(prompt=PROMPT, extra_body=dict(return_token_ids=True, repetition_penalty=rp), **kw)
+    c = r.choices[0]
+    ids, prompt_ids = extra(c, "token_ids"), extra(c, "prompt_token_ids")
+    assert len(ids) == n, ids
+    bad, changed = penalized_mismatches(prompt_ids, ids, rp, fp, pp)
+    assert not bad, f"not the penalized argmax at {bad}: {ids}"
+    assert changed, "the penalties changed no token: this shows nothing"
+    streamed = []
+    for ch in client().completions.create(prompt=PROMPT, stream=True, extra_body=dict(
+            return_token_ids=True, repetition_penalty=rp), **kw):
+        streamed += extra(ch.choices[0], "token_ids") or []
+    assert streamed == ids, (streamed, ids)
+    msgs = [{"role": "user", "content": "Name three actors."}]
+    chat = client().chat.completions.create(messages=msgs, extra_body=dict(return_token_ids=True,
+                                                                           repetition_penalty=rp), **kw)
+    chat_ids = extra(chat.choices[0], "token_ids")
+    assert len(chat_ids) == n, chat
+    bad, _ = penalized_mismatches(extra(chat.choices[0], "prompt_token_ids"), chat_ids, rp, fp, pp)
+    assert not bad, f"chat: not the penalized argmax at {bad}: {chat_ids}"
+    for body, param in ((dict(frequency_penalty=2.5), "frequency_penalty"),
+                        (dict(presence_penalty=-3), "presence_penalty"),
+                        (dict(extra_body=dict(repetition_penalty=0)), "repetition_penalty"),
+                        (dict(extra_body=dict(repetition_penalty="high")), "repetition_penalty")):
+        try:
+            client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, **body)
+            raise AssertionError(f"{body} was accepted")
+        except openai.BadRequestError as e:
+            assert e.status_code == 400 and param in str(e), e
+
+
 def test_repeated_prompt_reports_cached_tokens():
     long_prompt = " ".join(f"word{i}" for i in range(120))
     first = greedy(long_prompt, n=4)

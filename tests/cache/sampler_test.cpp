@@ -1,6 +1,9 @@
-// Sampling semantics: greedy, seeds, top-k, top-p, min/max tokens, stop ids.
+// Sampling semantics: greedy, seeds, top-k, top-p, min/max tokens, stop ids,
+// repetition / frequency / presence penalties.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <random>
 #include <set>
 
@@ -90,6 +93,130 @@ TEST(Sampler, min_tokens_masks_stop_ids_and_eos) {
   EXPECT_FALSE(check(p).empty() == false);
   p.min_tokens = 99;
   EXPECT_FALSE(check(p).empty());
+}
+
+TEST(Sampler, penalties_follow_vllm) {
+  const std::vector<float> l{3.f, -2.f, 2.5f, 1.f, 0.f};
+  const std::vector<int32_t> seq{0, 1, 3, 0};  // prompt [0, 1], answer [3, 0]
+  SamplingParams p;                             // greedy: the penalties decide the argmax
+  EXPECT_EQ(sample(l, p, 0, 4, 2, {}, seq, 2), 0);
+  // Repetition on every token of the sequence, prompt included: positive logits divided,
+  // negative ones multiplied.
+  p.repetition_penalty = 2.f;
+  std::vector<float> x = l;
+  apply_penalties(x, p, seq, 2);
+  EXPECT_EQ(x, (std::vector<float>{1.5f, -4.f, 2.5f, 0.5f, 0.f}));
+  EXPECT_EQ(sample(l, p, 0, 4, 2, {}, seq, 2), 2);
+  // Frequency counts the answer only: token 0 is there once (3 - 0.3 = 2.7 wins);
+  // counted over the whole sequence it is there twice (2.4 loses to 2.5).
+  p = SamplingParams{};
+  p.frequency_penalty = 0.3f;
+  EXPECT_EQ(sample(l, p, 0, 4, 2, {}, seq, 2), 0);
+  EXPECT_EQ(sample(l, p, 0, 4, 2, {}, seq, 0), 2);
+  p.answer_start = 0;  // the params' own answer start wins over the caller's
+  EXPECT_EQ(sample(l, p, 0, 4, 2, {}, seq, 2), 2);
+  // Presence: once, whatever the count.
+  p = SamplingParams{};
+  p.presence_penalty = 0.6f;
+  x = l;
+  apply_penalties(x, p, seq, 0);
+  const std::vector<float> want{3.f - 0.6f, -2.f - 0.6f, 2.5f, 1.f - 0.6f, 0.f};
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_FLOAT_EQ(x[i], want[i]) << i;
+  // Negative values reward repeats.
+  p = SamplingParams{};
+  p.frequency_penalty = -2.f;
+  EXPECT_EQ(sample(l, p, 0, 4, 2, {}, seq, 2), 0);
+  x = l;
+  apply_penalties(x, p, seq, 2);
+  EXPECT_FLOAT_EQ(x[3], 3.f);
+  // Sampled, not only greedy: the draws follow the penalized logits (0: 3 / 50 - 2,
+  // 1: -2 * 50, 3: 1 / 50 - 2; 2 and 4 untouched), so 1 is never drawn and 2 mostly.
+  p = SamplingParams{};
+  p.temperature = 1.f;
+  p.presence_penalty = 2.f;
+  p.repetition_penalty = 50.f;
+  int twos = 0;
+  for (int64_t pos = 0; pos < 200; ++pos) {
+    const int32_t t = sample(l, p, 5, pos, 2, {}, seq, 2);
+    EXPECT_NE(t, 1);
+    twos += t == 2;
+  }
+  EXPECT_GT(twos, 150);  // p(2) = e^2.5 / (e^2.5 + 1 + e^-1.94 + e^-1.98) = 0.90
+  // Masked tokens stay masked.
+  p = SamplingParams{};
+  p.frequency_penalty = -2.f;
+  p.stop_ids = {0};
+  p.min_tokens = 5;
+  EXPECT_EQ(sample(l, p, 0, 4, 2, {}, seq, 2), 3);  // 1 + 2
+  // No penalties, no history needed.
+  EXPECT_FALSE(SamplingParams{}.penalized());
+  EXPECT_EQ(sample(l, SamplingParams{}, 0, 4, 2, {}), 0);
+}
+
+TEST(Sampler, penalties_out_of_range_are_refused) {
+  auto bad = [](auto set) {
+    SamplingParams p;
+    set(p);
+    return check(p);
+  };
+  EXPECT_NE(bad([](SamplingParams& p) { p.repetition_penalty = 0.f; }).find("repetition_penalty"), std::string::npos);
+  EXPECT_NE(bad([](SamplingParams& p) { p.repetition_penalty = -1.f; }).find("repetition_penalty"), std::string::npos);
+  EXPECT_NE(bad([](SamplingParams& p) { p.repetition_penalty = NAN; }).find("repetition_penalty"), std::string::npos);
+  EXPECT_NE(bad([](SamplingParams& p) { p.frequency_penalty = 2.5f; }).find("frequency_penalty"), std::string::npos);
+  EXPECT_NE(bad([](SamplingParams& p) { p.presence_penalty = -3.f; }).find("presence_penalty"), std::string::npos);
+  EXPECT_NE(bad([](SamplingParams& p) { p.presence_penalty = NAN; }).find("presence_penalty"), std::string::npos);
+  EXPECT_TRUE(bad([](SamplingParams& p) {
+                p.repetition_penalty = 1.2f;
+                p.frequency_penalty = -2.f;
+                p.presence_penalty = 2.f;
+              }).empty());
+}
+
+// The argmax of the penalized logits (first of the maxima), for `history`.
+int32_t penalized_argmax(std::vector<float> row, const SamplingParams& p, const std::vector<int32_t>& history,
+                         int64_t answer_start) {
+  apply_penalties(row, p, history, answer_start);
+  return static_cast<int32_t>(std::max_element(row.begin(), row.end()) - row.begin());
+}
+
+TEST(EngineSampling, penalties_pick_the_argmax_of_the_penalized_logits_and_survive_a_resubmission) {
+  auto& m = *test::shared_model().model;
+  std::mt19937_64 rng(5);
+  const auto prompt = test::random_ids(rng, 60, m.config().vocab_size);
+  const int32_t n = 24;
+  auto request = [&](std::vector<int32_t> ids, int32_t max_tokens) {
+    auto r = test::greedy(std::move(ids), max_tokens, LogitsMode::sampled);
+    r.sampling.repetition_penalty = 1.3f;
+    r.sampling.frequency_penalty = 0.5f;
+    r.sampling.presence_penalty = 0.3f;
+    return r;
+  };
+  test::Harness h(m, EngineOptions{});
+  const auto a = h.submit(request(prompt, n));
+  const auto plain = h.submit(test::greedy(prompt, n, LogitsMode::none));
+  h.run();
+  const auto& got = h[a].generated;
+  ASSERT_EQ(got.size(), static_cast<size_t>(n));
+  ASSERT_EQ(h[a].rows.size(), static_cast<size_t>(n));
+  std::vector<int32_t> history = prompt;
+  int changed = 0;  // tokens the raw argmax would have picked differently
+  size_t j = 0;
+  for (const auto& [pos, row] : h[a].rows) {
+    EXPECT_EQ(got[j], penalized_argmax(row, request({}, 1).sampling, history, 60)) << "token " << j;
+    changed += got[j] != static_cast<int32_t>(std::max_element(row.begin(), row.end()) - row.begin());
+    history.push_back(got[j++]);
+  }
+  EXPECT_GT(changed, 0) << "the penalties changed no token: the test shows nothing";
+  EXPECT_NE(got, h[plain].generated);
+  // Resubmitted as a worker loss does (the answer so far appended to the prompt, the
+  // original prompt's length kept as the answer start): the same continuation.
+  std::vector<int32_t> again = prompt;
+  again.insert(again.end(), got.begin(), got.begin() + 8);
+  auto r = request(again, n - 8);
+  r.sampling.answer_start = static_cast<int64_t>(prompt.size());
+  const auto b = h.submit(std::move(r));
+  h.run();
+  EXPECT_EQ(h[b].generated, std::vector<int32_t>(got.begin() + 8, got.end()));
 }
 
 TEST(EngineSampling, seeded_requests_sample_the_same_batched_alone_and_parked) {

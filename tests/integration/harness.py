@@ -220,10 +220,11 @@ def references(host, port, model, prompts, max_tokens):
     return out
 
 
-def complete(host, port, model, prompt, max_tokens, stream=False, timeout=120, on_token=None):
-    """Greedy completion of token ids; returns {"token_ids", "finish_reason", "error", "status"}."""
+def complete(host, port, model, prompt, max_tokens, stream=False, timeout=120, on_token=None, extra=None):
+    """Greedy completion of token ids (`extra`: more request fields); returns {"token_ids",
+    "finish_reason", "error", "status"}."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True, "stream": stream}
+            "ignore_eos": True, "return_token_ids": True, "stream": stream, **(extra or {})}
     c = http.client.HTTPConnection(host, port, timeout=timeout)
     out = {"token_ids": [], "finish_reason": None, "error": None, "status": None}
     try:

@@ -1,6 +1,8 @@
 """Colocated (`troupe serve`, one process) and disaggregated (gateway+router,
 prefill and decode as three `troupe run` processes, the KV moving between them
-by UCX RMA) give the same greedy tokens, streamed and not.
+by UCX RMA) give the same greedy tokens, streamed and not, also for requests
+with repetition / frequency / presence penalties (which the prefill and decode
+processes must both apply: they travel in the job and in the handoff).
 
 Run by ctest (tests/integration/CMakeLists.txt).
 """
@@ -27,10 +29,13 @@ class ColocatedVsDisaggregated(unittest.TestCase):
         if self._outcome.result.failures or self._outcome.result.errors:
             print(self.cluster.logs())
 
-    def run_all(self, host, port, model, prompts, max_tokens):
+    PENALTIES = {"repetition_penalty": 1.3, "frequency_penalty": 0.8, "presence_penalty": 0.4}
+
+    def run_all(self, host, port, model, prompts, max_tokens, penalized=(), penalties=None):
         out = []
         for i, p in enumerate(prompts):
-            r = h.complete(host, port, model, p, max_tokens, stream=bool(i % 2))
+            extra = (penalties or self.PENALTIES) if i in penalized else None
+            r = h.complete(host, port, model, p, max_tokens, stream=bool(i % 2), extra=extra)
             self.assertIsNone(r["error"], r)
             self.assertEqual(len(r["token_ids"]), max_tokens, r)
             out.append(r["token_ids"])
@@ -47,7 +52,10 @@ class ColocatedVsDisaggregated(unittest.TestCase):
         self.cluster.procs["serve"] = serve
         h.wait_ready(host, serve_port, procs=[serve])
         model = h.model_id(host, serve_port)
-        colocated = self.run_all(host, serve_port, model, prompts, max_tokens)
+        penalized = (0, 3, 5)
+        colocated = self.run_all(host, serve_port, model, prompts, max_tokens, penalized)
+        plain = self.run_all(host, serve_port, model, [prompts[i] for i in penalized], max_tokens)
+        self.assertNotEqual(plain, [colocated[i] for i in penalized], "the penalties changed no answer")
         serve.kill()
 
         # Disaggregated: three processes, started decode first (any order works).
@@ -58,7 +66,7 @@ class ColocatedVsDisaggregated(unittest.TestCase):
             h.wait_ready(host, topo.port(n), procs=procs)
         front = topo.port("front")
         self.assertEqual(h.model_id(host, front), model)
-        disaggregated = self.run_all(host, front, model, prompts, max_tokens)
+        disaggregated = self.run_all(host, front, model, prompts, max_tokens, penalized)
 
         self.assertEqual(disaggregated, colocated)
         # The state really moved between the processes, and nothing leaked.

@@ -179,7 +179,7 @@ class ScalePolicy(ScaleCase):
         self.assertTrue(all(p.alive() for p in self.procs.values()))
 
         # 3. Admin scale to 2, then to 1 under 16 streams spread over both workers.
-        long_tokens = 400
+        long_tokens = 1000  # long enough that no stream ends before both workers run some, also under load
         long_prompts = prompts[:16]
         long_ref = []
         for part in (long_prompts[:8], long_prompts[8:]):  # 8 at once: none waits, so no scale up

@@ -81,6 +81,10 @@ TEST(Frame, typed_open_reads_fields_and_checks_the_kind) {
   EXPECT_EQ(empty->root().getMaxTokens(), 16u);
   EXPECT_FLOAT_EQ(empty->root().getSampling().getTopP(), 1.0f);
   EXPECT_TRUE(empty->root().getSampling().getSeed().isNone());
+  // No penalties unless asked (a client built before they existed asks for none).
+  EXPECT_FLOAT_EQ(empty->root().getSampling().getRepetitionPenalty(), 1.0f);
+  EXPECT_FLOAT_EQ(empty->root().getSampling().getFrequencyPenalty(), 0.0f);
+  EXPECT_FLOAT_EQ(empty->root().getSampling().getPresencePenalty(), 0.0f);
 }
 
 TEST(Frame, copy_from_forwards_a_message_unchanged) {

@@ -110,6 +110,11 @@ Expected<uint64_t> Client::submit(const GenerateOptions& o) {
   s.setRepetitionPenalty(o.repetition_penalty);
   s.setFrequencyPenalty(o.frequency_penalty);
   s.setPresencePenalty(o.presence_penalty);
+  auto bias = s.initLogitBias(static_cast<unsigned>(o.logit_bias.size()));
+  for (size_t i = 0; i < o.logit_bias.size(); ++i) {
+    bias[static_cast<unsigned>(i)].setToken(o.logit_bias[i].first);
+    bias[static_cast<unsigned>(i)].setBias(o.logit_bias[i].second);
+  }
   r.setMaxTokens(o.max_tokens);
   r.setMinTokens(o.min_tokens);
   auto stops = r.initStopStrings(o.stop.size());

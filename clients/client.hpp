@@ -18,6 +18,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <thread>
 #include <variant>
 #include <vector>
@@ -49,6 +50,7 @@ struct GenerateOptions {
   float repetition_penalty = 1.0f;
   float frequency_penalty = 0.0f;
   float presence_penalty = 0.0f;
+  std::vector<std::pair<uint32_t, float>> logit_bias;  // (token, bias in [-100, 100])
   uint32_t max_tokens = 16;
   uint32_t min_tokens = 0;
   std::vector<std::string> stop;

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "base/error.hpp"
@@ -13,6 +14,9 @@ namespace troupe::engine {
 using RequestId = uint64_t;
 
 // Per-request sampling, named as OpenAI / vLLM name them.
+// The most logit_bias entries a request may carry.
+inline constexpr size_t kMaxLogitBias = 1024;
+
 struct SamplingParams {
   float temperature = 0.0f;      // 0: greedy (argmax, lowest id on ties)
   float top_p = 1.0f;            // nucleus: the smallest set of tokens with this much probability, (0, 1]
@@ -22,10 +26,13 @@ struct SamplingParams {
   int32_t max_tokens = 16;       // finish with `length` after this many tokens
   std::vector<int32_t> stop_ids; // finish with `stop` after sampling one of these (it is returned)
   bool ignore_eos = false;       // EOS ids are ordinary tokens
-  // Penalties on the logits before anything else (vLLM's order and meaning):
-  // repetition divides a positive logit (multiplies a negative one) of every token
-  // already in the sequence, prompt included; frequency subtracts its count in the
-  // answer times this, presence this once for a token the answer has. 1, 0, 0: off.
+  // Changes to the logits before anything else, in vLLM's order and meaning: the
+  // logit bias (OpenAI's: added to a token's logit, [-100, 100]), then the
+  // penalties: repetition divides a positive logit (multiplies a negative one) of
+  // every token already in the sequence, prompt included; frequency subtracts its
+  // count in the answer times this, presence this once for a token the answer has.
+  // None, 1, 0, 0: off.
+  std::vector<std::pair<int32_t, float>> logit_bias;  // (token, bias)
   float repetition_penalty = 1.0f;  // > 0
   float frequency_penalty = 0.0f;   // [-2, 2]
   float presence_penalty = 0.0f;    // [-2, 2]
@@ -34,7 +41,9 @@ struct SamplingParams {
   // answer so far appended to the prompt keeps the original prompt's length here.
   int64_t answer_start = -1;
 
-  bool penalized() const { return repetition_penalty != 1.0f || frequency_penalty != 0.0f || presence_penalty != 0.0f; }
+  bool adjusts_logits() const {
+    return !logit_bias.empty() || repetition_penalty != 1.0f || frequency_penalty != 0.0f || presence_penalty != 0.0f;
+  }
 };
 
 enum class LogitsMode : uint8_t {

@@ -43,6 +43,13 @@ std::string check(const SamplingParams& p) {
   if (!(p.presence_penalty >= -2.0f && p.presence_penalty <= 2.0f)) {
     return fmt::format("presence_penalty {} must be in [-2, 2]", p.presence_penalty);
   }
+  if (p.logit_bias.size() > kMaxLogitBias) {
+    return fmt::format("logit_bias has {} entries, at most {}", p.logit_bias.size(), kMaxLogitBias);
+  }
+  for (auto [t, bias] : p.logit_bias) {
+    if (t < 0) return fmt::format("logit_bias names token {}", t);
+    if (!(bias >= -100.0f && bias <= 100.0f)) return fmt::format("logit_bias {} for token {} must be in [-100, 100]", bias, t);
+  }
   return {};
 }
 
@@ -51,8 +58,12 @@ std::string check(const SamplingParams& p) {
 // samples the same; a per-sequence count kept up to date would be the faster form.
 void apply_penalties(std::span<float> l, const SamplingParams& p, std::span<const int32_t> tokens,
                      int64_t answer_start) {
-  if (!p.penalized()) return;
+  if (!p.adjusts_logits()) return;
   const auto V = static_cast<int64_t>(l.size());
+  for (auto [t, bias] : p.logit_bias) {
+    if (t >= 0 && t < V) l[static_cast<size_t>(t)] += bias;
+  }
+  if (p.repetition_penalty == 1.0f && p.frequency_penalty == 0.0f && p.presence_penalty == 0.0f) return;
   const auto n = static_cast<int64_t>(tokens.size());
   const int64_t start = std::clamp<int64_t>(answer_start, 0, n);
   std::unordered_map<int32_t, int32_t> in_answer;  // token -> count in the answer

@@ -18,8 +18,8 @@ int32_t sample(std::span<const float> logits, const SamplingParams& p, uint64_t 
                int32_t generated, std::span<const int64_t> eos, std::span<const int32_t> tokens = {},
                int64_t answer_start = 0);
 
-// The params' penalties applied to `logits` in place, for a sequence `tokens` whose
-// answer starts at `answer_start` (see SamplingParams).
+// The params' logit bias and penalties applied to `logits` in place, for a sequence
+// `tokens` whose answer starts at `answer_start` (see SamplingParams).
 void apply_penalties(std::span<float> logits, const SamplingParams& p, std::span<const int32_t> tokens,
                      int64_t answer_start);
 

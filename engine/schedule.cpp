@@ -183,7 +183,7 @@ namespace {
 // Whether the host sampler would pick the argmax of the raw logits for `s`'s next token.
 bool greedy_on_device(const SamplingParams& p, LogitsMode logits, int32_t generated, bool model_has_eos) {
   if (logits != LogitsMode::none) return false;
-  if (!(p.temperature <= 0.0f || p.top_k == 1) || p.penalized()) return false;
+  if (!(p.temperature <= 0.0f || p.top_k == 1) || p.adjusts_logits()) return false;
   const bool masks = generated < p.min_tokens && (!p.stop_ids.empty() || (!p.ignore_eos && model_has_eos));
   return !masks;
 }

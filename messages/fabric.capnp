@@ -52,6 +52,12 @@ struct Sampling {
   frequencyPenalty @10 :Float32;
   presencePenalty @11 :Float32;
   answerStart @12 :Int64 = -1;          # where the answer starts in the sequence; -1: the prompt's end
+  logitBias @13 :List(TokenBias);       # added to these tokens' logits first
+}
+
+struct TokenBias {
+  token @0 :Int32;
+  bias @1 :Float32;
 }
 
 # engine::Usage.

@@ -30,6 +30,14 @@ struct SamplingParams {
   repetitionPenalty @5 :Float32 = 1.0;
   frequencyPenalty @6 :Float32 = 0.0;
   presencePenalty @7 :Float32 = 0.0;
+  # Added to these tokens' logits before the penalties (OpenAI's logit_bias):
+  # at most 1,024 entries, each bias in [-100, 100], tokens in the vocabulary.
+  logitBias @8 :List(LogitBias);
+}
+
+struct LogitBias {
+  token @0 :UInt32;
+  bias @1 :Float32;
 }
 
 # Submit a generation. Answered by a stream of TokenChunk frames ended by one

@@ -471,6 +471,13 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
       return e;
     }
   }
+  for (auto [id, bias] : api.sampling.logit_bias) {
+    if (id >= vocab || id < 0) {
+      requests_counter(st, route, 400).inc();
+      return ApiError{400, "logit_bias names token " + std::to_string(id) + ", out of range for a vocabulary of " +
+                               std::to_string(vocab), "invalid_request_error", "logit_bias", ""};
+    }
+  }
   const auto plen = static_cast<int64_t>(prompt.size());
   if (plen == 0) {
     requests_counter(st, route, 400).inc();
@@ -524,6 +531,7 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
   s.frequency_penalty = api.sampling.frequency_penalty;
   s.presence_penalty = api.sampling.presence_penalty;
   s.answer_start = plen;  // a resubmission appends the answer so far to the prompt; the penalties still see it
+  s.logit_bias = api.sampling.logit_bias;
   requests_counter(st, route, 200).inc();
   if (origin.responder) {
     if (api.stream) origin.responder->start_stream(200, "text/event-stream");
@@ -629,6 +637,20 @@ std::variant<ApiRequest, ApiError> from_frame(const messages::Frame& frame, cons
   s.repetition_penalty = rp;
   s.frequency_penalty = fp;
   s.presence_penalty = pp;
+  if (sp.getLogitBias().size() > engine::kMaxLogitBias) {
+    return bad("logit_bias", fmt::format("logitBias has {} entries, at most {}", sp.getLogitBias().size(),
+                                         engine::kMaxLogitBias));
+  }
+  for (auto b : sp.getLogitBias()) {
+    const float v = b.getBias();
+    if (!(v >= -100.0f && v <= 100.0f)) {
+      return bad("logit_bias", fmt::format("logitBias for token {} must be between -100 and 100, got {}", b.getToken(), v));
+    }
+    if (b.getToken() > static_cast<uint32_t>(std::numeric_limits<int32_t>::max())) {
+      return bad("logit_bias", fmt::format("logitBias names token {}, out of range", b.getToken()));
+    }
+    s.logit_bias.emplace_back(static_cast<int32_t>(b.getToken()), v);
+  }
   if (sp.getSeed().isValue()) s.seed = sp.getSeed().getValue();
   if (r.getMaxTokens() < 1) return bad("max_tokens", "maxTokens must be at least 1");
   if (r.getMinTokens() > r.getMaxTokens()) return bad("min_tokens", "minTokens must not exceed maxTokens");

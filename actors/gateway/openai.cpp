@@ -1,6 +1,9 @@
 #include "actors/gateway/openai.hpp"
 
+#include <charconv>
 #include <limits>
+
+#include "engine/request.hpp"
 
 namespace troupe::gateway {
 namespace {
@@ -178,6 +181,26 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
   f.number("repetition_penalty", [&](double v) { s.repetition_penalty = static_cast<float>(v); }, 0.0, 1e6);
   if (!f.error && f.has("repetition_penalty") && !(s.repetition_penalty > 0.0f)) {
     f.error = bad("repetition_penalty", "'repetition_penalty' must be greater than 0");
+  }
+  if (f.error) return *f.error;
+  if (j.contains("logit_bias") && !j["logit_bias"].is_null()) {
+    // OpenAI's form: {"token id": bias}; the token's range is checked against the vocabulary at admission.
+    const auto& lb = j["logit_bias"];
+    if (!lb.is_object()) return bad("logit_bias", "'logit_bias' must be an object of token ids to biases");
+    if (lb.size() > engine::kMaxLogitBias) {
+      return bad("logit_bias", fmt::format("'logit_bias' has {} entries, at most {}", lb.size(), engine::kMaxLogitBias));
+    }
+    for (const auto& [key, v] : lb.items()) {
+      int64_t id = -1;
+      const auto [end, ec] = std::from_chars(key.data(), key.data() + key.size(), id);
+      if (ec != std::errc{} || end != key.data() + key.size() || id < 0 || id > std::numeric_limits<int32_t>::max()) {
+        return bad("logit_bias", "'logit_bias' keys must be token ids, got '" + escape_for_error(key) + "'");
+      }
+      if (!v.is_number()) return bad("logit_bias", "'logit_bias' values must be numbers");
+      const double b = v.get<double>();
+      if (!(b >= -100.0 && b <= 100.0)) return bad("logit_bias", "'logit_bias' values must be between -100 and 100");
+      s.logit_bias.emplace_back(static_cast<int32_t>(id), static_cast<float>(b));
+    }
   }
   f.boolean("stream", r.stream);
   f.boolean("return_token_ids", r.return_token_ids);

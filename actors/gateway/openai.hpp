@@ -27,6 +27,7 @@ struct SamplingSpec {
   float repetition_penalty = 1.0f;    // vLLM / SGLang extension; 1: off
   float frequency_penalty = 0.0f;     // OpenAI, [-2, 2]
   float presence_penalty = 0.0f;      // OpenAI, [-2, 2]
+  std::vector<std::pair<int32_t, float>> logit_bias;  // OpenAI: (token, bias in [-100, 100])
 };
 
 enum class ApiKind { completion, chat };

@@ -64,6 +64,11 @@ void sampling_to_wire(const engine::SamplingParams& s, msg::Sampling::Builder ou
   out.setFrequencyPenalty(s.frequency_penalty);
   out.setPresencePenalty(s.presence_penalty);
   out.setAnswerStart(s.answer_start);
+  auto bias = out.initLogitBias(static_cast<unsigned>(s.logit_bias.size()));
+  for (size_t i = 0; i < s.logit_bias.size(); ++i) {
+    bias[static_cast<unsigned>(i)].setToken(s.logit_bias[i].first);
+    bias[static_cast<unsigned>(i)].setBias(s.logit_bias[i].second);
+  }
 }
 
 engine::SamplingParams sampling_from_wire(msg::Sampling::Reader in) {
@@ -80,6 +85,7 @@ engine::SamplingParams sampling_from_wire(msg::Sampling::Reader in) {
   s.frequency_penalty = in.getFrequencyPenalty();
   s.presence_penalty = in.getPresencePenalty();
   s.answer_start = in.getAnswerStart();
+  for (auto b : in.getLogitBias()) s.logit_bias.emplace_back(b.getToken(), b.getBias());
   return s;
 }
 

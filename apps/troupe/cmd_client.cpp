@@ -23,6 +23,7 @@ struct ClientOpts {
   std::string prompt;
   std::vector<uint32_t> ids;
   std::optional<uint64_t> seed;
+  std::vector<std::string> logit_bias;  // TOKEN:BIAS
   uint32_t abort_after = 0, park_after = 0;
   int resume_after_ms = 200;
   bool print_ids = false;
@@ -103,6 +104,7 @@ Command add_client(CLI::App& app) {
   gen->add_option("--repetition-penalty", o->gen.repetition_penalty, "> 0; 1 = off");
   gen->add_option("--frequency-penalty", o->gen.frequency_penalty, "-2 .. 2; 0 = off");
   gen->add_option("--presence-penalty", o->gen.presence_penalty, "-2 .. 2; 0 = off");
+  gen->add_option("--logit-bias", o->logit_bias, "TOKEN:BIAS (bias in -100 .. 100), comma-separated")->delimiter(',');
   gen->add_option("--stop", o->gen.stop, "stop strings");
   gen->add_option("--stop-ids", o->gen.stop_token_ids, "stop token ids")->delimiter(',');
   gen->add_flag("--ignore-eos", o->gen.ignore_eos, "keep going past end-of-sequence");
@@ -124,6 +126,20 @@ Command add_client(CLI::App& app) {
     if (lm->parsed()) return list_models(**c);
     if (gen->parsed()) {
       if (o->prompt.empty() && o->ids.empty()) raise(ErrorCode::invalid_argument, "generate needs --prompt or --ids");
+      for (const auto& e : o->logit_bias) {
+        const auto sep = e.find(':');
+        uint32_t token = 0;
+        float bias = 0;
+        const char* t = e.c_str();
+        const auto [t_end, t_ec] = std::from_chars(t, t + (sep == std::string::npos ? e.size() : sep), token);
+        bool ok = sep != std::string::npos && t_ec == std::errc() && t_end == t + sep;
+        if (ok) {
+          const auto [b_end, b_ec] = std::from_chars(t + sep + 1, t + e.size(), bias);
+          ok = b_ec == std::errc() && b_end == t + e.size() && sep + 1 < e.size();
+        }
+        if (!ok) raise(ErrorCode::invalid_argument, "--logit-bias wants TOKEN:BIAS, got '{}'", e);
+        o->gen.logit_bias.emplace_back(token, bias);
+      }
       return generate(**c, *o);
     }
     return 2;

@@ -134,7 +134,7 @@ class Client:
     def submit(self, text=None, token_ids=None, chat=None, model="", max_tokens=16, min_tokens=0, temperature=1.0,
                top_p=1.0, top_k=0, seed=None, stop=(), stop_token_ids=(), ignore_eos=False, return_token_ids=False,
                priority=0, deadline_unix_nanos=0, user="", repetition_penalty=1.0, frequency_penalty=0.0,
-               presence_penalty=0.0) -> int:
+               presence_penalty=0.0, logit_bias=None) -> int:
         g = self.schemas["generate"].GenerateRequest.new_message()
         g.model = model
         if token_ids is not None:
@@ -150,6 +150,10 @@ class Client:
             g.sampling.seed.value = seed
         g.sampling.repetitionPenalty = repetition_penalty
         g.sampling.frequencyPenalty, g.sampling.presencePenalty = frequency_penalty, presence_penalty
+        if logit_bias:  # {token id: bias}
+            entries = g.sampling.init("logitBias", len(logit_bias))
+            for e, (tok, bias) in zip(entries, logit_bias.items()):
+                e.token, e.bias = int(tok), float(bias)
         g.maxTokens, g.minTokens = max_tokens, min_tokens
         g.stopStrings, g.stopTokenIds = list(stop), list(stop_token_ids)
         g.ignoreEos, g.returnTokenIds = ignore_eos, return_token_ids

@@ -102,6 +102,9 @@ def test_greedy_ids_match_http():
         out = c.generate(token_ids=prompt_ids, max_tokens=24, temperature=0.0, ignore_eos=True, return_token_ids=True,
                          **pen)
         assert out["token_ids"] == ref_pen["token_ids"], (out["token_ids"], ref_pen["token_ids"])
+        out = c.generate(token_ids=prompt_ids, max_tokens=4, temperature=0.0, return_token_ids=True,
+                         logit_bias={1234: 100.0})
+        assert out["token_ids"] == [1234] * 4, out
 
 
 def test_chat_matches_http():
@@ -166,6 +169,9 @@ def test_bad_requests():
                      "presencePenalty")
         expect_error(lambda: c.generate(text="x", repetition_penalty=0.0, max_tokens=2), "invalidArgument",
                      "repetitionPenalty")
+        expect_error(lambda: c.generate(text="x", logit_bias={5: 150.0}, max_tokens=2), "invalidArgument", "logitBias")
+        expect_error(lambda: c.generate(text="x", logit_bias={10_000_000: 1.0}, max_tokens=2), "invalidArgument",
+                     "out of range")
         expect_error(lambda: c.generate(token_ids=[1] * 100, max_tokens=MAX_LEN), "invalidArgument", "context length")
         # Park / Resume of a request that is not running; Resume of one not parked.
         c.park(999)

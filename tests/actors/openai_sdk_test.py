@@ -217,6 +217,36 @@ def test_penalties_pick_the_argmax_of_the_penalized_forward_logits():
             assert e.status_code == 400 and param in str(e), e
 
 
+def test_logit_bias_forces_and_bans_tokens():
+    """OpenAI's logit_bias ({"token id": bias in [-100, 100]}): +100 on one token makes
+    greedy pick it every time; -100 on the greedy answer's first token makes the
+    answer start with `troupe forward`'s second best; bad maps are a 400."""
+    import numpy as np
+    forced = client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                                         logit_bias={"1000": 100}, extra_body=dict(return_token_ids=True))
+    assert extra(forced.choices[0], "token_ids") == [1000] * 6, forced
+    plain = greedy(n=4).choices[0]
+    ids, prompt_ids = extra(plain, "token_ids"), extra(plain, "prompt_token_ids")
+    banned = client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                         logit_bias={str(ids[0]): -100}, extra_body=dict(return_token_ids=True))
+    first = extra(banned.choices[0], "token_ids")[0]
+    row = harness.forward_logits(A.troupe, harness.model_dir(A.home), list(prompt_ids), len(prompt_ids))[-1]
+    assert first == int(np.argsort(-row, kind="stable")[1]), (first, ids)
+    # Chat and streaming take it too.
+    msgs = [{"role": "user", "content": "Name three actors."}]
+    streamed = []
+    for ch in client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, temperature=0, stream=True,
+                                               logit_bias={"2000": 100}, extra_body=dict(return_token_ids=True)):
+        streamed += extra(ch.choices[0], "token_ids") or []
+    assert streamed == [2000] * 3, streamed
+    for lb in ({"abc": 1}, {"5": 101}, {"5": "x"}, {"-3": 1}, {"99999999": 5}, [1, 2]):
+        try:
+            client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, logit_bias=lb)
+            raise AssertionError(f"{lb} was accepted")
+        except openai.BadRequestError as e:
+            assert e.status_code == 400 and "logit_bias" in str(e), e
+
+
 def test_repeated_prompt_reports_cached_tokens():
     long_prompt = " ".join(f"word{i}" for i in range(120))
     first = greedy(long_prompt, n=4)

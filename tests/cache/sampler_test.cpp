@@ -149,8 +149,32 @@ TEST(Sampler, penalties_follow_vllm) {
   p.min_tokens = 5;
   EXPECT_EQ(sample(l, p, 0, 4, 2, {}, seq, 2), 3);  // 1 + 2
   // No penalties, no history needed.
-  EXPECT_FALSE(SamplingParams{}.penalized());
+  EXPECT_FALSE(SamplingParams{}.adjusts_logits());
   EXPECT_EQ(sample(l, SamplingParams{}, 0, 4, 2, {}), 0);
+}
+
+TEST(Sampler, logit_bias_comes_before_the_penalties) {
+  const std::vector<float> l{3.f, 1.f, 2.5f, 0.f};
+  SamplingParams p;
+  p.logit_bias = {{1, 1.f}, {3, -100.f}, {9, 50.f}};  // 9: outside this vocabulary, skipped
+  std::vector<float> x = l;
+  apply_penalties(x, p, {}, 0);
+  EXPECT_EQ(x, (std::vector<float>{3.f, 2.f, 2.5f, -100.f}));
+  p.logit_bias = {{2, 1.f}};
+  EXPECT_EQ(sample(l, p, 0, 0, 0, {}), 2);  // 3.5 > 3
+  // Then the repetition penalty divides the biased logit: (2.5 + 1) / 2 = 1.75 < 3 (bias after: 2.25).
+  p.repetition_penalty = 2.f;
+  const std::vector<int32_t> seq{2};
+  x = l;
+  apply_penalties(x, p, seq, 1);
+  EXPECT_FLOAT_EQ(x[2], 1.75f);
+  EXPECT_EQ(sample(l, p, 0, 1, 0, {}, seq, 1), 0);
+  // A ban holds under sampling too.
+  p = SamplingParams{};
+  p.temperature = 1.f;
+  p.logit_bias = {{0, -100.f}};
+  for (int64_t pos = 0; pos < 100; ++pos) EXPECT_NE(sample(l, p, 9, pos, 0, {}), 0);
+  EXPECT_TRUE(p.adjusts_logits());
 }
 
 TEST(Sampler, penalties_out_of_range_are_refused) {
@@ -165,7 +189,12 @@ TEST(Sampler, penalties_out_of_range_are_refused) {
   EXPECT_NE(bad([](SamplingParams& p) { p.frequency_penalty = 2.5f; }).find("frequency_penalty"), std::string::npos);
   EXPECT_NE(bad([](SamplingParams& p) { p.presence_penalty = -3.f; }).find("presence_penalty"), std::string::npos);
   EXPECT_NE(bad([](SamplingParams& p) { p.presence_penalty = NAN; }).find("presence_penalty"), std::string::npos);
+  EXPECT_NE(bad([](SamplingParams& p) { p.logit_bias = {{5, 101.f}}; }).find("logit_bias"), std::string::npos);
+  EXPECT_NE(bad([](SamplingParams& p) { p.logit_bias = {{-1, 1.f}}; }).find("logit_bias"), std::string::npos);
+  EXPECT_NE(bad([](SamplingParams& p) { p.logit_bias.assign(kMaxLogitBias + 1, {1, 1.f}); }).find("logit_bias"),
+            std::string::npos);
   EXPECT_TRUE(bad([](SamplingParams& p) {
+                p.logit_bias = {{5, -100.f}, {6, 100.f}};
                 p.repetition_penalty = 1.2f;
                 p.frequency_penalty = -2.f;
                 p.presence_penalty = 2.f;

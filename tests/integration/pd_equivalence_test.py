@@ -29,7 +29,8 @@ class ColocatedVsDisaggregated(unittest.TestCase):
         if self._outcome.result.failures or self._outcome.result.errors:
             print(self.cluster.logs())
 
-    PENALTIES = {"repetition_penalty": 1.3, "frequency_penalty": 0.8, "presence_penalty": 0.4}
+    PENALTIES = {"repetition_penalty": 1.3, "frequency_penalty": 0.8, "presence_penalty": 0.4,
+                 "logit_bias": {"500": 6.0, "501": -100.0}}
 
     def run_all(self, host, port, model, prompts, max_tokens, penalized=(), penalties=None):
         out = []

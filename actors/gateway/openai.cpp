@@ -144,6 +144,12 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
     }
     if (r.prompt_ids && r.prompt_ids->empty()) return bad("prompt", "'prompt' must not be empty");
     f.boolean("echo", r.echo);
+    if (j.contains("suffix") && !j["suffix"].is_null() && !(j["suffix"].is_string() && j["suffix"].get<std::string>().empty())) {
+      return bad("suffix", "'suffix' (fill in the middle) is not supported");
+    }
+    if (j.contains("best_of") && !j["best_of"].is_null() && j["best_of"] != 1) {
+      return bad("best_of", "only best_of = 1 is supported");
+    }
   } else {
     if (!j.contains("messages") || !j["messages"].is_array() || j["messages"].empty()) {
       return bad("messages", "'messages' is required and must be a non-empty list");
@@ -161,7 +167,20 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
       }
     }
     r.messages = j["messages"];
-    if (j.contains("tools")) r.tools = j["tools"];
+    // Not served yet, so refused rather than dropped: a client that offers tools
+    // would otherwise never see a call and not know why. (The DeepSeek-V4 chat
+    // template has no place for tool definitions, and answers are not parsed
+    // into tool_calls.)
+    for (const char* k : {"tools", "functions"}) {
+      if (j.contains(k) && !j[k].is_null() && !(j[k].is_array() && j[k].empty())) {
+        return bad(k, fmt::format("'{}' (tool calling) is not supported by this server", k));
+      }
+    }
+    for (const char* k : {"tool_choice", "function_call"}) {
+      if (j.contains(k) && !j[k].is_null() && j[k] != "none" && j[k] != "auto") {
+        return bad(k, fmt::format("'{}' is not supported: this server does not call tools", k));
+      }
+    }
     f.boolean("add_generation_prompt", r.add_generation_prompt);
   }
 
@@ -225,6 +244,16 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
     }
     for (const auto& x : s.stop) {
       if (x.empty()) return bad("stop", "stop strings must not be empty");
+    }
+  }
+  if (j.contains("response_format") && !j["response_format"].is_null()) {
+    const auto& rf = j["response_format"];
+    if (!rf.is_object() || !rf.contains("type") || !rf["type"].is_string()) {
+      return bad("response_format", "'response_format' must be an object with a string 'type'");
+    }
+    if (rf["type"] != "text") {
+      return bad("response_format", "only response_format type 'text' is supported (no constrained decoding yet), got '" +
+                                        escape_for_error(rf["type"].get<std::string>()) + "'");
     }
   }
   if (j.contains("stream_options") && j["stream_options"].is_object()) {

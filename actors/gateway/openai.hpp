@@ -39,7 +39,6 @@ struct ApiRequest {
   std::optional<std::string> prompt_text;
   std::optional<std::vector<int32_t>> prompt_ids;
   nlohmann::json messages;
-  nlohmann::json tools;               // optional tool definitions (chat)
   bool add_generation_prompt = true;
   SamplingSpec sampling;
   bool stream = false;

@@ -70,7 +70,10 @@ def test_wrong_types_name_the_parameter():
              ({"temperature": 3.5}, "temperature"), ({"logprobs": 21}, "logprobs"),
              ({"logprobs": True}, "logprobs"), ({"logprobs": "2"}, "logprobs"),
              ({"frequency_penalty": 3}, "frequency_penalty"), ({"presence_penalty": "x"}, "presence_penalty"),
-             ({"repetition_penalty": -1}, "repetition_penalty"), ({"repetition_penalty": 0}, "repetition_penalty")]
+             ({"repetition_penalty": -1}, "repetition_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+             ({"suffix": "tail"}, "suffix"), ({"best_of": 3}, "best_of"),
+             ({"response_format": {"type": "json_object"}}, "response_format"),
+             ({"response_format": "json"}, "response_format")]
     for patch, param in cases:
         body = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
         body.update(patch)
@@ -81,10 +84,21 @@ def test_wrong_types_name_the_parameter():
     s, b = post({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, path="/v1/chat/completions")
     expect_error(s, b, 400, param="messages", words=("wizard",))
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    # Features this server does not have are refused by name, not dropped.
+    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
     for patch, param in [({"logprobs": 2}, "logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-                         ({"top_logprobs": 2}, "top_logprobs")]:
+                         ({"top_logprobs": 2}, "top_logprobs"), ({"tools": [tool]}, "tools"),
+                         ({"tool_choice": "required"}, "tool_choice"), ({"functions": [tool["function"]]}, "functions"),
+                         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+                          "response_format")]:
         s, b = post({**chat, **patch}, path="/v1/chat/completions")
         expect_error(s, b, 400, param=param)
+    # Their "off" values are fine.
+    s, b = post({**chat, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}},
+                path="/v1/chat/completions")
+    assert s == 200, (s, b)
+    s, b = post({"model": MODEL, "prompt": "hello", "max_tokens": 2, "suffix": "", "best_of": 1})
+    assert s == 200, (s, b)
     still_serving()
 
 

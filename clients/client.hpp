@@ -18,8 +18,8 @@
 #include <mutex>
 #include <optional>
 #include <string>
-#include <utility>
 #include <thread>
+#include <utility>
 #include <variant>
 #include <vector>
 

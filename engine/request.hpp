@@ -13,10 +13,10 @@ namespace troupe::engine {
 
 using RequestId = uint64_t;
 
-// Per-request sampling, named as OpenAI / vLLM name them.
 // The most logit_bias entries a request may carry.
 inline constexpr size_t kMaxLogitBias = 1024;
 
+// Per-request sampling, named as OpenAI / vLLM name them.
 struct SamplingParams {
   float temperature = 0.0f;      // 0: greedy (argmax, lowest id on ties)
   float top_p = 1.0f;            // nucleus: the smallest set of tokens with this much probability, (0, 1]

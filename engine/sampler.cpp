@@ -56,7 +56,7 @@ std::string check(const SamplingParams& p) {
 // Counts over the whole sequence at every token (O(length), only for requests with
 // penalties): simple and stateless, so a parked, migrated or resubmitted request
 // samples the same; a per-sequence count kept up to date would be the faster form.
-void apply_penalties(std::span<float> l, const SamplingParams& p, std::span<const int32_t> tokens,
+void adjust_logits(std::span<float> l, const SamplingParams& p, std::span<const int32_t> tokens,
                      int64_t answer_start) {
   if (!p.adjusts_logits()) return;
   const auto V = static_cast<int64_t>(l.size());
@@ -89,7 +89,7 @@ int32_t sample(std::span<const float> logits, const SamplingParams& p, uint64_t 
                int64_t answer_start) {
   const auto V = static_cast<int32_t>(logits.size());
   std::vector<float> l(logits.begin(), logits.end());
-  apply_penalties(l, p, tokens, p.answer_start >= 0 ? p.answer_start : answer_start);
+  adjust_logits(l, p, tokens, p.answer_start >= 0 ? p.answer_start : answer_start);
   constexpr float kOff = -std::numeric_limits<float>::infinity();
   if (generated < p.min_tokens) {
     for (int32_t s : p.stop_ids) {

@@ -20,7 +20,7 @@ int32_t sample(std::span<const float> logits, const SamplingParams& p, uint64_t 
 
 // The params' logit bias and penalties applied to `logits` in place, for a sequence
 // `tokens` whose answer starts at `answer_start` (see SamplingParams).
-void apply_penalties(std::span<float> logits, const SamplingParams& p, std::span<const int32_t> tokens,
+void adjust_logits(std::span<float> logits, const SamplingParams& p, std::span<const int32_t> tokens,
                      int64_t answer_start);
 
 // A uniform draw in [0, 1) from (seed, position).

@@ -104,7 +104,7 @@ TEST(Sampler, penalties_follow_vllm) {
   // negative ones multiplied.
   p.repetition_penalty = 2.f;
   std::vector<float> x = l;
-  apply_penalties(x, p, seq, 2);
+  adjust_logits(x, p, seq, 2);
   EXPECT_EQ(x, (std::vector<float>{1.5f, -4.f, 2.5f, 0.5f, 0.f}));
   EXPECT_EQ(sample(l, p, 0, 4, 2, {}, seq, 2), 2);
   // Frequency counts the answer only: token 0 is there once (3 - 0.3 = 2.7 wins);
@@ -119,7 +119,7 @@ TEST(Sampler, penalties_follow_vllm) {
   p = SamplingParams{};
   p.presence_penalty = 0.6f;
   x = l;
-  apply_penalties(x, p, seq, 0);
+  adjust_logits(x, p, seq, 0);
   const std::vector<float> want{3.f - 0.6f, -2.f - 0.6f, 2.5f, 1.f - 0.6f, 0.f};
   for (size_t i = 0; i < want.size(); ++i) EXPECT_FLOAT_EQ(x[i], want[i]) << i;
   // Negative values reward repeats.
@@ -127,7 +127,7 @@ TEST(Sampler, penalties_follow_vllm) {
   p.frequency_penalty = -2.f;
   EXPECT_EQ(sample(l, p, 0, 4, 2, {}, seq, 2), 0);
   x = l;
-  apply_penalties(x, p, seq, 2);
+  adjust_logits(x, p, seq, 2);
   EXPECT_FLOAT_EQ(x[3], 3.f);
   // Sampled, not only greedy: the draws follow the penalized logits (0: 3 / 50 - 2,
   // 1: -2 * 50, 3: 1 / 50 - 2; 2 and 4 untouched), so 1 is never drawn and 2 mostly.
@@ -158,7 +158,7 @@ TEST(Sampler, logit_bias_comes_before_the_penalties) {
   SamplingParams p;
   p.logit_bias = {{1, 1.f}, {3, -100.f}, {9, 50.f}};  // 9: outside this vocabulary, skipped
   std::vector<float> x = l;
-  apply_penalties(x, p, {}, 0);
+  adjust_logits(x, p, {}, 0);
   EXPECT_EQ(x, (std::vector<float>{3.f, 2.f, 2.5f, -100.f}));
   p.logit_bias = {{2, 1.f}};
   EXPECT_EQ(sample(l, p, 0, 0, 0, {}), 2);  // 3.5 > 3
@@ -166,7 +166,7 @@ TEST(Sampler, logit_bias_comes_before_the_penalties) {
   p.repetition_penalty = 2.f;
   const std::vector<int32_t> seq{2};
   x = l;
-  apply_penalties(x, p, seq, 1);
+  adjust_logits(x, p, seq, 1);
   EXPECT_FLOAT_EQ(x[2], 1.75f);
   EXPECT_EQ(sample(l, p, 0, 1, 0, {}, seq, 1), 0);
   // A ban holds under sampling too.
@@ -204,7 +204,7 @@ TEST(Sampler, penalties_out_of_range_are_refused) {
 // The argmax of the penalized logits (first of the maxima), for `history`.
 int32_t penalized_argmax(std::vector<float> row, const SamplingParams& p, const std::vector<int32_t>& history,
                          int64_t answer_start) {
-  apply_penalties(row, p, history, answer_start);
+  adjust_logits(row, p, history, answer_start);
   return static_cast<int32_t>(std::max_element(row.begin(), row.end()) - row.begin());
 }
 

@@ -6,8 +6,6 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
-#include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 namespace troupe::engine {
@@ -53,43 +51,56 @@ std::string check(const SamplingParams& p) {
   return {};
 }
 
-// Counts over the whole sequence at every token (O(length), only for requests with
-// penalties): simple and stateless, so a parked, migrated or resubmitted request
-// samples the same; a per-sequence count kept up to date would be the faster form.
-void adjust_logits(std::span<float> l, const SamplingParams& p, std::span<const int32_t> tokens,
-                     int64_t answer_start) {
+void TokenCounts::update(std::span<const int32_t> tokens, int64_t start) {
+  if (start != answer_start || counted > static_cast<int64_t>(tokens.size())) *this = TokenCounts{0, start, {}, {}};
+  for (auto i = static_cast<size_t>(counted); i < tokens.size(); ++i) {
+    seen.insert(tokens[i]);
+    if (static_cast<int64_t>(i) >= start) ++answer[tokens[i]];
+  }
+  counted = static_cast<int64_t>(tokens.size());
+}
+
+void adjust_logits(std::span<float> l, const SamplingParams& p, const TokenCounts& counts) {
   if (!p.adjusts_logits()) return;
   const auto V = static_cast<int64_t>(l.size());
   for (auto [t, bias] : p.logit_bias) {
     if (t >= 0 && t < V) l[static_cast<size_t>(t)] += bias;
   }
-  if (p.repetition_penalty == 1.0f && p.frequency_penalty == 0.0f && p.presence_penalty == 0.0f) return;
-  const auto n = static_cast<int64_t>(tokens.size());
-  const int64_t start = std::clamp<int64_t>(answer_start, 0, n);
-  std::unordered_map<int32_t, int32_t> in_answer;  // token -> count in the answer
-  for (int64_t i = start; i < n; ++i) ++in_answer[tokens[static_cast<size_t>(i)]];
   if (p.repetition_penalty != 1.0f) {
-    std::unordered_set<int32_t> seen(tokens.begin(), tokens.end());
-    for (int32_t t : seen) {
+    for (int32_t t : counts.seen) {
       if (t < 0 || t >= V) continue;
       float& x = l[static_cast<size_t>(t)];
       x = x > 0.0f ? x / p.repetition_penalty : x * p.repetition_penalty;
     }
   }
   if (p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f) {
-    for (auto [t, count] : in_answer) {
+    for (auto [t, count] : counts.answer) {
       if (t < 0 || t >= V) continue;
       l[static_cast<size_t>(t)] -= p.frequency_penalty * static_cast<float>(count) + p.presence_penalty;
     }
   }
 }
 
+void adjust_logits(std::span<float> l, const SamplingParams& p, std::span<const int32_t> tokens,
+                   int64_t answer_start) {
+  TokenCounts c;
+  c.update(tokens, answer_start);
+  adjust_logits(l, p, c);
+}
+
 int32_t sample(std::span<const float> logits, const SamplingParams& p, uint64_t seed, int64_t position,
                int32_t generated, std::span<const int64_t> eos, std::span<const int32_t> tokens,
                int64_t answer_start) {
+  TokenCounts c;
+  if (p.adjusts_logits()) c.update(tokens, p.answer_start >= 0 ? p.answer_start : answer_start);
+  return sample(logits, p, seed, position, generated, eos, &c);
+}
+
+int32_t sample(std::span<const float> logits, const SamplingParams& p, uint64_t seed, int64_t position,
+               int32_t generated, std::span<const int64_t> eos, const TokenCounts* counts) {
   const auto V = static_cast<int32_t>(logits.size());
   std::vector<float> l(logits.begin(), logits.end());
-  adjust_logits(l, p, tokens, p.answer_start >= 0 ? p.answer_start : answer_start);
+  adjust_logits(l, p, counts != nullptr ? *counts : TokenCounts{});
   constexpr float kOff = -std::numeric_limits<float>::infinity();
   if (generated < p.min_tokens) {
     for (int32_t s : p.stop_ids) {

@@ -5,23 +5,39 @@
 
 #include <cstdint>
 #include <span>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "engine/request.hpp"
 
 namespace troupe::engine {
 
-// The token at `position` (its index in the sequence), the `generated`-th of
-// the request. `eos` are the model's EOS ids. `tokens`: the sequence so far (the
-// penalties' history; may be empty when the params have none), whose answer starts
-// at `answer_start` (the params' own answer_start, when set, wins).
-int32_t sample(std::span<const float> logits, const SamplingParams& p, uint64_t seed, int64_t position,
-               int32_t generated, std::span<const int64_t> eos, std::span<const int32_t> tokens = {},
-               int64_t answer_start = 0);
+// What the penalties need to know of a sequence, brought up to date as it grows
+// (tokens are only ever appended): each token costs once, not once per sample.
+struct TokenCounts {
+  int64_t counted = 0;                           // tokens[0, counted) are counted
+  int64_t answer_start = -1;                     // where the counted answer starts
+  std::unordered_set<int32_t> seen;              // every token of the sequence (repetition)
+  std::unordered_map<int32_t, int32_t> answer;   // count in the answer (frequency, presence)
+  // Counts tokens[counted, size) (all of them again if answer_start moved).
+  void update(std::span<const int32_t> tokens, int64_t answer_start);
+};
 
-// The params' logit bias and penalties applied to `logits` in place, for a sequence
-// `tokens` whose answer starts at `answer_start` (see SamplingParams).
+// The token at `position` (its index in the sequence), the `generated`-th of
+// the request. `eos` are the model's EOS ids. `counts`: the sequence so far, for
+// the penalties (null: no history).
+int32_t sample(std::span<const float> logits, const SamplingParams& p, uint64_t seed, int64_t position,
+               int32_t generated, std::span<const int64_t> eos, const TokenCounts* counts = nullptr);
+// The same for a sequence `tokens` whose answer starts at `answer_start` (the params'
+// own answer_start, when set, wins).
+int32_t sample(std::span<const float> logits, const SamplingParams& p, uint64_t seed, int64_t position,
+               int32_t generated, std::span<const int64_t> eos, std::span<const int32_t> tokens,
+               int64_t answer_start);
+
+// The params' logit bias and penalties applied to `logits` in place (see SamplingParams).
+void adjust_logits(std::span<float> logits, const SamplingParams& p, const TokenCounts& counts);
 void adjust_logits(std::span<float> logits, const SamplingParams& p, std::span<const int32_t> tokens,
-                     int64_t answer_start);
+                   int64_t answer_start);
 
 // A uniform draw in [0, 1) from (seed, position).
 double uniform(uint64_t seed, int64_t position);

@@ -320,9 +320,13 @@ void Engine::after_chunk(Seq& s, int64_t n, const float* rows, int64_t row_count
   if (s.length() < static_cast<int64_t>(s.tokens.size())) return;  // more prompt to feed
 
   const float* last = rows != nullptr ? rows + (row_count - 1) * V : nullptr;
+  const auto& sp = s.req.sampling;
+  if (sampled == nullptr && sp.adjusts_logits()) {
+    s.counts.update(s.tokens, sp.answer_start >= 0 ? sp.answer_start : s.prompt_len);
+  }
   const int32_t token = sampled != nullptr ? *sampled  // argmax on the device (greedy_on_device)
-                                           : sample(std::span(last, static_cast<size_t>(V)), s.req.sampling, s.seed,
-                                                    s.length(), s.generated, c.eos_token_ids, s.tokens, s.prompt_len);
+                                           : sample(std::span(last, static_cast<size_t>(V)), sp, s.seed, s.length(),
+                                                    s.generated, c.eos_token_ids, &s.counts);
   s.tokens.push_back(token);
   ++s.generated;
   Event e = make_event(s.id, EventKind::token);

@@ -7,6 +7,7 @@
 
 #include "cache/paged_sequence.hpp"
 #include "engine/engine.hpp"
+#include "engine/sampler.hpp"
 #include "model/decoder.hpp"
 
 namespace troupe::engine {
@@ -58,6 +59,7 @@ struct Engine::Seq {
   bool admitted_once = false;
   bool resume_wanted = false;    // parked: resume when the device tier has room
   std::vector<std::pair<int64_t, cache::PoolKind>> parked_pages;  // what park moved (k = -1: HCA ring)
+  TokenCounts counts;            // for the penalties (SamplingParams::adjusts_logits), kept up to date in after_chunk
   DecodeSlot decode;             // after `state`: released before it
 
   int64_t length() const { return state ? state->length() : 0; }

@@ -153,6 +153,26 @@ TEST(Sampler, penalties_follow_vllm) {
   EXPECT_EQ(sample(l, SamplingParams{}, 0, 4, 2, {}), 0);
 }
 
+TEST(Sampler, token_counts_grow_with_the_sequence_as_counting_afresh_does) {
+  std::mt19937_64 rng(6);
+  std::uniform_int_distribution<int32_t> tok(0, 40);
+  std::vector<int32_t> seq;
+  TokenCounts grown;
+  for (int step = 0; step < 50; ++step) {
+    for (int i = 0; i < 1 + step % 3; ++i) seq.push_back(tok(rng));
+    grown.update(seq, 7);
+    TokenCounts fresh;
+    fresh.update(seq, 7);
+    ASSERT_EQ(grown.seen, fresh.seen) << step;
+    ASSERT_EQ(grown.answer, fresh.answer) << step;
+  }
+  grown.update(seq, 0);  // the answer start moved: counted again from the start
+  TokenCounts fresh;
+  fresh.update(seq, 0);
+  EXPECT_EQ(grown.answer, fresh.answer);
+  EXPECT_EQ(grown.counted, static_cast<int64_t>(seq.size()));
+}
+
 TEST(Sampler, logit_bias_comes_before_the_penalties) {
   const std::vector<float> l{3.f, 1.f, 2.5f, 0.f};
   SamplingParams p;

@@ -139,6 +139,20 @@ __device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* w
   return r;
 }
 
+// The lanes of a warp where `pred` holds take consecutive places from a shared
+// counter, one atomic a warp: returns this lane's place (meaningful where pred
+// holds). Every lane of the warp calls it.
+__device__ __forceinline__ uint32_t warp_take(bool pred, uint32_t* ctr) {
+  const unsigned m = __ballot_sync(0xffffffffu, pred);
+  if (m == 0) return 0;  // the same in every lane
+  const unsigned lane = threadIdx.x & 31;
+  const int leader = __ffs(m) - 1;
+  uint32_t b = 0;
+  if (lane == static_cast<unsigned>(leader)) b = atomicAdd(ctr, __popc(m));
+  b = __shfl_sync(0xffffffffu, b, leader);
+  return b + __popc(m & ((1u << lane) - 1u));
+}
+
 __device__ __forceinline__ int32_t translate(const Params& p, int row, int64_t i) {
   if (p.page_table == nullptr) return static_cast<int32_t>(i);
   const int32_t page = p.page_table[row * p.page_stride + (i >> p.page_bits)];
@@ -326,28 +340,16 @@ __device__ __forceinline__ void cluster_select(const uint32_t* sk, uint32_t vmas
     }
     const bool all = lcnt == lneed;
     const uint32_t base = total_above, tie_base = total_above + (need - lneed);
-    const unsigned lt = (1u << lane) - 1u;
     for (uint32_t i0 = 0; i0 < cnt; i0 += kThreads) {  // uniform trip count: ballots below
       const uint32_t i = i0 + tid;
       const bool valid = i < cnt;
       const uint32_t k = valid ? sm.cand_key[i] : 0u;
       const uint32_t hi = k >> (32 - lbits);
       const bool is_above = valid && hi > lp, is_tie = valid && hi == lp;
-      const unsigned ma = __ballot_sync(0xffffffffu, is_above);
-      if (ma != 0) {
-        uint32_t b = 0;
-        if (lane == static_cast<unsigned>(__ffs(ma) - 1)) b = atomicAdd(&sm.local_above, __popc(ma));
-        b = __shfl_sync(0xffffffffu, b, __ffs(ma) - 1);
-        if (is_above) emit(base + b + __popc(ma & lt), k, sm.cand_idx[i]);
-      }
-      const unsigned mt = __ballot_sync(0xffffffffu, is_tie);
-      if (mt != 0) {
-        uint32_t b = 0;
-        if (lane == static_cast<unsigned>(__ffs(mt) - 1)) b = atomicAdd(&sm.local_tie, __popc(mt));
-        b = __shfl_sync(0xffffffffu, b, __ffs(mt) - 1);
-        const uint32_t t = b + __popc(mt & lt);
-        if (is_tie && (all || t < lneed)) emit(tie_base + t, k, sm.cand_idx[i]);
-      }
+      const uint32_t a = warp_take(is_above, &sm.local_above);
+      if (is_above) emit(base + a, k, sm.cand_idx[i]);
+      const uint32_t t = warp_take(is_tie, &sm.local_tie);
+      if (is_tie && (all || t < lneed)) emit(tie_base + t, k, sm.cand_idx[i]);
     }
   }
   stamp(prof, 12);
@@ -662,7 +664,6 @@ __device__ __forceinline__ bool radix_select(const uint32_t* keys, uint32_t n, V
   }
   const bool all = lcnt == lneed;
   const uint32_t tie_base = need0 - lneed;
-  const unsigned lane = tid & 31, lt = (1u << lane) - 1u;
   if (tid == 0) {
     sm.local_above = sm.local_tie = 0;
     sm.tie_key = lp;  // unless all: lbits == 32, so lp is the whole key of the tied value
@@ -676,20 +677,10 @@ __device__ __forceinline__ bool radix_select(const uint32_t* keys, uint32_t n, V
     const uint32_t k = v ? keys[i] : 0u;
     const uint32_t hi = lbits == 0 ? 0u : k >> (32 - lbits);
     const bool is_above = v && hi > lp, is_tie = v && hi == lp;
-    const unsigned ma = __ballot_sync(0xffffffffu, is_above);
-    if (ma != 0) {
-      uint32_t b = 0;
-      if (lane == static_cast<unsigned>(__ffs(ma) - 1)) b = atomicAdd(&sm.local_above, __popc(ma));
-      b = __shfl_sync(0xffffffffu, b, __ffs(ma) - 1);
-      if (is_above) emit(b + __popc(ma & lt), i);
-    }
-    const unsigned mt = __ballot_sync(0xffffffffu, is_tie);
-    if (mt != 0) {
-      uint32_t b = 0;
-      if (lane == static_cast<unsigned>(__ffs(mt) - 1)) b = atomicAdd(&sm.local_tie, __popc(mt));
-      b = __shfl_sync(0xffffffffu, b, __ffs(mt) - 1);
-      if (is_tie && all) emit(tie_base + b + __popc(mt & lt), i);
-    }
+    const uint32_t a = warp_take(is_above, &sm.local_above);
+    if (is_above) emit(a, i);
+    const uint32_t t = warp_take(is_tie, &sm.local_tie);
+    if (is_tie && all) emit(tie_base + t, i);
   }
   __syncthreads();
   return !all;
@@ -782,32 +773,21 @@ __device__ __forceinline__ void counted_select(const GridParams& p, int row, uin
   uint64_t* on_list = reinterpret_cast<uint64_t*>(sm.hist);
   if (tid == 0) sm.local_above = sm.local_tie = 0;
   __syncthreads();
-  const unsigned lane = tid & 31, lt = (1u << lane) - 1u;
   for (uint32_t i0 = 0; i0 < cnt; i0 += kThreads) {  // uniform trip count: ballots below
     const uint32_t i = i0 + tid;
     const bool v = i < cnt;
     const uint32_t key = v ? sk[i] : 0u;
     const uint32_t d = (key >> nshift) & nmask;
     const bool is_above = v && d > thr, is_on = v && d == thr;
-    const unsigned ma = __ballot_sync(0xffffffffu, is_above);
-    if (ma != 0) {
-      uint32_t b = 0;
-      if (lane == static_cast<unsigned>(__ffs(ma) - 1)) b = atomicAdd(&sm.local_above, __popc(ma));
-      b = __shfl_sync(0xffffffffu, b, __ffs(ma) - 1);
-      if (is_above) out[b + __popc(ma & lt)] = translate_g(p, row, __ldcg(&cand_idx[i]));
-    }
-    const unsigned mo = __ballot_sync(0xffffffffu, is_on);
-    if (mo != 0) {
-      uint32_t b = 0;
-      if (lane == static_cast<unsigned>(__ffs(mo) - 1)) b = atomicAdd(&sm.local_tie, __popc(mo));
-      b = __shfl_sync(0xffffffffu, b, __ffs(mo) - 1);
-      if (is_on) {
-        const int32_t idx = __ldcg(&cand_idx[i]);
-        if (all_on) {
-          out[above + b + __popc(mo & lt)] = translate_g(p, row, idx);
-        } else {
-          on_list[b + __popc(mo & lt)] = static_cast<uint64_t>(key) << 32 | ~static_cast<uint32_t>(idx);
-        }
+    const uint32_t a = warp_take(is_above, &sm.local_above);
+    if (is_above) out[a] = translate_g(p, row, __ldcg(&cand_idx[i]));
+    const uint32_t o = warp_take(is_on, &sm.local_tie);
+    if (is_on) {
+      const int32_t idx = __ldcg(&cand_idx[i]);
+      if (all_on) {
+        out[above + o] = translate_g(p, row, idx);
+      } else {
+        on_list[o] = static_cast<uint64_t>(key) << 32 | ~static_cast<uint32_t>(idx);
       }
     }
   }

@@ -215,8 +215,9 @@ void Engine::admit_request(RequestId id, Request r) {
   s->seed = r.sampling.seed ? *r.sampling.seed : std::random_device{}() ^ (uint64_t{std::random_device{}()} << 32);
   if (!options_.prefix_cache) r.prefix_cache = false;
   s->req = std::move(r);
-  waiting_.push_back(id);
+  Seq& queued = *s;
   seqs_.emplace(id, std::move(s));
+  enqueue(queued, false);
 }
 
 void Engine::drain_inbox() {

@@ -198,6 +198,9 @@ class Engine {
   void insert_prefix(Seq& s);
   bool handle_stall();
   void preempt(Seq& s);
+  // Puts `s` in the waiting queue, by priority (larger first): at the end of its
+  // priority's run when it is new, at its start when it waited or ran before.
+  void enqueue(Seq& s, bool again);
   // tiering.cpp
   bool make_room(const cache::PoolCounts& need);
   bool evict_one();
@@ -222,7 +225,7 @@ class Engine {
   uint64_t moves_ = 0;                       // page moves between tiers (row pointers changed)
 
   std::map<RequestId, std::unique_ptr<Seq>> seqs_;
-  std::vector<RequestId> waiting_;  // FCFS
+  std::vector<RequestId> waiting_;  // by priority (larger first), then arrival
   uint64_t admit_counter_ = 0;
   EngineStats counters_;
 

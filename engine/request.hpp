@@ -59,6 +59,7 @@ struct Request {
   bool prefix_cache = true;      // match from and insert into the radix tree
   int64_t max_chunk_tokens = 0;  // cap on prefill tokens per step for this request; 0: the step budget
   bool park_after_prefill = false;  // PD prefill: park once the first token is sampled (then export_parked)
+  int32_t priority = 0;  // larger is admitted first and preempted last; ties by arrival
 };
 
 enum class FinishReason : uint8_t { stop, length, abort, error };

@@ -68,7 +68,7 @@ bool Engine::step() {
     add(*s, n);
     budget -= n;
   }
-  // Admissions, first come first served: the head waits if it does not fit.
+  // Admissions in queue order (priority, then arrival): the head waits if it does not fit.
   counters_.waiting_reason.clear();
   while (!waiting_.empty() && budget > 0 && static_cast<int64_t>(batch.seqs.size()) < options_.max_running) {
     int64_t admitted = 0;
@@ -364,9 +364,10 @@ bool Engine::handle_stall() {
     if (s->phase == Phase::running) running.push_back(s.get());
   }
   if (running.size() > 1) {
-    // Nobody could grow: the newest gives way.
-    preempt(**std::max_element(running.begin(), running.end(),
-                               [](const Seq* a, const Seq* b) { return a->order < b->order; }));
+    // Nobody could grow: the lowest priority gives way, the newest of it.
+    preempt(**std::max_element(running.begin(), running.end(), [](const Seq* a, const Seq* b) {
+      return a->req.priority != b->req.priority ? a->req.priority > b->req.priority : a->order < b->order;
+    }));
     return true;
   }
   const auto total = device_->arena().slabs_total() * static_cast<int64_t>(device_->arena().slab_bytes());
@@ -409,7 +410,16 @@ void Engine::preempt(Seq& s) {
   s.decode.reset();
   s.state.reset();
   s.phase = Phase::waiting;
-  waiting_.insert(waiting_.begin(), s.id);
+  enqueue(s, true);
+}
+
+void Engine::enqueue(Seq& s, bool again) {
+  const int32_t p = s.req.priority;
+  auto it = std::find_if(waiting_.begin(), waiting_.end(), [&](RequestId id) {
+    const int32_t q = find(id)->req.priority;
+    return again ? q <= p : q < p;
+  });
+  waiting_.insert(it, s.id);
 }
 
 }  // namespace troupe::engine

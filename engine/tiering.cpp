@@ -207,7 +207,7 @@ bool Engine::start_resume(Seq& s) {
   if (!s.state) {  // parked before it was admitted
     s.phase = Phase::waiting;
     s.resume_wanted = false;
-    waiting_.insert(waiting_.begin(), s.id);
+    enqueue(s, true);
     ++counters_.resumes;
     emit(make_event(s.id, EventKind::resumed));
     return true;

@@ -167,6 +167,7 @@ struct SequenceMeta {
   seed @8 :UInt64;
   usage @9 :Usage;
   pageTokens @10 :Int64;
+  priority @11 :Int32;         # engine::Request::priority
 }
 
 # Prefill (or a draining worker) -> the worker that continues the request

@@ -518,6 +518,7 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
   job.prompt_tokens = plen;
   job.reply_to = caf::actor_cast<caf::actor>(self);
   job.logprobs = api.logprobs;
+  job.priority = api.priority;
   auto& s = job.sampling;
   s.temperature = api.sampling.temperature;
   s.top_p = api.sampling.top_p;
@@ -615,6 +616,7 @@ std::variant<ApiRequest, ApiError> from_frame(const messages::Frame& frame, cons
     }
     default: return bad("prompt", "the prompt is neither token ids, text nor chat");
   }
+  api.priority = r.getPriority();
   auto sp = r.getSampling();
   auto& s = api.sampling;
   const float t = sp.getTemperature(), p = sp.getTopP();

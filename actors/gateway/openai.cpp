@@ -222,6 +222,8 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
     }
   }
   f.boolean("stream", r.stream);
+  f.integer("priority", [&](int64_t v) { r.priority = static_cast<int32_t>(v); }, std::numeric_limits<int32_t>::min(),
+            std::numeric_limits<int32_t>::max());
   f.boolean("return_token_ids", r.return_token_ids);
   f.token_ids("stop_token_ids", s.stop_token_ids);
   f.integer("n", [&](int64_t v) {

@@ -49,6 +49,7 @@ struct ApiRequest {
   // no logprobs. Completions: "logprobs": N; chat: "logprobs": true with
   // "top_logprobs": N.
   int32_t logprobs = -1;
+  int32_t priority = 0;               // vLLM's field, our order: larger is admitted first under pressure
 };
 
 // An error as the API reports it: HTTP status + OpenAI error body.

@@ -189,6 +189,7 @@ void to_wire(const engine::SequenceImage& im, msg::SequenceMeta::Builder out) {
   out.setLogitsMode(static_cast<uint8_t>(im.request.logits));
   out.setPrefixCache(im.request.prefix_cache);
   out.setMaxChunkTokens(im.request.max_chunk_tokens);
+  out.setPriority(im.request.priority);
   set_list(out.initTokens(static_cast<unsigned>(im.tokens.size())), im.tokens);
   out.setLength(im.length);
   out.setGenerated(im.generated);
@@ -204,6 +205,7 @@ engine::SequenceImage image_from_wire(msg::SequenceMeta::Reader in) {
   im.request.logits = static_cast<engine::LogitsMode>(std::min<uint8_t>(in.getLogitsMode(), 2));
   im.request.prefix_cache = in.getPrefixCache();
   im.request.max_chunk_tokens = in.getMaxChunkTokens();
+  im.request.priority = in.getPriority();
   im.tokens = ints(in.getTokens());
   im.length = in.getLength();
   im.generated = in.getGenerated();

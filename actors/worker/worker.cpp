@@ -116,6 +116,7 @@ void start_job(Self self, Job job) {
     r.prompt = job.prompt;
     r.sampling = job.sampling;
     r.park_after_prefill = static_cast<bool>(job.decode_to);
+    r.priority = job.priority;
     if (job.logprobs >= 0) r.logits = engine::LogitsMode::sampled;  // each token comes with its logits row
     eid = st.engine->submit(std::move(r));
   }

@@ -29,6 +29,8 @@ Command add_serve(CLI::App& app) {
       ->check(CLI::Range(0, 65535));
   cmd->add_option("--api-key", o->api_key, "require 'Authorization: Bearer KEY' on /v1/*");
   cmd->add_option("--workers", o->workers, "colocated engine workers");
+  cmd->add_option("--max-running", o->max_running, "requests a worker runs at once (the rest wait, by priority)")
+      ->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--prefill-workers", o->prefill_workers, "prefill workers (disaggregated with --decode-workers)");
   cmd->add_option("--decode-workers", o->decode_workers, "decode workers");
   cmd->add_option("--kv-memory-mib", *kv_mib, "device KV pool budget per worker, MiB");

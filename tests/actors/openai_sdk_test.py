@@ -247,6 +247,43 @@ def test_logit_bias_forces_and_bans_tokens():
             assert e.status_code == 400 and "logit_bias" in str(e), e
 
 
+def test_priority_orders_the_waiting_requests():
+    """`priority` (larger first, as SGLang by default): on a server that runs one
+    request at a time, requests that wait behind a long one start by priority,
+    not by arrival."""
+    import threading
+    import time
+    s = harness.Server(A.troupe, A.home, extra=["--max-running", "1"], name="priority")
+    try:
+        c = client(s)
+        done, lock = [], threading.Lock()
+
+        def run(tag, prio, n):
+            c.completions.create(model=MODEL, prompt=f"{tag} {PROMPT}", max_tokens=n, temperature=0,
+                                 extra_body=dict(priority=prio, ignore_eos=True))
+            with lock:
+                done.append(tag)
+
+        long = threading.Thread(target=run, args=("long", 0, 600))  # seconds: the others queue meanwhile
+        long.start()
+        time.sleep(0.5)  # `long` runs; the others queue behind it in this order
+        waiting = [threading.Thread(target=run, args=(tag, prio, 2)) for tag, prio in
+                   (("low", -5, ), ("mid", 0), ("high", 9))]
+        for t in waiting:
+            t.start()
+            time.sleep(0.1)
+        for t in [long] + waiting:
+            t.join(timeout=120)
+        assert done == ["long", "high", "mid", "low"], done
+        try:
+            c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body=dict(priority="urgent"))
+            raise AssertionError("a string priority was accepted")
+        except openai.BadRequestError as e:
+            assert "priority" in str(e), e
+    finally:
+        s.stop()
+
+
 def test_repeated_prompt_reports_cached_tokens():
     long_prompt = " ".join(f"word{i}" for i in range(120))
     first = greedy(long_prompt, n=4)

@@ -268,6 +268,36 @@ TEST(EngineSampling, penalties_pick_the_argmax_of_the_penalized_logits_and_survi
   EXPECT_EQ(h[b].generated, std::vector<int32_t>(got.begin() + 8, got.end()));
 }
 
+// Priority: with room for one request at a time, the waiting ones are admitted
+// larger priority first, by arrival within a priority.
+TEST(EngineScheduling, larger_priority_is_admitted_first_then_arrival) {
+  auto& m = *test::shared_model().model;
+  std::mt19937_64 rng(8);
+  EngineOptions o;
+  o.max_running = 1;
+  test::Harness h(m, o);
+  auto request = [&](int32_t priority) {
+    auto r = test::greedy(test::random_ids(rng, 20, m.config().vocab_size), 3, LogitsMode::none);
+    r.priority = priority;
+    return h.submit(std::move(r));
+  };
+  const auto first = request(0);
+  h.engine().step();  // `first` runs; the rest wait
+  const std::vector<RequestId> ids{request(0), request(5), request(-1), request(5), request(7), request(0)};
+  const std::vector<RequestId> want{first, ids[4], ids[1], ids[3], ids[0], ids[5], ids[2]};
+  std::vector<RequestId> started;
+  for (int step = 0; step < 200 && started.size() < want.size(); ++step) {
+    h.engine().step();
+    h.collect();
+    for (auto& [id, r] : h.runs()) {
+      if (!r.generated.empty() && std::find(started.begin(), started.end(), id) == started.end()) started.push_back(id);
+    }
+  }
+  EXPECT_EQ(started, want);
+  h.run();
+  for (auto id : want) EXPECT_EQ(h[id].generated.size(), 3u);
+}
+
 TEST(EngineSampling, seeded_requests_sample_the_same_batched_alone_and_parked) {
   auto& m = *test::shared_model().model;
   std::mt19937_64 rng(3);

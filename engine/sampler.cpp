@@ -46,7 +46,9 @@ std::string check(const SamplingParams& p) {
   }
   for (auto [t, bias] : p.logit_bias) {
     if (t < 0) return fmt::format("logit_bias names token {}", t);
-    if (!(bias >= -100.0f && bias <= 100.0f)) return fmt::format("logit_bias {} for token {} must be in [-100, 100]", bias, t);
+    if (!(bias >= -100.0f && bias <= 100.0f)) {
+      return fmt::format("logit_bias {} for token {} must be in [-100, 100]", bias, t);
+    }
   }
   return {};
 }

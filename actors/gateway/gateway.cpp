@@ -646,7 +646,8 @@ std::variant<ApiRequest, ApiError> from_frame(const messages::Frame& frame, cons
   for (auto b : sp.getLogitBias()) {
     const float v = b.getBias();
     if (!(v >= -100.0f && v <= 100.0f)) {
-      return bad("logit_bias", fmt::format("logitBias for token {} must be between -100 and 100, got {}", b.getToken(), v));
+      return bad("logit_bias",
+                 fmt::format("logitBias for token {} must be between -100 and 100, got {}", b.getToken(), v));
     }
     if (b.getToken() > static_cast<uint32_t>(std::numeric_limits<int32_t>::max())) {
       return bad("logit_bias", fmt::format("logitBias names token {}, out of range", b.getToken()));

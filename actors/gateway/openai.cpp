@@ -144,7 +144,9 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
     }
     if (r.prompt_ids && r.prompt_ids->empty()) return bad("prompt", "'prompt' must not be empty");
     f.boolean("echo", r.echo);
-    if (j.contains("suffix") && !j["suffix"].is_null() && !(j["suffix"].is_string() && j["suffix"].get<std::string>().empty())) {
+    const bool no_suffix =
+        !j.contains("suffix") || j["suffix"].is_null() || (j["suffix"].is_string() && j["suffix"].get<std::string>().empty());
+    if (!no_suffix) {
       return bad("suffix", "'suffix' (fill in the middle) is not supported");
     }
     if (j.contains("best_of") && !j["best_of"].is_null() && j["best_of"] != 1) {
@@ -207,7 +209,8 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
     const auto& lb = j["logit_bias"];
     if (!lb.is_object()) return bad("logit_bias", "'logit_bias' must be an object of token ids to biases");
     if (lb.size() > engine::kMaxLogitBias) {
-      return bad("logit_bias", fmt::format("'logit_bias' has {} entries, at most {}", lb.size(), engine::kMaxLogitBias));
+      return bad("logit_bias",
+                 fmt::format("'logit_bias' has {} entries, at most {}", lb.size(), engine::kMaxLogitBias));
     }
     for (const auto& [key, v] : lb.items()) {
       int64_t id = -1;
@@ -254,7 +257,7 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
       return bad("response_format", "'response_format' must be an object with a string 'type'");
     }
     if (rf["type"] != "text") {
-      return bad("response_format", "only response_format type 'text' is supported (no constrained decoding yet), got '" +
+      return bad("response_format", "only response_format type 'text' is supported (no constrained decoding), got '" +
                                         escape_for_error(rf["type"].get<std::string>()) + "'");
     }
   }

@@ -765,7 +765,8 @@ __device__ __forceinline__ void counted_select(const GridParams& p, int row, uin
     __syncthreads();  // every thread has read sm.thr_*
     block_select(
         sk, cnt, [](uint32_t) { return true; }, [&](uint32_t i) { return static_cast<uint32_t>(__ldcg(&cand_idx[i])); },
-        prefix, pbits, need, sm, [&](uint32_t pos, uint32_t i) { out[pos] = translate_g(p, row, __ldcg(&cand_idx[i])); });
+        prefix, pbits, need, sm,
+        [&](uint32_t pos, uint32_t i) { out[pos] = translate_g(p, row, __ldcg(&cand_idx[i])); });
     return;
   }
   // The candidates on the threshold digit, as key << 32 | ~index (distinct: indices

@@ -139,6 +139,11 @@ __device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* w
   return r;
 }
 
+// The digits of a key the radix rounds look at, most significant first: 11, 11 and
+// 10 bits (round 0: bits 31..21, round 1: 20..10, round 2: 9..0).
+__host__ __device__ constexpr int digit_shift(int round) { return round == 0 ? 21 : round == 1 ? 10 : 0; }
+__host__ __device__ constexpr int digit_bits(int round) { return round == 2 ? 10 : 11; }
+
 // The lanes of a warp where `pred` holds take consecutive places from a shared
 // counter, one atomic a warp: returns this lane's place (meaningful where pred
 // holds). Every lane of the warp calls it.
@@ -209,8 +214,7 @@ __device__ __forceinline__ void cluster_select(const uint32_t* sk, uint32_t vmas
   bool gather = false;
 #pragma unroll 1
   for (int round = 0; round < 3; ++round) {
-    const int shift = round == 0 ? 21 : round == 1 ? 10 : 0;
-    const int bits = round == 2 ? 10 : 11;
+    const int shift = digit_shift(round), bits = digit_bits(round);
     const uint32_t nbins = 1u << bits;
     const uint32_t slice = nbins / C;  // bins this CTA reduces for the cluster
     for (uint32_t i = tid; i < slice; i += kThreads) sm.ghist[rank * slice + i] = 0;
@@ -894,8 +898,7 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
       bool gather = false;
 #pragma unroll 1
       for (int round = 0; round < kGRounds; ++round) {
-        const int shift = round == 0 ? 21 : round == 1 ? 10 : 0;
-        const int bits = round == 2 ? 10 : 11;
+        const int shift = digit_shift(round), bits = digit_bits(round);
         const uint32_t nbins = 1u << bits;
         if (round > 0) {
           for (uint32_t i = tid; i < nbins; i += kThreads) sm.hist[i] = 0;
@@ -934,11 +937,10 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
           break;
         }
       }
-      // counted_select's digit: the next round's (shift 10, 11 bits after round 0;
-      // shift 0, 10 bits after round 1), counted into that round's unused histogram.
+      // counted_select's digit: the next round's, counted into that round's unused histogram.
       const bool counted = gather && p.counted_finish && gather_round + 1 < kGRounds;
-      const int nshift = gather_round == 0 ? 10 : 0;
-      const uint32_t nmask = gather_round == 0 ? 0x7ffu : 0x3ffu;
+      const int nshift = digit_shift(gather_round + 1);
+      const uint32_t nmask = (1u << digit_bits(gather_round + 1)) - 1u;
       uint32_t* gh_next = w + (gather_round + 1) * kGBins;
       const bool take_all = cnt == need;
       const uint32_t total_above = kk - need;

@@ -13,8 +13,12 @@ namespace troupe::engine {
 
 using RequestId = uint64_t;
 
-// The most logit_bias entries a request may carry.
-inline constexpr size_t kMaxLogitBias = 1024;
+// Bounds of the logit changes (OpenAI's): frequency and presence penalties in
+// [-kMaxAbsPenalty, kMaxAbsPenalty], each logit bias in [-kMaxAbsLogitBias,
+// kMaxAbsLogitBias], at most kMaxLogitBiasEntries of them.
+inline constexpr float kMaxAbsPenalty = 2.0f;
+inline constexpr float kMaxAbsLogitBias = 100.0f;
+inline constexpr size_t kMaxLogitBiasEntries = 1024;
 
 // Per-request sampling, named as OpenAI / vLLM name them.
 struct SamplingParams {
@@ -41,6 +45,8 @@ struct SamplingParams {
   // answer so far appended to the prompt keeps the original prompt's length here.
   int64_t answer_start = -1;
 
+  // Where the answer starts for a sequence whose request prompt has `prompt_len` tokens.
+  int64_t answer_begin(int64_t prompt_len) const { return answer_start >= 0 ? answer_start : prompt_len; }
   bool adjusts_logits() const {
     return !logit_bias.empty() || repetition_penalty != 1.0f || frequency_penalty != 0.0f || presence_penalty != 0.0f;
   }

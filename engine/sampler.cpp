@@ -35,19 +35,19 @@ std::string check(const SamplingParams& p) {
   if (!(p.repetition_penalty > 0.0f) || !std::isfinite(p.repetition_penalty)) {
     return fmt::format("repetition_penalty {} must be > 0", p.repetition_penalty);
   }
-  if (!(p.frequency_penalty >= -2.0f && p.frequency_penalty <= 2.0f)) {
-    return fmt::format("frequency_penalty {} must be in [-2, 2]", p.frequency_penalty);
+  if (!(std::fabs(p.frequency_penalty) <= kMaxAbsPenalty)) {
+    return fmt::format("frequency_penalty {} must be in [-{}, {}]", p.frequency_penalty, kMaxAbsPenalty, kMaxAbsPenalty);
   }
-  if (!(p.presence_penalty >= -2.0f && p.presence_penalty <= 2.0f)) {
-    return fmt::format("presence_penalty {} must be in [-2, 2]", p.presence_penalty);
+  if (!(std::fabs(p.presence_penalty) <= kMaxAbsPenalty)) {
+    return fmt::format("presence_penalty {} must be in [-{}, {}]", p.presence_penalty, kMaxAbsPenalty, kMaxAbsPenalty);
   }
-  if (p.logit_bias.size() > kMaxLogitBias) {
-    return fmt::format("logit_bias has {} entries, at most {}", p.logit_bias.size(), kMaxLogitBias);
+  if (p.logit_bias.size() > kMaxLogitBiasEntries) {
+    return fmt::format("logit_bias has {} entries, at most {}", p.logit_bias.size(), kMaxLogitBiasEntries);
   }
   for (auto [t, bias] : p.logit_bias) {
     if (t < 0) return fmt::format("logit_bias names token {}", t);
-    if (!(bias >= -100.0f && bias <= 100.0f)) {
-      return fmt::format("logit_bias {} for token {} must be in [-100, 100]", bias, t);
+    if (!(std::fabs(bias) <= kMaxAbsLogitBias)) {
+      return fmt::format("logit_bias {} for token {} must be in [-{}, {}]", bias, t, kMaxAbsLogitBias, kMaxAbsLogitBias);
     }
   }
   return {};
@@ -60,6 +60,12 @@ void TokenCounts::update(std::span<const int32_t> tokens, int64_t start) {
     if (static_cast<int64_t>(i) >= start) ++answer[tokens[i]];
   }
   counted = static_cast<int64_t>(tokens.size());
+}
+
+TokenCounts TokenCounts::of(std::span<const int32_t> tokens, int64_t answer_start) {
+  TokenCounts c;
+  c.update(tokens, answer_start);
+  return c;
 }
 
 void adjust_logits(std::span<float> l, const SamplingParams& p, const TokenCounts& counts) {
@@ -83,26 +89,11 @@ void adjust_logits(std::span<float> l, const SamplingParams& p, const TokenCount
   }
 }
 
-void adjust_logits(std::span<float> l, const SamplingParams& p, std::span<const int32_t> tokens,
-                   int64_t answer_start) {
-  TokenCounts c;
-  c.update(tokens, answer_start);
-  adjust_logits(l, p, c);
-}
-
 int32_t sample(std::span<const float> logits, const SamplingParams& p, uint64_t seed, int64_t position,
-               int32_t generated, std::span<const int64_t> eos, std::span<const int32_t> tokens,
-               int64_t answer_start) {
-  TokenCounts c;
-  if (p.adjusts_logits()) c.update(tokens, p.answer_start >= 0 ? p.answer_start : answer_start);
-  return sample(logits, p, seed, position, generated, eos, &c);
-}
-
-int32_t sample(std::span<const float> logits, const SamplingParams& p, uint64_t seed, int64_t position,
-               int32_t generated, std::span<const int64_t> eos, const TokenCounts* counts) {
+               int32_t generated, std::span<const int64_t> eos, const TokenCounts& counts) {
   const auto V = static_cast<int32_t>(logits.size());
   std::vector<float> l(logits.begin(), logits.end());
-  adjust_logits(l, p, counts != nullptr ? *counts : TokenCounts{});
+  adjust_logits(l, p, counts);
   constexpr float kOff = -std::numeric_limits<float>::infinity();
   if (generated < p.min_tokens) {
     for (int32_t s : p.stop_ids) {

@@ -21,23 +21,18 @@ struct TokenCounts {
   std::unordered_map<int32_t, int32_t> answer;   // count in the answer (frequency, presence)
   // Counts tokens[counted, size) (all of them again if answer_start moved).
   void update(std::span<const int32_t> tokens, int64_t answer_start);
+  // The counts of `tokens` whose answer starts at `answer_start`.
+  static TokenCounts of(std::span<const int32_t> tokens, int64_t answer_start);
 };
 
 // The token at `position` (its index in the sequence), the `generated`-th of
 // the request. `eos` are the model's EOS ids. `counts`: the sequence so far, for
-// the penalties (null: no history).
+// the penalties (none: no history).
 int32_t sample(std::span<const float> logits, const SamplingParams& p, uint64_t seed, int64_t position,
-               int32_t generated, std::span<const int64_t> eos, const TokenCounts* counts = nullptr);
-// The same for a sequence `tokens` whose answer starts at `answer_start` (the params'
-// own answer_start, when set, wins).
-int32_t sample(std::span<const float> logits, const SamplingParams& p, uint64_t seed, int64_t position,
-               int32_t generated, std::span<const int64_t> eos, std::span<const int32_t> tokens,
-               int64_t answer_start);
+               int32_t generated, std::span<const int64_t> eos, const TokenCounts& counts = TokenCounts{});
 
 // The params' logit bias and penalties applied to `logits` in place (see SamplingParams).
 void adjust_logits(std::span<float> logits, const SamplingParams& p, const TokenCounts& counts);
-void adjust_logits(std::span<float> logits, const SamplingParams& p, std::span<const int32_t> tokens,
-                   int64_t answer_start);
 
 // A uniform draw in [0, 1) from (seed, position).
 double uniform(uint64_t seed, int64_t position);

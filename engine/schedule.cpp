@@ -322,11 +322,11 @@ void Engine::after_chunk(Seq& s, int64_t n, const float* rows, int64_t row_count
   const float* last = rows != nullptr ? rows + (row_count - 1) * V : nullptr;
   const auto& sp = s.req.sampling;
   if (sampled == nullptr && sp.adjusts_logits()) {
-    s.counts.update(s.tokens, sp.answer_start >= 0 ? sp.answer_start : s.prompt_len);
+    s.counts.update(s.tokens, sp.answer_begin(s.prompt_len));
   }
   const int32_t token = sampled != nullptr ? *sampled  // argmax on the device (greedy_on_device)
                                            : sample(std::span(last, static_cast<size_t>(V)), sp, s.seed, s.length(),
-                                                    s.generated, c.eos_token_ids, &s.counts);
+                                                    s.generated, c.eos_token_ids, s.counts);
   s.tokens.push_back(token);
   ++s.generated;
   Event e = make_event(s.id, EventKind::token);

@@ -627,11 +627,12 @@ std::variant<ApiRequest, ApiError> from_frame(const messages::Frame& frame, cons
   if (!(rp > 0.0f) || !std::isfinite(rp)) {
     return bad("repetition_penalty", fmt::format("repetitionPenalty must be greater than 0, got {}", rp));
   }
-  if (!(fp >= -2.0f && fp <= 2.0f)) {
-    return bad("frequency_penalty", fmt::format("frequencyPenalty must be between -2 and 2, got {}", fp));
+  constexpr float kPen = engine::kMaxAbsPenalty, kBias = engine::kMaxAbsLogitBias;
+  if (!(std::fabs(fp) <= kPen)) {
+    return bad("frequency_penalty", fmt::format("frequencyPenalty must be between -{} and {}, got {}", kPen, kPen, fp));
   }
-  if (!(pp >= -2.0f && pp <= 2.0f)) {
-    return bad("presence_penalty", fmt::format("presencePenalty must be between -2 and 2, got {}", pp));
+  if (!(std::fabs(pp) <= kPen)) {
+    return bad("presence_penalty", fmt::format("presencePenalty must be between -{} and {}, got {}", kPen, kPen, pp));
   }
   s.temperature = t;
   s.top_p = p;
@@ -639,15 +640,15 @@ std::variant<ApiRequest, ApiError> from_frame(const messages::Frame& frame, cons
   s.repetition_penalty = rp;
   s.frequency_penalty = fp;
   s.presence_penalty = pp;
-  if (sp.getLogitBias().size() > engine::kMaxLogitBias) {
+  if (sp.getLogitBias().size() > engine::kMaxLogitBiasEntries) {
     return bad("logit_bias", fmt::format("logitBias has {} entries, at most {}", sp.getLogitBias().size(),
-                                         engine::kMaxLogitBias));
+                                         engine::kMaxLogitBiasEntries));
   }
   for (auto b : sp.getLogitBias()) {
     const float v = b.getBias();
-    if (!(v >= -100.0f && v <= 100.0f)) {
-      return bad("logit_bias",
-                 fmt::format("logitBias for token {} must be between -100 and 100, got {}", b.getToken(), v));
+    if (!(std::fabs(v) <= kBias)) {
+      return bad("logit_bias", fmt::format("logitBias for token {} must be between -{} and {}, got {}", b.getToken(),
+                                           kBias, kBias, v));
     }
     if (b.getToken() > static_cast<uint32_t>(std::numeric_limits<int32_t>::max())) {
       return bad("logit_bias", fmt::format("logitBias names token {}, out of range", b.getToken()));

@@ -1,6 +1,7 @@
 #include "actors/gateway/openai.hpp"
 
 #include <charconv>
+#include <cmath>
 #include <limits>
 
 #include "engine/request.hpp"
@@ -197,8 +198,9 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
   f.integer(max_key, [&](int64_t v) { s.max_tokens = v; }, 1, int64_t{1} << 40);
   f.integer("min_tokens", [&](int64_t v) { s.min_tokens = v; }, 0, int64_t{1} << 40);
   f.boolean("ignore_eos", s.ignore_eos);
-  f.number("frequency_penalty", [&](double v) { s.frequency_penalty = static_cast<float>(v); }, -2.0, 2.0);
-  f.number("presence_penalty", [&](double v) { s.presence_penalty = static_cast<float>(v); }, -2.0, 2.0);
+  constexpr double kPen = engine::kMaxAbsPenalty, kBias = engine::kMaxAbsLogitBias;
+  f.number("frequency_penalty", [&](double v) { s.frequency_penalty = static_cast<float>(v); }, -kPen, kPen);
+  f.number("presence_penalty", [&](double v) { s.presence_penalty = static_cast<float>(v); }, -kPen, kPen);
   f.number("repetition_penalty", [&](double v) { s.repetition_penalty = static_cast<float>(v); }, 0.0, 1e6);
   if (!f.error && f.has("repetition_penalty") && !(s.repetition_penalty > 0.0f)) {
     f.error = bad("repetition_penalty", "'repetition_penalty' must be greater than 0");
@@ -208,9 +210,9 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
     // OpenAI's form: {"token id": bias}; the token's range is checked against the vocabulary at admission.
     const auto& lb = j["logit_bias"];
     if (!lb.is_object()) return bad("logit_bias", "'logit_bias' must be an object of token ids to biases");
-    if (lb.size() > engine::kMaxLogitBias) {
+    if (lb.size() > engine::kMaxLogitBiasEntries) {
       return bad("logit_bias",
-                 fmt::format("'logit_bias' has {} entries, at most {}", lb.size(), engine::kMaxLogitBias));
+                 fmt::format("'logit_bias' has {} entries, at most {}", lb.size(), engine::kMaxLogitBiasEntries));
     }
     for (const auto& [key, v] : lb.items()) {
       int64_t id = -1;
@@ -220,7 +222,9 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
       }
       if (!v.is_number()) return bad("logit_bias", "'logit_bias' values must be numbers");
       const double b = v.get<double>();
-      if (!(b >= -100.0 && b <= 100.0)) return bad("logit_bias", "'logit_bias' values must be between -100 and 100");
+      if (!(std::fabs(b) <= kBias)) {
+        return bad("logit_bias", fmt::format("'logit_bias' values must be between -{} and {}", kBias, kBias));
+      }
       s.logit_bias.emplace_back(static_cast<int32_t>(id), static_cast<float>(b));
     }
   }

@@ -99,35 +99,35 @@ TEST(Sampler, penalties_follow_vllm) {
   const std::vector<float> l{3.f, -2.f, 2.5f, 1.f, 0.f};
   const std::vector<int32_t> seq{0, 1, 3, 0};  // prompt [0, 1], answer [3, 0]
   SamplingParams p;                             // greedy: the penalties decide the argmax
-  EXPECT_EQ(sample(l, p, 0, 4, 2, {}, seq, 2), 0);
+  EXPECT_EQ(sample(l, p, 0, 4, 2, {}, TokenCounts::of(seq, p.answer_begin(2))), 0);
   // Repetition on every token of the sequence, prompt included: positive logits divided,
   // negative ones multiplied.
   p.repetition_penalty = 2.f;
   std::vector<float> x = l;
-  adjust_logits(x, p, seq, 2);
+  adjust_logits(x, p, TokenCounts::of(seq, 2));
   EXPECT_EQ(x, (std::vector<float>{1.5f, -4.f, 2.5f, 0.5f, 0.f}));
-  EXPECT_EQ(sample(l, p, 0, 4, 2, {}, seq, 2), 2);
+  EXPECT_EQ(sample(l, p, 0, 4, 2, {}, TokenCounts::of(seq, p.answer_begin(2))), 2);
   // Frequency counts the answer only: token 0 is there once (3 - 0.3 = 2.7 wins);
   // counted over the whole sequence it is there twice (2.4 loses to 2.5).
   p = SamplingParams{};
   p.frequency_penalty = 0.3f;
-  EXPECT_EQ(sample(l, p, 0, 4, 2, {}, seq, 2), 0);
-  EXPECT_EQ(sample(l, p, 0, 4, 2, {}, seq, 0), 2);
-  p.answer_start = 0;  // the params' own answer start wins over the caller's
-  EXPECT_EQ(sample(l, p, 0, 4, 2, {}, seq, 2), 2);
+  EXPECT_EQ(sample(l, p, 0, 4, 2, {}, TokenCounts::of(seq, p.answer_begin(2))), 0);
+  EXPECT_EQ(sample(l, p, 0, 4, 2, {}, TokenCounts::of(seq, p.answer_begin(0))), 2);
+  p.answer_start = 0;  // the params' own answer start wins over the prompt's length
+  EXPECT_EQ(sample(l, p, 0, 4, 2, {}, TokenCounts::of(seq, p.answer_begin(2))), 2);
   // Presence: once, whatever the count.
   p = SamplingParams{};
   p.presence_penalty = 0.6f;
   x = l;
-  adjust_logits(x, p, seq, 0);
+  adjust_logits(x, p, TokenCounts::of(seq, 0));
   const std::vector<float> want{3.f - 0.6f, -2.f - 0.6f, 2.5f, 1.f - 0.6f, 0.f};
   for (size_t i = 0; i < want.size(); ++i) EXPECT_FLOAT_EQ(x[i], want[i]) << i;
   // Negative values reward repeats.
   p = SamplingParams{};
   p.frequency_penalty = -2.f;
-  EXPECT_EQ(sample(l, p, 0, 4, 2, {}, seq, 2), 0);
+  EXPECT_EQ(sample(l, p, 0, 4, 2, {}, TokenCounts::of(seq, p.answer_begin(2))), 0);
   x = l;
-  adjust_logits(x, p, seq, 2);
+  adjust_logits(x, p, TokenCounts::of(seq, 2));
   EXPECT_FLOAT_EQ(x[3], 3.f);
   // Sampled, not only greedy: the draws follow the penalized logits (0: 3 / 50 - 2,
   // 1: -2 * 50, 3: 1 / 50 - 2; 2 and 4 untouched), so 1 is never drawn and 2 mostly.
@@ -137,7 +137,7 @@ TEST(Sampler, penalties_follow_vllm) {
   p.repetition_penalty = 50.f;
   int twos = 0;
   for (int64_t pos = 0; pos < 200; ++pos) {
-    const int32_t t = sample(l, p, 5, pos, 2, {}, seq, 2);
+    const int32_t t = sample(l, p, 5, pos, 2, {}, TokenCounts::of(seq, p.answer_begin(2)));
     EXPECT_NE(t, 1);
     twos += t == 2;
   }
@@ -147,7 +147,7 @@ TEST(Sampler, penalties_follow_vllm) {
   p.frequency_penalty = -2.f;
   p.stop_ids = {0};
   p.min_tokens = 5;
-  EXPECT_EQ(sample(l, p, 0, 4, 2, {}, seq, 2), 3);  // 1 + 2
+  EXPECT_EQ(sample(l, p, 0, 4, 2, {}, TokenCounts::of(seq, p.answer_begin(2))), 3);  // 1 + 2
   // No penalties, no history needed.
   EXPECT_FALSE(SamplingParams{}.adjusts_logits());
   EXPECT_EQ(sample(l, SamplingParams{}, 0, 4, 2, {}), 0);
@@ -178,7 +178,7 @@ TEST(Sampler, logit_bias_comes_before_the_penalties) {
   SamplingParams p;
   p.logit_bias = {{1, 1.f}, {3, -100.f}, {9, 50.f}};  // 9: outside this vocabulary, skipped
   std::vector<float> x = l;
-  adjust_logits(x, p, {}, 0);
+  adjust_logits(x, p, TokenCounts{});
   EXPECT_EQ(x, (std::vector<float>{3.f, 2.f, 2.5f, -100.f}));
   p.logit_bias = {{2, 1.f}};
   EXPECT_EQ(sample(l, p, 0, 0, 0, {}), 2);  // 3.5 > 3
@@ -186,9 +186,9 @@ TEST(Sampler, logit_bias_comes_before_the_penalties) {
   p.repetition_penalty = 2.f;
   const std::vector<int32_t> seq{2};
   x = l;
-  adjust_logits(x, p, seq, 1);
+  adjust_logits(x, p, TokenCounts::of(seq, 1));
   EXPECT_FLOAT_EQ(x[2], 1.75f);
-  EXPECT_EQ(sample(l, p, 0, 1, 0, {}, seq, 1), 0);
+  EXPECT_EQ(sample(l, p, 0, 1, 0, {}, TokenCounts::of(seq, p.answer_begin(1))), 0);
   // A ban holds under sampling too.
   p = SamplingParams{};
   p.temperature = 1.f;
@@ -211,7 +211,7 @@ TEST(Sampler, penalties_out_of_range_are_refused) {
   EXPECT_NE(bad([](SamplingParams& p) { p.presence_penalty = NAN; }).find("presence_penalty"), std::string::npos);
   EXPECT_NE(bad([](SamplingParams& p) { p.logit_bias = {{5, 101.f}}; }).find("logit_bias"), std::string::npos);
   EXPECT_NE(bad([](SamplingParams& p) { p.logit_bias = {{-1, 1.f}}; }).find("logit_bias"), std::string::npos);
-  EXPECT_NE(bad([](SamplingParams& p) { p.logit_bias.assign(kMaxLogitBias + 1, {1, 1.f}); }).find("logit_bias"),
+  EXPECT_NE(bad([](SamplingParams& p) { p.logit_bias.assign(kMaxLogitBiasEntries + 1, {1, 1.f}); }).find("logit_bias"),
             std::string::npos);
   EXPECT_TRUE(bad([](SamplingParams& p) {
                 p.logit_bias = {{5, -100.f}, {6, 100.f}};
@@ -224,7 +224,7 @@ TEST(Sampler, penalties_out_of_range_are_refused) {
 // The argmax of the penalized logits (first of the maxima), for `history`.
 int32_t penalized_argmax(std::vector<float> row, const SamplingParams& p, const std::vector<int32_t>& history,
                          int64_t answer_start) {
-  adjust_logits(row, p, history, answer_start);
+  adjust_logits(row, p, TokenCounts::of(history, answer_start));
   return static_cast<int32_t>(std::max_element(row.begin(), row.end()) - row.begin());
 }
 

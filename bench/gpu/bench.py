@@ -162,9 +162,7 @@ class Bench:
                     self.ok(L.tb_topk(ptr(xs[0]), n, None, rows, n, k, ptr(out), ptr(cnt), ptr(ws), 0, stream()),
                             "topk")
                     torch.cuda.synchronize()
-                    mine = torch.gather(xs[0], 1, out.long()).sort(dim=1).values
-                    ref = torch.topk(xs[0], k, dim=1, sorted=False).values.sort(dim=1).values
-                    ok = bool(torch.equal(mine, ref)) and bool((cnt == k).all())
+                    ok = topk_values_match(xs[0], out, k) and bool((cnt == k).all())
                     if not ok:
                         self.failures.append(f"topk {rows}x{n} k={k} finish {fin}")
                     exact = exact and ok
@@ -337,16 +335,14 @@ class Bench:
                 ref = (torch.relu(torch.einsum("bhd,bnd->bhn", qf, kf)) * scale * (w * wscale)[:, :, None]).sum(1)
                 err = rel_err(scores, ref)
                 del kf, ref
-                mine = torch.gather(scores, 1, out.long()).sort(dim=1).values
-                exact = bool(torch.equal(mine, torch.topk(scores, k, dim=1).values.sort(dim=1).values))
+                exact = topk_values_match(scores, out, k)
                 if not (err < 1e-3 and exact):
                     self.failures.append(f"indexer n={n} B={B} fp8={fp8}: err {err} exact {exact}")
                 t_ours = graph_time(ours, calls=5, reps=10)
                 os.environ["TROUPE_TOPK_FINISH"] = "2"  # the top-k's other finish (see topk above), same check
                 ours(0)
                 torch.cuda.synchronize()
-                mine2 = torch.gather(scores, 1, out.long()).sort(dim=1).values
-                if not torch.equal(mine2, torch.topk(scores, k, dim=1).values.sort(dim=1).values):
+                if not topk_values_match(scores, out, k):
                     self.failures.append(f"indexer n={n} B={B} fp8={fp8}: top-k finish 2 not exact")
                 t_fin2 = graph_time(ours, calls=5, reps=10)
                 os.environ.pop("TROUPE_TOPK_FINISH", None)
@@ -435,6 +431,12 @@ class Bench:
                 self.add(kernel=f"gemv bf16 m={m}", shape=what, ours_us=t_ours, torch_us=t_torch,
                          speedup=t_torch / t_ours, gbps=bw / 1e9, pct_copy=100 * bw / self.copy_bw, rel_err=err)
                 del ws
+
+
+def topk_values_match(x, idx, k):
+    """Whether the values x[idx] are torch.topk's k largest of each row (ties give equal values)."""
+    mine = torch.gather(x, 1, idx.long()).sort(dim=1).values
+    return bool(torch.equal(mine, torch.topk(x, k, dim=1, sorted=False).values.sort(dim=1).values))
 
 
 def self_rope(x, inv_freq, pos):

@@ -32,10 +32,10 @@ class ColocatedVsDisaggregated(unittest.TestCase):
     PENALTIES = {"repetition_penalty": 1.3, "frequency_penalty": 0.8, "presence_penalty": 0.4,
                  "logit_bias": {"500": 6.0, "501": -100.0}}
 
-    def run_all(self, host, port, model, prompts, max_tokens, penalized=(), penalties=None):
+    def run_all(self, host, port, model, prompts, max_tokens, penalized=()):
         out = []
         for i, p in enumerate(prompts):
-            extra = (penalties or self.PENALTIES) if i in penalized else None
+            extra = self.PENALTIES if i in penalized else None
             r = h.complete(host, port, model, p, max_tokens, stream=bool(i % 2), extra=extra)
             self.assertIsNone(r["error"], r)
             self.assertEqual(len(r["token_ids"]), max_tokens, r)

@@ -76,8 +76,7 @@ __device__ __forceinline__ uint32_t order_key(float f) {
 
 __device__ __forceinline__ int elem_offset(int e) { return (e >> 2) * (kThreads * 4) + threadIdx.x * 4 + (e & 3); }
 
-// This thread's elements (e = 0 .. EPT-1 at sk[e * kThreads + tid], valid where vmask
-// says) whose key's top 32 - drop bits are above / equal to `prefix`, as bit masks,
+// This thread's elements (e = 0 .. EPT-1, key(e); valid where vmask says) whose key's top 32 - drop bits are above / equal to `prefix`, as bit masks,
 // with their counts and the warp's inclusive scans of those counts (both kernels
 // then take output ranges: one shared atomic per warp, one per CTA).
 struct Chosen {
@@ -85,13 +84,13 @@ struct Chosen {
   uint32_t n_above = 0, n_tie = 0, a_incl = 0, t_incl = 0;
 };
 
-template <int EPT>
-__device__ __forceinline__ Chosen chosen_elements(const uint32_t* sk, uint32_t vmask, int drop, uint32_t prefix) {
+template <int EPT, class Key>
+__device__ __forceinline__ Chosen chosen_elements(Key&& key, uint32_t vmask, int drop, uint32_t prefix) {
   const int tid = threadIdx.x;
   Chosen c;
 #pragma unroll
   for (int e = 0; e < EPT; ++e) {
-    const uint32_t hi = sk[e * kThreads + tid] >> drop;
+    const uint32_t hi = key(e) >> drop;
     const uint32_t v = (vmask >> e) & 1u;
     c.above_mask |= (v & static_cast<uint32_t>(hi > prefix)) << e;
     c.tie_mask |= (v & static_cast<uint32_t>(hi == prefix)) << e;
@@ -280,7 +279,7 @@ __device__ __forceinline__ void cluster_select(const uint32_t* sk, uint32_t vmas
   // Chosen elements of this thread as bit masks, then output ranges: warp scans,
   // one shared atomic per warp, one DSMEM atomic per CTA on the leader's counters.
   const auto [above_mask, tie_mask, n_above, n_tie, a_incl, t_incl] =
-      chosen_elements<kEpt>(sk, vmask, drop, prefix);
+      chosen_elements<kEpt>([&](int e) { return sk[e * kThreads + tid]; }, vmask, drop, prefix);
   const unsigned lane = tid & 31;
   uint32_t a_warp = 0, t_warp = 0;
   if (lane == 31) {
@@ -616,11 +615,26 @@ __device__ __forceinline__ long long global_ns() {
   return t;
 }
 
+// Row barriers: the block's barrier, then one thread's release (or acquire-release)
+// at gpu scope, as cooperative groups' grid sync orders a block's writes (its fence
+// after the barrier), with the release in the arrival atomic instead of a
+// sequentially consistent fence in every thread.
+__device__ __forceinline__ uint32_t arrive_release(uint32_t* ctr) {
+  uint32_t old;
+  asm volatile("atom.add.release.gpu.global.u32 %0, [%1], 1;" : "=r"(old) : "l"(ctr) : "memory");
+  return old;
+}
+
+__device__ __forceinline__ uint32_t arrive_acq_rel(uint32_t* ctr) {
+  uint32_t old;
+  asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;" : "=r"(old) : "l"(ctr) : "memory");
+  return old;
+}
+
 __device__ __forceinline__ void grid_arrive_and_wait(uint32_t* ctr, uint32_t expected) {
-  __threadfence();  // every thread's histogram atomics before the arrival
-  __syncthreads();
+  __syncthreads();  // every thread's histogram atomics before the arrival
   if (threadIdx.x == 0) {
-    atomicAdd(ctr, 1u);
+    arrive_release(ctr);
     uint32_t v;
     do {
       asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ctr) : "memory");
@@ -743,6 +757,28 @@ __device__ __forceinline__ void ties_in_index_order(const GridParams& p, int row
 // comparisons each); more than this share the threshold digit: block_select.
 constexpr uint32_t kRankMax = 256;
 
+// Candidates a thread of the last CTA holds in registers per pass of counted_select
+// (their keys and indices loaded together: one global round trip a pass; rows that
+// gather at most kPass * kThreads candidates, the usual case, take one pass).
+constexpr int kPass = 4;
+
+struct CandidatePass {
+  uint32_t key[kPass];
+  int32_t idx[kPass];
+};
+
+__device__ __forceinline__ CandidatePass load_candidates(const uint32_t* cand_key, const int32_t* cand_idx, uint32_t b0,
+                                                         uint32_t cnt) {
+  CandidatePass c;
+#pragma unroll
+  for (int j = 0; j < kPass; ++j) {
+    const uint32_t i = b0 + j * kThreads + threadIdx.x;
+    c.key[j] = i < cnt ? __ldcg(&cand_key[i]) : 0u;
+    c.idx[j] = i < cnt ? __ldcg(&cand_idx[i]) : 0;
+  }
+  return c;
+}
+
 // The last CTA's select over the `cnt` gathered candidates (all share the top `pbits`
 // bits `prefix`) when every CTA also counted its candidates' next digit (the bits
 // under the prefix, `(key >> nshift) & nmask`) into gh_next while gathering: the
@@ -751,51 +787,70 @@ constexpr uint32_t kRankMax = 256;
 // sort's order); their rank is their place. Instead of block_select's radix rounds
 // over every candidate (clear, count, scan: each round barrier-bound), which it
 // falls back to when more than kRankMax candidates share the threshold digit.
-// Writes the `need` chosen to out[0 .. need). Every thread of the block calls it.
+// The first pass's candidates are requested with the histogram, before the
+// threshold is known. Writes the `need` chosen to out[0 .. need). Every thread of
+// the block calls it.
 __device__ __forceinline__ void counted_select(const GridParams& p, int row, uint32_t* sk, uint32_t cnt,
                                                const uint32_t* cand_key, const int32_t* cand_idx,
                                                const uint32_t* gh_next, int nshift, uint32_t nmask, uint32_t prefix,
                                                int pbits, uint32_t need, int32_t* out, GSmem& sm, long long* lprof) {
   const int tid = threadIdx.x;
   const uint32_t nbins = nmask + 1;
-  for (uint32_t i = tid; i < cnt; i += kThreads) sk[i] = __ldcg(&cand_key[i]);
+  CandidatePass c = load_candidates(cand_key, cand_idx, 0, cnt);
   for (uint32_t i = tid; i < nbins; i += kThreads) sm.hist[i] = __ldcg(&gh_next[i]);
+  if (tid == 0) sm.local_above = sm.local_tie = 0;
   __syncthreads();
   if (lprof) lprof[7] = global_ns();
   find_threshold(sm.hist, nbins, need, sm);  // ends with a barrier: the histogram is read
   const uint32_t thr = sm.thr_bin, above = sm.thr_above, on = sm.thr_cnt, need_on = need - above;
   const bool all_on = on == need_on;
   if (!all_on && on > kRankMax) {  // the same in every thread
-    __syncthreads();  // every thread has read sm.thr_*
+    for (uint32_t i = tid; i < cnt; i += kThreads) sk[i] = __ldcg(&cand_key[i]);
+    __syncthreads();  // and every thread has read sm.thr_*
     block_select(
         sk, cnt, [](uint32_t) { return true; }, [&](uint32_t i) { return static_cast<uint32_t>(__ldcg(&cand_idx[i])); },
         prefix, pbits, need, sm,
         [&](uint32_t pos, uint32_t i) { out[pos] = translate_g(p, row, __ldcg(&cand_idx[i])); });
     return;
   }
+  if (lprof) lprof[8] = global_ns();
   // The candidates on the threshold digit, as key << 32 | ~index (distinct: indices
   // are), in the spent histogram's space (kRankMax 64-bit entries fit in it).
   uint64_t* on_list = reinterpret_cast<uint64_t*>(sm.hist);
-  if (tid == 0) sm.local_above = sm.local_tie = 0;
-  __syncthreads();
-  for (uint32_t i0 = 0; i0 < cnt; i0 += kThreads) {  // uniform trip count: ballots below
-    const uint32_t i = i0 + tid;
-    const bool v = i < cnt;
-    const uint32_t key = v ? sk[i] : 0u;
-    const uint32_t d = (key >> nshift) & nmask;
-    const bool is_above = v && d > thr, is_on = v && d == thr;
-    const uint32_t a = warp_take(is_above, &sm.local_above);
-    if (is_above) out[a] = translate_g(p, row, __ldcg(&cand_idx[i]));
-    const uint32_t o = warp_take(is_on, &sm.local_tie);
-    if (is_on) {
-      const int32_t idx = __ldcg(&cand_idx[i]);
-      if (all_on) {
-        out[above + o] = translate_g(p, row, idx);
-      } else {
-        on_list[o] = static_cast<uint64_t>(key) << 32 | ~static_cast<uint32_t>(idx);
+  // Every candidate shares `prefix`, so comparing the key's bits down to this digit
+  // with prefix:thr compares the digit.
+  const uint32_t pthr = (prefix << __popc(nmask)) | thr;
+  const unsigned lane = tid & 31;
+  for (uint32_t b0 = 0; b0 < cnt; b0 += kPass * kThreads) {  // uniform trip counts: shuffles below
+    if (b0 > 0) c = load_candidates(cand_key, cand_idx, b0, cnt);
+    uint32_t vmask = 0;
+#pragma unroll
+    for (int j = 0; j < kPass; ++j) vmask |= static_cast<uint32_t>(b0 + j * kThreads + tid < cnt) << j;
+    // Places: one shared atomic a warp for each kind (warp_take's would be one a
+    // warp for each of the pass's elements, each waiting for the last).
+    const auto [above_mask, on_mask, n_above, n_on, a_incl, o_incl] =
+        chosen_elements<kPass>([&](int j) { return c.key[j]; }, vmask, nshift, pthr);
+    uint32_t a_warp = 0, o_warp = 0;
+    if (lane == 31) {
+      a_warp = atomicAdd(&sm.local_above, a_incl);
+      o_warp = atomicAdd(&sm.local_tie, o_incl);
+    }
+    uint32_t a = __shfl_sync(0xffffffffu, a_warp, 31) + a_incl - n_above;
+    uint32_t o = __shfl_sync(0xffffffffu, o_warp, 31) + o_incl - n_on;
+#pragma unroll
+    for (int j = 0; j < kPass; ++j) {
+      if ((above_mask >> j) & 1u) out[a++] = translate_g(p, row, c.idx[j]);
+      if ((on_mask >> j) & 1u) {
+        if (all_on) {
+          out[above + o] = translate_g(p, row, c.idx[j]);
+        } else {
+          on_list[o] = static_cast<uint64_t>(c.key[j]) << 32 | ~static_cast<uint32_t>(c.idx[j]);
+        }
+        ++o;
       }
     }
   }
+  if (lprof) lprof[9] = global_ns();
   if (all_on) return;
   __syncthreads();
   for (uint32_t t = tid; t < on; t += kThreads) {
@@ -948,7 +1003,7 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
       // This thread's chosen elements as masks, then output ranges: warp scans, one
       // shared atomic per warp, one global atomic per CTA.
       const auto [above_mask, tie_mask, n_above, n_tie, a_incl, t_incl] =
-          chosen_elements<EPT>(sk, vmask, drop, prefix);
+          chosen_elements<EPT>([&](int e) { return sk[e * kThreads + tid]; }, vmask, drop, prefix);
       const unsigned lane = tid & 31;
       if (tid == 0) sm.above_ctr = sm.tie_ctr = 0;
       __syncthreads();
@@ -984,12 +1039,8 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
       }
       if (prof) prof[5] = global_ns();
       // The last CTA of the row to get here finishes it.
-      __threadfence();  // every thread's output and candidate stores before the arrival
-      __syncthreads();
-      if (tid == 0) {
-        sm.last = atomicAdd(&ctr[kDone], 1u) == static_cast<uint32_t>(nrow - 1);
-        if (sm.last) __threadfence();
-      }
+      __syncthreads();  // every thread's output and candidate stores before the arrival
+      if (tid == 0) sm.last = arrive_acq_rel(&ctr[kDone]) == static_cast<uint32_t>(nrow - 1);
       __syncthreads();
       if (sm.last) {
         long long* lprof = p.profile != nullptr && row == 0 && tid == 0 ? p.profile : nullptr;
@@ -1010,7 +1061,7 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
         }
         for (int i = tid; i < kGRounds * kGBins + kCounters; i += kThreads) w[i] = 0;  // ready for the next call
         if (p.out_count != nullptr && tid == 0) p.out_count[row] = p.k;
-        if (lprof) lprof[8] = global_ns();
+        if (lprof) lprof[10] = global_ns();
       }
     }
   }
@@ -1095,11 +1146,11 @@ size_t grid_workspace_bytes(int rows, int64_t max_len) {
   return static_cast<size_t>(words) * 4 + 256;
 }
 
-// TopkArgs::finish, or TROUPE_TOPK_FINISH (read at each call) when it is 0; 1 by default.
+// TopkArgs::finish, or TROUPE_TOPK_FINISH (read at each call) when it is 0; 2 by default.
 int topk_finish(const TopkArgs& a) {
   if (a.finish != 0) return a.finish;
   const char* e = std::getenv("TROUPE_TOPK_FINISH");
-  return e != nullptr && e[0] == '2' ? 2 : 1;
+  return e != nullptr && e[0] == '1' ? 1 : 2;
 }
 
 void launch_grid_topk(const TopkArgs& a, const GridPlan& g, void* workspace, cudaStream_t stream) {

@@ -49,11 +49,11 @@ struct TopkArgs {
                                     // in TROUPE_TOPK_CLUSTER); else the cluster kernel with clusters of 1..16
                                     // CTAs (power of two)
   long long* profile = nullptr;     // debugging aid: phase-end stamps of row 0 (cluster kernel: 12 SM clocks;
-                                    // grid kernel: 9 %globaltimer ns values, see bench/gpu/bench.py)
+                                    // grid kernel: 11 %globaltimer ns values, see bench/gpu/bench.py)
   int finish = 0;                   // the grid kernel's last step over a row's gathered bucket: 1 = radix rounds
                                     // in the row's last CTA; 2 = every CTA also counts the bucket's next digit,
                                     // the last CTA takes the threshold from that count and ranks the few on it;
-                                    // 0 = TROUPE_TOPK_FINISH (1 unless it is 2). Both exact, ties by lower index
+                                    // 0 = TROUPE_TOPK_FINISH (2 unless it is 1). Both exact, ties by lower index
 };
 
 // Scratch the call needs (enough for any call with at most `rows` rows and this

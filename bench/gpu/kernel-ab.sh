@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# On the GPU machine: the kernel benchmark (bench/gpu/bench.py) over variants of one
+# kernel source, each built into its own benchmark library, in one call, then one
+# table of every variant's times side by side (ab.md in OUT).
+#   bench/gpu/kernel-ab.sh OUT SOURCE NAME=FILE [NAME=FILE ...] [-- bench.py options]
+# SOURCE: the tree's file the variants replace (kernels/cuda/topk.cu); FILE: a copy of
+# it to build instead ("tree" builds SOURCE itself). Example:
+#   bench/gpu/kernel-ab.sh out/ab kernels/cuda/topk.cu before=ab/topk_a.cu after=tree -- --only topk,indexer
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+out=$1 source=$2
+shift 2
+variants=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do variants+=("$1"); shift; done
+[ "${1:-}" = "--" ] && shift
+mkdir -p "$out"
+nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+for v in "${variants[@]}"; do
+  name=${v%%=*} file=${v#*=}
+  dir=${AB_LIB_DIR:-/tmp/kernel-ab}/lib-$name  # outside OUT: the objects need not come back
+  mkdir -p "$dir"
+  objs=()
+  for src in bench/gpu/bench_lib.cu kernels/cuda/{topk,compressor,indexer,attention,dense}.cu; do
+    obj=$dir/$(basename "$src" .cu).o
+    use=$src
+    [ "$src" = "$source" ] && [ "$file" != tree ] && use=$file
+    "$nvcc" -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Xcompiler -fPIC -I. \
+      -c "$use" -o "$obj" &
+    objs+=("$obj")
+  done
+  wait
+  "$nvcc" -shared -gencode=arch=compute_90a,code=sm_90a -o "$dir/lib.so" "${objs[@]}"
+done
+for v in "${variants[@]}"; do
+  name=${v%%=*}
+  echo "== $name"
+  mkdir -p "$out/$name"
+  PYTHONUNBUFFERED=1 python3 bench/gpu/bench.py "${AB_LIB_DIR:-/tmp/kernel-ab}/lib-$name/lib.so" --out "$out/$name" "$@" | grep -E "phases|failures"
+done
+python3 - "$out" "${variants[@]%%=*}" <<'PY'
+import json, sys
+out, names = sys.argv[1], sys.argv[2:]
+runs = {n: json.load(open(f"{out}/{n}/bench.json")) for n in names}
+cols = ["ours_us", "finish1_us"]
+keys = []
+for n in names:
+    for r in runs[n]["rows"]:
+        k = (r["kernel"], r["shape"])
+        if k not in keys:
+            keys.append(k)
+head = "| kernel | shape | " + " | ".join(f"{n} {c}" for c in cols for n in names) + " | exact |"
+lines = [head, "|" + "---|" * (3 + len(cols) * len(names))]
+for k in keys:
+    cells, exact = [], []
+    for c in cols:
+        for n in names:
+            r = next((r for r in runs[n]["rows"] if (r["kernel"], r["shape"]) == k), {})
+            cells.append(f"{r[c]:.2f}" if isinstance(r.get(c), (int, float)) else "")
+            if c == cols[0] and "exact" in r:
+                exact.append(str(r["exact"]))
+    lines.append(f"| {k[0]} | {k[1]} | " + " | ".join(cells) + f" | {'/'.join(exact)} |")
+lines.append("")
+lines.append("failures: " + "; ".join(f"{n}: {runs[n]['failures'] or 'none'}" for n in names))
+open(f"{out}/ab.md", "w").write("\n".join(lines) + "\n")
+print("\n".join(lines))
+PY

@@ -231,58 +231,64 @@ __global__ void __launch_bounds__(kWarps * 32, 1) indexer_mma_kernel(const Score
 // query, staged once per CTA, is amortised over more keys), as a 4 x 4 tile (KG 16) or,
 // under TROUPE_INDEXER_TILE=0, one key by 16 heads (KG 64); a grid that would not fill
 // the GPU (decode: one query, a few hundred keys) takes 16 keys a CTA, one key by 4
-// heads a thread, four times the CTAs.
+// heads a thread, four times the CTAs. The keys are staged `dpass` channels at a time
+// (the 64-key CTAs: 64, so four CTAs fit an SM: with the whole 128-channel rows three
+// did, and 32,768 keys ran as 1.3 waves); the sums run over the channels in the same
+// order either way.
 constexpr int kThreadsRagged = 256;
 
 template <int CHUNK, int KG>
-__global__ void __launch_bounds__(kThreadsRagged)
-    indexer_ragged_kernel(const float* q, const float* w, int heads, int dim, float scale, float weight_scale,
-                          RaggedRows keys, float* scores, int64_t score_stride) {
+__global__ void __launch_bounds__(kThreadsRagged, CHUNK == 64 && KG == 16 ? 4 : 1)  // 4: 64 registers a thread
+    indexer_ragged_kernel(const float* q, const float* w, int heads, int dim, int dpass, float scale,
+                          float weight_scale, RaggedRows keys, float* scores, int64_t score_stride) {
   pdl_entry();  // see launch_kernel
   constexpr int HG = kThreadsRagged / KG;
   constexpr int KPT = CHUNK / KG;  // keys a thread scores
   constexpr int HPT = 64 / HG;     // heads a thread sums
   extern __shared__ __align__(16) float sm[];
-  const int ks = dim + 4;
-  float* q_s = sm;                    // [heads][dim]
-  float* k_s = q_s + heads * dim;     // [CHUNK][dim + 4]
-  float* red = k_s + CHUNK * ks;      // [HG][CHUNK]
+  const int ks = dpass + 4;
+  float* q_s = sm;                 // [heads][dim]
+  float* k_s = q_s + heads * dim;  // [CHUNK][dpass + 4], then the head groups' partial sums
+  float* red = k_s;                // [HG][CHUNK], after the last pass
   const int64_t t = blockIdx.y;
   const int64_t begin = keys.offsets[t];
   const int64_t n = keys.offsets[t + 1] - begin;
   const int64_t s0 = static_cast<int64_t>(blockIdx.x) * CHUNK;
   if (s0 >= n) return;
-  const int d4 = dim / 4;
-  for (int i = threadIdx.x; i < heads * d4; i += blockDim.x) {
+  for (int i = threadIdx.x; i < heads * (dim / 4); i += blockDim.x) {
     reinterpret_cast<float4*>(q_s)[i] = reinterpret_cast<const float4*>(q + t * heads * dim)[i];
   }
-  for (int i = threadIdx.x; i < CHUNK * d4; i += blockDim.x) {
-    const int r = i / d4, c4 = i % d4;
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (s0 + r < n) v = reinterpret_cast<const float4*>(keys.rows[begin + s0 + r])[c4];
-    *reinterpret_cast<float4*>(k_s + r * ks + 4 * c4) = v;
-  }
-  __syncthreads();
   const int kg = threadIdx.x % KG, hg = threadIdx.x / KG;
   float acc[KPT][HPT];
 #pragma unroll
   for (int i = 0; i < KPT; ++i)
 #pragma unroll
     for (int j = 0; j < HPT; ++j) acc[i][j] = 0.f;
-  for (int d = 0; d < dim; d += 4) {
-    float4 kv[KPT], qv[HPT];
-#pragma unroll
-    for (int i = 0; i < KPT; ++i) kv[i] = *reinterpret_cast<const float4*>(k_s + (kg + KG * i) * ks + d);
-#pragma unroll
-    for (int j = 0; j < HPT; ++j) {
-      const int h = hg + HG * j;
-      qv[j] = h < heads ? *reinterpret_cast<const float4*>(q_s + h * dim + d) : make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int p0 = 0; p0 < dim; p0 += dpass) {
+    const int dn = dim - p0 < dpass ? dim - p0 : dpass, d4 = dn / 4;
+    if (p0 > 0) __syncthreads();  // every thread is done with the last pass's keys
+    for (int i = threadIdx.x; i < CHUNK * d4; i += blockDim.x) {
+      const int r = i / d4, c4 = i % d4;
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (s0 + r < n) v = reinterpret_cast<const float4*>(keys.rows[begin + s0 + r] + p0)[c4];
+      *reinterpret_cast<float4*>(k_s + r * ks + 4 * c4) = v;
     }
+    __syncthreads();
+    for (int d = 0; d < dn; d += 4) {
+      float4 kv[KPT], qv[HPT];
 #pragma unroll
-    for (int i = 0; i < KPT; ++i)
+      for (int i = 0; i < KPT; ++i) kv[i] = *reinterpret_cast<const float4*>(k_s + (kg + KG * i) * ks + d);
 #pragma unroll
-      for (int j = 0; j < HPT; ++j)
-        acc[i][j] += qv[j].x * kv[i].x + qv[j].y * kv[i].y + qv[j].z * kv[i].z + qv[j].w * kv[i].w;
+      for (int j = 0; j < HPT; ++j) {
+        const int h = hg + HG * j;
+        qv[j] = h < heads ? *reinterpret_cast<const float4*>(q_s + h * dim + p0 + d) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int i = 0; i < KPT; ++i)
+#pragma unroll
+        for (int j = 0; j < HPT; ++j)
+          acc[i][j] += qv[j].x * kv[i].x + qv[j].y * kv[i].y + qv[j].z * kv[i].z + qv[j].w * kv[i].w;
+    }
   }
   float wh[HPT];
 #pragma unroll
@@ -290,6 +296,7 @@ __global__ void __launch_bounds__(kThreadsRagged)
     const int h = hg + HG * j;
     wh[j] = h < heads ? w[t * heads + h] * weight_scale : 0.f;
   }
+  __syncthreads();  // every thread is done with the keys: red takes their place
 #pragma unroll
   for (int i = 0; i < KPT; ++i) {
     float part = 0.f;
@@ -432,14 +439,15 @@ void indexer_scores_ragged(const float* q, const float* w, int64_t n_queries, in
   const bool wide = ceil_div(max_keys, 64) * n_queries >= 2 * sms;
   const int chunk = wide ? 64 : 16;
   const int head_groups = wide && !tile ? 4 : 16;
-  const size_t smem =
-      (static_cast<size_t>(heads) * dim + static_cast<size_t>(chunk) * (dim + 4 + head_groups)) * sizeof(float);
+  const int dpass = wide ? static_cast<int>(std::min<int64_t>(dim, 64)) : static_cast<int>(dim);
+  const size_t smem = (static_cast<size_t>(heads) * dim +
+                       static_cast<size_t>(chunk) * std::max(dpass + 4, head_groups)) * sizeof(float);
   const dim3 grid(static_cast<unsigned>(ceil_div(max_keys, chunk)), static_cast<unsigned>(n_queries));
   const auto kernel = !wide  ? indexer_ragged_kernel<16, 16>
                       : tile ? indexer_ragged_kernel<64, 16>
                              : indexer_ragged_kernel<64, 64>;
-  launch_kernel(kernel, grid, kThreadsRagged, smem, stream, q, w, heads, static_cast<int>(dim), scale, weight_scale,
-                keys, scores, score_stride);
+  launch_kernel(kernel, grid, kThreadsRagged, smem, stream, q, w, heads, static_cast<int>(dim), dpass, scale,
+                weight_scale, keys, scores, score_stride);
   TROUPE_LAUNCHED();
 }
 

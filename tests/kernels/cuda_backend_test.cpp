@@ -311,7 +311,9 @@ TEST_F(CudaBackendTest, indexer_topk_picks_the_cpu_set) {
     std::vector<int64_t> lengths;
   };
   const Case cases[] = {{64, 128, 512, {0, 100, 512, 513, 3000, 20000}}, {4, 32, 16, {3, 64, 65, 1000}},
-                        {64, 128, 2048, {5000}}};
+                        {64, 128, 2048, {5000}},
+                        // 64-key CTAs staging the keys 64 channels at a time: a last pass of 32
+                        {16, 96, 64, {5, 40000}}};
   for (const auto& c : cases) {
     const int64_t n = static_cast<int64_t>(c.lengths.size());
     const int64_t pool_rows = *std::max_element(c.lengths.begin(), c.lengths.end()) + 7;

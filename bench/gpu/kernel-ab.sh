@@ -35,7 +35,8 @@ for v in "${variants[@]}"; do
   name=${v%%=*}
   echo "== $name"
   mkdir -p "$out/$name"
-  PYTHONUNBUFFERED=1 python3 bench/gpu/bench.py "${AB_LIB_DIR:-/tmp/kernel-ab}/lib-$name/lib.so" --out "$out/$name" "$@" | grep -E "phases|failures"
+  PYTHONUNBUFFERED=1 python3 bench/gpu/bench.py "${AB_LIB_DIR:-/tmp/kernel-ab}/lib-$name/lib.so" --out "$out/$name" \
+    "$@" | grep -E "phases|failures"
 done
 python3 - "$out" "${variants[@]%%=*}" <<'PY'
 import json, sys

@@ -76,9 +76,10 @@ __device__ __forceinline__ uint32_t order_key(float f) {
 
 __device__ __forceinline__ int elem_offset(int e) { return (e >> 2) * (kThreads * 4) + threadIdx.x * 4 + (e & 3); }
 
-// This thread's elements (e = 0 .. EPT-1, key(e); valid where vmask says) whose key's top 32 - drop bits are above / equal to `prefix`, as bit masks,
-// with their counts and the warp's inclusive scans of those counts (both kernels
-// then take output ranges: one shared atomic per warp, one per CTA).
+// This thread's elements (e = 0 .. EPT-1, key(e); valid where vmask says) whose
+// key's top 32 - drop bits are above / equal to `prefix`, as bit masks, with their
+// counts and the warp's inclusive scans of those counts (the callers then take
+// output ranges: one shared atomic per warp, then one per CTA).
 struct Chosen {
   uint32_t above_mask = 0, tie_mask = 0;
   uint32_t n_above = 0, n_tie = 0, a_incl = 0, t_incl = 0;

@@ -153,21 +153,30 @@ class Bench:
                 def theirs(i):
                     torch.topk(xs[i % nbuf], k, dim=1, sorted=False)
 
-                # Each way of finishing a row (TopkArgs::finish, read from TROUPE_TOPK_FINISH at each call,
-                # so at graph capture): 1 = the last CTA's radix rounds, 2 = the counted next digit + rank.
-                t_fin, exact = {}, True
-                for fin in ("1", "2"):
+                # Each way of finishing a row on the grid kernel (TopkArgs::finish, read from TROUPE_TOPK_FINISH at
+                # each call, so at graph capture): 1 = the last CTA's radix rounds, 2 = the counted next digit +
+                # rank; then the kernel choice (TROUPE_TOPK_STREAM): "grid" = never the streamed kernel, "stream" =
+                # always (the default takes it when the large chunks are more than the device holds at once).
+                variants = {"1": ("1", None), "2": ("2", None), "grid": ("2", "0"), "stream": ("2", "1")}
+                t_var, exact = {}, True
+                for name, (fin, stream_env) in variants.items():
                     os.environ["TROUPE_TOPK_FINISH"] = fin
+                    if stream_env is None:
+                        os.environ.pop("TROUPE_TOPK_STREAM", None)
+                    else:
+                        os.environ["TROUPE_TOPK_STREAM"] = stream_env
                     # check: the chosen values equal torch.topk's values (ties give equal values)
                     self.ok(L.tb_topk(ptr(xs[0]), n, None, rows, n, k, ptr(out), ptr(cnt), ptr(ws), 0, stream()),
                             "topk")
                     torch.cuda.synchronize()
                     ok = topk_values_match(xs[0], out, k) and bool((cnt == k).all())
                     if not ok:
-                        self.failures.append(f"topk {rows}x{n} k={k} finish {fin}")
+                        self.failures.append(f"topk {rows}x{n} k={k} variant {name}")
                     exact = exact and ok
-                    t_fin[fin] = graph_time(ours)
-                    if rows == 1:  # where the time goes: CTA 0's phases, then the row's last CTA (%globaltimer)
+                    t_var[name] = graph_time(ours)
+                    if rows == 1 or name == "stream":
+                        # where the time goes: CTA 0's phases, then the row's last CTA (%globaltimer); the
+                        # streamed kernel then the row's candidates and whether they overflowed
                         prof = torch.zeros(16, dtype=torch.int64, device="cuda")
                         self.ok(L.tb_topk_profiled(ptr(xs[1]), n, None, rows, n, k, ptr(out), ptr(cnt), ptr(ws), 0,
                                                    ptr(prof), stream()), "topk profile")
@@ -177,15 +186,23 @@ class Bench:
                                  "cand_threshold", "cand_emit", "end"]  # finish 1 stamps no cand_threshold/emit
                         valid = [i for i in range(11) if st[i]]
                         deltas = [(names[j], (st[j] - st[i]) / 1000.0) for i, j in zip(valid, valid[1:])]
-                        print(f"  topk {rows}x{n} finish {fin} phases (us): " +
-                              " ".join(f"{nm}={d:.2f}" for nm, d in deltas), flush=True)
+                        extra = ""
+                        if name == "stream":  # then the list pass's first batch: keys in, entries placed
+                            extra = f" candidates={st[11]} overflow={st[12]}"
+                            if st[13] and st[14]:
+                                extra += (f" list_keys_in={(st[13] - st[7]) / 1000.0:.2f}"
+                                          f" list_placed={(st[14] - st[13]) / 1000.0:.2f}")
+                        print(f"  topk {rows}x{n} {name} phases (us): " +
+                              " ".join(f"{nm}={d:.2f}" for nm, d in deltas) + extra, flush=True)
                 os.environ.pop("TROUPE_TOPK_FINISH", None)
-                t_ours = t_fin["2"]  # the default
+                os.environ.pop("TROUPE_TOPK_STREAM", None)
+                t_ours = t_var["2"]  # the default
                 t_torch = graph_time(theirs)
                 target = {(262144, 1): 8.0, (262144, 64): 40.0, (1048576, 1): 12.0}.get((n, rows))
                 self.add(kernel="topk", shape=f"{rows}x{n} k={k}", ours_us=t_ours, torch_us=t_torch,
                          speedup=t_torch / t_ours, target_us=target if target else "", exact=exact,
-                         finish1_us=t_fin["1"], finish1_speedup=t_torch / t_fin["1"])
+                         finish1_us=t_var["1"], finish1_speedup=t_torch / t_var["1"], grid_us=t_var["grid"],
+                         stream_us=t_var["stream"])
                 del xs, out, ws
 
     # ---- fused compressor ---------------------------------------------------------------
@@ -445,7 +462,7 @@ def self_rope(x, inv_freq, pos):
 
 def table(rows):
     cols = ["kernel", "shape", "ours_us", "torch_us", "torch_bf16_us", "speedup", "finish1_us", "finish1_speedup",
-            "target_us", "gbps", "pct_copy", "tflops", "rel_err", "exact", "note"]
+            "grid_us", "stream_us", "target_us", "gbps", "pct_copy", "tflops", "rel_err", "exact", "note"]
     used = [c for c in cols if any(c in r for r in rows)]
     fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
     lines = ["| " + " | ".join(used) + " |", "|" + "---|" * len(used)]

@@ -4,7 +4,9 @@
 # table of every variant's times side by side (ab.md in OUT).
 #   bench/gpu/kernel-ab.sh OUT SOURCE NAME=FILE [NAME=FILE ...] [-- bench.py options]
 # SOURCE: the tree's file the variants replace (kernels/cuda/topk.cu); FILE: a copy of
-# it to build instead ("tree" builds SOURCE itself). Example:
+# it to build instead ("tree" builds SOURCE itself). AB_PREBUILT=1 with AB_LIB_DIR
+# holding lib-NAME/lib.so: those libraries as they are (built here, carried along).
+# Example:
 #   bench/gpu/kernel-ab.sh out/ab kernels/cuda/topk.cu before=ab/topk_a.cu after=tree -- --only topk,indexer
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -18,6 +20,7 @@ nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 for v in "${variants[@]}"; do
   name=${v%%=*} file=${v#*=}
   dir=${AB_LIB_DIR:-/tmp/kernel-ab}/lib-$name  # outside OUT: the objects need not come back
+  [ "${AB_PREBUILT:-0}" = 1 ] && [ -f "$dir/lib.so" ] && continue  # built elsewhere (AB_LIB_DIR carried along)
   mkdir -p "$dir"
   objs=()
   for src in bench/gpu/bench_lib.cu kernels/cuda/{topk,compressor,indexer,attention,dense}.cu; do
@@ -42,7 +45,7 @@ python3 - "$out" "${variants[@]%%=*}" <<'PY'
 import json, sys
 out, names = sys.argv[1], sys.argv[2:]
 runs = {n: json.load(open(f"{out}/{n}/bench.json")) for n in names}
-cols = ["ours_us", "finish1_us"]
+cols = ["ours_us", "finish1_us", "grid_us", "stream_us"]
 keys = []
 for n in names:
     for r in runs[n]["rows"]:

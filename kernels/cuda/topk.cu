@@ -360,17 +360,20 @@ __device__ __forceinline__ void cluster_select(const uint32_t* sk, uint32_t vmas
   cluster.sync();
 }
 
-// This thread's elements (e = 0 .. kEpt-1) live at sk[e * kThreads + tid]: a warp's
-// accesses to one e are 32 consecutive words (no bank conflicts).
-// Also counts the round-0 digit (top 11 bits) of every valid key into `hist` (zeroed),
-// so the counting overlaps the loads still in flight.
-__device__ __forceinline__ void load_scores(const float* src, int64_t n_here, bool vec_ok, uint32_t* sk,
-                                            uint32_t& vmask, uint32_t* hist) {
+// Loads this CTA's chunk of one row: element e of this thread (e = 0 .. EPT-1) is at
+// offset elem_offset(e) of src (16-byte loads in batches when the chunk is whole and
+// aligned) and its key lives at sk[e * kThreads + tid] (a warp's accesses to one e
+// are 32 consecutive words: no bank conflicts). Also counts the round-0 digit (top 11
+// bits) of every valid key into `hist` (zeroed by the caller), so the counting
+// overlaps the loads still in flight. Returns this thread's valid elements as a mask.
+template <int EPT>
+__device__ __forceinline__ uint32_t load_chunk(const float* src, int64_t n_here, bool vec_ok, uint32_t* sk,
+                                               uint32_t* hist) {
   const int tid = threadIdx.x;
-  if (vec_ok && n_here >= kCtaCap) {  // a full slice: 16-byte loads, a batch in flight at once
-    constexpr int kBatch = 4;
+  if (vec_ok && n_here >= kThreads * EPT) {
+    constexpr int kBatch = EPT / 4 < 4 ? EPT / 4 : 4;
 #pragma unroll
-    for (int q0 = 0; q0 < kEpt / 4; q0 += kBatch) {
+    for (int q0 = 0; q0 < EPT / 4; q0 += kBatch) {
       float4 v[kBatch];
 #pragma unroll
       for (int q = 0; q < kBatch; ++q) v[q] = reinterpret_cast<const float4*>(src)[(q0 + q) * kThreads + tid];
@@ -384,13 +387,12 @@ __device__ __forceinline__ void load_scores(const float* src, int64_t n_here, bo
         }
       }
     }
-    vmask = 0xffffffffu;
-    return;
+    return EPT == 32 ? 0xffffffffu : (1u << EPT) - 1u;
   }
-  vmask = 0;
+  uint32_t vmask = 0;
   constexpr int kBatch = 8;
 #pragma unroll
-  for (int e0 = 0; e0 < kEpt; e0 += kBatch) {
+  for (int e0 = 0; e0 < EPT; e0 += kBatch) {
     float f[kBatch];
 #pragma unroll
     for (int e = 0; e < kBatch; ++e) {
@@ -407,6 +409,7 @@ __device__ __forceinline__ void load_scores(const float* src, int64_t n_here, bo
       }
     }
   }
+  return vmask;
 }
 
 __global__ void __launch_bounds__(kThreads, 2) topk_kernel(const Params p) {
@@ -445,10 +448,10 @@ __global__ void __launch_bounds__(kThreads, 2) topk_kernel(const Params p) {
   const int64_t cta_off = static_cast<int64_t>(rank) * kCtaCap;
   const int64_t cbase = (static_cast<int64_t>(row) * p.segments + seg) * p.k;  // this segment's candidates
   const int64_t row_base = static_cast<int64_t>(row) * p.segments * p.k;        // the row's candidates
-  uint32_t vmask;
   for (int i = tid; i < kMaxBins; i += kThreads) sm.hist[i] = 0;
   __syncthreads();
-  load_scores(p.scores + row * p.row_stride + seg_start + cta_off, seg_len - cta_off, p.vec_ok, sk, vmask, sm.hist);
+  uint32_t vmask =
+      load_chunk<kEpt>(p.scores + row * p.row_stride + seg_start + cta_off, seg_len - cta_off, p.vec_ok, sk, sm.hist);
   stamp(prof, 2);
   uint32_t target = static_cast<uint32_t>(seg_len < p.k ? seg_len : p.k);
   // Phase 0 selects within this cluster's segment: straight to the output when the row
@@ -574,7 +577,14 @@ Plan make_plan(int64_t max_len, int k, int max_cluster) {
 // unfinished row then always has all its CTAs resident.
 constexpr int kGBins = 2048;
 constexpr int kGRounds = 3;
-enum GCounter { kArrive0 = 0, kAbove = kGRounds, kTie, kCand, kDone, kCounters = 8 };
+enum GCounter { kArrive0 = 0, kAbove = kGRounds, kTie, kCand, kDone, kOverflow, kCounters = 8 };
+// The workspace (one layout for every call, so that calls of any shape can share it):
+// 256 bytes of tickets; then kLaunchRows rows of kZeroWords words that are zero
+// between calls (a row's histograms and counters, indexed by the row within its
+// launch); then scratch that need not be zero (gathered candidates), rows of
+// scratch_words words, whose size depends on the call.
+constexpr int kZeroWords = kGRounds * kGBins + kCounters;
+constexpr int kLaunchRows = 128;  // rows of one launch with histograms in the workspace
 
 struct GridParams {
   const float* scores;
@@ -592,8 +602,10 @@ struct GridParams {
   int row0;            // first row of this launch
   int cpr;             // CTAs per row (chunks of the longest row)
   bool ticketed;       // chunks by arrival ticket (grid larger than the device holds at once)
-  uint32_t* ws;        // [rows][row_words]; zero between calls
-  int64_t row_words;
+  uint32_t* ws;        // [kLaunchRows][kZeroWords]; zero between calls
+  uint32_t* scratch;   // [rows of the launch][scratch_words]
+  int64_t scratch_words;
+  int64_t cand_cap;    // streamed kernel: candidates a row's list holds
   uint32_t* tickets;   // [2]: next ticket, CTAs finished; zero between calls
   long long* profile;  // optional: %globaltimer (ns) at phase ends (row 0)
   bool counted_finish; // TopkArgs::finish == 2: the gathering CTAs also count the bucket's next digit
@@ -606,6 +618,7 @@ struct GSmem {
   uint32_t above_ctr, tie_ctr, local_above, local_tie;
   uint32_t base_above, base_tie;
   uint32_t ticket, last;
+  uint32_t cand_n, overflow;  // streamed kernel's last CTA: the row's candidates, and whether they overflowed
   // radix_select's open ties: more elements equal the k-th value than slots remain.
   uint32_t tie_key, tie_need, tie_base;
 };
@@ -783,7 +796,8 @@ __device__ __forceinline__ CandidatePass load_candidates(const uint32_t* cand_ke
 // The last CTA's select over the `cnt` gathered candidates (all share the top `pbits`
 // bits `prefix`) when every CTA also counted its candidates' next digit (the bits
 // under the prefix, `(key >> nshift) & nmask`) into gh_next while gathering: the
-// threshold on that digit straight from the count, the candidates above it written
+// threshold on that digit straight from the count (gh_next, or sm.hist when gh_next is
+// null), the candidates above it written
 // out, and those on it ranked against each other by key, then lower index (a stable
 // sort's order); their rank is their place. Instead of block_select's radix rounds
 // over every candidate (clear, count, scan: each round barrier-bound), which it
@@ -798,7 +812,9 @@ __device__ __forceinline__ void counted_select(const GridParams& p, int row, uin
   const int tid = threadIdx.x;
   const uint32_t nbins = nmask + 1;
   CandidatePass c = load_candidates(cand_key, cand_idx, 0, cnt);
-  for (uint32_t i = tid; i < nbins; i += kThreads) sm.hist[i] = __ldcg(&gh_next[i]);
+  if (gh_next != nullptr) {  // else the caller counted into sm.hist
+    for (uint32_t i = tid; i < nbins; i += kThreads) sm.hist[i] = __ldcg(&gh_next[i]);
+  }
   if (tid == 0) sm.local_above = sm.local_tie = 0;
   __syncthreads();
   if (lprof) lprof[7] = global_ns();
@@ -892,45 +908,12 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
       if (p.out_count != nullptr && tid == 0) p.out_count[row] = static_cast<int32_t>(len);
     }
   } else if (chunk < nrow) {
-    // Load the chunk (16-byte loads where aligned) and count the round-0 digits.
+    // Load the chunk and count the round-0 digits.
     for (int i = tid; i < kGBins; i += kThreads) sm.hist[i] = 0;
     __syncthreads();
     const int64_t c0 = static_cast<int64_t>(chunk) * kChunk;
     const int64_t n_here = len - c0 < kChunk ? len - c0 : kChunk;
-    const float* src = p.scores + row * p.row_stride + c0;
-    // Element e of this thread: offset (e / 4) * 4 * kThreads + 4 * tid + e % 4, key at sk[e * kThreads + tid].
-    uint32_t vmask = 0;
-    if (p.vec_ok && n_here == kChunk) {
-      constexpr int kBatch = EPT / 4 < 4 ? EPT / 4 : 4;
-#pragma unroll
-      for (int q0 = 0; q0 < EPT / 4; q0 += kBatch) {
-        float4 v[kBatch];
-#pragma unroll
-        for (int q = 0; q < kBatch; ++q) v[q] = reinterpret_cast<const float4*>(src)[(q0 + q) * kThreads + tid];
-#pragma unroll
-        for (int q = 0; q < kBatch; ++q) {
-          const uint32_t k4[4] = {order_key(v[q].x), order_key(v[q].y), order_key(v[q].z), order_key(v[q].w)};
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            sk[(4 * (q0 + q) + j) * kThreads + tid] = k4[j];
-            atomicAdd(&sm.hist[k4[j] >> 21], 1u);
-          }
-        }
-      }
-      vmask = EPT == 32 ? 0xffffffffu : (1u << EPT) - 1u;
-    } else {
-#pragma unroll
-      for (int e = 0; e < EPT; ++e) {
-        const int64_t off = (e >> 2) * (kThreads * 4) + tid * 4 + (e & 3);
-        const bool v = off < n_here;
-        const uint32_t key = order_key(v ? src[off] : 0.f);
-        sk[e * kThreads + tid] = key;
-        if (v) {
-          vmask |= 1u << e;
-          atomicAdd(&sm.hist[key >> 21], 1u);
-        }
-      }
-    }
+    const uint32_t vmask = load_chunk<EPT>(p.scores + row * p.row_stride + c0, n_here, p.vec_ok, sk, sm.hist);
     if (prof) prof[2] = global_ns();
     auto index_of = [&](uint32_t flat) -> int64_t {  // flat = e * kThreads + thread
       const uint32_t e = flat / kThreads, th = flat % kThreads;
@@ -945,9 +928,9 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
           [&](uint32_t pos, uint32_t i) { out[pos] = translate_g(p, row, index_of(i)); });
       if (p.out_count != nullptr && tid == 0) p.out_count[row] = p.k;
     } else {
-      uint32_t* w = p.ws + static_cast<int64_t>(lrow) * p.row_words;
+      uint32_t* w = p.ws + static_cast<int64_t>(lrow) * kZeroWords;
       uint32_t* ctr = w + kGRounds * kGBins;
-      uint32_t* cand_key = ctr + kCounters;
+      uint32_t* cand_key = p.scratch + static_cast<int64_t>(lrow) * p.scratch_words;
       int32_t* cand_idx = reinterpret_cast<int32_t*>(cand_key + kChunk);
       uint32_t prefix = 0, need = kk, cnt = 0;
       int pbits = 0, gather_round = 0;
@@ -1060,7 +1043,7 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
         } else if (!take_all) {  // more than a chunk's worth of elements equal the k-th value
           ties_in_index_order(p, row, len, prefix, need, out + total_above, sm);
         }
-        for (int i = tid; i < kGRounds * kGBins + kCounters; i += kThreads) w[i] = 0;  // ready for the next call
+        for (int i = tid; i < kZeroWords; i += kThreads) w[i] = 0;  // ready for the next call
         if (p.out_count != nullptr && tid == 0) p.out_count[row] = p.k;
         if (lprof) lprof[10] = global_ns();
       }
@@ -1078,6 +1061,283 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
   }
 }
 
+// ---- streamed top-k: rows in several waves, no CTA waits for another ----------------
+// When a call's chunks are more than the device holds at once, the grid kernel's
+// resident CTAs wait at their rows' barriers while the next wave cannot start. Here no
+// CTA waits: each adds its round-0 histogram to its row's with atomics that return the
+// sums so far (a lower bound of the row's final count at every bin, this chunk's own
+// included), takes the threshold bucket of that partial histogram (a count from the top
+// over lower bounds reaches k no earlier: the bucket is at or below the row's), and
+// writes every element at or above it to the row's candidate list. The row's last CTA
+// then selects among the candidates with the complete histogram: one read of the
+// scores, and the candidates are the elements the partial thresholds kept (later
+// chunks of a row see more of it, so keep fewer). A row whose list overflows is
+// selected from its scores by its last CTA (one CTA reading the row a few times).
+
+// The streamed kernel's chunks (kThreads * kStreamEPT scores) and CTAs an SM holds.
+constexpr int kStreamEPT = 32, kStreamMinBlocks = 2;
+// How a chunk learns the row's histogram so far: false = its adds are atomics that
+// return the sums before them (one round trip after the load); true = a snapshot read
+// before the load (its round trip hidden by the load; older, so more candidates).
+constexpr bool kStreamSnapshot = false;
+
+// Candidates a thread of the last CTA loads per pass over the list (one round trip).
+constexpr int kListBatch = 8;
+
+// The last CTA's select over a list of n elements (entry_at(i): key, index) that holds
+// every element of the row whose round-0 digit is at least the complete histogram's
+// threshold bucket; sm.hist holds that histogram. Radix rounds over the list narrow
+// the threshold while its bucket is more than chunk_cap elements; one pass then writes
+// the elements above it out and takes the bucket's whole, or gathers them (keys and
+// indices to bucket_key / bucket_idx) with their next digit counted in shared memory
+// for counted_select; a bucket of more than chunk_cap copies of one value:
+// ties_in_index_order over the row. Writes p.k indices to out. Every thread of the
+// block calls it. The list is read kListBatch entries a thread at a time, every load
+// issued before any is used (indices past n clamped to n - 1, then masked).
+template <class EntryAt>
+__device__ __forceinline__ void select_list(const GridParams& p, int row, int64_t len, uint32_t n, EntryAt&& entry_at,
+                                            uint32_t* sk, uint32_t chunk_cap, uint32_t* bucket_key,
+                                            int32_t* bucket_idx, int32_t* out, GSmem& sm, long long* lprof) {
+  const int tid = threadIdx.x;
+  const unsigned lane = tid & 31;
+  const uint32_t kk = static_cast<uint32_t>(p.k);
+  find_threshold(sm.hist, kGBins, kk, sm);
+  uint32_t need = kk - sm.thr_above, cnt = sm.thr_cnt, prefix = sm.thr_bin;
+  int pbits = digit_bits(0), round = 1;
+  __syncthreads();  // every thread has read sm.thr_*
+#pragma unroll 1
+  for (; round < kGRounds && cnt != need && cnt > chunk_cap; ++round) {
+    const int shift = digit_shift(round), bits = digit_bits(round);
+    const uint32_t nbins = 1u << bits;
+    for (uint32_t i = tid; i < nbins; i += kThreads) sm.hist[i] = 0;
+    __syncthreads();
+    for (uint32_t b0 = 0; b0 < n; b0 += kListBatch * kThreads) {
+      uint32_t key[kListBatch];
+#pragma unroll
+      for (int j = 0; j < kListBatch; ++j) key[j] = entry_at(min(b0 + j * kThreads + tid, n - 1)).x;
+#pragma unroll
+      for (int j = 0; j < kListBatch; ++j) {
+        if (b0 + j * kThreads + tid < n && (key[j] >> (32 - pbits)) == prefix) {
+          atomicAdd(&sm.hist[(key[j] >> shift) & (nbins - 1)], 1u);
+        }
+      }
+    }
+    __syncthreads();
+    find_threshold(sm.hist, nbins, need, sm);
+    need -= sm.thr_above;
+    cnt = sm.thr_cnt;
+    prefix = (prefix << bits) | sm.thr_bin;
+    pbits += bits;
+    __syncthreads();
+  }
+  if (lprof) lprof[7] = global_ns();
+  const bool take_all = cnt == need, gather = !take_all && cnt <= chunk_cap;
+  const bool counted = gather && round < kGRounds;  // a next digit to count (pbits < 32)
+  const int nshift = counted ? digit_shift(round) : 0;
+  const uint32_t nmask = counted ? (1u << digit_bits(round)) - 1u : 0u;
+  const uint32_t above_total = kk - need;
+  if (tid == 0) sm.above_ctr = sm.tie_ctr = 0;
+  if (counted) {
+    for (uint32_t i = tid; i <= nmask; i += kThreads) sm.hist[i] = 0;
+  }
+  __syncthreads();
+  for (uint32_t b0 = 0; b0 < n; b0 += kListBatch * kThreads) {  // uniform trip counts: shuffles below
+    uint32_t key[kListBatch];
+    int32_t idx[kListBatch];
+    uint32_t vmask = 0;
+#pragma unroll
+    for (int j = 0; j < kListBatch; ++j) {
+      const uint32_t i = min(b0 + j * kThreads + tid, n - 1);
+      const uint2 e = entry_at(i);
+      key[j] = e.x;
+      idx[j] = static_cast<int32_t>(e.y);
+    }
+#pragma unroll
+    for (int j = 0; j < kListBatch; ++j) vmask |= static_cast<uint32_t>(b0 + j * kThreads + tid < n) << j;
+    const auto [above_mask, tie_mask, n_above, n_tie, a_incl, t_incl] =
+        chosen_elements<kListBatch>([&](int j) { return key[j]; }, vmask, 32 - pbits, prefix);
+    if (lprof && b0 == 0) lprof[13] = global_ns();
+    uint32_t a_warp = 0, t_warp = 0;
+    if (lane == 31) {
+      a_warp = atomicAdd(&sm.above_ctr, a_incl);
+      t_warp = atomicAdd(&sm.tie_ctr, t_incl);
+    }
+    uint32_t a = __shfl_sync(0xffffffffu, a_warp, 31) + a_incl - n_above;
+    uint32_t t = __shfl_sync(0xffffffffu, t_warp, 31) + t_incl - n_tie;
+#pragma unroll
+    for (int j = 0; j < kListBatch; ++j) {
+      if ((above_mask >> j) & 1u) out[a++] = translate_g(p, row, idx[j]);
+      if ((tie_mask >> j) & 1u) {
+        if (take_all) {
+          out[above_total + t] = translate_g(p, row, idx[j]);
+        } else if (gather) {
+          bucket_key[t] = key[j];
+          bucket_idx[t] = idx[j];
+          if (counted) atomicAdd(&sm.hist[(key[j] >> nshift) & nmask], 1u);
+        }
+        ++t;
+      }
+    }
+    if (lprof && b0 == 0) lprof[14] = global_ns();
+  }
+  __syncthreads();  // the gathered bucket and its count are written
+  if (lprof) lprof[8] = global_ns();
+  if (take_all) return;
+  if (counted) {
+    counted_select(p, row, sk, cnt, bucket_key, bucket_idx, nullptr, nshift, nmask, prefix, pbits, need,
+                   out + above_total, sm, nullptr);
+  } else if (gather) {  // the bucket is one value (pbits == 32): the lowest indices
+    for (uint32_t i = tid; i < cnt; i += kThreads) sk[i] = bucket_key[i];
+    __syncthreads();
+    block_select(
+        sk, cnt, [](uint32_t) { return true; }, [&](uint32_t i) { return static_cast<uint32_t>(bucket_idx[i]); },
+        prefix, pbits, need, sm,
+        [&](uint32_t pos, uint32_t i) { out[above_total + pos] = translate_g(p, row, bucket_idx[i]); });
+  } else {  // more than chunk_cap elements equal the k-th value (pbits == 32)
+    ties_in_index_order(p, row, len, prefix, need, out + above_total, sm);
+  }
+}
+
+template <int EPT, int MINB>
+__global__ void __launch_bounds__(kThreads, MINB) stream_topk_kernel(const GridParams p) {
+  pdl_entry();  // see launch_kernel
+  constexpr int kChunk = kThreads * EPT;
+  extern __shared__ __align__(16) uint8_t gsmem[];
+  GSmem& sm = *reinterpret_cast<GSmem*>(gsmem);
+  uint32_t* sk = reinterpret_cast<uint32_t*>(gsmem + (sizeof(GSmem) + 15) / 16 * 16);  // [EPT][kThreads]
+  const int tid = threadIdx.x;
+  const int lrow = static_cast<int>(blockIdx.x / p.cpr), chunk = static_cast<int>(blockIdx.x % p.cpr);
+  const int row = p.row0 + lrow;
+  long long* prof = p.profile != nullptr && lrow == 0 && chunk == 0 && tid == 0 ? p.profile : nullptr;
+  if (prof) prof[0] = global_ns();
+  int64_t len = p.lengths != nullptr ? p.lengths[row] : p.max_len;
+  len = len < 0 ? 0 : (len > p.max_len ? p.max_len : len);
+  int32_t* out = p.out_idx + row * p.out_stride;
+  const int64_t nrow = (len + kChunk - 1) / kChunk;
+  if (len <= p.k) {  // every candidate is chosen
+    if (chunk == 0) {
+      for (int64_t i = tid; i < p.k; i += kThreads) out[i] = i < len ? translate_g(p, row, i) : -1;
+      if (p.out_count != nullptr && tid == 0) p.out_count[row] = static_cast<int32_t>(len);
+    }
+    return;
+  }
+  if (chunk >= nrow) return;
+  uint32_t* gh = p.ws + static_cast<int64_t>(lrow) * kZeroWords;  // the row's round-0 histogram
+  uint32_t snap[kGBins / kThreads];
+  if constexpr (kStreamSnapshot) {
+    if (nrow > 1) {
+#pragma unroll
+      for (int j = 0; j < kGBins / kThreads; ++j) snap[j] = __ldcg(&gh[j * kThreads + tid]);
+    }
+  }
+  for (int i = tid; i < kGBins; i += kThreads) sm.hist[i] = 0;
+  __syncthreads();
+  const int64_t c0 = static_cast<int64_t>(chunk) * kChunk;
+  const int64_t n_here = len - c0 < kChunk ? len - c0 : kChunk;
+  const uint32_t vmask = load_chunk<EPT>(p.scores + row * p.row_stride + c0, n_here, p.vec_ok, sk, sm.hist);
+  if (prof) prof[2] = global_ns();
+  auto index_of = [&](uint32_t flat) -> int64_t {  // flat = e * kThreads + thread
+    const uint32_t e = flat / kThreads, th = flat % kThreads;
+    return c0 + (e >> 2) * (kThreads * 4) + th * 4 + (e & 3);
+  };
+  const uint32_t kk = static_cast<uint32_t>(p.k);
+  if (nrow == 1) {  // the whole row is here: select in this CTA
+    __syncthreads();
+    block_select(
+        sk, kChunk, [&](uint32_t i) { return index_of(i) < len; },
+        [&](uint32_t i) { return static_cast<uint32_t>(index_of(i)); }, 0u, 0, kk, sm,
+        [&](uint32_t pos, uint32_t i) { out[pos] = translate_g(p, row, index_of(i)); });
+    if (p.out_count != nullptr && tid == 0) p.out_count[row] = p.k;
+    return;
+  }
+  uint32_t* ctr = gh + kGRounds * kGBins;
+  // The candidate list: key and index side by side (one 8-byte load brings both).
+  uint2* cand = reinterpret_cast<uint2*>(p.scratch + static_cast<int64_t>(lrow) * p.scratch_words);
+  uint32_t* bucket_key = reinterpret_cast<uint32_t*>(cand + p.cand_cap);
+  int32_t* bucket_idx = reinterpret_cast<int32_t*>(bucket_key + kChunk);
+  // The row's histogram so far with this chunk's counts (see kStreamSnapshot): a lower
+  // bound of the final one at every bin.
+  if (tid == 0) sm.thr_bin = sm.thr_above = sm.thr_cnt = 0;  // fewer than k counted so far: every element
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kGBins / kThreads; ++j) {  // every atomic in flight at once
+    const int i = j * kThreads + tid;
+    const uint32_t v = sm.hist[i];
+    if constexpr (kStreamSnapshot) {
+      if (v != 0) atomicAdd(&gh[i], v);
+      sm.hist[i] = v + snap[j];
+    } else {
+      sm.hist[i] = v != 0 ? atomicAdd(&gh[i], v) + v : __ldcg(&gh[i]);
+    }
+  }
+  __syncthreads();
+  if (prof) prof[3] = global_ns();
+  find_threshold(sm.hist, kGBins, kk, sm);
+  const uint32_t thr = sm.thr_bin;
+  if (prof) prof[4] = global_ns();
+  // Candidates: this chunk's elements whose round-0 digit is at least thr (warp scans,
+  // one shared atomic a warp, one global atomic a CTA for their places in the list).
+  const auto [above_mask, tie_mask, n_above, n_tie, a_incl, t_incl] =
+      chosen_elements<EPT>([&](int e) { return sk[e * kThreads + tid]; }, vmask, 32 - digit_bits(0), thr);
+  const uint32_t mine = above_mask | tie_mask, n_mine = n_above + n_tie, incl = a_incl + t_incl;
+  const unsigned lane = tid & 31;
+  if (tid == 0) sm.above_ctr = 0;
+  __syncthreads();
+  uint32_t w_base = 0;
+  if (lane == 31) w_base = atomicAdd(&sm.above_ctr, incl);
+  w_base = __shfl_sync(0xffffffffu, w_base, 31);
+  __syncthreads();
+  if (tid == 0) {
+    const uint32_t total = sm.above_ctr;
+    const uint32_t base = total != 0 ? atomicAdd(&ctr[kCand], total) : 0u;
+    const bool fits = static_cast<int64_t>(base) + total <= p.cand_cap;
+    if (!fits) atomicOr(&ctr[kOverflow], 1u);
+    sm.base_above = base;
+    sm.overflow = fits ? 0u : 1u;
+  }
+  __syncthreads();
+  if (sm.overflow == 0) {
+    uint32_t pos = sm.base_above + w_base + incl - n_mine;
+    for (uint32_t m = mine; m != 0; m &= m - 1, ++pos) {
+      const int e = __ffs(m) - 1;
+      __stcg(&cand[pos], make_uint2(sk[e * kThreads + tid], static_cast<uint32_t>(index_of(e * kThreads + tid))));
+    }
+  }
+  if (prof) prof[5] = global_ns();
+  // The last CTA of the row to get here selects among the candidates.
+  __syncthreads();  // every thread's candidate stores before the arrival
+  if (tid == 0) sm.last = arrive_acq_rel(&ctr[kDone]) == static_cast<uint32_t>(nrow - 1);
+  __syncthreads();
+  if (!sm.last) return;
+  long long* lprof = p.profile != nullptr && lrow == 0 && tid == 0 ? p.profile : nullptr;
+  if (lprof) lprof[6] = global_ns();
+#pragma unroll
+  for (int j = 0; j < kGBins / kThreads; ++j) sm.hist[j * kThreads + tid] = __ldcg(&gh[j * kThreads + tid]);
+  if (tid == 0) {
+    sm.cand_n = __ldcg(&ctr[kCand]);
+    sm.overflow = __ldcg(&ctr[kOverflow]);
+  }
+  __syncthreads();
+  for (int i = tid; i < kGBins; i += kThreads) gh[i] = 0;  // ready for the next call
+  if (tid < kCounters) ctr[tid] = 0;
+  if (lprof) {
+    lprof[11] = sm.cand_n;
+    lprof[12] = sm.overflow;
+  }
+  if (sm.overflow == 0) {
+    select_list(
+        p, row, len, sm.cand_n, [&](uint32_t i) { return __ldcg(&cand[i]); }, sk, kChunk, bucket_key, bucket_idx,
+        out, sm, lprof);
+  } else {  // the list overflowed: select from the row's scores
+    const float* src = p.scores + row * p.row_stride;
+    select_list(
+        p, row, len, static_cast<uint32_t>(len), [&](uint32_t i) { return make_uint2(order_key(__ldcg(src + i)), i); },
+        sk, kChunk, bucket_key, bucket_idx, out, sm, lprof);
+  }
+  if (p.out_count != nullptr && tid == 0) p.out_count[row] = p.k;
+  if (lprof) lprof[10] = global_ns();
+}
+
 template <int EPT>
 constexpr int grid_smem_bytes() {
   return static_cast<int>((sizeof(GSmem) + 15) / 16 * 16) + kThreads * EPT * 4;
@@ -1090,6 +1350,10 @@ int grid_capacity() {  // CTAs of grid_topk_kernel<EPT> the device holds at once
   std::call_once(once, [] {
     TROUPE_CUDA(cudaFuncSetAttribute(grid_topk_kernel<EPT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      grid_smem_bytes<EPT>()));
+    if constexpr (EPT == 32) {  // the streamed kernel's chunks are the large ones
+      TROUPE_CUDA(cudaFuncSetAttribute(stream_topk_kernel<kStreamEPT, kStreamMinBlocks>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, grid_smem_bytes<kStreamEPT>()));
+    }
     int per = 0;
     TROUPE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, grid_topk_kernel<EPT>, kThreads,
                                                               grid_smem_bytes<EPT>()));
@@ -1098,53 +1362,74 @@ int grid_capacity() {  // CTAs of grid_topk_kernel<EPT> the device holds at once
   return cap;
 }
 
-constexpr int kGridMaxRowsPerLaunch = 128;
 constexpr int kSmallEPT = 8, kLargeEPT = 32;  // chunks of 4,096 / 16,384 scores
 
-int64_t grid_row_words(int ept) { return kGRounds * kGBins + kCounters + 2 * static_cast<int64_t>(kThreads) * ept; }
+// The streamed kernel's candidate list of a row: a quarter of a million entries at
+// most (rows of 1 M scores and k = 2,048 keep ~20-40 K), the whole row when shorter.
+int64_t stream_cand_cap(int64_t max_len) { return std::min<int64_t>(ceil_div(max_len, 4) * 4, 65536); }
+
+// Scratch words a row of a launch needs: the grid kernel's gathered candidates (keys
+// and indices, a chunk's worth), or the streamed kernel's list and gathered bucket.
+int64_t scratch_words(bool stream, int ept, int64_t max_len) {
+  return stream ? 2 * stream_cand_cap(max_len) + 2 * kThreads * kLargeEPT : 2 * static_cast<int64_t>(kThreads) * ept;
+}
+
+// TopkArgs::stream, or TROUPE_TOPK_STREAM (read at each call) when it is 0.
+int topk_stream(const TopkArgs& a) {
+  if (a.stream != 0) return a.stream;
+  const char* e = std::getenv("TROUPE_TOPK_STREAM");
+  return e == nullptr ? 0 : e[0] == '1' ? 1 : e[0] == '0' ? -1 : 0;
+}
 
 // Small chunks for the least latency when every chunk of the call fits on the device
-// at once; else large chunks (fewer, fuller CTAs share each row's barriers), by
-// tickets when the grid is larger than the device holds.
+// at once; else large chunks (fewer, fuller CTAs share each row's barriers). When the
+// large chunks are more than the device holds at once, the streamed kernel (no CTA
+// waits for another, so the waves follow each other without gaps).
 struct GridPlan {
   bool ok = false;  // false: the cluster kernel
+  bool stream = false;
   int ept = 0;
   int cpr = 0;
   int rows_per_launch = 0;
   bool ticketed = false;
-  int64_t row_words = 0;
+  int64_t scratch_words = 0;  // 0: no workspace (one chunk a row)
 };
 
-GridPlan make_grid_plan(int rows, int64_t max_len) {
+GridPlan make_grid_plan(int rows, int64_t max_len, int stream) {
   GridPlan g;
   const int64_t c8 = ceil_div(max_len, kThreads * kSmallEPT), c32 = ceil_div(max_len, kThreads * kLargeEPT);
   const int cap8 = grid_capacity<kSmallEPT>(), cap32 = grid_capacity<kLargeEPT>();
-  if (static_cast<int64_t>(rows) * c8 <= cap8) {
+  if (stream != 1 && static_cast<int64_t>(rows) * c8 <= cap8) {
     g.ept = kSmallEPT;
     g.cpr = static_cast<int>(c8);
-    g.rows_per_launch = rows;
-  } else if (c32 == 1 || 2 * c32 <= cap32) {
+  } else if (stream == 1 || c32 == 1 || 2 * c32 <= cap32) {
     g.ept = kLargeEPT;
     g.cpr = static_cast<int>(c32);
-    g.rows_per_launch = c32 == 1 ? rows : std::min(rows, kGridMaxRowsPerLaunch);
-    g.ticketed = c32 > 1 && static_cast<int64_t>(g.rows_per_launch) * c32 > cap32;
+    g.ticketed = c32 > 1 && static_cast<int64_t>(std::min(rows, kLaunchRows)) * c32 > cap32;
+    // Streamed when the call's large chunks make more than three waves (measured on an
+    // H200, docs/kernels-notes.md session 10: 64 rows of 262,144, 3.9 waves: 57 -> 52 us;
+    // 8 rows of 1 M, 1.9 waves: 34 -> 46 us, the last CTAs' selects are the tail).
+    g.stream = stream == 1 || (stream == 0 && static_cast<int64_t>(std::min(rows, kLaunchRows)) * c32 > 3 * cap32);
+    if (g.stream) {
+      g.ticketed = false;
+      g.ept = kStreamEPT;
+      g.cpr = static_cast<int>(ceil_div(max_len, kThreads * kStreamEPT));
+    }
   } else {
     return g;  // rows too long for the grid kernel: the cluster kernel
   }
   g.ok = true;
-  g.row_words = g.cpr > 1 ? grid_row_words(g.ept) : 0;
+  g.rows_per_launch = g.cpr == 1 ? rows : std::min(rows, kLaunchRows);
+  g.scratch_words = g.cpr > 1 ? scratch_words(g.stream, g.ept, max_len) : 0;
   return g;
 }
 
-// Enough for a call of any number of rows up to `rows` with this max_len (a smaller
-// call can pick the other chunk size): 256 bytes of tickets, then the rows of one
-// launch.
+// Enough for a call of any number of rows up to `rows` with this max_len or less, on
+// any path: 256 bytes of tickets, the zeroed rows of one launch, then its scratch.
 size_t grid_workspace_bytes(int rows, int64_t max_len) {
-  const int64_t c8 = ceil_div(max_len, kThreads * kSmallEPT), c32 = ceil_div(max_len, kThreads * kLargeEPT);
-  int64_t words = 0;
-  if (c8 > 1) words = std::min<int64_t>(rows, grid_capacity<kSmallEPT>() / c8) * grid_row_words(kSmallEPT);
-  if (c32 > 1) words = std::max(words, std::min<int64_t>(rows, kGridMaxRowsPerLaunch) * grid_row_words(kLargeEPT));
-  return static_cast<size_t>(words) * 4 + 256;
+  if (ceil_div(max_len, kThreads * kSmallEPT) <= 1) return 0;
+  const int64_t per = std::max(scratch_words(true, kLargeEPT, max_len), scratch_words(false, kLargeEPT, max_len));
+  return 256 + (static_cast<size_t>(kLaunchRows) * kZeroWords + std::min(rows, kLaunchRows) * per) * 4;
 }
 
 // TopkArgs::finish, or TROUPE_TOPK_FINISH (read at each call) when it is 0; 2 by default.
@@ -1170,13 +1455,15 @@ void launch_grid_topk(const TopkArgs& a, const GridPlan& g, void* workspace, cud
   p.vec_ok = (reinterpret_cast<uintptr_t>(a.scores) % 16 == 0) && (a.row_stride % 4 == 0);
   p.cpr = g.cpr;
   p.ticketed = g.ticketed;
-  p.row_words = g.row_words;
   p.profile = a.profile;
   p.counted_finish = topk_finish(a) == 2;
-  if (g.row_words > 0) {
+  if (g.scratch_words > 0) {
     TROUPE_REQUIRE(workspace != nullptr, "top-k: this row length needs a workspace");
-    p.tickets = static_cast<uint32_t*>(workspace);  // the first 256 bytes; the rows' words after them
+    p.tickets = static_cast<uint32_t*>(workspace);  // the first 256 bytes
     p.ws = p.tickets + 64;
+    p.scratch = p.ws + static_cast<int64_t>(kLaunchRows) * kZeroWords;
+    p.scratch_words = g.scratch_words;
+    p.cand_cap = stream_cand_cap(a.max_len);
   }
   for (int r0 = 0; r0 < a.rows; r0 += g.rows_per_launch) {
     p.row0 = r0;
@@ -1184,7 +1471,10 @@ void launch_grid_topk(const TopkArgs& a, const GridPlan& g, void* workspace, cud
     const size_t smem =
         static_cast<size_t>(g.ept == kSmallEPT ? grid_smem_bytes<kSmallEPT>() : grid_smem_bytes<kLargeEPT>());
     const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(rows) * g.cpr), 1, 1);
-    if (g.ept == kSmallEPT) {
+    if (g.stream) {
+      launch_kernel(stream_topk_kernel<kStreamEPT, kStreamMinBlocks>, grid, kThreads,
+                    static_cast<size_t>(grid_smem_bytes<kStreamEPT>()), stream, p);
+    } else if (g.ept == kSmallEPT) {
       launch_kernel(grid_topk_kernel<kSmallEPT>, grid, kThreads, smem, stream, p);
     } else {
       launch_kernel(grid_topk_kernel<kLargeEPT>, grid, kThreads, smem, stream, p);
@@ -1208,13 +1498,15 @@ int default_cluster() {
 size_t topk_workspace_bytes(int rows, int64_t max_len, int k, int max_cluster) {
   if (max_cluster == 0) max_cluster = default_cluster();
   if (max_cluster == 0 && rows > 0) {
-    const GridPlan g = make_grid_plan(rows, std::max<int64_t>(max_len, 1));
+    const GridPlan g = make_grid_plan(rows, std::max<int64_t>(max_len, 1), 0);
     if (g.ok) return grid_workspace_bytes(rows, std::max<int64_t>(max_len, 1));
   }
+  // Rows too long for the grid kernel: the cluster kernel's candidates, or (TopkArgs::stream) the streamed one's.
+  const size_t streamed = max_cluster == 0 ? grid_workspace_bytes(rows, std::max<int64_t>(max_len, 1)) : 0;
   const Plan plan = make_plan(max_len, k, max_cluster);
-  if (plan.segments == 1) return 0;
+  if (plan.segments == 1) return streamed;
   const size_t per = static_cast<size_t>(plan.segments) * k;
-  return static_cast<size_t>(rows) * (per * 8 + plan.segments * 4 + 4) + 256;
+  return std::max(streamed, static_cast<size_t>(rows) * (per * 8 + plan.segments * 4 + 4) + 256);
 }
 
 void topk_workspace_init(void* workspace, size_t bytes, cudaStream_t stream) {
@@ -1230,7 +1522,7 @@ void topk(const TopkArgs& args, void* workspace, cudaStream_t stream) {
   TROUPE_REQUIRE(a.max_len <= INT32_MAX, "top-k: rows longer than 2^31");
   if (a.rows == 0) return;
   if (a.max_cluster == 0) {
-    const GridPlan g = make_grid_plan(a.rows, std::max<int64_t>(a.max_len, 1));
+    const GridPlan g = make_grid_plan(a.rows, std::max<int64_t>(a.max_len, 1), topk_stream(a));
     if (g.ok) {
       launch_grid_topk(a, g, workspace, stream);
       return;

@@ -173,9 +173,10 @@ TEST_F(CudaKernelsTest, topk_equals_a_sort_up_to_ties) {
     const size_t ws_bytes = cuda::topk_workspace_bytes(c.ws_rows > 0 ? c.ws_rows : c.rows, c.len, c.k, c.max_cluster);
     void* ws = ws_bytes > 0 ? dev<char>(ws_bytes) : nullptr;
     cuda::topk_workspace_init(ws, ws_bytes, stream());
-    // Each way of finishing a row (TopkArgs::finish), twice: the workspace must come back zeroed.
-    for (int run = 0; run < 4; ++run) {
-      const int finish = 1 + run / 2, rep = run % 2;
+    // Each way of finishing a row on the grid kernel (TopkArgs::finish), then the streamed kernel, each twice:
+    // the workspace must come back zeroed.
+    for (int run = 0; run < 6; ++run) {
+      const int finish = run < 4 ? 1 + run / 2 : 2, rep = run % 2, streamed = run < 4 ? -1 : 1;
       poison(out, c.rows * c.k * 4);
       poison(cnt, c.rows * 4);
       cuda::TopkArgs a;
@@ -190,17 +191,65 @@ TEST_F(CudaKernelsTest, topk_equals_a_sort_up_to_ties) {
       a.out_count = cnt;
       a.max_cluster = c.max_cluster;
       a.finish = finish;
+      a.stream = streamed;
       cuda::topk(a, ws, stream());
       const auto ho = host(out, c.rows * c.k);
       const auto hc = host(cnt, c.rows);
       for (int r = 0; r < c.rows; ++r) {
-        const std::string row_what =
-            "row " + std::to_string(r) + " finish " + std::to_string(finish) + " rep " + std::to_string(rep);
+        const std::string row_what = "row " + std::to_string(r) + " finish " + std::to_string(finish) + " stream " +
+                                     std::to_string(streamed) + " rep " + std::to_string(rep);
         check_topk_row(v.data() + r * stride, lengths[r], c.k, ho.data() + r * c.k, hc[r], row_what);
         if (c.max_cluster == 0) {  // the grid kernel (rows this short): ties by lower index
           check_topk_row_stable(v.data() + r * stride, lengths[r], c.k, ho.data() + r * c.k, hc[r], row_what);
         }
       }
+    }
+  }
+}
+
+// One workspace, sized once, serves calls of every shape within its bounds in any order (as the backend's
+// decode steps change batch size and context): each path leaves zeroed what the next may read as counters.
+TEST_F(CudaKernelsTest, topk_calls_of_any_shape_share_a_workspace) {
+  const int max_rows = 64, k = 512;
+  const int64_t max_len = 262144;
+  std::vector<float> v = randn(max_rows * max_len, rng_);
+  float* dv = dev(v);
+  int32_t* out = dev<int32_t>(max_rows * k);
+  int32_t* cnt = dev<int32_t>(max_rows);
+  const size_t ws_bytes = cuda::topk_workspace_bytes(max_rows, max_len, k);
+  void* ws = dev<char>(ws_bytes);
+  cuda::topk_workspace_init(ws, ws_bytes, stream());
+  struct Call {
+    int rows;
+    int64_t len;
+    int streamed;
+  };
+  // 64 rows (large chunks: gathered candidates in the scratch), then 2 rows (small chunks, other row strides),
+  // the streamed kernel's lists, 3 short rows, and back.
+  const Call calls[] = {{64, 262144, -1}, {2, 262144, -1}, {64, 262144, 1}, {3, 20000, -1},
+                        {2, 262144, -1},  {64, 262144, 0},  {8, 100000, -1}, {64, 262144, -1}};
+  for (const Call& c : calls) {
+    const std::string what =
+        std::to_string(c.rows) + "x" + std::to_string(c.len) + " stream " + std::to_string(c.streamed);
+    poison(out, max_rows * k * 4);
+    poison(cnt, max_rows * 4);
+    cuda::TopkArgs a;
+    a.scores = dv;
+    a.row_stride = max_len;
+    a.rows = c.rows;
+    a.max_len = c.len;
+    a.k = k;
+    a.out_idx = out;
+    a.out_stride = k;
+    a.out_count = cnt;
+    a.stream = c.streamed;
+    cuda::topk(a, ws, stream());
+    const auto ho = host(out, c.rows * k);
+    const auto hc = host(cnt, c.rows);
+    for (int r = 0; r < c.rows; ++r) {
+      const std::string row_what = what + " row " + std::to_string(r);
+      check_topk_row(v.data() + r * max_len, c.len, k, ho.data() + r * k, hc[r], row_what);
+      check_topk_row_stable(v.data() + r * max_len, c.len, k, ho.data() + r * k, hc[r], row_what);
     }
   }
 }
@@ -231,9 +280,10 @@ TEST_F(CudaKernelsTest, topk_translates_indices_to_pool_pages) {
   const size_t ws_bytes = cuda::topk_workspace_bytes(1, len, k);
   void* ws = ws_bytes > 0 ? dev<char>(ws_bytes) : nullptr;
   cuda::topk_workspace_init(ws, ws_bytes, stream());
-  for (int finish : {1, 2}) {
+  for (int variant : {1, 2, 3}) {  // the grid kernel's two finishes, the streamed kernel
     poison(out, k * 4);
-    a.finish = finish;
+    a.finish = variant == 1 ? 1 : 2;
+    a.stream = variant == 3 ? 1 : -1;
     cuda::topk(a, ws, stream());
     auto ho = host(out, k);
     for (auto& i : ho) {  // back to row indices (a slot left poisoned stays -1: the check fails)
@@ -241,7 +291,7 @@ TEST_F(CudaKernelsTest, topk_translates_indices_to_pool_pages) {
         i = (inverse[i >> bits] << bits) | (i & ((1 << bits) - 1));
       }
     }
-    check_topk_row(v.data(), len, k, ho.data(), k, "paged, finish " + std::to_string(finish));
+    check_topk_row(v.data(), len, k, ho.data(), k, "paged, variant " + std::to_string(variant));
   }
 }
 

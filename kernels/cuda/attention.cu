@@ -60,12 +60,6 @@ __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint3
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(smem)), "l"(gmem),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 
 template <int DIM, bool BF16>
 struct Layout {
@@ -175,7 +169,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
     for (int nt = 0; nt < kNTW; ++nt) o[mt][nt][0] = o[mt][nt][1] = o[mt][nt][2] = o[mt][nt][3] = 0.f;
 
   for (int tile = 0; tile < ntiles; ++tile) {
-    cp_async_wait_all();
+    cp_async_wait<0>();
     __syncthreads();
     const __nv_bfloat16* Ks;
     if constexpr (BF16) {

@@ -131,6 +131,20 @@ void launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
   launch_kernel_ex(kernel, grid, block, smem, stream, nullptr, 0, std::forward<Args>(args)...);
 }
 
+// Asynchronous 16-byte copies global -> shared (cp.async, Ampere on): `valid` false
+// fills the 16 bytes with zeros and reads nothing. A thread reads back what it copied
+// itself once cp_async_wait<N>() (at most N of its groups still pending) returns;
+// copies of other threads need a barrier after their wait.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // The first statement of every kernel (see launch_kernel): wait for the grids this
 // one depends on, then let the next kernel in the stream be launched.
 __device__ __forceinline__ void pdl_entry() {

@@ -184,6 +184,9 @@ class Bench:
                         st = prof.tolist()
                         names = ["entry", "wait", "load", "hist0", "threshold0", "emit", "last_cta", "cand_load",
                                  "cand_threshold", "cand_emit", "end"]  # finish 1 stamps no cand_threshold/emit
+                        if name == "stream":  # the streamed kernel's stamps (topk.cu, stream_topk_kernel)
+                            names = ["entry", "wait", "load", "partial_hist", "partial_threshold", "list_stores",
+                                     "last_cta", "row_threshold", "list_pass", "-", "bucket_select"]
                         valid = [i for i in range(11) if st[i]]
                         deltas = [(names[j], (st[j] - st[i]) / 1000.0) for i, j in zip(valid, valid[1:])]
                         extra = ""

@@ -113,6 +113,18 @@ __device__ __forceinline__ Chosen chosen_elements(Key&& key, uint32_t vmask, int
   return c;
 }
 
+// This thread's first places for its chosen elements above / on the prefix in two
+// shared counters: one atomic a warp for each kind. Every lane of the warp calls it.
+__device__ __forceinline__ uint2 warp_places(const Chosen& c, uint32_t* above_ctr, uint32_t* tie_ctr) {
+  uint32_t a = 0, t = 0;
+  if ((threadIdx.x & 31) == 31) {
+    a = atomicAdd(above_ctr, c.a_incl);
+    t = atomicAdd(tie_ctr, c.t_incl);
+  }
+  return make_uint2(__shfl_sync(0xffffffffu, a, 31) + c.a_incl - c.n_above,
+                    __shfl_sync(0xffffffffu, t, 31) + c.t_incl - c.n_tie);
+}
+
 __device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* warp_tot) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   uint32_t incl = v;
@@ -189,6 +201,28 @@ __device__ __forceinline__ void find_threshold(const uint32_t* hist, uint32_t nb
       run += c;
     }
   }
+  __syncthreads();
+}
+
+// One block-local radix round on the next digit under `prefix` (pbits bits; the digit
+// is min(11, 32 - pbits) bits): count_digit(shift, nbins) adds the digit of every
+// element still in the bucket into sm.hist; then the bucket narrows to the digit where
+// the count from the top reaches `need` (prefix, pbits, need and cnt updated). Every
+// thread of the block calls it.
+template <class S, class CountDigit>
+__device__ __forceinline__ void radix_round(S& sm, uint32_t& prefix, int& pbits, uint32_t& need, uint32_t& cnt,
+                                            CountDigit&& count_digit) {
+  const int bits = 32 - pbits < 11 ? 32 - pbits : 11;
+  const uint32_t nbins = 1u << bits;
+  for (uint32_t i = threadIdx.x; i < nbins; i += blockDim.x) sm.hist[i] = 0;
+  __syncthreads();
+  count_digit(32 - pbits - bits, nbins);
+  __syncthreads();
+  find_threshold(sm.hist, nbins, need, sm);
+  need -= sm.thr_above;
+  cnt = sm.thr_cnt;
+  prefix = (prefix << bits) | sm.thr_bin;
+  pbits += bits;
   __syncthreads();
 }
 
@@ -325,22 +359,12 @@ __device__ __forceinline__ void cluster_select(const uint32_t* sk, uint32_t vmas
     int lbits = pbits;
 #pragma unroll 1
     while (lbits < 32 && lcnt != lneed) {
-      const int bits = 32 - lbits < 11 ? 32 - lbits : 11;
-      const int shift = 32 - lbits - bits;
-      const uint32_t nbins = 1u << bits;
-      for (uint32_t i = tid; i < nbins; i += kThreads) sm.hist[i] = 0;
-      __syncthreads();
-      for (uint32_t i = tid; i < cnt; i += kThreads) {
-        const uint32_t k = sm.cand_key[i];
-        if ((k >> (32 - lbits)) == lp) atomicAdd(&sm.hist[(k >> shift) & (nbins - 1)], 1u);
-      }
-      __syncthreads();
-      find_threshold(sm.hist, nbins, lneed, sm);
-      lneed -= sm.thr_above;
-      lcnt = sm.thr_cnt;
-      lp = (lp << bits) | sm.thr_bin;
-      lbits += bits;
-      __syncthreads();
+      radix_round(sm, lp, lbits, lneed, lcnt, [&](int shift, uint32_t nbins) {
+        for (uint32_t i = tid; i < cnt; i += kThreads) {
+          const uint32_t k = sm.cand_key[i];
+          if ((k >> (32 - lbits)) == lp) atomicAdd(&sm.hist[(k >> shift) & (nbins - 1)], 1u);
+        }
+      });
     }
     const bool all = lcnt == lneed;
     const uint32_t base = total_above, tie_base = total_above + (need - lneed);
@@ -677,22 +701,12 @@ __device__ __forceinline__ bool radix_select(const uint32_t* keys, uint32_t n, V
   uint32_t lcnt = 0xffffffffu;
 #pragma unroll 1
   while (lbits < 32 && lcnt != lneed) {
-    const int bits = 32 - lbits < 11 ? 32 - lbits : 11;
-    const int shift = 32 - lbits - bits;
-    const uint32_t nbins = 1u << bits;
-    for (uint32_t i = tid; i < nbins; i += kThreads) sm.hist[i] = 0;
-    __syncthreads();
-    for (uint32_t i = tid; i < n; i += kThreads) {
-      const uint32_t k = keys[i];
-      if (valid(i) && (lbits == 0 || (k >> (32 - lbits)) == lp)) atomicAdd(&sm.hist[(k >> shift) & (nbins - 1)], 1u);
-    }
-    __syncthreads();
-    find_threshold(sm.hist, nbins, lneed, sm);
-    lneed -= sm.thr_above;
-    lcnt = sm.thr_cnt;
-    lp = (lp << bits) | sm.thr_bin;
-    lbits += bits;
-    __syncthreads();
+    radix_round(sm, lp, lbits, lneed, lcnt, [&](int shift, uint32_t nbins) {
+      for (uint32_t i = tid; i < n; i += kThreads) {
+        const uint32_t k = keys[i];
+        if (valid(i) && (lbits == 0 || (k >> (32 - lbits)) == lp)) atomicAdd(&sm.hist[(k >> shift) & (nbins - 1)], 1u);
+      }
+    });
   }
   const bool all = lcnt == lneed;
   const uint32_t tie_base = need0 - lneed;
@@ -837,7 +851,6 @@ __device__ __forceinline__ void counted_select(const GridParams& p, int row, uin
   // Every candidate shares `prefix`, so comparing the key's bits down to this digit
   // with prefix:thr compares the digit.
   const uint32_t pthr = (prefix << __popc(nmask)) | thr;
-  const unsigned lane = tid & 31;
   for (uint32_t b0 = 0; b0 < cnt; b0 += kPass * kThreads) {  // uniform trip counts: shuffles below
     if (b0 > 0) c = load_candidates(cand_key, cand_idx, b0, cnt);
     uint32_t vmask = 0;
@@ -845,19 +858,13 @@ __device__ __forceinline__ void counted_select(const GridParams& p, int row, uin
     for (int j = 0; j < kPass; ++j) vmask |= static_cast<uint32_t>(b0 + j * kThreads + tid < cnt) << j;
     // Places: one shared atomic a warp for each kind (warp_take's would be one a
     // warp for each of the pass's elements, each waiting for the last).
-    const auto [above_mask, on_mask, n_above, n_on, a_incl, o_incl] =
-        chosen_elements<kPass>([&](int j) { return c.key[j]; }, vmask, nshift, pthr);
-    uint32_t a_warp = 0, o_warp = 0;
-    if (lane == 31) {
-      a_warp = atomicAdd(&sm.local_above, a_incl);
-      o_warp = atomicAdd(&sm.local_tie, o_incl);
-    }
-    uint32_t a = __shfl_sync(0xffffffffu, a_warp, 31) + a_incl - n_above;
-    uint32_t o = __shfl_sync(0xffffffffu, o_warp, 31) + o_incl - n_on;
+    const Chosen ch = chosen_elements<kPass>([&](int j) { return c.key[j]; }, vmask, nshift, pthr);
+    const uint2 places = warp_places(ch, &sm.local_above, &sm.local_tie);
+    uint32_t a = places.x, o = places.y;
 #pragma unroll
     for (int j = 0; j < kPass; ++j) {
-      if ((above_mask >> j) & 1u) out[a++] = translate_g(p, row, c.idx[j]);
-      if ((on_mask >> j) & 1u) {
+      if ((ch.above_mask >> j) & 1u) out[a++] = translate_g(p, row, c.idx[j]);
+      if ((ch.tie_mask >> j) & 1u) {
         if (all_on) {
           out[above + o] = translate_g(p, row, c.idx[j]);
         } else {
@@ -876,6 +883,54 @@ __device__ __forceinline__ void counted_select(const GridParams& p, int row, uin
     for (uint32_t j = 0; j < on; ++j) rank += on_list[j] > mine ? 1u : 0u;
     if (rank < need_on) out[above + rank] = translate_g(p, row, static_cast<int32_t>(~static_cast<uint32_t>(mine)));
   }
+}
+
+// The row's length (lengths[row], or max_len), clamped to [0, max_len].
+__device__ __forceinline__ int64_t row_length(const GridParams& p, int row) {
+  const int64_t len = p.lengths != nullptr ? p.lengths[row] : p.max_len;
+  return len < 0 ? 0 : (len > p.max_len ? p.max_len : len);
+}
+
+// Chunk `chunk` of the row into sk (load_chunk), its round-0 digits counted into
+// sm.hist; this thread's valid elements.
+template <int EPT>
+__device__ __forceinline__ uint32_t load_row_chunk(const GridParams& p, int row, int64_t len, int chunk, uint32_t* sk,
+                                                   GSmem& sm) {
+  constexpr int kChunk = kThreads * EPT;
+  for (int i = threadIdx.x; i < kGBins; i += kThreads) sm.hist[i] = 0;
+  __syncthreads();
+  const int64_t c0 = static_cast<int64_t>(chunk) * kChunk;
+  const int64_t n_here = len - c0 < kChunk ? len - c0 : kChunk;
+  return load_chunk<EPT>(p.scores + row * p.row_stride + c0, n_here, p.vec_ok, sk, sm.hist);
+}
+
+// A row of at most k scores: every one is chosen (chunk 0 writes them, -1 after). Whether
+// the row is one.
+__device__ __forceinline__ bool all_chosen(const GridParams& p, int row, int64_t len, int chunk, int32_t* out) {
+  if (len > p.k) return false;
+  if (chunk == 0) {
+    for (int64_t i = threadIdx.x; i < p.k; i += kThreads) out[i] = i < len ? translate_g(p, row, i) : -1;
+    if (p.out_count != nullptr && threadIdx.x == 0) p.out_count[row] = static_cast<int32_t>(len);
+  }
+  return true;
+}
+
+// The row index of a chunk's element held at sk[flat] (flat = e * kThreads + thread: see load_chunk).
+__device__ __forceinline__ int64_t chunk_index(int64_t c0, uint32_t flat) {
+  const uint32_t e = flat / kThreads, th = flat % kThreads;
+  return c0 + (e >> 2) * (kThreads * 4) + th * 4 + (e & 3);
+}
+
+// A row that is one chunk (at sk, from c0 = 0): selected in this CTA, ties by lower index.
+template <int EPT>
+__device__ __forceinline__ void select_one_chunk(const GridParams& p, int row, int64_t len, uint32_t* sk, GSmem& sm,
+                                                 int32_t* out) {
+  __syncthreads();
+  block_select(
+      sk, kThreads * EPT, [&](uint32_t i) { return chunk_index(0, i) < len; },
+      [&](uint32_t i) { return static_cast<uint32_t>(chunk_index(0, i)); }, 0u, 0, static_cast<uint32_t>(p.k), sm,
+      [&](uint32_t pos, uint32_t i) { out[pos] = translate_g(p, row, chunk_index(0, i)); });
+  if (p.out_count != nullptr && threadIdx.x == 0) p.out_count[row] = p.k;
 }
 
 template <int EPT>
@@ -898,35 +953,17 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
   }
   const int lrow = static_cast<int>(t / p.cpr), chunk = static_cast<int>(t % p.cpr);
   const int row = p.row0 + lrow;
-  int64_t len = p.lengths != nullptr ? p.lengths[row] : p.max_len;
-  len = len < 0 ? 0 : (len > p.max_len ? p.max_len : len);
+  const int64_t len = row_length(p, row);
   int32_t* out = p.out_idx + row * p.out_stride;
   const int64_t nrow = (len + kChunk - 1) / kChunk;
-  if (len <= p.k) {  // every candidate is chosen
-    if (chunk == 0) {
-      for (int64_t i = tid; i < p.k; i += kThreads) out[i] = i < len ? translate_g(p, row, i) : -1;
-      if (p.out_count != nullptr && tid == 0) p.out_count[row] = static_cast<int32_t>(len);
-    }
-  } else if (chunk < nrow) {
-    // Load the chunk and count the round-0 digits.
-    for (int i = tid; i < kGBins; i += kThreads) sm.hist[i] = 0;
-    __syncthreads();
+  if (!all_chosen(p, row, len, chunk, out) && chunk < nrow) {
+    const uint32_t vmask = load_row_chunk<EPT>(p, row, len, chunk, sk, sm);
     const int64_t c0 = static_cast<int64_t>(chunk) * kChunk;
-    const int64_t n_here = len - c0 < kChunk ? len - c0 : kChunk;
-    const uint32_t vmask = load_chunk<EPT>(p.scores + row * p.row_stride + c0, n_here, p.vec_ok, sk, sm.hist);
     if (prof) prof[2] = global_ns();
-    auto index_of = [&](uint32_t flat) -> int64_t {  // flat = e * kThreads + thread
-      const uint32_t e = flat / kThreads, th = flat % kThreads;
-      return c0 + (e >> 2) * (kThreads * 4) + th * 4 + (e & 3);
-    };
+    auto index_of = [&](uint32_t flat) { return chunk_index(c0, flat); };
     const uint32_t kk = static_cast<uint32_t>(p.k);
     if (nrow == 1) {  // the whole row is here: select in this CTA
-      __syncthreads();
-      block_select(
-          sk, kChunk, [&](uint32_t i) { return index_of(i) < len; },
-          [&](uint32_t i) { return static_cast<uint32_t>(index_of(i)); }, 0u, 0, kk, sm,
-          [&](uint32_t pos, uint32_t i) { out[pos] = translate_g(p, row, index_of(i)); });
-      if (p.out_count != nullptr && tid == 0) p.out_count[row] = p.k;
+      select_one_chunk<EPT>(p, row, len, sk, sm, out);
     } else {
       uint32_t* w = p.ws + static_cast<int64_t>(lrow) * kZeroWords;
       uint32_t* ctr = w + kGRounds * kGBins;
@@ -1076,10 +1113,6 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
 
 // The streamed kernel's chunks (kThreads * kStreamEPT scores) and CTAs an SM holds.
 constexpr int kStreamEPT = 32, kStreamMinBlocks = 2;
-// How a chunk learns the row's histogram so far: false = its adds are atomics that
-// return the sums before them (one round trip after the load); true = a snapshot read
-// before the load (its round trip hidden by the load; older, so more candidates).
-constexpr bool kStreamSnapshot = false;
 
 // Candidates a thread of the last CTA loads per pass over the list (one round trip).
 constexpr int kListBatch = 8;
@@ -1099,7 +1132,6 @@ __device__ __forceinline__ void select_list(const GridParams& p, int row, int64_
                                             uint32_t* sk, uint32_t chunk_cap, uint32_t* bucket_key,
                                             int32_t* bucket_idx, int32_t* out, GSmem& sm, long long* lprof) {
   const int tid = threadIdx.x;
-  const unsigned lane = tid & 31;
   const uint32_t kk = static_cast<uint32_t>(p.k);
   find_threshold(sm.hist, kGBins, kk, sm);
   uint32_t need = kk - sm.thr_above, cnt = sm.thr_cnt, prefix = sm.thr_bin;
@@ -1107,6 +1139,8 @@ __device__ __forceinline__ void select_list(const GridParams& p, int row, int64_
   __syncthreads();  // every thread has read sm.thr_*
 #pragma unroll 1
   for (; round < kGRounds && cnt != need && cnt > chunk_cap; ++round) {
+    // radix_round's steps, with the round's own digit widths (11, 11, 10) and the
+    // list's batched loads (a lambda over the references spills here).
     const int shift = digit_shift(round), bits = digit_bits(round);
     const uint32_t nbins = 1u << bits;
     for (uint32_t i = tid; i < nbins; i += kThreads) sm.hist[i] = 0;
@@ -1154,20 +1188,14 @@ __device__ __forceinline__ void select_list(const GridParams& p, int row, int64_
     }
 #pragma unroll
     for (int j = 0; j < kListBatch; ++j) vmask |= static_cast<uint32_t>(b0 + j * kThreads + tid < n) << j;
-    const auto [above_mask, tie_mask, n_above, n_tie, a_incl, t_incl] =
-        chosen_elements<kListBatch>([&](int j) { return key[j]; }, vmask, 32 - pbits, prefix);
+    const Chosen ch = chosen_elements<kListBatch>([&](int j) { return key[j]; }, vmask, 32 - pbits, prefix);
     if (lprof && b0 == 0) lprof[13] = global_ns();
-    uint32_t a_warp = 0, t_warp = 0;
-    if (lane == 31) {
-      a_warp = atomicAdd(&sm.above_ctr, a_incl);
-      t_warp = atomicAdd(&sm.tie_ctr, t_incl);
-    }
-    uint32_t a = __shfl_sync(0xffffffffu, a_warp, 31) + a_incl - n_above;
-    uint32_t t = __shfl_sync(0xffffffffu, t_warp, 31) + t_incl - n_tie;
+    const uint2 places = warp_places(ch, &sm.above_ctr, &sm.tie_ctr);
+    uint32_t a = places.x, t = places.y;
 #pragma unroll
     for (int j = 0; j < kListBatch; ++j) {
-      if ((above_mask >> j) & 1u) out[a++] = translate_g(p, row, idx[j]);
-      if ((tie_mask >> j) & 1u) {
+      if ((ch.above_mask >> j) & 1u) out[a++] = translate_g(p, row, idx[j]);
+      if ((ch.tie_mask >> j) & 1u) {
         if (take_all) {
           out[above_total + t] = translate_g(p, row, idx[j]);
         } else if (gather) {
@@ -1210,65 +1238,35 @@ __global__ void __launch_bounds__(kThreads, MINB) stream_topk_kernel(const GridP
   const int row = p.row0 + lrow;
   long long* prof = p.profile != nullptr && lrow == 0 && chunk == 0 && tid == 0 ? p.profile : nullptr;
   if (prof) prof[0] = global_ns();
-  int64_t len = p.lengths != nullptr ? p.lengths[row] : p.max_len;
-  len = len < 0 ? 0 : (len > p.max_len ? p.max_len : len);
+  const int64_t len = row_length(p, row);
   int32_t* out = p.out_idx + row * p.out_stride;
   const int64_t nrow = (len + kChunk - 1) / kChunk;
-  if (len <= p.k) {  // every candidate is chosen
-    if (chunk == 0) {
-      for (int64_t i = tid; i < p.k; i += kThreads) out[i] = i < len ? translate_g(p, row, i) : -1;
-      if (p.out_count != nullptr && tid == 0) p.out_count[row] = static_cast<int32_t>(len);
-    }
-    return;
-  }
-  if (chunk >= nrow) return;
-  uint32_t* gh = p.ws + static_cast<int64_t>(lrow) * kZeroWords;  // the row's round-0 histogram
-  uint32_t snap[kGBins / kThreads];
-  if constexpr (kStreamSnapshot) {
-    if (nrow > 1) {
-#pragma unroll
-      for (int j = 0; j < kGBins / kThreads; ++j) snap[j] = __ldcg(&gh[j * kThreads + tid]);
-    }
-  }
-  for (int i = tid; i < kGBins; i += kThreads) sm.hist[i] = 0;
-  __syncthreads();
+  if (all_chosen(p, row, len, chunk, out) || chunk >= nrow) return;
+  const uint32_t vmask = load_row_chunk<EPT>(p, row, len, chunk, sk, sm);
   const int64_t c0 = static_cast<int64_t>(chunk) * kChunk;
-  const int64_t n_here = len - c0 < kChunk ? len - c0 : kChunk;
-  const uint32_t vmask = load_chunk<EPT>(p.scores + row * p.row_stride + c0, n_here, p.vec_ok, sk, sm.hist);
   if (prof) prof[2] = global_ns();
-  auto index_of = [&](uint32_t flat) -> int64_t {  // flat = e * kThreads + thread
-    const uint32_t e = flat / kThreads, th = flat % kThreads;
-    return c0 + (e >> 2) * (kThreads * 4) + th * 4 + (e & 3);
-  };
+  auto index_of = [&](uint32_t flat) { return chunk_index(c0, flat); };
   const uint32_t kk = static_cast<uint32_t>(p.k);
   if (nrow == 1) {  // the whole row is here: select in this CTA
-    __syncthreads();
-    block_select(
-        sk, kChunk, [&](uint32_t i) { return index_of(i) < len; },
-        [&](uint32_t i) { return static_cast<uint32_t>(index_of(i)); }, 0u, 0, kk, sm,
-        [&](uint32_t pos, uint32_t i) { out[pos] = translate_g(p, row, index_of(i)); });
-    if (p.out_count != nullptr && tid == 0) p.out_count[row] = p.k;
+    select_one_chunk<EPT>(p, row, len, sk, sm, out);
     return;
   }
+  uint32_t* gh = p.ws + static_cast<int64_t>(lrow) * kZeroWords;  // the row's round-0 histogram
   uint32_t* ctr = gh + kGRounds * kGBins;
   // The candidate list: key and index side by side (one 8-byte load brings both).
   uint2* cand = reinterpret_cast<uint2*>(p.scratch + static_cast<int64_t>(lrow) * p.scratch_words);
   uint32_t* bucket_key = reinterpret_cast<uint32_t*>(cand + p.cand_cap);
   int32_t* bucket_idx = reinterpret_cast<int32_t*>(bucket_key + kChunk);
-  // The row's histogram so far with this chunk's counts (see kStreamSnapshot): a lower
-  // bound of the final one at every bin.
+  // The row's histogram so far with this chunk's counts (atomics that return the sums
+  // before them; bins this chunk has none of read as they stand): a lower bound of the
+  // final one at every bin.
   if (tid == 0) sm.thr_bin = sm.thr_above = sm.thr_cnt = 0;  // fewer than k counted so far: every element
   __syncthreads();
 #pragma unroll
   for (int j = 0; j < kGBins / kThreads; ++j) {  // every atomic in flight at once
     const int i = j * kThreads + tid;
     const uint32_t v = sm.hist[i];
-    if constexpr (kStreamSnapshot) {
-      if (v != 0) atomicAdd(&gh[i], v);
-      sm.hist[i] = v + snap[j];
-    } else {
-      sm.hist[i] = v != 0 ? atomicAdd(&gh[i], v) + v : __ldcg(&gh[i]);
-    }
+    sm.hist[i] = v != 0 ? atomicAdd(&gh[i], v) + v : __ldcg(&gh[i]);
   }
   __syncthreads();
   if (prof) prof[3] = global_ns();

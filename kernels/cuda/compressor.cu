@@ -266,7 +266,7 @@ __device__ __forceinline__ void store_out<__nv_bfloat16>(void* out, int64_t i, f
 // MAXT / MINB: launch bounds; UNROLL: slots whose loads are in flight together per thread.
 // ASYNC (VEC 4, one slot group): each chunk's kv and scores are copied into shared memory
 // (cp.async), the next chunk's copies issued before this one is pooled, so two chunks'
-// loads are in flight without holding them in registers (kAsyncStageBytes a thread).
+// loads are in flight without holding them in registers (2 x UNROLL x 32 bytes a thread).
 // STREAMING: the slots' kv and scores by cache-streaming loads (ld.global.cs).
 template <class Source, class OutT, int VEC, int MAXT = 512, int MINB = 1, int UNROLL = kUnroll, bool ASYNC = false,
           bool STREAMING = false>

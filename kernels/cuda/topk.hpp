@@ -16,8 +16,9 @@
 // last CTA finishes them. Used while a row needs at most half the CTAs the device
 // holds at once (rows up to ~3 M scores on an H200).
 //
-// Streamed kernel (the grid kernel's chunks, when a call has more of them than the
-// device holds at once, e.g. 64 rows of 262,144): no CTA waits for another. Each adds
+// Streamed kernel (the grid kernel's large chunks, when a call has more than three
+// times as many as the device holds at once, e.g. 64 rows of 262,144): no CTA waits
+// for another. Each adds
 // its histogram to the row's with atomics that return the sums so far and writes the
 // elements at or above that partial histogram's threshold bucket (never above the
 // row's) to the row's candidate list; the row's last CTA selects among them. Ties as
@@ -57,21 +58,22 @@ struct TopkArgs {
                                     // CTAs (power of two)
   long long* profile = nullptr;     // debugging aid: phase-end stamps of row 0 (cluster kernel: 12 SM clocks;
                                     // grid and streamed kernels: 11 %globaltimer ns values, see
-                                    // bench/gpu/bench.py; the streamed kernel then the row's candidates and
-                                    // whether they overflowed: 13 values)
+                                    // bench/gpu/bench.py; the streamed kernel then the row's candidates,
+                                    // whether they overflowed, and two stamps of its list pass: 15 values)
   int finish = 0;                   // the grid kernel's last step over a row's gathered bucket: 1 = radix rounds
                                     // in the row's last CTA; 2 = every CTA also counts the bucket's next digit,
                                     // the last CTA takes the threshold from that count and ranks the few on it;
                                     // 0 = TROUPE_TOPK_FINISH (2 unless it is 1). Both exact, ties by lower index
   int stream = 0;                   // the streamed kernel: 1 = whenever the grid kernel would run; -1 = never;
                                     // 0 = TROUPE_TOPK_STREAM (1 / 0), else when a call's large chunks are more
-                                    // than the device holds at once
+                                    // than three times what the device holds at once
 };
 
 // Scratch the call needs (enough for any call with at most `rows` rows and this
 // max_len; may be 0). The workspace must be zeroed once after allocation
-// (topk_workspace_init); calls of any shape within those bounds may share it (each
-// leaves the part that must be zero zeroed). One call at a time per workspace.
+// (topk_workspace_init); grid and streamed calls of any shape within those bounds may
+// share it (each leaves the part that must be zero zeroed; the cluster kernel's layout
+// is its own). One call at a time per workspace.
 size_t topk_workspace_bytes(int rows, int64_t max_len, int k, int max_cluster = 0);
 void topk_workspace_init(void* workspace, size_t bytes, cudaStream_t stream);
 void topk(const TopkArgs& args, void* workspace, cudaStream_t stream);

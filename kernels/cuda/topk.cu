@@ -204,6 +204,20 @@ __device__ __forceinline__ void find_threshold(const uint32_t* hist, uint32_t nb
   __syncthreads();
 }
 
+// find_threshold over `hist` (2^bits bins), then the bucket narrows to the threshold
+// digit: need, cnt (the digit's count), prefix and pbits updated. Ends with a barrier
+// (every thread has read sm.thr_*). Every thread of the block calls it.
+template <class S>
+__device__ __forceinline__ void narrow_to_threshold(const uint32_t* hist, int bits, S& sm, uint32_t& prefix, int& pbits,
+                                                    uint32_t& need, uint32_t& cnt) {
+  find_threshold(hist, 1u << bits, need, sm);
+  need -= sm.thr_above;
+  cnt = sm.thr_cnt;
+  prefix = (prefix << bits) | sm.thr_bin;
+  pbits += bits;
+  __syncthreads();
+}
+
 // One block-local radix round on the next digit under `prefix` (pbits bits; the digit
 // is min(11, 32 - pbits) bits): count_digit(shift, nbins) adds the digit of every
 // element still in the bucket into sm.hist; then the bucket narrows to the digit where
@@ -218,12 +232,7 @@ __device__ __forceinline__ void radix_round(S& sm, uint32_t& prefix, int& pbits,
   __syncthreads();
   count_digit(32 - pbits - bits, nbins);
   __syncthreads();
-  find_threshold(sm.hist, nbins, need, sm);
-  need -= sm.thr_above;
-  cnt = sm.thr_cnt;
-  prefix = (prefix << bits) | sm.thr_bin;
-  pbits += bits;
-  __syncthreads();
+  narrow_to_threshold(sm.hist, bits, sm, prefix, pbits, need, cnt);
 }
 
 // Selects the `target` largest keys among the valid elements the cluster's CTAs hold.
@@ -294,12 +303,7 @@ __device__ __forceinline__ void cluster_select(const uint32_t* sk, uint32_t vmas
     if (round == 0) stamp(prof, 5);
     cluster.sync();
     if (round == 0) stamp(prof, 6);
-    find_threshold(sm.ghist, nbins, need, sm);
-    need -= sm.thr_above;
-    cnt = sm.thr_cnt;
-    prefix = (prefix << bits) | sm.thr_bin;
-    pbits += bits;
-    __syncthreads();
+    narrow_to_threshold(sm.ghist, bits, sm, prefix, pbits, need, cnt);
     stamp(prof, 7 + round);
     if (cnt == need) break;  // the whole threshold bucket is taken
     if (cnt <= kCandCap) {   // few enough to finish in one CTA
@@ -313,38 +317,30 @@ __device__ __forceinline__ void cluster_select(const uint32_t* sk, uint32_t vmas
 
   // Chosen elements of this thread as bit masks, then output ranges: warp scans,
   // one shared atomic per warp, one DSMEM atomic per CTA on the leader's counters.
-  const auto [above_mask, tie_mask, n_above, n_tie, a_incl, t_incl] =
-      chosen_elements<kEpt>([&](int e) { return sk[e * kThreads + tid]; }, vmask, drop, prefix);
-  const unsigned lane = tid & 31;
-  uint32_t a_warp = 0, t_warp = 0;
-  if (lane == 31) {
-    a_warp = atomicAdd(&sm.above_ctr, a_incl);
-    t_warp = atomicAdd(&sm.tie_ctr, t_incl);
-  }
-  a_warp = __shfl_sync(0xffffffffu, a_warp, 31);
-  t_warp = __shfl_sync(0xffffffffu, t_warp, 31);
+  const Chosen ch = chosen_elements<kEpt>([&](int e) { return sk[e * kThreads + tid]; }, vmask, drop, prefix);
+  const uint2 places = warp_places(ch, &sm.above_ctr, &sm.tie_ctr);
   __syncthreads();
   if (tid == 0) {
     sm.base_above = atomicAdd(cluster.map_shared_rank(&sm.above_total, 0), sm.above_ctr);
     sm.base_tie = atomicAdd(cluster.map_shared_rank(&sm.tie_total, 0), sm.tie_ctr);
   }
   __syncthreads();
-  uint32_t pos = sm.base_above + a_warp + a_incl - n_above;
-  for (uint32_t m = above_mask; m != 0; m &= m - 1) {
+  uint32_t pos = sm.base_above + places.x;
+  for (uint32_t m = ch.above_mask; m != 0; m &= m - 1) {
     const int e = __ffs(m) - 1;
     emit(pos++, sk[e * kThreads + tid], index_of(e));
   }
-  uint32_t g = sm.base_tie + t_warp + t_incl - n_tie;
+  uint32_t g = sm.base_tie + places.y;
   if (gather) {  // the bucket's elements go to the leader's candidate buffer, slot g
     uint32_t* ck = cluster.map_shared_rank(sm.cand_key, 0);
     int32_t* ci = cluster.map_shared_rank(sm.cand_idx, 0);
-    for (uint32_t m = tie_mask; m != 0; m &= m - 1, ++g) {
+    for (uint32_t m = ch.tie_mask; m != 0; m &= m - 1, ++g) {
       const int e = __ffs(m) - 1;
       ck[g] = sk[e * kThreads + tid];
       ci[g] = index_of(e);
     }
   } else {
-    for (uint32_t m = tie_mask; m != 0; m &= m - 1, ++g) {
+    for (uint32_t m = ch.tie_mask; m != 0; m &= m - 1, ++g) {
       const int e = __ffs(m) - 1;
       if (take_all || g < need) emit(total_above + g, sk[e * kThreads + tid], index_of(e));
     }
@@ -647,6 +643,10 @@ struct GSmem {
   uint32_t tie_key, tie_need, tie_base;
 };
 
+// The grid and streamed kernels' shared memory: GSmem, then the chunk's keys
+// [EPT][kThreads] from this 16-byte aligned offset.
+constexpr int kGKeysOffset = static_cast<int>((sizeof(GSmem) + 15) / 16 * 16);
+
 __device__ __forceinline__ long long global_ns() {
   long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -811,11 +811,11 @@ __device__ __forceinline__ CandidatePass load_candidates(const uint32_t* cand_ke
 // bits `prefix`) when every CTA also counted its candidates' next digit (the bits
 // under the prefix, `(key >> nshift) & nmask`) into gh_next while gathering: the
 // threshold on that digit straight from the count (gh_next, or sm.hist when gh_next is
-// null), the candidates above it written
-// out, and those on it ranked against each other by key, then lower index (a stable
-// sort's order); their rank is their place. Instead of block_select's radix rounds
-// over every candidate (clear, count, scan: each round barrier-bound), which it
-// falls back to when more than kRankMax candidates share the threshold digit.
+// null), the candidates above it written out, and those on it ranked against each
+// other by key, then lower index (a stable sort's order); their rank is their place.
+// Instead of block_select's radix rounds over every candidate (clear, count, scan:
+// each round barrier-bound), which it falls back to when more than kRankMax
+// candidates share the threshold digit.
 // The first pass's candidates are requested with the histogram, before the
 // threshold is known. Writes the `need` chosen to out[0 .. need). Every thread of
 // the block calls it.
@@ -939,7 +939,7 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
   constexpr int kChunk = kThreads * EPT;
   extern __shared__ __align__(16) uint8_t gsmem[];
   GSmem& sm = *reinterpret_cast<GSmem*>(gsmem);
-  uint32_t* sk = reinterpret_cast<uint32_t*>(gsmem + (sizeof(GSmem) + 15) / 16 * 16);  // [EPT][kThreads]
+  uint32_t* sk = reinterpret_cast<uint32_t*>(gsmem + kGKeysOffset);  // [EPT][kThreads]
   const int tid = threadIdx.x;
   long long* prof = p.profile != nullptr && blockIdx.x == 0 && tid == 0 ? p.profile : nullptr;
   if (prof) prof[0] = global_ns();
@@ -997,12 +997,7 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
         grid_arrive_and_wait(&ctr[kArrive0 + round], static_cast<uint32_t>(nrow));
         for (uint32_t i = tid; i < nbins; i += kThreads) sm.hist[i] = __ldcg(&gh[i]);
         __syncthreads();
-        find_threshold(sm.hist, nbins, need, sm);
-        need -= sm.thr_above;
-        cnt = sm.thr_cnt;
-        prefix = (prefix << bits) | sm.thr_bin;
-        pbits += bits;
-        __syncthreads();
+        narrow_to_threshold(sm.hist, bits, sm, prefix, pbits, need, cnt);
         if (prof && round == 0) prof[4] = global_ns();
         if (cnt == need) break;                          // the whole threshold bucket is taken
         // Few enough for one CTA (after the last round: the elements equal to the k-th
@@ -1023,31 +1018,23 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
       const int drop = 32 - pbits;
       // This thread's chosen elements as masks, then output ranges: warp scans, one
       // shared atomic per warp, one global atomic per CTA.
-      const auto [above_mask, tie_mask, n_above, n_tie, a_incl, t_incl] =
-          chosen_elements<EPT>([&](int e) { return sk[e * kThreads + tid]; }, vmask, drop, prefix);
-      const unsigned lane = tid & 31;
+      const Chosen ch = chosen_elements<EPT>([&](int e) { return sk[e * kThreads + tid]; }, vmask, drop, prefix);
       if (tid == 0) sm.above_ctr = sm.tie_ctr = 0;
       __syncthreads();
-      uint32_t a_warp = 0, t_warp = 0;
-      if (lane == 31) {
-        a_warp = atomicAdd(&sm.above_ctr, a_incl);
-        t_warp = atomicAdd(&sm.tie_ctr, t_incl);
-      }
-      a_warp = __shfl_sync(0xffffffffu, a_warp, 31);
-      t_warp = __shfl_sync(0xffffffffu, t_warp, 31);
+      const uint2 places = warp_places(ch, &sm.above_ctr, &sm.tie_ctr);
       __syncthreads();
       if (tid == 0) {
         sm.base_above = sm.above_ctr != 0 ? atomicAdd(&ctr[kAbove], sm.above_ctr) : 0u;
         sm.base_tie = sm.tie_ctr != 0 ? atomicAdd(&ctr[gather ? kCand : kTie], sm.tie_ctr) : 0u;
       }
       __syncthreads();
-      uint32_t pos = sm.base_above + a_warp + a_incl - n_above;
-      for (uint32_t m = above_mask; m != 0; m &= m - 1) {
+      uint32_t pos = sm.base_above + places.x;
+      for (uint32_t m = ch.above_mask; m != 0; m &= m - 1) {
         const int e = __ffs(m) - 1;
         out[pos++] = translate_g(p, row, index_of(e * kThreads + tid));
       }
-      uint32_t g = sm.base_tie + t_warp + t_incl - n_tie;
-      for (uint32_t m = tie_mask; m != 0; m &= m - 1, ++g) {
+      uint32_t g = sm.base_tie + places.y;
+      for (uint32_t m = ch.tie_mask; m != 0; m &= m - 1, ++g) {
         const int e = __ffs(m) - 1;
         if (gather) {
           const uint32_t key = sk[e * kThreads + tid];
@@ -1111,9 +1098,6 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
 // chunks of a row see more of it, so keep fewer). A row whose list overflows is
 // selected from its scores by its last CTA (one CTA reading the row a few times).
 
-// The streamed kernel's chunks (kThreads * kStreamEPT scores) and CTAs an SM holds.
-constexpr int kStreamEPT = 32, kStreamMinBlocks = 2;
-
 // Candidates a thread of the last CTA loads per pass over the list (one round trip).
 constexpr int kListBatch = 8;
 
@@ -1139,8 +1123,8 @@ __device__ __forceinline__ void select_list(const GridParams& p, int row, int64_
   __syncthreads();  // every thread has read sm.thr_*
 #pragma unroll 1
   for (; round < kGRounds && cnt != need && cnt > chunk_cap; ++round) {
-    // radix_round's steps, with the round's own digit widths (11, 11, 10) and the
-    // list's batched loads (a lambda over the references spills here).
+    // radix_round's steps written out: the list's batched loads, counted through its
+    // lambda, spilled (12 -> 116 bytes of spill loads).
     const int shift = digit_shift(round), bits = digit_bits(round);
     const uint32_t nbins = 1u << bits;
     for (uint32_t i = tid; i < nbins; i += kThreads) sm.hist[i] = 0;
@@ -1157,12 +1141,7 @@ __device__ __forceinline__ void select_list(const GridParams& p, int row, int64_
       }
     }
     __syncthreads();
-    find_threshold(sm.hist, nbins, need, sm);
-    need -= sm.thr_above;
-    cnt = sm.thr_cnt;
-    prefix = (prefix << bits) | sm.thr_bin;
-    pbits += bits;
-    __syncthreads();
+    narrow_to_threshold(sm.hist, bits, sm, prefix, pbits, need, cnt);
   }
   if (lprof) lprof[7] = global_ns();
   const bool take_all = cnt == need, gather = !take_all && cnt <= chunk_cap;
@@ -1226,13 +1205,13 @@ __device__ __forceinline__ void select_list(const GridParams& p, int row, int64_
   }
 }
 
-template <int EPT, int MINB>
-__global__ void __launch_bounds__(kThreads, MINB) stream_topk_kernel(const GridParams p) {
+template <int EPT>
+__global__ void __launch_bounds__(kThreads, 2) stream_topk_kernel(const GridParams p) {
   pdl_entry();  // see launch_kernel
   constexpr int kChunk = kThreads * EPT;
   extern __shared__ __align__(16) uint8_t gsmem[];
   GSmem& sm = *reinterpret_cast<GSmem*>(gsmem);
-  uint32_t* sk = reinterpret_cast<uint32_t*>(gsmem + (sizeof(GSmem) + 15) / 16 * 16);  // [EPT][kThreads]
+  uint32_t* sk = reinterpret_cast<uint32_t*>(gsmem + kGKeysOffset);  // [EPT][kThreads]
   const int tid = threadIdx.x;
   const int lrow = static_cast<int>(blockIdx.x / p.cpr), chunk = static_cast<int>(blockIdx.x % p.cpr);
   const int row = p.row0 + lrow;
@@ -1338,7 +1317,7 @@ __global__ void __launch_bounds__(kThreads, MINB) stream_topk_kernel(const GridP
 
 template <int EPT>
 constexpr int grid_smem_bytes() {
-  return static_cast<int>((sizeof(GSmem) + 15) / 16 * 16) + kThreads * EPT * 4;
+  return kGKeysOffset + kThreads * EPT * 4;
 }
 
 template <int EPT>
@@ -1349,8 +1328,8 @@ int grid_capacity() {  // CTAs of grid_topk_kernel<EPT> the device holds at once
     TROUPE_CUDA(cudaFuncSetAttribute(grid_topk_kernel<EPT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      grid_smem_bytes<EPT>()));
     if constexpr (EPT == 32) {  // the streamed kernel's chunks are the large ones
-      TROUPE_CUDA(cudaFuncSetAttribute(stream_topk_kernel<kStreamEPT, kStreamMinBlocks>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, grid_smem_bytes<kStreamEPT>()));
+      TROUPE_CUDA(cudaFuncSetAttribute(stream_topk_kernel<EPT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       grid_smem_bytes<EPT>()));
     }
     int per = 0;
     TROUPE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, grid_topk_kernel<EPT>, kThreads,
@@ -1362,8 +1341,8 @@ int grid_capacity() {  // CTAs of grid_topk_kernel<EPT> the device holds at once
 
 constexpr int kSmallEPT = 8, kLargeEPT = 32;  // chunks of 4,096 / 16,384 scores
 
-// The streamed kernel's candidate list of a row: a quarter of a million entries at
-// most (rows of 1 M scores and k = 2,048 keep ~20-40 K), the whole row when shorter.
+// The streamed kernel's candidate list of a row: 65,536 entries at most (rows of 1 M
+// scores with k = 2,048 kept 13-16 K on the H200), the whole row when shorter.
 int64_t stream_cand_cap(int64_t max_len) { return std::min<int64_t>(ceil_div(max_len, 4) * 4, 65536); }
 
 // Scratch words a row of a launch needs: the grid kernel's gathered candidates (keys
@@ -1403,16 +1382,13 @@ GridPlan make_grid_plan(int rows, int64_t max_len, int stream) {
   } else if (stream == 1 || c32 == 1 || 2 * c32 <= cap32) {
     g.ept = kLargeEPT;
     g.cpr = static_cast<int>(c32);
-    g.ticketed = c32 > 1 && static_cast<int64_t>(std::min(rows, kLaunchRows)) * c32 > cap32;
+    const int64_t launch_chunks = static_cast<int64_t>(std::min(rows, kLaunchRows)) * c32;
+    g.ticketed = c32 > 1 && launch_chunks > cap32;
     // Streamed when the call's large chunks make more than three waves (measured on an
     // H200, docs/kernels-notes.md session 10: 64 rows of 262,144, 3.9 waves: 57 -> 52 us;
     // 8 rows of 1 M, 1.9 waves: 34 -> 46 us, the last CTAs' selects are the tail).
-    g.stream = stream == 1 || (stream == 0 && static_cast<int64_t>(std::min(rows, kLaunchRows)) * c32 > 3 * cap32);
-    if (g.stream) {
-      g.ticketed = false;
-      g.ept = kStreamEPT;
-      g.cpr = static_cast<int>(ceil_div(max_len, kThreads * kStreamEPT));
-    }
+    g.stream = stream == 1 || (stream == 0 && launch_chunks > 3 * cap32);
+    if (g.stream) g.ticketed = false;
   } else {
     return g;  // rows too long for the grid kernel: the cluster kernel
   }
@@ -1469,9 +1445,8 @@ void launch_grid_topk(const TopkArgs& a, const GridPlan& g, void* workspace, cud
     const size_t smem =
         static_cast<size_t>(g.ept == kSmallEPT ? grid_smem_bytes<kSmallEPT>() : grid_smem_bytes<kLargeEPT>());
     const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(rows) * g.cpr), 1, 1);
-    if (g.stream) {
-      launch_kernel(stream_topk_kernel<kStreamEPT, kStreamMinBlocks>, grid, kThreads,
-                    static_cast<size_t>(grid_smem_bytes<kStreamEPT>()), stream, p);
+    if (g.stream) {  // large chunks
+      launch_kernel(stream_topk_kernel<kLargeEPT>, grid, kThreads, smem, stream, p);
     } else if (g.ept == kSmallEPT) {
       launch_kernel(grid_topk_kernel<kSmallEPT>, grid, kThreads, smem, stream, p);
     } else {

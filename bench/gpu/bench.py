@@ -355,6 +355,7 @@ class Bench:
                     qf = q.bfloat16().float()
                 ref = (torch.relu(torch.einsum("bhd,bnd->bhn", qf, kf)) * scale * (w * wscale)[:, :, None]).sum(1)
                 err = rel_err(scores, ref)
+                ref_scores = ref
                 del kf, ref
                 exact = topk_values_match(scores, out, k)
                 if not (err < 1e-3 and exact):
@@ -367,12 +368,27 @@ class Bench:
                     self.failures.append(f"indexer n={n} B={B} fp8={fp8}: top-k finish 1 not exact")
                 t_fin1 = graph_time(ours, calls=5, reps=10)
                 os.environ.pop("TROUPE_TOPK_FINISH", None)
+
+                def scores_only(i):
+                    L.tb_indexer_scores(ptr(q), ptr(w), B, H, fl(scale), fl(wscale), fp8, kp, sp, ptr(start), ptr(nk),
+                                        n, ptr(scores), stream())
+
+                t_scores = graph_time(scores_only, calls=5, reps=10)
                 key_bytes = B * n * (D + 4 if fp8 else 2 * D)
                 bw = key_bytes / (t_ours * 1e-6)
                 row = dict(kernel="indexer+topk " + ("e4m3" if fp8 else "bf16"), shape=f"{n * 4 // 1024}K ctx x {B}",
                            ours_us=t_ours, gbps=bw / 1e9, pct_copy=100 * bw / self.copy_bw, rel_err=err, exact=exact,
-                           finish1_us=t_fin1)
+                           finish1_us=t_fin1, scores_us=t_scores, scores_pct_copy=100 * key_bytes / (t_scores * 1e-6) / self.copy_bw)
                 if not fp8:
+                    # The same call with bf16 keys on mma.sync (the kernel before wgmma), checked the same way.
+                    os.environ["TROUPE_INDEXER_WGMMA"] = "0"
+                    ours(0)
+                    torch.cuda.synchronize()
+                    if not (rel_err(scores, ref_scores) < 1e-3 and topk_values_match(scores, out, k)):
+                        self.failures.append(f"indexer n={n} B={B}: mma.sync kernel not exact")
+                    row["mma_sync_us"] = graph_time(ours, calls=5, reps=10)
+                    row["mma_sync_scores_us"] = graph_time(scores_only, calls=5, reps=10)
+                    os.environ.pop("TROUPE_INDEXER_WGMMA", None)
                     def torch_bf16(i):
                         s = torch.einsum("bhd,bnd->bhn", q.bfloat16(), keys_bf.view(B, n, D)).float()
                         s = (torch.relu(s) * scale * (w * wscale)[:, :, None]).sum(1)
@@ -466,7 +482,7 @@ def self_rope(x, inv_freq, pos):
 
 def table(rows):
     cols = ["kernel", "shape", "ours_us", "torch_us", "torch_bf16_us", "speedup", "finish1_us", "finish1_speedup",
-            "grid_us", "stream_us", "target_us", "gbps", "pct_copy", "tflops", "rel_err", "exact", "note"]
+            "grid_us", "stream_us", "scores_us", "scores_pct_copy", "mma_sync_us", "mma_sync_scores_us", "target_us", "gbps", "pct_copy", "tflops", "rel_err", "exact", "note"]
     used = [c for c in cols if any(c in r for r in rows)]
     fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
     lines = ["| " + " | ".join(used) + " |", "|" + "---|" * len(used)]

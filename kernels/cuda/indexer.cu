@@ -212,6 +212,187 @@ __global__ void __launch_bounds__(kWarps * 32, 1) indexer_mma_kernel(const Score
   cp_async_wait<0>();
 }
 
+// ---- bf16 keys on the warpgroup tensor cores (sm_90a wgmma) -----------------------------
+// A = the query (64 heads x 128 channels, bf16, in shared memory for the whole scan), B = a
+// unit of 64 keys; both K-major in the 128-byte-swizzled layout wgmma reads: a 128-channel
+// row is two 128-byte halves, each half of a tile is 64 rows of 128 bytes (8-row groups
+// of 1,024 bytes), and row r's 16-byte chunk j of a half sits at chunk j ^ (r % 8). Each
+// warpgroup streams its units through a private ring of kWgStages units filled by cp.async
+// (its 128 threads copy a unit together, so one named barrier a unit), issues 8 wgmma
+// (k = 16 each) into 32 fp32 accumulators a thread, and reduces relu(q.k) * w over the
+// heads: within a thread (2 heads), across the 8 lanes that share a column group (a
+// reduce-scatter of 14 shuffles that leaves each lane the sums of two keys), then across
+// the 4 warps in shared memory in a fixed order. mma.sync held the query as A fragments in
+// 128 registers a thread (8 warps an SM) and issued at half of wgmma's rate.
+constexpr int kWgKeys = 64;                  // keys a unit (wgmma N)
+constexpr int kWgGroups = 3;                 // warpgroups a CTA
+constexpr int kWgStages = 4;                 // ring depth of a warpgroup, in units
+constexpr int kTileHalf = 64 * 128;          // one 64-channel half of a 64-row tile, bytes
+constexpr int kUnitBytes = 2 * kTileHalf;    // a 64 x 128 bf16 tile (the query, or a unit)
+constexpr size_t kWgSmem = 1024 + kUnitBytes * (1 + kWgGroups * kWgStages) + kWgGroups * 4 * kWgKeys * 4;
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// Byte offset of row r's 16-byte chunk j (of its 256 bytes) in a swizzled 64 x 128 tile.
+__device__ __forceinline__ int swizzled(int r, int j) {
+  return (j >> 3) * kTileHalf + r * 128 + (((j & 7) ^ (r & 7)) << 4);
+}
+// Shared-memory matrix descriptor: 128-byte swizzle, 1,024 bytes between 8-row groups.
+__device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3ffff) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
+         (uint64_t{1} << 62);
+}
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// Barrier of warpgroup wg's 128 threads (ids 1 and 2: immediates, so the CTA holds 3 barriers, not 16).
+__device__ __forceinline__ void warpgroup_barrier(int wg) {
+  if (wg == 0) {
+    asm volatile("bar.sync 1, 128;" ::: "memory");
+  } else if (wg == 1) {
+    asm volatile("bar.sync 2, 128;" ::: "memory");
+  } else {
+    asm volatile("bar.sync 3, 128;" ::: "memory");
+  }
+}
+// One step of a reduce-scatter over lane bit log2(HALF) + 1: lanes with the bit set keep the upper
+// HALF values, the others the lower, each adding its partner's copy of what it keeps.
+template <int HALF>
+__device__ __forceinline__ void reduce_half(float (&v)[16], int lane) {
+  const bool upper = (lane & (2 * HALF)) != 0;
+#pragma unroll
+  for (int i = 0; i < HALF; ++i) {
+    const float keep = upper ? v[HALF + i] : v[i], send = upper ? v[i] : v[HALF + i];
+    v[i] = keep + __shfl_xor_sync(0xffffffffu, send, 2 * HALF);
+  }
+}
+
+__global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const ScoreParams p) {
+  pdl_entry();  // see launch_kernel
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* qs = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);  // swizzled tiles need 1,024 alignment
+  const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
+  uint8_t* ring = qs + kUnitBytes * (1 + wg * kWgStages);
+  float* red = reinterpret_cast<float*>(qs + kUnitBytes * (1 + kWgGroups * kWgStages)) + wg * 4 * kWgKeys;
+  const int b = blockIdx.y;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  const int h0 = 16 * warp + g, h1 = h0 + 8;
+  const float w0 = h0 < p.heads ? p.w[b * p.heads + h0] * p.wscale : 0.f;
+  const float w1 = h1 < p.heads ? p.w[b * p.heads + h1] * p.wscale : 0.f;
+  const int64_t n = p.n_keys[b];
+  const int64_t base = p.page_table == nullptr ? p.key_start[b] : 0;
+  // The query, bf16, swizzled (rows past `heads` are 0): every load of a thread issued before any store.
+  constexpr int kQChunks = (64 * 16 + kWgGroups * 128 - 1) / (kWgGroups * 128);  // 16-byte chunks a thread
+  const float* qg = p.q + static_cast<int64_t>(b) * p.heads * kDim;
+  float4 qv[kQChunks][2];
+#pragma unroll
+  for (int x = 0; x < kQChunks; ++x) {
+    const int i = threadIdx.x + x * kWgGroups * 128, h = i >> 4, j = i & 15;
+    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    qv[x][0] = h < p.heads ? *reinterpret_cast<const float4*>(qg + h * kDim + 8 * j) : zero;
+    qv[x][1] = h < p.heads ? *reinterpret_cast<const float4*>(qg + h * kDim + 8 * j + 4) : zero;
+  }
+#pragma unroll
+  for (int x = 0; x < kQChunks; ++x) {
+    const int i = threadIdx.x + x * kWgGroups * 128;
+    if (i >= 64 * 16) break;
+    const float4 lo = qv[x][0], hi = qv[x][1];
+    *reinterpret_cast<uint4*>(qs + swizzled(i >> 4, i & 15)) =
+        make_uint4(pack_bf16x2(lo.x, lo.y), pack_bf16x2(lo.z, lo.w), pack_bf16x2(hi.x, hi.y), pack_bf16x2(hi.z, hi.w));
+  }
+  fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy)
+  asm volatile("griddepcontrol.launch_dependents;");
+  __syncthreads();
+  const int64_t units = (n + kWgKeys - 1) / kWgKeys;
+  const int64_t gw = static_cast<int64_t>(blockIdx.x) * kWgGroups + wg;
+  const int64_t W = static_cast<int64_t>(gridDim.x) * kWgGroups;
+  if (gw >= units) return;  // the whole warpgroup: its barriers count only its own threads
+
+  // A unit's copies: 16 threads a 256-byte key row, so thread tid copies chunk tid % 16 of rows
+  // tid / 16 + 8 i. Paged keys: the rows' page lookups (32-bit: a sequence is < 2^31 keys) are
+  // all issued before the copies.
+  constexpr int kRowsPerThread = kWgKeys * 16 / 128;
+  const int r0 = tid >> 4, jc = tid & 15;
+  const uint8_t* src0 = p.keys + jc * 16;
+  auto issue = [&](int stage, int64_t unit) {
+    uint8_t* dst = ring + stage * kUnitBytes;
+    const int64_t s0 = unit * kWgKeys + r0;
+    int64_t row[kRowsPerThread];
+    if (p.page_table != nullptr) {
+      const int32_t* table = p.page_table + b * p.page_stride;
+      const uint32_t ps = static_cast<uint32_t>(p.page_size);
+#pragma unroll
+      for (int i = 0; i < kRowsPerThread; ++i) {
+        const uint32_t s = static_cast<uint32_t>(s0 + 8 * i);
+        row[i] = s0 + 8 * i < n ? static_cast<int64_t>(table[s / ps]) * ps + s % ps : 0;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kRowsPerThread; ++i) row[i] = base + s0 + 8 * i;
+    }
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const bool valid = s0 + 8 * i < n;
+      cp_async16(dst + swizzled(r0 + 8 * i, jc), src0 + (valid ? row[i] : 0) * 256, valid);
+    }
+  };
+#pragma unroll
+  for (int st = 0; st < kWgStages - 1; ++st) {
+    const int64_t u = gw + st * W;
+    if (u < units) issue(st, u);
+    cp_async_commit();
+  }
+  float* out = p.scores + b * p.score_stride;
+  const uint32_t qa = smem_u32(qs);
+  float acc[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+  for (int64_t it = 0;; ++it) {
+    const int64_t u = gw + it * W;
+    if (u >= units) break;
+    cp_async_wait<kWgStages - 2>();  // (cp.async writes need no proxy fence before wgmma reads them)
+    warpgroup_barrier(wg);  // the unit's copies landed; every warp is done with the slot refilled next
+    const int64_t un = gw + (it + kWgStages - 1) * W;
+    if (un < units) issue(static_cast<int>((it + kWgStages - 1) % kWgStages), un);
+    cp_async_commit();
+    const uint32_t ba = smem_u32(ring + (it % kWgStages) * kUnitBytes);
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int k = 0; k < kDim / 16; ++k) {
+      const uint32_t off = (k >> 2) * kTileHalf + (k & 3) * 32;
+      wgmma_m64n64k16(acc, wgmma_desc(qa + off), wgmma_desc(ba + off), k > 0);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+    for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(acc[i])::"memory");  // reads stay after the wait
+    // acc[4j + e]: head h0 (e < 2) or h1, key 8j + 2c + (e & 1).
+    float v[16];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      v[2 * j] = w0 * fmaxf(acc[4 * j], 0.f) + w1 * fmaxf(acc[4 * j + 2], 0.f);
+      v[2 * j + 1] = w0 * fmaxf(acc[4 * j + 1], 0.f) + w1 * fmaxf(acc[4 * j + 3], 0.f);
+    }
+    // Sum over g (lane bits 2-4), halving the values each step: lane g keeps keys 8g + 2c + {0, 1}.
+    reduce_half<8>(v, lane);
+    reduce_half<4>(v, lane);
+    reduce_half<2>(v, lane);
+    *reinterpret_cast<float2*>(red + warp * kWgKeys + 8 * g + 2 * c) = make_float2(v[0], v[1]);
+    warpgroup_barrier(wg);
+    if (tid < kWgKeys) {
+      const int64_t key = u * kWgKeys + tid;
+      if (key < n) out[key] = red[tid] + red[kWgKeys + tid] + red[2 * kWgKeys + tid] + red[3 * kWgKeys + tid];
+    }
+  }
+  cp_async_wait<0>();
+}
+
 // ---- fp32 ragged scoring (the backend op) ------------------------------------
 // A CTA scores CHUNK keys of one query against every head (<= 64). Thread (kg, hg) of
 // KG key groups x 256 / KG head groups holds a register tile of keys kg, kg + KG, ...
@@ -358,7 +539,20 @@ void indexer_scores(const IndexerArgs& a, cudaStream_t stream) {
   const int64_t per_query = std::max<int64_t>(1, sms / std::max(a.batch, 1));
   const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>(per_query, ceil_div(units, kWarps)));
   const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(a.batch));
-  if (a.key_type == IndexKeyType::bf16) {
+  // TROUPE_INDEXER_WGMMA=0 (read at each call, for A/B in one process): bf16 keys on mma.sync.
+  const char* wg_env = std::getenv("TROUPE_INDEXER_WGMMA");
+  if (a.key_type == IndexKeyType::bf16 && !(wg_env != nullptr && wg_env[0] == '0')) {
+    static bool attr = [] {
+      TROUPE_CUDA(cudaFuncSetAttribute(indexer_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(kWgSmem)));
+      return true;
+    }();
+    (void)attr;
+    const int64_t wg_ctas =
+        std::max<int64_t>(1, std::min<int64_t>(per_query, ceil_div(ceil_div(a.max_keys, kWgKeys), kWgGroups)));
+    launch_kernel(indexer_wgmma_kernel, dim3(static_cast<unsigned>(wg_ctas), static_cast<unsigned>(a.batch)),
+                  kWgGroups * 128, kWgSmem, stream, p);
+  } else if (a.key_type == IndexKeyType::bf16) {
     const size_t smem = static_cast<size_t>(kWarps) * kStages * kTiles * 4 * 512 + 64 * kDim * 4;
     static bool attr = [&] {
       TROUPE_CUDA(cudaFuncSetAttribute(indexer_mma_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,

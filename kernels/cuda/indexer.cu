@@ -225,8 +225,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) indexer_mma_kernel(const Score
 // the 4 warps in shared memory in a fixed order. mma.sync held the query as A fragments in
 // 128 registers a thread (8 warps an SM) and issued at half of wgmma's rate.
 constexpr int kWgKeys = 64;                  // keys a unit (wgmma N)
-constexpr int kWgGroups = 3;                 // warpgroups a CTA
-constexpr int kWgStages = 4;                 // ring depth of a warpgroup, in units
+constexpr int kWgGroups = 4;                 // warpgroups a CTA
+constexpr int kWgStages = 3;                 // ring depth of a warpgroup, in units
 constexpr int kTileHalf = 64 * 128;          // one 64-channel half of a 64-row tile, bytes
 constexpr int kUnitBytes = 2 * kTileHalf;    // a 64 x 128 bf16 tile (the query, or a unit)
 constexpr size_t kWgSmem = 1024 + kUnitBytes * (1 + kWgGroups * kWgStages) + kWgGroups * 4 * kWgKeys * 4;
@@ -251,14 +251,16 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t a, uint
       : "l"(a), "l"(b), "r"(accumulate));
 }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-// Barrier of warpgroup wg's 128 threads (ids 1 and 2: immediates, so the CTA holds 3 barriers, not 16).
+// Barrier of warpgroup wg's 128 threads (ids 1-4: immediates, so the CTA holds 5 barriers, not 16).
 __device__ __forceinline__ void warpgroup_barrier(int wg) {
   if (wg == 0) {
     asm volatile("bar.sync 1, 128;" ::: "memory");
   } else if (wg == 1) {
     asm volatile("bar.sync 2, 128;" ::: "memory");
-  } else {
+  } else if (wg == 2) {
     asm volatile("bar.sync 3, 128;" ::: "memory");
+  } else {
+    asm volatile("bar.sync 4, 128;" ::: "memory");
   }
 }
 // One step of a reduce-scatter over lane bit log2(HALF) + 1: lanes with the bit set keep the upper
@@ -298,21 +300,9 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const
     qv[x][0] = h < p.heads ? *reinterpret_cast<const float4*>(qg + h * kDim + 8 * j) : zero;
     qv[x][1] = h < p.heads ? *reinterpret_cast<const float4*>(qg + h * kDim + 8 * j + 4) : zero;
   }
-#pragma unroll
-  for (int x = 0; x < kQChunks; ++x) {
-    const int i = threadIdx.x + x * kWgGroups * 128;
-    if (i >= 64 * 16) break;
-    const float4 lo = qv[x][0], hi = qv[x][1];
-    *reinterpret_cast<uint4*>(qs + swizzled(i >> 4, i & 15)) =
-        make_uint4(pack_bf16x2(lo.x, lo.y), pack_bf16x2(lo.z, lo.w), pack_bf16x2(hi.x, hi.y), pack_bf16x2(hi.z, hi.w));
-  }
-  fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy)
-  asm volatile("griddepcontrol.launch_dependents;");
-  __syncthreads();
   const int64_t units = (n + kWgKeys - 1) / kWgKeys;
   const int64_t gw = static_cast<int64_t>(blockIdx.x) * kWgGroups + wg;
   const int64_t W = static_cast<int64_t>(gridDim.x) * kWgGroups;
-  if (gw >= units) return;  // the whole warpgroup: its barriers count only its own threads
 
   // A unit's copies: 16 threads a 256-byte key row, so thread tid copies chunk tid % 16 of rows
   // tid / 16 + 8 i. Paged keys: the rows' page lookups (32-bit: a sequence is < 2^31 keys) are
@@ -342,12 +332,26 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const
       cp_async16(dst + swizzled(r0 + 8 * i, jc), src0 + (valid ? row[i] : 0) * 256, valid);
     }
   };
+  // The first units' copies go out before the query is converted and stored (its loads are in flight
+  // already): the query's staging hides under the keys' latency.
 #pragma unroll
   for (int st = 0; st < kWgStages - 1; ++st) {
     const int64_t u = gw + st * W;
     if (u < units) issue(st, u);
     cp_async_commit();
   }
+#pragma unroll
+  for (int x = 0; x < kQChunks; ++x) {
+    const int i = threadIdx.x + x * kWgGroups * 128;
+    if (i >= 64 * 16) break;
+    const float4 lo = qv[x][0], hi = qv[x][1];
+    *reinterpret_cast<uint4*>(qs + swizzled(i >> 4, i & 15)) =
+        make_uint4(pack_bf16x2(lo.x, lo.y), pack_bf16x2(lo.z, lo.w), pack_bf16x2(hi.x, hi.y), pack_bf16x2(hi.z, hi.w));
+  }
+  fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy)
+  asm volatile("griddepcontrol.launch_dependents;");
+  __syncthreads();
+  if (gw >= units) return;  // the whole warpgroup: its barriers count only its own threads
   float* out = p.scores + b * p.score_stride;
   const uint32_t qa = smem_u32(qs);
   float acc[32];

@@ -75,6 +75,8 @@ class Bench:
         L = self.lib
         L.tb_topk_ws.restype = lg
         L.tb_topk_ws.argtypes = [it, lg, it, it]
+        L.tb_indexer_topk_ws.restype = lg
+        L.tb_indexer_topk_ws.argtypes = [it, lg, it]
         L.tb_ws_init.argtypes = [vp, lg, vp]
         L.tb_topk.argtypes = [vp, lg, vp, it, lg, it, vp, vp, vp, it, vp]
         L.tb_topk_profiled.argtypes = [vp, lg, vp, it, lg, it, vp, vp, vp, it, vp, vp]
@@ -85,6 +87,7 @@ class Bench:
         idx = [vp, vp, it, it, fl, fl, it, vp, vp, vp, vp, lg, vp]
         L.tb_indexer_scores.argtypes = idx + [vp]
         L.tb_indexer_topk.argtypes = idx + [it, vp, vp, vp, vp]
+        L.tb_indexer_topk_profiled.argtypes = idx + [it, vp, vp, vp, vp, vp]
         L.tb_attention_ws.restype = lg
         L.tb_attention_ws.argtypes = [lg, it, lg, lg, it]
         L.tb_attention.argtypes = [vp, lg, it, lg, it, vp, vp, lg, vp, fl, vp, it, vp, vp]
@@ -327,7 +330,7 @@ class Bench:
             scores = torch.empty(B, n, device="cuda")
             out = torch.empty(B, k, dtype=torch.int32, device="cuda")
             cnt = torch.empty(B, dtype=torch.int32, device="cuda")
-            wsb = L.tb_topk_ws(B, n, k, 0)
+            wsb = L.tb_indexer_topk_ws(B, n, k)
             ws = torch.zeros(max(wsb, 16), dtype=torch.uint8, device="cuda")
             scale, wscale = 1 / math.sqrt(D), 1 / math.sqrt(H)
             q8 = torch.empty(B * n, D, dtype=torch.uint8, device="cuda")
@@ -361,6 +364,19 @@ class Bench:
                 if not (err < 1e-3 and exact):
                     self.failures.append(f"indexer n={n} B={B} fp8={fp8}: err {err} exact {exact}")
                 t_ours = graph_time(ours, calls=5, reps=10)
+                if not fp8 and B == 1:  # the fused kernel's phases (us from its entry), eager, after a warm call
+                    prof = torch.zeros(16, dtype=torch.int64, device="cuda")
+                    for _ in range(3):
+                        L.tb_indexer_topk_profiled(ptr(q), ptr(w), B, H, fl(scale), fl(wscale), fp8, kp, sp,
+                                                   ptr(start), ptr(nk), n, ptr(scores), k, ptr(out), ptr(cnt),
+                                                   ptr(ws), ptr(prof), stream())
+                    torch.cuda.synchronize()
+                    pv = prof.tolist()
+                    names = ["scored", "arrived", "threshold", "emitted", "last scored", "finish", "listed",
+                             "selected", "end"]
+                    print(f"fused phases n={n}: " + ", ".join(f"{nm} {(pv[i + 1] - pv[0]) / 1e3:.2f}"
+                                                            for i, nm in enumerate(names) if pv[i + 1] > 0)
+                          + f"; bucket {pv[10]}, above {pv[11]}")
                 os.environ["TROUPE_TOPK_FINISH"] = "1"  # the top-k's other finish (see topk above), same check
                 ours(0)
                 torch.cuda.synchronize()
@@ -380,6 +396,14 @@ class Bench:
                            ours_us=t_ours, gbps=bw / 1e9, pct_copy=100 * bw / self.copy_bw, rel_err=err, exact=exact,
                            finish1_us=t_fin1, scores_us=t_scores, scores_pct_copy=100 * key_bytes / (t_scores * 1e-6) / self.copy_bw)
                 if not fp8:
+                    # The same call as two kernels (scores, then the top-k), checked the same way.
+                    os.environ["TROUPE_INDEXER_FUSED"] = "0"
+                    ours(0)
+                    torch.cuda.synchronize()
+                    if not (rel_err(scores, ref_scores) < 1e-3 and topk_values_match(scores, out, k)):
+                        self.failures.append(f"indexer n={n} B={B}: two-kernel path not exact")
+                    row["two_kernel_us"] = graph_time(ours, calls=5, reps=10)
+                    os.environ.pop("TROUPE_INDEXER_FUSED", None)
                     # The same call with bf16 keys on mma.sync (the kernel before wgmma), checked the same way.
                     os.environ["TROUPE_INDEXER_WGMMA"] = "0"
                     ours(0)
@@ -482,7 +506,7 @@ def self_rope(x, inv_freq, pos):
 
 def table(rows):
     cols = ["kernel", "shape", "ours_us", "torch_us", "torch_bf16_us", "speedup", "finish1_us", "finish1_speedup",
-            "grid_us", "stream_us", "scores_us", "scores_pct_copy", "mma_sync_us", "mma_sync_scores_us", "target_us", "gbps", "pct_copy", "tflops", "rel_err", "exact", "note"]
+            "grid_us", "stream_us", "scores_us", "scores_pct_copy", "two_kernel_us", "mma_sync_us", "mma_sync_scores_us", "target_us", "gbps", "pct_copy", "tflops", "rel_err", "exact", "note"]
     used = [c for c in cols if any(c in r for r in rows)]
     fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
     lines = ["| " + " | ".join(used) + " |", "|" + "---|" * len(used)]

@@ -26,6 +26,10 @@ static int guarded(F&& f) {
 
 extern "C" {
 
+long tb_indexer_topk_ws(int batch, long max_keys, int k) {
+  return static_cast<long>(indexer_topk_workspace_bytes(batch, max_keys, k));
+}
+
 long tb_topk_ws(int rows, long max_len, int k, int max_cluster) {
   return static_cast<long>(topk_workspace_bytes(rows, max_len, k, max_cluster));
 }
@@ -137,6 +141,23 @@ int tb_indexer_scores(const float* q, const float* w, int batch, int heads, floa
     indexer_scores(indexer_args(q, w, batch, heads, scale, wscale, fp8, keys, key_scales, key_start, n_keys, max_keys,
                                 scores),
                    static_cast<cudaStream_t>(stream));
+  });
+}
+
+int tb_indexer_topk_profiled(const float* q, const float* w, int batch, int heads, float scale, float wscale, int fp8,
+                             const void* keys, const float* key_scales, const long* key_start, const int* n_keys,
+                             long max_keys, float* scores, int k, int* out, int* count, void* ws, long long* profile,
+                             void* stream) {
+  return guarded([&] {
+    IndexerTopk t;
+    t.k = k;
+    t.out_idx = out;
+    t.out_stride = k;
+    t.out_count = count;
+    t.profile = profile;
+    indexer_topk(indexer_args(q, w, batch, heads, scale, wscale, fp8, keys, key_scales, key_start, n_keys, max_keys,
+                              scores),
+                 t, ws, static_cast<cudaStream_t>(stream));
   });
 }
 

@@ -25,21 +25,21 @@ if [ -x "$bundle/model_tests" ]; then  # the GPU decoder against the CPU forward
 fi
 san="compute-sanitizer --tool memcheck --error-exitcode 9"
 LD_LIBRARY_PATH="$bundle/lib:${LD_LIBRARY_PATH:-}" timeout "${SAN_S:-120}" $san "$bundle/kernels_cuda_kernels_test" \
-  --gtest_filter='*topk*:*compressor*:*attention*' > "$out/sanitizer.log" 2>&1
+  --gtest_filter='*topk*:*compressor*:*attention*:*indexer*' > "$out/sanitizer.log" 2>&1
 echo "sanitizer (kernels): exit $?"
 LD_LIBRARY_PATH="$bundle/lib:${LD_LIBRARY_PATH:-}" timeout "${SAN_S:-120}" $san "$bundle/kernels_cuda_backend_test" \
   --gtest_filter='*compress*:*mhc*:*route*:*moe*:*rmsnorm*:*rope*:*row_moves*:*swiglu*:*grouped*:*beta*:*indexer*:*decode_rows*' \
   >> "$out/sanitizer.log" 2>&1
 echo "sanitizer (backend): exit $?"
 LD_LIBRARY_PATH="$bundle/lib:${LD_LIBRARY_PATH:-}" timeout "${SAN_S:-120}" compute-sanitizer --tool racecheck \
-  --error-exitcode 9 "$bundle/kernels_cuda_kernels_test" --gtest_filter='*translates*' >> "$out/sanitizer.log" 2>&1
-echo "racecheck (top-k grid kernel, one row over 64 CTAs): exit $?"
+  --error-exitcode 9 "$bundle/kernels_cuda_kernels_test" --gtest_filter='*translates*:*indexer*' >> "$out/sanitizer.log" 2>&1
+echo "racecheck (top-k grid kernel over 64 CTAs; the indexer's wgmma and fused kernels): exit $?"
 grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|out of bounds|hazard" "$out/sanitizer.log" | sort | uniq -c | head -20
 timeout "${BENCH_S:-240}" bench/gpu/run.sh "$out" "$@" > "$out/bench.log" 2>&1
 echo "bench: exit $?"
 if [ "${NCU:-0}" = 1 ]; then  # Nsight Compute over one call of each kernel (counters; clocks left alone)
   timeout "${NCU_S:-150}" ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
-    --section Occupancy --section LaunchStats -k 'regex:topk_kernel|indexer_mma|attention_kernel|compress_kernel' \
+    --section Occupancy --section LaunchStats -k 'regex:topk_kernel|indexer_mma|indexer_wgmma|attention_kernel|compress_kernel' \
     --launch-count 12 python3 bench/gpu/profile.py "${TROUPE_BENCH_LIB:-build-bench/libtroupe_bench.so}" \
     > "$out/ncu.txt" 2>&1
   echo "ncu: exit $?"

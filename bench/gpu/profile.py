@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Runs each fast kernel a few times eagerly (no graphs), for Nsight Compute:
    ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
-       -k regex:'topk_kernel|indexer_mma|attention_kernel|compress_kernel' python3 bench/gpu/profile.py LIB
+       -k regex:'topk_kernel|indexer_mma|indexer_wgmma|attention_kernel|compress_kernel' python3 bench/gpu/profile.py LIB
 """
 import math
 import sys
@@ -31,9 +31,10 @@ def main():
     start = torch.zeros(1, dtype=torch.int64, device="cuda")
     nk = torch.full((1,), n, dtype=torch.int32, device="cuda")
     scores = torch.empty(1, n, device="cuda")
+    wsi = torch.zeros(max(L.tb_indexer_topk_ws(1, n, k), 16), dtype=torch.uint8, device="cuda")
     for _ in range(2):
         L.tb_indexer_topk(ptr(q), ptr(w), 1, H, fl(1 / math.sqrt(D)), fl(1 / 8), 0, ptr(keys), ptr(None), ptr(start),
-                          ptr(nk), n, ptr(scores), k, ptr(out), ptr(cnt), ptr(ws), stream())
+                          ptr(nk), n, ptr(scores), k, ptr(out), ptr(cnt), ptr(wsi), stream())
     # attention: CSA decode, batch 1, 640 keys
     Dh = 512
     pool = torch.randn(4096, Dh, device="cuda").to(torch.bfloat16)

@@ -226,7 +226,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) indexer_mma_kernel(const Score
 // 128 registers a thread (8 warps an SM) and issued at half of wgmma's rate.
 constexpr int kWgKeys = 64;                  // keys a unit (wgmma N)
 constexpr int kWgGroups = 4;                 // warpgroups a CTA
-constexpr int kWgStages = 3;                 // ring depth of a warpgroup, in units
+constexpr int kWgStages = 2;                 // ring depth of a warpgroup, in units
 constexpr int kTileHalf = 64 * 128;          // one 64-channel half of a 64-row tile, bytes
 constexpr int kUnitBytes = 2 * kTileHalf;    // a 64 x 128 bf16 tile (the query, or a unit)
 constexpr size_t kWgSmem = 1024 + kUnitBytes * (1 + kWgGroups * kWgStages) + kWgGroups * 4 * kWgKeys * 4;
@@ -275,7 +275,306 @@ __device__ __forceinline__ void reduce_half(float (&v)[16], int lane) {
   }
 }
 
-__global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const ScoreParams p) {
+// ---- the fused top-k (bf16 keys, rows whose CTAs hold all their scores) -------------------
+// The scoring CTAs of a row select its top k themselves, ties by lower index: each counts
+// the round-0 digit (the top 11 bits of the order-preserving key) of the scores it wrote
+// into a shared histogram, adds it to the row's histogram in the workspace and meets the
+// row's other CTAs at an arrival counter (they are all resident: at most one CTA an SM,
+// and a grid of at most as many CTAs as SMs whenever a row has more than one). Each then
+// finds the threshold bucket, writes its scores above it straight out and its scores in
+// it to the row's candidate list (or, when the bucket is taken whole, out); the row's last
+// CTA to finish selects the rest among the list by radix rounds on (key, lower index
+// first), then ranks the last few in one warp, and zeroes the row's workspace. A bucket
+// larger than the list is selected from the row's scores (ties of very many equal values).
+constexpr int kFuseBins = 2048;
+constexpr int kFuseUnits = 16;  // units a warpgroup scores in the fused form (kept in shared memory)
+constexpr int kFuseScoreBytes = kWgGroups * kFuseUnits * kWgKeys * 4;
+constexpr int kWgSmemScore = kUnitBytes * (1 + kWgGroups * kWgStages) + kWgGroups * 4 * kWgKeys * 4;
+constexpr int kFuseCandCap = 4096;  // a row's candidate list ((key, index) pairs; the last CTA's ring holds it)
+static_assert(kFuseCandCap * 8 <= kWgGroups * kWgStages * kUnitBytes, "the ring holds the candidate list");
+constexpr int kRankMax = 32;  // candidates one warp ranks
+enum FuseCounter { kFArrive = 0, kFAbove, kFCand, kFDone, kFCounters = 8 };
+constexpr int kFuseZeroWords = kFuseBins + kFCounters;  // a row's words, zero between calls
+// The workspace of indexer_topk: kFuseRows rows of [kFuseZeroWords zeroed words, then the list
+// (keys, then indices)] at fixed places (calls of any shape share it), then the top-k's workspace.
+constexpr int kFuseRows = 64;  // calls of more queries take the two-kernel path
+constexpr int64_t kFuseRowWords = kFuseZeroWords + 2 * kFuseCandCap;
+constexpr size_t kFuseWorkspaceBytes = static_cast<size_t>(kFuseRows) * kFuseRowWords * 4;
+
+struct FuseParams {
+  int k = 0;
+  int32_t* out_idx = nullptr;
+  int64_t out_stride = 0;
+  int32_t* out_count = nullptr;
+  const int32_t* out_pages = nullptr;  // translation of the chosen indices (or null)
+  int64_t out_page_stride = 0;
+  int out_page_bits = 0;
+  uint32_t* ws = nullptr;  // [kFuseRows][kFuseRowWords]
+  long long* profile = nullptr;  // IndexerTopk::profile
+};
+
+__device__ __forceinline__ long long fuse_ns() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+struct FuseSmem {
+  uint32_t hist[kFuseBins];
+  uint32_t scan[32];
+  uint32_t thr_bin, thr_above, thr_cnt;
+  uint32_t n_above, n_tie, base_above, base_tie, last, pos, gathered;
+  uint64_t few[kRankMax];
+};
+constexpr size_t kWgSmemFused = 1024 + kWgSmemScore + kFuseScoreBytes + sizeof(FuseSmem);
+
+// Order-preserving map of fp32 to uint32 (larger float -> larger key; -0 ties with +0), as the top-k's.
+__device__ __forceinline__ uint32_t order_key(float x) {
+  const uint32_t u = __float_as_uint(x) == 0x80000000u ? 0u : __float_as_uint(x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// A slot of *ctr for each calling lane: one shared atomic for the lanes that call together (many
+// lanes adding 1 to one shared word serialise).
+__device__ __forceinline__ uint32_t warp_slot(uint32_t* ctr) {
+  const uint32_t mask = __activemask();
+  const int lane = threadIdx.x & 31, leader = __ffs(mask) - 1;
+  uint32_t base = 0;
+  if (lane == leader) base = atomicAdd(ctr, static_cast<uint32_t>(__popc(mask)));
+  return __shfl_sync(mask, base, leader) + __popc(mask & ((1u << lane) - 1));
+}
+
+__device__ __forceinline__ int32_t translate_out(const FuseParams& f, int b, int64_t i) {
+  if (f.out_pages == nullptr) return static_cast<int32_t>(i);
+  const int32_t page = f.out_pages[b * f.out_page_stride + (i >> f.out_page_bits)];
+  return (page << f.out_page_bits) | static_cast<int32_t>(i & ((int64_t{1} << f.out_page_bits) - 1));
+}
+
+// Over the block: the bin of `hist` (`nbins` <= 2048, 4 a thread) where the count from the top reaches
+// `need`, into fs.thr_bin / thr_above (count in higher bins) / thr_cnt. Ends with a barrier.
+__device__ __forceinline__ void fused_threshold(const uint32_t* hist, uint32_t nbins, uint32_t need, FuseSmem& fs) {
+  constexpr int kT = kWgGroups * 128;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const uint32_t per = (nbins + kT - 1) / kT;  // from the top: thread t has bins nbins-1-(t*per .. t*per+per-1)
+  uint32_t local = 0;
+  for (uint32_t j = 0; j < per; ++j) {
+    const uint32_t r = tid * per + j;
+    if (r < nbins) local += hist[nbins - 1 - r];
+  }
+  uint32_t incl = local;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t v = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += v;
+  }
+  if (lane == 31) fs.scan[warp] = incl;
+  __syncthreads();
+  uint32_t run = incl - local;
+  for (int w = 0; w < warp; ++w) run += fs.scan[w];
+  if (run < need && need <= run + local) {
+    for (uint32_t j = 0; j < per; ++j) {
+      const uint32_t r = tid * per + j;
+      if (r >= nbins) break;
+      const uint32_t c = hist[nbins - 1 - r];
+      if (run < need && need <= run + c) {
+        fs.thr_bin = nbins - 1 - r;
+        fs.thr_above = run;
+        fs.thr_cnt = c;
+      }
+      run += c;
+    }
+  }
+  __syncthreads();
+}
+
+// The last CTA of a row: the `need` largest of m elements (elem(j) -> (key, index)) whose composite
+// (key << 32 | ~index: larger key, then lower index) starts with the pbits bits `prefix` (cnt of them),
+// written to out[fs.pos ...]. Radix rounds of 11 bits while more than kRankMax remain, then one warp
+// ranks the rest. Every thread of the block calls it.
+template <class Elem>
+__device__ __forceinline__ void select_composite(const FuseParams& f, int b, int32_t* out, int64_t m, Elem&& elem,
+                                                 uint64_t prefix, int pbits, uint32_t need, uint32_t cnt,
+                                                 FuseSmem& fs) {
+  constexpr int kT = kWgGroups * 128;
+  const int tid = threadIdx.x;
+  auto matches = [&](uint64_t v) { return (v >> (64 - pbits)) == prefix; };
+  auto composite = [&](int64_t j) {
+    const uint2 e = elem(j);
+    return (static_cast<uint64_t>(e.x) << 32) | (0xffffffffu - e.y);
+  };
+  auto emit = [&](uint64_t v) {
+    out[warp_slot(&fs.pos)] = translate_out(f, b, 0xffffffffu - static_cast<uint32_t>(v));
+  };
+  while (cnt > need && cnt > static_cast<uint32_t>(kRankMax)) {
+    const int bits = 64 - pbits < 11 ? 64 - pbits : 11, shift = 64 - pbits - bits;
+    const uint32_t nbins = 1u << bits;
+    for (int i = tid; i < kFuseBins; i += kT) fs.hist[i] = 0;
+    __syncthreads();
+    for (int64_t j = tid; j < m; j += kT) {
+      const uint64_t v = composite(j);
+      if (matches(v)) atomicAdd(&fs.hist[(v >> shift) & (nbins - 1)], 1u);
+    }
+    __syncthreads();
+    fused_threshold(fs.hist, nbins, need, fs);
+    const uint32_t t = fs.thr_bin;
+    for (int64_t j = tid; j < m; j += kT) {  // the digits above t are chosen
+      const uint64_t v = composite(j);
+      if (matches(v) && ((v >> shift) & (nbins - 1)) > t) emit(v);
+    }
+    need -= fs.thr_above;
+    cnt = fs.thr_cnt;
+    prefix = (prefix << bits) | t;
+    pbits += bits;
+    __syncthreads();  // every thread has read fs.thr_*
+  }
+  if (cnt == need) {  // the bucket is taken whole
+    for (int64_t j = tid; j < m; j += kT) {
+      const uint64_t v = composite(j);
+      if (matches(v)) emit(v);
+    }
+    return;
+  }
+  if (tid == 0) fs.gathered = 0;
+  __syncthreads();
+  for (int64_t j = tid; j < m; j += kT) {
+    const uint64_t v = composite(j);
+    if (matches(v)) fs.few[warp_slot(&fs.gathered)] = v;
+  }
+  __syncthreads();
+  if (tid < static_cast<int>(cnt)) {  // composites are distinct: rank = elements above
+    const uint64_t v = fs.few[tid];
+    uint32_t rank = 0;
+    for (uint32_t j = 0; j < cnt; ++j) rank += fs.few[j] > v;
+    if (rank < need) out[fs.pos + rank] = translate_out(f, b, 0xffffffffu - static_cast<uint32_t>(v));
+  }
+}
+
+// After a row's CTAs scored: the selection (see above). `ring` is the CTA's free ring (the
+// last CTA's list).
+__device__ __forceinline__ void fused_select(const ScoreParams& p, const FuseParams& f, int b, int64_t n, int64_t units,
+                                          int64_t W, const float* cta_scores, FuseSmem& fs, uint32_t* ring) {
+  constexpr int kT = kWgGroups * 128;
+  const int tid = threadIdx.x;
+  const uint32_t k = static_cast<uint32_t>(f.k);
+  int32_t* out = f.out_idx + b * f.out_stride;
+  if (n <= static_cast<int64_t>(k)) {  // every key is chosen
+    if (blockIdx.x == 0) {
+      for (int64_t i = tid; i < k; i += kT) out[i] = i < n ? translate_out(f, b, i) : -1;
+      if (f.out_count != nullptr && tid == 0) f.out_count[b] = static_cast<int32_t>(n);
+    }
+    return;
+  }
+  // Phase stamps of row 0 (IndexerTopk::profile): CTA 0 at [1..4], the row's last CTA at [5..9].
+  long long* prof = f.profile != nullptr && b == 0 && tid == 0 ? f.profile : nullptr;
+  const long long t_scored = prof ? fuse_ns() : 0;
+  if (prof && blockIdx.x == 0) prof[1] = t_scored;
+  uint32_t* w = f.ws + static_cast<int64_t>(b) * kFuseRowWords;
+  uint32_t* ctr = w + kFuseBins;
+  for (int i = tid; i < kFuseBins; i += kT) {
+    const uint32_t v = fs.hist[i];
+    if (v != 0) atomicAdd(&w[i], v);
+  }
+  __syncthreads();  // every thread's counts before the arrival
+  if (tid == 0) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(ctr + kFArrive) : "memory");
+    uint32_t v;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ctr + kFArrive) : "memory");
+    } while (v < gridDim.x);
+  }
+  __syncthreads();
+  if (prof && blockIdx.x == 0) prof[2] = fuse_ns();
+  for (int i = tid; i < kFuseBins; i += kT) fs.hist[i] = __ldcg(&w[i]);
+  __syncthreads();
+  fused_threshold(fs.hist, kFuseBins, k, fs);
+  const uint32_t t = fs.thr_bin, above = fs.thr_above, cnt = fs.thr_cnt, need = k - above;
+  if (prof && blockIdx.x == 0) {
+    prof[3] = fuse_ns();
+    prof[10] = cnt;
+    prof[11] = above;
+  }
+  const bool take_all = cnt == need, listed = cnt <= static_cast<uint32_t>(kFuseCandCap);
+  uint32_t* cand_key = w + kFuseZeroWords;
+  uint32_t* cand_idx = cand_key + kFuseCandCap;
+  // This CTA's scores: position q of cta_scores is unit j = (q / 64) % kFuseUnits of warpgroup q / (64 kFuseUnits).
+  if (tid == 0) fs.n_above = fs.n_tie = 0;
+  __syncthreads();
+  constexpr int kPositions = kWgGroups * kFuseUnits * kWgKeys;
+  uint32_t my_above[kPositions / kT], my_tie[kPositions / kT];
+#pragma unroll
+  for (int x = 0; x < kPositions / kT; ++x) {
+    const int q = tid + x * kT;
+    const int64_t u = static_cast<int64_t>(blockIdx.x) * kWgGroups + q / (kFuseUnits * kWgKeys) +
+                      ((q / kWgKeys) % kFuseUnits) * W;
+    const int64_t key = u * kWgKeys + q % kWgKeys;
+    my_above[x] = my_tie[x] = 0xffffffffu;
+    if (u < units && key < n) {
+      const uint32_t bin = order_key(cta_scores[q]) >> 21;
+      if (bin > t) my_above[x] = warp_slot(&fs.n_above);
+      if (bin == t) my_tie[x] = warp_slot(&fs.n_tie);
+    }
+  }
+  __syncthreads();
+  if (tid == 0) fs.base_above = fs.n_above != 0 ? atomicAdd(&ctr[kFAbove], fs.n_above) : 0u;
+  if (tid == 32) fs.base_tie = fs.n_tie != 0 ? atomicAdd(&ctr[kFCand], fs.n_tie) : 0u;  // in flight together
+  __syncthreads();
+#pragma unroll
+  for (int x = 0; x < kPositions / kT; ++x) {
+    const int q = tid + x * kT;
+    if (my_above[x] == 0xffffffffu && my_tie[x] == 0xffffffffu) continue;
+    const int64_t u = static_cast<int64_t>(blockIdx.x) * kWgGroups + q / (kFuseUnits * kWgKeys) +
+                      ((q / kWgKeys) % kFuseUnits) * W;
+    const int64_t key = u * kWgKeys + q % kWgKeys;
+    if (my_above[x] != 0xffffffffu) {
+      out[fs.base_above + my_above[x]] = translate_out(f, b, key);
+    } else if (take_all) {
+      out[above + fs.base_tie + my_tie[x]] = translate_out(f, b, key);
+    } else if (listed) {
+      __stcg(&cand_key[fs.base_tie + my_tie[x]], order_key(cta_scores[q]));
+      __stcg(&cand_idx[fs.base_tie + my_tie[x]], static_cast<uint32_t>(key));
+    }
+  }
+  __syncthreads();  // every thread's stores before the arrival
+  if (prof && blockIdx.x == 0) prof[4] = fuse_ns();
+  if (tid == 0) {
+    uint32_t old;
+    asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;" : "=r"(old) : "l"(ctr + kFDone) : "memory");
+    fs.last = old == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!fs.last) return;
+  if (prof) {
+    prof[5] = t_scored;
+    prof[6] = fuse_ns();
+  }
+  if (!take_all) {
+    if (tid == 0) fs.pos = above;
+    if (listed) {  // the list into the free ring
+      for (uint32_t i = tid; i < cnt; i += kT) {
+        ring[i] = __ldcg(&cand_key[i]);
+        ring[kFuseCandCap + i] = __ldcg(&cand_idx[i]);
+      }
+      __syncthreads();
+      if (prof) prof[7] = fuse_ns();
+      select_composite(f, b, out, cnt, [&](int64_t j) { return make_uint2(ring[j], ring[kFuseCandCap + j]); },
+                       t, 11, need, cnt, fs);
+    } else {  // more than the list holds are in the bucket: from the row's scores
+      const float* row = p.scores + b * p.score_stride;
+      __syncthreads();
+      select_composite(f, b, out, n,
+                       [&](int64_t j) { return make_uint2(order_key(__ldcg(&row[j])), static_cast<uint32_t>(j)); },
+                       t, 11, need, cnt, fs);
+    }
+  }
+  __syncthreads();
+  if (prof) prof[8] = fuse_ns();
+  for (int i = tid; i < kFuseZeroWords; i += kT) w[i] = 0;  // ready for the next call
+  if (f.out_count != nullptr && tid == 0) f.out_count[b] = static_cast<int32_t>(k);
+  if (prof) prof[9] = fuse_ns();
+}
+
+template <bool kFused>
+__global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const ScoreParams p, const FuseParams f) {
   pdl_entry();  // see launch_kernel
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* qs = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);  // swizzled tiles need 1,024 alignment
@@ -283,6 +582,9 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const
   uint8_t* ring = qs + kUnitBytes * (1 + wg * kWgStages);
   float* red = reinterpret_cast<float*>(qs + kUnitBytes * (1 + kWgGroups * kWgStages)) + wg * 4 * kWgKeys;
   const int b = blockIdx.y;
+  if constexpr (kFused) {
+    if (f.profile != nullptr && b == 0 && blockIdx.x == 0 && threadIdx.x == 0) f.profile[0] = fuse_ns();
+  }
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
   const int h0 = 16 * warp + g, h1 = h0 + 8;
   const float w0 = h0 < p.heads ? p.w[b * p.heads + h0] * p.wscale : 0.f;
@@ -351,7 +653,15 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const
   fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy)
   asm volatile("griddepcontrol.launch_dependents;");
   __syncthreads();
-  if (gw >= units) return;  // the whole warpgroup: its barriers count only its own threads
+  // Fused: the CTA's scores (kFuseUnits units a warpgroup at most) and their round-0 histogram.
+  float* cta_scores = reinterpret_cast<float*>(qs + kWgSmemScore);
+  FuseSmem& fs = *reinterpret_cast<FuseSmem*>(qs + kWgSmemScore + kFuseScoreBytes);
+  if constexpr (kFused) {
+    for (int i = threadIdx.x; i < kFuseBins; i += kWgGroups * 128) fs.hist[i] = 0;
+    __syncthreads();
+  } else if (gw >= units) {
+    return;  // the whole warpgroup: its barriers count only its own threads
+  }
   float* out = p.scores + b * p.score_stride;
   const uint32_t qa = smem_u32(qs);
   float acc[32];
@@ -391,10 +701,21 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const
     warpgroup_barrier(wg);
     if (tid < kWgKeys) {
       const int64_t key = u * kWgKeys + tid;
-      if (key < n) out[key] = red[tid] + red[kWgKeys + tid] + red[2 * kWgKeys + tid] + red[3 * kWgKeys + tid];
+      const float sum = red[tid] + red[kWgKeys + tid] + red[2 * kWgKeys + tid] + red[3 * kWgKeys + tid];
+      if (key < n) {
+        out[key] = sum;
+        if constexpr (kFused) {
+          cta_scores[(wg * kFuseUnits + it) * kWgKeys + tid] = sum;
+          atomicAdd(&fs.hist[order_key(sum) >> 21], 1u);
+        }
+      }
     }
   }
   cp_async_wait<0>();
+  if constexpr (kFused) {
+    __syncthreads();  // every warpgroup's scores and counts; the ring is free from here
+    fused_select(p, f, b, n, units, W, cta_scores, fs, reinterpret_cast<uint32_t*>(qs + kUnitBytes));
+  }
 }
 
 // ---- fp32 ragged scoring (the backend op) ------------------------------------
@@ -516,14 +837,7 @@ __global__ void to_bf16_kernel(const float* x, int64_t n, __nv_bfloat16* out) {
   }
 }
 
-}  // namespace
-
-void indexer_scores(const IndexerArgs& a, cudaStream_t stream) {
-  TROUPE_REQUIRE(a.heads >= 1 && a.heads <= 64, "indexer: 1..64 heads");
-  TROUPE_REQUIRE(a.key_start != nullptr || a.page_table != nullptr, "indexer: key_start or page_table");
-  TROUPE_REQUIRE(a.page_table == nullptr || (a.page_size > 0 && a.page_size % 8 == 0), "indexer: page_size % 8");
-  TROUPE_REQUIRE(a.key_type == IndexKeyType::bf16 || a.key_scales != nullptr, "indexer: e4m3 keys need scales");
-  if (a.batch == 0 || a.max_keys == 0) return;
+ScoreParams score_params(const IndexerArgs& a) {
   ScoreParams p{};
   p.q = a.q;
   p.w = a.w;
@@ -538,6 +852,18 @@ void indexer_scores(const IndexerArgs& a, cudaStream_t stream) {
   p.n_keys = a.n_keys;
   p.scores = a.scores;
   p.score_stride = a.score_stride;
+  return p;
+}
+
+}  // namespace
+
+void indexer_scores(const IndexerArgs& a, cudaStream_t stream) {
+  TROUPE_REQUIRE(a.heads >= 1 && a.heads <= 64, "indexer: 1..64 heads");
+  TROUPE_REQUIRE(a.key_start != nullptr || a.page_table != nullptr, "indexer: key_start or page_table");
+  TROUPE_REQUIRE(a.page_table == nullptr || (a.page_size > 0 && a.page_size % 8 == 0), "indexer: page_size % 8");
+  TROUPE_REQUIRE(a.key_type == IndexKeyType::bf16 || a.key_scales != nullptr, "indexer: e4m3 keys need scales");
+  if (a.batch == 0 || a.max_keys == 0) return;
+  const ScoreParams p = score_params(a);
   const int64_t units = ceil_div(a.max_keys, 8 * kTiles);
   static const int sms = sm_count();
   const int64_t per_query = std::max<int64_t>(1, sms / std::max(a.batch, 1));
@@ -547,15 +873,15 @@ void indexer_scores(const IndexerArgs& a, cudaStream_t stream) {
   const char* wg_env = std::getenv("TROUPE_INDEXER_WGMMA");
   if (a.key_type == IndexKeyType::bf16 && !(wg_env != nullptr && wg_env[0] == '0')) {
     static bool attr = [] {
-      TROUPE_CUDA(cudaFuncSetAttribute(indexer_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      TROUPE_CUDA(cudaFuncSetAttribute(indexer_wgmma_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(kWgSmem)));
       return true;
     }();
     (void)attr;
     const int64_t wg_ctas =
         std::max<int64_t>(1, std::min<int64_t>(per_query, ceil_div(ceil_div(a.max_keys, kWgKeys), kWgGroups)));
-    launch_kernel(indexer_wgmma_kernel, dim3(static_cast<unsigned>(wg_ctas), static_cast<unsigned>(a.batch)),
-                  kWgGroups * 128, kWgSmem, stream, p);
+    launch_kernel(indexer_wgmma_kernel<false>, dim3(static_cast<unsigned>(wg_ctas), static_cast<unsigned>(a.batch)),
+                  kWgGroups * 128, kWgSmem, stream, p, FuseParams{});
   } else if (a.key_type == IndexKeyType::bf16) {
     const size_t smem = static_cast<size_t>(kWarps) * kStages * kTiles * 4 * 512 + 64 * kDim * 4;
     static bool attr = [&] {
@@ -579,11 +905,63 @@ void indexer_scores(const IndexerArgs& a, cudaStream_t stream) {
 }
 
 size_t indexer_topk_workspace_bytes(int batch, int64_t max_keys, int k) {
-  return topk_workspace_bytes(batch, max_keys, k);
+  return kFuseWorkspaceBytes + topk_workspace_bytes(batch, max_keys, k);
 }
 
-void indexer_topk(const IndexerArgs& a, const IndexerTopk& t, void* topk_workspace, cudaStream_t stream) {
+namespace {
+// The fused kernel's grid for this call, or 0 CTAs a query when the call takes the two-kernel path:
+// bf16 keys on wgmma, at most kFuseRows queries, and every warpgroup's units fit its shared memory.
+// (TROUPE_INDEXER_FUSED=0, read at each call: always two kernels.)
+int64_t fused_ctas(const IndexerArgs& a, const IndexerTopk& t) {
+  const char* fe = std::getenv("TROUPE_INDEXER_FUSED");
+  const char* we = std::getenv("TROUPE_INDEXER_WGMMA");
+  if ((fe != nullptr && fe[0] == '0') || (we != nullptr && we[0] == '0')) return 0;
+  if (a.key_type != IndexKeyType::bf16 || a.batch > kFuseRows || t.k > 2048) return 0;
+  static const int sms = sm_count();
+  const int64_t units = ceil_div(a.max_keys, kWgKeys);
+  const int64_t per_query = std::max<int64_t>(1, sms / std::max(a.batch, 1));
+  const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>(per_query, ceil_div(units, kWgGroups)));
+  return ceil_div(units, ctas * kWgGroups) <= kFuseUnits ? ctas : 0;
+}
+}  // namespace
+
+void indexer_topk(const IndexerArgs& a, const IndexerTopk& t, void* workspace, cudaStream_t stream) {
   TROUPE_REQUIRE(a.score_stride >= a.max_keys, "indexer_topk: score_stride < max_keys");
+  TROUPE_REQUIRE(t.k >= 1 && t.k <= 2048, "indexer_topk: k must be in 1..2048");
+  TROUPE_REQUIRE(t.out_stride >= t.k, "indexer_topk: out_stride < k");
+  TROUPE_REQUIRE(!t.translate_pages || (a.page_table != nullptr && (a.page_size & (a.page_size - 1)) == 0),
+                 "indexer_topk: page translation needs a power-of-two page size");
+  int page_bits = 0;
+  while (t.translate_pages && (1 << page_bits) < a.page_size) ++page_bits;
+  if (a.batch == 0) return;
+  if (const int64_t ctas = fused_ctas(a, t); ctas > 0) {
+    TROUPE_REQUIRE(workspace != nullptr, "indexer_topk: a workspace of indexer_topk_workspace_bytes is needed");
+    TROUPE_REQUIRE(a.heads >= 1 && a.heads <= 64, "indexer: 1..64 heads");
+    TROUPE_REQUIRE(a.key_start != nullptr || a.page_table != nullptr, "indexer: key_start or page_table");
+    TROUPE_REQUIRE(a.page_table == nullptr || (a.page_size > 0 && a.page_size % 8 == 0), "indexer: page_size % 8");
+    FuseParams f;
+    f.k = t.k;
+    f.out_idx = t.out_idx;
+    f.out_stride = t.out_stride;
+    f.out_count = t.out_count;
+    if (t.translate_pages) {
+      f.out_pages = a.page_table;
+      f.out_page_stride = a.page_stride;
+      f.out_page_bits = page_bits;
+    }
+    f.ws = static_cast<uint32_t*>(workspace);
+    f.profile = t.profile;
+    static bool attr = [] {
+      TROUPE_CUDA(cudaFuncSetAttribute(indexer_wgmma_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(kWgSmemFused)));
+      return true;
+    }();
+    (void)attr;
+    launch_kernel(indexer_wgmma_kernel<true>, dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(a.batch)),
+                  kWgGroups * 128, kWgSmemFused, stream, score_params(a), f);
+    TROUPE_LAUNCHED();
+    return;
+  }
   indexer_scores(a, stream);
   TopkArgs ta;
   ta.scores = a.scores;
@@ -596,15 +974,11 @@ void indexer_topk(const IndexerArgs& a, const IndexerTopk& t, void* topk_workspa
   ta.out_stride = t.out_stride;
   ta.out_count = t.out_count;
   if (t.translate_pages) {
-    TROUPE_REQUIRE(a.page_table != nullptr && (a.page_size & (a.page_size - 1)) == 0,
-                   "indexer_topk: page translation needs a power-of-two page size");
     ta.page_table = a.page_table;
     ta.page_stride = a.page_stride;
-    int bits = 0;
-    while ((1 << bits) < a.page_size) ++bits;
-    ta.page_bits = bits;
+    ta.page_bits = page_bits;
   }
-  topk(ta, topk_workspace, stream);
+  topk(ta, workspace != nullptr ? static_cast<char*>(workspace) + kFuseWorkspaceBytes : nullptr, stream);
 }
 
 void indexer_scores_ragged(const float* q, const float* w, int64_t n_queries, int heads, int64_t dim, float scale,

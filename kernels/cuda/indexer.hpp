@@ -2,9 +2,15 @@
 // then the exact top-k of each query's scores (topk.hpp).
 //
 // Fast form: keys are bf16 (or fp8 e4m3 with one positive fp32 scale per key)
-// rows of 128 channels in a pool; the dot products run on the tensor cores
-// (mma.sync m16n8k16, fp32 accumulation) with the query heads held in registers
-// and the keys streamed once through a cp.async pipeline.
+// rows of 128 channels in a pool, streamed once through cp.async rings; the dot
+// products run on the tensor cores with fp32 accumulation: bf16 keys on wgmma
+// (sm_90a; the query as the shared-memory A operand), e4m3 keys (converted to f16)
+// on mma.sync with the query heads held in registers.
+//
+// indexer_topk with bf16 keys and at most 64 queries whose keys fit the scoring
+// CTAs' shared memory (up to ~540 K keys for one query on an H200) runs as one
+// kernel: the scoring CTAs of a query select its top k themselves (see
+// indexer.cu); other calls score, then run the top-k (topk.hpp) as a second kernel.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -51,9 +57,15 @@ struct IndexerTopk {
   int64_t out_stride = 0;
   int32_t* out_count = nullptr;
   bool translate_pages = false;
+  long long* profile = nullptr;  // debugging aid (the fused kernel): %globaltimer ns of row 0's phases, CTA 0's
+                                 // entry, scoring end, arrival, threshold, emission [0..4]; the last CTA's scoring
+                                 // end, finish start, list loaded, selected, end [5..9]; the bucket's count and
+                                 // the count above it [10, 11]
 };
+// The workspace (zeroed once by topk_workspace_init; calls of any shape within these bounds
+// share it, one call at a time): the fused kernel's rows at fixed places, then the top-k's.
 size_t indexer_topk_workspace_bytes(int batch, int64_t max_keys, int k);
-void indexer_topk(const IndexerArgs& a, const IndexerTopk& t, void* topk_workspace, cudaStream_t stream);
+void indexer_topk(const IndexerArgs& a, const IndexerTopk& t, void* workspace, cudaStream_t stream);
 
 // The backend op's scoring: fp32 keys given as ragged row pointers (any head count and dim).
 // scores[t, s] for s < n_t at stride score_stride.

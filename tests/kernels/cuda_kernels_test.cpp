@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <numeric>
 #include <set>
 
@@ -466,125 +467,166 @@ TEST_F(CudaKernelsTest, indexer_scores_and_topk_match_a_reference) {
     std::vector<int32_t> lengths;
     bool paged;
     cuda::IndexKeyType type;
+    int distinct = 0;  // > 0: the keys repeat this many rows (ties at the k-th score: many, or all equal)
   };
+  // bf16 cases run fused (scores and top-k in one kernel) and as two kernels (TROUPE_INDEXER_FUSED=0).
+  // The tie cases: 40 distinct keys put ~2,500 equal scores at the k-th (the fused kernel's candidate
+  // list, then radix rounds on the index); one distinct key makes every score equal (more than the
+  // list holds: selected from the row's scores).
   const Case cases[] = {{64, {262144}, false, cuda::IndexKeyType::bf16},
                         {64, {0, 7, 5000, 100000}, false, cuda::IndexKeyType::bf16},
                         {64, {70000, 4096}, true, cuda::IndexKeyType::bf16},
                         {64, {262144}, false, cuda::IndexKeyType::e4m3},
                         {40, {3000, 17}, true, cuda::IndexKeyType::e4m3},
-                        {4, {1000}, false, cuda::IndexKeyType::bf16}};
+                        {4, {1000}, false, cuda::IndexKeyType::bf16},
+                        {64, {100000, 600}, false, cuda::IndexKeyType::bf16, 40},
+                        {64, {30000}, true, cuda::IndexKeyType::bf16, 1}};
   for (const auto& c : cases) {
-    SCOPED_TRACE("heads " + std::to_string(c.heads) + " type " + std::to_string(static_cast<int>(c.type)) +
-                 (c.paged ? " paged" : ""));
-    const int B = static_cast<int>(c.lengths.size());
-    const int64_t max_keys = *std::max_element(c.lengths.begin(), c.lengths.end());
-    const int page = 64;
-    // Pool: each query's keys in its own range (contiguous) or in shuffled pages.
-    std::vector<int64_t> start(B);
-    std::vector<int32_t> table;
-    const int64_t pages_per_q = (max_keys + page - 1) / page;
-    int64_t pool_rows = 0;
-    for (int b = 0; b < B; ++b) {
-      start[b] = pool_rows;
-      pool_rows += c.paged ? pages_per_q * page : c.lengths[b];
-    }
-    pool_rows = std::max<int64_t>(pool_rows, 1);
-    if (c.paged) {
-      std::vector<int32_t> perm(pool_rows / page);
-      std::iota(perm.begin(), perm.end(), 0);
-      std::shuffle(perm.begin(), perm.end(), rng_);
-      table = perm;  // query b's page j is perm[b * pages_per_q + j]
-    }
-    auto row_of = [&](int b, int64_t s) -> int64_t {
-      return c.paged ? static_cast<int64_t>(table[b * pages_per_q + s / page]) * page + s % page : start[b] + s;
-    };
-    std::vector<float> keys = randn(pool_rows * 128, rng_);
-    std::vector<float> q = randn(B * c.heads * 128, rng_), w = randn(B * c.heads, rng_);
-    // Device keys and the values the kernel actually multiplies (for the reference).
-    std::vector<float> kref(keys.size()), scales(pool_rows, 1.f);
-    void* d_keys;
-    float* d_scales = nullptr;
-    if (c.type == cuda::IndexKeyType::bf16) {
-      std::vector<uint16_t> kb(keys.size());
-      for (size_t i = 0; i < keys.size(); ++i) {
-        kb[i] = bf16_bits(keys[i]);
-        kref[i] = from_bf16(kb[i]);
+    for (const bool fused : {true, false}) {
+      if (!fused && c.type != cuda::IndexKeyType::bf16) continue;
+      SCOPED_TRACE("heads " + std::to_string(c.heads) + " type " + std::to_string(static_cast<int>(c.type)) +
+                   (c.paged ? " paged" : "") + (fused ? " fused" : " two kernels") +
+                   (c.distinct > 0 ? " distinct keys " + std::to_string(c.distinct) : ""));
+      if (fused) {
+        unsetenv("TROUPE_INDEXER_FUSED");
+      } else {
+        setenv("TROUPE_INDEXER_FUSED", "0", 1);
       }
-      d_keys = dev(kb);
-    } else {
-      float* d_f = dev(keys);
-      uint8_t* d_q = dev<uint8_t>(keys.size());
-      d_scales = dev<float>(pool_rows);
-      cuda::quantize_keys_e4m3(d_f, pool_rows, d_q, d_scales, stream());
-      const auto qb = host(d_q, keys.size());
-      scales = host(d_scales, pool_rows);
-      for (size_t i = 0; i < keys.size(); ++i) kref[i] = e4m3_to_float(qb[i]) * scales[i / 128];
-      d_keys = d_q;
-    }
-    const float scale = 1.f / std::sqrt(128.f), wscale = 1.f / std::sqrt(static_cast<float>(c.heads));
-    float* d_scores = dev<float>(B * max_keys);
-    poison(d_scores, B * max_keys * 4);
-    cuda::IndexerArgs a;
-    a.q = dev(q);
-    a.w = dev(w);
-    a.batch = B;
-    a.heads = c.heads;
-    a.scale = scale;
-    a.weight_scale = wscale;
-    a.key_type = c.type;
-    a.keys = d_keys;
-    a.key_scales = d_scales;
-    if (c.paged) {
-      a.page_table = dev(table);
-      a.page_stride = pages_per_q;
-      a.page_size = page;
-    } else {
-      a.key_start = dev(start);
-    }
-    a.n_keys = dev(c.lengths);
-    a.max_keys = max_keys;
-    a.scores = d_scores;
-    a.score_stride = max_keys;
-    const int k = 512;
-    int32_t* d_idx = dev<int32_t>(B * k);
-    int32_t* d_cnt = dev<int32_t>(B);
-    const size_t ws_bytes = cuda::indexer_topk_workspace_bytes(B, max_keys, k);
-    void* ws = ws_bytes > 0 ? dev<char>(ws_bytes) : nullptr;
-    cuda::topk_workspace_init(ws, ws_bytes, stream());
-    cuda::IndexerTopk t;
-    t.k = k;
-    t.out_idx = d_idx;
-    t.out_stride = k;
-    t.out_count = d_cnt;
-    cuda::indexer_topk(a, t, ws, stream());
-    const auto scores = host(d_scores, B * max_keys);
-    const auto idx = host(d_idx, B * k);
-    const auto cnt = host(d_cnt, B);
-    // The query as the tensor cores see it: bf16 (with bf16 keys) or f16 (with e4m3 keys).
-    std::vector<float> qr(q.size());
-    for (size_t i = 0; i < q.size(); ++i) {
-      qr[i] = c.type == cuda::IndexKeyType::bf16 ? round_bf16(q[i]) : from_f16(f16_bits(q[i]));
-    }
-    for (int b = 0; b < B; ++b) {
-      const int64_t n = c.lengths[b];
-      // Reference on a sample of keys (all of them when few).
-      const int64_t step = std::max<int64_t>(1, n / 4000);
-      std::vector<float> got, ref;
-      for (int64_t s = 0; s < n; s += step) {
-        double total = 0;
-        for (int h = 0; h < c.heads; ++h) {
-          double dot = 0;
-          for (int i = 0; i < 128; ++i) dot += static_cast<double>(qr[(b * c.heads + h) * 128 + i]) * kref[row_of(b, s) * 128 + i];
-          total += std::max(dot, 0.0) * scale * w[b * c.heads + h] * wscale;
+      const int B = static_cast<int>(c.lengths.size());
+      const int64_t max_keys = *std::max_element(c.lengths.begin(), c.lengths.end());
+      const int page = 64;
+      // Pool: each query's keys in its own range (contiguous) or in shuffled pages.
+      std::vector<int64_t> start(B);
+      std::vector<int32_t> table;
+      const int64_t pages_per_q = (max_keys + page - 1) / page;
+      int64_t pool_rows = 0;
+      for (int b = 0; b < B; ++b) {
+        start[b] = pool_rows;
+        pool_rows += c.paged ? pages_per_q * page : c.lengths[b];
+      }
+      pool_rows = std::max<int64_t>(pool_rows, 1);
+      if (c.paged) {
+        std::vector<int32_t> perm(pool_rows / page);
+        std::iota(perm.begin(), perm.end(), 0);
+        std::shuffle(perm.begin(), perm.end(), rng_);
+        table = perm;  // query b's page j is perm[b * pages_per_q + j]
+      }
+      auto row_of = [&](int b, int64_t s) -> int64_t {
+        return c.paged ? static_cast<int64_t>(table[b * pages_per_q + s / page]) * page + s % page : start[b] + s;
+      };
+      std::vector<float> keys = randn(pool_rows * 128, rng_);
+      if (c.distinct > 0) {
+        for (int64_t r = 0; r < pool_rows; ++r) {
+          const int64_t from = static_cast<int64_t>(rng_() % static_cast<uint32_t>(c.distinct));
+          std::copy_n(keys.begin() + from * 128, 128, keys.begin() + r * 128);
         }
-        ref.push_back(static_cast<float>(total));
-        got.push_back(scores[b * max_keys + s]);
       }
-      if (!ref.empty()) EXPECT_CLOSE(got, ref, 2e-4);
-      // The top-k is exact on the kernel's own scores.
-      check_topk_row(scores.data() + b * max_keys, n, k, idx.data() + b * k, cnt[b], "query " + std::to_string(b));
+      std::vector<float> q = randn(B * c.heads * 128, rng_), w = randn(B * c.heads, rng_);
+      // Device keys and the values the kernel actually multiplies (for the reference).
+      std::vector<float> kref(keys.size()), scales(pool_rows, 1.f);
+      void* d_keys;
+      float* d_scales = nullptr;
+      if (c.type == cuda::IndexKeyType::bf16) {
+        std::vector<uint16_t> kb(keys.size());
+        for (size_t i = 0; i < keys.size(); ++i) {
+          kb[i] = bf16_bits(keys[i]);
+          kref[i] = from_bf16(kb[i]);
+        }
+        d_keys = dev(kb);
+      } else {
+        float* d_f = dev(keys);
+        uint8_t* d_q = dev<uint8_t>(keys.size());
+        d_scales = dev<float>(pool_rows);
+        cuda::quantize_keys_e4m3(d_f, pool_rows, d_q, d_scales, stream());
+        const auto qb = host(d_q, keys.size());
+        scales = host(d_scales, pool_rows);
+        for (size_t i = 0; i < keys.size(); ++i) kref[i] = e4m3_to_float(qb[i]) * scales[i / 128];
+        d_keys = d_q;
+      }
+      const float scale = 1.f / std::sqrt(128.f), wscale = 1.f / std::sqrt(static_cast<float>(c.heads));
+      float* d_scores = dev<float>(B * max_keys);
+      poison(d_scores, B * max_keys * 4);
+      cuda::IndexerArgs a;
+      a.q = dev(q);
+      a.w = dev(w);
+      a.batch = B;
+      a.heads = c.heads;
+      a.scale = scale;
+      a.weight_scale = wscale;
+      a.key_type = c.type;
+      a.keys = d_keys;
+      a.key_scales = d_scales;
+      if (c.paged) {
+        a.page_table = dev(table);
+        a.page_stride = pages_per_q;
+        a.page_size = page;
+      } else {
+        a.key_start = dev(start);
+      }
+      a.n_keys = dev(c.lengths);
+      a.max_keys = max_keys;
+      a.scores = d_scores;
+      a.score_stride = max_keys;
+      const int k = 512;
+      int32_t* d_idx = dev<int32_t>(B * k);
+      int32_t* d_cnt = dev<int32_t>(B);
+      const size_t ws_bytes = cuda::indexer_topk_workspace_bytes(B, max_keys, k);
+      void* ws = ws_bytes > 0 ? dev<char>(ws_bytes) : nullptr;
+      cuda::topk_workspace_init(ws, ws_bytes, stream());
+      cuda::IndexerTopk t;
+      t.k = k;
+      t.out_idx = d_idx;
+      t.out_stride = k;
+      t.out_count = d_cnt;
+      cuda::indexer_topk(a, t, ws, stream());
+      const auto scores = host(d_scores, B * max_keys);
+      const auto idx = host(d_idx, B * k);
+      const auto cnt = host(d_cnt, B);
+      // The query as the tensor cores see it: bf16 (with bf16 keys) or f16 (with e4m3 keys).
+      std::vector<float> qr(q.size());
+      for (size_t i = 0; i < q.size(); ++i) {
+        qr[i] = c.type == cuda::IndexKeyType::bf16 ? round_bf16(q[i]) : from_f16(f16_bits(q[i]));
+      }
+      for (int b = 0; b < B; ++b) {
+        const int64_t n = c.lengths[b];
+        // Reference on a sample of keys (all of them when few).
+        const int64_t step = std::max<int64_t>(1, n / 4000);
+        std::vector<float> got, ref;
+        for (int64_t s = 0; s < n; s += step) {
+          double total = 0;
+          for (int h = 0; h < c.heads; ++h) {
+            double dot = 0;
+            for (int i = 0; i < 128; ++i)
+              dot += static_cast<double>(qr[(b * c.heads + h) * 128 + i]) * kref[row_of(b, s) * 128 + i];
+            total += std::max(dot, 0.0) * scale * w[b * c.heads + h] * wscale;
+          }
+          ref.push_back(static_cast<float>(total));
+          got.push_back(scores[b * max_keys + s]);
+        }
+        if (!ref.empty()) EXPECT_CLOSE(got, ref, 2e-4);
+        // The top-k is exact on the kernel's own scores, ties by lower index.
+        check_topk_row(scores.data() + b * max_keys, n, k, idx.data() + b * k, cnt[b], "query " + std::to_string(b));
+        check_topk_row_stable(scores.data() + b * max_keys, n, k, idx.data() + b * k, cnt[b],
+                              "query " + std::to_string(b));
+      }
+      if (c.paged) {  // the same call with the indices translated to pool rows through the page table
+        t.translate_pages = true;
+        cuda::indexer_topk(a, t, ws, stream());
+        const auto rows = host(d_idx, B * k);
+        for (int b = 0; b < B; ++b) {  // the chosen set, translated (the order of a row's slots is free)
+          std::vector<int64_t> want, got;
+          for (int j = 0; j < std::min<int64_t>(k, c.lengths[b]); ++j) {
+            want.push_back(row_of(b, idx[b * k + j]));
+            got.push_back(rows[b * k + j]);
+          }
+          std::sort(want.begin(), want.end());
+          std::sort(got.begin(), got.end());
+          ASSERT_EQ(got, want) << "query " << b << ": translated rows";
+        }
+      }
     }
   }
+  unsetenv("TROUPE_INDEXER_FUSED");
 }
 
 // ---- attention --------------------------------------------------------------------------

@@ -376,7 +376,8 @@ class Bench:
                              "selected", "end"]
                     print(f"fused phases n={n}: " + ", ".join(f"{nm} {(pv[i + 1] - pv[0]) / 1e3:.2f}"
                                                             for i, nm in enumerate(names) if pv[i + 1] > 0)
-                          + f"; bucket {pv[10]}, above {pv[11]}")
+                          + f"; bucket {pv[10]}, above {pv[11]}; select round: counted "
+                          + ", ".join(f"{(pv[i] - pv[0]) / 1e3:.2f}" for i in (12, 13, 14)))
                 os.environ["TROUPE_TOPK_FINISH"] = "1"  # the top-k's other finish (see topk above), same check
                 ours(0)
                 torch.cuda.synchronize()

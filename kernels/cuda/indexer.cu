@@ -394,7 +394,7 @@ __device__ __forceinline__ void fused_threshold(const uint32_t* hist, uint32_t n
 template <class Elem>
 __device__ __forceinline__ void select_composite(const FuseParams& f, int b, int32_t* out, int64_t m, Elem&& elem,
                                                  uint64_t prefix, int pbits, uint32_t need, uint32_t cnt,
-                                                 FuseSmem& fs) {
+                                                 FuseSmem& fs, long long* prof) {
   constexpr int kT = kWgGroups * 128;
   const int tid = threadIdx.x;
   auto matches = [&](uint64_t v) { return (v >> (64 - pbits)) == prefix; };
@@ -415,7 +415,9 @@ __device__ __forceinline__ void select_composite(const FuseParams& f, int b, int
       if (matches(v)) atomicAdd(&fs.hist[(v >> shift) & (nbins - 1)], 1u);
     }
     __syncthreads();
+    if (prof) prof[12] = fuse_ns();
     fused_threshold(fs.hist, nbins, need, fs);
+    if (prof) prof[13] = fuse_ns();
     const uint32_t t = fs.thr_bin;
     for (int64_t j = tid; j < m; j += kT) {  // the digits above t are chosen
       const uint64_t v = composite(j);
@@ -426,6 +428,7 @@ __device__ __forceinline__ void select_composite(const FuseParams& f, int b, int
     prefix = (prefix << bits) | t;
     pbits += bits;
     __syncthreads();  // every thread has read fs.thr_*
+    if (prof) prof[14] = fuse_ns();
   }
   if (cnt == need) {  // the bucket is taken whole
     for (int64_t j = tid; j < m; j += kT) {
@@ -557,13 +560,13 @@ __device__ __forceinline__ void fused_select(const ScoreParams& p, const FusePar
       __syncthreads();
       if (prof) prof[7] = fuse_ns();
       select_composite(f, b, out, cnt, [&](int64_t j) { return make_uint2(ring[j], ring[kFuseCandCap + j]); },
-                       t, 11, need, cnt, fs);
+                       t, 11, need, cnt, fs, prof);
     } else {  // more than the list holds are in the bucket: from the row's scores
       const float* row = p.scores + b * p.score_stride;
       __syncthreads();
       select_composite(f, b, out, n,
                        [&](int64_t j) { return make_uint2(order_key(__ldcg(&row[j])), static_cast<uint32_t>(j)); },
-                       t, 11, need, cnt, fs);
+                       t, 11, need, cnt, fs, prof);
     }
   }
   __syncthreads();

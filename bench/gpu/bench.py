@@ -364,7 +364,7 @@ class Bench:
                 if not (err < 1e-3 and exact):
                     self.failures.append(f"indexer n={n} B={B} fp8={fp8}: err {err} exact {exact}")
                 t_ours = graph_time(ours, calls=5, reps=10)
-                if not fp8 and B == 1:  # the fused kernel's phases (us from its entry), eager, after a warm call
+                if B == 1:  # the fused kernel's phases (us from its entry), eager, after a warm call
                     prof = torch.zeros(16, dtype=torch.int64, device="cuda")
                     for _ in range(3):
                         L.tb_indexer_topk_profiled(ptr(q), ptr(w), B, H, fl(scale), fl(wscale), fp8, kp, sp,
@@ -374,7 +374,7 @@ class Bench:
                     pv = prof.tolist()
                     names = ["scored", "arrived", "threshold", "emitted", "last scored", "finish", "listed",
                              "selected", "end"]
-                    print(f"fused phases n={n}: " + ", ".join(f"{nm} {(pv[i + 1] - pv[0]) / 1e3:.2f}"
+                    print(f"fused phases n={n} fp8={fp8}: " + ", ".join(f"{nm} {(pv[i + 1] - pv[0]) / 1e3:.2f}"
                                                             for i, nm in enumerate(names) if pv[i + 1] > 0)
                           + f"; bucket {pv[10]}, above {pv[11]}; select round: counted "
                           + ", ".join(f"{(pv[i] - pv[0]) / 1e3:.2f}" for i in (12, 13, 14)))
@@ -396,24 +396,24 @@ class Bench:
                 row = dict(kernel="indexer+topk " + ("e4m3" if fp8 else "bf16"), shape=f"{n * 4 // 1024}K ctx x {B}",
                            ours_us=t_ours, gbps=bw / 1e9, pct_copy=100 * bw / self.copy_bw, rel_err=err, exact=exact,
                            finish1_us=t_fin1, scores_us=t_scores, scores_pct_copy=100 * key_bytes / (t_scores * 1e-6) / self.copy_bw)
+                # The same call as two kernels (scores, then the top-k), checked the same way.
+                os.environ["TROUPE_INDEXER_FUSED"] = "0"
+                ours(0)
+                torch.cuda.synchronize()
+                if not (rel_err(scores, ref_scores) < 1e-3 and topk_values_match(scores, out, k)):
+                    self.failures.append(f"indexer n={n} B={B} fp8={fp8}: two-kernel path not exact")
+                row["two_kernel_us"] = graph_time(ours, calls=5, reps=10)
+                os.environ.pop("TROUPE_INDEXER_FUSED", None)
+                # The same call on mma.sync (the kernel before wgmma, two kernels), checked the same way.
+                os.environ["TROUPE_INDEXER_WGMMA"] = "0"
+                ours(0)
+                torch.cuda.synchronize()
+                if not (rel_err(scores, ref_scores) < 1e-3 and topk_values_match(scores, out, k)):
+                    self.failures.append(f"indexer n={n} B={B} fp8={fp8}: mma.sync kernel not exact")
+                row["mma_sync_us"] = graph_time(ours, calls=5, reps=10)
+                row["mma_sync_scores_us"] = graph_time(scores_only, calls=5, reps=10)
+                os.environ.pop("TROUPE_INDEXER_WGMMA", None)
                 if not fp8:
-                    # The same call as two kernels (scores, then the top-k), checked the same way.
-                    os.environ["TROUPE_INDEXER_FUSED"] = "0"
-                    ours(0)
-                    torch.cuda.synchronize()
-                    if not (rel_err(scores, ref_scores) < 1e-3 and topk_values_match(scores, out, k)):
-                        self.failures.append(f"indexer n={n} B={B}: two-kernel path not exact")
-                    row["two_kernel_us"] = graph_time(ours, calls=5, reps=10)
-                    os.environ.pop("TROUPE_INDEXER_FUSED", None)
-                    # The same call with bf16 keys on mma.sync (the kernel before wgmma), checked the same way.
-                    os.environ["TROUPE_INDEXER_WGMMA"] = "0"
-                    ours(0)
-                    torch.cuda.synchronize()
-                    if not (rel_err(scores, ref_scores) < 1e-3 and topk_values_match(scores, out, k)):
-                        self.failures.append(f"indexer n={n} B={B}: mma.sync kernel not exact")
-                    row["mma_sync_us"] = graph_time(ours, calls=5, reps=10)
-                    row["mma_sync_scores_us"] = graph_time(scores_only, calls=5, reps=10)
-                    os.environ.pop("TROUPE_INDEXER_WGMMA", None)
                     def torch_bf16(i):
                         s = torch.einsum("bhd,bnd->bhn", q.bfloat16(), keys_bf.view(B, n, D)).float()
                         s = (torch.relu(s) * scale * (w * wscale)[:, :, None]).sum(1)

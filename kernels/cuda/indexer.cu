@@ -228,8 +228,14 @@ constexpr int kWgKeys = 64;                  // keys a unit (wgmma N)
 constexpr int kWgGroups = 4;                 // warpgroups a CTA
 constexpr int kWgStages = 2;                 // ring depth of a warpgroup, in units
 constexpr int kTileHalf = 64 * 128;          // one 64-channel half of a 64-row tile, bytes
-constexpr int kUnitBytes = 2 * kTileHalf;    // a 64 x 128 bf16 tile (the query, or a unit)
-constexpr size_t kWgSmem = 1024 + kUnitBytes * (1 + kWgGroups * kWgStages) + kWgGroups * 4 * kWgKeys * 4;
+constexpr int kUnitBytes = 2 * kTileHalf;    // a 64 x 128 16-bit tile (the query, or a unit)
+constexpr int kRawBytes = kWgKeys * 128;     // a unit of e4m3 keys as copied (rows of 128 bytes)
+// A warpgroup's region: bf16 keys, kWgStages swizzled units; e4m3 keys, the f16 tile wgmma reads,
+// then kWgStages raw units each followed by its 64 scales. 1,024-aligned.
+constexpr int kWgRegion =
+    (std::max(kWgStages * kUnitBytes, kUnitBytes + kWgStages * (kRawBytes + kWgKeys * 4)) + 1023) / 1024 * 1024;
+constexpr int kWgRedOffset = kUnitBytes + kWgGroups * kWgRegion;  // the warps' partial sums, after the regions
+constexpr size_t kWgSmem = 1024 + kWgRedOffset + kWgGroups * 4 * kWgKeys * 4;
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -243,7 +249,16 @@ __device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr) {
   return static_cast<uint64_t>((addr & 0x3ffff) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
          (uint64_t{1} << 62);
 }
+template <bool kF16>
 __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {
+  if constexpr (kF16) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(a), "l"(b), "r"(accumulate));
+    return;
+  }
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
@@ -289,9 +304,9 @@ __device__ __forceinline__ void reduce_half(float (&v)[16], int lane) {
 constexpr int kFuseBins = 2048;
 constexpr int kFuseUnits = 16;  // units a warpgroup scores in the fused form (kept in shared memory)
 constexpr int kFuseScoreBytes = kWgGroups * kFuseUnits * kWgKeys * 4;
-constexpr int kWgSmemScore = kUnitBytes * (1 + kWgGroups * kWgStages) + kWgGroups * 4 * kWgKeys * 4;
-constexpr int kFuseCandCap = 4096;  // a row's candidate list ((key, index) pairs; the last CTA's ring holds it)
-static_assert(kFuseCandCap * 8 <= kWgGroups * kWgStages * kUnitBytes, "the ring holds the candidate list");
+constexpr int kWgSmemScore = kWgRedOffset + kWgGroups * 4 * kWgKeys * 4;
+constexpr int kFuseCandCap = 4096;  // a row's candidate list ((key, index) pairs; the last CTA's regions hold it)
+static_assert(kFuseCandCap * 8 <= kWgGroups * kWgRegion, "the regions hold the candidate list");
 constexpr int kRankMax = 32;  // candidates one warp ranks
 enum FuseCounter { kFArrive = 0, kFAbove, kFCand, kFDone, kFCounters = 8 };
 constexpr int kFuseZeroWords = kFuseBins + kFCounters;  // a row's words, zero between calls
@@ -576,14 +591,18 @@ __device__ __forceinline__ void fused_select(const ScoreParams& p, const FusePar
   if (prof) prof[9] = fuse_ns();
 }
 
-template <bool kFused>
+// FP8: e4m3 keys (copied raw, converted to f16 in shared memory after they land; the query in f16).
+template <bool kFused, bool FP8>
 __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const ScoreParams p, const FuseParams f) {
   pdl_entry();  // see launch_kernel
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* qs = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);  // swizzled tiles need 1,024 alignment
   const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
-  uint8_t* ring = qs + kUnitBytes * (1 + wg * kWgStages);
-  float* red = reinterpret_cast<float*>(qs + kUnitBytes * (1 + kWgGroups * kWgStages)) + wg * 4 * kWgKeys;
+  uint8_t* region = qs + kUnitBytes + wg * kWgRegion;
+  // bf16: unit slot s at region + s * kUnitBytes. e4m3: the f16 tile at region, raw slot s after it.
+  auto slot = [&](int stage) { return FP8 ? region + kUnitBytes + stage * (kRawBytes + kWgKeys * 4)
+                                          : region + stage * kUnitBytes; };
+  float* red = reinterpret_cast<float*>(qs + kWgRedOffset) + wg * 4 * kWgKeys;
   const int b = blockIdx.y;
   if constexpr (kFused) {
     if (f.profile != nullptr && b == 0 && blockIdx.x == 0 && threadIdx.x == 0) f.profile[0] = fuse_ns();
@@ -594,7 +613,8 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const
   const float w1 = h1 < p.heads ? p.w[b * p.heads + h1] * p.wscale : 0.f;
   const int64_t n = p.n_keys[b];
   const int64_t base = p.page_table == nullptr ? p.key_start[b] : 0;
-  // The query, bf16, swizzled (rows past `heads` are 0): every load of a thread issued before any store.
+  // The query, bf16 (f16 with e4m3 keys), swizzled (rows past `heads` are 0): every load of a thread
+  // issued before any store.
   constexpr int kQChunks = (64 * 16 + kWgGroups * 128 - 1) / (kWgGroups * 128);  // 16-byte chunks a thread
   const float* qg = p.q + static_cast<int64_t>(b) * p.heads * kDim;
   float4 qv[kQChunks][2];
@@ -609,14 +629,15 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const
   const int64_t gw = static_cast<int64_t>(blockIdx.x) * kWgGroups + wg;
   const int64_t W = static_cast<int64_t>(gridDim.x) * kWgGroups;
 
-  // A unit's copies: 16 threads a 256-byte key row, so thread tid copies chunk tid % 16 of rows
-  // tid / 16 + 8 i. Paged keys: the rows' page lookups (32-bit: a sequence is < 2^31 keys) are
-  // all issued before the copies.
-  constexpr int kRowsPerThread = kWgKeys * 16 / 128;
-  const int r0 = tid >> 4, jc = tid & 15;
+  // A unit's copies: kChunks threads a key row (16-byte chunks), so thread tid copies chunk tid % kChunks
+  // of rows tid / kChunks + kStep i. Paged keys: the rows' page lookups (32-bit: a sequence is < 2^31
+  // keys) are all issued before the copies. e4m3: threads 0-63 also copy one scale each.
+  constexpr int kRowBytes = FP8 ? 128 : 256, kChunks = kRowBytes / 16, kStep = 128 / kChunks;
+  constexpr int kRowsPerThread = kWgKeys / kStep;
+  const int r0 = tid / kChunks, jc = tid % kChunks;
   const uint8_t* src0 = p.keys + jc * 16;
   auto issue = [&](int stage, int64_t unit) {
-    uint8_t* dst = ring + stage * kUnitBytes;
+    uint8_t* dst = slot(stage);
     const int64_t s0 = unit * kWgKeys + r0;
     int64_t row[kRowsPerThread];
     if (p.page_table != nullptr) {
@@ -624,17 +645,25 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const
       const uint32_t ps = static_cast<uint32_t>(p.page_size);
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i) {
-        const uint32_t s = static_cast<uint32_t>(s0 + 8 * i);
-        row[i] = s0 + 8 * i < n ? static_cast<int64_t>(table[s / ps]) * ps + s % ps : 0;
+        const uint32_t s = static_cast<uint32_t>(s0 + kStep * i);
+        row[i] = s0 + kStep * i < n ? static_cast<int64_t>(table[s / ps]) * ps + s % ps : 0;
       }
     } else {
 #pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i) row[i] = base + s0 + 8 * i;
+      for (int i = 0; i < kRowsPerThread; ++i) row[i] = base + s0 + kStep * i;
     }
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
-      const bool valid = s0 + 8 * i < n;
-      cp_async16(dst + swizzled(r0 + 8 * i, jc), src0 + (valid ? row[i] : 0) * 256, valid);
+      const bool valid = s0 + kStep * i < n;
+      const int r = r0 + kStep * i;
+      cp_async16(dst + (FP8 ? r * 128 + jc * 16 : swizzled(r, jc)), src0 + (valid ? row[i] : 0) * kRowBytes, valid);
+    }
+    if constexpr (FP8) {
+      if (tid < kWgKeys) {
+        const int64_t s = unit * kWgKeys + tid;
+        const bool valid = s < n;
+        cp_async4(dst + kRawBytes + tid * 4, p.key_scales + (valid ? key_row(p, b, s) : 0), valid);
+      }
     }
   };
   // The first units' copies go out before the query is converted and stored (its loads are in flight
@@ -651,7 +680,9 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const
     if (i >= 64 * 16) break;
     const float4 lo = qv[x][0], hi = qv[x][1];
     *reinterpret_cast<uint4*>(qs + swizzled(i >> 4, i & 15)) =
-        make_uint4(pack_bf16x2(lo.x, lo.y), pack_bf16x2(lo.z, lo.w), pack_bf16x2(hi.x, hi.y), pack_bf16x2(hi.z, hi.w));
+        FP8 ? make_uint4(pack_f16x2(lo.x, lo.y), pack_f16x2(lo.z, lo.w), pack_f16x2(hi.x, hi.y), pack_f16x2(hi.z, hi.w))
+            : make_uint4(pack_bf16x2(lo.x, lo.y), pack_bf16x2(lo.z, lo.w), pack_bf16x2(hi.x, hi.y),
+                         pack_bf16x2(hi.z, hi.w));
   }
   fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy)
   asm volatile("griddepcontrol.launch_dependents;");
@@ -678,12 +709,32 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const
     const int64_t un = gw + (it + kWgStages - 1) * W;
     if (un < units) issue(static_cast<int>((it + kWgStages - 1) % kWgStages), un);
     cp_async_commit();
-    const uint32_t ba = smem_u32(ring + (it % kWgStages) * kUnitBytes);
+    const uint8_t* cur = slot(static_cast<int>(it % kWgStages));
+    if constexpr (FP8) {  // the landed unit to f16 in the swizzled tile: thread tid has half tid % 2 of row tid / 2
+      const int r = tid >> 1, h = tid & 1;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int q = (i + r) & 3;  // rotated, so that a warp's 16-byte reads spread over the banks
+        const uint4 v = *reinterpret_cast<const uint4*>(cur + r * 128 + 64 * h + 16 * q);
+        const uint32_t w4[4] = {v.x, v.y, v.z, v.w};
+        uint32_t o[8];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          o[2 * e] = e4m3x2_to_f16x2(w4[e]);
+          o[2 * e + 1] = e4m3x2_to_f16x2(w4[e] >> 16);
+        }
+        *reinterpret_cast<uint4*>(region + swizzled(r, 8 * h + 2 * q)) = make_uint4(o[0], o[1], o[2], o[3]);
+        *reinterpret_cast<uint4*>(region + swizzled(r, 8 * h + 2 * q + 1)) = make_uint4(o[4], o[5], o[6], o[7]);
+      }
+      fence_proxy_async();  // generic-proxy stores, read by wgmma
+      warpgroup_barrier(wg);
+    }
+    const uint32_t ba = smem_u32(FP8 ? region : cur);
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
     for (int k = 0; k < kDim / 16; ++k) {
       const uint32_t off = (k >> 2) * kTileHalf + (k & 3) * 32;
-      wgmma_m64n64k16(acc, wgmma_desc(qa + off), wgmma_desc(ba + off), k > 0);
+      wgmma_m64n64k16<FP8>(acc, wgmma_desc(qa + off), wgmma_desc(ba + off), k > 0);
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
@@ -704,7 +755,8 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const
     warpgroup_barrier(wg);
     if (tid < kWgKeys) {
       const int64_t key = u * kWgKeys + tid;
-      const float sum = red[tid] + red[kWgKeys + tid] + red[2 * kWgKeys + tid] + red[3 * kWgKeys + tid];
+      float sum = red[tid] + red[kWgKeys + tid] + red[2 * kWgKeys + tid] + red[3 * kWgKeys + tid];
+      if constexpr (FP8) sum *= reinterpret_cast<const float*>(cur + kRawBytes)[tid];  // relu(q.(s k)) = s relu(q.k)
       if (key < n) {
         out[key] = sum;
         if constexpr (kFused) {
@@ -872,19 +924,23 @@ void indexer_scores(const IndexerArgs& a, cudaStream_t stream) {
   const int64_t per_query = std::max<int64_t>(1, sms / std::max(a.batch, 1));
   const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>(per_query, ceil_div(units, kWarps)));
   const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(a.batch));
-  // TROUPE_INDEXER_WGMMA=0 (read at each call, for A/B in one process): bf16 keys on mma.sync.
+  // TROUPE_INDEXER_WGMMA=0 (read at each call, for A/B in one process): the keys on mma.sync.
   const char* wg_env = std::getenv("TROUPE_INDEXER_WGMMA");
-  if (a.key_type == IndexKeyType::bf16 && !(wg_env != nullptr && wg_env[0] == '0')) {
+  if (!(wg_env != nullptr && wg_env[0] == '0')) {
     static bool attr = [] {
-      TROUPE_CUDA(cudaFuncSetAttribute(indexer_wgmma_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(kWgSmem)));
+      for (auto kernel : {indexer_wgmma_kernel<false, false>, indexer_wgmma_kernel<false, true>}) {
+        TROUPE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(kWgSmem)));
+      }
       return true;
     }();
     (void)attr;
     const int64_t wg_ctas =
         std::max<int64_t>(1, std::min<int64_t>(per_query, ceil_div(ceil_div(a.max_keys, kWgKeys), kWgGroups)));
-    launch_kernel(indexer_wgmma_kernel<false>, dim3(static_cast<unsigned>(wg_ctas), static_cast<unsigned>(a.batch)),
-                  kWgGroups * 128, kWgSmem, stream, p, FuseParams{});
+    launch_kernel(a.key_type == IndexKeyType::bf16 ? indexer_wgmma_kernel<false, false>
+                                                   : indexer_wgmma_kernel<false, true>,
+                  dim3(static_cast<unsigned>(wg_ctas), static_cast<unsigned>(a.batch)), kWgGroups * 128, kWgSmem,
+                  stream, p, FuseParams{});
   } else if (a.key_type == IndexKeyType::bf16) {
     const size_t smem = static_cast<size_t>(kWarps) * kStages * kTiles * 4 * 512 + 64 * kDim * 4;
     static bool attr = [&] {
@@ -919,7 +975,7 @@ int64_t fused_ctas(const IndexerArgs& a, const IndexerTopk& t) {
   const char* fe = std::getenv("TROUPE_INDEXER_FUSED");
   const char* we = std::getenv("TROUPE_INDEXER_WGMMA");
   if ((fe != nullptr && fe[0] == '0') || (we != nullptr && we[0] == '0')) return 0;
-  if (a.key_type != IndexKeyType::bf16 || a.batch > kFuseRows || t.k > 2048) return 0;
+  if (a.batch > kFuseRows || t.k > 2048) return 0;
   static const int sms = sm_count();
   const int64_t units = ceil_div(a.max_keys, kWgKeys);
   const int64_t per_query = std::max<int64_t>(1, sms / std::max(a.batch, 1));
@@ -954,14 +1010,18 @@ void indexer_topk(const IndexerArgs& a, const IndexerTopk& t, void* workspace, c
     }
     f.ws = static_cast<uint32_t*>(workspace);
     f.profile = t.profile;
+    TROUPE_REQUIRE(a.key_type == IndexKeyType::bf16 || a.key_scales != nullptr, "indexer: e4m3 keys need scales");
     static bool attr = [] {
-      TROUPE_CUDA(cudaFuncSetAttribute(indexer_wgmma_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(kWgSmemFused)));
+      for (auto kernel : {indexer_wgmma_kernel<true, false>, indexer_wgmma_kernel<true, true>}) {
+        TROUPE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(kWgSmemFused)));
+      }
       return true;
     }();
     (void)attr;
-    launch_kernel(indexer_wgmma_kernel<true>, dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(a.batch)),
-                  kWgGroups * 128, kWgSmemFused, stream, score_params(a), f);
+    launch_kernel(a.key_type == IndexKeyType::bf16 ? indexer_wgmma_kernel<true, false> : indexer_wgmma_kernel<true, true>,
+                  dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(a.batch)), kWgGroups * 128, kWgSmemFused,
+                  stream, score_params(a), f);
     TROUPE_LAUNCHED();
     return;
   }

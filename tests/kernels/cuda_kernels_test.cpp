@@ -469,7 +469,7 @@ TEST_F(CudaKernelsTest, indexer_scores_and_topk_match_a_reference) {
     cuda::IndexKeyType type;
     int distinct = 0;  // > 0: the keys repeat this many rows (ties at the k-th score: many, or all equal)
   };
-  // bf16 cases run fused (scores and top-k in one kernel) and as two kernels (TROUPE_INDEXER_FUSED=0).
+  // Every case runs fused (scores and top-k in one kernel) and as two kernels (TROUPE_INDEXER_FUSED=0).
   // The tie cases: 40 distinct keys put ~2,500 equal scores at the k-th (the fused kernel's candidate
   // list, then radix rounds on the index); one distinct key makes every score equal (more than the
   // list holds: selected from the row's scores).
@@ -483,7 +483,6 @@ TEST_F(CudaKernelsTest, indexer_scores_and_topk_match_a_reference) {
                         {64, {30000}, true, cuda::IndexKeyType::bf16, 1}};
   for (const auto& c : cases) {
     for (const bool fused : {true, false}) {
-      if (!fused && c.type != cuda::IndexKeyType::bf16) continue;
       SCOPED_TRACE("heads " + std::to_string(c.heads) + " type " + std::to_string(static_cast<int>(c.type)) +
                    (c.paged ? " paged" : "") + (fused ? " fused" : " two kernels") +
                    (c.distinct > 0 ? " distinct keys " + std::to_string(c.distinct) : ""));

@@ -701,9 +701,20 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const
   float acc[32];
 #pragma unroll
   for (int i = 0; i < 32; ++i) acc[i] = 0.f;
-  for (int64_t it = 0;; ++it) {
+  // Every warpgroup of the CTA runs as many iterations as its first (which has the most units), the
+  // idle ones only meeting their barriers: the fused form's CTA-wide barriers after the loop then
+  // follow the same number of named barriers in every warpgroup (compute-sanitizer's racecheck
+  // reported hazards across those CTA barriers when the counts differed).
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kWgGroups;
+  const int64_t iters = units > first ? (units - first + W - 1) / W : 0;
+  for (int64_t it = 0; it < iters; ++it) {
     const int64_t u = gw + it * W;
-    if (u >= units) break;
+    if (u >= units) {
+      warpgroup_barrier(wg);
+      if constexpr (FP8) warpgroup_barrier(wg);
+      warpgroup_barrier(wg);
+      continue;
+    }
     cp_async_wait<kWgStages - 2>();  // (cp.async writes need no proxy fence before wgmma reads them)
     warpgroup_barrier(wg);  // the unit's copies landed; every warp is done with the slot refilled next
     const int64_t un = gw + (it + kWgStages - 1) * W;

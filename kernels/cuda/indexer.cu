@@ -1,7 +1,10 @@
-// Lightning indexer scoring (see indexer.hpp).
+// Lightning indexer scoring (see indexer.hpp), and its fused top-k.
 //
-// Tensor-core form: A = the query's heads (4 m-tiles of 16 heads, all 128
-// channels, held in registers for the whole scan), B = 8 keys per n-tile.
+// Three forms of the tensor-core scoring: the warpgroup form (wgmma, sm_90a; the
+// default, below `indexer_wgmma_kernel`), which also selects the top k in the same
+// kernel when a call's keys fit its CTAs; and the older mma.sync form
+// (TROUPE_INDEXER_WGMMA=0), described here: A = the query's heads (4 m-tiles of 16
+// heads, all 128 channels, held in registers for the whole scan), B = 8 keys per n-tile.
 // The 128 channels are permuted so that one thread's B fragments for all 8
 // k-steps are 64 contiguous bytes of a key row (32 for e4m3): every 16-byte
 // load of a warp covers 8 rows x 64 contiguous bytes, and the query carries
@@ -212,7 +215,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) indexer_mma_kernel(const Score
   cp_async_wait<0>();
 }
 
-// ---- bf16 keys on the warpgroup tensor cores (sm_90a wgmma) -----------------------------
+// ---- the warpgroup tensor cores (sm_90a wgmma) ---------------------------------------------
 // A = the query (64 heads x 128 channels, bf16, in shared memory for the whole scan), B = a
 // unit of 64 keys; both K-major in the 128-byte-swizzled layout wgmma reads: a 128-channel
 // row is two 128-byte halves, each half of a tile is 64 rows of 128 bytes (8-row groups
@@ -222,7 +225,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) indexer_mma_kernel(const Score
 // (k = 16 each) into 32 fp32 accumulators a thread, and reduces relu(q.k) * w over the
 // heads: within a thread (2 heads), across the 8 lanes that share a column group (a
 // reduce-scatter of 14 shuffles that leaves each lane the sums of two keys), then across
-// the 4 warps in shared memory in a fixed order. mma.sync held the query as A fragments in
+// the 4 warps in shared memory in a fixed order. e4m3 keys: copied raw, converted to f16 in a
+// swizzled tile after they land (the query in f16). mma.sync held the query as A fragments in
 // 128 registers a thread (8 warps an SM) and issued at half of wgmma's rate.
 constexpr int kWgKeys = 64;                  // keys a unit (wgmma N)
 constexpr int kWgGroups = 4;                 // warpgroups a CTA
@@ -249,22 +253,34 @@ __device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr) {
   return static_cast<uint64_t>((addr & 0x3ffff) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
          (uint64_t{1} << 62);
 }
+// D (64 x 64 fp32, 32 registers a thread) += A (64 x 16) * B (16 x 64), both from shared memory;
+// `accumulate` 0 overwrites D. f16 or bf16 operands.
+#define TROUPE_WGMMA_D32                                                                                 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
+  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define TROUPE_WGMMA_OUT32                                                                                \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),  \
+      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), \
+      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 template <bool kF16>
 __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {
   if constexpr (kF16) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(a), "l"(b), "r"(accumulate));
-    return;
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " TROUPE_WGMMA_D32
+                 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : TROUPE_WGMMA_OUT32
+                 : "l"(a), "l"(b), "r"(accumulate));
+  } else {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " TROUPE_WGMMA_D32
+                 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : TROUPE_WGMMA_OUT32
+                 : "l"(a), "l"(b), "r"(accumulate));
   }
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(a), "l"(b), "r"(accumulate));
 }
+#undef TROUPE_WGMMA_D32
+#undef TROUPE_WGMMA_OUT32
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 // Barrier of warpgroup wg's 128 threads (ids 1-4: immediates, so the CTA holds 5 barriers, not 16).
 __device__ __forceinline__ void warpgroup_barrier(int wg) {
@@ -290,7 +306,7 @@ __device__ __forceinline__ void reduce_half(float (&v)[16], int lane) {
   }
 }
 
-// ---- the fused top-k (bf16 keys, rows whose CTAs hold all their scores) -------------------
+// ---- the fused top-k (queries whose keys fit the scoring CTAs) ------------------------------
 // The scoring CTAs of a row select its top k themselves, ties by lower index: each counts
 // the round-0 digit (the top 11 bits of the order-preserving key) of the scores it wrote
 // into a shared histogram, adds it to the row's histogram in the workspace and meets the
@@ -1030,7 +1046,8 @@ void indexer_topk(const IndexerArgs& a, const IndexerTopk& t, void* workspace, c
       return true;
     }();
     (void)attr;
-    launch_kernel(a.key_type == IndexKeyType::bf16 ? indexer_wgmma_kernel<true, false> : indexer_wgmma_kernel<true, true>,
+    launch_kernel(a.key_type == IndexKeyType::bf16 ? indexer_wgmma_kernel<true, false>
+                                                   : indexer_wgmma_kernel<true, true>,
                   dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(a.batch)), kWgGroups * 128, kWgSmemFused,
                   stream, score_params(a), f);
     TROUPE_LAUNCHED();

@@ -60,7 +60,7 @@ struct IndexerTopk {
   long long* profile = nullptr;  // debugging aid (the fused kernel): %globaltimer ns of row 0's phases, CTA 0's
                                  // entry, scoring end, arrival, threshold, emission [0..4]; the last CTA's scoring
                                  // end, finish start, list loaded, selected, end [5..9]; the bucket's count and
-                                 // the count above it [10, 11]; the last CTA's first radix round: counted,
+                                 // the count above it [10, 11]; the last CTA's last radix round: counted,
                                  // threshold, emitted [12..14]
 };
 // The workspace (zeroed once by topk_workspace_init; calls of any shape within these bounds

@@ -396,23 +396,19 @@ class Bench:
                 row = dict(kernel="indexer+topk " + ("e4m3" if fp8 else "bf16"), shape=f"{n * 4 // 1024}K ctx x {B}",
                            ours_us=t_ours, gbps=bw / 1e9, pct_copy=100 * bw / self.copy_bw, rel_err=err, exact=exact,
                            finish1_us=t_fin1, scores_us=t_scores, scores_pct_copy=100 * key_bytes / (t_scores * 1e-6) / self.copy_bw)
-                # The same call as two kernels (scores, then the top-k), checked the same way.
-                os.environ["TROUPE_INDEXER_FUSED"] = "0"
-                ours(0)
-                torch.cuda.synchronize()
-                if not (rel_err(scores, ref_scores) < 1e-3 and topk_values_match(scores, out, k)):
-                    self.failures.append(f"indexer n={n} B={B} fp8={fp8}: two-kernel path not exact")
-                row["two_kernel_us"] = graph_time(ours, calls=5, reps=10)
-                os.environ.pop("TROUPE_INDEXER_FUSED", None)
-                # The same call on mma.sync (the kernel before wgmma, two kernels), checked the same way.
-                os.environ["TROUPE_INDEXER_WGMMA"] = "0"
-                ours(0)
-                torch.cuda.synchronize()
-                if not (rel_err(scores, ref_scores) < 1e-3 and topk_values_match(scores, out, k)):
-                    self.failures.append(f"indexer n={n} B={B} fp8={fp8}: mma.sync kernel not exact")
-                row["mma_sync_us"] = graph_time(ours, calls=5, reps=10)
-                row["mma_sync_scores_us"] = graph_time(scores_only, calls=5, reps=10)
-                os.environ.pop("TROUPE_INDEXER_WGMMA", None)
+                # The same call as two kernels (scores, then the top-k), and on mma.sync (the kernel before
+                # wgmma, two kernels), each checked the same way.
+                for env, col, what in [("TROUPE_INDEXER_FUSED", "two_kernel", "two-kernel path"),
+                                       ("TROUPE_INDEXER_WGMMA", "mma_sync", "mma.sync kernel")]:
+                    os.environ[env] = "0"
+                    ours(0)
+                    torch.cuda.synchronize()
+                    if not (rel_err(scores, ref_scores) < 1e-3 and topk_values_match(scores, out, k)):
+                        self.failures.append(f"indexer n={n} B={B} fp8={fp8}: {what} not exact")
+                    row[col + "_us"] = graph_time(ours, calls=5, reps=10)
+                    if col == "mma_sync":
+                        row["mma_sync_scores_us"] = graph_time(scores_only, calls=5, reps=10)
+                    os.environ.pop(env, None)
                 if not fp8:
                     def torch_bf16(i):
                         s = torch.einsum("bhd,bnd->bhn", q.bfloat16(), keys_bf.view(B, n, D)).float()

@@ -164,16 +164,8 @@ int tb_indexer_topk_profiled(const float* q, const float* w, int batch, int head
 int tb_indexer_topk(const float* q, const float* w, int batch, int heads, float scale, float wscale, int fp8,
                     const void* keys, const float* key_scales, const long* key_start, const int* n_keys, long max_keys,
                     float* scores, int k, int* out, int* count, void* ws, void* stream) {
-  return guarded([&] {
-    IndexerTopk t;
-    t.k = k;
-    t.out_idx = out;
-    t.out_stride = k;
-    t.out_count = count;
-    indexer_topk(indexer_args(q, w, batch, heads, scale, wscale, fp8, keys, key_scales, key_start, n_keys, max_keys,
-                              scores),
-                 t, ws, static_cast<cudaStream_t>(stream));
-  });
+  return tb_indexer_topk_profiled(q, w, batch, heads, scale, wscale, fp8, keys, key_scales, key_start, n_keys,
+                                  max_keys, scores, k, out, count, ws, nullptr, stream);
 }
 
 static AttentionArgs attention_args(const float* q, long n, int heads, long dim, int bf16_keys, const void* const* rows,

@@ -919,6 +919,21 @@ __global__ void to_bf16_kernel(const float* x, int64_t n, __nv_bfloat16* out) {
   }
 }
 
+// indexer_wgmma_kernel<kFused, e4m3 keys or not> (its shared-memory size set once per form).
+template <bool kFused>
+void launch_wgmma(IndexKeyType type, dim3 grid, cudaStream_t stream, const ScoreParams& p, const FuseParams& f) {
+  constexpr size_t smem = kFused ? kWgSmemFused : kWgSmem;
+  static bool attr = [] {
+    for (auto kernel : {indexer_wgmma_kernel<kFused, false>, indexer_wgmma_kernel<kFused, true>}) {
+      TROUPE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    }
+    return true;
+  }();
+  (void)attr;
+  launch_kernel(type == IndexKeyType::bf16 ? indexer_wgmma_kernel<kFused, false> : indexer_wgmma_kernel<kFused, true>,
+                grid, kWgGroups * 128, smem, stream, p, f);
+}
+
 ScoreParams score_params(const IndexerArgs& a) {
   ScoreParams p{};
   p.q = a.q;
@@ -954,20 +969,10 @@ void indexer_scores(const IndexerArgs& a, cudaStream_t stream) {
   // TROUPE_INDEXER_WGMMA=0 (read at each call, for A/B in one process): the keys on mma.sync.
   const char* wg_env = std::getenv("TROUPE_INDEXER_WGMMA");
   if (!(wg_env != nullptr && wg_env[0] == '0')) {
-    static bool attr = [] {
-      for (auto kernel : {indexer_wgmma_kernel<false, false>, indexer_wgmma_kernel<false, true>}) {
-        TROUPE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(kWgSmem)));
-      }
-      return true;
-    }();
-    (void)attr;
     const int64_t wg_ctas =
         std::max<int64_t>(1, std::min<int64_t>(per_query, ceil_div(ceil_div(a.max_keys, kWgKeys), kWgGroups)));
-    launch_kernel(a.key_type == IndexKeyType::bf16 ? indexer_wgmma_kernel<false, false>
-                                                   : indexer_wgmma_kernel<false, true>,
-                  dim3(static_cast<unsigned>(wg_ctas), static_cast<unsigned>(a.batch)), kWgGroups * 128, kWgSmem,
-                  stream, p, FuseParams{});
+    launch_wgmma<false>(a.key_type, dim3(static_cast<unsigned>(wg_ctas), static_cast<unsigned>(a.batch)), stream, p,
+                        FuseParams{});
   } else if (a.key_type == IndexKeyType::bf16) {
     const size_t smem = static_cast<size_t>(kWarps) * kStages * kTiles * 4 * 512 + 64 * kDim * 4;
     static bool attr = [&] {
@@ -1038,18 +1043,8 @@ void indexer_topk(const IndexerArgs& a, const IndexerTopk& t, void* workspace, c
     f.ws = static_cast<uint32_t*>(workspace);
     f.profile = t.profile;
     TROUPE_REQUIRE(a.key_type == IndexKeyType::bf16 || a.key_scales != nullptr, "indexer: e4m3 keys need scales");
-    static bool attr = [] {
-      for (auto kernel : {indexer_wgmma_kernel<true, false>, indexer_wgmma_kernel<true, true>}) {
-        TROUPE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(kWgSmemFused)));
-      }
-      return true;
-    }();
-    (void)attr;
-    launch_kernel(a.key_type == IndexKeyType::bf16 ? indexer_wgmma_kernel<true, false>
-                                                   : indexer_wgmma_kernel<true, true>,
-                  dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(a.batch)), kWgGroups * 128, kWgSmemFused,
-                  stream, score_params(a), f);
+    launch_wgmma<true>(a.key_type, dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(a.batch)), stream,
+                       score_params(a), f);
     TROUPE_LAUNCHED();
     return;
   }

@@ -1016,6 +1016,8 @@ int64_t fused_ctas(const IndexerArgs& a, const IndexerTopk& t) {
 }
 }  // namespace
 
+bool indexer_topk_is_fused(const IndexerArgs& a, const IndexerTopk& t) { return a.batch > 0 && fused_ctas(a, t) > 0; }
+
 void indexer_topk(const IndexerArgs& a, const IndexerTopk& t, void* workspace, cudaStream_t stream) {
   TROUPE_REQUIRE(a.score_stride >= a.max_keys, "indexer_topk: score_stride < max_keys");
   TROUPE_REQUIRE(t.k >= 1 && t.k <= 2048, "indexer_topk: k must be in 1..2048");

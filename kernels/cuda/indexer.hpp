@@ -66,6 +66,8 @@ struct IndexerTopk {
 // The workspace (zeroed once by topk_workspace_init; calls of any shape within these bounds
 // share it, one call at a time): the fused kernel's rows at fixed places, then the top-k's.
 size_t indexer_topk_workspace_bytes(int batch, int64_t max_keys, int k);
+// Whether indexer_topk runs this call as one kernel (else scores, then the top-k).
+bool indexer_topk_is_fused(const IndexerArgs& a, const IndexerTopk& t);
 void indexer_topk(const IndexerArgs& a, const IndexerTopk& t, void* workspace, cudaStream_t stream);
 
 // The backend op's scoring: fp32 keys given as ragged row pointers (any head count and dim).

@@ -481,6 +481,7 @@ TEST_F(CudaKernelsTest, indexer_scores_and_topk_match_a_reference) {
                         {4, {1000}, false, cuda::IndexKeyType::bf16},
                         {64, {100000, 600}, false, cuda::IndexKeyType::bf16, 40},
                         {64, {30000}, true, cuda::IndexKeyType::bf16, 1}};
+  int fused_runs = 0;
   for (const auto& c : cases) {
     for (const bool fused : {true, false}) {
       SCOPED_TRACE("heads " + std::to_string(c.heads) + " type " + std::to_string(static_cast<int>(c.type)) +
@@ -577,6 +578,8 @@ TEST_F(CudaKernelsTest, indexer_scores_and_topk_match_a_reference) {
       t.out_idx = d_idx;
       t.out_stride = k;
       t.out_count = d_cnt;
+      if (!fused) ASSERT_FALSE(cuda::indexer_topk_is_fused(a, t)) << "TROUPE_INDEXER_FUSED=0";
+      fused_runs += cuda::indexer_topk_is_fused(a, t) ? 1 : 0;
       cuda::indexer_topk(a, t, ws, stream());
       const auto scores = host(d_scores, B * max_keys);
       const auto idx = host(d_idx, B * k);
@@ -626,6 +629,7 @@ TEST_F(CudaKernelsTest, indexer_scores_and_topk_match_a_reference) {
     }
   }
   unsetenv("TROUPE_INDEXER_FUSED");
+  EXPECT_GT(fused_runs, 0) << "no case took the fused kernel";
 }
 
 // ---- attention --------------------------------------------------------------------------

@@ -17,6 +17,7 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/indexer.hpp"
+#include "kernels/cuda/select.cuh"
 #include "kernels/cuda/topk.hpp"
 
 namespace troupe::kernels::cuda {
@@ -333,22 +334,10 @@ constexpr int64_t kFuseRowWords = kFuseZeroWords + 2 * kFuseCandCap;
 constexpr size_t kFuseWorkspaceBytes = static_cast<size_t>(kFuseRows) * kFuseRowWords * 4;
 
 struct FuseParams {
-  int k = 0;
-  int32_t* out_idx = nullptr;
-  int64_t out_stride = 0;
-  int32_t* out_count = nullptr;
-  const int32_t* out_pages = nullptr;  // translation of the chosen indices (or null)
-  int64_t out_page_stride = 0;
-  int out_page_bits = 0;
+  TopkArgs out;  // k, out_idx, out_stride, out_count and the page translation (as the two-kernel path's top-k)
   uint32_t* ws = nullptr;  // [kFuseRows][kFuseRowWords]
   long long* profile = nullptr;  // IndexerTopk::profile
 };
-
-__device__ __forceinline__ long long fuse_ns() {
-  long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 
 struct FuseSmem {
   uint32_t hist[kFuseBins];
@@ -359,63 +348,11 @@ struct FuseSmem {
 };
 constexpr size_t kWgSmemFused = 1024 + kWgSmemScore + kFuseScoreBytes + sizeof(FuseSmem);
 
-// Order-preserving map of fp32 to uint32 (larger float -> larger key; -0 ties with +0), as the top-k's.
-__device__ __forceinline__ uint32_t order_key(float x) {
-  const uint32_t u = __float_as_uint(x) == 0x80000000u ? 0u : __float_as_uint(x);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-// A slot of *ctr for each calling lane: one shared atomic for the lanes that call together (many
-// lanes adding 1 to one shared word serialise).
-__device__ __forceinline__ uint32_t warp_slot(uint32_t* ctr) {
-  const uint32_t mask = __activemask();
-  const int lane = threadIdx.x & 31, leader = __ffs(mask) - 1;
-  uint32_t base = 0;
-  if (lane == leader) base = atomicAdd(ctr, static_cast<uint32_t>(__popc(mask)));
-  return __shfl_sync(mask, base, leader) + __popc(mask & ((1u << lane) - 1));
-}
-
 __device__ __forceinline__ int32_t translate_out(const FuseParams& f, int b, int64_t i) {
-  if (f.out_pages == nullptr) return static_cast<int32_t>(i);
-  const int32_t page = f.out_pages[b * f.out_page_stride + (i >> f.out_page_bits)];
-  return (page << f.out_page_bits) | static_cast<int32_t>(i & ((int64_t{1} << f.out_page_bits) - 1));
-}
-
-// Over the block: the bin of `hist` (`nbins` <= 2048, 4 a thread) where the count from the top reaches
-// `need`, into fs.thr_bin / thr_above (count in higher bins) / thr_cnt. Ends with a barrier.
-__device__ __forceinline__ void fused_threshold(const uint32_t* hist, uint32_t nbins, uint32_t need, FuseSmem& fs) {
-  constexpr int kT = kWgGroups * 128;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const uint32_t per = (nbins + kT - 1) / kT;  // from the top: thread t has bins nbins-1-(t*per .. t*per+per-1)
-  uint32_t local = 0;
-  for (uint32_t j = 0; j < per; ++j) {
-    const uint32_t r = tid * per + j;
-    if (r < nbins) local += hist[nbins - 1 - r];
-  }
-  uint32_t incl = local;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const uint32_t v = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += v;
-  }
-  if (lane == 31) fs.scan[warp] = incl;
-  __syncthreads();
-  uint32_t run = incl - local;
-  for (int w = 0; w < warp; ++w) run += fs.scan[w];
-  if (run < need && need <= run + local) {
-    for (uint32_t j = 0; j < per; ++j) {
-      const uint32_t r = tid * per + j;
-      if (r >= nbins) break;
-      const uint32_t c = hist[nbins - 1 - r];
-      if (run < need && need <= run + c) {
-        fs.thr_bin = nbins - 1 - r;
-        fs.thr_above = run;
-        fs.thr_cnt = c;
-      }
-      run += c;
-    }
-  }
-  __syncthreads();
+  const TopkArgs& o = f.out;
+  if (o.page_table == nullptr) return static_cast<int32_t>(i);
+  const int32_t page = o.page_table[b * o.page_stride + (i >> o.page_bits)];
+  return (page << o.page_bits) | static_cast<int32_t>(i & ((int64_t{1} << o.page_bits) - 1));
 }
 
 // The last CTA of a row: the `need` largest of m elements (elem(j) -> (key, index)) whose composite
@@ -433,47 +370,52 @@ __device__ __forceinline__ void select_composite(const FuseParams& f, int b, int
     const uint2 e = elem(j);
     return (static_cast<uint64_t>(e.x) << 32) | (0xffffffffu - e.y);
   };
-  auto emit = [&](uint64_t v) {
-    out[warp_slot(&fs.pos)] = translate_out(f, b, 0xffffffffu - static_cast<uint32_t>(v));
+  // Passes over the elements in which every thread runs every step (warp_take's shuffles):
+  // visit(v, in) with element j's composite (0 past m).
+  auto each = [&](auto&& visit) {
+    for (int64_t j0 = 0; j0 < m; j0 += kT) {
+      const bool in = j0 + tid < m;
+      visit(in ? composite(j0 + tid) : uint64_t{0}, in);
+    }
+  };
+  auto emit_if = [&](bool pred, uint64_t v) {
+    const uint32_t slot = warp_take(pred, &fs.pos);
+    if (pred) out[slot] = translate_out(f, b, 0xffffffffu - static_cast<uint32_t>(v));
   };
   while (cnt > need && cnt > static_cast<uint32_t>(kRankMax)) {
     const int bits = 64 - pbits < 11 ? 64 - pbits : 11, shift = 64 - pbits - bits;
     const uint32_t nbins = 1u << bits;
     for (int i = tid; i < kFuseBins; i += kT) fs.hist[i] = 0;
     __syncthreads();
-    for (int64_t j = tid; j < m; j += kT) {
-      const uint64_t v = composite(j);
-      if (matches(v)) atomicAdd(&fs.hist[(v >> shift) & (nbins - 1)], 1u);
-    }
+    each([&](uint64_t v, bool in) {
+      if (in && matches(v)) atomicAdd(&fs.hist[(v >> shift) & (nbins - 1)], 1u);
+    });
     __syncthreads();
-    if (prof) prof[12] = fuse_ns();
-    fused_threshold(fs.hist, nbins, need, fs);
-    if (prof) prof[13] = fuse_ns();
+    if (prof) prof[12] = global_ns();
+    find_threshold<kT>(fs.hist, nbins, need, fs);
+    if (prof) prof[13] = global_ns();
     const uint32_t t = fs.thr_bin;
-    for (int64_t j = tid; j < m; j += kT) {  // the digits above t are chosen
-      const uint64_t v = composite(j);
-      if (matches(v) && ((v >> shift) & (nbins - 1)) > t) emit(v);
-    }
+    each([&](uint64_t v, bool in) {  // the digits above t are chosen
+      emit_if(in && matches(v) && ((v >> shift) & (nbins - 1)) > t, v);
+    });
     need -= fs.thr_above;
     cnt = fs.thr_cnt;
     prefix = (prefix << bits) | t;
     pbits += bits;
     __syncthreads();  // every thread has read fs.thr_*
-    if (prof) prof[14] = fuse_ns();
+    if (prof) prof[14] = global_ns();
   }
   if (cnt == need) {  // the bucket is taken whole
-    for (int64_t j = tid; j < m; j += kT) {
-      const uint64_t v = composite(j);
-      if (matches(v)) emit(v);
-    }
+    each([&](uint64_t v, bool in) { emit_if(in && matches(v), v); });
     return;
   }
   if (tid == 0) fs.gathered = 0;
   __syncthreads();
-  for (int64_t j = tid; j < m; j += kT) {
-    const uint64_t v = composite(j);
-    if (matches(v)) fs.few[warp_slot(&fs.gathered)] = v;
-  }
+  each([&](uint64_t v, bool in) {
+    const bool pred = in && matches(v);
+    const uint32_t slot = warp_take(pred, &fs.gathered);
+    if (pred) fs.few[slot] = v;
+  });
   __syncthreads();
   if (tid < static_cast<int>(cnt)) {  // composites are distinct: rank = elements above
     const uint64_t v = fs.few[tid];
@@ -489,18 +431,18 @@ __device__ __forceinline__ void fused_select(const ScoreParams& p, const FusePar
                                           int64_t W, const float* cta_scores, FuseSmem& fs, uint32_t* ring) {
   constexpr int kT = kWgGroups * 128;
   const int tid = threadIdx.x;
-  const uint32_t k = static_cast<uint32_t>(f.k);
-  int32_t* out = f.out_idx + b * f.out_stride;
+  const uint32_t k = static_cast<uint32_t>(f.out.k);
+  int32_t* out = f.out.out_idx + b * f.out.out_stride;
   if (n <= static_cast<int64_t>(k)) {  // every key is chosen
     if (blockIdx.x == 0) {
       for (int64_t i = tid; i < k; i += kT) out[i] = i < n ? translate_out(f, b, i) : -1;
-      if (f.out_count != nullptr && tid == 0) f.out_count[b] = static_cast<int32_t>(n);
+      if (f.out.out_count != nullptr && tid == 0) f.out.out_count[b] = static_cast<int32_t>(n);
     }
     return;
   }
   // Phase stamps of row 0 (IndexerTopk::profile): CTA 0 at [1..4], the row's last CTA at [5..9].
   long long* prof = f.profile != nullptr && b == 0 && tid == 0 ? f.profile : nullptr;
-  const long long t_scored = prof ? fuse_ns() : 0;
+  const long long t_scored = prof ? global_ns() : 0;
   if (prof && blockIdx.x == 0) prof[1] = t_scored;
   uint32_t* w = f.ws + static_cast<int64_t>(b) * kFuseRowWords;
   uint32_t* ctr = w + kFuseBins;
@@ -508,22 +450,14 @@ __device__ __forceinline__ void fused_select(const ScoreParams& p, const FusePar
     const uint32_t v = fs.hist[i];
     if (v != 0) atomicAdd(&w[i], v);
   }
-  __syncthreads();  // every thread's counts before the arrival
-  if (tid == 0) {
-    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(ctr + kFArrive) : "memory");
-    uint32_t v;
-    do {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ctr + kFArrive) : "memory");
-    } while (v < gridDim.x);
-  }
-  __syncthreads();
-  if (prof && blockIdx.x == 0) prof[2] = fuse_ns();
+  grid_arrive_and_wait(ctr + kFArrive, gridDim.x);
+  if (prof && blockIdx.x == 0) prof[2] = global_ns();
   for (int i = tid; i < kFuseBins; i += kT) fs.hist[i] = __ldcg(&w[i]);
   __syncthreads();
-  fused_threshold(fs.hist, kFuseBins, k, fs);
+  find_threshold<kT>(fs.hist, kFuseBins, k, fs);
   const uint32_t t = fs.thr_bin, above = fs.thr_above, cnt = fs.thr_cnt, need = k - above;
   if (prof && blockIdx.x == 0) {
-    prof[3] = fuse_ns();
+    prof[3] = global_ns();
     prof[10] = cnt;
     prof[11] = above;
   }
@@ -541,12 +475,12 @@ __device__ __forceinline__ void fused_select(const ScoreParams& p, const FusePar
     const int64_t u = static_cast<int64_t>(blockIdx.x) * kWgGroups + q / (kFuseUnits * kWgKeys) +
                       ((q / kWgKeys) % kFuseUnits) * W;
     const int64_t key = u * kWgKeys + q % kWgKeys;
-    my_above[x] = my_tie[x] = 0xffffffffu;
-    if (u < units && key < n) {
-      const uint32_t bin = order_key(cta_scores[q]) >> 21;
-      if (bin > t) my_above[x] = warp_slot(&fs.n_above);
-      if (bin == t) my_tie[x] = warp_slot(&fs.n_tie);
-    }
+    const bool valid = u < units && key < n;
+    const uint32_t bin = valid ? order_key(cta_scores[q]) >> 21 : 0u;
+    const bool is_above = valid && bin > t, is_tie = valid && bin == t;
+    const uint32_t a = warp_take(is_above, &fs.n_above), ti = warp_take(is_tie, &fs.n_tie);
+    my_above[x] = is_above ? a : 0xffffffffu;
+    my_tie[x] = is_tie ? ti : 0xffffffffu;
   }
   __syncthreads();
   if (tid == 0) fs.base_above = fs.n_above != 0 ? atomicAdd(&ctr[kFAbove], fs.n_above) : 0u;
@@ -569,17 +503,13 @@ __device__ __forceinline__ void fused_select(const ScoreParams& p, const FusePar
     }
   }
   __syncthreads();  // every thread's stores before the arrival
-  if (prof && blockIdx.x == 0) prof[4] = fuse_ns();
-  if (tid == 0) {
-    uint32_t old;
-    asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;" : "=r"(old) : "l"(ctr + kFDone) : "memory");
-    fs.last = old == gridDim.x - 1;
-  }
+  if (prof && blockIdx.x == 0) prof[4] = global_ns();
+  if (tid == 0) fs.last = arrive_acq_rel(ctr + kFDone) == gridDim.x - 1;
   __syncthreads();
   if (!fs.last) return;
   if (prof) {
     prof[5] = t_scored;
-    prof[6] = fuse_ns();
+    prof[6] = global_ns();
   }
   if (!take_all) {
     if (tid == 0) fs.pos = above;
@@ -589,7 +519,7 @@ __device__ __forceinline__ void fused_select(const ScoreParams& p, const FusePar
         ring[kFuseCandCap + i] = __ldcg(&cand_idx[i]);
       }
       __syncthreads();
-      if (prof) prof[7] = fuse_ns();
+      if (prof) prof[7] = global_ns();
       select_composite(f, b, out, cnt, [&](int64_t j) { return make_uint2(ring[j], ring[kFuseCandCap + j]); },
                        t, 11, need, cnt, fs, prof);
     } else {  // more than the list holds are in the bucket: from the row's scores
@@ -601,10 +531,10 @@ __device__ __forceinline__ void fused_select(const ScoreParams& p, const FusePar
     }
   }
   __syncthreads();
-  if (prof) prof[8] = fuse_ns();
+  if (prof) prof[8] = global_ns();
   for (int i = tid; i < kFuseZeroWords; i += kT) w[i] = 0;  // ready for the next call
-  if (f.out_count != nullptr && tid == 0) f.out_count[b] = static_cast<int32_t>(k);
-  if (prof) prof[9] = fuse_ns();
+  if (f.out.out_count != nullptr && tid == 0) f.out.out_count[b] = static_cast<int32_t>(k);
+  if (prof) prof[9] = global_ns();
 }
 
 // FP8: e4m3 keys (copied raw, converted to f16 in shared memory after they land; the query in f16).
@@ -621,7 +551,7 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const
   float* red = reinterpret_cast<float*>(qs + kWgRedOffset) + wg * 4 * kWgKeys;
   const int b = blockIdx.y;
   if constexpr (kFused) {
-    if (f.profile != nullptr && b == 0 && blockIdx.x == 0 && threadIdx.x == 0) f.profile[0] = fuse_ns();
+    if (f.profile != nullptr && b == 0 && blockIdx.x == 0 && threadIdx.x == 0) f.profile[0] = global_ns();
   }
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
   const int h0 = 16 * warp + g, h1 = h0 + 8;
@@ -934,6 +864,26 @@ void launch_wgmma(IndexKeyType type, dim3 grid, cudaStream_t stream, const Score
                 grid, kWgGroups * 128, smem, stream, p, f);
 }
 
+// The checks of every indexer call's arguments.
+void require_valid(const IndexerArgs& a) {
+  TROUPE_REQUIRE(a.heads >= 1 && a.heads <= 64, "indexer: 1..64 heads");
+  TROUPE_REQUIRE(a.key_start != nullptr || a.page_table != nullptr, "indexer: key_start or page_table");
+  TROUPE_REQUIRE(a.page_table == nullptr || (a.page_size > 0 && a.page_size % 8 == 0), "indexer: page_size % 8");
+  TROUPE_REQUIRE(a.key_type == IndexKeyType::bf16 || a.key_scales != nullptr, "indexer: e4m3 keys need scales");
+}
+
+// The SMs a query gets (all of them shared by the batch's queries).
+int64_t sms_per_query(int batch) {
+  static const int sms = sm_count();
+  return std::max<int64_t>(1, sms / std::max(batch, 1));
+}
+
+// CTAs a query of the wgmma kernel: its share of the SMs, and no more than one a kWgGroups units.
+int64_t wgmma_ctas(const IndexerArgs& a) {
+  return std::max<int64_t>(1, std::min<int64_t>(sms_per_query(a.batch),
+                                                ceil_div(ceil_div(a.max_keys, kWgKeys), kWgGroups)));
+}
+
 ScoreParams score_params(const IndexerArgs& a) {
   ScoreParams p{};
   p.q = a.q;
@@ -955,25 +905,20 @@ ScoreParams score_params(const IndexerArgs& a) {
 }  // namespace
 
 void indexer_scores(const IndexerArgs& a, cudaStream_t stream) {
-  TROUPE_REQUIRE(a.heads >= 1 && a.heads <= 64, "indexer: 1..64 heads");
-  TROUPE_REQUIRE(a.key_start != nullptr || a.page_table != nullptr, "indexer: key_start or page_table");
-  TROUPE_REQUIRE(a.page_table == nullptr || (a.page_size > 0 && a.page_size % 8 == 0), "indexer: page_size % 8");
-  TROUPE_REQUIRE(a.key_type == IndexKeyType::bf16 || a.key_scales != nullptr, "indexer: e4m3 keys need scales");
+  require_valid(a);
   if (a.batch == 0 || a.max_keys == 0) return;
   const ScoreParams p = score_params(a);
-  const int64_t units = ceil_div(a.max_keys, 8 * kTiles);
-  static const int sms = sm_count();
-  const int64_t per_query = std::max<int64_t>(1, sms / std::max(a.batch, 1));
-  const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>(per_query, ceil_div(units, kWarps)));
-  const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(a.batch));
   // TROUPE_INDEXER_WGMMA=0 (read at each call, for A/B in one process): the keys on mma.sync.
-  const char* wg_env = std::getenv("TROUPE_INDEXER_WGMMA");
-  if (!(wg_env != nullptr && wg_env[0] == '0')) {
-    const int64_t wg_ctas =
-        std::max<int64_t>(1, std::min<int64_t>(per_query, ceil_div(ceil_div(a.max_keys, kWgKeys), kWgGroups)));
-    launch_wgmma<false>(a.key_type, dim3(static_cast<unsigned>(wg_ctas), static_cast<unsigned>(a.batch)), stream, p,
-                        FuseParams{});
-  } else if (a.key_type == IndexKeyType::bf16) {
+  if (!env_off("TROUPE_INDEXER_WGMMA")) {
+    launch_wgmma<false>(a.key_type, dim3(static_cast<unsigned>(wgmma_ctas(a)), static_cast<unsigned>(a.batch)),
+                        stream, p, FuseParams{});
+    TROUPE_LAUNCHED();
+    return;
+  }
+  const int64_t units = ceil_div(a.max_keys, 8 * kTiles);
+  const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>(sms_per_query(a.batch), ceil_div(units, kWarps)));
+  const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(a.batch));
+  if (a.key_type == IndexKeyType::bf16) {
     const size_t smem = static_cast<size_t>(kWarps) * kStages * kTiles * 4 * 512 + 64 * kDim * 4;
     static bool attr = [&] {
       TROUPE_CUDA(cudaFuncSetAttribute(indexer_mma_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1004,15 +949,10 @@ namespace {
 // bf16 keys on wgmma, at most kFuseRows queries, and every warpgroup's units fit its shared memory.
 // (TROUPE_INDEXER_FUSED=0, read at each call: always two kernels.)
 int64_t fused_ctas(const IndexerArgs& a, const IndexerTopk& t) {
-  const char* fe = std::getenv("TROUPE_INDEXER_FUSED");
-  const char* we = std::getenv("TROUPE_INDEXER_WGMMA");
-  if ((fe != nullptr && fe[0] == '0') || (we != nullptr && we[0] == '0')) return 0;
+  if (env_off("TROUPE_INDEXER_FUSED") || env_off("TROUPE_INDEXER_WGMMA")) return 0;
   if (a.batch > kFuseRows || t.k > 2048) return 0;
-  static const int sms = sm_count();
-  const int64_t units = ceil_div(a.max_keys, kWgKeys);
-  const int64_t per_query = std::max<int64_t>(1, sms / std::max(a.batch, 1));
-  const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>(per_query, ceil_div(units, kWgGroups)));
-  return ceil_div(units, ctas * kWgGroups) <= kFuseUnits ? ctas : 0;
+  const int64_t ctas = wgmma_ctas(a);
+  return ceil_div(ceil_div(a.max_keys, kWgKeys), ctas * kWgGroups) <= kFuseUnits ? ctas : 0;
 }
 }  // namespace
 
@@ -1027,30 +967,7 @@ void indexer_topk(const IndexerArgs& a, const IndexerTopk& t, void* workspace, c
   int page_bits = 0;
   while (t.translate_pages && (1 << page_bits) < a.page_size) ++page_bits;
   if (a.batch == 0) return;
-  if (const int64_t ctas = fused_ctas(a, t); ctas > 0) {
-    TROUPE_REQUIRE(workspace != nullptr, "indexer_topk: a workspace of indexer_topk_workspace_bytes is needed");
-    TROUPE_REQUIRE(a.heads >= 1 && a.heads <= 64, "indexer: 1..64 heads");
-    TROUPE_REQUIRE(a.key_start != nullptr || a.page_table != nullptr, "indexer: key_start or page_table");
-    TROUPE_REQUIRE(a.page_table == nullptr || (a.page_size > 0 && a.page_size % 8 == 0), "indexer: page_size % 8");
-    FuseParams f;
-    f.k = t.k;
-    f.out_idx = t.out_idx;
-    f.out_stride = t.out_stride;
-    f.out_count = t.out_count;
-    if (t.translate_pages) {
-      f.out_pages = a.page_table;
-      f.out_page_stride = a.page_stride;
-      f.out_page_bits = page_bits;
-    }
-    f.ws = static_cast<uint32_t*>(workspace);
-    f.profile = t.profile;
-    TROUPE_REQUIRE(a.key_type == IndexKeyType::bf16 || a.key_scales != nullptr, "indexer: e4m3 keys need scales");
-    launch_wgmma<true>(a.key_type, dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(a.batch)), stream,
-                       score_params(a), f);
-    TROUPE_LAUNCHED();
-    return;
-  }
-  indexer_scores(a, stream);
+  // The selection over the scores, as the fused kernel writes it or as the top-k runs it.
   TopkArgs ta;
   ta.scores = a.scores;
   ta.row_stride = a.score_stride;
@@ -1066,6 +983,19 @@ void indexer_topk(const IndexerArgs& a, const IndexerTopk& t, void* workspace, c
     ta.page_stride = a.page_stride;
     ta.page_bits = page_bits;
   }
+  if (const int64_t ctas = fused_ctas(a, t); ctas > 0) {
+    TROUPE_REQUIRE(workspace != nullptr, "indexer_topk: a workspace of indexer_topk_workspace_bytes is needed");
+    require_valid(a);
+    FuseParams f;
+    f.out = ta;
+    f.ws = static_cast<uint32_t*>(workspace);
+    f.profile = t.profile;
+    launch_wgmma<true>(a.key_type, dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(a.batch)), stream,
+                       score_params(a), f);
+    TROUPE_LAUNCHED();
+    return;
+  }
+  indexer_scores(a, stream);
   topk(ta, workspace != nullptr ? static_cast<char*>(workspace) + kFuseWorkspaceBytes : nullptr, stream);
 }
 

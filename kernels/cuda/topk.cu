@@ -8,6 +8,7 @@
 #include <mutex>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/select.cuh"
 #include "kernels/cuda/topk.hpp"
 
 namespace cg = cooperative_groups;
@@ -67,13 +68,6 @@ struct Smem {
 constexpr int kKeysOffset = (static_cast<int>(sizeof(Smem)) + 15) / 16 * 16;
 constexpr int kSmemBytes = kKeysOffset + kEpt * kThreads * 4;  // ~105 KB: two CTAs per SM
 
-
-// Order-preserving map of fp32 to uint32 (larger float -> larger key).
-__device__ __forceinline__ uint32_t order_key(float f) {
-  const uint32_t u = __float_as_uint(f) == 0x80000000u ? 0u : __float_as_uint(f);  // -0 ties with +0
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
 __device__ __forceinline__ int elem_offset(int e) { return (e >> 2) * (kThreads * 4) + threadIdx.x * 4 + (e & 3); }
 
 // This thread's elements (e = 0 .. EPT-1, key(e); valid where vmask says) whose
@@ -125,83 +119,15 @@ __device__ __forceinline__ uint2 warp_places(const Chosen& c, uint32_t* above_ct
                     __shfl_sync(0xffffffffu, t, 31) + c.t_incl - c.n_tie);
 }
 
-__device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* warp_tot) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  uint32_t incl = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const uint32_t t = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += t;
-  }
-  if (lane == 31) warp_tot[warp] = incl;
-  __syncthreads();
-  if (warp == 0) {
-    const uint32_t t = warp_tot[lane];
-    uint32_t s = t;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const uint32_t u = __shfl_up_sync(0xffffffffu, s, o);
-      if (lane >= o) s += u;
-    }
-    warp_tot[lane] = s - t;
-  }
-  __syncthreads();
-  const uint32_t r = warp_tot[warp] + incl - v;
-  __syncthreads();
-  return r;
-}
-
 // The digits of a key the radix rounds look at, most significant first: 11, 11 and
 // 10 bits (round 0: bits 31..21, round 1: 20..10, round 2: 9..0).
 __host__ __device__ constexpr int digit_shift(int round) { return round == 0 ? 21 : round == 1 ? 10 : 0; }
 __host__ __device__ constexpr int digit_bits(int round) { return round == 2 ? 10 : 11; }
 
-// The lanes of a warp where `pred` holds take consecutive places from a shared
-// counter, one atomic a warp: returns this lane's place (meaningful where pred
-// holds). Every lane of the warp calls it.
-__device__ __forceinline__ uint32_t warp_take(bool pred, uint32_t* ctr) {
-  const unsigned m = __ballot_sync(0xffffffffu, pred);
-  if (m == 0) return 0;  // the same in every lane
-  const unsigned lane = threadIdx.x & 31;
-  const int leader = __ffs(m) - 1;
-  uint32_t b = 0;
-  if (lane == static_cast<unsigned>(leader)) b = atomicAdd(ctr, __popc(m));
-  b = __shfl_sync(0xffffffffu, b, leader);
-  return b + __popc(m & ((1u << lane) - 1u));
-}
-
 __device__ __forceinline__ int32_t translate(const Params& p, int row, int64_t i) {
   if (p.page_table == nullptr) return static_cast<int32_t>(i);
   const int32_t page = p.page_table[row * p.page_stride + (i >> p.page_bits)];
   return (page << p.page_bits) | static_cast<int32_t>(i & ((int64_t{1} << p.page_bits) - 1));
-}
-
-// The bucket where a running count from the top reaches `need`: on return
-// sm.thr_bin / thr_above (elements in higher buckets) / thr_cnt (in the bucket).
-// Every thread of the block calls it; `hist` holds nbins counts.
-template <int NT = kThreads, class S>
-__device__ __forceinline__ void find_threshold(const uint32_t* hist, uint32_t nbins, uint32_t need, S& sm) {
-  const int tid = threadIdx.x;
-  const uint32_t per = nbins >= NT ? nbins / NT : 1;
-  const uint32_t rb0 = tid * per;
-  uint32_t local = 0;
-  if (rb0 < nbins) {
-    for (uint32_t j = 0; j < per; ++j) local += hist[nbins - 1 - (rb0 + j)];
-  }
-  uint32_t run = block_exclusive_scan(local, sm.scan);
-  if (rb0 < nbins && run < need && need <= run + local) {
-    for (uint32_t j = 0; j < per; ++j) {
-      const uint32_t b = nbins - 1 - (rb0 + j);
-      const uint32_t c = hist[b];
-      if (run < need && need <= run + c) {
-        sm.thr_bin = b;
-        sm.thr_above = run;
-        sm.thr_cnt = c;
-      }
-      run += c;
-    }
-  }
-  __syncthreads();
 }
 
 // find_threshold over `hist` (2^bits bins), then the bucket narrows to the threshold
@@ -210,7 +136,7 @@ __device__ __forceinline__ void find_threshold(const uint32_t* hist, uint32_t nb
 template <class S>
 __device__ __forceinline__ void narrow_to_threshold(const uint32_t* hist, int bits, S& sm, uint32_t& prefix, int& pbits,
                                                     uint32_t& need, uint32_t& cnt) {
-  find_threshold(hist, 1u << bits, need, sm);
+  find_threshold<kThreads>(hist, 1u << bits, need, sm);
   need -= sm.thr_above;
   cnt = sm.thr_cnt;
   prefix = (prefix << bits) | sm.thr_bin;
@@ -579,8 +505,6 @@ Plan make_plan(int64_t max_len, int k, int max_cluster) {
   return {c, segments, seg_cap};
 }
 
-
-
 // ---- grid top-k: every SM, one read, rows co-ordinated through global memory -------
 // Each CTA owns a chunk of kThreads * EPT scores of one row, kept in shared memory
 // from the one read on (16-byte loads in batches, the round-0 digits counted while
@@ -646,40 +570,6 @@ struct GSmem {
 // The grid and streamed kernels' shared memory: GSmem, then the chunk's keys
 // [EPT][kThreads] from this 16-byte aligned offset.
 constexpr int kGKeysOffset = static_cast<int>((sizeof(GSmem) + 15) / 16 * 16);
-
-__device__ __forceinline__ long long global_ns() {
-  long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-// Row barriers: the block's barrier, then one thread's release (or acquire-release)
-// at gpu scope, as cooperative groups' grid sync orders a block's writes (its fence
-// after the barrier), with the release in the arrival atomic instead of a
-// sequentially consistent fence in every thread.
-__device__ __forceinline__ uint32_t arrive_release(uint32_t* ctr) {
-  uint32_t old;
-  asm volatile("atom.add.release.gpu.global.u32 %0, [%1], 1;" : "=r"(old) : "l"(ctr) : "memory");
-  return old;
-}
-
-__device__ __forceinline__ uint32_t arrive_acq_rel(uint32_t* ctr) {
-  uint32_t old;
-  asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;" : "=r"(old) : "l"(ctr) : "memory");
-  return old;
-}
-
-__device__ __forceinline__ void grid_arrive_and_wait(uint32_t* ctr, uint32_t expected) {
-  __syncthreads();  // every thread's histogram atomics before the arrival
-  if (threadIdx.x == 0) {
-    arrive_release(ctr);
-    uint32_t v;
-    do {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ctr) : "memory");
-    } while (v < expected);
-  }
-  __syncthreads();
-}
 
 __device__ __forceinline__ int32_t translate_g(const GridParams& p, int row, int64_t i) {
   if (p.page_table == nullptr) return static_cast<int32_t>(i);
@@ -832,7 +722,7 @@ __device__ __forceinline__ void counted_select(const GridParams& p, int row, uin
   if (tid == 0) sm.local_above = sm.local_tie = 0;
   __syncthreads();
   if (lprof) lprof[7] = global_ns();
-  find_threshold(sm.hist, nbins, need, sm);  // ends with a barrier: the histogram is read
+  find_threshold<kThreads>(sm.hist, nbins, need, sm);  // ends with a barrier: the histogram is read
   const uint32_t thr = sm.thr_bin, above = sm.thr_above, on = sm.thr_cnt, need_on = need - above;
   const bool all_on = on == need_on;
   if (!all_on && on > kRankMax) {  // the same in every thread
@@ -1117,7 +1007,7 @@ __device__ __forceinline__ void select_list(const GridParams& p, int row, int64_
                                             int32_t* bucket_idx, int32_t* out, GSmem& sm, long long* lprof) {
   const int tid = threadIdx.x;
   const uint32_t kk = static_cast<uint32_t>(p.k);
-  find_threshold(sm.hist, kGBins, kk, sm);
+  find_threshold<kThreads>(sm.hist, kGBins, kk, sm);
   uint32_t need = kk - sm.thr_above, cnt = sm.thr_cnt, prefix = sm.thr_bin;
   int pbits = digit_bits(0), round = 1;
   __syncthreads();  // every thread has read sm.thr_*
@@ -1249,7 +1139,7 @@ __global__ void __launch_bounds__(kThreads, 2) stream_topk_kernel(const GridPara
   }
   __syncthreads();
   if (prof) prof[3] = global_ns();
-  find_threshold(sm.hist, kGBins, kk, sm);
+  find_threshold<kThreads>(sm.hist, kGBins, kk, sm);
   const uint32_t thr = sm.thr_bin;
   if (prof) prof[4] = global_ns();
   // Candidates: this chunk's elements whose round-0 digit is at least thr (warp scans,

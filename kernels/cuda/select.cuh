@@ -1,0 +1,122 @@
+// Device pieces of the radix selects shared by the top-k kernels (topk.cu) and the
+// indexer's fused top-k (indexer.cu): the order-preserving key, block scans and the
+// threshold bucket, warp-aggregated places, and the gpu-scope arrivals of the row
+// barriers. Plain CUDA.
+#pragma once
+
+#include <cstdint>
+
+namespace troupe::kernels::cuda {
+
+// Order-preserving map of fp32 to uint32 (larger float -> larger key).
+__device__ __forceinline__ uint32_t order_key(float f) {
+  const uint32_t u = __float_as_uint(f) == 0x80000000u ? 0u : __float_as_uint(f);  // -0 ties with +0
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// The sum of v over the block's threads before this one (warp_tot: 32 words of shared
+// memory). Every thread of the block calls it; three barriers.
+__device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* warp_tot) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint32_t incl = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t t = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += t;
+  }
+  if (lane == 31) warp_tot[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    const uint32_t t = warp_tot[lane];
+    uint32_t s = t;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const uint32_t u = __shfl_up_sync(0xffffffffu, s, o);
+      if (lane >= o) s += u;
+    }
+    warp_tot[lane] = s - t;
+  }
+  __syncthreads();
+  const uint32_t r = warp_tot[warp] + incl - v;
+  __syncthreads();
+  return r;
+}
+
+// The lanes of a warp where `pred` holds take consecutive places from a shared
+// counter, one atomic a warp: returns this lane's place (meaningful where pred
+// holds). Every lane of the warp calls it.
+__device__ __forceinline__ uint32_t warp_take(bool pred, uint32_t* ctr) {
+  const unsigned m = __ballot_sync(0xffffffffu, pred);
+  if (m == 0) return 0;  // the same in every lane
+  const unsigned lane = threadIdx.x & 31;
+  const int leader = __ffs(m) - 1;
+  uint32_t b = 0;
+  if (lane == static_cast<unsigned>(leader)) b = atomicAdd(ctr, __popc(m));
+  b = __shfl_sync(0xffffffffu, b, leader);
+  return b + __popc(m & ((1u << lane) - 1u));
+}
+
+// The bucket where a running count from the top reaches `need`: on return
+// sm.thr_bin / thr_above (elements in higher buckets) / thr_cnt (in the bucket).
+// Every thread of the block (NT threads) calls it; `hist` holds nbins counts; S has
+// scan[32] and thr_bin / thr_above / thr_cnt.
+template <int NT, class S>
+__device__ __forceinline__ void find_threshold(const uint32_t* hist, uint32_t nbins, uint32_t need, S& sm) {
+  const int tid = threadIdx.x;
+  const uint32_t per = nbins >= NT ? nbins / NT : 1;
+  const uint32_t rb0 = tid * per;
+  uint32_t local = 0;
+  if (rb0 < nbins) {
+    for (uint32_t j = 0; j < per; ++j) local += hist[nbins - 1 - (rb0 + j)];
+  }
+  uint32_t run = block_exclusive_scan(local, sm.scan);
+  if (rb0 < nbins && run < need && need <= run + local) {
+    for (uint32_t j = 0; j < per; ++j) {
+      const uint32_t b = nbins - 1 - (rb0 + j);
+      const uint32_t c = hist[b];
+      if (run < need && need <= run + c) {
+        sm.thr_bin = b;
+        sm.thr_above = run;
+        sm.thr_cnt = c;
+      }
+      run += c;
+    }
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ long long global_ns() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Row barriers: the block's barrier, then one thread's release (or acquire-release)
+// at gpu scope, as cooperative groups' grid sync orders a block's writes (its fence
+// after the barrier), with the release in the arrival atomic instead of a
+// sequentially consistent fence in every thread.
+__device__ __forceinline__ uint32_t arrive_release(uint32_t* ctr) {
+  uint32_t old;
+  asm volatile("atom.add.release.gpu.global.u32 %0, [%1], 1;" : "=r"(old) : "l"(ctr) : "memory");
+  return old;
+}
+
+__device__ __forceinline__ uint32_t arrive_acq_rel(uint32_t* ctr) {
+  uint32_t old;
+  asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;" : "=r"(old) : "l"(ctr) : "memory");
+  return old;
+}
+
+__device__ __forceinline__ void grid_arrive_and_wait(uint32_t* ctr, uint32_t expected) {
+  __syncthreads();  // every thread's histogram atomics before the arrival
+  if (threadIdx.x == 0) {
+    arrive_release(ctr);
+    uint32_t v;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ctr) : "memory");
+    } while (v < expected);
+  }
+  __syncthreads();
+}
+
+}  // namespace troupe::kernels::cuda

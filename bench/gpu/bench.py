@@ -367,6 +367,7 @@ class Bench:
                 if B == 1:  # the fused kernel's phases (us from its entry), eager, after a warm call
                     prof = torch.zeros(16, dtype=torch.int64, device="cuda")
                     for _ in range(3):
+                        prof.zero_()
                         L.tb_indexer_topk_profiled(ptr(q), ptr(w), B, H, fl(scale), fl(wscale), fp8, kp, sp,
                                                    ptr(start), ptr(nk), n, ptr(scores), k, ptr(out), ptr(cnt),
                                                    ptr(ws), ptr(prof), stream())
@@ -376,8 +377,9 @@ class Bench:
                              "selected", "end"]
                     print(f"fused phases n={n} fp8={fp8}: " + ", ".join(f"{nm} {(pv[i + 1] - pv[0]) / 1e3:.2f}"
                                                             for i, nm in enumerate(names) if pv[i + 1] > 0)
-                          + f"; bucket {pv[10]}, above {pv[11]}; select round: counted "
-                          + ", ".join(f"{(pv[i] - pv[0]) / 1e3:.2f}" for i in (12, 13, 14)))
+                          + f", latest scored {(pv[15] - pv[0]) / 1e3:.2f}; bucket {pv[10]}, above {pv[11]}"
+                          + ("; select round: counted " + ", ".join(f"{(pv[i] - pv[0]) / 1e3:.2f}"
+                                                                   for i in (12, 13, 14)) if pv[12] > 0 else ""))
                 os.environ["TROUPE_TOPK_FINISH"] = "1"  # the top-k's other finish (see topk above), same check
                 ours(0)
                 torch.cuda.synchronize()

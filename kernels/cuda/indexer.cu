@@ -444,6 +444,7 @@ __device__ __forceinline__ void fused_select(const ScoreParams& p, const FusePar
   long long* prof = f.profile != nullptr && b == 0 && tid == 0 ? f.profile : nullptr;
   const long long t_scored = prof ? global_ns() : 0;
   if (prof && blockIdx.x == 0) prof[1] = t_scored;
+  if (prof) atomicMax(reinterpret_cast<unsigned long long*>(prof + 15), static_cast<unsigned long long>(t_scored));
   uint32_t* w = f.ws + static_cast<int64_t>(b) * kFuseRowWords;
   uint32_t* ctr = w + kFuseBins;
   for (int i = tid; i < kFuseBins; i += kT) {
@@ -464,42 +465,37 @@ __device__ __forceinline__ void fused_select(const ScoreParams& p, const FusePar
   const bool take_all = cnt == need, listed = cnt <= static_cast<uint32_t>(kFuseCandCap);
   uint32_t* cand_key = w + kFuseZeroWords;
   uint32_t* cand_idx = cand_key + kFuseCandCap;
-  // This CTA's scores: position q of cta_scores is unit j = (q / 64) % kFuseUnits of warpgroup q / (64 kFuseUnits).
-  if (tid == 0) fs.n_above = fs.n_tie = 0;
-  __syncthreads();
-  constexpr int kPositions = kWgGroups * kFuseUnits * kWgKeys;
-  uint32_t my_above[kPositions / kT], my_tie[kPositions / kT];
-#pragma unroll
-  for (int x = 0; x < kPositions / kT; ++x) {
+  // This thread's scores: position q of cta_scores is unit j = (q / 64) % kFuseUnits of warpgroup q / (64 kFuseUnits).
+  constexpr int kPositions = kWgGroups * kFuseUnits * kWgKeys, kPer = kPositions / kT;
+  static_assert(kPer <= 32, "a thread's positions fit a mask");
+  auto key_at = [&](int x) {
     const int q = tid + x * kT;
     const int64_t u = static_cast<int64_t>(blockIdx.x) * kWgGroups + q / (kFuseUnits * kWgKeys) +
                       ((q / kWgKeys) % kFuseUnits) * W;
-    const int64_t key = u * kWgKeys + q % kWgKeys;
-    const bool valid = u < units && key < n;
-    const uint32_t bin = valid ? order_key(cta_scores[q]) >> 21 : 0u;
-    const bool is_above = valid && bin > t, is_tie = valid && bin == t;
-    const uint32_t a = warp_take(is_above, &fs.n_above), ti = warp_take(is_tie, &fs.n_tie);
-    my_above[x] = is_above ? a : 0xffffffffu;
-    my_tie[x] = is_tie ? ti : 0xffffffffu;
-  }
+    return u < units ? u * kWgKeys + q % kWgKeys : n;  // n: no key
+  };
+  uint32_t vmask = 0;
+#pragma unroll
+  for (int x = 0; x < kPer; ++x) vmask |= static_cast<uint32_t>(key_at(x) < n) << x;
+  // Places as in the grid top-k: masks, warp scans, one shared atomic a warp, one global a CTA.
+  const Chosen ch = chosen_elements<kPer>([&](int x) { return order_key(cta_scores[tid + x * kT]); }, vmask, 21, t);
+  if (tid == 0) fs.n_above = fs.n_tie = 0;
+  __syncthreads();
+  const uint2 places = warp_places(ch, &fs.n_above, &fs.n_tie);
   __syncthreads();
   if (tid == 0) fs.base_above = fs.n_above != 0 ? atomicAdd(&ctr[kFAbove], fs.n_above) : 0u;
   if (tid == 32) fs.base_tie = fs.n_tie != 0 ? atomicAdd(&ctr[kFCand], fs.n_tie) : 0u;  // in flight together
   __syncthreads();
-#pragma unroll
-  for (int x = 0; x < kPositions / kT; ++x) {
-    const int q = tid + x * kT;
-    if (my_above[x] == 0xffffffffu && my_tie[x] == 0xffffffffu) continue;
-    const int64_t u = static_cast<int64_t>(blockIdx.x) * kWgGroups + q / (kFuseUnits * kWgKeys) +
-                      ((q / kWgKeys) % kFuseUnits) * W;
-    const int64_t key = u * kWgKeys + q % kWgKeys;
-    if (my_above[x] != 0xffffffffu) {
-      out[fs.base_above + my_above[x]] = translate_out(f, b, key);
-    } else if (take_all) {
-      out[above + fs.base_tie + my_tie[x]] = translate_out(f, b, key);
+  uint32_t pa = fs.base_above + places.x;
+  for (uint32_t m = ch.above_mask; m != 0; m &= m - 1) out[pa++] = translate_out(f, b, key_at(__ffs(m) - 1));
+  uint32_t pt = fs.base_tie + places.y;
+  for (uint32_t m = ch.tie_mask; m != 0; m &= m - 1, ++pt) {
+    const int x = __ffs(m) - 1;
+    if (take_all) {
+      out[above + pt] = translate_out(f, b, key_at(x));
     } else if (listed) {
-      __stcg(&cand_key[fs.base_tie + my_tie[x]], order_key(cta_scores[q]));
-      __stcg(&cand_idx[fs.base_tie + my_tie[x]], static_cast<uint32_t>(key));
+      __stcg(&cand_key[pt], order_key(cta_scores[tid + x * kT]));
+      __stcg(&cand_idx[pt], static_cast<uint32_t>(key_at(x)));
     }
   }
   __syncthreads();  // every thread's stores before the arrival

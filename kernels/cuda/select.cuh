@@ -1,7 +1,8 @@
 // Device pieces of the radix selects shared by the top-k kernels (topk.cu) and the
 // indexer's fused top-k (indexer.cu): the order-preserving key, block scans and the
-// threshold bucket, warp-aggregated places, and the gpu-scope arrivals of the row
-// barriers. Plain CUDA.
+// threshold bucket, warp-aggregated places (one atomic a warp: warp_take, or for a
+// thread's several elements chosen_elements + warp_places), and the gpu-scope arrivals
+// of the row barriers. Plain CUDA.
 #pragma once
 
 #include <cstdint>
@@ -54,6 +55,55 @@ __device__ __forceinline__ uint32_t warp_take(bool pred, uint32_t* ctr) {
   if (lane == static_cast<unsigned>(leader)) b = atomicAdd(ctr, __popc(m));
   b = __shfl_sync(0xffffffffu, b, leader);
   return b + __popc(m & ((1u << lane) - 1u));
+}
+
+// This thread's elements (e = 0 .. EPT-1, key(e); valid where vmask says) whose
+// key's top 32 - drop bits are above / equal to `prefix`, as bit masks, with their
+// counts and the warp's inclusive scans of those counts (the callers then take
+// output ranges: one shared atomic per warp, then one per CTA).
+struct Chosen {
+  uint32_t above_mask = 0, tie_mask = 0;
+  uint32_t n_above = 0, n_tie = 0, a_incl = 0, t_incl = 0;
+};
+
+template <int EPT, class Key>
+__device__ __forceinline__ Chosen chosen_elements(Key&& key, uint32_t vmask, int drop, uint32_t prefix) {
+  const int tid = threadIdx.x;
+  Chosen c;
+#pragma unroll
+  for (int e = 0; e < EPT; ++e) {
+    const uint32_t hi = key(e) >> drop;
+    const uint32_t v = (vmask >> e) & 1u;
+    c.above_mask |= (v & static_cast<uint32_t>(hi > prefix)) << e;
+    c.tie_mask |= (v & static_cast<uint32_t>(hi == prefix)) << e;
+  }
+  c.n_above = __popc(c.above_mask);
+  c.n_tie = __popc(c.tie_mask);
+  const unsigned lane = tid & 31;
+  c.a_incl = c.n_above;
+  c.t_incl = c.n_tie;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t x = __shfl_up_sync(0xffffffffu, c.a_incl, o);
+    const uint32_t y = __shfl_up_sync(0xffffffffu, c.t_incl, o);
+    if (lane >= static_cast<unsigned>(o)) {
+      c.a_incl += x;
+      c.t_incl += y;
+    }
+  }
+  return c;
+}
+
+// This thread's first places for its chosen elements above / on the prefix in two
+// shared counters: one atomic a warp for each kind. Every lane of the warp calls it.
+__device__ __forceinline__ uint2 warp_places(const Chosen& c, uint32_t* above_ctr, uint32_t* tie_ctr) {
+  uint32_t a = 0, t = 0;
+  if ((threadIdx.x & 31) == 31) {
+    a = atomicAdd(above_ctr, c.a_incl);
+    t = atomicAdd(tie_ctr, c.t_incl);
+  }
+  return make_uint2(__shfl_sync(0xffffffffu, a, 31) + c.a_incl - c.n_above,
+                    __shfl_sync(0xffffffffu, t, 31) + c.t_incl - c.n_tie);
 }
 
 // The bucket where a running count from the top reaches `need`: on return

@@ -70,55 +70,6 @@ constexpr int kSmemBytes = kKeysOffset + kEpt * kThreads * 4;  // ~105 KB: two C
 
 __device__ __forceinline__ int elem_offset(int e) { return (e >> 2) * (kThreads * 4) + threadIdx.x * 4 + (e & 3); }
 
-// This thread's elements (e = 0 .. EPT-1, key(e); valid where vmask says) whose
-// key's top 32 - drop bits are above / equal to `prefix`, as bit masks, with their
-// counts and the warp's inclusive scans of those counts (the callers then take
-// output ranges: one shared atomic per warp, then one per CTA).
-struct Chosen {
-  uint32_t above_mask = 0, tie_mask = 0;
-  uint32_t n_above = 0, n_tie = 0, a_incl = 0, t_incl = 0;
-};
-
-template <int EPT, class Key>
-__device__ __forceinline__ Chosen chosen_elements(Key&& key, uint32_t vmask, int drop, uint32_t prefix) {
-  const int tid = threadIdx.x;
-  Chosen c;
-#pragma unroll
-  for (int e = 0; e < EPT; ++e) {
-    const uint32_t hi = key(e) >> drop;
-    const uint32_t v = (vmask >> e) & 1u;
-    c.above_mask |= (v & static_cast<uint32_t>(hi > prefix)) << e;
-    c.tie_mask |= (v & static_cast<uint32_t>(hi == prefix)) << e;
-  }
-  c.n_above = __popc(c.above_mask);
-  c.n_tie = __popc(c.tie_mask);
-  const unsigned lane = tid & 31;
-  c.a_incl = c.n_above;
-  c.t_incl = c.n_tie;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const uint32_t x = __shfl_up_sync(0xffffffffu, c.a_incl, o);
-    const uint32_t y = __shfl_up_sync(0xffffffffu, c.t_incl, o);
-    if (lane >= static_cast<unsigned>(o)) {
-      c.a_incl += x;
-      c.t_incl += y;
-    }
-  }
-  return c;
-}
-
-// This thread's first places for its chosen elements above / on the prefix in two
-// shared counters: one atomic a warp for each kind. Every lane of the warp calls it.
-__device__ __forceinline__ uint2 warp_places(const Chosen& c, uint32_t* above_ctr, uint32_t* tie_ctr) {
-  uint32_t a = 0, t = 0;
-  if ((threadIdx.x & 31) == 31) {
-    a = atomicAdd(above_ctr, c.a_incl);
-    t = atomicAdd(tie_ctr, c.t_incl);
-  }
-  return make_uint2(__shfl_sync(0xffffffffu, a, 31) + c.a_incl - c.n_above,
-                    __shfl_sync(0xffffffffu, t, 31) + c.t_incl - c.n_tie);
-}
-
 // The digits of a key the radix rounds look at, most significant first: 11, 11 and
 // 10 bits (round 0: bits 31..21, round 1: 20..10, round 2: 9..0).
 __host__ __device__ constexpr int digit_shift(int round) { return round == 0 ? 21 : round == 1 ? 10 : 0; }

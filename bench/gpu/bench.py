@@ -373,11 +373,11 @@ class Bench:
                                                    ptr(ws), ptr(prof), stream())
                     torch.cuda.synchronize()
                     pv = prof.tolist()
-                    names = ["scored", "arrived", "threshold", "emitted", "last scored", "finish", "listed",
-                             "selected", "end"]
-                    print(f"fused phases n={n} fp8={fp8}: " + ", ".join(f"{nm} {(pv[i + 1] - pv[0]) / 1e3:.2f}"
-                                                            for i, nm in enumerate(names) if pv[i + 1] > 0)
-                          + f", latest scored {(pv[15] - pv[0]) / 1e3:.2f}; bucket {pv[10]}, above {pv[11]}"
+                    names = {1: "scored", 15: "latest scored", 2: "arrived", 3: "threshold", 4: "emitted",
+                             5: "arrived again", 6: "listed", 7: "end", 9: "latest end"}
+                    print(f"fused phases n={n} fp8={fp8}: " + ", ".join(f"{nm} {(pv[i] - pv[0]) / 1e3:.2f}"
+                                                            for i, nm in names.items() if pv[i] > 0)
+                          + f"; bucket {pv[10]}, above {pv[11]}"
                           + ("; select round: counted " + ", ".join(f"{(pv[i] - pv[0]) / 1e3:.2f}"
                                                                    for i in (12, 13, 14)) if pv[12] > 0 else ""))
                 os.environ["TROUPE_TOPK_FINISH"] = "1"  # the top-k's other finish (see topk above), same check

@@ -314,19 +314,25 @@ __device__ __forceinline__ void reduce_half(float (&v)[16], int lane) {
 // row's other CTAs at an arrival counter (they are all resident: at most one CTA an SM,
 // and a grid of at most as many CTAs as SMs whenever a row has more than one). Each then
 // finds the threshold bucket, writes its scores above it straight out and its scores in
-// it to the row's candidate list (or, when the bucket is taken whole, out); the row's last
-// CTA to finish selects the rest among the list by radix rounds on (key, lower index
-// first), then ranks the last few in one warp, and zeroes the row's workspace. A bucket
-// larger than the list is selected from the row's scores (ties of very many equal values).
+// it to the row's list (or, when the bucket is taken whole, out), and the row's CTAs meet
+// again. Then each CTA places its own bucket elements: an element's rank among the bucket
+// (by key, then lower index) is its place after the elements above, if below what is still
+// needed. (Until session 12 the row's last CTA selected the whole bucket by radix rounds
+// after the others left: ~2.6 us of block-barrier chains, where ranking a CTA's few
+// elements against the list takes ~0.3.) A bucket larger than the list is selected from
+// the row's scores by CTA 0 (ties of very many equal values).
 constexpr int kFuseBins = 2048;
 constexpr int kFuseUnits = 16;  // units a warpgroup scores in the fused form (kept in shared memory)
 constexpr int kFuseScoreBytes = kWgGroups * kFuseUnits * kWgKeys * 4;
 constexpr int kWgSmemScore = kWgRedOffset + kWgGroups * 4 * kWgKeys * 4;
-constexpr int kFuseCandCap = 4096;  // a row's candidate list ((key, index) pairs; the last CTA's regions hold it)
-static_assert(kFuseCandCap * 8 <= kWgGroups * kWgRegion, "the regions hold the candidate list");
+constexpr int kFuseCandCap = 4096;  // a row's candidate list ((key, index) pairs)
+// The regions hold the list and the CTA's own bucket elements, as 64-bit composites.
+static_assert(kFuseCandCap * 8 + kWgGroups * kFuseUnits * kWgKeys * 8 <= kWgGroups * kWgRegion,
+              "the regions hold the list and the CTA's bucket elements");
 constexpr int kRankMax = 32;  // candidates one warp ranks
 enum FuseCounter { kFArrive = 0, kFAbove, kFCand, kFDone, kFCounters = 8 };
-constexpr int kFuseZeroWords = kFuseBins + kFCounters;  // a row's words, zero between calls
+// A row's words, zero between calls but kFDone (left at the CTA count; each call's CTA 0 resets it).
+constexpr int kFuseZeroWords = kFuseBins + kFCounters;
 // The workspace of indexer_topk: kFuseRows rows of [kFuseZeroWords zeroed words, then the list
 // (keys, then indices)] at fixed places (calls of any shape share it), then the top-k's workspace.
 constexpr int kFuseRows = 64;  // calls of more queries take the two-kernel path
@@ -343,7 +349,7 @@ struct FuseSmem {
   uint32_t hist[kFuseBins];
   uint32_t scan[32];
   uint32_t thr_bin, thr_above, thr_cnt;
-  uint32_t n_above, n_tie, base_above, base_tie, last, pos, gathered;
+  uint32_t n_above, n_tie, base_above, base_tie, pos, gathered;
   uint64_t few[kRankMax];
 };
 constexpr size_t kWgSmemFused = 1024 + kWgSmemScore + kFuseScoreBytes + sizeof(FuseSmem);
@@ -426,7 +432,7 @@ __device__ __forceinline__ void select_composite(const FuseParams& f, int b, int
 }
 
 // After a row's CTAs scored: the selection (see above). `ring` is the CTA's free ring (the
-// last CTA's list).
+// list and the CTA's own bucket elements).
 __device__ __forceinline__ void fused_select(const ScoreParams& p, const FuseParams& f, int b, int64_t n, int64_t units,
                                           int64_t W, const float* cta_scores, FuseSmem& fs, uint32_t* ring) {
   constexpr int kT = kWgGroups * 128;
@@ -440,27 +446,33 @@ __device__ __forceinline__ void fused_select(const ScoreParams& p, const FusePar
     }
     return;
   }
-  // Phase stamps of row 0 (IndexerTopk::profile): CTA 0 at [1..4], the row's last CTA at [5..9].
+  // Phase stamps of row 0 (IndexerTopk::profile): CTA 0's at [1..8], the latest of any CTA at [9] and [15].
   long long* prof = f.profile != nullptr && b == 0 && tid == 0 ? f.profile : nullptr;
-  const long long t_scored = prof ? global_ns() : 0;
-  if (prof && blockIdx.x == 0) prof[1] = t_scored;
-  if (prof) atomicMax(reinterpret_cast<unsigned long long*>(prof + 15), static_cast<unsigned long long>(t_scored));
+  long long* prof0 = prof != nullptr && blockIdx.x == 0 ? prof : nullptr;
+  auto latest = [&](int i) {
+    if (prof) atomicMax(reinterpret_cast<unsigned long long*>(prof + i), static_cast<unsigned long long>(global_ns()));
+  };
+  if (prof0) prof0[1] = global_ns();
+  latest(15);
   uint32_t* w = f.ws + static_cast<int64_t>(b) * kFuseRowWords;
   uint32_t* ctr = w + kFuseBins;
+  // The done counter is reset here, before this CTA's arrival below releases it: the row's CTAs
+  // add to it only after that arrival (the counter the last call left at its CTA count).
+  if (blockIdx.x == 0 && tid == 0) ctr[kFDone] = 0;
   for (int i = tid; i < kFuseBins; i += kT) {
     const uint32_t v = fs.hist[i];
     if (v != 0) atomicAdd(&w[i], v);
   }
   grid_arrive_and_wait(ctr + kFArrive, gridDim.x);
-  if (prof && blockIdx.x == 0) prof[2] = global_ns();
+  if (prof0) prof0[2] = global_ns();
   for (int i = tid; i < kFuseBins; i += kT) fs.hist[i] = __ldcg(&w[i]);
   __syncthreads();
   find_threshold<kT>(fs.hist, kFuseBins, k, fs);
   const uint32_t t = fs.thr_bin, above = fs.thr_above, cnt = fs.thr_cnt, need = k - above;
-  if (prof && blockIdx.x == 0) {
-    prof[3] = global_ns();
-    prof[10] = cnt;
-    prof[11] = above;
+  if (prof0) {
+    prof0[3] = global_ns();
+    prof0[10] = cnt;
+    prof0[11] = above;
   }
   const bool take_all = cnt == need, listed = cnt <= static_cast<uint32_t>(kFuseCandCap);
   uint32_t* cand_key = w + kFuseZeroWords;
@@ -488,49 +500,63 @@ __device__ __forceinline__ void fused_select(const ScoreParams& p, const FusePar
   __syncthreads();
   uint32_t pa = fs.base_above + places.x;
   for (uint32_t m = ch.above_mask; m != 0; m &= m - 1) out[pa++] = translate_out(f, b, key_at(__ffs(m) - 1));
-  uint32_t pt = fs.base_tie + places.y;
-  for (uint32_t m = ch.tie_mask; m != 0; m &= m - 1, ++pt) {
+  // The CTA's own bucket elements also go to `mine` (shared, as composites): it ranks them below.
+  uint64_t* list = reinterpret_cast<uint64_t*>(ring);
+  uint64_t* mine = list + kFuseCandCap;
+  uint32_t pt = fs.base_tie + places.y, local = places.y;
+  for (uint32_t m = ch.tie_mask; m != 0; m &= m - 1, ++pt, ++local) {
     const int x = __ffs(m) - 1;
     if (take_all) {
       out[above + pt] = translate_out(f, b, key_at(x));
     } else if (listed) {
-      __stcg(&cand_key[pt], order_key(cta_scores[tid + x * kT]));
-      __stcg(&cand_idx[pt], static_cast<uint32_t>(key_at(x)));
+      const uint32_t key = order_key(cta_scores[tid + x * kT]), idx = static_cast<uint32_t>(key_at(x));
+      __stcg(&cand_key[pt], key);
+      __stcg(&cand_idx[pt], idx);
+      mine[local] = static_cast<uint64_t>(key) << 32 | (0xffffffffu - idx);
     }
   }
-  __syncthreads();  // every thread's stores before the arrival
-  if (prof && blockIdx.x == 0) prof[4] = global_ns();
-  if (tid == 0) fs.last = arrive_acq_rel(ctr + kFDone) == gridDim.x - 1;
-  __syncthreads();
-  if (!fs.last) return;
-  if (prof) {
-    prof[5] = t_scored;
-    prof[6] = global_ns();
+  if (prof0) prof0[4] = global_ns();
+  // Every CTA's outputs and list entries are in before any CTA goes on (all resident, as above).
+  grid_arrive_and_wait(ctr + kFDone, gridDim.x);
+  if (prof0) prof0[5] = global_ns();
+  // The row's words for the next call (each read before the arrival just met): the histogram in
+  // slices over the CTAs, the counters but kFDone (reset at the next call's start) by CTA 0.
+  for (int i = blockIdx.x * kT + tid; i < kFuseBins; i += gridDim.x * kT) w[i] = 0;
+  if (blockIdx.x == 0 && tid == 0) {
+    ctr[kFArrive] = ctr[kFAbove] = ctr[kFCand] = 0;
+    if (f.out.out_count != nullptr) f.out.out_count[b] = static_cast<int32_t>(k);
   }
-  if (!take_all) {
+  const uint32_t mine_n = fs.n_tie;
+  if (!take_all && listed && mine_n > 0) {
+    // Each of the CTA's own bucket elements takes place `above + rank`, its rank among the row's
+    // bucket (distinct composites: the larger key, then the lower index, first) if that is below
+    // `need`: the bucket from the list into shared memory, then a warp an element counts the
+    // bucket's larger ones. No CTA waits for another's select.
+    for (uint32_t i = tid; i < cnt; i += kT) {
+      list[i] = static_cast<uint64_t>(__ldcg(&cand_key[i])) << 32 | (0xffffffffu - __ldcg(&cand_idx[i]));
+    }
+    __syncthreads();
+    if (prof0) prof0[6] = global_ns();
+    const int warp = tid >> 5, lane = tid & 31;
+    for (uint32_t e = warp; e < mine_n; e += kT / 32) {
+      const uint64_t c = mine[e];
+      uint32_t r = 0;
+      for (uint32_t i = lane; i < cnt; i += 32) r += list[i] > c ? 1u : 0u;
+      r = __reduce_add_sync(0xffffffffu, r);
+      if (lane == 0 && r < need) out[above + r] = translate_out(f, b, 0xffffffffu - static_cast<uint32_t>(c));
+    }
+  } else if (!take_all && !listed && blockIdx.x == 0) {
+    // More than the list holds are in the bucket (ties of very many equal values): CTA 0
+    // selects them from the row's scores.
+    const float* row = p.scores + b * p.score_stride;
     if (tid == 0) fs.pos = above;
-    if (listed) {  // the list into the free ring
-      for (uint32_t i = tid; i < cnt; i += kT) {
-        ring[i] = __ldcg(&cand_key[i]);
-        ring[kFuseCandCap + i] = __ldcg(&cand_idx[i]);
-      }
-      __syncthreads();
-      if (prof) prof[7] = global_ns();
-      select_composite(f, b, out, cnt, [&](int64_t j) { return make_uint2(ring[j], ring[kFuseCandCap + j]); },
-                       t, 11, need, cnt, fs, prof);
-    } else {  // more than the list holds are in the bucket: from the row's scores
-      const float* row = p.scores + b * p.score_stride;
-      __syncthreads();
-      select_composite(f, b, out, n,
-                       [&](int64_t j) { return make_uint2(order_key(__ldcg(&row[j])), static_cast<uint32_t>(j)); },
-                       t, 11, need, cnt, fs, prof);
-    }
+    __syncthreads();
+    select_composite(f, b, out, n,
+                     [&](int64_t j) { return make_uint2(order_key(__ldcg(&row[j])), static_cast<uint32_t>(j)); },
+                     t, 11, need, cnt, fs, prof);
   }
-  __syncthreads();
-  if (prof) prof[8] = global_ns();
-  for (int i = tid; i < kFuseZeroWords; i += kT) w[i] = 0;  // ready for the next call
-  if (f.out.out_count != nullptr && tid == 0) f.out.out_count[b] = static_cast<int32_t>(k);
-  if (prof) prof[9] = global_ns();
+  if (prof0) prof0[7] = global_ns();
+  latest(9);
 }
 
 // FP8: e4m3 keys (copied raw, converted to f16 in shared memory after they land; the query in f16).

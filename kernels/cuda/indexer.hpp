@@ -58,11 +58,10 @@ struct IndexerTopk {
   int32_t* out_count = nullptr;
   bool translate_pages = false;
   long long* profile = nullptr;  // debugging aid (the fused kernel): %globaltimer ns of row 0's phases, CTA 0's
-                                 // entry, scoring end, arrival, threshold, emission [0..4]; the last CTA's scoring
-                                 // end, finish start, list loaded, selected, end [5..9]; the bucket's count and
-                                 // the count above it [10, 11]; the last CTA's last radix round: counted,
-                                 // threshold, emitted [12..14] (the block select only); the latest scoring end of
-                                 // any CTA [15] (16 words; [15] must start at 0)
+                                 // entry, scoring end, arrival, threshold, emission, second arrival, list loaded,
+                                 // end [0..7]; the latest end of any CTA [9]; the bucket's count and the count above
+                                 // it [10, 11]; CTA 0's radix rounds when the bucket outgrows the list [12..14];
+                                 // the latest scoring end of any CTA [15] (16 words; [9] and [15] start at 0)
 };
 // The workspace (zeroed once by topk_workspace_init; calls of any shape within these bounds
 // share it, one call at a time): the fused kernel's rows at fixed places, then the top-k's.

@@ -611,6 +611,19 @@ TEST_F(CudaKernelsTest, indexer_scores_and_topk_match_a_reference) {
         check_topk_row_stable(scores.data() + b * max_keys, n, k, idx.data() + b * k, cnt[b],
                               "query " + std::to_string(b));
       }
+      {  // again on the same workspace (the words the last call left for the next): the same choice
+        poison(d_idx, B * k * 4);
+        cuda::indexer_topk(a, t, ws, stream());
+        const auto again = host(d_idx, B * k);
+        for (int b = 0; b < B; ++b) {
+          const int64_t take = std::min<int64_t>(k, c.lengths[b]);
+          std::vector<int32_t> x(idx.begin() + b * k, idx.begin() + b * k + take),
+              y(again.begin() + b * k, again.begin() + b * k + take);
+          std::sort(x.begin(), x.end());
+          std::sort(y.begin(), y.end());
+          EXPECT_EQ(x, y) << "query " << b << ": a second call on the same workspace chose differently";
+        }
+      }
       if (c.paged) {  // the same call with the indices translated to pool rows through the page table
         t.translate_pages = true;
         cuda::indexer_topk(a, t, ws, stream());

@@ -141,26 +141,21 @@ __device__ __forceinline__ long long global_ns() {
   return t;
 }
 
-// Row barriers: the block's barrier, then one thread's release (or acquire-release)
-// at gpu scope, as cooperative groups' grid sync orders a block's writes (its fence
-// after the barrier), with the release in the arrival atomic instead of a
-// sequentially consistent fence in every thread.
-__device__ __forceinline__ uint32_t arrive_release(uint32_t* ctr) {
-  uint32_t old;
-  asm volatile("atom.add.release.gpu.global.u32 %0, [%1], 1;" : "=r"(old) : "l"(ctr) : "memory");
-  return old;
-}
-
+// Row barriers: the block's barrier, then one thread's acquire-release add at gpu scope,
+// as cooperative groups' grid sync orders a block's writes (its fence after the barrier),
+// with the ordering in the arrival atomic instead of a sequentially consistent fence in
+// every thread.
 __device__ __forceinline__ uint32_t arrive_acq_rel(uint32_t* ctr) {
   uint32_t old;
   asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;" : "=r"(old) : "l"(ctr) : "memory");
   return old;
 }
 
+// The last block to arrive sees every other arrival in its acquire-release add and does not
+// poll: the barrier's latest block leaves one global round trip sooner.
 __device__ __forceinline__ void grid_arrive_and_wait(uint32_t* ctr, uint32_t expected) {
   __syncthreads();  // every thread's histogram atomics before the arrival
-  if (threadIdx.x == 0) {
-    arrive_release(ctr);
+  if (threadIdx.x == 0 && arrive_acq_rel(ctr) + 1 < expected) {
     uint32_t v;
     do {
       asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ctr) : "memory");

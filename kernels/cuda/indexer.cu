@@ -446,7 +446,7 @@ __device__ __forceinline__ void fused_select(const ScoreParams& p, const FusePar
     }
     return;
   }
-  // Phase stamps of row 0 (IndexerTopk::profile): CTA 0's at [1..8], the latest of any CTA at [9] and [15].
+  // Phase stamps of row 0 (IndexerTopk::profile): CTA 0's at [1..7], the latest of any CTA at [9] and [15].
   long long* prof = f.profile != nullptr && b == 0 && tid == 0 ? f.profile : nullptr;
   long long* prof0 = prof != nullptr && blockIdx.x == 0 ? prof : nullptr;
   auto latest = [&](int i) {

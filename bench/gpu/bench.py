@@ -505,7 +505,8 @@ def self_rope(x, inv_freq, pos):
 
 def table(rows):
     cols = ["kernel", "shape", "ours_us", "torch_us", "torch_bf16_us", "speedup", "finish1_us", "finish1_speedup",
-            "grid_us", "stream_us", "scores_us", "scores_pct_copy", "two_kernel_us", "mma_sync_us", "mma_sync_scores_us", "target_us", "gbps", "pct_copy", "tflops", "rel_err", "exact", "note"]
+            "grid_us", "stream_us", "scores_us", "scores_pct_copy", "two_kernel_us", "mma_sync_us",
+            "mma_sync_scores_us", "target_us", "gbps", "pct_copy", "tflops", "rel_err", "exact", "note"]
     used = [c for c in cols if any(c in r for r in rows)]
     fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
     lines = ["| " + " | ".join(used) + " |", "|" + "---|" * len(used)]

@@ -1,6 +1,6 @@
 // Lightning indexer scoring (see indexer.hpp), and its fused top-k.
 //
-// Three forms of the tensor-core scoring: the warpgroup form (wgmma, sm_90a; the
+// Two forms of the tensor-core scoring: the warpgroup form (wgmma, sm_90a; the
 // default, below `indexer_wgmma_kernel`), which also selects the top k in the same
 // kernel when a call's keys fit its CTAs; and the older mma.sync form
 // (TROUPE_INDEXER_WGMMA=0), described here: A = the query's heads (4 m-tiles of 16
@@ -355,13 +355,10 @@ struct FuseSmem {
 constexpr size_t kWgSmemFused = 1024 + kWgSmemScore + kFuseScoreBytes + sizeof(FuseSmem);
 
 __device__ __forceinline__ int32_t translate_out(const FuseParams& f, int b, int64_t i) {
-  const TopkArgs& o = f.out;
-  if (o.page_table == nullptr) return static_cast<int32_t>(i);
-  const int32_t page = o.page_table[b * o.page_stride + (i >> o.page_bits)];
-  return (page << o.page_bits) | static_cast<int32_t>(i & ((int64_t{1} << o.page_bits) - 1));
+  return page_translate(f.out.page_table, f.out.page_stride, f.out.page_bits, b, i);
 }
 
-// The last CTA of a row: the `need` largest of m elements (elem(j) -> (key, index)) whose composite
+// CTA 0 of a row whose bucket outgrew the list: the `need` largest of m elements (elem(j) -> (key, index)) whose composite
 // (key << 32 | ~index: larger key, then lower index) starts with the pbits bits `prefix` (cnt of them),
 // written to out[fs.pos ...]. Radix rounds of 11 bits while more than kRankMax remain, then one warp
 // ranks the rest. Every thread of the block calls it.
@@ -968,7 +965,8 @@ size_t indexer_topk_workspace_bytes(int batch, int64_t max_keys, int k) {
 
 namespace {
 // The fused kernel's grid for this call, or 0 CTAs a query when the call takes the two-kernel path:
-// bf16 keys on wgmma, at most kFuseRows queries, and every warpgroup's units fit its shared memory.
+// the wgmma kernel (bf16 or e4m3 keys), at most kFuseRows queries, k <= 2048, and every
+// warpgroup's units fit its shared memory.
 // (TROUPE_INDEXER_FUSED=0, read at each call: always two kernels.)
 int64_t fused_ctas(const IndexerArgs& a, const IndexerTopk& t) {
   if (env_off("TROUPE_INDEXER_FUSED") || env_off("TROUPE_INDEXER_WGMMA")) return 0;

@@ -1,5 +1,5 @@
 // Device pieces of the radix selects shared by the top-k kernels (topk.cu) and the
-// indexer's fused top-k (indexer.cu): the order-preserving key, block scans and the
+// indexer's fused top-k (indexer.cu): the order-preserving key, page translation, block scans and the
 // threshold bucket, warp-aggregated places (one atomic a warp: warp_take, or for a
 // thread's several elements chosen_elements + warp_places), and the gpu-scope arrivals
 // of the row barriers. Plain CUDA.
@@ -41,6 +41,14 @@ __device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* w
   const uint32_t r = warp_tot[warp] + incl - v;
   __syncthreads();
   return r;
+}
+
+// Element i of row `row`, translated to its pool row through the row's page table (pages
+// of 2^bits elements, `stride` entries a row), or i itself without a table.
+__device__ __forceinline__ int32_t page_translate(const int32_t* table, int64_t stride, int bits, int row, int64_t i) {
+  if (table == nullptr) return static_cast<int32_t>(i);
+  const int32_t page = table[row * stride + (i >> bits)];
+  return (page << bits) | static_cast<int32_t>(i & ((int64_t{1} << bits) - 1));
 }
 
 // The lanes of a warp where `pred` holds take consecutive places from a shared

@@ -76,9 +76,7 @@ __host__ __device__ constexpr int digit_shift(int round) { return round == 0 ? 2
 __host__ __device__ constexpr int digit_bits(int round) { return round == 2 ? 10 : 11; }
 
 __device__ __forceinline__ int32_t translate(const Params& p, int row, int64_t i) {
-  if (p.page_table == nullptr) return static_cast<int32_t>(i);
-  const int32_t page = p.page_table[row * p.page_stride + (i >> p.page_bits)];
-  return (page << p.page_bits) | static_cast<int32_t>(i & ((int64_t{1} << p.page_bits) - 1));
+  return page_translate(p.page_table, p.page_stride, p.page_bits, row, i);
 }
 
 // find_threshold over `hist` (2^bits bins), then the bucket narrows to the threshold
@@ -523,9 +521,7 @@ struct GSmem {
 constexpr int kGKeysOffset = static_cast<int>((sizeof(GSmem) + 15) / 16 * 16);
 
 __device__ __forceinline__ int32_t translate_g(const GridParams& p, int row, int64_t i) {
-  if (p.page_table == nullptr) return static_cast<int32_t>(i);
-  const int32_t page = p.page_table[row * p.page_stride + (i >> p.page_bits)];
-  return (page << p.page_bits) | static_cast<int32_t>(i & ((int64_t{1} << p.page_bits) - 1));
+  return page_translate(p.page_table, p.page_stride, p.page_bits, row, i);
 }
 
 // Block-local radix select over keys[0 .. n) (valid(i) says which exist; all valid keys

@@ -471,7 +471,7 @@ TEST_F(CudaKernelsTest, indexer_scores_and_topk_match_a_reference) {
   };
   // Every case runs fused (scores and top-k in one kernel) and as two kernels (TROUPE_INDEXER_FUSED=0).
   // The tie cases: 40 distinct keys put ~2,500 equal scores at the k-th (the fused kernel's candidate
-  // list, then radix rounds on the index); one distinct key makes every score equal (more than the
+  // list, each element ranked by its index); one distinct key makes every score equal (more than the
   // list holds: selected from the row's scores).
   const Case cases[] = {{64, {262144}, false, cuda::IndexKeyType::bf16},
                         {64, {0, 7, 5000, 100000}, false, cuda::IndexKeyType::bf16},

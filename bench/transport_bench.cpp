@@ -3,7 +3,8 @@
 // sizes and UCX settings, in the same run. Prints a markdown table.
 //
 //   transport_bench [--sizes 64,4096,...] [--trials 3] [--gib 1] [--perftest PATH]
-//                   [--spin-us N] [--spin-in-flight] [--no-perftest] [--no-puts]
+//                   [--spin-us N] [--spin-in-flight] [--frame-arena-mb N] [--frame-chunk-kb N]
+//                   [--no-perftest] [--no-puts]
 //
 // Frames: the client sends n frames back to back (at most max(32 MiB, 4
 // frames) queued), then a marker; the server answers the marker once it has
@@ -17,6 +18,9 @@
 // batch, up to 4 batches in flight, from one source buffer to one remote
 // offset as ucp_put_bw does; next to ucp_put_bw -s <size> -e. A second put row targets caller
 // memory registered with register_region.
+// --frame-arena-mb / --frame-chunk-kb: UcxOptions::put_frames_arena_bytes and
+// put_frames_chunk_bytes on both sides (arena 0: every large frame by
+// rendezvous; default: the transport's defaults).
 // Each measurement runs --trials times, interleaved with its peer; the best
 // of each is reported (the machine is shared).
 #include <fmt/format.h>
@@ -58,12 +62,20 @@ constexpr size_t kRegionBytes = 64u << 20;
 
 int g_spin_us = 0;
 bool g_spin_in_flight = false;
+int g_frame_arena_mb = -1;  // -1: the transport's default
+int g_frame_chunk_kb = -1;
+
+void apply_frame_arena(UcxOptions& o) {
+  if (g_frame_arena_mb >= 0) o.put_frames_arena_bytes = static_cast<size_t>(g_frame_arena_mb) << 20;
+  if (g_frame_chunk_kb > 0) o.put_frames_chunk_bytes = static_cast<size_t>(g_frame_chunk_kb) << 10;
+}
 
 int serve() {
   UcxOptions o;
   o.name = "bench-server";
   o.spin_after_work_us = g_spin_us;
   o.spin_while_in_flight = g_spin_in_flight;
+  apply_frame_arena(o);
   UcxTransport t(o);
   std::atomic<uint64_t> count{0};
   std::vector<uint8_t> caller(kRegionBytes);
@@ -117,6 +129,7 @@ class Client {
     o.listen_host.clear();
     o.spin_after_work_us = g_spin_us;
     o.spin_while_in_flight = g_spin_in_flight;
+    apply_frame_arena(o);
     t_ = std::make_unique<UcxTransport>(o);
     TransportEvents e;
     e.on_frame = [this](const std::string&, Frame f) {
@@ -152,6 +165,8 @@ class Client {
     cv_.wait(lock, [&] { return ack_id_ == marker; });
     double s = std::chrono::duration<double>(Clock::now() - t0).count();
     if (acked_ != n) spdlog::warn("server counted {} of {} frames", acked_, n);
+    spdlog::debug("{} frames of {} bytes in {:.3f} s; {} by put so far", n, f.body_bytes().size(), s,
+                  t_->stats().frames_by_put);
     return n / s;
   }
 
@@ -227,16 +242,26 @@ int main(int argc, char** argv) {
   double target_gib = std::atof(args.get("--gib", "1").c_str());
   g_spin_us = static_cast<int>(args.num("--spin-us", 0));
   g_spin_in_flight = args.flag("--spin-in-flight");
+  g_frame_arena_mb = static_cast<int>(args.num("--frame-arena-mb", -1));
+  g_frame_chunk_kb = static_cast<int>(args.num("--frame-chunk-kb", -1));
   bool no_perftest = args.flag("--no-perftest");
   bool no_puts = args.flag("--no-puts");  // frames only (profiling the frame path)
   setenv("UCX_NET_DEVICES", "lo", 0);
   setenv("UCX_MM_ERROR_HANDLING", "y", 0);
   spdlog::set_default_logger(spdlog::stderr_color_mt("bench"));  // stdout is the table
-  spdlog::set_level(spdlog::level::warn);
+  spdlog::set_level(std::getenv("TROUPE_BENCH_DEBUG") ? spdlog::level::debug : spdlog::level::warn);
   if (serve_mode) return serve();
 
   std::vector<std::string> server_args = {"/proc/self/exe", "--serve", "--spin-us", std::to_string(g_spin_us)};
   if (g_spin_in_flight) server_args.push_back("--spin-in-flight");
+  if (g_frame_arena_mb >= 0) {
+    server_args.push_back("--frame-arena-mb");
+    server_args.push_back(std::to_string(g_frame_arena_mb));
+  }
+  if (g_frame_chunk_kb > 0) {
+    server_args.push_back("--frame-chunk-kb");
+    server_args.push_back(std::to_string(g_frame_chunk_kb));
+  }
   auto server = spawn(server_args);
   std::string ready = read_line(server.out);
   auto addr = ready.substr(ready.find("ucx=") + 4);

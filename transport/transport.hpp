@@ -94,6 +94,7 @@ struct TransportStats {
   uint64_t frames_sent = 0;
   uint64_t frames_received = 0;  // valid frames delivered to on_frame
   uint64_t bad_frames = 0;       // faults seen (each answered or dropped)
+  uint64_t frames_by_put = 0;    // UCX: frames sent by a put into the peer's arena (UcxOptions)
   uint64_t resets = 0;           // UCX: worker rebuilt after its shared-memory inbox went silent
 };
 

@@ -7,6 +7,7 @@
 #include <kj/exception.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -25,6 +26,8 @@ uint64_t load_u64(const std::byte* p) {
   std::memcpy(&v, p, 8);
   return v;
 }
+
+size_t round_up_64(size_t n) { return (n + 63) & ~size_t{63}; }
 
 bool valid_name(const std::string& s) {
   if (s.empty() || s.size() > kMaxNameBytes) return false;
@@ -133,68 +136,102 @@ ucs_status_t am_ack_cb(void* arg, const void* h, size_t hl, void* d, size_t l, c
   return am_handshake_cb(arg, h, hl, d, l, p, true);
 }
 
-ucs_status_t am_frame_cb(void* arg, const void* header, size_t header_length, void* data, size_t length,
-                         const ucp_am_recv_param_t* param) {
-  auto* impl = static_cast<UcxTransport::Impl*>(arg);
-  bool rndv = param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV;
-  auto* hb = static_cast<const std::byte*>(header);
+// Frames by put: the size check both sides make (the sender's use, the
+// receiver's offer).
+bool put_size_ok(const UcxOptions& o, size_t body) {
+  return o.put_frames_arena_bytes > 0 && body >= o.put_frames_from_bytes;
+}
+
+// The checks every frame message gets (kAmFrame and, with extra = 8 header
+// bytes, kAmFramePut): the connection it names, a sequence number not seen
+// before, a valid frame header. `c` null: dropped (no connection). Else `a` is
+// the arrival slot, already ready with a fault when a check failed.
+struct FrameIn {
+  Conn* c = nullptr;
+  Arrival* a = nullptr;
+  uint64_t seq = 0;
+  messages::FrameHeader h{};
+};
+
+FrameIn open_frame(UcxTransport::Impl* impl, const std::byte* hb, size_t header_length, const ucp_am_recv_param_t* param,
+                   size_t extra) {
+  FrameIn in;
   // A direct endpoint's frame names our connection by its token; one over the
   // connection-manager endpoint comes with a reply endpoint.
   bool direct = !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP);
+  const size_t expected = (direct ? kAmDirectHeaderBytes : kAmFrameHeaderBytes) + extra;
   Conn* c = nullptr;
   if (!direct) {
     c = impl->conn_by_ep(param->reply_ep);
-  } else if (header_length == kAmDirectHeaderBytes) {
+  } else if (header_length == expected) {
     // The peer may send here before this side has seen its handshake reply:
     // arrivals wait in the connection until it is up.
     c = impl->conn_by_id(load_u64(hb + kAmFrameHeaderBytes));
   }
+  if (!c || c->state == Conn::State::closing) {
+    if (direct) spdlog::warn("ucx {}: a frame for no known connection, dropped", impl->opt.name);
+    return in;
+  }
+  in.c = c;
+  impl->dirty.insert(c->id);
+  auto fault_without_slot = [&](std::string what) {
+    // Without a sequence number there is no slot for it: a lost stream.
+    in.a = &c->arrivals[UINT64_MAX];
+    in.a->ready = true;
+    in.a->fault = FrameFault{Error(ErrorCode::invalid_argument, std::move(what)), 0, msg::Kind::NONE, false};
+    return in;
+  };
+  if (header_length != expected) {
+    return fault_without_slot(
+        fmt::format("frame message with a {}-byte header (expected {})", header_length, expected));
+  }
+  in.seq = load_u64(hb + messages::kHeaderBytes);
+  if (in.seq < c->recv_next || c->arrivals.count(in.seq)) {
+    return fault_without_slot(fmt::format("frame sequence number {} repeats or goes back", in.seq));
+  }
+  in.a = &c->arrivals[in.seq];
+  auto h = messages::decode_header(std::span(hb, messages::kHeaderBytes), impl->opt.limits);
+  if (!h) {
+    in.a->ready = true;
+    in.a->fault = h.fault();
+    return in;
+  }
+  in.h = *h;
+  return in;
+}
+
+ucs_status_t am_frame_cb(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                         const ucp_am_recv_param_t* param) {
+  auto* impl = static_cast<UcxTransport::Impl*>(arg);
+  bool rndv = param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV;
   auto drop = [&]() {
     if (rndv) ucp_am_data_release(impl->worker, data);
     return UCS_OK;
   };
-  if (!c || c->state == Conn::State::closing) {
-    if (direct) spdlog::warn("ucx {}: a frame for no known connection, dropped", impl->opt.name);
-    return drop();
-  }
-  impl->dirty.insert(c->id);
-  if (header_length != (direct ? kAmDirectHeaderBytes : kAmFrameHeaderBytes)) {
-    // Without a sequence number there is no slot for it: a lost stream.
-    c->arrivals[UINT64_MAX].ready = true;
-    c->arrivals[UINT64_MAX].fault =
-        FrameFault{Error(ErrorCode::invalid_argument,
-                         fmt::format("frame message with a {}-byte header (expected {})", header_length,
-                                     direct ? kAmDirectHeaderBytes : kAmFrameHeaderBytes)),
-                   0, msg::Kind::NONE, false};
-    return drop();
-  }
-  uint64_t seq = load_u64(hb + messages::kHeaderBytes);
-  if (seq < c->recv_next || c->arrivals.count(seq)) {
-    c->arrivals[UINT64_MAX].ready = true;
-    c->arrivals[UINT64_MAX].fault = FrameFault{
-        Error(ErrorCode::invalid_argument, fmt::format("frame sequence number {} repeats or goes back", seq)), 0,
-        msg::Kind::NONE, false};
-    return drop();
-  }
-  Arrival& a = c->arrivals[seq];
-  auto h = messages::decode_header(std::span(hb, messages::kHeaderBytes), impl->opt.limits);
-  if (!h) {
-    a.ready = true;
-    a.fault = h.fault();
-    return drop();
-  }
-  if (h->body_bytes != length) {
+  FrameIn in = open_frame(impl, static_cast<const std::byte*>(header), header_length, param, 0);
+  if (!in.c || in.a->ready) return drop();
+  Conn* c = in.c;
+  Arrival& a = *in.a;
+  if (in.h.body_bytes != length) {
     a.ready = true;
     a.fault = FrameFault{Error(ErrorCode::invalid_argument,
-                               fmt::format("frame header says {} body bytes, the message carries {}", h->body_bytes,
+                               fmt::format("frame header says {} body bytes, the message carries {}", in.h.body_bytes,
                                            length)),
-                         h->request_id, h->kind, true};
+                         in.h.request_id, in.h.kind, true};
     return drop();
   }
   if (rndv) {
+    // A large frame from a peer on this host: offer it an arena, so that the
+    // next ones come by put (UcxOptions::put_frames_arena_bytes).
+    if (!c->in_arena_tried && c->shm && c->data_ep && put_size_ok(impl->opt, length)) {
+      c->in_arena_tried = true;
+      impl->user_calls.push_back([impl, id = c->id] {
+        if (Conn* c = impl->conn_by_id(id); c && c->state == Conn::State::up) impl->offer_arena(*c);
+      });
+    }
     // Start the data fetch here, inside the callback (UCX allows it), so the
     // next frame's transfer overlaps the delivery of this one.
-    auto* r = new RndvRecv{impl, c->id, seq, *h, data, messages::alloc_body_words(length)};
+    auto* r = new RndvRecv{impl, c->id, in.seq, in.h, data, messages::alloc_body_words(length)};
     ++c->receiving;  // until rndv_done
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -212,8 +249,96 @@ ucs_status_t am_frame_cb(void* arg, const void* header, size_t header_length, vo
   }
   // Eager data is not 8-byte aligned (STACK.md): copy into aligned storage.
   a.ready = true;
-  a.frame = messages::copy_frame(*h, std::span(static_cast<const std::byte*>(data), length));
+  a.frame = messages::copy_frame(in.h, std::span(static_cast<const std::byte*>(data), length));
   return UCS_OK;
+}
+
+// A chunk notice: part of a frame's body is in our arena (kAmFramePut). The
+// frame's slot is taken with its first notice; the copy out runs after the
+// callback (on_frame_put).
+ucs_status_t am_frame_put_cb(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                             const ucp_am_recv_param_t* param) {
+  auto* impl = static_cast<UcxTransport::Impl*>(arg);
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ucp_am_data_release(impl->worker, data);
+  auto* hb = static_cast<const std::byte*>(header);
+  const size_t extra = kAmPutHeaderBytes - kAmDirectHeaderBytes;
+  Conn* c = nullptr;
+  Arrival* a = nullptr;
+  uint64_t seq = 0;
+  if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) && header_length == kAmPutHeaderBytes) {
+    seq = load_u64(hb + messages::kHeaderBytes);
+    c = impl->conn_by_id(load_u64(hb + kAmFrameHeaderBytes));
+    if (c && c->state != Conn::State::closing) {
+      if (auto it = c->arrivals.find(seq); it != c->arrivals.end() && it->second.by_put && !it->second.ready) {
+        a = &it->second;  // a later chunk of a frame under way
+      }
+    }
+  }
+  if (a == nullptr) {  // the frame's first notice (or a bad one: open_frame says why)
+    FrameIn in = open_frame(impl, hb, header_length, param, extra);
+    if (!in.c || in.a->ready) return UCS_OK;
+    c = in.c;
+    a = in.a;
+    seq = in.seq;
+    a->by_put = true;
+    a->header = in.h;
+  }
+  impl->dirty.insert(c->id);
+  if (length != 0) {
+    a->ready = true;
+    a->fault = FrameFault{Error(ErrorCode::invalid_argument, "a frame notice carries data"), a->header.request_id,
+                          a->header.kind, true};
+    return UCS_OK;
+  }
+  const uint64_t arena_offset = load_u64(hb + kAmDirectHeaderBytes), body_offset = load_u64(hb + kAmDirectHeaderBytes + 8),
+                 bytes = load_u64(hb + kAmDirectHeaderBytes + 16);
+  impl->user_calls.push_back([impl, id = c->id, seq, arena_offset, body_offset, bytes] {
+    impl->on_frame_put(id, seq, arena_offset, body_offset, bytes);
+  });
+  return UCS_OK;
+}
+
+// An arena offer (kAmArenaOffer) or a release (kAmArenaRelease), over a direct endpoint.
+ucs_status_t am_arena_cb(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                         const ucp_am_recv_param_t* param, bool is_offer) {
+  auto* impl = static_cast<UcxTransport::Impl*>(arg);
+  const bool rndv = param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV;
+  auto* hb = static_cast<const std::byte*>(header);
+  if (rndv || header_length != (is_offer ? 24u : 16u)) {
+    if (rndv) ucp_am_data_release(impl->worker, data);
+    spdlog::warn("ucx {}: a malformed arena {} ({} header bytes), ignored", impl->opt.name,
+                 is_offer ? "offer" : "release", header_length);
+    return UCS_OK;
+  }
+  const uint64_t token = load_u64(hb), a = load_u64(hb + 8);
+  if (is_offer) {
+    const uint64_t bytes = load_u64(hb + 16);
+    auto* d = static_cast<const std::byte*>(data);
+    impl->user_calls.push_back([impl, token, a, bytes, key = std::vector<std::byte>(d, d + length)] {
+      if (Conn* c = impl->conn_by_id(token)) impl->on_arena_offer(*c, a, bytes, key);
+    });
+  } else {
+    impl->user_calls.push_back([impl, token, a] {
+      if (Conn* c = impl->conn_by_id(token)) impl->on_arena_release(*c, a);
+    });
+  }
+  return UCS_OK;
+}
+
+ucs_status_t am_arena_offer_cb(void* arg, const void* h, size_t hl, void* d, size_t l, const ucp_am_recv_param_t* p) {
+  return am_arena_cb(arg, h, hl, d, l, p, true);
+}
+ucs_status_t am_arena_release_cb(void* arg, const void* h, size_t hl, void* d, size_t l, const ucp_am_recv_param_t* p) {
+  return am_arena_cb(arg, h, hl, d, l, p, false);
+}
+
+// A by-put frame's put or flush completed (put_frame).
+void put_cb(void* request, ucs_status_t st, void* user) {
+  auto* op = static_cast<SendOp*>(user);
+  op->impl->requests.erase(request);
+  ucp_request_free(request);
+  if (st != UCS_OK) op->put_failed = true;
+  if (--op->put_outstanding == 0) op->impl->put_done(op);
 }
 
 ucs_status_t am_probe_common(void* arg, const void* header, size_t header_length, void* data,
@@ -316,6 +441,9 @@ Status UcxTransport::Impl::init() {
   if (const char* d = std::getenv("TROUPE_UCX_DIRECT"); d && *d) opt.direct_endpoints = std::string_view(d) != "0";
   if (const char* d = std::getenv("TROUPE_UCX_SPIN_IN_FLIGHT"); d && *d) opt.spin_while_in_flight = std::string_view(d) != "0";
   if (const char* d = std::getenv("TROUPE_UCX_INBOX_PROBE_MS"); d && *d) opt.inbox_probe_ms = std::atoi(d);
+  if (const char* d = std::getenv("TROUPE_UCX_FRAME_ARENA_MB"); d && *d) {
+    opt.put_frames_arena_bytes = static_cast<size_t>(std::max(0, std::atoi(d))) << 20;
+  }
   return init_worker();
 }
 
@@ -344,7 +472,9 @@ Status UcxTransport::Impl::init_worker() {
     ucp_am_recv_callback_t cb;
   };
   for (auto h : {Handler{kAmHello, am_hello_cb}, Handler{kAmHelloAck, am_ack_cb}, Handler{kAmFrame, am_frame_cb},
-                 Handler{kAmProbe, am_probe_cb}, Handler{kAmProbeReply, am_probe_reply_cb}}) {
+                 Handler{kAmProbe, am_probe_cb}, Handler{kAmProbeReply, am_probe_reply_cb},
+                 Handler{kAmArenaOffer, am_arena_offer_cb}, Handler{kAmFramePut, am_frame_put_cb},
+                 Handler{kAmArenaRelease, am_arena_release_cb}}) {
     ucp_am_handler_param_t hp{};
     hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
     hp.id = h.id;
@@ -632,6 +762,7 @@ void UcxTransport::Impl::end_all_connections(const Error& why, bool force) {
   if (!conns.empty()) spdlog::warn("ucx {}: {} connections still closing, left to the worker", opt.name, conns.size());
   for (auto& [id, c] : conns) {
     drop_rkeys(*c);
+    drop_arenas(*c);
     if (c->connect_promise) c->connect_promise->set_value(why);
     report_down(*c);
   }
@@ -782,7 +913,209 @@ void UcxTransport::Impl::send_frame(Conn& c, Frame frame, size_t queued_bytes) {
   op->frame = std::move(frame);
   auto body = op->frame.body_bytes();
   ++frames_sent;
+  if (c.out_arena && put_size_ok(opt, body.size())) {
+    op->conn_id = c.id;
+    // In order behind those already waiting for room (the receiver orders by sequence anyway).
+    if (c.put_waiting.empty() && put_chunks(c, *op)) {
+      finish_send(op.release());
+      return;
+    }
+    c.put_waiting.push_back(std::move(op));
+    return;
+  }
   send_am(c, kAmFrame, std::move(op), body, c.data_ep);
+}
+
+// ---------------------------------------------------------------- frames by put
+
+std::optional<uint64_t> Conn::OutArena::take(size_t bytes) {
+  if (live.empty()) head = 0;
+  uint64_t at;
+  if (live.empty()) {
+    if (bytes > length) return std::nullopt;
+    at = 0;
+  } else if (const uint64_t tail = live.front().offset; head > tail) {
+    // Free: [head, length) and [0, tail). The strict `>` keeps a wrapped head
+    // below the tail, so head == tail never means full.
+    if (length - head >= bytes) {
+      at = head;
+    } else if (tail > bytes) {
+      at = 0;
+    } else {
+      return std::nullopt;
+    }
+  } else if (tail - head > bytes) {  // wrapped: free is [head, tail)
+    at = head;
+  } else {
+    return std::nullopt;
+  }
+  live.push_back({at, bytes, false});
+  head = at + bytes;
+  return at;
+}
+
+// Puts the frame's next chunks into the peer's arena while it has room; each
+// chunk's notice follows once its put is remotely visible (put_done). True
+// when every chunk is out (the last one carries the frame's queued bytes).
+bool UcxTransport::Impl::put_chunks(Conn& c, SendOp& frame_op) {
+  auto& arena = *c.out_arena;
+  auto body = frame_op.frame.body_bytes();
+  const size_t chunk_bytes = std::max<size_t>(64, std::min(opt.put_frames_chunk_bytes, arena.length / 2) & ~size_t{63});
+  while (frame_op.put_next < body.size()) {
+    const uint64_t body_offset = frame_op.put_next, bytes = std::min(chunk_bytes, body.size() - body_offset);
+    auto at = arena.take(round_up_64(bytes));
+    if (!at) return false;
+    if (body_offset == 0) ++frames_by_put;
+    frame_op.put_next += bytes;
+    auto chunk = std::make_unique<SendOp>();
+    chunk->impl = this;
+    chunk->conn_id = c.id;
+    chunk->frame = frame_op.frame;  // keeps the body alive until the notice is sent
+    chunk->header_bytes = kAmPutHeaderBytes;
+    std::memcpy(chunk->header.data(), frame_op.header.data(), kAmDirectHeaderBytes);
+    std::memcpy(chunk->header.data() + kAmDirectHeaderBytes, &*at, 8);
+    std::memcpy(chunk->header.data() + kAmDirectHeaderBytes + 8, &body_offset, 8);
+    std::memcpy(chunk->header.data() + kAmDirectHeaderBytes + 16, &bytes, 8);
+    if (frame_op.put_next == body.size()) chunk->queued_bytes = std::exchange(frame_op.queued_bytes, 0);
+    SendOp* raw = chunk.release();
+    raw->put_outstanding = 1;  // ours, until both are issued
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.send = put_cb;
+    p.user_data = raw;
+    auto track = [&](ucs_status_ptr_t req) {
+      if (req == nullptr) return;
+      if (UCS_PTR_IS_ERR(req)) {
+        raw->put_failed = true;  // the endpoint's error callback reports the peer
+        return;
+      }
+      ++raw->put_outstanding;
+      requests.insert(req);
+    };
+    track(ucp_put_nbx(c.data_ep, body.data() + body_offset, bytes, arena.address + *at, arena.rkey, &p));
+    track(ucp_ep_flush_nbx(c.data_ep, &p));
+    if (--raw->put_outstanding == 0) put_done(raw);
+  }
+  return true;
+}
+
+// A chunk is in the peer's arena: send its notice.
+void UcxTransport::Impl::put_done(SendOp* chunk) {
+  Conn* c = conn_by_id(chunk->conn_id);
+  if (chunk->put_failed || !c || c->state != Conn::State::up || !c->data_ep) {
+    finish_send(chunk);
+    return;
+  }
+  send_am(*c, kAmFramePut, std::unique_ptr<SendOp>(chunk), {}, c->data_ep);
+}
+
+// Receiver: memory the peer may put its large frames into, and its key.
+void UcxTransport::Impl::offer_arena(Conn& c) {
+  auto m = map_memory(nullptr, opt.put_frames_arena_bytes, true);
+  if (!m) {
+    spdlog::info("ucx {}: no arena for frames from {} ({}); they stay on rendezvous", opt.name, c.name,
+                 m.error().what());
+    return;
+  }
+  c.in_arena = Conn::InArena{m->memh, m->base, m->length};
+  auto op = std::make_unique<SendOp>();
+  op->raw_header.resize(24);
+  const uint64_t address = m->key.address, bytes = m->length;
+  std::memcpy(op->raw_header.data(), &c.peer_token, 8);
+  std::memcpy(op->raw_header.data() + 8, &address, 8);
+  std::memcpy(op->raw_header.data() + 16, &bytes, 8);
+  auto* k = reinterpret_cast<const std::byte*>(m->key.packed_key.data());
+  op->raw_body.assign(k, k + m->key.packed_key.size());
+  auto body = std::span<const std::byte>(op->raw_body);
+  send_am(c, kAmArenaOffer, std::move(op), body, c.data_ep);
+  spdlog::debug("ucx {}: offered {} a {}-byte arena for large frames", opt.name, c.name, bytes);
+}
+
+// Sender: the peer's offer. Taken once a connection; ignored when this side
+// does not put frames or the arena is too small to hold one.
+void UcxTransport::Impl::on_arena_offer(Conn& c, uint64_t address, uint64_t length,
+                                        const std::vector<std::byte>& packed) {
+  if (c.state != Conn::State::up || !c.data_ep || c.out_arena || opt.put_frames_arena_bytes == 0) return;
+  if (length / 2 < opt.put_frames_from_bytes || packed.size() < 8) {
+    spdlog::warn("ucx {}: an unusable arena offer from {} ({} bytes, {}-byte key), ignored", opt.name, c.name, length,
+                 packed.size());
+    return;
+  }
+  ucp_rkey_h rkey = nullptr;
+  if (auto st = ucp_ep_rkey_unpack(c.data_ep, packed.data(), &rkey); st != UCS_OK) {
+    spdlog::warn("ucx {}: cannot unpack {}'s arena key: {}", opt.name, c.name, ucs_status_string(st));
+    return;
+  }
+  c.out_arena.emplace();
+  c.out_arena->rkey = rkey;
+  c.out_arena->address = address;
+  c.out_arena->length = length;
+}
+
+// Receiver: a chunk of a frame's body is in our arena. Copied out before the
+// frame is checked (the peer can still write there); then the span goes back.
+void UcxTransport::Impl::on_frame_put(uint64_t conn_id, uint64_t seq, uint64_t arena_offset, uint64_t body_offset,
+                                      uint64_t bytes) {
+  Conn* c = conn_by_id(conn_id);
+  if (!c) return;
+  auto it = c->arrivals.find(seq);
+  if (it == c->arrivals.end() || it->second.ready) return;  // faulted meanwhile
+  Arrival& a = it->second;
+  const messages::FrameHeader& h = a.header;
+  dirty.insert(c->id);
+  auto fail = [&](std::string what) {
+    a.ready = true;
+    a.fault = FrameFault{Error(ErrorCode::invalid_argument, std::move(what)), h.request_id, h.kind, true};
+    a.body = nullptr;
+  };
+  if (!c->in_arena) return fail("a frame notice, but this side offered no arena");
+  const size_t length = c->in_arena->length;
+  if (bytes == 0 || arena_offset % 8 != 0 || arena_offset > length || bytes > length - arena_offset ||
+      body_offset > h.body_bytes || bytes > h.body_bytes - body_offset || bytes > h.body_bytes - a.body_got) {
+    return fail(fmt::format("a frame notice for {} bytes at arena offset {} (of {}) and body offset {} (of {})", bytes,
+                            arena_offset, length, body_offset, h.body_bytes));
+  }
+  if (a.body.size() == 0) a.body = messages::alloc_body_words(h.body_bytes);
+  std::memcpy(reinterpret_cast<std::byte*>(a.body.begin()) + body_offset, c->in_arena->base + arena_offset, bytes);
+  a.body_got += bytes;
+  if (a.body_got == h.body_bytes) {
+    auto body = std::make_shared<messages::FrameBody>();
+    body->words = std::move(a.body);
+    a.frame = Frame(h, std::move(body));
+    a.ready = true;
+  }
+  if (c->state != Conn::State::up || !c->data_ep) return;
+  auto op = std::make_unique<SendOp>();
+  op->raw_header.resize(16);
+  std::memcpy(op->raw_header.data(), &c->peer_token, 8);
+  std::memcpy(op->raw_header.data() + 8, &arena_offset, 8);
+  send_am(*c, kAmArenaRelease, std::move(op), {}, c->data_ep);
+}
+
+// Sender: the peer copied a frame out of its arena; waiting frames may fit now.
+void UcxTransport::Impl::on_arena_release(Conn& c, uint64_t offset) {
+  if (!c.out_arena) return;
+  auto& live = c.out_arena->live;
+  auto it = std::find_if(live.begin(), live.end(), [&](const auto& s) { return s.offset == offset && !s.released; });
+  if (it == live.end()) {
+    spdlog::warn("ucx {}: {} released arena offset {}, which holds no frame of ours; ignored", opt.name, c.name, offset);
+    return;
+  }
+  it->released = true;
+  while (!live.empty() && live.front().released) live.pop_front();
+  while (!c.put_waiting.empty() && c.state == Conn::State::up && put_chunks(c, *c.put_waiting.front())) {
+    finish_send(c.put_waiting.front().release());
+    c.put_waiting.pop_front();
+  }
+}
+
+void UcxTransport::Impl::drop_arenas(Conn& c) {
+  if (c.out_arena) ucp_rkey_destroy(c.out_arena->rkey);
+  c.out_arena.reset();
+  // Ours: the peer may still hold it mapped; the memory goes when it lets go too.
+  if (c.in_arena) ucp_mem_unmap(ctx, c.in_arena->memh);
+  c.in_arena.reset();
+  for (auto& op : std::exchange(c.put_waiting, {})) finish_send(op.release());
 }
 
 void UcxTransport::Impl::send_name(Conn& c, unsigned id) {
@@ -970,6 +1303,7 @@ void UcxTransport::Impl::finish_close(uint64_t id) {
   if (!c) return;
   if (!closed_eps.count(c->ep) || (c->data_ep && !closed_eps.count(c->data_ep))) return;  // one still closing
   drop_rkeys(*c);
+  drop_arenas(*c);
   by_ep.erase(c->ep);
   closed_eps.erase(c->ep);
   if (c->data_ep) {
@@ -1068,6 +1402,24 @@ Status UcxTransport::send_raw_for_test(const std::string& peer, std::vector<std:
   return Ok{};
 }
 
+Status UcxTransport::send_put_notice_for_test(const std::string& peer, std::vector<std::byte> frame_header,
+                                              uint64_t arena_offset, uint64_t body_offset, uint64_t bytes) {
+  auto* impl = impl_.get();
+  impl->post([impl, peer, frame_header = std::move(frame_header), arena_offset, body_offset, bytes] {
+    Conn* c = impl->conn_by_name(peer);
+    if (!c || !c->data_ep) return;
+    auto op = std::make_unique<SendOp>();
+    op->raw_header = frame_header;
+    const uint64_t seq = c->send_seq++;
+    for (uint64_t v : {seq, c->peer_token, arena_offset, body_offset, bytes}) {
+      const auto* b = reinterpret_cast<const std::byte*>(&v);
+      op->raw_header.insert(op->raw_header.end(), b, b + 8);
+    }
+    impl->send_am(*c, kAmFramePut, std::move(op), {}, c->data_ep);
+  });
+  return Ok{};
+}
+
 void UcxTransport::disconnect(const std::string& peer) {
   auto* impl = impl_.get();
   impl->post([impl, peer] {
@@ -1093,6 +1445,7 @@ TransportStats UcxTransport::stats() const {
   s.frames_received = impl_->frames_received;
   s.bad_frames = impl_->bad_frames;
   s.resets = impl_->resets;
+  s.frames_by_put = impl_->frames_by_put;
   return s;
 }
 

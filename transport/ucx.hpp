@@ -35,6 +35,20 @@ struct UcxOptions {
   // 2-core machine: 4 MiB frames 59 -> 65 % of ucp_am_bw, median of 3, within
   // the noise). TROUPE_UCX_SPIN_IN_FLIGHT=1 / =0 in the environment overrides.
   bool spin_while_in_flight = false;
+  // Frames to a peer on this host (shared-memory lanes, direct endpoints) of
+  // at least put_frames_from_bytes body bytes move by puts into a ring the
+  // receiver shares with the sender (an "arena" of put_frames_arena_bytes of
+  // UCX-allocated memory a connection, offered by the receiver after the first
+  // such frame arrives by rendezvous), in chunks of put_frames_chunk_bytes,
+  // each followed by a small notice; the receiver copies each chunk out and
+  // hands its span back. Bulk copies through a ring small enough to stay in
+  // the last-level cache, and a wakeup a chunk, where a rendezvous moves
+  // through the shared-memory FIFO in 8 KB fragments with the progress threads
+  // waking for refills. Frames to peers elsewhere take the rendezvous.
+  // 0 arena bytes: never. TROUPE_UCX_FRAME_ARENA_MB overrides the arena size.
+  size_t put_frames_from_bytes = 256 << 10;
+  size_t put_frames_arena_bytes = 8 << 20;
+  size_t put_frames_chunk_bytes = 1 << 20;  // at most half the arena
   // Bytes of frames queued or in flight, all peers together; send() answers
   // resource_exhausted beyond it (backpressure instead of unbounded memory).
   size_t max_send_queue_bytes = 1ull << 30;
@@ -83,6 +97,11 @@ class UcxTransport final : public Transport {
   // Test hook: sends `header` and `body` as one frame active message exactly
   // as given (no encoding, no checks), to exercise a peer's bad-bytes path.
   Status send_raw_for_test(const std::string& peer, std::vector<std::byte> header, std::vector<std::byte> body);
+  // Test hook: sends a chunk notice of a frame by put (see
+  // put_frames_arena_bytes) with the given frame header bytes, offsets and
+  // length, under the next sequence number, and no put before it.
+  Status send_put_notice_for_test(const std::string& peer, std::vector<std::byte> frame_header, uint64_t arena_offset,
+                                  uint64_t body_offset, uint64_t bytes);
 
   struct Impl;
 

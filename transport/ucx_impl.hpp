@@ -32,16 +32,36 @@ enum : unsigned {
   // connection + u64 nonce, no data; answered with kAmProbeReply, same header shape.
   kAmProbe = 24,
   kAmProbeReply = 25,
+  // Frames by put (UcxOptions::put_frames_arena_bytes), all over direct
+  // endpoints. Offer, receiver -> sender: header = u64 token of the sender's
+  // connection, u64 arena address, u64 arena bytes; data = the packed rkey.
+  kAmArenaOffer = 26,
+  // Notice of one chunk of a frame, sender -> receiver: header = a direct
+  // frame header (frame header, sequence, token) + u64 offset of the chunk in
+  // the receiver's arena, u64 offset of the chunk in the body, u64 chunk bytes;
+  // no data. A frame's chunks may come in any order.
+  kAmFramePut = 27,
+  // Release, receiver -> sender: header = u64 token, u64 offset; no data.
+  kAmArenaRelease = 28,
 };
 inline constexpr size_t kAmFrameHeaderBytes = messages::kHeaderBytes + 8;
 inline constexpr size_t kAmDirectHeaderBytes = kAmFrameHeaderBytes + 8;
+inline constexpr size_t kAmPutHeaderBytes = kAmDirectHeaderBytes + 24;
 inline constexpr size_t kMaxNameBytes = 255;
+
+struct SendOp;
 
 // One received frame slot, delivered in the sender's sequence order.
 struct Arrival {
   bool ready = false;
   std::optional<Frame> frame;
   std::optional<FrameFault> fault;
+  // A frame by put, while its chunks arrive: the header of its first notice,
+  // the body being filled and the bytes copied so far.
+  bool by_put = false;
+  messages::FrameHeader header{};
+  kj::Array<capnp::word> body;
+  size_t body_got = 0;
 };
 
 // A peer. `ep` is the endpoint of the sockaddr connection (listener /
@@ -76,6 +96,32 @@ struct Conn {
     bool forgotten = false;  // forget_remote came while busy: destroy when idle
   };
   std::map<uint64_t, RemoteKey> rkeys;
+  // Frames by put (UcxOptions::put_frames_arena_bytes). in_arena: the memory
+  // this side offered the peer for its frames. out_arena: the peer's arena
+  // (its unpacked key), with the spans our frames hold in allocation order
+  // until the peer releases them (a ring: `head` is where the next goes).
+  struct InArena {
+    ucp_mem_h memh = nullptr;
+    std::byte* base = nullptr;
+    size_t length = 0;
+  };
+  struct OutArena {
+    struct Span {
+      uint64_t offset = 0, length = 0;
+      bool released = false;
+    };
+    ucp_rkey_h rkey = nullptr;
+    uint64_t address = 0;
+    size_t length = 0;
+    size_t head = 0;
+    std::deque<Span> live;
+    // Where `bytes` fit (offset), or nullopt while the live spans leave no room.
+    std::optional<uint64_t> take(size_t bytes);
+  };
+  std::optional<InArena> in_arena;
+  bool in_arena_tried = false;  // offered (or failed to): never again on this connection
+  std::optional<OutArena> out_arena;
+  std::deque<std::unique_ptr<SendOp>> put_waiting;  // by-put frames waiting for arena room, in order
   std::shared_ptr<std::promise<Expected<std::string>>> connect_promise;
   uint32_t faults = 0;
   std::optional<Error> down_reason;
@@ -94,10 +140,16 @@ struct Conn {
 struct SendOp {
   struct UcxTransport::Impl* impl = nullptr;
   size_t queued_bytes = 0;  // counted in Impl::send_queue_bytes until completion
-  std::array<std::byte, kAmDirectHeaderBytes> header{};
+  std::array<std::byte, kAmPutHeaderBytes> header{};
   size_t header_bytes = kAmFrameHeaderBytes;
   Frame frame;
   std::vector<std::byte> raw_header, raw_body;  // test hook and handshake
+  // A frame by put: its connection and the body bytes put so far; a chunk of
+  // one: the put and flush still outstanding.
+  uint64_t conn_id = 0;
+  size_t put_next = 0;
+  unsigned put_outstanding = 0;
+  bool put_failed = false;
 };
 
 // A rendezvous body being received into aligned memory.
@@ -156,7 +208,7 @@ struct UcxTransport::Impl {
   mutable std::mutex names_mu;
   std::set<std::string> up_names;
 
-  std::atomic<uint64_t> frames_sent{0}, frames_received{0}, bad_frames{0}, resets{0};
+  std::atomic<uint64_t> frames_sent{0}, frames_received{0}, bad_frames{0}, resets{0}, frames_by_put{0};
   std::atomic<size_t> rma_in_flight{0}, n_regions{0}, n_remote_keys{0}, send_queue_bytes{0};
 
   // --- progress thread only ---
@@ -210,6 +262,17 @@ struct UcxTransport::Impl {
   // queued_bytes: what send() counted in send_queue_bytes (0 for internal frames).
   void send_frame(Conn& c, Frame frame, size_t queued_bytes = 0);
   void send_name(Conn& c, unsigned id);
+  // Frames by put (ucx.cpp): the receiver's offer, the sender's puts of a
+  // frame's chunks into the arena (false: no room for the rest yet), each
+  // chunk's notice once its put is remotely visible, the receiver's copy out
+  // and release, the cleanup.
+  void offer_arena(Conn& c);
+  void on_arena_offer(Conn& c, uint64_t address, uint64_t length, const std::vector<std::byte>& packed);
+  bool put_chunks(Conn& c, SendOp& frame_op);
+  void put_done(SendOp* chunk);
+  void on_frame_put(uint64_t conn_id, uint64_t seq, uint64_t arena_offset, uint64_t body_offset, uint64_t bytes);
+  void on_arena_release(Conn& c, uint64_t offset);
+  void drop_arenas(Conn& c);
   void on_hello(Conn& c, std::string peer, bool is_ack, uint64_t token, std::vector<std::byte> address);
   void open_direct(Conn& c, uint64_t token, const std::vector<std::byte>& address);
   void mark_up(Conn& c, const std::string& peer);
@@ -232,6 +295,8 @@ struct UcxTransport::Impl {
   void end_all_connections(const Error& why, bool force);
 
   // RMA (ucx_rma.cpp)
+  // Maps (allocate: allocates) memory with UCX and packs its key; no region id.
+  Expected<LocalUcxRegion> map_memory(void* base, size_t length, bool allocate);
   Expected<LocalRegion> map_region(void* base, size_t length, bool allocate);
   Status unmap_region(uint64_t region_id);
   void start_rma(bool is_put, const std::string& peer, const RegionKey& remote, std::vector<RmaOp> ops, Completion done);

@@ -34,7 +34,7 @@ void Batch::maybe_finish() {
   delete this;
 }
 
-Expected<LocalRegion> UcxTransport::Impl::map_region(void* base, size_t length, bool allocate) {
+Expected<LocalUcxRegion> UcxTransport::Impl::map_memory(void* base, size_t length, bool allocate) {
   if (length == 0) return Error(ErrorCode::invalid_argument, "cannot register an empty region");
   ucp_mem_map_params_t mp{};
   mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_FLAGS;
@@ -63,11 +63,18 @@ Expected<LocalRegion> UcxTransport::Impl::map_region(void* base, size_t length, 
   r.length = length;
   r.allocated = allocate;
   r.key.owner = opt.name;
-  r.key.region_id = next_region++;
   r.key.address = reinterpret_cast<uint64_t>(r.base);
   r.key.length = length;
   r.key.packed_key.assign(static_cast<uint8_t*>(packed), static_cast<uint8_t*>(packed) + packed_len);
   ucp_rkey_buffer_release(packed);
+  return r;
+}
+
+Expected<LocalRegion> UcxTransport::Impl::map_region(void* base, size_t length, bool allocate) {
+  auto m = map_memory(base, length, allocate);
+  if (!m) return m.error();
+  LocalUcxRegion& r = *m;
+  r.key.region_id = next_region++;
   if (allocate) std::memset(r.base, 0, length);
   LocalRegion out{r.key, r.base, r.length};
   regions[r.key.region_id] = std::move(r);

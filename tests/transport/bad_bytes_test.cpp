@@ -12,6 +12,7 @@
 #include "tests/messages/samples.hpp"
 #include "tests/transport/child.hpp"
 #include "tests/transport/harness.hpp"
+#include "tests/transport/pattern.hpp"
 #include "transport/tcp.hpp"
 #include "transport/ucx.hpp"
 
@@ -314,6 +315,63 @@ TEST_F(BadBytes, ucx_peer_sending_bad_frames_gets_errors_or_is_dropped) {
   EXPECT_EQ(bystander_in.frames[0].frame.kind(), msg::Kind::MODEL_LIST);
   EXPECT_TRUE(bystander_in.downs.empty());
   EXPECT_GE(log_lines("ucx server: bad frame from attacker"), 5u);
+}
+
+// Frames by put over UCX (UcxOptions::put_frames_arena_bytes): forged chunk
+// notices, one before the server offered an arena, one outside it, one
+// misaligned, one past its frame's body, each get an Error frame; the
+// connection and the server stay up, and large frames still cross.
+TEST_F(BadBytes, ucx_forged_frame_notices_get_errors_and_the_connection_survives) {
+  UcxOptions o;
+  o.name = "attacker-put";
+  o.listen_host.clear();
+  Inbox in;
+  UcxTransport t(o);
+  ASSERT_TRUE(t.start(in.events()).ok());
+  ASSERT_TRUE(t.connect(ucx_addr_, 10s).ok());
+  auto notice = [&](uint64_t rid, uint64_t arena_offset, uint64_t body_offset, uint64_t bytes) {
+    ASSERT_TRUE(t.send_put_notice_for_test("server", header_bytes({1, msg::Kind::HEARTBEAT, rid, 4096}), arena_offset,
+                                           body_offset, bytes)
+                    .ok());
+  };
+  auto expect_error = [&](size_t index, uint64_t rid) {
+    ASSERT_TRUE(in.wait_frames(index + 1));
+    EXPECT_EQ(in.frames[index].frame.kind(), msg::Kind::ERROR);
+    EXPECT_EQ(in.frames[index].frame.request_id(), rid);
+  };
+  ASSERT_NO_FATAL_FAILURE(notice(31, 0, 0, 4096));  // no arena offered yet
+  ASSERT_NO_FATAL_FAILURE(expect_error(0, 31));
+
+  // Large frames: the first (rendezvous) makes the server offer an arena, the
+  // next go by put; the server echoes each, bytes intact.
+  auto big = [](uint64_t rid) {
+    FrameBuilder<msg::StageActivation> b;
+    auto data = b.root().getPayload().initInline(1 << 20);
+    fill_pattern(reinterpret_cast<std::byte*>(data.begin()), data.size(), static_cast<int>(rid));
+    return b.finish(rid);
+  };
+  auto expect_echo = [&](size_t index, uint64_t rid) {
+    ASSERT_TRUE(in.wait_frames(index + 1, 10s));
+    ASSERT_EQ(in.frames[index].frame.request_id(), rid);
+    auto v = messages::open<msg::StageActivation>(in.frames[index].frame);
+    ASSERT_TRUE(v.ok());
+    auto got = v->root().getPayload().getInline();
+    EXPECT_TRUE(check_pattern(reinterpret_cast<const std::byte*>(got.begin()), got.size(), static_cast<int>(rid)));
+  };
+  ASSERT_TRUE(t.send("server", big(32)).ok());
+  ASSERT_NO_FATAL_FAILURE(expect_echo(1, 32));
+  for (uint64_t rid : {33, 34, 35}) ASSERT_TRUE(t.send("server", big(rid)).ok());
+  for (size_t i = 0; i < 3; ++i) ASSERT_NO_FATAL_FAILURE(expect_echo(2 + i, 33 + i));
+  EXPECT_EQ(t.stats().frames_by_put, 3u);
+
+  ASSERT_NO_FATAL_FAILURE(notice(41, uint64_t{1} << 40, 0, 4096));  // outside the arena
+  ASSERT_NO_FATAL_FAILURE(notice(42, 4, 0, 4096));                   // misaligned
+  ASSERT_NO_FATAL_FAILURE(notice(43, 0, 4000, 4096));                // past the frame's body
+  for (size_t i = 0; i < 3; ++i) ASSERT_NO_FATAL_FAILURE(expect_error(5 + i, 41 + i));
+  EXPECT_EQ(t.peers(), std::vector<std::string>{"server"});
+  ASSERT_TRUE(t.send("server", big(44)).ok());
+  ASSERT_NO_FATAL_FAILURE(expect_echo(8, 44));
+  EXPECT_GE(log_lines("bad frame from attacker-put"), 4u);
 }
 
 }  // namespace

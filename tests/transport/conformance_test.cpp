@@ -379,6 +379,60 @@ TEST(UcxRemoteKeys, the_key_cache_is_bounded_and_evicts_the_least_recently_used)
   EXPECT_TRUE(troupe::testing::wait_until([&] { return a.stats().remote_keys == 7u; }));
 }
 
+// UCX only: frames of at least put_frames_from_bytes to a peer on this host
+// move by puts into the receiver's arena, in chunks, once the first one's
+// rendezvous made the receiver offer it; a small arena makes them wait for
+// room and wrap around, and a frame larger than the arena goes through it in
+// turns. Order and bytes hold across every size.
+void send_mixed_frames(UcxPair& p, int n) {
+  const size_t sizes[] = {100, 70 << 10, 300 << 10, (1 << 20) + 300 * 1024 + 8, (3 << 20) + 8};
+  for (int i = 0; i < n; ++i) {
+    FrameBuilder<msg::StageActivation> b;
+    auto data = b.root().getPayload().initInline(sizes[i % 5]);
+    fill_pattern(reinterpret_cast<std::byte*>(data.begin()), data.size(), i);
+    auto f = b.finish(i);
+    Status s = p.a->send("beta", f);
+    for (int tries = 0; !s.ok() && s.error().code() == ErrorCode::resource_exhausted && tries < 10000; ++tries) {
+      std::this_thread::sleep_for(1ms);
+      s = p.a->send("beta", f);
+    }
+    ASSERT_TRUE(s.ok()) << s.error().what();
+  }
+  ASSERT_TRUE(p.ib.wait_frames(n, 60s));
+  for (int i = 0; i < n; ++i) {
+    ASSERT_EQ(p.ib.frames[i].frame.request_id(), static_cast<uint64_t>(i));
+    auto v = messages::open<msg::StageActivation>(p.ib.frames[i].frame);
+    ASSERT_TRUE(v.ok());
+    auto got = v->root().getPayload().getInline();
+    ASSERT_EQ(got.size(), sizes[i % 5]) << i;
+    EXPECT_TRUE(check_pattern(reinterpret_cast<const std::byte*>(got.begin()), got.size(), i)) << i;
+  }
+  EXPECT_EQ(p.b->stats().bad_frames, 0u);
+  EXPECT_TRUE(p.ia.wait([&] { return p.a->stats().send_queue_bytes == 0; }, 5s));
+}
+
+TEST(UcxFramesByPut, large_frames_move_by_put_in_order_with_bytes_verified) {
+  UcxOptions o;
+  o.put_frames_from_bytes = 64 << 10;
+  o.put_frames_arena_bytes = 1 << 20;
+  o.put_frames_chunk_bytes = 192 << 10;
+  o.max_send_queue_bytes = 16 << 20;
+  UcxPair p;
+  ASSERT_NO_FATAL_FAILURE(p.connect(o, o));
+  ASSERT_NO_FATAL_FAILURE(send_mixed_frames(p, 80));
+  // The first frame over the threshold went by rendezvous (it brought the offer); most after it by put.
+  EXPECT_GT(p.a->stats().frames_by_put, 40u);
+}
+
+TEST(UcxFramesByPut, an_arena_of_zero_keeps_every_frame_on_rendezvous) {
+  UcxOptions o;
+  o.put_frames_arena_bytes = 0;
+  UcxPair p;
+  ASSERT_NO_FATAL_FAILURE(p.connect(o, o));
+  ASSERT_NO_FATAL_FAILURE(send_mixed_frames(p, 20));
+  EXPECT_EQ(p.a->stats().frames_by_put, 0u);
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, Conformance, ::testing::Values("inproc", "ucx", "ucx_direct", "ucx_spin"),
                          [](const auto& info) { return info.param; });
 

@@ -3,7 +3,7 @@
 // sizes and UCX settings, in the same run. Prints a markdown table.
 //
 //   transport_bench [--sizes 64,4096,...] [--trials 3] [--gib 1] [--perftest PATH]
-//                   [--spin-us N] [--spin-in-flight] [--frame-arena-mb N] [--frame-chunk-kb N]
+//                   [--spin-us N] [--spin-in-flight] [--frame-arena-mb N] [--frame-chunk-kb N] [--frame-from-kb N]
 //                   [--no-perftest] [--no-puts]
 //
 // Frames: the client sends n frames back to back (at most max(32 MiB, 4
@@ -18,9 +18,10 @@
 // batch, up to 4 batches in flight, from one source buffer to one remote
 // offset as ucp_put_bw does; next to ucp_put_bw -s <size> -e. A second put row targets caller
 // memory registered with register_region.
-// --frame-arena-mb / --frame-chunk-kb: UcxOptions::put_frames_arena_bytes and
-// put_frames_chunk_bytes on both sides (arena 0: every large frame by
-// rendezvous; default: the transport's defaults).
+// --frame-arena-mb / --frame-chunk-kb / --frame-from-kb: UcxOptions::
+// put_frames_arena_bytes, put_frames_chunk_bytes and put_frames_from_bytes on
+// both sides (arena 0: every large frame by rendezvous; default: the
+// transport's defaults).
 // Each measurement runs --trials times, interleaved with its peer; the best
 // of each is reported (the machine is shared).
 #include <fmt/format.h>
@@ -64,10 +65,12 @@ int g_spin_us = 0;
 bool g_spin_in_flight = false;
 int g_frame_arena_mb = -1;  // -1: the transport's default
 int g_frame_chunk_kb = -1;
+int g_frame_from_kb = -1;
 
 void apply_frame_arena(UcxOptions& o) {
   if (g_frame_arena_mb >= 0) o.put_frames_arena_bytes = static_cast<size_t>(g_frame_arena_mb) << 20;
   if (g_frame_chunk_kb > 0) o.put_frames_chunk_bytes = static_cast<size_t>(g_frame_chunk_kb) << 10;
+  if (g_frame_from_kb > 0) o.put_frames_from_bytes = static_cast<size_t>(g_frame_from_kb) << 10;
 }
 
 int serve() {
@@ -244,6 +247,7 @@ int main(int argc, char** argv) {
   g_spin_in_flight = args.flag("--spin-in-flight");
   g_frame_arena_mb = static_cast<int>(args.num("--frame-arena-mb", -1));
   g_frame_chunk_kb = static_cast<int>(args.num("--frame-chunk-kb", -1));
+  g_frame_from_kb = static_cast<int>(args.num("--frame-from-kb", -1));
   bool no_perftest = args.flag("--no-perftest");
   bool no_puts = args.flag("--no-puts");  // frames only (profiling the frame path)
   setenv("UCX_NET_DEVICES", "lo", 0);
@@ -258,9 +262,11 @@ int main(int argc, char** argv) {
     server_args.push_back("--frame-arena-mb");
     server_args.push_back(std::to_string(g_frame_arena_mb));
   }
-  if (g_frame_chunk_kb > 0) {
-    server_args.push_back("--frame-chunk-kb");
-    server_args.push_back(std::to_string(g_frame_chunk_kb));
+  for (auto [flag, v] : {std::pair{"--frame-chunk-kb", g_frame_chunk_kb}, std::pair{"--frame-from-kb", g_frame_from_kb}}) {
+    if (v > 0) {
+      server_args.push_back(flag);
+      server_args.push_back(std::to_string(v));
+    }
   }
   auto server = spawn(server_args);
   std::string ready = read_line(server.out);

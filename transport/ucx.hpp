@@ -1,5 +1,6 @@
 // Transport between processes over UCX 1.13 (ucp): active messages for
-// frames (eager for small, rendezvous for large), RMA with packed rkeys for
+// frames (eager for small, rendezvous for large; large frames to a peer on
+// this host by puts into a ring it shares, see put_frames_arena_bytes), RMA with packed rkeys for
 // regions, endpoint error mode PEER for failure detection. One worker, owned
 // by one progress thread that sleeps in the worker's wakeup fd (epoll/poll)
 // whenever there is nothing to do: no busy spinning (2-core machines).
@@ -47,7 +48,7 @@ struct UcxOptions {
   // waking for refills. Frames to peers elsewhere take the rendezvous.
   // 0 arena bytes: never. TROUPE_UCX_FRAME_ARENA_MB overrides the arena size.
   size_t put_frames_from_bytes = 256 << 10;
-  size_t put_frames_arena_bytes = 8 << 20;
+  size_t put_frames_arena_bytes = 4 << 20;
   size_t put_frames_chunk_bytes = 1 << 20;  // at most half the arena
   // Bytes of frames queued or in flight, all peers together; send() answers
   // resource_exhausted beyond it (backpressure instead of unbounded memory).

@@ -26,6 +26,18 @@ struct NormRope {
   int slot_groups;  // thread groups that split an entry's slots (merged through shared memory)
 };
 
+// A decode step's ring store for one sequence (Source::ring_job): the new token's kv and
+// score (+ bias; with score_out, the biased score also written there) into ring row `dst`,
+// after every slot of the entry was read. dst null: none (the Source's after() does it).
+struct RingJob {
+  float* dst = nullptr;
+  const float* kv = nullptr;
+  const float* score = nullptr;
+  const float* bias = nullptr;
+  float* score_out = nullptr;
+  int64_t width = 0;
+};
+
 // Slots of the backend op: row pointers, bias already applied.
 struct PointerSource {
   const float* const* kv;
@@ -43,6 +55,7 @@ struct PointerSource {
   }
   __device__ int64_t position(int64_t e) const { return positions[e]; }
   __device__ void* out_row(int64_t e) const { return out[e]; }
+  __device__ RingJob ring_job(int64_t) const { return {}; }
   __device__ void after(int64_t, int64_t) const {}
 };
 
@@ -106,6 +119,7 @@ struct PrefillSource {
   }
   __device__ int64_t position(int64_t e) const { return (first_entry + e) * g.rate; }
   __device__ void* out_row(int64_t e) const { return out[e]; }
+  __device__ RingJob ring_job(int64_t) const { return {}; }
   // The CTAs past the entries (a chunk no entry of which reads the ring): one ring row each.
   __device__ void after(int64_t e, int64_t) const;
 };
@@ -186,10 +200,14 @@ struct DecodeSource {
   __device__ int64_t position(int64_t b) const { return (positions[b] / g.rate) * g.rate; }
   __device__ void* out_row(int64_t b) const { return out[b]; }
   // The new token goes into its ring row once every slot has been read.
-  __device__ void after(int64_t b, int64_t) const {
+  __device__ RingJob ring_job(int64_t b) const {
     const int64_t p = positions[b];
-    store_ring_row(rings[b] + (p % g.ring_slots) * 2 * g.width, kv + b * g.width, score + b * g.width,
-                   g.ape + (p % g.rate) * g.width, nullptr, g.width);
+    return {rings[b] + (p % g.ring_slots) * 2 * g.width, kv + b * g.width, score + b * g.width,
+            g.ape + (p % g.rate) * g.width, nullptr, g.width};
+  }
+  __device__ void after(int64_t b, int64_t) const {
+    const RingJob j = ring_job(b);
+    store_ring_row(j.dst, j.kv, j.score, j.bias, j.score_out, j.width);
   }
 };
 
@@ -222,11 +240,15 @@ struct PagedDecodeSource {
   __device__ void* out_row(int64_t b) const { return entries[row(b) * entry_stride + positions[b] / g.rate]; }
   // Token p's ring row is not one of the window's other slots (they are the ring_slots - 1
   // tokens before p at most), so no entry of this call reads what this writes.
-  __device__ void after(int64_t b, int64_t) const {
+  __device__ RingJob ring_job(int64_t b) const {
     const int64_t p = positions[b];
-    store_ring_row(ring[row(b) * ring_stride + p % g.ring_slots], kv + b * g.width, score + b * g.width,
-                   bias != nullptr ? bias + (p % g.rate) * g.width : nullptr,
-                   bias != nullptr ? score + b * g.width : nullptr, g.width);
+    return {ring[row(b) * ring_stride + p % g.ring_slots], kv + b * g.width, score + b * g.width,
+            bias != nullptr ? bias + (p % g.rate) * g.width : nullptr, bias != nullptr ? score + b * g.width : nullptr,
+            g.width};
+  }
+  __device__ void after(int64_t b, int64_t) const {
+    const RingJob j = ring_job(b);
+    store_ring_row(j.dst, j.kv, j.score, j.bias, j.score_out, j.width);
   }
 };
 
@@ -267,9 +289,15 @@ __device__ __forceinline__ void store_out<__nv_bfloat16>(void* out, int64_t i, f
 // ASYNC (VEC 4, one slot group): each chunk's kv and scores are copied into shared memory
 // (cp.async), the next chunk's copies issued before this one is pooled, so two chunks'
 // loads are in flight without holding them in registers (2 x UNROLL x 32 bytes a thread).
+// RING (with ASYNC; the launch gives it 3 x width floats more of shared memory): the
+// entry's ring row (Source::ring_job) is copied into shared memory by cp.async at the
+// start, under the slots' loads, and stored from there at the end. ASYNC kernels also
+// load the epilogue's first norm weights and RoPE frequencies into registers at the
+// start. A decode entry's chain was: slots, epilogue weights, ring row sources: three
+// round trips after the slot table, now one.
 // STREAMING: the slots' kv and scores by cache-streaming loads (ld.global.cs).
 template <class Source, class OutT, int VEC, int MAXT = 512, int MINB = 1, int UNROLL = kUnroll, bool ASYNC = false,
-          bool STREAMING = false>
+          bool STREAMING = false, bool RING = false>
 __global__ void __launch_bounds__(MAXT, MINB) compress_kernel(const Source src, const NormRope nr) {
   pdl_entry();  // see launch_kernel
   extern __shared__ __align__(16) float pooled[];  // [dim], 32 floats of reduction scratch, the slot table
@@ -282,6 +310,36 @@ __global__ void __launch_bounds__(MAXT, MINB) compress_kernel(const Source src, 
   }
   using V = Vec<VEC>;
   const int slots = src.num_slots();
+  float4* const stage = reinterpret_cast<float4*>((reinterpret_cast<uintptr_t>(table + slots) + 15) & ~uintptr_t{15});
+  const int64_t rope_begin = nr.dim - nr.rope.rope_dim;
+  constexpr int kPre = 2;  // epilogue pairs a thread prefetches (ASYNC)
+  float pre_w[kPre][2] = {}, pre_f[kPre] = {};
+  RingJob job{};
+  const float* ring_src = nullptr;  // staged kv, score, bias of the ring row (ASYNC)
+  if constexpr (RING) job = src.ring_job(e);
+  if constexpr (ASYNC) {
+    if (job.dst != nullptr && job.width % 4 == 0 &&
+        ((reinterpret_cast<uintptr_t>(job.kv) | reinterpret_cast<uintptr_t>(job.score) |
+          reinterpret_cast<uintptr_t>(job.bias)) & 15) == 0) {
+      auto* ring_stage = reinterpret_cast<float*>(stage + 2 * UNROLL * 2 * blockDim.x);
+      for (int64_t i = threadIdx.x; i < job.width / 4; i += blockDim.x) {
+        cp_async16(ring_stage + 4 * i, job.kv + 4 * i, true);
+        cp_async16(ring_stage + job.width + 4 * i, job.score + 4 * i, true);
+        if (job.bias != nullptr) cp_async16(ring_stage + 2 * job.width + 4 * i, job.bias + 4 * i, true);
+      }
+      cp_async_commit();  // the oldest group: complete by the main loop's first wait
+      ring_src = ring_stage;
+    }
+#pragma unroll
+    for (int k = 0; k < kPre; ++k) {
+      const int64_t c = 2 * (threadIdx.x + static_cast<int64_t>(k) * blockDim.x);
+      if (c < nr.dim) {
+        pre_w[k][0] = nr.weight[c];
+        pre_w[k][1] = nr.weight[c + 1];
+        pre_f[k] = c >= rope_begin ? nr.rope.inv_freq[(c - rope_begin) / 2] : 0.f;
+      }
+    }
+  }
   // Where each slot lives, worked out once per entry (not per channel group).
   for (int s = threadIdx.x; s < slots; s += blockDim.x) table[s] = src.slot(e, s);
   __syncthreads();
@@ -304,7 +362,6 @@ __global__ void __launch_bounds__(MAXT, MINB) compress_kernel(const Source src, 
       acc[i] = 0.f;
     }
     // This thread's staged chunk `b` (ASYNC): slot u's kv then scores, one float4 each.
-    float4* stage = reinterpret_cast<float4*>((reinterpret_cast<uintptr_t>(table + slots) + 15) & ~uintptr_t{15});
     auto staged = [&](int b, int u, int a) -> float4& {
       return stage[((b * UNROLL + u) * 2 + a) * blockDim.x + threadIdx.x];
     };
@@ -426,18 +483,33 @@ __global__ void __launch_bounds__(MAXT, MINB) compress_kernel(const Source src, 
   ss = block_sum(ss, scratch);  // also orders the pooled writes before the reads below
   const float inv = 1.0f / sqrtf(ss / static_cast<float>(nr.dim) + nr.eps);
   const int64_t pos = src.position(e);
-  const int64_t rope_begin = nr.dim - nr.rope.rope_dim;
   void* out = src.out_row(e);
-  for (int64_t pi = threadIdx.x; pi < nr.dim / 2; pi += blockDim.x) {
-    const int64_t c = 2 * pi;
-    float a = nr.weight[c] * (pooled[c] * inv);
-    float b = nr.weight[c + 1] * (pooled[c + 1] * inv);
-    if (c >= rope_begin) {
-      const float angle = nr.rope.inv_freq[(c - rope_begin) / 2] * static_cast<float>(pos);
-      rope_pair(a, b, angle, nr.rope.scale, false);
-    }
+  auto emit = [&](int64_t c, float w0, float w1, float freq) {
+    float a = w0 * (pooled[c] * inv);
+    float b = w1 * (pooled[c + 1] * inv);
+    if (c >= rope_begin) rope_pair(a, b, freq * static_cast<float>(pos), nr.rope.scale, false);
     store_out<OutT>(out, c, a);
     store_out<OutT>(out, c + 1, b);
+  };
+  int64_t pi = threadIdx.x;
+  if constexpr (ASYNC) {
+#pragma unroll
+    for (int k = 0; k < kPre; ++k, pi += blockDim.x) {
+      if (pi < nr.dim / 2) emit(2 * pi, pre_w[k][0], pre_w[k][1], pre_f[k]);
+    }
+  }
+  for (; pi < nr.dim / 2; pi += blockDim.x) {
+    const int64_t c = 2 * pi;
+    emit(c, nr.weight[c], nr.weight[c + 1], c >= rope_begin ? nr.rope.inv_freq[(c - rope_begin) / 2] : 0.f);
+  }
+  if constexpr (RING) {
+    if (ring_src != nullptr) {
+      cp_async_wait<0>();  // a thread without a channel group never waited in the loop
+      __syncthreads();
+      store_ring_row(job.dst, ring_src, ring_src + job.width, job.bias != nullptr ? ring_src + 2 * job.width : nullptr,
+                     job.score_out, job.width);
+      return;
+    }
   }
   __syncthreads();
   src.after(e, 0);
@@ -463,8 +535,10 @@ int block_for(int64_t dim, int vec) {
   return std::max(threads, 32);
 }
 
+// ring_width: the width of the decode sources' ring rows (RingJob), 0 for the others.
 template <class Source>
-void launch(const Source& src, int64_t count, int slots, const NormRope& nr, EntryType type, cudaStream_t stream) {
+void launch(const Source& src, int64_t count, int slots, const NormRope& nr, EntryType type, cudaStream_t stream,
+            int64_t ring_width = 0) {
   if (count == 0) return;
   TROUPE_REQUIRE(nr.dim % 2 == 0 && nr.rope.rope_dim <= nr.dim && nr.dim <= 12288, "compressor: bad dim");
   TROUPE_REQUIRE(count <= 0x7fffffff, "compressor: too many entries");
@@ -485,6 +559,8 @@ void launch(const Source& src, int64_t count, int slots, const NormRope& nr, Ent
                    compress_kernel<Source, float, 4, 128, 8, 4>, compress_kernel<Source, __nv_bfloat16, 4, 128, 8, 4>,
                    compress_kernel<Source, float, 4, 128, 6, 4, true>,
                    compress_kernel<Source, __nv_bfloat16, 4, 128, 6, 4, true>,
+                   compress_kernel<Source, float, 4, 128, 4, 4, true, false, true>,
+                   compress_kernel<Source, __nv_bfloat16, 4, 128, 4, 4, true, false, true>,
                    compress_kernel<Source, float, 4, 512, 2, 4>, compress_kernel<Source, __nv_bfloat16, 4, 512, 2, 4>,
                    compress_kernel<Source, float, 4, 512, 2, 4, false, true>,
                    compress_kernel<Source, __nv_bfloat16, 4, 512, 2, 4, false, true>}) {
@@ -500,14 +576,31 @@ void launch(const Source& src, int64_t count, int slots, const NormRope& nr, Ent
     return e != nullptr && e[0] == '1';
   }();
   const dim3 grid(static_cast<unsigned>(count));
-  const size_t async_smem = smem + 16 + 2 * 4 * 2 * static_cast<size_t>(threads) * 16;
+  size_t async_smem = smem + 16 + 2 * 4 * 2 * static_cast<size_t>(threads) * 16;
+  bool stage_ring = false;
+  if (ring_width > 0) {  // the ring row staged too, where the CTAs of the one wave still fit
+    const size_t with_ring = async_smem + 3 * static_cast<size_t>(ring_width) * 4;
+    const int64_t per_sm = (count + sm_count() - 1) / sm_count();
+    if (per_sm <= 4 && static_cast<size_t>(per_sm) * (with_ring + 1024) <= 227 * 1024) {
+      async_smem = with_ring;
+      stage_ring = true;
+    }
+  }
   if (!only8 && vec && threads <= 128 && smem <= 24 * 1024 && count <= 6 * static_cast<int64_t>(sm_count())) {
     // Short windows (CSA), one wave of CTAs (decode): each chunk of 4 slots staged in
     // shared memory by cp.async with the next chunk's copies in flight, one round trip
     // for an entry's loads instead of two (batch 64: 6.7 -> 6.15 us); 6 CTAs an SM. Not
     // for many waves, where the staging's lower occupancy costs (65,536 tokens: 174 ->
-    // 215 us).
-    if (type == EntryType::f32) {
+    // 215 us). Staging the ring row too leaves room for 4 CTAs an SM: 128 registers.
+    if (stage_ring) {
+      if (type == EntryType::f32) {
+        launch_kernel(compress_kernel<Source, float, 4, 128, 4, 4, true, false, true>, grid, threads, async_smem, stream,
+                      src, n2);
+      } else {
+        launch_kernel(compress_kernel<Source, __nv_bfloat16, 4, 128, 4, 4, true, false, true>, grid, threads,
+                      async_smem, stream, src, n2);
+      }
+    } else if (type == EntryType::f32) {
       launch_kernel(compress_kernel<Source, float, 4, 128, 6, 4, true>, grid, threads, async_smem, stream, src, n2);
     } else {
       launch_kernel(compress_kernel<Source, __nv_bfloat16, 4, 128, 6, 4, true>, grid, threads, async_smem, stream,
@@ -594,7 +687,7 @@ void compress_decode(const CompressorShape& s, const float* kv, const float* sco
   TROUPE_REQUIRE(s.rate >= 1, "compress_decode: bad rate");
   DecodeSource src{geometry(s), kv, score, positions, rings, out_rows};
   launch(src, batch, s.overlap ? 2 * s.rate : s.rate, NormRope{s.dim, s.norm_weight, s.eps, s.rope, 1}, out_type,
-         stream);
+         stream, src.g.width);
 }
 
 void compress_decode_paged(const CompressorShape& s, int64_t batch, const int64_t* positions, const int32_t* table_of,
@@ -603,7 +696,7 @@ void compress_decode_paged(const CompressorShape& s, int64_t batch, const int64_
   TROUPE_REQUIRE(s.rate >= 1, "compress_decode_paged: bad rate");
   PagedDecodeSource src{geometry(s), kv, score, s.ape, positions, table_of, ring, ring_stride, entries, entry_stride};
   launch(src, batch, s.overlap ? 2 * s.rate : s.rate, NormRope{s.dim, s.norm_weight, s.eps, s.rope, 1}, EntryType::f32,
-         stream);
+         stream, src.g.width);
 }
 
 void compress_slots(int64_t count, int slots, int64_t dim, const float* const* kv_src, const float* const* score_src,

@@ -39,9 +39,9 @@ $table
   default busy-polling; *sleep* is \`-I -E sleep\`, the wakeup model troupe's progress thread uses.
 - troupe frames go through the whole path: \`Transport::send\` from another thread, the progress thread, an
   aligned receive buffer, full validation of the body, delivery in order to \`on_frame\`. Frames with bodies of
-  256 KiB and more move by puts into the receiver's arena in 1 MiB chunks (UcxOptions::put_frames_arena_bytes,
-  4 MiB a connection; the first such frame takes the rendezvous and brings the offer); the rest by active
-  messages (eager, or rendezvous through UCX's shared-memory FIFO).
+  32 KiB and more move by puts into the receiver's arena in 1 MiB chunks (UcxOptions::put_frames_arena_bytes,
+  4 MiB a connection; the first such frame takes the active-message path and brings the offer); the rest by
+  active messages (eager, or rendezvous through UCX's shared-memory FIFO).
 - *put*: batches of 16 puts (one completion each, up to 4 in flight) into a region the peer made with
   \`allocate_region\`, next to \`ucp_put_bw -s <size>\` (which also targets UCX-allocated memory).
   *put into caller memory*: the same into memory the peer registered with \`register_region\`: shared-memory

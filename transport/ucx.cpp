@@ -220,15 +220,16 @@ ucs_status_t am_frame_cb(void* arg, const void* header, size_t header_length, vo
                          in.h.request_id, in.h.kind, true};
     return drop();
   }
+  // A large frame from a peer on this host (eager or rendezvous, as UCX's
+  // thresholds put it): offer the peer an arena, so that the next ones come by
+  // put (UcxOptions::put_frames_arena_bytes).
+  if (!c->in_arena_tried && c->shm && c->data_ep && put_size_ok(impl->opt, length)) {
+    c->in_arena_tried = true;
+    impl->user_calls.push_back([impl, id = c->id] {
+      if (Conn* c = impl->conn_by_id(id); c && c->state == Conn::State::up) impl->offer_arena(*c);
+    });
+  }
   if (rndv) {
-    // A large frame from a peer on this host: offer it an arena, so that the
-    // next ones come by put (UcxOptions::put_frames_arena_bytes).
-    if (!c->in_arena_tried && c->shm && c->data_ep && put_size_ok(impl->opt, length)) {
-      c->in_arena_tried = true;
-      impl->user_calls.push_back([impl, id = c->id] {
-        if (Conn* c = impl->conn_by_id(id); c && c->state == Conn::State::up) impl->offer_arena(*c);
-      });
-    }
     // Start the data fetch here, inside the callback (UCX allows it), so the
     // next frame's transfer overlaps the delivery of this one.
     auto* r = new RndvRecv{impl, c->id, in.seq, in.h, data, messages::alloc_body_words(length)};

@@ -40,14 +40,16 @@ struct UcxOptions {
   // at least put_frames_from_bytes body bytes move by puts into a ring the
   // receiver shares with the sender (an "arena" of put_frames_arena_bytes of
   // UCX-allocated memory a connection, offered by the receiver after the first
-  // such frame arrives by rendezvous), in chunks of put_frames_chunk_bytes,
+  // such frame arrives), in chunks of put_frames_chunk_bytes,
   // each followed by a small notice; the receiver copies each chunk out and
   // hands its span back. Bulk copies through a ring small enough to stay in
   // the last-level cache, and a wakeup a chunk, where a rendezvous moves
   // through the shared-memory FIFO in 8 KB fragments with the progress threads
   // waking for refills. Frames to peers elsewhere take the rendezvous.
   // 0 arena bytes: never. TROUPE_UCX_FRAME_ARENA_MB overrides the arena size.
-  size_t put_frames_from_bytes = 256 << 10;
+  // From 32 KiB (GPU host, session 13: 64 KiB frames 54 -> 80-86 % of
+  // ucp_am_bw, 128 KiB 59 -> 84-88 %, 256 KiB 58 -> 83-124 %, against a 256 KiB threshold).
+  size_t put_frames_from_bytes = 32 << 10;
   size_t put_frames_arena_bytes = 4 << 20;
   size_t put_frames_chunk_bytes = 1 << 20;  // at most half the arena
   // Bytes of frames queued or in flight, all peers together; send() answers

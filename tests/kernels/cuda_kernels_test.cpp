@@ -578,7 +578,9 @@ TEST_F(CudaKernelsTest, indexer_scores_and_topk_match_a_reference) {
       t.out_idx = d_idx;
       t.out_stride = k;
       t.out_count = d_cnt;
-      if (!fused) ASSERT_FALSE(cuda::indexer_topk_is_fused(a, t)) << "TROUPE_INDEXER_FUSED=0";
+      if (!fused) {
+        ASSERT_FALSE(cuda::indexer_topk_is_fused(a, t)) << "TROUPE_INDEXER_FUSED=0";
+      }
       fused_runs += cuda::indexer_topk_is_fused(a, t) ? 1 : 0;
       cuda::indexer_topk(a, t, ws, stream());
       const auto scores = host(d_scores, B * max_keys);

@@ -139,11 +139,11 @@ ucs_status_t am_ack_cb(void* arg, const void* h, size_t hl, void* d, size_t l, c
 // Frames by put: the size check both sides make (the sender's use, the
 // receiver's offer).
 bool put_size_ok(const UcxOptions& o, size_t body) {
-  return o.put_frames_arena_bytes > 0 && body >= o.put_frames_from_bytes;
+  return o.put_frames_arena_bytes > 0 && body >= std::max<size_t>(o.put_frames_from_bytes, 1);
 }
 
-// The checks every frame message gets (kAmFrame and, with extra = 8 header
-// bytes, kAmFramePut): the connection it names, a sequence number not seen
+// The checks every frame message gets (kAmFrame and, with extra = 24 header
+// bytes, kAmFramePut's first notice of a frame): the connection it names, a sequence number not seen
 // before, a valid frame header. `c` null: dropped (no connection). Else `a` is
 // the arrival slot, already ready with a fault when a check failed.
 struct FrameIn {
@@ -980,10 +980,7 @@ bool UcxTransport::Impl::put_chunks(Conn& c, SendOp& frame_op) {
     if (frame_op.put_next == body.size()) chunk->queued_bytes = std::exchange(frame_op.queued_bytes, 0);
     SendOp* raw = chunk.release();
     raw->put_outstanding = 1;  // ours, until both are issued
-    ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    p.cb.send = put_cb;
-    p.user_data = raw;
+    const ucp_request_param_t p = send_param(put_cb, raw);
     auto track = [&](ucs_status_ptr_t req) {
       if (req == nullptr) return;
       if (UCS_PTR_IS_ERR(req)) {
@@ -1037,7 +1034,7 @@ void UcxTransport::Impl::offer_arena(Conn& c) {
 void UcxTransport::Impl::on_arena_offer(Conn& c, uint64_t address, uint64_t length,
                                         const std::vector<std::byte>& packed) {
   if (c.state != Conn::State::up || !c.data_ep || c.out_arena || opt.put_frames_arena_bytes == 0) return;
-  if (length / 2 < opt.put_frames_from_bytes || packed.size() < 8) {
+  if (length / 2 < std::max<size_t>(opt.put_frames_from_bytes, 4096) || packed.size() < 8) {
     spdlog::warn("ucx {}: an unusable arena offer from {} ({} bytes, {}-byte key), ignored", opt.name, c.name, length,
                  packed.size());
     return;
@@ -1093,7 +1090,7 @@ void UcxTransport::Impl::on_frame_put(uint64_t conn_id, uint64_t seq, uint64_t a
   send_am(*c, kAmArenaRelease, std::move(op), {}, c->data_ep);
 }
 
-// Sender: the peer copied a frame out of its arena; waiting frames may fit now.
+// Sender: the peer copied a chunk out of its arena; waiting frames may fit now.
 void UcxTransport::Impl::on_arena_release(Conn& c, uint64_t offset) {
   if (!c.out_arena) return;
   auto& live = c.out_arena->live;

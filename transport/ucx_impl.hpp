@@ -51,6 +51,16 @@ inline constexpr size_t kMaxNameBytes = 255;
 
 struct SendOp;
 
+// Parameters of a send-like nbx call (put, get, flush, active message) that
+// completes through `cb(request, status, user)`.
+inline ucp_request_param_t send_param(ucp_send_nbx_callback_t cb, void* user) {
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.send = cb;
+  p.user_data = user;
+  return p;
+}
+
 // One received frame slot, delivered in the sender's sequence order.
 struct Arrival {
   bool ready = false;

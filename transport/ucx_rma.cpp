@@ -163,10 +163,7 @@ void UcxTransport::Impl::start_rma(bool is_put, const std::string& peer, const R
   ++(*key)->busy;  // until the batch finishes (maybe_finish)
   b->conn_id = c->id;
   b->region_id = remote.region_id;
-  ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  p.cb.send = rma_cb;
-  p.user_data = b;
+  const ucp_request_param_t p = send_param(rma_cb, b);
   auto track = [&](ucs_status_ptr_t req) {
     if (req == nullptr) return;
     if (UCS_PTR_IS_ERR(req)) {

@@ -315,7 +315,7 @@ __global__ void __launch_bounds__(MAXT, MINB) compress_kernel(const Source src, 
   constexpr int kPre = 2;  // epilogue pairs a thread prefetches (ASYNC)
   float pre_w[kPre][2] = {}, pre_f[kPre] = {};
   RingJob job{};
-  const float* ring_src = nullptr;  // staged kv, score, bias of the ring row (ASYNC)
+  const float* ring_src = nullptr;  // staged kv, score, bias of the ring row (RING)
   if constexpr (RING) job = src.ring_job(e);
   if constexpr (ASYNC) {
     if (job.dst != nullptr && job.width % 4 == 0 &&

@@ -997,9 +997,19 @@ bool UcxTransport::Impl::put_chunks(Conn& c, SendOp& frame_op) {
   return true;
 }
 
-// A chunk is in the peer's arena: send its notice.
+// A chunk is in the peer's arena: send its notice. A failed put loses the frame,
+// and the peer would wait for it for good: the connection goes down instead (after
+// the callback this may run in).
 void UcxTransport::Impl::put_done(SendOp* chunk) {
   Conn* c = conn_by_id(chunk->conn_id);
+  if (chunk->put_failed && c != nullptr && c->state == Conn::State::up) {
+    user_calls.push_back([this, id = c->id] {
+      if (Conn* c = conn_by_id(id); c && c->state == Conn::State::up) {
+        spdlog::warn("ucx {}: a put into {}'s frame arena failed; dropping the connection", opt.name, c->name);
+        close_conn(*c, Error(ErrorCode::unavailable, "a put into the peer's frame arena failed"), true);
+      }
+    });
+  }
   if (chunk->put_failed || !c || c->state != Conn::State::up || !c->data_ep) {
     finish_send(chunk);
     return;

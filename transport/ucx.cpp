@@ -8,6 +8,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <initializer_list>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -28,6 +29,15 @@ uint64_t load_u64(const std::byte* p) {
 }
 
 size_t round_up_64(size_t n) { return (n + 63) & ~size_t{63}; }
+
+// Appends u64 fields (host order, as every peer is a troupe process on the same
+// kind of machine) to an active message's raw header.
+void append_u64(std::vector<std::byte>& out, std::initializer_list<uint64_t> words) {
+  for (uint64_t w : words) {
+    const auto* b = reinterpret_cast<const std::byte*>(&w);
+    out.insert(out.end(), b, b + 8);
+  }
+}
 
 bool valid_name(const std::string& s) {
   if (s.empty() || s.size() > kMaxNameBytes) return false;
@@ -678,9 +688,7 @@ void UcxTransport::Impl::probe(Conn& c) {
 // A probe or its answer over the direct endpoint: the receiver's token, the nonce.
 void UcxTransport::Impl::send_probe(Conn& c, unsigned id, uint64_t nonce) {
   auto op = std::make_unique<SendOp>();
-  op->raw_header.resize(16);
-  std::memcpy(op->raw_header.data(), &c.peer_token, 8);
-  std::memcpy(op->raw_header.data() + 8, &nonce, 8);
+  append_u64(op->raw_header, {c.peer_token, nonce});
   send_am(c, id, std::move(op), {}, c.data_ep);
 }
 
@@ -1025,18 +1033,15 @@ void UcxTransport::Impl::offer_arena(Conn& c) {
                  m.error().what());
     return;
   }
-  c.in_arena = Conn::InArena{m->memh, m->base, m->length};
+  c.in_arena = std::move(*m);
+  const RegionKey& key = c.in_arena->key;
   auto op = std::make_unique<SendOp>();
-  op->raw_header.resize(24);
-  const uint64_t address = m->key.address, bytes = m->length;
-  std::memcpy(op->raw_header.data(), &c.peer_token, 8);
-  std::memcpy(op->raw_header.data() + 8, &address, 8);
-  std::memcpy(op->raw_header.data() + 16, &bytes, 8);
-  auto* k = reinterpret_cast<const std::byte*>(m->key.packed_key.data());
-  op->raw_body.assign(k, k + m->key.packed_key.size());
+  append_u64(op->raw_header, {c.peer_token, key.address, key.length});
+  auto* k = reinterpret_cast<const std::byte*>(key.packed_key.data());
+  op->raw_body.assign(k, k + key.packed_key.size());
   auto body = std::span<const std::byte>(op->raw_body);
   send_am(c, kAmArenaOffer, std::move(op), body, c.data_ep);
-  spdlog::debug("ucx {}: offered {} a {}-byte arena for large frames", opt.name, c.name, bytes);
+  spdlog::debug("ucx {}: offered {} a {}-byte arena for large frames", opt.name, c.name, key.length);
 }
 
 // Sender: the peer's offer. Taken once a connection; ignored when this side
@@ -1094,9 +1099,7 @@ void UcxTransport::Impl::on_frame_put(uint64_t conn_id, uint64_t seq, uint64_t a
   }
   if (c->state != Conn::State::up || !c->data_ep) return;
   auto op = std::make_unique<SendOp>();
-  op->raw_header.resize(16);
-  std::memcpy(op->raw_header.data(), &c->peer_token, 8);
-  std::memcpy(op->raw_header.data() + 8, &arena_offset, 8);
+  append_u64(op->raw_header, {c->peer_token, arena_offset});
   send_am(*c, kAmArenaRelease, std::move(op), {}, c->data_ep);
 }
 
@@ -1418,11 +1421,7 @@ Status UcxTransport::send_put_notice_for_test(const std::string& peer, std::vect
     if (!c || !c->data_ep) return;
     auto op = std::make_unique<SendOp>();
     op->raw_header = frame_header;
-    const uint64_t seq = c->send_seq++;
-    for (uint64_t v : {seq, c->peer_token, arena_offset, body_offset, bytes}) {
-      const auto* b = reinterpret_cast<const std::byte*>(&v);
-      op->raw_header.insert(op->raw_header.end(), b, b + 8);
-    }
+    append_u64(op->raw_header, {c->send_seq++, c->peer_token, arena_offset, body_offset, bytes});
     impl->send_am(*c, kAmFramePut, std::move(op), {}, c->data_ep);
   });
   return Ok{};

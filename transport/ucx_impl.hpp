@@ -51,6 +51,15 @@ inline constexpr size_t kMaxNameBytes = 255;
 
 struct SendOp;
 
+// Memory mapped with UCX here (a registered region, or a connection's frame arena).
+struct LocalUcxRegion {
+  ucp_mem_h memh = nullptr;
+  std::byte* base = nullptr;
+  size_t length = 0;
+  bool allocated = false;
+  RegionKey key;
+};
+
 // Parameters of a send-like nbx call (put, get, flush, active message) that
 // completes through `cb(request, status, user)`.
 inline ucp_request_param_t send_param(ucp_send_nbx_callback_t cb, void* user) {
@@ -110,11 +119,6 @@ struct Conn {
   // this side offered the peer for its frames. out_arena: the peer's arena
   // (its unpacked key), with the spans our frames hold in allocation order
   // until the peer releases them (a ring: `head` is where the next goes).
-  struct InArena {
-    ucp_mem_h memh = nullptr;
-    std::byte* base = nullptr;
-    size_t length = 0;
-  };
   struct OutArena {
     struct Span {
       uint64_t offset = 0, length = 0;
@@ -128,7 +132,7 @@ struct Conn {
     // Where `bytes` fit (offset), or nullopt while the live spans leave no room.
     std::optional<uint64_t> take(size_t bytes);
   };
-  std::optional<InArena> in_arena;
+  std::optional<LocalUcxRegion> in_arena;
   bool in_arena_tried = false;  // offered (or failed to): never again on this connection
   std::optional<OutArena> out_arena;
   std::deque<std::unique_ptr<SendOp>> put_waiting;  // by-put frames waiting for arena room, in order
@@ -182,14 +186,6 @@ struct Batch {
   bool issued = false;  // all ops posted; completion may run when outstanding hits 0
   void op_done(ucs_status_t st);
   void maybe_finish();
-};
-
-struct LocalUcxRegion {
-  ucp_mem_h memh = nullptr;
-  std::byte* base = nullptr;
-  size_t length = 0;
-  bool allocated = false;
-  RegionKey key;
 };
 
 struct UcxTransport::Impl {

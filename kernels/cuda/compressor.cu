@@ -312,6 +312,7 @@ __global__ void __launch_bounds__(MAXT, MINB) compress_kernel(const Source src, 
   const int slots = src.num_slots();
   float4* const stage = reinterpret_cast<float4*>((reinterpret_cast<uintptr_t>(table + slots) + 15) & ~uintptr_t{15});
   const int64_t rope_begin = nr.dim - nr.rope.rope_dim;
+  auto freq_of = [&](int64_t c) { return c >= rope_begin ? nr.rope.inv_freq[(c - rope_begin) / 2] : 0.f; };
   constexpr int kPre = 2;  // epilogue pairs a thread prefetches (ASYNC)
   float pre_w[kPre][2] = {}, pre_f[kPre] = {};
   RingJob job{};
@@ -336,7 +337,7 @@ __global__ void __launch_bounds__(MAXT, MINB) compress_kernel(const Source src, 
       if (c < nr.dim) {
         pre_w[k][0] = nr.weight[c];
         pre_w[k][1] = nr.weight[c + 1];
-        pre_f[k] = c >= rope_begin ? nr.rope.inv_freq[(c - rope_begin) / 2] : 0.f;
+        pre_f[k] = freq_of(c);
       }
     }
   }
@@ -500,7 +501,7 @@ __global__ void __launch_bounds__(MAXT, MINB) compress_kernel(const Source src, 
   }
   for (; pi < nr.dim / 2; pi += blockDim.x) {
     const int64_t c = 2 * pi;
-    emit(c, nr.weight[c], nr.weight[c + 1], c >= rope_begin ? nr.rope.inv_freq[(c - rope_begin) / 2] : 0.f);
+    emit(c, nr.weight[c], nr.weight[c + 1], freq_of(c));
   }
   if constexpr (RING) {
     if (ring_src != nullptr) {

@@ -113,7 +113,7 @@ struct PrefillSource {
     if (j < 0) return Slot{};
     if (j >= start) {
       const int64_t r = (j - start) * g.width + half * g.dim;
-      return Slot{kv + r, score + r, g.ape + (j % g.rate) * g.width + half * g.dim};
+      return Slot{kv + r, score + r, g.ape + (s % g.rate) * g.width + half * g.dim};  // s % rate == j % rate
     }
     return g.from_ring(ring, j, half);
   }
@@ -285,6 +285,18 @@ __device__ __forceinline__ void store_out<__nv_bfloat16>(void* out, int64_t i, f
   static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(v);
 }
 
+// The softmax over the slots runs in base 2: scores times log2(e), weights 2^(s - max) by
+// one ex2.approx each (expf's range reduction was ~6 instructions a weight, and the
+// prefill kernel issues an instruction every other cycle on each scheduler). ex2.approx
+// is within 2 ulp; its flush of results under 2^-126 to zero drops only weights that
+// vanish next to the max's 1.
+constexpr float kLog2e = 1.4426950408889634f;
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // MAXT / MINB: launch bounds; UNROLL: slots whose loads are in flight together per thread.
 // ASYNC (VEC 4, one slot group): each chunk's kv and scores are copied into shared memory
 // (cp.async), the next chunk's copies issued before this one is pooled, so two chunks'
@@ -341,9 +353,16 @@ __global__ void __launch_bounds__(MAXT, MINB) compress_kernel(const Source src, 
       }
     }
   }
-  // Where each slot lives, worked out once per entry (not per channel group).
-  for (int s = threadIdx.x; s < slots; s += blockDim.x) table[s] = src.slot(e, s);
-  __syncthreads();
+  // Where each slot lives, worked out once per entry (not per channel group), and
+  // whether every slot's rows are 16-byte aligned (then read without per-load checks).
+  int aligned = 1;
+  for (int s = threadIdx.x; s < slots; s += blockDim.x) {
+    const Slot sl = src.slot(e, s);
+    table[s] = sl;
+    aligned &= ((reinterpret_cast<uintptr_t>(sl.kv) | reinterpret_cast<uintptr_t>(sl.sc) |
+                 reinterpret_cast<uintptr_t>(sl.bias)) & 15) == 0;
+  }
+  const bool all_aligned = __syncthreads_and(aligned) != 0 && VEC == 4;
   const int64_t groups = nr.dim / VEC;
   // Thread t pools channel groups t % tpg, ... over the slots of slot group t / tpg.
   const int tpg = blockDim.x / nr.slot_groups;
@@ -408,15 +427,24 @@ __global__ void __launch_bounds__(MAXT, MINB) compress_kernel(const Source src, 
           } else if constexpr (STREAMING && VEC == 4) {
             kv = load_streaming(sl.kv + c0);
             sc = load_streaming(sl.sc + c0);
+          } else if constexpr (VEC == 4) {
+            kv = all_aligned ? *reinterpret_cast<const float4*>(sl.kv + c0) : V::load(sl.kv + c0);
+            sc = all_aligned ? *reinterpret_cast<const float4*>(sl.sc + c0) : V::load(sl.sc + c0);
           } else {
             kv = V::load(sl.kv + c0);
             sc = V::load(sl.sc + c0);
           }
-          if (sl.bias != nullptr) bias = V::load(sl.bias + c0);
+          if (sl.bias != nullptr) {
+            if constexpr (VEC == 4) {
+              bias = all_aligned ? *reinterpret_cast<const float4*>(sl.bias + c0) : V::load(sl.bias + c0);
+            } else {
+              bias = V::load(sl.bias + c0);
+            }
+          }
 #pragma unroll
           for (int i = 0; i < VEC; ++i) {
             kvf[u][i] = V::get(kv, i);
-            scf[u][i] = V::get(sc, i) + (sl.bias != nullptr ? V::get(bias, i) : 0.f);
+            scf[u][i] = (V::get(sc, i) + (sl.bias != nullptr ? V::get(bias, i) : 0.f)) * kLog2e;
           }
         } else {
 #pragma unroll
@@ -433,11 +461,11 @@ __global__ void __launch_bounds__(MAXT, MINB) compress_kernel(const Source src, 
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) mn = fmaxf(mn, scf[u][i]);
         if (mn > -INFINITY) {
-          const float f = expf(m[i] - mn);  // 0 while m is -inf
+          const float f = fast_exp2(m[i] - mn);  // 0 while m is -inf
           float a = acc[i] * f, ls = l[i] * f;
 #pragma unroll
           for (int u = 0; u < UNROLL; ++u) {
-            const float pr = expf(scf[u][i] - mn);  // 0 for empty slots
+            const float pr = fast_exp2(scf[u][i] - mn);  // 0 for empty slots
             a = fmaf(pr, kvf[u][i], a);
             ls += pr;
           }
@@ -471,7 +499,7 @@ __global__ void __launch_bounds__(MAXT, MINB) compress_kernel(const Source src, 
       float lsum = 0.f, asum = 0.f;
       if (mx > -INFINITY) {
         for (int q = 0; q < nr.slot_groups; ++q) {
-          const float f = expf(part[(q * 3) * nr.dim + c] - mx);
+          const float f = fast_exp2(part[(q * 3) * nr.dim + c] - mx);
           lsum += part[(q * 3 + 1) * nr.dim + c] * f;
           asum += part[(q * 3 + 2) * nr.dim + c] * f;
         }

@@ -454,6 +454,51 @@ TEST_F(CudaKernelsTest, compressor_prefill_and_decode_match_cpu) {
   }
 }
 
+// Entries whose slots point anywhere (the backend op): many waves of CTAs, slot rows at
+// every alignment (an entry with a row not 16-byte aligned takes the checked loads; the
+// others read float4s unchecked), some slots empty.
+TEST_F(CudaKernelsTest, compressor_slots_at_any_alignment_match_cpu) {
+  const int64_t count = 3000, dim = 128, rope_dim = 64;
+  const int slots = 8;
+  std::vector<float> pool = randn(count * slots * 2 * (dim + 4), rng_), norm = randn(dim, rng_);
+  std::vector<float> inv(rope_dim / 2);
+  for (size_t i = 0; i < inv.size(); ++i) inv[i] = std::pow(160000.f, -2.f * i / rope_dim);
+  float* d_pool = dev(pool);
+  std::vector<const float*> kv_h, sc_h, kv_d, sc_d;
+  std::vector<int64_t> pos(count);
+  std::uniform_int_distribution<int64_t> row(0, count * slots * 2 - 1);
+  std::uniform_int_distribution<int> shift(0, 3), empty(0, 7);
+  int unaligned = 0;
+  for (int64_t e = 0; e < count; ++e) {
+    pos[e] = e * 4;
+    for (int s = 0; s < slots; ++s) {
+      const bool none = empty(rng_) == 0 && s > 0;  // slot 0 always holds a row
+      const int sk = e % 2 == 1 ? shift(rng_) : 0, sc = e % 2 == 1 ? shift(rng_) : 0;  // even entries aligned
+      const int64_t k = row(rng_) * (dim + 4) + sk, c = row(rng_) * (dim + 4) + sc;
+      unaligned += (k % 4 != 0 || c % 4 != 0) && !none;
+      kv_h.push_back(none ? nullptr : pool.data() + k);
+      sc_h.push_back(none ? nullptr : pool.data() + c);
+      kv_d.push_back(none ? nullptr : d_pool + k);
+      sc_d.push_back(none ? nullptr : d_pool + c);
+    }
+  }
+  ASSERT_GT(unaligned, 0);
+  std::vector<float> ref(count * dim);
+  std::vector<float*> ref_rows;
+  std::vector<float*> out_rows;
+  float* d_out = dev<float>(count * dim);
+  poison(d_out, count * dim * 4);
+  for (int64_t e = 0; e < count; ++e) {
+    ref_rows.push_back(ref.data() + e * dim);
+    out_rows.push_back(d_out + e * dim);
+  }
+  cpu_->compress(count, slots, dim, kv_h.data(), sc_h.data(), norm.data(), 1e-6f, pos.data(),
+                 RopeTable{inv.data(), rope_dim, 1.f}, ref_rows.data());
+  cuda::compress_slots(count, slots, dim, dev(kv_d), dev(sc_d), dev(norm), 1e-6f, dev(pos),
+                       RopeTable{dev(inv), rope_dim, 1.f}, dev(out_rows), stream());
+  EXPECT_CLOSE(host(d_out, count * dim), ref, 1e-5);
+}
+
 // ---- lightning indexer ------------------------------------------------------------------
 float e4m3_to_float(uint8_t b) {
   const int sign = b >> 7, exp = (b >> 3) & 0xf, mant = b & 7;

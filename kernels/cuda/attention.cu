@@ -340,29 +340,72 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
 }
 
 // Merges the splits of (query, head): O = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s.
-__global__ void combine_kernel(const Params p, int splits, int dim) {
+// The splits' (m, l) into shared memory first, every split's in one round trip (a thread
+// a split); then `groups` groups of dim / 4 threads each sum every groups-th split's
+// partial row (a float4 of channels a thread, kCombineUnroll splits' loads in flight, no
+// branch on loaded data), merged through shared memory. groups grows with the splits (a
+// group per kCombineUnroll splits, at most 512 threads): few splits (many queries) keep
+// small CTAs. (It was a thread a channel pair walking the splits, two dependent round
+// trips a split: ~25 of the 60 us of a batch-1 decode over 8,320 keys in 64 splits.)
+constexpr int kCombineMaxThreads = 512;
+constexpr int kCombineUnroll = 4;
+int combine_groups(int splits, int64_t dim) {
+  const int most = std::max<int>(1, kCombineMaxThreads / static_cast<int>(dim / 4));
+  return std::clamp<int>(static_cast<int>(ceil_div(splits, kCombineUnroll)), 1, most);
+}
+size_t combine_smem(int splits, int64_t dim) {
+  return (2 * static_cast<size_t>(splits) + 4 + static_cast<size_t>(combine_groups(splits, dim)) * dim) * 4;
+}
+__global__ void __launch_bounds__(kCombineMaxThreads) combine_kernel(const Params p, int splits, int dim) {
   pdl_entry();  // see launch_kernel
+  extern __shared__ __align__(16) float cs[];  // [splits] m, [splits] l, [groups][dim] sums
+  float* m_s = cs;
+  float* l_s = cs + splits;
+  float* sums = cs + ((2 * splits + 3) & ~3);  // 16-byte aligned
+  const int per_group = dim / 4, groups = blockDim.x / per_group;
   const int64_t t = blockIdx.x;
-  const int h = blockIdx.y;
-  float mx = -INFINITY;
-  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, p.part_ml[((s * p.n_queries + t) * p.heads + h) * 2]);
-  float lsum = 0.f;
-  for (int s = 0; s < splits; ++s) {
-    const float* ml = p.part_ml + ((s * p.n_queries + t) * p.heads + h) * 2;
-    if (ml[0] > -INFINITY) lsum += exp2f(ml[0] - mx) * ml[1];
+  const int h = blockIdx.y, tid = threadIdx.x;
+  auto row = [&](int s) { return (static_cast<int64_t>(s) * p.n_queries + t) * p.heads + h; };
+  for (int s = tid; s < splits; s += blockDim.x) {
+    const float2 ml = *reinterpret_cast<const float2*>(p.part_ml + row(s) * 2);
+    m_s[s] = ml.x;
+    l_s[s] = ml.y;
   }
-  const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+  __syncthreads();
+  float mx = -INFINITY;
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, m_s[s]);
+  auto weight = [&](int s) { return m_s[s] > -INFINITY ? exp2f(m_s[s] - mx) : 0.f; };
+  float l = 0.f;
+  for (int s = 0; s < splits; ++s) l += weight(s) * l_s[s];
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  const int grp = tid / per_group, c4 = tid % per_group;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s0 = grp; s0 < splits; s0 += groups * kCombineUnroll) {
+    float4 v[kCombineUnroll];
+#pragma unroll
+    for (int u = 0; u < kCombineUnroll; ++u) {
+      const int s = s0 + u * groups;
+      v[u] = s < splits ? reinterpret_cast<const float4*>(p.part_o + row(s) * dim)[c4] : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int u = 0; u < kCombineUnroll; ++u) {
+      const int s = s0 + u * groups;
+      const float w = s < splits ? weight(s) : 0.f;
+      acc.x = fmaf(w, v[u].x, acc.x);
+      acc.y = fmaf(w, v[u].y, acc.y);
+      acc.z = fmaf(w, v[u].z, acc.z);
+      acc.w = fmaf(w, v[u].w, acc.w);
+    }
+  }
+  reinterpret_cast<float4*>(sums + grp * dim)[c4] = acc;
+  __syncthreads();
   const int64_t pos = p.derope ? p.positions[t] : 0;
   const int rope_begin = dim - static_cast<int>(p.rope.rope_dim);
-  for (int col = 2 * threadIdx.x; col < dim; col += 2 * blockDim.x) {
+  for (int col = 2 * tid; col < dim; col += 2 * blockDim.x) {
     float x = 0.f, y = 0.f;
-    for (int s = 0; s < splits; ++s) {
-      const float m = p.part_ml[((s * p.n_queries + t) * p.heads + h) * 2];
-      if (m == -INFINITY) continue;
-      const float wgt = exp2f(m - mx);
-      const float2 v = *reinterpret_cast<const float2*>(p.part_o + ((s * p.n_queries + t) * p.heads + h) * dim + col);
-      x += wgt * v.x;
-      y += wgt * v.y;
+    for (int g = 0; g < groups; ++g) {
+      x += sums[g * dim + col];
+      y += sums[g * dim + col + 1];
     }
     x *= inv;
     y *= inv;
@@ -418,6 +461,7 @@ void attention(const AttentionArgs& a, void* workspace, cudaStream_t stream) {
   if (a.n_queries == 0) return;
   TROUPE_REQUIRE(a.n_queries <= 65535, "attention: at most 65535 queries per call");
   const int splits = plan_splits(a);
+  TROUPE_REQUIRE(splits <= 4096, "attention: at most 4096 key splits");
   Params p{};
   p.q = a.q;
   p.n_queries = a.n_queries;
@@ -446,8 +490,9 @@ void attention(const AttentionArgs& a, void* workspace, cudaStream_t stream) {
     launch<false>(a.dim, p, grid, stream);
   }
   if (splits > 1) {
-    launch_kernel(combine_kernel, dim3(static_cast<unsigned>(a.n_queries), static_cast<unsigned>(a.heads)), 128, 0,
-                  stream, p, splits, static_cast<int>(a.dim));
+    launch_kernel(combine_kernel, dim3(static_cast<unsigned>(a.n_queries), static_cast<unsigned>(a.heads)),
+                  static_cast<unsigned>(combine_groups(splits, a.dim) * (a.dim / 4)), combine_smem(splits, a.dim), stream,
+                  p, splits, static_cast<int>(a.dim));
     TROUPE_LAUNCHED();
   }
 }

@@ -38,6 +38,12 @@ struct RingJob {
   int64_t width = 0;
 };
 
+// Whether every pointer is 16-byte aligned (null counts as aligned).
+template <class... P>
+__device__ __forceinline__ bool aligned16(const P*... p) {
+  return ((... | reinterpret_cast<uintptr_t>(p)) & 15) == 0;
+}
+
 // Slots of the backend op: row pointers, bias already applied.
 struct PointerSource {
   const float* const* kv;
@@ -130,10 +136,7 @@ struct PrefillSource {
 // so a plain loop waits for each load in turn: 8 round trips for a CSA row).
 __device__ __forceinline__ void store_ring_row(float* r, const float* kv, const float* score, const float* bias,
                                                float* score_out, int64_t width) {
-  const bool vec = width % 4 == 0 && ((reinterpret_cast<uintptr_t>(r) | reinterpret_cast<uintptr_t>(kv) |
-                                       reinterpret_cast<uintptr_t>(score) | reinterpret_cast<uintptr_t>(bias) |
-                                       reinterpret_cast<uintptr_t>(score_out)) &
-                                      15) == 0;
+  const bool vec = width % 4 == 0 && aligned16(r, kv, score, bias, score_out);
   if (vec) {
     constexpr int kPass = 2;  // float4s a thread has in flight per array
     const int64_t n4 = width / 4;
@@ -258,7 +261,7 @@ template <>
 struct Vec<4> {
   using T = float4;
   __device__ static float4 load(const float* p) {
-    if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) return *reinterpret_cast<const float4*>(p);
+    if (aligned16(p)) return *reinterpret_cast<const float4*>(p);
     return make_float4(p[0], p[1], p[2], p[3]);
   }
   __device__ static float get(const float4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
@@ -272,7 +275,7 @@ struct Vec<1> {
 
 // Four floats read once (evict first), 16 bytes at a time where aligned.
 __device__ __forceinline__ float4 load_streaming(const float* p) {
-  if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) return __ldcs(reinterpret_cast<const float4*>(p));
+  if (aligned16(p)) return __ldcs(reinterpret_cast<const float4*>(p));
   return make_float4(p[0], p[1], p[2], p[3]);
 }
 
@@ -331,9 +334,7 @@ __global__ void __launch_bounds__(MAXT, MINB) compress_kernel(const Source src, 
   const float* ring_src = nullptr;  // staged kv, score, bias of the ring row (RING)
   if constexpr (RING) job = src.ring_job(e);
   if constexpr (ASYNC) {
-    if (job.dst != nullptr && job.width % 4 == 0 &&
-        ((reinterpret_cast<uintptr_t>(job.kv) | reinterpret_cast<uintptr_t>(job.score) |
-          reinterpret_cast<uintptr_t>(job.bias)) & 15) == 0) {
+    if (job.dst != nullptr && job.width % 4 == 0 && aligned16(job.kv, job.score, job.bias)) {
       auto* ring_stage = reinterpret_cast<float*>(stage + 2 * UNROLL * 2 * blockDim.x);
       for (int64_t i = threadIdx.x; i < job.width / 4; i += blockDim.x) {
         cp_async16(ring_stage + 4 * i, job.kv + 4 * i, true);
@@ -359,8 +360,7 @@ __global__ void __launch_bounds__(MAXT, MINB) compress_kernel(const Source src, 
   for (int s = threadIdx.x; s < slots; s += blockDim.x) {
     const Slot sl = src.slot(e, s);
     table[s] = sl;
-    aligned &= ((reinterpret_cast<uintptr_t>(sl.kv) | reinterpret_cast<uintptr_t>(sl.sc) |
-                 reinterpret_cast<uintptr_t>(sl.bias)) & 15) == 0;
+    aligned &= aligned16(sl.kv, sl.sc, sl.bias);
   }
   const bool all_aligned = __syncthreads_and(aligned) != 0 && VEC == 4;
   const int64_t groups = nr.dim / VEC;

@@ -890,11 +890,9 @@ void UcxTransport::Impl::start_connect(const std::string& host, uint16_t port,
 void UcxTransport::Impl::send_am(Conn& c, unsigned id, std::unique_ptr<SendOp> op, std::span<const std::byte> body,
                                  ucp_ep_h ep) {
   op->impl = this;
-  ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  ucp_request_param_t p = send_param(send_cb, op.get());
+  p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
   p.flags = ep ? 0 : UCP_AM_SEND_FLAG_REPLY;  // a direct endpoint's frames carry the token instead
-  p.cb.send = send_cb;
-  p.user_data = op.get();
   const void* hdr = op->raw_header.empty() ? static_cast<const void*>(op->header.data()) : op->raw_header.data();
   size_t hlen = op->raw_header.empty() ? op->header_bytes : op->raw_header.size();
   auto* req = ucp_am_send_nbx(ep ? ep : c.ep, id, hdr, hlen, body.data(), body.size(), &p);
@@ -1294,12 +1292,10 @@ void UcxTransport::Impl::close_endpoints(Conn& c, bool force) {
   c.close_deferred = false;
   for (ucp_ep_h ep : {c.data_ep, c.ep}) {
     if (!ep) continue;
-    ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-    p.cb.send = close_cb;
     auto* ctx = new CloseCtx{this, c.id, ep};
-    p.user_data = ctx;
+    ucp_request_param_t p = send_param(close_cb, ctx);
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     auto* req = ucp_ep_close_nbx(ep, &p);
     if (!UCS_PTR_IS_PTR(req)) {
       delete ctx;

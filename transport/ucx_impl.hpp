@@ -60,7 +60,7 @@ struct LocalUcxRegion {
   RegionKey key;
 };
 
-// Parameters of a send-like nbx call (put, get, flush, active message) that
+// Parameters of a send-like nbx call (put, get, flush, active message, endpoint close) that
 // completes through `cb(request, status, user)`.
 inline ucp_request_param_t send_param(ucp_send_nbx_callback_t cb, void* user) {
   ucp_request_param_t p{};

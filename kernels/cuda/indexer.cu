@@ -217,30 +217,45 @@ __global__ void __launch_bounds__(kWarps * 32, 1) indexer_mma_kernel(const Score
 }
 
 // ---- the warpgroup tensor cores (sm_90a wgmma) ---------------------------------------------
-// A = the query (64 heads x 128 channels, bf16, in shared memory for the whole scan), B = a
-// unit of 64 keys; both K-major in the 128-byte-swizzled layout wgmma reads: a 128-channel
-// row is two 128-byte halves, each half of a tile is 64 rows of 128 bytes (8-row groups
-// of 1,024 bytes), and row r's 16-byte chunk j of a half sits at chunk j ^ (r % 8). Each
-// warpgroup streams its units through a private ring of kWgStages units filled by cp.async
-// (its 128 threads copy a unit together, so one named barrier a unit), issues 8 wgmma
-// (k = 16 each) into 32 fp32 accumulators a thread, and reduces relu(q.k) * w over the
-// heads: within a thread (2 heads), across the 8 lanes that share a column group (a
-// reduce-scatter of 14 shuffles that leaves each lane the sums of two keys), then across
-// the 4 warps in shared memory in a fixed order. e4m3 keys: copied raw, converted to f16 in a
-// swizzled tile after they land (the query in f16). mma.sync held the query as A fragments in
-// 128 registers a thread (8 warps an SM) and issued at half of wgmma's rate.
-constexpr int kWgKeys = 64;                  // keys a unit (wgmma N)
+// bf16 keys (indexer_wgmma_kernel): A = the query (64 heads x 128 channels, bf16, in shared memory
+// for the whole scan), B = a unit of 64 keys; both K-major in the 128-byte-swizzled layout wgmma
+// reads: a 128-channel row is two 128-byte halves, each half of a tile is 64 rows of 128 bytes
+// (8-row groups of 1,024 bytes), and row r's 16-byte chunk j of a half sits at chunk j ^ (r % 8).
+// Each warpgroup streams its units through a private ring of kBf16Stages units filled by cp.async
+// (its 128 threads copy a unit together, so one named barrier a unit), issues 8 wgmma (k = 16 each)
+// into 32 fp32 accumulators a thread, and reduces relu(q.k) * w over the heads: within a thread (2
+// heads), across the 8 lanes that share a column group (a reduce-scatter of 14 shuffles that leaves
+// each lane the sums of two keys), then across the 4 warps in shared memory in a fixed order.
+// e4m3 keys (indexer_wgmma_e4m3_kernel): A = the unit of keys in registers, converted to f16 there,
+// B = the query (f16) in the same swizzled tile. Warp w of a warpgroup holds keys 16w .. 16w + 15 as
+// wgmma's A fragments: lane (g = lane / 4, c = lane % 4) keys 16w + g and 16w + g + 8, channels 2c,
+// 2c + 1, 2c + 8, 2c + 9 of every 16. The channels are permuted (the query carries the same
+// permutation) so that those are the 16-byte chunks at bytes 16c and 64 + 16c of each of its two key
+// rows. Each thread copies its own chunks by cp.async into its warpgroup's ring and reads back only
+// those, so the scan has no barrier: wait for the unit's copies, convert, 8 wgmma into 32 fp32
+// accumulators (keys x heads 8j + 2c + {0, 1}), relu(q.k) * w summed over the thread's 16 heads,
+// then over the 4 lanes of the key (two shuffles), times the key's scale. Until session 15 the e4m3
+// keys were B too, converted into a second tile after they landed: three warpgroup barriers, a fence
+// and the cross-warp sums a unit, one unit in flight a warpgroup (30.4 -> 22.1-22.9 us at 1M keys
+// x 1, indexer + top-k). The same register form for bf16 keys measured slower (27.7 -> 29.3-30.4
+// us): a bf16 unit is 16 KB, so its ring holds one unit in flight; its copies are 64-byte pieces
+// of rows where the shared-memory form's are whole rows.
+constexpr int kWgKeys = 64;                  // keys a unit
 constexpr int kWgGroups = 4;                 // warpgroups a CTA
-constexpr int kWgStages = 2;                 // ring depth of a warpgroup, in units
 constexpr int kTileHalf = 64 * 128;          // one 64-channel half of a 64-row tile, bytes
-constexpr int kUnitBytes = 2 * kTileHalf;    // a 64 x 128 16-bit tile (the query, or a unit)
-constexpr int kRawBytes = kWgKeys * 128;     // a unit of e4m3 keys as copied (rows of 128 bytes)
-// A warpgroup's region: bf16 keys, kWgStages swizzled units; e4m3 keys, the f16 tile wgmma reads,
-// then kWgStages raw units each followed by its 64 scales. 1,024-aligned.
-constexpr int kWgRegion =
-    (std::max(kWgStages * kUnitBytes, kUnitBytes + kWgStages * (kRawBytes + kWgKeys * 4)) + 1023) / 1024 * 1024;
-constexpr int kWgRedOffset = kUnitBytes + kWgGroups * kWgRegion;  // the warps' partial sums, after the regions
-constexpr size_t kWgSmem = 1024 + kWgRedOffset + kWgGroups * 4 * kWgKeys * 4;
+constexpr int kUnitBytes = 2 * kTileHalf;    // a 64 x 128 16-bit tile (the query, or a unit of bf16 keys)
+// Shared memory: the query's tile, the warpgroups' rings, then (fused) the CTA's scores and FuseSmem.
+// bf16: a ring of kBf16Stages swizzled units a warpgroup, then the warps' partial sums.
+constexpr int kBf16Stages = 2;
+constexpr int kBf16Rings = kWgGroups * kBf16Stages * kUnitBytes + kWgGroups * 4 * kWgKeys * 4;
+// e4m3: a unit in a warpgroup's ring is each thread's 4 16-byte chunks chunk-major ([chunk][128
+// threads]: a warp's copies and reads are conflict-free), then the unit's 64 scales.
+constexpr int kE4m3Stages = 4;  // units a warpgroup's ring holds (kE4m3Stages - 1 in flight)
+constexpr int kE4m3Stage = 4 * 128 * 16 + kWgKeys * 4;
+constexpr int kE4m3Region = (kE4m3Stages * kE4m3Stage + 1023) / 1024 * 1024;
+constexpr int kE4m3Rings = kWgGroups * kE4m3Region;
+template <bool FP8>
+constexpr int kScoreOffset = kUnitBytes + (FP8 ? kE4m3Rings : kBf16Rings);  // the fused form's scores
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -279,6 +294,15 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t a, uint
                  : TROUPE_WGMMA_OUT32
                  : "l"(a), "l"(b), "r"(accumulate));
   }
+}
+// D (64 x 64 fp32) += A (64 x 16 f16, registers: a[0..3] as mma.sync's m16n8k16 fragments, warp w's
+// rows 16w .. 16w + 15) * B (16 x 64 f16, shared memory); `accumulate` 0 overwrites D.
+__device__ __forceinline__ void wgmma_m64n64k16_ra(float (&d)[32], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " TROUPE_WGMMA_D32
+               ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+               : TROUPE_WGMMA_OUT32
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 #undef TROUPE_WGMMA_D32
 #undef TROUPE_WGMMA_OUT32
@@ -324,11 +348,10 @@ __device__ __forceinline__ void reduce_half(float (&v)[16], int lane) {
 constexpr int kFuseBins = 2048;
 constexpr int kFuseUnits = 16;  // units a warpgroup scores in the fused form (kept in shared memory)
 constexpr int kFuseScoreBytes = kWgGroups * kFuseUnits * kWgKeys * 4;
-constexpr int kWgSmemScore = kWgRedOffset + kWgGroups * 4 * kWgKeys * 4;
 constexpr int kFuseCandCap = 4096;  // a row's candidate list ((key, index) pairs)
-// The regions hold the list and the CTA's own bucket elements, as 64-bit composites.
-static_assert(kFuseCandCap * 8 + kWgGroups * kFuseUnits * kWgKeys * 8 <= kWgGroups * kWgRegion,
-              "the regions hold the list and the CTA's bucket elements");
+// The rings hold the list and the CTA's own bucket elements, as 64-bit composites.
+static_assert(kFuseCandCap * 8 + kWgGroups * kFuseUnits * kWgKeys * 8 <= std::min(kBf16Rings, kE4m3Rings),
+              "the rings hold the list and the CTA's bucket elements");
 constexpr int kRankMax = 32;  // candidates one warp ranks
 enum FuseCounter { kFArrive = 0, kFAbove, kFCand, kFDone, kFCounters = 8 };
 // A row's words, zero between calls but kFDone (left at the CTA count; each call's CTA 0 resets it).
@@ -352,7 +375,22 @@ struct FuseSmem {
   uint32_t n_above, n_tie, base_above, base_tie, pos, gathered;
   uint64_t few[kRankMax];
 };
-constexpr size_t kWgSmemFused = 1024 + kWgSmemScore + kFuseScoreBytes + sizeof(FuseSmem);
+// The shared memory of a form of the wgmma kernels (1,024 for the alignment of the swizzled tiles).
+template <bool kFused, bool FP8>
+constexpr size_t kWgSmemOf = 1024 + kScoreOffset<FP8> + (kFused ? kFuseScoreBytes + sizeof(FuseSmem) : 0);
+
+// A scored key to the scores and (fused) to the CTA's scores (at `slot`) and round-0 histogram.
+template <bool kFused>
+__device__ __forceinline__ void put_score(float* out, float* cta_scores, FuseSmem& fs, int64_t key, int64_t n,
+                                          int64_t slot, float sum) {
+  if (key < n) {
+    out[key] = sum;
+    if constexpr (kFused) {
+      cta_scores[slot] = sum;
+      atomicAdd(&fs.hist[order_key(sum) >> 21], 1u);
+    }
+  }
+}
 
 __device__ __forceinline__ int32_t translate_out(const FuseParams& f, int b, int64_t i) {
   return page_translate(f.out.page_table, f.out.page_stride, f.out.page_bits, b, i);
@@ -556,18 +594,16 @@ __device__ __forceinline__ void fused_select(const ScoreParams& p, const FusePar
   latest(9);
 }
 
-// FP8: e4m3 keys (copied raw, converted to f16 in shared memory after they land; the query in f16).
-template <bool kFused, bool FP8>
+// bf16 keys: wgmma's B operand in a swizzled tile (see above).
+template <bool kFused>
 __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const ScoreParams p, const FuseParams f) {
   pdl_entry();  // see launch_kernel
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* qs = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);  // swizzled tiles need 1,024 alignment
   const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
-  uint8_t* region = qs + kUnitBytes + wg * kWgRegion;
-  // bf16: unit slot s at region + s * kUnitBytes. e4m3: the f16 tile at region, raw slot s after it.
-  auto slot = [&](int stage) { return FP8 ? region + kUnitBytes + stage * (kRawBytes + kWgKeys * 4)
-                                          : region + stage * kUnitBytes; };
-  float* red = reinterpret_cast<float*>(qs + kWgRedOffset) + wg * 4 * kWgKeys;
+  uint8_t* region = qs + kUnitBytes + wg * kBf16Stages * kUnitBytes;
+  auto slot = [&](int stage) { return region + stage * kUnitBytes; };
+  float* red = reinterpret_cast<float*>(qs + kUnitBytes + kWgGroups * kBf16Stages * kUnitBytes) + wg * 4 * kWgKeys;
   const int b = blockIdx.y;
   if constexpr (kFused) {
     if (f.profile != nullptr && b == 0 && blockIdx.x == 0 && threadIdx.x == 0) f.profile[0] = global_ns();
@@ -578,8 +614,7 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const
   const float w1 = h1 < p.heads ? p.w[b * p.heads + h1] * p.wscale : 0.f;
   const int64_t n = p.n_keys[b];
   const int64_t base = p.page_table == nullptr ? p.key_start[b] : 0;
-  // The query, bf16 (f16 with e4m3 keys), swizzled (rows past `heads` are 0): every load of a thread
-  // issued before any store.
+  // The query, bf16, swizzled (rows past `heads` are 0): every load of a thread issued before any store.
   constexpr int kQChunks = (64 * 16 + kWgGroups * 128 - 1) / (kWgGroups * 128);  // 16-byte chunks a thread
   const float* qg = p.q + static_cast<int64_t>(b) * p.heads * kDim;
   float4 qv[kQChunks][2];
@@ -594,11 +629,10 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const
   const int64_t gw = static_cast<int64_t>(blockIdx.x) * kWgGroups + wg;
   const int64_t W = static_cast<int64_t>(gridDim.x) * kWgGroups;
 
-  // A unit's copies: kChunks threads a key row (16-byte chunks), so thread tid copies chunk tid % kChunks
-  // of rows tid / kChunks + kStep i. Paged keys: the rows' page lookups (32-bit: a sequence is < 2^31
-  // keys) are all issued before the copies. e4m3: threads 0-63 also copy one scale each.
-  constexpr int kRowBytes = FP8 ? 128 : 256, kChunks = kRowBytes / 16, kStep = 128 / kChunks;
-  constexpr int kRowsPerThread = kWgKeys / kStep;
+  // A unit's copies: 16 threads a key row (16-byte chunks), so thread tid copies chunk tid % 16 of rows
+  // tid / 16 + 8i. Paged keys: the rows' page lookups (32-bit: a sequence is < 2^31 keys) are all
+  // issued before the copies.
+  constexpr int kChunks = 16, kStep = 128 / kChunks, kRowsPerThread = kWgKeys / kStep;
   const int r0 = tid / kChunks, jc = tid % kChunks;
   const uint8_t* src0 = p.keys + jc * 16;
   auto issue = [&](int stage, int64_t unit) {
@@ -620,21 +654,13 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
       const bool valid = s0 + kStep * i < n;
-      const int r = r0 + kStep * i;
-      cp_async16(dst + (FP8 ? r * 128 + jc * 16 : swizzled(r, jc)), src0 + (valid ? row[i] : 0) * kRowBytes, valid);
-    }
-    if constexpr (FP8) {
-      if (tid < kWgKeys) {
-        const int64_t s = unit * kWgKeys + tid;
-        const bool valid = s < n;
-        cp_async4(dst + kRawBytes + tid * 4, p.key_scales + (valid ? key_row(p, b, s) : 0), valid);
-      }
+      cp_async16(dst + swizzled(r0 + kStep * i, jc), src0 + (valid ? row[i] : 0) * 256, valid);
     }
   };
   // The first units' copies go out before the query is converted and stored (its loads are in flight
   // already): the query's staging hides under the keys' latency.
 #pragma unroll
-  for (int st = 0; st < kWgStages - 1; ++st) {
+  for (int st = 0; st < kBf16Stages - 1; ++st) {
     const int64_t u = gw + st * W;
     if (u < units) issue(st, u);
     cp_async_commit();
@@ -645,16 +671,14 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const
     if (i >= 64 * 16) break;
     const float4 lo = qv[x][0], hi = qv[x][1];
     *reinterpret_cast<uint4*>(qs + swizzled(i >> 4, i & 15)) =
-        FP8 ? make_uint4(pack_f16x2(lo.x, lo.y), pack_f16x2(lo.z, lo.w), pack_f16x2(hi.x, hi.y), pack_f16x2(hi.z, hi.w))
-            : make_uint4(pack_bf16x2(lo.x, lo.y), pack_bf16x2(lo.z, lo.w), pack_bf16x2(hi.x, hi.y),
-                         pack_bf16x2(hi.z, hi.w));
+        make_uint4(pack_bf16x2(lo.x, lo.y), pack_bf16x2(lo.z, lo.w), pack_bf16x2(hi.x, hi.y), pack_bf16x2(hi.z, hi.w));
   }
   fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy)
   asm volatile("griddepcontrol.launch_dependents;");
   __syncthreads();
   // Fused: the CTA's scores (kFuseUnits units a warpgroup at most) and their round-0 histogram.
-  float* cta_scores = reinterpret_cast<float*>(qs + kWgSmemScore);
-  FuseSmem& fs = *reinterpret_cast<FuseSmem*>(qs + kWgSmemScore + kFuseScoreBytes);
+  float* cta_scores = reinterpret_cast<float*>(qs + kScoreOffset<false>);
+  FuseSmem& fs = *reinterpret_cast<FuseSmem*>(qs + kScoreOffset<false> + kFuseScoreBytes);
   if constexpr (kFused) {
     for (int i = threadIdx.x; i < kFuseBins; i += kWgGroups * 128) fs.hist[i] = 0;
     __syncthreads();
@@ -676,41 +700,20 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const
     const int64_t u = gw + it * W;
     if (u >= units) {
       warpgroup_barrier(wg);
-      if constexpr (FP8) warpgroup_barrier(wg);
       warpgroup_barrier(wg);
       continue;
     }
-    cp_async_wait<kWgStages - 2>();  // (cp.async writes need no proxy fence before wgmma reads them)
+    cp_async_wait<kBf16Stages - 2>();  // (cp.async writes need no proxy fence before wgmma reads them)
     warpgroup_barrier(wg);  // the unit's copies landed; every warp is done with the slot refilled next
-    const int64_t un = gw + (it + kWgStages - 1) * W;
-    if (un < units) issue(static_cast<int>((it + kWgStages - 1) % kWgStages), un);
+    const int64_t un = gw + (it + kBf16Stages - 1) * W;
+    if (un < units) issue(static_cast<int>((it + kBf16Stages - 1) % kBf16Stages), un);
     cp_async_commit();
-    const uint8_t* cur = slot(static_cast<int>(it % kWgStages));
-    if constexpr (FP8) {  // the landed unit to f16 in the swizzled tile: thread tid has half tid % 2 of row tid / 2
-      const int r = tid >> 1, h = tid & 1;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int q = (i + r) & 3;  // rotated, so that a warp's 16-byte reads spread over the banks
-        const uint4 v = *reinterpret_cast<const uint4*>(cur + r * 128 + 64 * h + 16 * q);
-        const uint32_t w4[4] = {v.x, v.y, v.z, v.w};
-        uint32_t o[8];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          o[2 * e] = e4m3x2_to_f16x2(w4[e]);
-          o[2 * e + 1] = e4m3x2_to_f16x2(w4[e] >> 16);
-        }
-        *reinterpret_cast<uint4*>(region + swizzled(r, 8 * h + 2 * q)) = make_uint4(o[0], o[1], o[2], o[3]);
-        *reinterpret_cast<uint4*>(region + swizzled(r, 8 * h + 2 * q + 1)) = make_uint4(o[4], o[5], o[6], o[7]);
-      }
-      fence_proxy_async();  // generic-proxy stores, read by wgmma
-      warpgroup_barrier(wg);
-    }
-    const uint32_t ba = smem_u32(FP8 ? region : cur);
+    const uint32_t ba = smem_u32(slot(static_cast<int>(it % kBf16Stages)));
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
     for (int k = 0; k < kDim / 16; ++k) {
       const uint32_t off = (k >> 2) * kTileHalf + (k & 3) * 32;
-      wgmma_m64n64k16<FP8>(acc, wgmma_desc(qa + off), wgmma_desc(ba + off), k > 0);
+      wgmma_m64n64k16<false>(acc, wgmma_desc(qa + off), wgmma_desc(ba + off), k > 0);
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
@@ -730,16 +733,173 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const
     *reinterpret_cast<float2*>(red + warp * kWgKeys + 8 * g + 2 * c) = make_float2(v[0], v[1]);
     warpgroup_barrier(wg);
     if (tid < kWgKeys) {
-      const int64_t key = u * kWgKeys + tid;
-      float sum = red[tid] + red[kWgKeys + tid] + red[2 * kWgKeys + tid] + red[3 * kWgKeys + tid];
-      if constexpr (FP8) sum *= reinterpret_cast<const float*>(cur + kRawBytes)[tid];  // relu(q.(s k)) = s relu(q.k)
-      if (key < n) {
-        out[key] = sum;
-        if constexpr (kFused) {
-          cta_scores[(wg * kFuseUnits + it) * kWgKeys + tid] = sum;
-          atomicAdd(&fs.hist[order_key(sum) >> 21], 1u);
-        }
+      const float sum = red[tid] + red[kWgKeys + tid] + red[2 * kWgKeys + tid] + red[3 * kWgKeys + tid];
+      put_score<kFused>(out, cta_scores, fs, u * kWgKeys + tid, n, (wg * kFuseUnits + it) * kWgKeys + tid, sum);
+    }
+  }
+  cp_async_wait<0>();
+  if constexpr (kFused) {
+    __syncthreads();  // every warpgroup's scores and counts; the ring is free from here
+    fused_select(p, f, b, n, units, W, cta_scores, fs, reinterpret_cast<uint32_t*>(qs + kUnitBytes));
+  }
+}
+
+// e4m3 keys: wgmma's A operand in registers, converted to f16 there (see above; the query in f16).
+template <bool kFused>
+__global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_e4m3_kernel(const ScoreParams p, const FuseParams f) {
+  pdl_entry();  // see launch_kernel
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* qs = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);  // swizzled tiles need 1,024 alignment
+  const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
+  uint8_t* ring = qs + kUnitBytes + wg * kE4m3Region;
+  const int b = blockIdx.y;
+  if constexpr (kFused) {
+    if (f.profile != nullptr && b == 0 && blockIdx.x == 0 && threadIdx.x == 0) f.profile[0] = global_ns();
+  }
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  const int64_t n = p.n_keys[b];
+  const int64_t base = p.page_table == nullptr ? p.key_start[b] : 0;
+  // The query, f16, swizzled and permuted (see above; rows past `heads` are 0): channel pairs, every
+  // load of a thread issued before any store. Item i: head i / 64, lane column cq = (i / 16) % 4,
+  // pair tp = i % 16 of that lane's 32 channels, its physical channels 16 cq + 64 (tp / 8) +
+  // 2 (tp % 8) + {0, 1} stored at logical channel 16 (tp / 2) + 8 (tp % 2) + 2 cq.
+  constexpr int kQPairs = 64 * 64 / (kWgGroups * 128);
+  const float* qg = p.q + static_cast<int64_t>(b) * p.heads * kDim;
+  float2 qv[kQPairs];
+#pragma unroll
+  for (int x = 0; x < kQPairs; ++x) {
+    const int i = threadIdx.x + x * kWgGroups * 128, h = i >> 6, cq = (i >> 4) & 3, tp = i & 15;
+    const int ch = 16 * cq + 64 * (tp >> 3) + 2 * (tp & 7);
+    qv[x] = h < p.heads ? *reinterpret_cast<const float2*>(qg + h * kDim + ch) : make_float2(0.f, 0.f);
+  }
+  // This thread's accumulator columns are heads 8j + 2c + e: their weights.
+  float wv[16];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int h = 8 * j + 2 * c + e;
+      wv[2 * j + e] = h < p.heads ? p.w[b * p.heads + h] * p.wscale : 0.f;
+    }
+  }
+  const int64_t units = (n + kWgKeys - 1) / kWgKeys;
+  const int64_t gw = static_cast<int64_t>(blockIdx.x) * kWgGroups + wg;
+  const int64_t W = static_cast<int64_t>(gridDim.x) * kWgGroups;
+
+  // A unit's copies by this thread: its two key rows (unit key 16 warp + g + 8 rs), chunks q at
+  // bytes 16c + 64q (q < 2); lane c == rs also copies row rs's scale. Pool rows are looked up one
+  // unit ahead of their copies (paged keys: the page-table loads are not waited for in the issue).
+  const int rkey = 16 * warp + g;
+  auto rows_of = [&](int64_t unit, int64_t (&row)[2]) {
+#pragma unroll
+    for (int rs = 0; rs < 2; ++rs) {
+      const int64_t s = unit * kWgKeys + rkey + 8 * rs;
+      if (p.page_table != nullptr) {
+        const uint32_t ps = static_cast<uint32_t>(p.page_size), s32 = static_cast<uint32_t>(s);
+        row[rs] = s < n ? static_cast<int64_t>(p.page_table[b * p.page_stride + s32 / ps]) * ps + s32 % ps : 0;
+      } else {
+        row[rs] = base + s;
       }
+    }
+  };
+  auto issue = [&](int stage, int64_t unit, const int64_t (&row)[2]) {
+    uint8_t* dst = ring + stage * kE4m3Stage;
+#pragma unroll
+    for (int rs = 0; rs < 2; ++rs) {
+      const bool valid = unit * kWgKeys + rkey + 8 * rs < n;
+      const int64_t r = valid ? row[rs] : 0;
+      const uint8_t* src = p.keys + r * 128 + 16 * c;
+#pragma unroll
+      for (int q = 0; q < 2; ++q) cp_async16(dst + ((2 * rs + q) * 128 + tid) * 16, src + 64 * q, valid);
+      if (c == rs) cp_async4(dst + 4 * 2048 + (rkey + 8 * rs) * 4, p.key_scales + r, valid);
+    }
+  };
+  // The first units' copies go out before the query is converted and stored (its loads are in flight
+  // already): the query's staging hides under the keys' latency.
+  int64_t rows_next[2] = {0, 0};  // of unit gw + (kE4m3Stages - 1) W, the next to be issued
+#pragma unroll
+  for (int st = 0; st < kE4m3Stages - 1; ++st) {
+    const int64_t u = gw + st * W;
+    if (u < units) {
+      rows_of(u, rows_next);
+      issue(st, u, rows_next);
+    }
+    cp_async_commit();
+  }
+  if (gw + (kE4m3Stages - 1) * W < units) rows_of(gw + (kE4m3Stages - 1) * W, rows_next);
+#pragma unroll
+  for (int x = 0; x < kQPairs; ++x) {
+    const int i = threadIdx.x + x * kWgGroups * 128, h = i >> 6, cq = (i >> 4) & 3, tp = i & 15;
+    const int k = 16 * (tp >> 1) + 8 * (tp & 1) + 2 * cq;
+    *reinterpret_cast<uint32_t*>(qs + swizzled(h, k >> 3) + 2 * (k & 7)) =
+        pack_f16x2(qv[x].x, qv[x].y);
+  }
+  fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy)
+  asm volatile("griddepcontrol.launch_dependents;");
+  __syncthreads();
+  // Fused: the CTA's scores (kFuseUnits units a warpgroup at most) and their round-0 histogram.
+  float* cta_scores = reinterpret_cast<float*>(qs + kScoreOffset<true>);
+  FuseSmem& fs = *reinterpret_cast<FuseSmem*>(qs + kScoreOffset<true> + kFuseScoreBytes);
+  if constexpr (kFused) {
+    for (int i = threadIdx.x; i < kFuseBins; i += kWgGroups * 128) fs.hist[i] = 0;
+    __syncthreads();
+  }
+  float* out = p.scores + b * p.score_stride;
+  const uint32_t qb = smem_u32(qs);
+  float acc[32];
+#pragma unroll 1
+  for (int64_t it = 0; gw + it * W < units; ++it) {
+    const int64_t u = gw + it * W, un = u + (kE4m3Stages - 1) * W;
+    // The slot refilled held unit it - 1, which only this thread read, and is done with.
+    if (un < units) issue(static_cast<int>((it + kE4m3Stages - 1) % kE4m3Stages), un, rows_next);
+    cp_async_commit();
+    if (un + W < units) rows_of(un + W, rows_next);
+    cp_async_wait<kE4m3Stages - 1>();  // this thread's copies of unit it have landed
+    const uint8_t* cur = ring + static_cast<int>(it % kE4m3Stages) * kE4m3Stage;
+    // A fragments of k-step st: a[st] = {row g: 2c, 2c + 1; row g + 8: the same; row g: 2c + 8, 2c + 9;
+    // row g + 8: the same}, i.e. the thread's channel pairs 2 st (first two) and 2 st + 1 of each row.
+    uint32_t a[8][4];
+#pragma unroll
+    for (int rs = 0; rs < 2; ++rs) {
+      uint32_t v[8];
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const uint4 x = *reinterpret_cast<const uint4*>(cur + ((2 * rs + q) * 128 + tid) * 16);
+        v[4 * q] = x.x;
+        v[4 * q + 1] = x.y;
+        v[4 * q + 2] = x.z;
+        v[4 * q + 3] = x.w;
+      }
+#pragma unroll
+      for (int st = 0; st < 8; ++st) {  // word st holds the step's four channels
+        a[st][rs] = e4m3x2_to_f16x2(v[st]);
+        a[st][2 + rs] = e4m3x2_to_f16x2(v[st] >> 16);
+      }
+    }
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int st = 0; st < kDim / 16; ++st) {
+      wgmma_m64n64k16_ra(acc, a[st], wgmma_desc(qb + (st >> 2) * kTileHalf + (st & 3) * 32), st > 0);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+    for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(acc[i])::"memory");  // reads stay after the wait
+    // acc[4j + e]: key row g (e < 2) or g + 8, head 8j + 2c + (e & 1).
+    float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      s0 += wv[2 * j] * fmaxf(acc[4 * j], 0.f) + wv[2 * j + 1] * fmaxf(acc[4 * j + 1], 0.f);
+      s1 += wv[2 * j] * fmaxf(acc[4 * j + 2], 0.f) + wv[2 * j + 1] * fmaxf(acc[4 * j + 3], 0.f);
+    }
+    s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+    s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+    s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+    s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+    if (c < 2) {  // lane c writes row g + 8c (whose scale it copied)
+      const int r = rkey + 8 * c;
+      const float sum = (c == 0 ? s0 : s1) * reinterpret_cast<const float*>(cur + 4 * 2048)[r];  // s relu(q.k)
+      put_score<kFused>(out, cta_scores, fs, u * kWgKeys + r, n, (wg * kFuseUnits + it) * kWgKeys + r, sum);
     }
   }
   cp_async_wait<0>();
@@ -868,19 +1028,22 @@ __global__ void to_bf16_kernel(const float* x, int64_t n, __nv_bfloat16* out) {
   }
 }
 
-// indexer_wgmma_kernel<kFused, e4m3 keys or not> (its shared-memory size set once per form).
+// The wgmma kernel of the key type (its shared-memory size set once per form).
 template <bool kFused>
 void launch_wgmma(IndexKeyType type, dim3 grid, cudaStream_t stream, const ScoreParams& p, const FuseParams& f) {
-  constexpr size_t smem = kFused ? kWgSmemFused : kWgSmem;
   static bool attr = [] {
-    for (auto kernel : {indexer_wgmma_kernel<kFused, false>, indexer_wgmma_kernel<kFused, true>}) {
-      TROUPE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    }
+    TROUPE_CUDA(cudaFuncSetAttribute(indexer_wgmma_kernel<kFused>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(kWgSmemOf<kFused, false>)));
+    TROUPE_CUDA(cudaFuncSetAttribute(indexer_wgmma_e4m3_kernel<kFused>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(kWgSmemOf<kFused, true>)));
     return true;
   }();
   (void)attr;
-  launch_kernel(type == IndexKeyType::bf16 ? indexer_wgmma_kernel<kFused, false> : indexer_wgmma_kernel<kFused, true>,
-                grid, kWgGroups * 128, smem, stream, p, f);
+  if (type == IndexKeyType::bf16) {
+    launch_kernel(indexer_wgmma_kernel<kFused>, grid, kWgGroups * 128, kWgSmemOf<kFused, false>, stream, p, f);
+  } else {
+    launch_kernel(indexer_wgmma_e4m3_kernel<kFused>, grid, kWgGroups * 128, kWgSmemOf<kFused, true>, stream, p, f);
+  }
 }
 
 // The checks of every indexer call's arguments.

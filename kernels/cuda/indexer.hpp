@@ -3,10 +3,11 @@
 //
 // Fast form: keys are bf16 (or fp8 e4m3 with one positive fp32 scale per key)
 // rows of 128 channels in a pool, streamed once through cp.async rings; the dot
-// products run on the tensor cores with fp32 accumulation, on wgmma (sm_90a; the
-// query as the shared-memory A operand; e4m3 keys converted to f16 in shared memory,
-// the query in f16). TROUPE_INDEXER_WGMMA=0: the older mma.sync kernel, the query
-// heads held in registers.
+// products run on the tensor cores with fp32 accumulation, on wgmma (sm_90a; the keys
+// as the register A operand, each thread copying and reading back only its own
+// fragments; e4m3 keys converted to f16 in registers, the query in f16, the query the
+// shared-memory B operand). TROUPE_INDEXER_WGMMA=0: the older mma.sync kernel, the
+// query heads held in registers.
 //
 // indexer_topk with at most 64 queries whose keys fit the scoring
 // CTAs' shared memory (up to ~540 K keys for one query on an H200) runs as one

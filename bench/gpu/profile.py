@@ -35,6 +35,12 @@ def main():
     for _ in range(2):
         L.tb_indexer_topk(ptr(q), ptr(w), 1, H, fl(1 / math.sqrt(D)), fl(1 / 8), 0, ptr(keys), ptr(None), ptr(start),
                           ptr(nk), n, ptr(scores), k, ptr(out), ptr(cnt), ptr(wsi), stream())
+    # the same with e4m3 keys (one scale a key)
+    keys8 = (torch.randn(n, D, device="cuda") * 8).to(torch.float8_e4m3fn)
+    kscale = torch.rand(n, device="cuda") + 0.5
+    for _ in range(2):
+        L.tb_indexer_topk(ptr(q), ptr(w), 1, H, fl(1 / math.sqrt(D)), fl(1 / 8), 1, ptr(keys8), ptr(kscale), ptr(start),
+                          ptr(nk), n, ptr(scores), k, ptr(out), ptr(cnt), ptr(wsi), stream())
     # attention: CSA decode, batch 1, 640 keys
     Dh = 512
     pool = torch.randn(4096, Dh, device="cuda").to(torch.bfloat16)

@@ -51,7 +51,8 @@ TEST_F(CudaBackendTest, linear_matches_cpu_for_every_weight_type_and_shape) {
     int64_t m, n, k;
   };
   const Shape shapes[] = {{1, 64, 256},  {1, 4096, 4096}, {3, 1000, 520}, {8, 2048, 1024}, {5, 24, 16384},
-                          {17, 1024, 4096}, {64, 4096, 1024}, {300, 512, 256}, {2, 7, 12}};
+                          {17, 1024, 4096}, {64, 4096, 1024}, {300, 512, 256}, {2, 7, 12},
+                          {4, 4096, 1024}, {3, 2500, 512}};  // (the last two: many rows for x rows 2-4)
   for (WeightType type : {WeightType::f32, WeightType::bf16, WeightType::f16}) {
     for (const auto& s : shapes) {
       SCOPED_TRACE("type " + std::to_string(static_cast<int>(type)) + " m " + std::to_string(s.m) + " n " +

@@ -1,8 +1,9 @@
 // Lightning indexer scoring (see indexer.hpp), and its fused top-k.
 //
 // Two forms of the tensor-core scoring: the warpgroup form (wgmma, sm_90a; the
-// default, below `indexer_wgmma_kernel`), which also selects the top k in the same
-// kernel when a call's keys fit its CTAs; and the older mma.sync form
+// default, below: `indexer_wgmma_kernel` for bf16 keys, `indexer_wgmma_e4m3_kernel`
+// for e4m3), which also selects the top k in the same kernel when a call's keys fit
+// its CTAs; and the older mma.sync form
 // (TROUPE_INDEXER_WGMMA=0), described here: A = the query's heads (4 m-tiles of 16
 // heads, all 128 channels, held in registers for the whole scan), B = 8 keys per n-tile.
 // The 128 channels are permuted so that one thread's B fragments for all 8
@@ -236,10 +237,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1) indexer_mma_kernel(const Score
 // accumulators (keys x heads 8j + 2c + {0, 1}), relu(q.k) * w summed over the thread's 16 heads,
 // then over the 4 lanes of the key (two shuffles), times the key's scale. Until session 15 the e4m3
 // keys were B too, converted into a second tile after they landed: three warpgroup barriers, a fence
-// and the cross-warp sums a unit, one unit in flight a warpgroup (30.4 -> 22.1-22.9 us at 1M keys
-// x 1, indexer + top-k). The same register form for bf16 keys measured slower (27.7 -> 29.3-30.4
-// us): a bf16 unit is 16 KB, so its ring holds one unit in flight; its copies are 64-byte pieces
-// of rows where the shared-memory form's are whole rows.
+// and the cross-warp sums a unit, one unit in flight a warpgroup (indexer + top-k at 1M keys x 1:
+// ~30 -> ~22 us, docs/kernel-runs/run15-indexer.md). The same register form for bf16 keys measured
+// slower (27.7 -> 29.3-30.4 us; its 16 KB units leave one in flight a warpgroup), so bf16 keys stay
+// on the shared-memory form.
 constexpr int kWgKeys = 64;                  // keys a unit
 constexpr int kWgGroups = 4;                 // warpgroups a CTA
 constexpr int kTileHalf = 64 * 128;          // one 64-channel half of a 64-row tile, bytes
@@ -746,7 +747,8 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const
 
 // e4m3 keys: wgmma's A operand in registers, converted to f16 there (see above; the query in f16).
 template <bool kFused>
-__global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_e4m3_kernel(const ScoreParams p, const FuseParams f) {
+__global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_e4m3_kernel(const ScoreParams p,
+                                                                                const FuseParams f) {
   pdl_entry();  // see launch_kernel
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* qs = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);  // swizzled tiles need 1,024 alignment
@@ -831,8 +833,7 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_e4m3_kernel(
   for (int x = 0; x < kQPairs; ++x) {
     const int i = threadIdx.x + x * kWgGroups * 128, h = i >> 6, cq = (i >> 4) & 3, tp = i & 15;
     const int k = 16 * (tp >> 1) + 8 * (tp & 1) + 2 * cq;
-    *reinterpret_cast<uint32_t*>(qs + swizzled(h, k >> 3) + 2 * (k & 7)) =
-        pack_f16x2(qv[x].x, qv[x].y);
+    *reinterpret_cast<uint32_t*>(qs + swizzled(h, k >> 3) + 2 * (k & 7)) = pack_f16x2(qv[x].x, qv[x].y);
   }
   fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy)
   asm volatile("griddepcontrol.launch_dependents;");

@@ -595,6 +595,27 @@ __device__ __forceinline__ void fused_select(const ScoreParams& p, const FusePar
   latest(9);
 }
 
+// After the query's stores, by every thread of the CTA: the fence for wgmma's reads of them, the next
+// kernel's launch, and the CTA's scores (kFuseUnits units a warpgroup at most) and their round-0
+// histogram, zeroed when fused.
+struct ScanShared {
+  float* scores;
+  FuseSmem* fs;
+};
+template <bool kFused, bool FP8>
+__device__ __forceinline__ ScanShared begin_scan(uint8_t* qs) {
+  fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy)
+  asm volatile("griddepcontrol.launch_dependents;");
+  __syncthreads();
+  const ScanShared sh{reinterpret_cast<float*>(qs + kScoreOffset<FP8>),
+                      reinterpret_cast<FuseSmem*>(qs + kScoreOffset<FP8> + kFuseScoreBytes)};
+  if constexpr (kFused) {
+    for (int i = threadIdx.x; i < kFuseBins; i += kWgGroups * 128) sh.fs->hist[i] = 0;
+    __syncthreads();
+  }
+  return sh;
+}
+
 // bf16 keys: wgmma's B operand in a swizzled tile (see above).
 template <bool kFused>
 __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const ScoreParams p, const FuseParams f) {
@@ -674,18 +695,10 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const
     *reinterpret_cast<uint4*>(qs + swizzled(i >> 4, i & 15)) =
         make_uint4(pack_bf16x2(lo.x, lo.y), pack_bf16x2(lo.z, lo.w), pack_bf16x2(hi.x, hi.y), pack_bf16x2(hi.z, hi.w));
   }
-  fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy)
-  asm volatile("griddepcontrol.launch_dependents;");
-  __syncthreads();
-  // Fused: the CTA's scores (kFuseUnits units a warpgroup at most) and their round-0 histogram.
-  float* cta_scores = reinterpret_cast<float*>(qs + kScoreOffset<false>);
-  FuseSmem& fs = *reinterpret_cast<FuseSmem*>(qs + kScoreOffset<false> + kFuseScoreBytes);
-  if constexpr (kFused) {
-    for (int i = threadIdx.x; i < kFuseBins; i += kWgGroups * 128) fs.hist[i] = 0;
-    __syncthreads();
-  } else if (gw >= units) {
-    return;  // the whole warpgroup: its barriers count only its own threads
-  }
+  const ScanShared sh = begin_scan<kFused, false>(qs);
+  float* cta_scores = sh.scores;
+  FuseSmem& fs = *sh.fs;
+  if (!kFused && gw >= units) return;  // the whole warpgroup: its barriers count only its own threads
   float* out = p.scores + b * p.score_stride;
   const uint32_t qa = smem_u32(qs);
   float acc[32];
@@ -835,16 +848,9 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_e4m3_kernel(
     const int k = 16 * (tp >> 1) + 8 * (tp & 1) + 2 * cq;
     *reinterpret_cast<uint32_t*>(qs + swizzled(h, k >> 3) + 2 * (k & 7)) = pack_f16x2(qv[x].x, qv[x].y);
   }
-  fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy)
-  asm volatile("griddepcontrol.launch_dependents;");
-  __syncthreads();
-  // Fused: the CTA's scores (kFuseUnits units a warpgroup at most) and their round-0 histogram.
-  float* cta_scores = reinterpret_cast<float*>(qs + kScoreOffset<true>);
-  FuseSmem& fs = *reinterpret_cast<FuseSmem*>(qs + kScoreOffset<true> + kFuseScoreBytes);
-  if constexpr (kFused) {
-    for (int i = threadIdx.x; i < kFuseBins; i += kWgGroups * 128) fs.hist[i] = 0;
-    __syncthreads();
-  }
+  const ScanShared sh = begin_scan<kFused, true>(qs);
+  float* cta_scores = sh.scores;
+  FuseSmem& fs = *sh.fs;
   float* out = p.scores + b * p.score_stride;
   const uint32_t qb = smem_u32(qs);
   float acc[32];

@@ -74,6 +74,13 @@ __device__ __forceinline__ int64_t key_row(const ScoreParams& p, int b, int64_t 
   return p.key_start[b] + s;
 }
 
+// key_row through the page table on the wgmma scans' path: 32-bit division (a sequence is < 2^31
+// keys); 0 for keys past the query's n.
+__device__ __forceinline__ int64_t paged_row32(const ScoreParams& p, int b, int64_t s, int64_t n) {
+  const uint32_t ps = static_cast<uint32_t>(p.page_size), s32 = static_cast<uint32_t>(s);
+  return s < n ? static_cast<int64_t>(p.page_table[b * p.page_stride + s32 / ps]) * ps + s32 % ps : 0;
+}
+
 // FP8: false = bf16 keys (256-byte rows), true = e4m3 keys (128-byte rows).
 template <bool FP8>
 __global__ void __launch_bounds__(kWarps * 32, 1) indexer_mma_kernel(const ScoreParams p) {
@@ -662,13 +669,8 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const
     const int64_t s0 = unit * kWgKeys + r0;
     int64_t row[kRowsPerThread];
     if (p.page_table != nullptr) {
-      const int32_t* table = p.page_table + b * p.page_stride;
-      const uint32_t ps = static_cast<uint32_t>(p.page_size);
 #pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i) {
-        const uint32_t s = static_cast<uint32_t>(s0 + kStep * i);
-        row[i] = s0 + kStep * i < n ? static_cast<int64_t>(table[s / ps]) * ps + s % ps : 0;
-      }
+      for (int i = 0; i < kRowsPerThread; ++i) row[i] = paged_row32(p, b, s0 + kStep * i, n);
     } else {
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i) row[i] = base + s0 + kStep * i;
@@ -809,12 +811,7 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_e4m3_kernel(
 #pragma unroll
     for (int rs = 0; rs < 2; ++rs) {
       const int64_t s = unit * kWgKeys + rkey + 8 * rs;
-      if (p.page_table != nullptr) {
-        const uint32_t ps = static_cast<uint32_t>(p.page_size), s32 = static_cast<uint32_t>(s);
-        row[rs] = s < n ? static_cast<int64_t>(p.page_table[b * p.page_stride + s32 / ps]) * ps + s32 % ps : 0;
-      } else {
-        row[rs] = base + s;
-      }
+      row[rs] = p.page_table != nullptr ? paged_row32(p, b, s, n) : base + s;
     }
   };
   auto issue = [&](int stage, int64_t unit, const int64_t (&row)[2]) {

@@ -45,13 +45,6 @@ struct ScoreParams {
   int64_t score_stride;
 };
 
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 __device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -347,7 +340,12 @@ __device__ __forceinline__ void reduce_half(float (&v)[16], int lane) {
 // and a grid of at most as many CTAs as SMs whenever a row has more than one). Each then
 // finds the threshold bucket, writes its scores above it straight out and its scores in
 // it to the row's list (or, when the bucket is taken whole, out), and the row's CTAs meet
-// again. Then each CTA places its own bucket elements: an element's rank among the bucket
+// again. The places come with the histogram: its adds return the bin's count before them,
+// so a CTA's elements in a bin have a range of the row's elements in that bin, and after the
+// arrival the counts above each bin (a block scan of the row's histogram) put every bin's
+// range in the output (or the bucket's in the list); no other global atomic. (Until session
+// 16 each CTA reserved its output and list ranges with two more atomics after the threshold:
+// one more round trip, on two words every CTA of the row added to.) Then each CTA places its own bucket elements: an element's rank among the bucket
 // (by key, then lower index) is its place after the elements above, if below what is still
 // needed. (Until session 12 the row's last CTA selected the whole bucket by radix rounds
 // after the others left: ~2.6 us of block-barrier chains, where ranking a CTA's few
@@ -361,7 +359,7 @@ constexpr int kFuseCandCap = 4096;  // a row's candidate list ((key, index) pair
 static_assert(kFuseCandCap * 8 + kWgGroups * kFuseUnits * kWgKeys * 8 <= std::min(kBf16Rings, kE4m3Rings),
               "the rings hold the list and the CTA's bucket elements");
 constexpr int kRankMax = 32;  // candidates one warp ranks
-enum FuseCounter { kFArrive = 0, kFAbove, kFCand, kFDone, kFCounters = 8 };
+enum FuseCounter { kFArrive = 0, kFDone, kFCounters = 8 };
 // A row's words, zero between calls but kFDone (left at the CTA count; each call's CTA 0 resets it).
 constexpr int kFuseZeroWords = kFuseBins + kFCounters;
 // The workspace of indexer_topk: kFuseRows rows of [kFuseZeroWords zeroed words, then the list
@@ -380,7 +378,7 @@ struct FuseSmem {
   uint32_t hist[kFuseBins];
   uint32_t scan[32];
   uint32_t thr_bin, thr_above, thr_cnt;
-  uint32_t n_above, n_tie, base_above, base_tie, pos, gathered;
+  uint32_t base_tie, pos, gathered;
   uint64_t few[kRankMax];
 };
 // The shared memory of a form of the wgmma kernels (1,024 for the alignment of the swizzled tiles).
@@ -502,16 +500,53 @@ __device__ __forceinline__ void fused_select(const ScoreParams& p, const FusePar
   // The done counter is reset here, before this CTA's arrival below releases it: the row's CTAs
   // add to it only after that arrival (the counter the last call left at its CTA count).
   if (blockIdx.x == 0 && tid == 0) ctr[kFDone] = 0;
-  for (int i = tid; i < kFuseBins; i += kT) {
-    const uint32_t v = fs.hist[i];
-    if (v != 0) atomicAdd(&w[i], v);
+  // The CTA's counts into the row's histogram by adds that return the bin's count before them: in
+  // bin i, the CTA's elements take places [old, old + count) of the row's elements in it (the CTAs in
+  // the order their adds reached the bin). fs.hist[i] keeps old where the CTA has elements.
+  // The returns are stored only after the arrival: the arrival does not wait for them (the block
+  // barrier and the arrival's release order the adds before it all the same).
+  constexpr int kBinsPer = kFuseBins / kT;
+  uint32_t old[kBinsPer];
+#pragma unroll
+  for (int j = 0; j < kBinsPer; ++j) {
+    const uint32_t v = fs.hist[tid + j * kT];
+    old[j] = v != 0 ? atomicAdd(&w[tid + j * kT], v) : 0u;
   }
   grid_arrive_and_wait(ctr + kFArrive, gridDim.x);
-  if (prof0) prof0[2] = global_ns();
-  for (int i = tid; i < kFuseBins; i += kT) fs.hist[i] = __ldcg(&w[i]);
+#pragma unroll
+  for (int j = 0; j < kBinsPer; ++j) fs.hist[tid + j * kT] = old[j];
   __syncthreads();
-  find_threshold<kT>(fs.hist, kFuseBins, k, fs);
-  const uint32_t t = fs.thr_bin, above = fs.thr_above, cnt = fs.thr_cnt, need = k - above;
+  if (prof0) prof0[2] = global_ns();
+  // The row's histogram, four bins a thread from the top (thread 0 the highest), its counts above
+  // each bin by a block scan: the threshold bin t (where the count from the top reaches k), and each
+  // bin's first place, fs.hist[i] = (elements above bin i) + old for a bin above t; old for t (its
+  // place in the bucket). Every element above t then has a place in the output without a global
+  // atomic: a shared atomic on its bin's place.
+  {
+    const int r0 = kFuseBins - 4 * (tid + 1);  // this thread's bins r0 .. r0 + 3
+    uint32_t h[4], sum = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      h[j] = __ldcg(&w[r0 + j]);
+      sum += h[j];
+    }
+    uint32_t run = block_exclusive_scan(sum, fs.scan);  // the row's elements in bins above r0 + 3
+#pragma unroll
+    for (int j = 3; j >= 0; --j) {
+      const int i = r0 + j;
+      const bool thr = run < k && k <= run + h[j];
+      if (thr) {
+        fs.thr_bin = i;
+        fs.thr_above = run;
+        fs.thr_cnt = h[j];
+        fs.base_tie = fs.hist[i];  // this CTA's first place in the bucket
+      }
+      fs.hist[i] += thr ? 0u : run;
+      run += h[j];
+    }
+  }
+  __syncthreads();
+  const uint32_t t = fs.thr_bin, above = fs.thr_above, cnt = fs.thr_cnt, need = k - above, tie0 = fs.base_tie;
   if (prof0) {
     prof0[3] = global_ns();
     prof0[10] = cnt;
@@ -522,40 +557,28 @@ __device__ __forceinline__ void fused_select(const ScoreParams& p, const FusePar
   uint32_t* cand_idx = cand_key + kFuseCandCap;
   // This thread's scores: position q of cta_scores is unit j = (q / 64) % kFuseUnits of warpgroup q / (64 kFuseUnits).
   constexpr int kPositions = kWgGroups * kFuseUnits * kWgKeys, kPer = kPositions / kT;
-  static_assert(kPer <= 32, "a thread's positions fit a mask");
   auto key_at = [&](int x) {
     const int q = tid + x * kT;
     const int64_t u = static_cast<int64_t>(blockIdx.x) * kWgGroups + q / (kFuseUnits * kWgKeys) +
                       ((q / kWgKeys) % kFuseUnits) * W;
     return u < units ? u * kWgKeys + q % kWgKeys : n;  // n: no key
   };
-  uint32_t vmask = 0;
-#pragma unroll
-  for (int x = 0; x < kPer; ++x) vmask |= static_cast<uint32_t>(key_at(x) < n) << x;
-  // Places as in the grid top-k: masks, warp scans, one shared atomic a warp, one global a CTA.
-  const Chosen ch = chosen_elements<kPer>([&](int x) { return order_key(cta_scores[tid + x * kT]); }, vmask, 21, t);
-  if (tid == 0) fs.n_above = fs.n_tie = 0;
-  __syncthreads();
-  const uint2 places = warp_places(ch, &fs.n_above, &fs.n_tie);
-  __syncthreads();
-  if (tid == 0) fs.base_above = fs.n_above != 0 ? atomicAdd(&ctr[kFAbove], fs.n_above) : 0u;
-  if (tid == 32) fs.base_tie = fs.n_tie != 0 ? atomicAdd(&ctr[kFCand], fs.n_tie) : 0u;  // in flight together
-  __syncthreads();
-  uint32_t pa = fs.base_above + places.x;
-  for (uint32_t m = ch.above_mask; m != 0; m &= m - 1) out[pa++] = translate_out(f, b, key_at(__ffs(m) - 1));
   // The CTA's own bucket elements also go to `mine` (shared, as composites): it ranks them below.
   uint64_t* list = reinterpret_cast<uint64_t*>(ring);
   uint64_t* mine = list + kFuseCandCap;
-  uint32_t pt = fs.base_tie + places.y, local = places.y;
-  for (uint32_t m = ch.tie_mask; m != 0; m &= m - 1, ++pt, ++local) {
-    const int x = __ffs(m) - 1;
-    if (take_all) {
-      out[above + pt] = translate_out(f, b, key_at(x));
+#pragma unroll
+  for (int x = 0; x < kPer; ++x) {
+    const int64_t i = key_at(x);
+    if (i >= n) continue;
+    const uint32_t key = order_key(cta_scores[tid + x * kT]), bin = key >> 21;
+    if (bin < t) continue;
+    const uint32_t pos = atomicAdd(&fs.hist[bin], 1u);
+    if (bin > t || take_all) {
+      out[pos + (bin > t ? 0u : above)] = translate_out(f, b, i);
     } else if (listed) {
-      const uint32_t key = order_key(cta_scores[tid + x * kT]), idx = static_cast<uint32_t>(key_at(x));
-      __stcg(&cand_key[pt], key);
-      __stcg(&cand_idx[pt], idx);
-      mine[local] = static_cast<uint64_t>(key) << 32 | (0xffffffffu - idx);
+      __stcg(&cand_key[pos], key);
+      __stcg(&cand_idx[pos], static_cast<uint32_t>(i));
+      mine[pos - tie0] = static_cast<uint64_t>(key) << 32 | (0xffffffffu - static_cast<uint32_t>(i));
     }
   }
   if (prof0) prof0[4] = global_ns();
@@ -566,10 +589,10 @@ __device__ __forceinline__ void fused_select(const ScoreParams& p, const FusePar
   // slices over the CTAs, the counters but kFDone (reset at the next call's start) by CTA 0.
   for (int i = blockIdx.x * kT + tid; i < kFuseBins; i += gridDim.x * kT) w[i] = 0;
   if (blockIdx.x == 0 && tid == 0) {
-    ctr[kFArrive] = ctr[kFAbove] = ctr[kFCand] = 0;
+    ctr[kFArrive] = 0;
     if (f.out.out_count != nullptr) f.out.out_count[b] = static_cast<int32_t>(k);
   }
-  const uint32_t mine_n = fs.n_tie;
+  const uint32_t mine_n = fs.hist[t] - tie0;  // the CTA's elements in the bucket (its places in it, all taken)
   if (!take_all && listed && mine_n > 0) {
     // Each of the CTA's own bucket elements takes place `above + rank`, its rank among the row's
     // bucket (distinct composites: the larger key, then the lower index, first) if that is below

@@ -53,13 +53,6 @@ __device__ __forceinline__ void ldsm_x2_trans(uint32_t (&r)[2], const void* p) {
                : "=r"(r[0]), "=r"(r[1])
                : "r"(smem_u32(p)));
 }
-__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 template <int DIM, bool BF16>
 struct Layout {
@@ -203,8 +196,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
         uint32_t a[4], b[4];
         ldsm_x4(a, qrow + ks * 16);
         ldsm_x4(b, krow + ks * 16);
-        mma(s[0], a, b[0], b[1]);
-        mma(s[1], a, b[2], b[3]);
+        mma_bf16(s[0], a, b[0], b[1]);
+        mma_bf16(s[1], a, b[2], b[3]);
       }
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
@@ -284,8 +277,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
             ldsm_x4_trans(b, vrow + 16 * np + ((mi >> 1) ? 8 : 0));
 #pragma unroll
             for (int mt = 0; mt < 4; ++mt) {
-              mma(o[mt][2 * np], a[mt], b[0], b[1]);
-              mma(o[mt][2 * np + 1], a[mt], b[2], b[3]);
+              mma_bf16(o[mt][2 * np], a[mt], b[0], b[1]);
+              mma_bf16(o[mt][2 * np + 1], a[mt], b[2], b[3]);
             }
           }
         } else {
@@ -294,7 +287,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
             uint32_t b[2];
             ldsm_x2_trans(b, vrow + 8 * nt);
 #pragma unroll
-            for (int mt = 0; mt < 4; ++mt) mma(o[mt][nt], a[mt], b[0], b[1]);
+            for (int mt = 0; mt < 4; ++mt) mma_bf16(o[mt][nt], a[mt], b[0], b[1]);
           }
         }
       }

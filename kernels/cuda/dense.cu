@@ -151,6 +151,101 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const float* x, int6
   }
 }
 
+// ---- bf16 weights, 4 to 8 rows of x: the tensor cores (mma.sync m16n8k16) ----------------
+// gemv_core's FMAs cost 4-8 instructions a weight at 4-8 rows of x, so it fell below the memory
+// rate there (m = 4: 53 % of copy, m = 8 on lm_head 619 us); the tensor cores take those products
+// off the issue slots. Two blocks of weights a warp are in flight (registers); a form with a ring
+// of four blocks in shared memory (cp.async) measured ~2x slower and was not kept. A CTA computes 16 output rows for 8 rows of x (zero past m):
+// A = the 16 weight rows, B = x's rows as columns; its 8 warps split k in blocks of 64 (warp w:
+// blocks w, w + 8, ...) and sum their 16 x 8 tiles in shared memory in a fixed order. In a block,
+// lane (g, c) holds bytes [32c, 32c + 32) of weight rows g and g + 8 and floats [16c, 16c + 16) of
+// x row g: the k order inside a block is permuted (element 16c + 4s + j of the block is k-step s's
+// column 2c + j for j < 2, 2c + 6 + j else), which the dot product does not see, so every load is
+// 16 contiguous bytes. x enters as two bf16 terms, hi = bf16(x) and lo = bf16(x - hi), each a
+// mma: the weights are exact in bf16, so the products keep ~16 of x's 24 bits (within 2^-17 of
+// fp32 x, the tests' 2e-5 with room); accumulation in fp32. bf16 weights, k a multiple of 64.
+constexpr int kMmaWarps = 8;
+constexpr int kMmaBlock = 64;  // k a block (4 k-steps of 16)
+__global__ void __launch_bounds__(kMmaWarps * 32) gemv_mma_kernel(const float* x, int64_t ldx, int64_t m,
+                                                                  const __nv_bfloat16* w, int64_t n, int64_t k,
+                                                                  float* y, int64_t ldy, float beta,
+                                                                  int64_t group_rows) {
+  __shared__ float part[kMmaWarps][4][32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * 16, m0 = static_cast<int64_t>(blockIdx.y) * 8;
+  const int mh = m - m0 < 8 ? static_cast<int>(m - m0) : 8;
+  const int64_t xoff = group_rows > 0 ? (row0 / group_rows) * k : 0;
+  const int64_t blocks = k / kMmaBlock;
+  const bool ok0 = row0 + g < n, ok1 = row0 + g + 8 < n, xok = g < mh;
+  const __nv_bfloat16* w0 = w + (row0 + g) * k + 16 * c;
+  const __nv_bfloat16* w1 = w0 + 8 * k;
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  // Weight rows g and g + 8 of a block: 2 x 16 bytes each.
+  auto load_w = [&](int64_t blk, uint4 (&r)[4]) {
+    const int64_t o = blk * kMmaBlock;
+    r[0] = ok0 ? ld_stream(w0 + o) : zero;
+    r[1] = ok0 ? ld_stream(w0 + o + 8) : zero;
+    r[2] = ok1 ? ld_stream(w1 + o) : zero;
+    r[3] = ok1 ? ld_stream(w1 + o + 8) : zero;
+  };
+  float d[4] = {0.f, 0.f, 0.f, 0.f};
+  int64_t blk = warp;
+  uint4 cur[4], nxt[4];  // this block's weights and the next's; the one after is requested before the math
+  if (blk < blocks) load_w(blk, cur);  // weights are no kernel's output: requested before the wait
+  if (blk + kMmaWarps < blocks) load_w(blk + kMmaWarps, nxt);
+  pdl_entry();
+  const float* xr = x + (m0 + g) * ldx + xoff + 16 * c;
+  for (; blk < blocks; blk += kMmaWarps) {
+    uint4 after[4];
+    if (blk + 2 * kMmaWarps < blocks) load_w(blk + 2 * kMmaWarps, after);
+    float xv[16];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {  // plain loads: x is an earlier kernel's output (see pdl_entry)
+      const float4 t = xok ? *reinterpret_cast<const float4*>(xr + blk * kMmaBlock + 4 * q)
+                           : make_float4(0.f, 0.f, 0.f, 0.f);
+      xv[4 * q] = t.x;
+      xv[4 * q + 1] = t.y;
+      xv[4 * q + 2] = t.z;
+      xv[4 * q + 3] = t.w;
+    }
+    uint32_t hi[8], lo[8];  // word j: elements 2j, 2j + 1
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      hi[j] = pack_bf16x2(xv[2 * j], xv[2 * j + 1]);
+      const float2 h = bf16x2_to_f32(hi[j]);
+      lo[j] = pack_bf16x2(xv[2 * j] - h.x, xv[2 * j + 1] - h.y);
+    }
+    const uint32_t r0w[8] = {cur[0].x, cur[0].y, cur[0].z, cur[0].w, cur[1].x, cur[1].y, cur[1].z, cur[1].w};
+    const uint32_t r1w[8] = {cur[2].x, cur[2].y, cur[2].z, cur[2].w, cur[3].x, cur[3].y, cur[3].z, cur[3].w};
+#pragma unroll
+    for (int st = 0; st < 4; ++st) {
+      const uint32_t a[4] = {r0w[2 * st], r1w[2 * st], r0w[2 * st + 1], r1w[2 * st + 1]};
+      mma_bf16(d, a, hi[2 * st], hi[2 * st + 1]);
+      mma_bf16(d, a, lo[2 * st], lo[2 * st + 1]);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      cur[i] = nxt[i];
+      nxt[i] = after[i];
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) part[warp][i][lane] = d[i];
+  __syncthreads();
+  if (threadIdx.x < 128) {  // d[i] of lane l: row g(l) + 8 (i / 2), column 2 c(l) + i % 2
+    const int i = threadIdx.x >> 5, l = threadIdx.x & 31;
+    float sum = 0.f;
+#pragma unroll
+    for (int v = 0; v < kMmaWarps; ++v) sum += part[v][i][l];
+    const int64_t row = row0 + (l >> 2) + 8 * (i >> 1);
+    const int col = 2 * (l & 3) + (i & 1);
+    if (row < n && col < mh) {
+      float* yy = y + (m0 + col) * ldy + row;
+      *yy = beta == 0.f ? sum : sum + beta * *yy;
+    }
+  }
+}
+
 struct MultiSegments {
   const void* w[kMultiMax];
   float* y[kMultiMax];
@@ -192,6 +287,12 @@ __global__ void gemv_scalar_kernel(const float* x, int64_t ldx, const WT* w, int
   }
 }
 
+// TROUPE_GEMV_MMA=0: bf16 weights with 4-8 rows of x on gemv_core's FMAs too (an A/B switch).
+bool gemv_mma_enabled() {
+  static const bool on = !env_off("TROUPE_GEMV_MMA");
+  return on;
+}
+
 template <class WT>
 void gemv_typed(const float* x, int64_t ldx, int64_t m, const WT* w, int64_t n, int64_t k, float* y, int64_t ldy,
                 float beta, int64_t group_rows, cudaStream_t s) {
@@ -204,6 +305,20 @@ void gemv_typed(const float* x, int64_t ldx, int64_t m, const WT* w, int64_t n, 
                   w, k, y, ldy, beta, group_rows);
     TROUPE_LAUNCHED();
     return;
+  }
+  if constexpr (std::is_same_v<WT, __nv_bfloat16>) {
+    // Where it measured faster than gemv_core (docs/kernels-notes.md session 16): 5-8 rows of x at every
+    // shape (lm_head 619 -> 305 us, 4096 x 4096 24.3 -> 16.7), and 4 rows over many output rows (lm_head
+    // 355 -> 265 us); with 2-3 rows, or 4 over few output rows, gemv_core's many small CTAs keep more
+    // bytes in flight (4 rows x 2048 x 4096: 9.9 against 10.5 us).
+    const bool mma_wins = m > kGemvMaxRows || (m == kGemvMaxRows && n >= 16384);
+    if (mma_wins && k % kMmaBlock == 0 && (group_rows == 0 || group_rows % 16 == 0) && gemv_mma_enabled()) {
+      TROUPE_REQUIRE(ceil_div(m, 8) <= 65535, "gemv: too many rows");
+      const dim3 grid(static_cast<unsigned>(ceil_div(n, 16)), static_cast<unsigned>(ceil_div(m, 8)));
+      launch_kernel(gemv_mma_kernel, grid, kMmaWarps * 32, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);
+      TROUPE_LAUNCHED();
+      return;
+    }
   }
   const bool one = m == 1;
   const bool wide = m > kGemvMaxRows && m <= kGemvBatchRows;  // one pass of up to 8 rows

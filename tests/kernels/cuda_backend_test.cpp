@@ -52,7 +52,8 @@ TEST_F(CudaBackendTest, linear_matches_cpu_for_every_weight_type_and_shape) {
   };
   const Shape shapes[] = {{1, 64, 256},  {1, 4096, 4096}, {3, 1000, 520}, {8, 2048, 1024}, {5, 24, 16384},
                           {17, 1024, 4096}, {64, 4096, 1024}, {300, 512, 256}, {2, 7, 12},
-                          {4, 4096, 1024}, {3, 2500, 512}};  // (the last two: many rows for x rows 2-4)
+                          {4, 4096, 1024}, {3, 2500, 512}, {4, 16400, 128}, {7, 1000, 320}};  // (the last four: many rows for
+  // x rows 2-4 on gemv_core; 4 rows over >= 16,384 and 7 rows on the tensor cores, partial 16-row tiles)
   for (WeightType type : {WeightType::f32, WeightType::bf16, WeightType::f16}) {
     for (const auto& s : shapes) {
       SCOPED_TRACE("type " + std::to_string(static_cast<int>(type)) + " m " + std::to_string(s.m) + " n " +
@@ -78,7 +79,7 @@ TEST_F(CudaBackendTest, linear_accumulates_with_beta_one) {
     Mirror y(cpu(), gpu(), randn(m * 384, rng_));
     cpu().linear(x.cpu(), m, w.cw, y.cpu(), 1.f);
     gpu().linear(x.gpu(), m, w.gw, y.gpu(), 1.f);
-    EXPECT_CLOSE(y.gpu_host(m * 384), y.cpu_host(m * 384), m <= 4 ? 2e-5 : 1e-2);
+    EXPECT_CLOSE(y.gpu_host(m * 384), y.cpu_host(m * 384), m <= 8 ? 2e-5 : 1e-2);
   }
 }
 
@@ -86,7 +87,8 @@ TEST_F(CudaBackendTest, linear_grouped_matches_cpu) {
   struct Shape {
     int64_t m, groups, out, k;
   };
-  for (const auto& s : {Shape{1, 8, 1024, 4096}, Shape{3, 8, 256, 512}, Shape{40, 4, 64, 128}, Shape{9, 2, 64, 64}}) {
+  for (const auto& s : {Shape{1, 8, 1024, 4096}, Shape{3, 8, 256, 512}, Shape{6, 4, 256, 512}, Shape{40, 4, 64, 128},
+                        Shape{9, 2, 64, 64}}) {
     for (WeightType type : {WeightType::f32, WeightType::bf16}) {
       MirrorWeight w(cpu(), gpu(), s.groups * s.out, s.k, type, rng_);
       Mirror x(cpu(), gpu(), randn(s.m * s.groups * s.k, rng_));
@@ -94,7 +96,7 @@ TEST_F(CudaBackendTest, linear_grouped_matches_cpu) {
       y.poison();
       cpu().linear_grouped(x.cpu(), s.m, w.cw, static_cast<int>(s.groups), y.cpu());
       gpu().linear_grouped(x.gpu(), s.m, w.gw, static_cast<int>(s.groups), y.gpu());
-      const bool exact = s.m <= 4 || type == WeightType::f32;
+      const bool exact = s.m <= 8 || type == WeightType::f32;  // the GEMV path: fp32 activations
       EXPECT_CLOSE(y.gpu_host(s.m * s.groups * s.out), y.cpu_host(s.m * s.groups * s.out), exact ? 2e-5 : 1e-2);
     }
   }

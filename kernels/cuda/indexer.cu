@@ -377,8 +377,8 @@ struct FuseParams {
 struct FuseSmem {
   uint32_t hist[kFuseBins];
   uint32_t scan[32];
-  uint32_t thr_bin, thr_above, thr_cnt;
-  uint32_t base_tie, pos, gathered;
+  uint32_t thr_bin, thr_above, thr_cnt, thr_old;
+  uint32_t pos, gathered;
   uint64_t few[kRankMax];
 };
 // The shared memory of a form of the wgmma kernels (1,024 for the alignment of the swizzled tiles).
@@ -517,36 +517,10 @@ __device__ __forceinline__ void fused_select(const ScoreParams& p, const FusePar
   for (int j = 0; j < kBinsPer; ++j) fs.hist[tid + j * kT] = old[j];
   __syncthreads();
   if (prof0) prof0[2] = global_ns();
-  // The row's histogram, four bins a thread from the top (thread 0 the highest), its counts above
-  // each bin by a block scan: the threshold bin t (where the count from the top reaches k), and each
-  // bin's first place, fs.hist[i] = (elements above bin i) + old for a bin above t; old for t (its
-  // place in the bucket). Every element above t then has a place in the output without a global
-  // atomic: a shared atomic on its bin's place.
-  {
-    const int r0 = kFuseBins - 4 * (tid + 1);  // this thread's bins r0 .. r0 + 3
-    uint32_t h[4], sum = 0;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      h[j] = __ldcg(&w[r0 + j]);
-      sum += h[j];
-    }
-    uint32_t run = block_exclusive_scan(sum, fs.scan);  // the row's elements in bins above r0 + 3
-#pragma unroll
-    for (int j = 3; j >= 0; --j) {
-      const int i = r0 + j;
-      const bool thr = run < k && k <= run + h[j];
-      if (thr) {
-        fs.thr_bin = i;
-        fs.thr_above = run;
-        fs.thr_cnt = h[j];
-        fs.base_tie = fs.hist[i];  // this CTA's first place in the bucket
-      }
-      fs.hist[i] += thr ? 0u : run;
-      run += h[j];
-    }
-  }
-  __syncthreads();
-  const uint32_t t = fs.thr_bin, above = fs.thr_above, cnt = fs.thr_cnt, need = k - above, tie0 = fs.base_tie;
+  // The threshold bin t and every bin's first place (see scan_places): each element above t then has
+  // its place in the output without a global atomic, a shared atomic on its bin's place.
+  scan_places<kT>(w, kFuseBins, k, 0u, fs.hist, fs);
+  const uint32_t t = fs.thr_bin, above = fs.thr_above, cnt = fs.thr_cnt, need = k - above, tie0 = fs.thr_old;
   if (prof0) {
     prof0[3] = global_ns();
     prof0[10] = cnt;

@@ -154,12 +154,18 @@ __device__ __forceinline__ void scan_places(const uint32_t* gh, uint32_t nbins, 
                                             uint32_t* hist, S& sm) {
   const uint32_t per = nbins / NT;
   const int r0 = static_cast<int>(nbins - per * (threadIdx.x + 1));
-  uint32_t h[4], sum = 0;
+  uint32_t h[4];
+  if (per == 4 && reinterpret_cast<uintptr_t>(gh) % 16 == 0) {  // one 16-byte load: a warp's are 4 whole lines
+    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(gh + r0));
+    h[0] = v.x;
+    h[1] = v.y;
+    h[2] = v.z;
+    h[3] = v.w;
+  } else {
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    h[j] = static_cast<uint32_t>(j) < per ? __ldcg(&gh[r0 + j]) : 0u;
-    sum += h[j];
+    for (int j = 0; j < 4; ++j) h[j] = static_cast<uint32_t>(j) < per ? __ldcg(&gh[r0 + j]) : 0u;
   }
+  uint32_t sum = h[0] + h[1] + h[2] + h[3];
   uint32_t run = block_exclusive_scan(sum, sm.scan);  // the row's elements in the bins above these
 #pragma unroll
   for (int j = 3; j >= 0; --j) {

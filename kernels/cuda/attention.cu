@@ -196,8 +196,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
         uint32_t a[4], b[4];
         ldsm_x4(a, qrow + ks * 16);
         ldsm_x4(b, krow + ks * 16);
-        mma_bf16(s[0], a, b[0], b[1]);
-        mma_bf16(s[1], a, b[2], b[3]);
+        mma_16816<true>(s[0], a, b[0], b[1]);
+        mma_16816<true>(s[1], a, b[2], b[3]);
       }
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
@@ -277,8 +277,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
             ldsm_x4_trans(b, vrow + 16 * np + ((mi >> 1) ? 8 : 0));
 #pragma unroll
             for (int mt = 0; mt < 4; ++mt) {
-              mma_bf16(o[mt][2 * np], a[mt], b[0], b[1]);
-              mma_bf16(o[mt][2 * np + 1], a[mt], b[2], b[3]);
+              mma_16816<true>(o[mt][2 * np], a[mt], b[0], b[1]);
+              mma_16816<true>(o[mt][2 * np + 1], a[mt], b[2], b[3]);
             }
           }
         } else {
@@ -287,7 +287,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
             uint32_t b[2];
             ldsm_x2_trans(b, vrow + 8 * nt);
 #pragma unroll
-            for (int mt = 0; mt < 4; ++mt) mma_bf16(o[mt][nt], a[mt], b[0], b[1]);
+            for (int mt = 0; mt < 4; ++mt) mma_16816<true>(o[mt][nt], a[mt], b[0], b[1]);
           }
         }
       }

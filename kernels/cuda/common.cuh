@@ -158,15 +158,21 @@ __device__ __forceinline__ void pdl_entry() {
 }
 
 // ---- device utilities ---------------------------------------------------------
-// D (16 x 8 fp32) += A (16 x 16 bf16, row-major fragments) * B (16 x 8 bf16): lane (g = lane / 4,
+// D (16 x 8 fp32) += A (16 x 16, row-major fragments) * B (16 x 8): lane (g = lane / 4,
 // c = lane % 4) holds a = {row g, k 2c..2c+1; row g + 8, the same; row g, k 2c + 8..9; row g + 8, the
 // same}, b = {k 2c..2c+1, k 2c + 8..9 of column g}, d = {(g, 2c), (g, 2c + 1), (g + 8, 2c), (g + 8, 2c + 1)}.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+// kBf16: bf16 operands, else f16.
+template <bool kBf16>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (kBf16) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
 }
 
 template <class T>

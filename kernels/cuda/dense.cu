@@ -220,8 +220,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32) gemv_mma_kernel(const float* x
 #pragma unroll
     for (int st = 0; st < 4; ++st) {
       const uint32_t a[4] = {r0w[2 * st], r1w[2 * st], r0w[2 * st + 1], r1w[2 * st + 1]};
-      mma_bf16(d, a, hi[2 * st], hi[2 * st + 1]);
-      mma_bf16(d, a, lo[2 * st], lo[2 * st + 1]);
+      mma_16816<true>(d, a, hi[2 * st], hi[2 * st + 1]);
+      mma_16816<true>(d, a, lo[2 * st], lo[2 * st + 1]);
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {

@@ -45,13 +45,6 @@ struct ScoreParams {
   int64_t score_stride;
 };
 
-__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t v16) {
   uint32_t r;
   const unsigned short h = static_cast<unsigned short>(v16 & 0xffffu);
@@ -182,13 +175,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) indexer_mma_kernel(const Score
           b1 = bw[2 * j + 1];
         }
 #pragma unroll
-        for (int mt = 0; mt < 4; ++mt) {
-          if constexpr (FP8) {
-            mma_f16(acc[mt], qa[mt][j], b0, b1);
-          } else {
-            mma_bf16(acc[mt], qa[mt][j], b0, b1);
-          }
-        }
+        for (int mt = 0; mt < 4; ++mt) mma_16816<!FP8>(acc[mt], qa[mt][j], b0, b1);  // e4m3 keys: as f16
       }
       float s0 = 0.f, s1 = 0.f;
 #pragma unroll

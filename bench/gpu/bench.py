@@ -569,6 +569,7 @@ def main():
             print(f"{part} FAILED: {e}", flush=True)
         torch.cuda.empty_cache()
     md = table(b.rows)
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench.md"), "w") as f:
         f.write(md + "\n")
     with open(os.path.join(args.out, "bench.json"), "w") as f:

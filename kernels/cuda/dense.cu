@@ -166,6 +166,9 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const float* x, int6
 // fp32 x, the tests' 2e-5 with room); accumulation in fp32. bf16 weights, k a multiple of 64.
 constexpr int kMmaWarps = 8;
 constexpr int kMmaBlock = 64;  // k a block (4 k-steps of 16)
+// kAhead: blocks of weights a warp has in flight while it multiplies one (registers: 2 keep 3 CTAs an SM,
+// 3 two).
+template <int kAhead>
 __global__ void __launch_bounds__(kMmaWarps * 32) gemv_mma_kernel(const float* x, int64_t ldx, int64_t m,
                                                                   const __nv_bfloat16* w, int64_t n, int64_t k,
                                                                   float* y, int64_t ldy, float beta,
@@ -190,14 +193,17 @@ __global__ void __launch_bounds__(kMmaWarps * 32) gemv_mma_kernel(const float* x
   };
   float d[4] = {0.f, 0.f, 0.f, 0.f};
   int64_t blk = warp;
-  uint4 cur[4], nxt[4];  // this block's weights and the next's; the one after is requested before the math
-  if (blk < blocks) load_w(blk, cur);  // weights are no kernel's output: requested before the wait
-  if (blk + kMmaWarps < blocks) load_w(blk + kMmaWarps, nxt);
+  uint4 buf[kAhead][4];  // this block's weights and the next ones'; one more is requested before the math
+#pragma unroll
+  for (int a = 0; a < kAhead; ++a) {  // weights are no kernel's output: requested before the wait
+    if (blk + a * kMmaWarps < blocks) load_w(blk + a * kMmaWarps, buf[a]);
+  }
   pdl_entry();
   const float* xr = x + (m0 + g) * ldx + xoff + 16 * c;
   for (; blk < blocks; blk += kMmaWarps) {
     uint4 after[4];
-    if (blk + 2 * kMmaWarps < blocks) load_w(blk + 2 * kMmaWarps, after);
+    if (blk + kAhead * kMmaWarps < blocks) load_w(blk + kAhead * kMmaWarps, after);
+    const uint4(&cur)[4] = buf[0];
     float xv[16];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {  // plain loads: x is an earlier kernel's output (see pdl_entry)
@@ -225,8 +231,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32) gemv_mma_kernel(const float* x
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      cur[i] = nxt[i];
-      nxt[i] = after[i];
+#pragma unroll
+      for (int a = 0; a + 1 < kAhead; ++a) buf[a][i] = buf[a + 1][i];
+      buf[kAhead - 1][i] = after[i];
     }
   }
 #pragma unroll
@@ -308,14 +315,20 @@ void gemv_typed(const float* x, int64_t ldx, int64_t m, const WT* w, int64_t n, 
   }
   if constexpr (std::is_same_v<WT, __nv_bfloat16>) {
     // Where it measured faster than gemv_core (docs/kernels-notes.md session 16): 5-8 rows of x at every
-    // shape (lm_head 619 -> 305 us, 4096 x 4096 24.3 -> 16.7), and 4 rows over many output rows (lm_head
-    // 355 -> 265 us); with 2-3 rows, or 4 over few output rows, gemv_core's many small CTAs keep more
-    // bytes in flight (4 rows x 2048 x 4096: 9.9 against 10.5 us).
-    const bool mma_wins = m > kGemvMaxRows || (m == kGemvMaxRows && n >= 16384);
+    // shape (lm_head 619 -> 293 us, 4096 x 4096 24.3 -> 14.2), and 4 rows over >= 4,096 outputs (lm_head
+    // 355 -> 261 us, 4096 x 4096 15.1 -> 12.8); with 2-3 rows, or 4 over fewer outputs, gemv_core's many
+    // small CTAs keep more bytes in flight (4 rows x 2048 x 4096: 9.9 against 10.2 us).
+    const bool mma_wins = m > kGemvMaxRows || (m == kGemvMaxRows && n >= 4096);
     if (mma_wins && k % kMmaBlock == 0 && (group_rows == 0 || group_rows % 16 == 0) && gemv_mma_enabled()) {
       TROUPE_REQUIRE(ceil_div(m, 8) <= 65535, "gemv: too many rows");
       const dim3 grid(static_cast<unsigned>(ceil_div(n, 16)), static_cast<unsigned>(ceil_div(m, 8)));
-      launch_kernel(gemv_mma_kernel, grid, kMmaWarps * 32, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);
+      // Three blocks a warp in flight when the CTAs fit the device at two an SM (4096 x 4096, m = 4:
+      // 15.1 -> 12.8 us); else two, and three CTAs an SM (lm_head m = 8: 3 in flight 370 us, 2 293 us).
+      if (static_cast<int64_t>(grid.x) * grid.y <= 2 * static_cast<int64_t>(sm_count())) {
+        launch_kernel(gemv_mma_kernel<3>, grid, kMmaWarps * 32, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);
+      } else {
+        launch_kernel(gemv_mma_kernel<2>, grid, kMmaWarps * 32, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);
+      }
       TROUPE_LAUNCHED();
       return;
     }

@@ -173,6 +173,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) gemv_mma_kernel(const float* x
                                                                   const __nv_bfloat16* w, int64_t n, int64_t k,
                                                                   float* y, int64_t ldy, float beta,
                                                                   int64_t group_rows) {
+  // pdl-prologue: w (the first weights are requested before pdl_entry: no kernel writes them)
   __shared__ float part[kMmaWarps][4][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * 16, m0 = static_cast<int64_t>(blockIdx.y) * 8;

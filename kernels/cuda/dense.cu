@@ -154,8 +154,9 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const float* x, int6
 // ---- bf16 weights, 4 to 8 rows of x: the tensor cores (mma.sync m16n8k16) ----------------
 // gemv_core's FMAs cost 4-8 instructions a weight at 4-8 rows of x, so it fell below the memory
 // rate there (m = 4: 53 % of copy, m = 8 on lm_head 619 us); the tensor cores take those products
-// off the issue slots. Two or three blocks of weights a warp are in flight (registers: kAhead); a form with a ring
-// of four blocks in shared memory (cp.async) measured ~2x slower and was not kept. A CTA computes 16 output rows for 8 rows of x (zero past m):
+// off the issue slots. Two or three blocks of weights a warp are in flight (registers: kAhead); a
+// form with a ring of four blocks in shared memory (cp.async) measured ~2x slower and was not kept.
+// A CTA computes 16 output rows for 8 rows of x (zero past m):
 // A = the 16 weight rows, B = x's rows as columns; its 8 warps split k in blocks of 64 (warp w:
 // blocks w, w + 8, ...) and sum their 16 x 8 tiles in shared memory in a fixed order. In a block,
 // lane (g, c) holds bytes [32c, 32c + 32) of weight rows g and g + 8 and floats [16c, 16c + 16) of

@@ -332,11 +332,11 @@ __device__ __forceinline__ void reduce_half(float (&v)[16], int lane) {
 // arrival the counts above each bin (a block scan of the row's histogram) put every bin's
 // range in the output (or the bucket's in the list); no other global atomic. (Until session
 // 16 each CTA reserved its output and list ranges with two more atomics after the threshold:
-// one more round trip, on two words every CTA of the row added to.) Then each CTA places its own bucket elements: an element's rank among the bucket
-// (by key, then lower index) is its place after the elements above, if below what is still
-// needed. (Until session 12 the row's last CTA selected the whole bucket by radix rounds
-// after the others left: ~2.6 us of block-barrier chains, where ranking a CTA's few
-// elements against the list takes ~0.3.) A bucket larger than the list is selected from
+// one more round trip, on two words every CTA of the row added to.) Then each CTA places its
+// own bucket elements: an element's rank among the bucket (by key, then lower index) is its
+// place after the elements above, if below what is still needed. (Until session 12 the row's
+// last CTA selected the whole bucket by radix rounds after the others left: ~2.6 us of
+// block-barrier chains, where ranking a CTA's few elements against the list takes ~0.3.) A bucket larger than the list is selected from
 // the row's scores by CTA 0 (ties of very many equal values).
 constexpr int kFuseBins = 2048;
 constexpr int kFuseUnits = 16;  // units a warpgroup scores in the fused form (kept in shared memory)

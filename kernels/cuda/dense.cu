@@ -326,7 +326,8 @@ void gemv_typed(const float* x, int64_t ldx, int64_t m, const WT* w, int64_t n, 
       const dim3 grid(static_cast<unsigned>(ceil_div(n, 16)), static_cast<unsigned>(ceil_div(m, 8)));
       // Three blocks a warp in flight when the CTAs fit the device at two an SM (4096 x 4096, m = 4:
       // 15.1 -> 12.8 us); else two, and three CTAs an SM (lm_head m = 8: 3 in flight 370 us, 2 293 us).
-      if (static_cast<int64_t>(grid.x) * grid.y <= 2 * static_cast<int64_t>(sm_count())) {
+      static const int sms = sm_count();
+      if (static_cast<int64_t>(grid.x) * grid.y <= 2 * static_cast<int64_t>(sms)) {
         launch_kernel(gemv_mma_kernel<3>, grid, kMmaWarps * 32, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);
       } else {
         launch_kernel(gemv_mma_kernel<2>, grid, kMmaWarps * 32, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);

@@ -239,7 +239,8 @@ constexpr int kBf16Rings = kWgGroups * kBf16Stages * kUnitBytes + kWgGroups * 4 
 // e4m3: a unit in a warpgroup's ring is each thread's 4 16-byte chunks chunk-major ([chunk][128
 // threads]: a warp's copies and reads are conflict-free), then the unit's 64 scales.
 constexpr int kE4m3Stages = 4;  // units a warpgroup's ring holds (kE4m3Stages - 1 in flight)
-constexpr int kE4m3Stage = 4 * 128 * 16 + kWgKeys * 4;
+constexpr int kE4m3Chunks = 4 * 128 * 16;  // the stage's chunks; its scales follow
+constexpr int kE4m3Stage = kE4m3Chunks + kWgKeys * 4;
 constexpr int kE4m3Region = (kE4m3Stages * kE4m3Stage + 1023) / 1024 * 1024;
 constexpr int kE4m3Rings = kWgGroups * kE4m3Region;
 template <bool FP8>
@@ -807,7 +808,7 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_e4m3_kernel(
       const uint8_t* src = p.keys + r * 128 + 16 * c;
 #pragma unroll
       for (int q = 0; q < 2; ++q) cp_async16(dst + ((2 * rs + q) * 128 + tid) * 16, src + 64 * q, valid);
-      if (c == rs) cp_async4(dst + 4 * 2048 + (rkey + 8 * rs) * 4, p.key_scales + r, valid);
+      if (c == rs) cp_async4(dst + kE4m3Chunks + (rkey + 8 * rs) * 4, p.key_scales + r, valid);
     }
   };
   // The first units' copies go out before the query is converted and stored (its loads are in flight
@@ -886,7 +887,7 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_e4m3_kernel(
     s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
     if (c < 2) {  // lane c writes row g + 8c (whose scale it copied)
       const int r = rkey + 8 * c;
-      const float sum = (c == 0 ? s0 : s1) * reinterpret_cast<const float*>(cur + 4 * 2048)[r];  // s relu(q.k)
+      const float sum = (c == 0 ? s0 : s1) * reinterpret_cast<const float*>(cur + kE4m3Chunks)[r];  // s relu(q.k)
       put_score<kFused>(out, cta_scores, fs, u * kWgKeys + r, n, (wg * kFuseUnits + it) * kWgKeys + r, sum);
     }
   }

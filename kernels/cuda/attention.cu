@@ -65,7 +65,8 @@ struct Layout {
   static constexpr int kP = kS + kHeads * 33 * 4;                   // [64][40] bf16
   static constexpr int kAlpha = kP + kHeads * 40 * 2;               // [64] fp32
   static constexpr int kML = kAlpha + kHeads * 4;                   // [64][2] fp32
-  static constexpr int kBytes = kML + kHeads * 8;
+  static constexpr int kPtrs = kML + kHeads * 8;  // [2][32]: the row pointers of the next tile (ring)
+  static constexpr int kBytes = kPtrs + 2 * kKeys * 8;
 };
 
 template <int DIM, bool BF16>
@@ -82,6 +83,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
   auto* Ps = reinterpret_cast<__nv_bfloat16*>(smem + L::kP);
   auto* alpha_s = reinterpret_cast<float*>(smem + L::kAlpha);
   auto* ml_s = reinterpret_cast<float*>(smem + L::kML);
+  auto* kptr = reinterpret_cast<const void**>(smem + L::kPtrs);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, c = lane & 3;
@@ -94,8 +96,19 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
   const int64_t end = min(n, beg + p.keys_per_split);
   const int ntiles = end > beg ? static_cast<int>((end - beg + kKeys - 1) / kKeys) : 0;
 
+  // Tile u's row pointers: loaded directly for tile 0, else copied into ring slot u & 1 with the
+  // previous tile's keys (so issuing a tile's copies never waits for a global load).
+  auto row_ptr = [&](int tile, int r, int64_t t0) -> const void* {
+    return tile == 0 ? p.rows[kbeg + t0 + r] : kptr[(tile & 1) * kKeys + r];
+  };
   auto issue_tile = [&](int tile, int buf) {
     const int64_t t0 = beg + static_cast<int64_t>(tile) * kKeys;
+    if (tid < kKeys) {  // the next tile's row pointers, in this tile's group
+      const int64_t i = t0 + kKeys + tid;
+      const bool valid = i < end;
+      cp_async8(kptr + ((tile + 1) & 1) * kKeys + tid, valid ? static_cast<const void*>(p.rows + kbeg + i)
+                                                             : static_cast<const void*>(p.rows), valid);
+    }
     if constexpr (BF16) {
       constexpr int kChunks = DIM / 8;  // 16-byte chunks per row
       __nv_bfloat16* Kb = Ks0 + buf * kKeys * kRow;
@@ -104,7 +117,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
         const int q = tid + i * kThreads;
         const int r = q / kChunks, ch = q % kChunks;
         const bool valid = t0 + r < end;
-        const auto* src = valid ? static_cast<const __nv_bfloat16*>(p.rows[kbeg + t0 + r]) + ch * 8
+        const auto* src = valid ? static_cast<const __nv_bfloat16*>(row_ptr(tile, r, t0)) + ch * 8
                                 : static_cast<const __nv_bfloat16*>(nullptr);
         cp_async16(Kb + r * kRow + ch * 8, valid ? static_cast<const void*>(src) : static_cast<const void*>(p.q), valid);
       }
@@ -115,7 +128,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
         const int q = tid + i * kThreads;
         const int r = q / kChunks, ch = q % kChunks;
         const bool valid = t0 + r < end;
-        const float* src = valid ? static_cast<const float*>(p.rows[kbeg + t0 + r]) + ch * 4 : p.q;
+        const float* src = valid ? static_cast<const float*>(row_ptr(tile, r, t0)) + ch * 4 : p.q;
         cp_async16(stage + r * DIM + ch * 4, src, valid);
       }
     }
@@ -188,6 +201,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
     {
       const int mt = warp & 3, n0 = 16 * (warp >> 2);
       float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      float s2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // odd k-steps: two more chains
       const int mi = lane >> 3;
       const __nv_bfloat16* qrow = Qs + (16 * mt + (lane & 7) + ((mi & 1) ? 8 : 0)) * kRow + ((mi >> 1) ? 8 : 0);
       const __nv_bfloat16* krow = Ks + (n0 + (lane & 7) + ((mi >> 1) ? 8 : 0)) * kRow + ((mi & 1) ? 8 : 0);
@@ -196,9 +210,18 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
         uint32_t a[4], b[4];
         ldsm_x4(a, qrow + ks * 16);
         ldsm_x4(b, krow + ks * 16);
-        mma_16816<true>(s[0], a, b[0], b[1]);
-        mma_16816<true>(s[1], a, b[2], b[3]);
+        if (ks & 1) {
+          mma_16816<true>(s2[0], a, b[0], b[1]);
+          mma_16816<true>(s2[1], a, b[2], b[3]);
+        } else {
+          mma_16816<true>(s[0], a, b[0], b[1]);
+          mma_16816<true>(s[1], a, b[2], b[3]);
+        }
       }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[nt][i] += s2[nt][i];
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const int col = n0 + 8 * nt + 2 * c;
@@ -409,13 +432,28 @@ __global__ void __launch_bounds__(kCombineMaxThreads) combine_kernel(const Param
   }
 }
 
+// Key splits: the count with the least estimated time, in 1/16 of a tile's: waves x tiles a split
+// (one CTA an SM: the kernel's shared memory), plus for the combine a tile's time (its launch) and
+// a 16th of one a query-split (its partial rows, 256 KB read and written at 64 heads x 512); the
+// fewest on a tie, at least two tiles a split, at most 64. The first plan (enough CTAs to fill the
+// device twice) ran 64 queries in three waves: CSA 640 keys 114 -> 67 us, HCA 8,320 keys 669 -> 541
+// us in one; up to 256 splits at one query made the partials dominate (HCA 38 -> 53 us).
 int plan_splits(const AttentionArgs& a) {
   if (a.splits > 0) return a.splits;
   static const int sms = sm_count();
-  const int64_t blocks = a.n_queries * ceil_div(a.heads, kHeads);
-  const int64_t want = ceil_div(2 * sms, std::max<int64_t>(blocks, 1));
-  const int64_t most = std::max<int64_t>(1, ceil_div(a.max_keys, 2 * kKeys));  // >= 2 tiles per split
-  return static_cast<int>(std::clamp<int64_t>(want, 1, std::min<int64_t>(most, 64)));
+  const int64_t blocks = std::max<int64_t>(1, a.n_queries * ceil_div(a.heads, kHeads));
+  const int64_t tiles = std::max<int64_t>(1, ceil_div(a.max_keys, kKeys));
+  const int64_t most = std::clamp<int64_t>(ceil_div(tiles, 2), 1, 64);
+  int64_t best = 1, best_cost = INT64_MAX;
+  for (int64_t s = 1; s <= most; ++s) {
+    const int64_t cost =
+        16 * ceil_div(blocks * s, static_cast<int64_t>(sms)) * ceil_div(tiles, s) + (s > 1 ? 16 + blocks * s : 0);
+    if (cost < best_cost) {
+      best = s;
+      best_cost = cost;
+    }
+  }
+  return static_cast<int>(best);
 }
 
 template <int DIM, bool BF16>

@@ -2,7 +2,8 @@
 """Runs each fast kernel a few times eagerly (no graphs), for Nsight Compute:
    ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
        -k regex:'topk_kernel|indexer_mma|indexer_wgmma|attention_kernel|compress_kernel' python3 bench/gpu/profile.py LIB
-   profile.py LIB [PARTS]: PARTS a comma list of topk, indexer, attention, compressor (default: all);
+   profile.py LIB [PARTS]: PARTS a comma list of topk, indexer, attention, compressor, decode (default:
+   all but decode, the compressor's decode form at batch 64);
    attention runs CSA decode at batch 1 and 64 (640 keys) and HCA decode at batch 1 (8,320 keys), two
    calls each, in that order.
 """
@@ -77,6 +78,23 @@ def main():
             for _ in range(2):
                 L.tb_compress_prefill(rate, int(overlap), dim, ptr(ape), ptr(norm), fl(1e-6), ptr(inv), rope_dim,
                                       fl(1.0), ptr(kv), ptr(sc), T, 0, ptr(ring), ptr(erows), 0, stream())
+    if "decode" in parts:  # compressor decode: 64 sequences, CSA (rate 4, overlap), every window closing
+        dim, rope_dim, rate, B = 512, 64, 4, 64
+        inv = Bench.rope_table(rope_dim)
+        norm = torch.randn(dim, device="cuda")
+        width, slots = 2 * dim, 2 * rate
+        ape = torch.randn(rate, width, device="cuda")
+        kv = torch.randn(B, width, device="cuda")
+        sc = torch.randn(B, width, device="cuda")
+        rings = torch.randn(B, slots, 2 * width, device="cuda")
+        b_idx = torch.arange(B, device="cuda", dtype=torch.int64)
+        pos = (b_idx * 7 + 3) * rate + rate - 1
+        ent = torch.empty(B, dim, device="cuda")
+        ring_rows = rings.data_ptr() + b_idx * slots * 2 * width * 4
+        out_rows = ent.data_ptr() + b_idx * dim * 4
+        for _ in range(2):
+            L.tb_compress_decode(rate, 1, dim, ptr(ape), ptr(norm), fl(1e-6), ptr(inv), rope_dim, fl(1.0), ptr(kv),
+                                 ptr(sc), B, ptr(pos), ptr(ring_rows), ptr(out_rows), 0, stream())
     torch.cuda.synchronize()
     print("profile driver done")
 

@@ -28,7 +28,7 @@ LD_LIBRARY_PATH="$bundle/lib:${LD_LIBRARY_PATH:-}" timeout "${SAN_S:-120}" $san 
   --gtest_filter='*topk*:*compressor*:*attention*:*indexer*' > "$out/sanitizer.log" 2>&1
 echo "sanitizer (kernels): exit $?"
 LD_LIBRARY_PATH="$bundle/lib:${LD_LIBRARY_PATH:-}" timeout "${SAN_S:-120}" $san "$bundle/kernels_cuda_backend_test" \
-  --gtest_filter='*compress*:*mhc*:*route*:*moe*:*rmsnorm*:*rope*:*row_moves*:*swiglu*:*grouped*:*beta*:*indexer*:*decode_rows*' \
+  --gtest_filter='*compress*:*mhc*:*route*:*moe*:*rmsnorm*:*rope*:*row_moves*:*swiglu*:*grouped*:*beta*:*indexer*:*decode_rows*:*linear_multi*' \
   >> "$out/sanitizer.log" 2>&1
 echo "sanitizer (backend): exit $?"
 LD_LIBRARY_PATH="$bundle/lib:${LD_LIBRARY_PATH:-}" timeout "${SAN_S:-120}" compute-sanitizer --tool racecheck \

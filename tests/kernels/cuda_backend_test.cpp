@@ -46,15 +46,50 @@ class CudaBackendTest : public ::testing::Test {
   std::mt19937 rng_{20261130};
 };
 
+// linear_multi: several weights over the same x in one launch (the decode step's projections),
+// for every row count the fused form takes (1, exact 2 and 3, 4-row tiles) and one it leaves to
+// linear (9).
+TEST_F(CudaBackendTest, linear_multi_matches_cpu_for_every_row_count) {
+  const int64_t k = 1024;
+  const int64_t outs[] = {1536, 512, 64};
+  for (WeightType type : {WeightType::bf16, WeightType::f32}) {
+    for (int64_t m : {1, 2, 3, 4, 9}) {
+      SCOPED_TRACE("type " + std::to_string(static_cast<int>(type)) + " m " + std::to_string(m));
+      std::vector<std::unique_ptr<MirrorWeight>> ws;
+      std::vector<std::unique_ptr<Mirror>> ys;
+      std::vector<Weight> cw, gw;
+      std::vector<float*> cy, gy;
+      for (int64_t n : outs) {
+        ws.push_back(std::make_unique<MirrorWeight>(cpu(), gpu(), n, k, type, rng_));
+        ys.push_back(std::make_unique<Mirror>(cpu(), gpu(), m * n * 4));
+        ys.back()->poison();
+        cw.push_back(ws.back()->cw);
+        gw.push_back(ws.back()->gw);
+        cy.push_back(ys.back()->cpu());
+        gy.push_back(ys.back()->gpu());
+      }
+      Mirror x(cpu(), gpu(), randn(m * k, rng_));
+      cpu().linear_multi(x.cpu(), m, cw.data(), cy.data(), static_cast<int>(cw.size()));
+      gpu().linear_multi(x.gpu(), m, gw.data(), gy.data(), static_cast<int>(gw.size()));
+      const bool exact = m <= 8 || type == WeightType::f32;  // as in the linear test (cuBLAS past 8 rows)
+      for (size_t i = 0; i < ys.size(); ++i) {
+        EXPECT_CLOSE(ys[i]->gpu_host(m * outs[i]), ys[i]->cpu_host(m * outs[i]), exact ? 2e-5 : 1e-2);
+      }
+    }
+  }
+}
+
 TEST_F(CudaBackendTest, linear_matches_cpu_for_every_weight_type_and_shape) {
   struct Shape {
     int64_t m, n, k;
   };
   const Shape shapes[] = {{1, 64, 256},  {1, 4096, 4096}, {3, 1000, 520}, {8, 2048, 1024}, {5, 24, 16384},
                           {17, 1024, 4096}, {64, 4096, 1024}, {300, 512, 256}, {2, 7, 12},
-                          {4, 4096, 1024}, {3, 2500, 512}, {4, 2000, 512}, {4, 16400, 128}, {7, 1000, 320}};
-  // (the last five: x rows 3-4 over fewer than 4,096 outputs on gemv_core's 4-row tiles; 4 and 7 rows on the
-  // tensor cores, three blocks in flight (4 x 4096, 7 x 1000: partial 16-row tiles) and two (4 x 16400))
+                          {4, 4096, 1024}, {3, 2500, 512}, {4, 2000, 512}, {4, 16400, 128}, {7, 1000, 320},
+                          {2, 4096, 1024}, {2, 300, 256}};
+  // (3 x 2500, 4 x 2000: x rows 3-4 over fewer than 4,096 outputs on gemv_core's 4-row tiles; 4 and 7 rows on
+  // the tensor cores, three blocks in flight (4 x 4096, 7 x 1000: partial 16-row tiles) and two (4 x 16400);
+  // 2 rows on the exact-row kernels, 4-row tiles and one-row tiles (2 x 300))
   for (WeightType type : {WeightType::f32, WeightType::bf16, WeightType::f16}) {
     for (const auto& s : shapes) {
       SCOPED_TRACE("type " + std::to_string(static_cast<int>(type)) + " m " + std::to_string(s.m) + " n " +

@@ -69,6 +69,51 @@ def rel_err(got, ref):
     return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+def attention_case(L, pool, B, n, H, qscale=1.0):
+    """One attention call's inputs: B queries of H heads, each over n keys gathered at random from the rows of
+    `pool` (bf16, [rows, D]): q, the key indices, the row pointers, offsets, out and the workspace."""
+    D = pool.shape[1]
+    q = torch.randn(B, H, D, device="cuda") * qscale
+    idx = torch.randint(0, pool.shape[0], (B, n), device="cuda")
+    rows = pool.data_ptr() + idx.flatten() * D * 2
+    offsets = torch.arange(B + 1, dtype=torch.int64, device="cuda") * n
+    out = torch.empty(B, H, D, device="cuda")
+    ws = torch.empty(max(L.tb_attention_ws(B, H, D, n, 0), 16), dtype=torch.uint8, device="cuda")
+    return q, idx, rows, offsets, out, ws
+
+
+def prefill_case(T, rate, overlap, dim):
+    """The compressor's prefill inputs over T tokens: kv, scores, ape, the entries, their row pointers, the ring."""
+    width = 2 * dim if overlap else dim
+    kv = torch.randn(T, width, device="cuda")
+    sc = torch.randn(T, width, device="cuda")
+    ape = torch.randn(rate, width, device="cuda")
+    E = T // rate
+    out = torch.empty(E, dim, device="cuda")
+    rows = out.data_ptr() + torch.arange(E, dtype=torch.int64, device="cuda") * dim * 4
+    ring = torch.zeros((2 * rate if overlap else rate), 2 * width, device="cuda")
+    return kv, sc, ape, out, rows, ring
+
+
+def decode_case(B, rate, overlap, dim, all_close):
+    """The compressor's decode inputs: B sequences appending one token each, every one closing a window
+    (all_close) or one in `rate`: ape, kv, scores, positions, ring and entry row pointers, and the tensors
+    those pointers point into (keep them alive)."""
+    width = 2 * dim if overlap else dim
+    slots = 2 * rate if overlap else rate
+    ape = torch.randn(rate, width, device="cuda")
+    kv = torch.randn(B, width, device="cuda")
+    sc = torch.randn(B, width, device="cuda")
+    rings = torch.randn(B, slots, 2 * width, device="cuda")
+    b_idx = torch.arange(B, device="cuda", dtype=torch.int64)
+    phase = rate - 1 if all_close else b_idx % rate
+    pos = (b_idx * 7 + 3) * rate + phase
+    out = torch.empty(B, dim, device="cuda")
+    ring_rows = rings.data_ptr() + b_idx * slots * 2 * width * 4
+    out_rows = out.data_ptr() + b_idx * dim * 4
+    return ape, kv, sc, pos, ring_rows, out_rows, (rings, out)
+
+
 class Bench:
     def __init__(self, lib, quick):
         self.lib = C.CDLL(lib)
@@ -259,13 +304,8 @@ class Bench:
             cases = cases[:2]
         for T, rate, overlap in cases:
             width = 2 * dim if overlap else dim
-            kv = torch.randn(T, width, device="cuda")
-            sc = torch.randn(T, width, device="cuda")
-            ape = torch.randn(rate, width, device="cuda")
             E = T // rate
-            out = torch.empty(E, dim, device="cuda")
-            rows = (out.data_ptr() + torch.arange(E, dtype=torch.int64, device="cuda") * dim * 4)
-            ring = torch.zeros((2 * rate if overlap else rate), 2 * width, device="cuda")
+            kv, sc, ape, out, rows, ring = prefill_case(T, rate, overlap, dim)
 
             def ours(i):
                 L.tb_compress_prefill(rate, int(overlap), dim, ptr(ape), ptr(norm), fl(1e-6), ptr(inv), rope_dim,
@@ -292,18 +332,7 @@ class Bench:
         for rate, overlap in [(4, True), (128, False)]:
             for mode in ("all close", "1 in rate closes"):
                 B = 64
-                width = 2 * dim if overlap else dim
-                slots = 2 * rate if overlap else rate
-                ape = torch.randn(rate, width, device="cuda")
-                kv = torch.randn(B, width, device="cuda")
-                sc = torch.randn(B, width, device="cuda")
-                rings = torch.randn(B, slots, 2 * width, device="cuda")
-                b_idx = torch.arange(B, device="cuda", dtype=torch.int64)
-                phase = rate - 1 if mode == "all close" else b_idx % rate
-                pos = (b_idx * 7 + 3) * rate + phase
-                out = torch.empty(B, dim, device="cuda")
-                ring_rows = rings.data_ptr() + b_idx * slots * 2 * width * 4
-                out_rows = out.data_ptr() + b_idx * dim * 4
+                ape, kv, sc, pos, ring_rows, out_rows, keep = decode_case(B, rate, overlap, dim, mode == "all close")
 
                 def ours(i):
                     L.tb_compress_decode(rate, int(overlap), dim, ptr(ape), ptr(norm), fl(1e-6), ptr(inv), rope_dim,
@@ -471,13 +500,7 @@ class Bench:
         sinks = torch.randn(H, device="cuda")
         scale = 1 / math.sqrt(D)
         for name, B, n in cases:
-            q = torch.randn(B, H, D, device="cuda") * 0.5
-            idx = torch.randint(0, pool_rows, (B, n), device="cuda")
-            rows = pool.data_ptr() + idx.flatten() * D * 2
-            offsets = torch.arange(B + 1, dtype=torch.int64, device="cuda") * n
-            out = torch.empty(B, H, D, device="cuda")
-            wsb = L.tb_attention_ws(B, H, D, n, 0)
-            ws = torch.empty(max(wsb, 16), dtype=torch.uint8, device="cuda")
+            q, idx, rows, offsets, out, ws = attention_case(L, pool, B, n, H, 0.5)
 
             def ours(i):
                 L.tb_attention(ptr(q), B, H, D, 1, ptr(rows), ptr(offsets), n, ptr(sinks), fl(scale), ptr(out), 0,

@@ -13,7 +13,7 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench import Bench, fl, ptr, stream  # noqa: E402
+from bench import Bench, attention_case, decode_case, fl, prefill_case, ptr, stream  # noqa: E402
 
 
 def main():
@@ -52,13 +52,7 @@ def main():
         pool = torch.randn(pool_rows, Dh, device="cuda").to(torch.bfloat16)
         sinks = torch.randn(H, device="cuda")
         for B, nkeys in [(1, 640), (64, 640), (1, 128 + 8192)]:
-            qa = torch.randn(B, H, Dh, device="cuda")
-            idx = torch.randint(0, pool_rows, (B, nkeys), device="cuda")
-            rows = pool.data_ptr() + idx.flatten() * Dh * 2
-            offsets = torch.arange(B + 1, dtype=torch.int64, device="cuda") * nkeys
-            o = torch.empty(B, H, Dh, device="cuda")
-            wsb = L.tb_attention_ws(B, H, Dh, nkeys, 0)
-            wsa = torch.empty(max(wsb, 16), dtype=torch.uint8, device="cuda")
+            qa, _, rows, offsets, o, wsa = attention_case(L, pool, B, nkeys, H)
             for _ in range(2):
                 L.tb_attention(ptr(qa), B, H, Dh, 1, ptr(rows), ptr(offsets), nkeys, ptr(sinks), fl(1 / math.sqrt(Dh)),
                                ptr(o), 0, ptr(wsa), stream())
@@ -67,14 +61,7 @@ def main():
         inv = Bench.rope_table(rope_dim)
         norm = torch.randn(dim, device="cuda")
         for T, rate, overlap in [(65536, 4, True), (65536, 128, False)]:
-            width = 2 * dim if overlap else dim
-            kv = torch.randn(T, width, device="cuda")
-            sc = torch.randn(T, width, device="cuda")
-            ape = torch.randn(rate, width, device="cuda")
-            E = T // rate
-            ent = torch.empty(E, dim, device="cuda")
-            erows = ent.data_ptr() + torch.arange(E, dtype=torch.int64, device="cuda") * dim * 4
-            ring = torch.zeros((2 * rate if overlap else rate), 2 * width, device="cuda")
+            kv, sc, ape, ent, erows, ring = prefill_case(T, rate, overlap, dim)
             for _ in range(2):
                 L.tb_compress_prefill(rate, int(overlap), dim, ptr(ape), ptr(norm), fl(1e-6), ptr(inv), rope_dim,
                                       fl(1.0), ptr(kv), ptr(sc), T, 0, ptr(ring), ptr(erows), 0, stream())
@@ -82,16 +69,7 @@ def main():
         dim, rope_dim, rate, B = 512, 64, 4, 64
         inv = Bench.rope_table(rope_dim)
         norm = torch.randn(dim, device="cuda")
-        width, slots = 2 * dim, 2 * rate
-        ape = torch.randn(rate, width, device="cuda")
-        kv = torch.randn(B, width, device="cuda")
-        sc = torch.randn(B, width, device="cuda")
-        rings = torch.randn(B, slots, 2 * width, device="cuda")
-        b_idx = torch.arange(B, device="cuda", dtype=torch.int64)
-        pos = (b_idx * 7 + 3) * rate + rate - 1
-        ent = torch.empty(B, dim, device="cuda")
-        ring_rows = rings.data_ptr() + b_idx * slots * 2 * width * 4
-        out_rows = ent.data_ptr() + b_idx * dim * 4
+        ape, kv, sc, pos, ring_rows, out_rows, keep = decode_case(B, rate, True, dim, True)
         for _ in range(2):
             L.tb_compress_decode(rate, 1, dim, ptr(ape), ptr(norm), fl(1e-6), ptr(inv), rope_dim, fl(1.0), ptr(kv),
                                  ptr(sc), B, ptr(pos), ptr(ring_rows), ptr(out_rows), 0, stream())

@@ -1,10 +1,13 @@
 // Tensor-core sparse attention with sinks (see attention.hpp).
 //
-// CTA = 8 warps, 64 heads x one key range of one query. Per 32-key tile:
-//   S phase:  warp w computes S[16 heads (w % 4), 16 keys (w / 4)] over all channels;
-//   softmax:  4 threads per head row, online max/sum in fp32 (log2 domain), P -> bf16;
+// CTA = 8 warps, 64 heads x one key range of one query. Per 32-key tile (its keys copied by
+// cp.async while the previous tile is computed, their row pointers a tile earlier still):
+//   S phase:  warp w computes S[16 heads (w % 4), all 32 keys] over channel half w / 4;
+//   softmax:  4 threads per head row sum the two halves, online max/sum in fp32 (log2
+//             domain), P -> bf16;
 //   PV phase: warp w accumulates O[64 heads, dim/8 channels (w)] in registers.
-// Shared-memory rows are padded by 16 bytes so ldmatrix phases hit 32 banks.
+// Then O goes through shared memory to 16-byte row stores. Shared-memory rows are padded by
+// 16 bytes so ldmatrix phases hit 32 banks.
 #include <algorithm>
 
 #include "kernels/cuda/attention.hpp"

@@ -171,14 +171,14 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const float* x, int6
 constexpr int kMmaWarps = 8;
 constexpr int kMmaBlock = 64;  // k a block (4 k-steps of 16)
 // kAhead: blocks of weights a warp has in flight while it multiplies one (registers: 2 keep 3 CTAs an SM,
-// 3 two).
-template <int kAhead>
-__global__ void __launch_bounds__(kMmaWarps * 32) gemv_mma_kernel(const float* x, int64_t ldx, int64_t m,
+// 3 two); kWarps: warps a CTA (16 with kAhead 4: one CTA an SM, for grids the device holds at once).
+template <int kAhead, int kWarps = kMmaWarps>
+__global__ void __launch_bounds__(kWarps * 32) gemv_mma_kernel(const float* x, int64_t ldx, int64_t m,
                                                                   const __nv_bfloat16* w, int64_t n, int64_t k,
                                                                   float* y, int64_t ldy, float beta,
                                                                   int64_t group_rows) {
   // pdl-prologue: w (the first weights are requested before pdl_entry: no kernel writes them)
-  __shared__ float part[kMmaWarps][4][32];
+  __shared__ float part[kWarps][4][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * 16, m0 = static_cast<int64_t>(blockIdx.y) * 8;
   const int mh = m - m0 < 8 ? static_cast<int>(m - m0) : 8;
@@ -201,13 +201,13 @@ __global__ void __launch_bounds__(kMmaWarps * 32) gemv_mma_kernel(const float* x
   uint4 buf[kAhead][4];  // this block's weights and the next ones'; one more is requested before the math
 #pragma unroll
   for (int a = 0; a < kAhead; ++a) {  // weights are no kernel's output: requested before the wait
-    if (blk + a * kMmaWarps < blocks) load_w(blk + a * kMmaWarps, buf[a]);
+    if (blk + a * kWarps < blocks) load_w(blk + a * kWarps, buf[a]);
   }
   pdl_entry();
   const float* xr = x + (m0 + g) * ldx + xoff + 8 * c;
-  for (; blk < blocks; blk += kMmaWarps) {
+  for (; blk < blocks; blk += kWarps) {
     uint4 after[4];
-    if (blk + kAhead * kMmaWarps < blocks) load_w(blk + kAhead * kMmaWarps, after);
+    if (blk + kAhead * kWarps < blocks) load_w(blk + kAhead * kWarps, after);
     const uint4(&cur)[4] = buf[0];
     float xv[16];
 #pragma unroll
@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) gemv_mma_kernel(const float* x
     const int i = threadIdx.x >> 5, l = threadIdx.x & 31;
     float sum = 0.f;
 #pragma unroll
-    for (int v = 0; v < kMmaWarps; ++v) sum += part[v][i][l];
+    for (int v = 0; v < kWarps; ++v) sum += part[v][i][l];
     const int64_t row = row0 + (l >> 2) + 8 * (i >> 1);
     const int col = 2 * (l & 3) + (i & 1);
     if (row < n && col < mh) {
@@ -327,10 +327,16 @@ void gemv_typed(const float* x, int64_t ldx, int64_t m, const WT* w, int64_t n, 
     if (mma_wins && k % kMmaBlock == 0 && (group_rows == 0 || group_rows % 16 == 0) && gemv_mma_enabled()) {
       TROUPE_REQUIRE(ceil_div(m, 8) <= 65535, "gemv: too many rows");
       const dim3 grid(static_cast<unsigned>(ceil_div(n, 16)), static_cast<unsigned>(ceil_div(m, 8)));
-      // Three blocks a warp in flight when the CTAs fit the device at two an SM (4096 x 4096, m = 4:
-      // 15.1 -> 12.8 us); else two, and three CTAs an SM (lm_head m = 8: 3 in flight 370 us, 2 293 us).
+      // Grids the device holds at one CTA an SM: 16 warps, four blocks each in flight (2048 x 4096,
+      // m = 8: 10.3 -> 7.3 us; 16 warps on larger grids were slower: 4096 x 4096 13.0 -> 13.8, lm_head
+      // 282 -> 385). Three blocks a warp in flight when the CTAs fit the device at two an SM (4096 x
+      // 4096, m = 4: 15.1 -> 12.8 us); else two, and three CTAs an SM (lm_head m = 8: 3 in flight 370
+      // us, 2 293 us).
       static const int sms = sm_count();
-      if (static_cast<int64_t>(grid.x) * grid.y <= 2 * static_cast<int64_t>(sms)) {
+      const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y;
+      if (ctas <= sms) {
+        launch_kernel(gemv_mma_kernel<4, 16>, grid, 16 * 32, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);
+      } else if (ctas <= 2 * static_cast<int64_t>(sms)) {
         launch_kernel(gemv_mma_kernel<3>, grid, kMmaWarps * 32, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);
       } else {
         launch_kernel(gemv_mma_kernel<2>, grid, kMmaWarps * 32, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);

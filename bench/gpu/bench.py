@@ -303,9 +303,8 @@ class Bench:
         if self.quick:
             cases = cases[:2]
         for T, rate, overlap in cases:
-            width = 2 * dim if overlap else dim
-            E = T // rate
             kv, sc, ape, out, rows, ring = prefill_case(T, rate, overlap, dim)
+            width, E = kv.shape[1], out.shape[0]
 
             def ours(i):
                 L.tb_compress_prefill(rate, int(overlap), dim, ptr(ape), ptr(norm), fl(1e-6), ptr(inv), rope_dim,

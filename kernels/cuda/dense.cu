@@ -334,13 +334,10 @@ void gemv_typed(const float* x, int64_t ldx, int64_t m, const WT* w, int64_t n, 
       // us, 2 293 us).
       static const int sms = sm_count();
       const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y;
-      if (ctas <= sms) {
-        launch_kernel(gemv_mma_kernel<4, 16>, grid, 16 * 32, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);
-      } else if (ctas <= 2 * static_cast<int64_t>(sms)) {
-        launch_kernel(gemv_mma_kernel<3>, grid, kMmaWarps * 32, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);
-      } else {
-        launch_kernel(gemv_mma_kernel<2>, grid, kMmaWarps * 32, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);
-      }
+      const bool one_wave = ctas <= sms;
+      auto* kernel = one_wave ? gemv_mma_kernel<4, 16>
+                              : ctas <= 2 * static_cast<int64_t>(sms) ? gemv_mma_kernel<3> : gemv_mma_kernel<2>;
+      launch_kernel(kernel, grid, (one_wave ? 16 : kMmaWarps) * 32, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);
       TROUPE_LAUNCHED();
       return;
     }

@@ -146,12 +146,12 @@ __device__ __forceinline__ void find_threshold(const uint32_t* hist, uint32_t nb
 // After a row's histogram gh (nbins bins, every CTA's counts in) is met: the bin t where the count
 // from the top reaches `need` (sm.thr_bin; sm.thr_above elements in the bins above it, sm.thr_cnt in
 // it, sm.thr_old = hist[t]) and every other bin's first place in the output: hist[i] (this CTA's
-// first place among the row's elements in bin i: the return of its add) += first + (the row's
-// elements above bin i). Each of the NT threads reads nbins / NT <= 4 contiguous bins (thread 0 the
+// first place among the row's elements in bin i: the return of its add) += the row's elements
+// above bin i. Each of the NT threads reads nbins / NT <= 4 contiguous bins (thread 0 the
 // highest) and the counts above them come from one block scan. Ends with a barrier.
 template <int NT, class S>
-__device__ __forceinline__ void scan_places(const uint32_t* gh, uint32_t nbins, uint32_t need, uint32_t first,
-                                            uint32_t* hist, S& sm) {
+__device__ __forceinline__ void scan_places(const uint32_t* gh, uint32_t nbins, uint32_t need, uint32_t* hist,
+                                            S& sm) {
   const uint32_t per = nbins / NT;
   const int r0 = static_cast<int>(nbins - per * (threadIdx.x + 1));
   uint32_t h[4];
@@ -177,7 +177,7 @@ __device__ __forceinline__ void scan_places(const uint32_t* gh, uint32_t nbins, 
       sm.thr_cnt = h[j];
       sm.thr_old = hist[i];
     } else {
-      hist[i] += first + run;
+      hist[i] += run;
     }
     run += h[j];
   }

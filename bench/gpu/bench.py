@@ -530,8 +530,11 @@ class Bench:
     # ---- GEMV (decode linear layers) -----------------------------------------------------------
     def gemv(self):
         L = self.lib
-        for n, k, what in [(4096, 4096, "4096x4096"), (2048, 4096, "expert 2048x4096"), (129280, 4096, "lm_head")]:
-            for m in (1, 2, 4, 8):
+        shapes = [(4096, 4096, "4096x4096"), (2048, 4096, "expert 2048x4096"), (129280, 4096, "lm_head")]
+        if self.gemv_shapes:  # --gemv-shapes NxK,...: these instead
+            shapes = [(int(a), int(b), f"{a}x{b}") for a, b in (s.split("x") for s in self.gemv_shapes.split(","))]
+        for n, k, what in shapes:
+            for m in self.gemv_rows:
                 nbuf = max(2, min(8, (1 << 30) // (n * k * 2)))
                 ws = [torch.randn(n, k, device="cuda").to(torch.bfloat16) for _ in range(nbuf)]
                 x = torch.randn(m, k, device="cuda")
@@ -576,8 +579,12 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="")
+    ap.add_argument("--gemv-shapes", default="", help="GEMV shapes NxK (outputs x inputs), comma-separated")
+    ap.add_argument("--gemv-rows", default="1,2,4,8", help="rows of x the GEMV shapes are timed at")
     args = ap.parse_args()
     b = Bench(args.lib, args.quick)
+    b.gemv_shapes = args.gemv_shapes
+    b.gemv_rows = [int(v) for v in args.gemv_rows.split(",")]
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     t0 = time.time()
     b.copy_bandwidth()

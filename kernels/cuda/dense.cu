@@ -323,7 +323,12 @@ void gemv_typed(const float* x, int64_t ldx, int64_t m, const WT* w, int64_t n, 
     // shape (lm_head 619 -> 293 us, 4096 x 4096 24.3 -> 14.2), and 4 rows over >= 4,096 outputs (lm_head
     // 355 -> 261 us, 4096 x 4096 15.1 -> 12.8); with 2-3 rows, or 4 over fewer outputs, gemv_core's many
     // small CTAs keep more bytes in flight (4 rows x 2048 x 4096: 9.9 against 10.2 us).
-    const bool mma_wins = m > kGemvMaxRows || (m == kGemvMaxRows && n >= 4096);
+    // Since session 18 also 3-4 rows over 1,024 outputs or more that the device holds at one CTA an SM
+    // (the 16-warp form below; run 18 call 5, m = 4 / 3: 2048 x 4096 10.0 -> 7.3 / 8.8 -> 7.2 us, 1024 x
+    // 4096 7.4 -> 4.9 / 6.3 -> 4.9; over 512 outputs, 32 CTAs, slower: 4.1 -> 4.3 / 3.6 -> 4.4).
+    static const int sms = sm_count();
+    const bool one_wave_m = n >= 1024 && ceil_div(n, 16) <= sms;
+    const bool mma_wins = m > kGemvMaxRows || (m == kGemvMaxRows && n >= 4096) || (m >= 3 && one_wave_m);
     if (mma_wins && k % kMmaBlock == 0 && (group_rows == 0 || group_rows % 16 == 0) && gemv_mma_enabled()) {
       TROUPE_REQUIRE(ceil_div(m, 8) <= 65535, "gemv: too many rows");
       const dim3 grid(static_cast<unsigned>(ceil_div(n, 16)), static_cast<unsigned>(ceil_div(m, 8)));
@@ -332,7 +337,6 @@ void gemv_typed(const float* x, int64_t ldx, int64_t m, const WT* w, int64_t n, 
       // 282 -> 385). Three blocks a warp in flight when the CTAs fit the device at two an SM (4096 x
       // 4096, m = 4: 15.1 -> 12.8 us); else two, and three CTAs an SM (lm_head m = 8: 3 in flight 370
       // us, 2 293 us).
-      static const int sms = sm_count();
       const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y;
       const bool one_wave = ctas <= sms;
       auto* kernel = one_wave ? gemv_mma_kernel<4, 16>

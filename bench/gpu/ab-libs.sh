@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Here (not on the GPU machine): the benchmark libraries of kernel variants for
+# bench/gpu/kernel-ab.sh AB_PREBUILT=1, so that device time is not spent compiling.
+#   bench/gpu/ab-libs.sh OUT NAME[:SOURCE=FILE[,SOURCE=FILE...]] ...
+# Each NAME gets OUT/lib-NAME/lib.so: bench/gpu/bench_lib.cu and the tree's kernels, with
+# each SOURCE (kernels/cuda/topk.cu) replaced by FILE. The tree's objects are built once
+# (OUT/obj) and shared by every variant that does not replace them.
+# Example:
+#   bench/gpu/ab-libs.sh bundle/main/ablib tree new:kernels/cuda/indexer.cu=/tmp/indexer_new.cu
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+out=$1
+shift
+nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+flags=(-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Xcompiler -fPIC -I.)
+sources=(bench/gpu/bench_lib.cu kernels/cuda/{topk,compressor,indexer,attention,dense}.cu)
+jobs=${AB_JOBS:-2}
+mkdir -p "$out/obj"
+compile() {  # SRC OBJ
+  "$nvcc" "${flags[@]}" ${AB_EXTRA_FLAGS:-} -c "$1" -o "$2"
+}
+# The tree's objects (rebuilt when the source is newer).
+for src in "${sources[@]}"; do
+  obj=$out/obj/$(basename "$src" .cu).o
+  if [ ! -f "$obj" ] || [ "$src" -nt "$obj" ] || [ kernels/cuda/common.cuh -nt "$obj" ]; then
+    while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n; done
+    compile "$src" "$obj" &
+  fi
+done
+wait
+for spec in "$@"; do
+  name=${spec%%:*} repl=
+  [ "$spec" != "$name" ] && repl=${spec#*:}
+  dir=$out/lib-$name
+  mkdir -p "$dir"
+  objs=()
+  for src in "${sources[@]}"; do
+    obj=$out/obj/$(basename "$src" .cu).o
+    IFS=, read -ra pairs <<< "$repl"
+    for pair in "${pairs[@]}"; do
+      if [ "${pair%%=*}" = "$src" ]; then
+        obj=$dir/$(basename "$src" .cu).o
+        while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n; done
+        compile "${pair#*=}" "$obj" &
+      fi
+    done
+    objs+=("$obj")
+  done
+  wait
+  "$nvcc" -shared -gencode=arch=compute_90a,code=sm_90a -o "$dir/lib.so" "${objs[@]}"
+  echo "built $dir/lib.so"
+done

@@ -258,6 +258,167 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_mma_kernel(const float* x, i
   }
 }
 
+// The same products over grids larger than the device holds at twice (lm_head: 8,080 tiles of 16
+// rows), persistent: each CTA takes tiles blockIdx.x, + gridDim.x, ..., and each warp streams its
+// blocks of every one of its CTA's tiles as one sequence, kAhead blocks in flight across the tiles'
+// boundaries (a CTA's first and last blocks no longer leave its SM's loads idle at every 16 rows: one-
+// tile CTAs turned over ~20 times a slot on lm_head). The warps' sums of a tile meet in part[tile %
+// 2] at one barrier a tile. kXs: x staged once a CTA in shared memory as its bf16 hi / lo words in
+// the order the lanes read them ([block][q][lane with g < mh], 16 bytes: q 0-1 hi, 2-3 lo; 4 mh k
+// bytes), so the loop reads 4 conflict-free 16-byte words a block instead of loading and converting
+// 16 floats of x. Needs k / 64 >= kWarps (every warp has a block of every tile) and, with kXs,
+// group_rows == 0.
+template <int kAhead, int kWarps, bool kXs>
+__global__ void __launch_bounds__(kWarps * 32, kWarps == 16 ? 1 : 3) gemv_mma_persist_kernel(const float* x, int64_t ldx, int64_t m,
+                                                                          const __nv_bfloat16* w, int64_t n, int64_t k,
+                                                                          float* y, int64_t ldy, float beta,
+                                                                          int64_t group_rows) {
+  // pdl-prologue: w (the first weights are requested before pdl_entry: no kernel writes them)
+  __shared__ float part[2][kWarps][4][32];
+  extern __shared__ uint4 xs[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * 8;
+  const int mh = m - m0 < 8 ? static_cast<int>(m - m0) : 8;
+  const int64_t blocks = k / kMmaBlock, tiles = (n + 15) / 16;
+  const int64_t my_tiles = (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x;
+  const int nb = static_cast<int>((blocks - warp + kWarps - 1) / kWarps);  // this warp's blocks a tile
+  const int64_t items = my_tiles * nb;
+  const bool xok = g < mh;
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  // Item i: tile blockIdx.x + (i / nb) gridDim.x, block warp + (i % nb) kWarps.
+  auto load_w = [&](int64_t ti, int j, uint4 (&r)[4]) {
+    const int64_t row0 = (blockIdx.x + ti * gridDim.x) * 16;
+    const int64_t o = (warp + static_cast<int64_t>(j) * kWarps) * kMmaBlock;
+    const __nv_bfloat16* w0 = w + (row0 + g) * k + 8 * c + o;
+    const bool ok0 = row0 + g < n, ok1 = row0 + g + 8 < n;
+    r[0] = ok0 ? ld_stream(w0) : zero;
+    r[1] = ok0 ? ld_stream(w0 + 32) : zero;
+    r[2] = ok1 ? ld_stream(w0 + 8 * k) : zero;
+    r[3] = ok1 ? ld_stream(w0 + 8 * k + 32) : zero;
+  };
+  uint4 buf[kAhead][4];
+  int64_t ati = 0;  // item i + kAhead's tile (of this CTA's) and block (of this warp's)
+  int aj = 0;
+#pragma unroll
+  for (int a = 0; a < kAhead; ++a) {  // weights are no kernel's output: requested before the wait
+    if (a < items) load_w(ati, aj, buf[a]);
+    if (++aj == nb) aj = 0, ++ati;
+  }
+  pdl_entry();
+  if constexpr (kXs) {
+    // Staging item t: block t / (4 mh), lane' = t % (4 mh) = 4 g + c: its 16 elements of x row g.
+    const int per = 4 * mh;
+    for (int64_t t = threadIdx.x; t < blocks * per; t += kWarps * 32) {
+      const int64_t blk = t / per;
+      const int l = static_cast<int>(t % per), gg = l >> 2, cc = l & 3;
+      const float* xr = x + (m0 + gg) * ldx + blk * kMmaBlock + 8 * cc;
+      float v[16];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float4 f = *reinterpret_cast<const float4*>(xr + 32 * (q >> 1) + 4 * (q & 1));
+        v[4 * q] = f.x;
+        v[4 * q + 1] = f.y;
+        v[4 * q + 2] = f.z;
+        v[4 * q + 3] = f.w;
+      }
+      uint32_t hi[8], lo[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        hi[j] = pack_bf16x2(v[2 * j], v[2 * j + 1]);
+        const float2 h = bf16x2_to_f32(hi[j]);
+        lo[j] = pack_bf16x2(v[2 * j] - h.x, v[2 * j + 1] - h.y);
+      }
+      uint4* dst = xs + blk * 4 * per + l;
+      dst[0] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+      dst[per] = make_uint4(hi[4], hi[5], hi[6], hi[7]);
+      dst[2 * per] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+      dst[3 * per] = make_uint4(lo[4], lo[5], lo[6], lo[7]);
+    }
+    __syncthreads();
+  }
+  float d[4] = {0.f, 0.f, 0.f, 0.f};
+  int64_t ti = 0;
+  int j = 0;
+  for (int64_t i = 0; i < items; ++i) {
+    uint4 after[4];
+    if (i + kAhead < items) load_w(ati, aj, after);
+    if (++aj == nb) aj = 0, ++ati;
+    const int64_t blk = warp + static_cast<int64_t>(j) * kWarps;
+    uint32_t hi[8], lo[8];  // word j: elements 2j, 2j + 1
+    if constexpr (kXs) {
+      uint4 q[4] = {zero, zero, zero, zero};
+      if (xok) {
+        const int per = 4 * mh;
+        const uint4* src = xs + blk * 4 * per + lane;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) q[u] = src[u * per];
+      }
+      hi[0] = q[0].x, hi[1] = q[0].y, hi[2] = q[0].z, hi[3] = q[0].w;
+      hi[4] = q[1].x, hi[5] = q[1].y, hi[6] = q[1].z, hi[7] = q[1].w;
+      lo[0] = q[2].x, lo[1] = q[2].y, lo[2] = q[2].z, lo[3] = q[2].w;
+      lo[4] = q[3].x, lo[5] = q[3].y, lo[6] = q[3].z, lo[7] = q[3].w;
+    } else {
+      const int64_t row0 = (blockIdx.x + ti * gridDim.x) * 16;
+      const int64_t xoff = group_rows > 0 ? (row0 / group_rows) * k : 0;
+      const float* xr = x + (m0 + g) * ldx + xoff + 8 * c + blk * kMmaBlock;
+      float xv[16];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {  // plain loads: x is an earlier kernel's output (see pdl_entry)
+        const float4 t = xok ? *reinterpret_cast<const float4*>(xr + 32 * (q >> 1) + 4 * (q & 1))
+                             : make_float4(0.f, 0.f, 0.f, 0.f);
+        xv[4 * q] = t.x;
+        xv[4 * q + 1] = t.y;
+        xv[4 * q + 2] = t.z;
+        xv[4 * q + 3] = t.w;
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        hi[u] = pack_bf16x2(xv[2 * u], xv[2 * u + 1]);
+        const float2 h = bf16x2_to_f32(hi[u]);
+        lo[u] = pack_bf16x2(xv[2 * u] - h.x, xv[2 * u + 1] - h.y);
+      }
+    }
+    const uint4(&cur)[4] = buf[0];
+    const uint32_t r0w[8] = {cur[0].x, cur[0].y, cur[0].z, cur[0].w, cur[1].x, cur[1].y, cur[1].z, cur[1].w};
+    const uint32_t r1w[8] = {cur[2].x, cur[2].y, cur[2].z, cur[2].w, cur[3].x, cur[3].y, cur[3].z, cur[3].w};
+#pragma unroll
+    for (int st = 0; st < 4; ++st) {
+      const uint32_t a[4] = {r0w[2 * st], r1w[2 * st], r0w[2 * st + 1], r1w[2 * st + 1]};
+      mma_16816<true>(d, a, hi[2 * st], hi[2 * st + 1]);
+      mma_16816<true>(d, a, lo[2 * st], lo[2 * st + 1]);
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+#pragma unroll
+      for (int a = 0; a + 1 < kAhead; ++a) buf[a][u] = buf[a + 1][u];
+      buf[kAhead - 1][u] = after[u];
+    }
+    if (++j == nb) {  // this warp's last block of the tile: the tile's sums
+      float(&pt)[kWarps][4][32] = part[ti & 1];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        pt[warp][u][lane] = d[u];
+        d[u] = 0.f;
+      }
+      __syncthreads();  // (part[ti & 1] was last read before the previous tile's barrier)
+      if (threadIdx.x < 128) {  // d[u] of lane l: row g(l) + 8 (u / 2), column 2 c(l) + u % 2
+        const int u = threadIdx.x >> 5, l = threadIdx.x & 31;
+        float sum = 0.f;
+#pragma unroll
+        for (int v = 0; v < kWarps; ++v) sum += pt[v][u][l];
+        const int64_t row = (blockIdx.x + ti * gridDim.x) * 16 + (l >> 2) + 8 * (u >> 1);
+        const int col = 2 * (l & 3) + (u & 1);
+        if (row < n && col < mh) {
+          float* yy = y + (m0 + col) * ldy + row;
+          *yy = beta == 0.f ? sum : sum + beta * *yy;
+        }
+      }
+      j = 0;
+      ++ti;
+    }
+  }
+}
+
 struct MultiSegments {
   const void* w[kMultiMax];
   float* y[kMultiMax];
@@ -305,6 +466,48 @@ bool gemv_mma_enabled() {
   return on;
 }
 
+// TROUPE_GEMV_PERSIST=0: grids larger than twice the device on gemv_mma_kernel<2> (an A/B switch).
+bool gemv_persist_enabled() {
+  static const bool on = !env_off("TROUPE_GEMV_PERSIST");
+  return on;
+}
+
+// gemv_mma_persist_kernel over the device (run 18 calls 5-6, 4 and 8 rows, against gemv_mma_kernel<2>):
+// with >= 64 blocks of k (4 a warp a tile at 16 warps), 16 warps four blocks ahead at one CTA an SM, x
+// staged in shared memory where it fits (4 mh k bytes <= 160 KB): lm_head 271 / 281 -> 264 / 266 us,
+// 16384 x 4096 42 / 43 -> 36 / 37 (x from global memory instead: 267 / 284, 37 / 37; 8 warps at three
+// CTAs an SM with x staged: 395 at 4 rows). Fewer blocks (k 1,024-4,032): 8 warps two ahead at three
+// CTAs an SM, x from global memory (32768 x 1024 22 -> 18.5, 8192 x 1024 7.5 -> 6.5-6.9; 16 warps
+// there, one block a warp a tile, barrier-bound: 19.4, 7.3).
+void gemv_mma_persist(const float* x, int64_t ldx, int64_t m, const __nv_bfloat16* w, int64_t n, int64_t k, float* y,
+                      int64_t ldy, float beta, cudaStream_t s) {
+  static const int sms = sm_count();
+  const int mh = static_cast<int>(std::min<int64_t>(m, 8));
+  const size_t xs = static_cast<size_t>(4 * mh) * static_cast<size_t>(k);
+  auto occupancy = [&](auto* kernel, int threads, size_t smem) {
+    TROUPE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    int per = 0;
+    TROUPE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kernel, threads, smem));
+    return per;
+  };
+  const int64_t tiles = ceil_div(n, 16), rows8 = ceil_div(m, 8);
+  TROUPE_REQUIRE(rows8 <= 65535, "gemv: too many rows");
+  auto run = [&](auto* kernel, int warps, size_t smem) {
+    const int per = std::max(occupancy(kernel, warps * 32, smem), 1);
+    const dim3 grid(static_cast<unsigned>(std::min<int64_t>(tiles, static_cast<int64_t>(per) * sms)),
+                    static_cast<unsigned>(rows8));
+    launch_kernel(kernel, grid, warps * 32, smem, s, x, ldx, m, w, n, k, y, ldy, beta, int64_t{0});
+    TROUPE_LAUNCHED();
+  };
+  if (k / kMmaBlock < 64) {
+    run(gemv_mma_persist_kernel<2, kMmaWarps, false>, kMmaWarps, 0);
+  } else if (xs <= 160 * 1024) {
+    run(gemv_mma_persist_kernel<4, 16, true>, 16, xs);
+  } else {
+    run(gemv_mma_persist_kernel<4, 16, false>, 16, 0);
+  }
+}
+
 template <class WT>
 void gemv_typed(const float* x, int64_t ldx, int64_t m, const WT* w, int64_t n, int64_t k, float* y, int64_t ldy,
                 float beta, int64_t group_rows, cudaStream_t s) {
@@ -339,6 +542,11 @@ void gemv_typed(const float* x, int64_t ldx, int64_t m, const WT* w, int64_t n, 
       // us, 2 293 us).
       const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y;
       const bool one_wave = ctas <= sms;
+      // More than two waves of CTAs (lm_head): the persistent form (see gemv_mma_persist).
+      if (ctas > 2 * static_cast<int64_t>(sms) && k / kMmaBlock >= 16 && group_rows == 0 && gemv_persist_enabled()) {
+        gemv_mma_persist(x, ldx, m, w, n, k, y, ldy, beta, s);
+        return;
+      }
       auto* kernel = one_wave ? gemv_mma_kernel<4, 16>
                               : ctas <= 2 * static_cast<int64_t>(sms) ? gemv_mma_kernel<3> : gemv_mma_kernel<2>;
       launch_kernel(kernel, grid, (one_wave ? 16 : kMmaWarps) * 32, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);

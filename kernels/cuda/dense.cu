@@ -172,6 +172,50 @@ constexpr int kMmaWarps = 8;
 constexpr int kMmaBlock = 64;  // k a block (4 k-steps of 16)
 // kAhead: blocks of weights a warp has in flight while it multiplies one (registers: 2 keep 3 CTAs an SM,
 // 3 two); kWarps: warps a CTA (16 with kAhead 4: one CTA an SM, for grids the device holds at once).
+// Lane (g, c)'s 16 elements of x row g in a block (xr: the row at the block's element 8c) as bf16 hi / lo
+// words, word j = elements 2j, 2j + 1 of [8c, 8c + 8) then [32 + 8c, 40 + 8c); zeros when !ok. Plain loads:
+// x is an earlier kernel's output (see pdl_entry).
+__device__ __forceinline__ void x_words(const float* xr, bool ok, uint32_t (&hi)[8], uint32_t (&lo)[8]) {
+  float xv[16];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float4 t = ok ? *reinterpret_cast<const float4*>(xr + 32 * (q >> 1) + 4 * (q & 1))
+                        : make_float4(0.f, 0.f, 0.f, 0.f);
+    xv[4 * q] = t.x;
+    xv[4 * q + 1] = t.y;
+    xv[4 * q + 2] = t.z;
+    xv[4 * q + 3] = t.w;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    hi[j] = pack_bf16x2(xv[2 * j], xv[2 * j + 1]);
+    const float2 h = bf16x2_to_f32(hi[j]);
+    lo[j] = pack_bf16x2(xv[2 * j] - h.x, xv[2 * j + 1] - h.y);
+  }
+}
+// d += a block's 16 x 64 weights (cur: rows g and g + 8, 2 x 16 bytes each) times x's hi and lo words.
+__device__ __forceinline__ void mma_block(float (&d)[4], const uint4 (&cur)[4], const uint32_t (&hi)[8],
+                                          const uint32_t (&lo)[8]) {
+  const uint32_t r0w[8] = {cur[0].x, cur[0].y, cur[0].z, cur[0].w, cur[1].x, cur[1].y, cur[1].z, cur[1].w};
+  const uint32_t r1w[8] = {cur[2].x, cur[2].y, cur[2].z, cur[2].w, cur[3].x, cur[3].y, cur[3].z, cur[3].w};
+#pragma unroll
+  for (int st = 0; st < 4; ++st) {
+    const uint32_t a[4] = {r0w[2 * st], r1w[2 * st], r0w[2 * st + 1], r1w[2 * st + 1]};
+    mma_16816<true>(d, a, hi[2 * st], hi[2 * st + 1]);
+    mma_16816<true>(d, a, lo[2 * st], lo[2 * st + 1]);
+  }
+}
+// The weight ring moves on a block: buf[0] (just used) out, `after` in at the back.
+template <int kAhead>
+__device__ __forceinline__ void ring_shift(uint4 (&buf)[kAhead][4], const uint4 (&after)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int a = 0; a + 1 < kAhead; ++a) buf[a][i] = buf[a + 1][i];
+    buf[kAhead - 1][i] = after[i];
+  }
+}
+
 template <int kAhead, int kWarps = kMmaWarps>
 __global__ void __launch_bounds__(kWarps * 32) gemv_mma_kernel(const float* x, int64_t ldx, int64_t m,
                                                                   const __nv_bfloat16* w, int64_t n, int64_t k,
@@ -208,38 +252,10 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_mma_kernel(const float* x, i
   for (; blk < blocks; blk += kWarps) {
     uint4 after[4];
     if (blk + kAhead * kWarps < blocks) load_w(blk + kAhead * kWarps, after);
-    const uint4(&cur)[4] = buf[0];
-    float xv[16];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {  // plain loads: x is an earlier kernel's output (see pdl_entry)
-      const float4 t = xok ? *reinterpret_cast<const float4*>(xr + blk * kMmaBlock + 32 * (q >> 1) + 4 * (q & 1))
-                           : make_float4(0.f, 0.f, 0.f, 0.f);
-      xv[4 * q] = t.x;
-      xv[4 * q + 1] = t.y;
-      xv[4 * q + 2] = t.z;
-      xv[4 * q + 3] = t.w;
-    }
-    uint32_t hi[8], lo[8];  // word j: elements 2j, 2j + 1
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      hi[j] = pack_bf16x2(xv[2 * j], xv[2 * j + 1]);
-      const float2 h = bf16x2_to_f32(hi[j]);
-      lo[j] = pack_bf16x2(xv[2 * j] - h.x, xv[2 * j + 1] - h.y);
-    }
-    const uint32_t r0w[8] = {cur[0].x, cur[0].y, cur[0].z, cur[0].w, cur[1].x, cur[1].y, cur[1].z, cur[1].w};
-    const uint32_t r1w[8] = {cur[2].x, cur[2].y, cur[2].z, cur[2].w, cur[3].x, cur[3].y, cur[3].z, cur[3].w};
-#pragma unroll
-    for (int st = 0; st < 4; ++st) {
-      const uint32_t a[4] = {r0w[2 * st], r1w[2 * st], r0w[2 * st + 1], r1w[2 * st + 1]};
-      mma_16816<true>(d, a, hi[2 * st], hi[2 * st + 1]);
-      mma_16816<true>(d, a, lo[2 * st], lo[2 * st + 1]);
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-#pragma unroll
-      for (int a = 0; a + 1 < kAhead; ++a) buf[a][i] = buf[a + 1][i];
-      buf[kAhead - 1][i] = after[i];
-    }
+    uint32_t hi[8], lo[8];
+    x_words(xr + blk * kMmaBlock, xok, hi, lo);
+    mma_block(d, buf[0], hi, lo);
+    ring_shift<kAhead>(buf, after);
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) part[warp][i][lane] = d[i];
@@ -311,23 +327,8 @@ __global__ void __launch_bounds__(kWarps * 32, kWarps == 16 ? 1 : 3) gemv_mma_pe
     for (int64_t t = threadIdx.x; t < blocks * per; t += kWarps * 32) {
       const int64_t blk = t / per;
       const int l = static_cast<int>(t % per), gg = l >> 2, cc = l & 3;
-      const float* xr = x + (m0 + gg) * ldx + blk * kMmaBlock + 8 * cc;
-      float v[16];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float4 f = *reinterpret_cast<const float4*>(xr + 32 * (q >> 1) + 4 * (q & 1));
-        v[4 * q] = f.x;
-        v[4 * q + 1] = f.y;
-        v[4 * q + 2] = f.z;
-        v[4 * q + 3] = f.w;
-      }
       uint32_t hi[8], lo[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        hi[j] = pack_bf16x2(v[2 * j], v[2 * j + 1]);
-        const float2 h = bf16x2_to_f32(hi[j]);
-        lo[j] = pack_bf16x2(v[2 * j] - h.x, v[2 * j + 1] - h.y);
-      }
+      x_words(x + (m0 + gg) * ldx + blk * kMmaBlock + 8 * cc, true, hi, lo);
       uint4* dst = xs + blk * 4 * per + l;
       dst[0] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
       dst[per] = make_uint4(hi[4], hi[5], hi[6], hi[7]);
@@ -360,39 +361,10 @@ __global__ void __launch_bounds__(kWarps * 32, kWarps == 16 ? 1 : 3) gemv_mma_pe
     } else {
       const int64_t row0 = (blockIdx.x + ti * gridDim.x) * 16;
       const int64_t xoff = group_rows > 0 ? (row0 / group_rows) * k : 0;
-      const float* xr = x + (m0 + g) * ldx + xoff + 8 * c + blk * kMmaBlock;
-      float xv[16];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {  // plain loads: x is an earlier kernel's output (see pdl_entry)
-        const float4 t = xok ? *reinterpret_cast<const float4*>(xr + 32 * (q >> 1) + 4 * (q & 1))
-                             : make_float4(0.f, 0.f, 0.f, 0.f);
-        xv[4 * q] = t.x;
-        xv[4 * q + 1] = t.y;
-        xv[4 * q + 2] = t.z;
-        xv[4 * q + 3] = t.w;
-      }
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        hi[u] = pack_bf16x2(xv[2 * u], xv[2 * u + 1]);
-        const float2 h = bf16x2_to_f32(hi[u]);
-        lo[u] = pack_bf16x2(xv[2 * u] - h.x, xv[2 * u + 1] - h.y);
-      }
+      x_words(x + (m0 + g) * ldx + xoff + 8 * c + blk * kMmaBlock, xok, hi, lo);
     }
-    const uint4(&cur)[4] = buf[0];
-    const uint32_t r0w[8] = {cur[0].x, cur[0].y, cur[0].z, cur[0].w, cur[1].x, cur[1].y, cur[1].z, cur[1].w};
-    const uint32_t r1w[8] = {cur[2].x, cur[2].y, cur[2].z, cur[2].w, cur[3].x, cur[3].y, cur[3].z, cur[3].w};
-#pragma unroll
-    for (int st = 0; st < 4; ++st) {
-      const uint32_t a[4] = {r0w[2 * st], r1w[2 * st], r0w[2 * st + 1], r1w[2 * st + 1]};
-      mma_16816<true>(d, a, hi[2 * st], hi[2 * st + 1]);
-      mma_16816<true>(d, a, lo[2 * st], lo[2 * st + 1]);
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-#pragma unroll
-      for (int a = 0; a + 1 < kAhead; ++a) buf[a][u] = buf[a + 1][u];
-      buf[kAhead - 1][u] = after[u];
-    }
+    mma_block(d, buf[0], hi, lo);
+    ring_shift<kAhead>(buf, after);
     if (++j == nb) {  // this warp's last block of the tile: the tile's sums
       float(&pt)[kWarps][4][32] = part[ti & 1];
 #pragma unroll

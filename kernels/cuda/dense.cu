@@ -170,8 +170,6 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const float* x, int6
 // fp32 x, the tests' 2e-5 with room); accumulation in fp32. bf16 weights, k a multiple of 64.
 constexpr int kMmaWarps = 8;
 constexpr int kMmaBlock = 64;  // k a block (4 k-steps of 16)
-// kAhead: blocks of weights a warp has in flight while it multiplies one (registers: 2 keep 3 CTAs an SM,
-// 3 two); kWarps: warps a CTA (16 with kAhead 4: one CTA an SM, for grids the device holds at once).
 // Lane (g, c)'s 16 elements of x row g in a block (xr: the row at the block's element 8c) as bf16 hi / lo
 // words, word j = elements 2j, 2j + 1 of [8c, 8c + 8) then [32 + 8c, 40 + 8c); zeros when !ok. Plain loads:
 // x is an earlier kernel's output (see pdl_entry).
@@ -216,6 +214,8 @@ __device__ __forceinline__ void ring_shift(uint4 (&buf)[kAhead][4], const uint4 
   }
 }
 
+// kAhead: blocks of weights a warp has in flight while it multiplies one (registers: 2 keep 3 CTAs an SM,
+// 3 two); kWarps: warps a CTA (16 with kAhead 4: one CTA an SM, for grids the device holds at once).
 template <int kAhead, int kWarps = kMmaWarps>
 __global__ void __launch_bounds__(kWarps * 32) gemv_mma_kernel(const float* x, int64_t ldx, int64_t m,
                                                                   const __nv_bfloat16* w, int64_t n, int64_t k,
@@ -285,10 +285,9 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_mma_kernel(const float* x, i
 // 16 floats of x. Needs k / 64 >= kWarps (every warp has a block of every tile) and, with kXs,
 // group_rows == 0.
 template <int kAhead, int kWarps, bool kXs>
-__global__ void __launch_bounds__(kWarps * 32, kWarps == 16 ? 1 : 3) gemv_mma_persist_kernel(const float* x, int64_t ldx, int64_t m,
-                                                                          const __nv_bfloat16* w, int64_t n, int64_t k,
-                                                                          float* y, int64_t ldy, float beta,
-                                                                          int64_t group_rows) {
+__global__ void __launch_bounds__(kWarps * 32, kWarps == 16 ? 1 : 3)
+    gemv_mma_persist_kernel(const float* x, int64_t ldx, int64_t m, const __nv_bfloat16* w, int64_t n, int64_t k,
+                            float* y, int64_t ldy, float beta, int64_t group_rows) {
   // pdl-prologue: w (the first weights are requested before pdl_entry: no kernel writes them)
   __shared__ float part[2][kWarps][4][32];
   extern __shared__ uint4 xs[];

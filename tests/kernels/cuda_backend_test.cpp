@@ -113,13 +113,17 @@ TEST_F(CudaBackendTest, linear_matches_cpu_for_every_weight_type_and_shape) {
 }
 
 TEST_F(CudaBackendTest, linear_accumulates_with_beta_one) {
-  for (int64_t m : {1, 6, 40}) {
-    MirrorWeight w(cpu(), gpu(), 384, 512, WeightType::bf16, rng_);
-    Mirror x(cpu(), gpu(), randn(m * 512, rng_));
-    Mirror y(cpu(), gpu(), randn(m * 384, rng_));
-    cpu().linear(x.cpu(), m, w.cw, y.cpu(), 1.f);
-    gpu().linear(x.gpu(), m, w.gw, y.gpu(), 1.f);
-    EXPECT_CLOSE(y.gpu_host(m * 384), y.cpu_host(m * 384), m <= 8 ? 2e-5 : 1e-2);
+  struct Shape {
+    int64_t m, n, k;
+  };
+  // (4 x 4500 x 1024: the persistent tensor-core GEMV)
+  for (const auto& s : {Shape{1, 384, 512}, Shape{6, 384, 512}, Shape{40, 384, 512}, Shape{4, 4500, 1024}}) {
+    MirrorWeight w(cpu(), gpu(), s.n, s.k, WeightType::bf16, rng_);
+    Mirror x(cpu(), gpu(), randn(s.m * s.k, rng_));
+    Mirror y(cpu(), gpu(), randn(s.m * s.n, rng_));
+    cpu().linear(x.cpu(), s.m, w.cw, y.cpu(), 1.f);
+    gpu().linear(x.gpu(), s.m, w.gw, y.gpu(), 1.f);
+    EXPECT_CLOSE(y.gpu_host(s.m * s.n), y.cpu_host(s.m * s.n), s.m <= 8 ? 2e-5 : 1e-2);
   }
 }
 

@@ -19,10 +19,11 @@ mkdir -p "$out/obj"
 compile() {  # SRC OBJ
   "$nvcc" "${flags[@]}" ${AB_EXTRA_FLAGS:-} -c "$1" -o "$2"
 }
-# The tree's objects (rebuilt when the source is newer).
+# The tree's objects (rebuilt when the source or any header of kernels/cuda is newer).
+header=$(ls -t kernels/cuda/*.cuh kernels/cuda/*.hpp | head -1)
 for src in "${sources[@]}"; do
   obj=$out/obj/$(basename "$src" .cu).o
-  if [ ! -f "$obj" ] || [ "$src" -nt "$obj" ] || [ kernels/cuda/common.cuh -nt "$obj" ]; then
+  if [ ! -f "$obj" ] || [ "$src" -nt "$obj" ] || [ "$header" -nt "$obj" ]; then
     while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n; done
     compile "$src" "$obj" &
   fi

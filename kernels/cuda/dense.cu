@@ -443,39 +443,44 @@ bool gemv_persist_enabled() {
   return on;
 }
 
-// gemv_mma_persist_kernel over the device (run 18 calls 5-6, 4 and 8 rows, against gemv_mma_kernel<2>):
+// x staged in shared memory (4 mh k bytes) up to this much.
+constexpr size_t kPersistXsMax = 160 * 1024;
+
+// One form of gemv_mma_persist_kernel over the device: as many CTAs as it holds at once (or tiles). The
+// occupancy is asked once a form, at the form's largest shared memory (the staged form is held to one
+// CTA an SM by its registers whatever x's size).
+template <int kAhead, int kWarps, bool kXs>
+void launch_persist(const float* x, int64_t ldx, int64_t m, const __nv_bfloat16* w, int64_t n, int64_t k, float* y,
+                    int64_t ldy, float beta, size_t smem, cudaStream_t s) {
+  auto* kernel = gemv_mma_persist_kernel<kAhead, kWarps, kXs>;
+  static const int64_t ctas = [&] {
+    const size_t most = kXs ? kPersistXsMax : 0;
+    TROUPE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(most)));
+    int per = 0;
+    TROUPE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kernel, kWarps * 32, most));
+    return static_cast<int64_t>(std::max(per, 1)) * sm_count();
+  }();
+  const dim3 grid(static_cast<unsigned>(std::min(ceil_div(n, 16), ctas)), static_cast<unsigned>(ceil_div(m, 8)));
+  launch_kernel(kernel, grid, kWarps * 32, smem, s, x, ldx, m, w, n, k, y, ldy, beta, int64_t{0});
+  TROUPE_LAUNCHED();
+}
+
+// gemv_mma_persist_kernel's forms (run 18 calls 5-6, 4 and 8 rows, against gemv_mma_kernel<2>):
 // with >= 64 blocks of k (4 a warp a tile at 16 warps), 16 warps four blocks ahead at one CTA an SM, x
-// staged in shared memory where it fits (4 mh k bytes <= 160 KB): lm_head 271 / 281 -> 264 / 266 us,
-// 16384 x 4096 42 / 43 -> 36 / 37 (x from global memory instead: 267 / 284, 37 / 37; 8 warps at three
+// staged in shared memory where it fits (4 mh k bytes <= kPersistXsMax): lm_head 271 / 281 -> 264 / 266
+// us, 16384 x 4096 42 / 43 -> 36 / 37 (x from global memory instead: 267 / 284, 37 / 37; 8 warps at three
 // CTAs an SM with x staged: 395 at 4 rows). Fewer blocks (k 1,024-4,032): 8 warps two ahead at three
 // CTAs an SM, x from global memory (32768 x 1024 22 -> 18.5, 8192 x 1024 7.5 -> 6.5-6.9; 16 warps
 // there, one block a warp a tile, barrier-bound: 19.4, 7.3).
 void gemv_mma_persist(const float* x, int64_t ldx, int64_t m, const __nv_bfloat16* w, int64_t n, int64_t k, float* y,
                       int64_t ldy, float beta, cudaStream_t s) {
-  static const int sms = sm_count();
-  const int mh = static_cast<int>(std::min<int64_t>(m, 8));
-  const size_t xs = static_cast<size_t>(4 * mh) * static_cast<size_t>(k);
-  auto occupancy = [&](auto* kernel, int threads, size_t smem) {
-    TROUPE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    int per = 0;
-    TROUPE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kernel, threads, smem));
-    return per;
-  };
-  const int64_t tiles = ceil_div(n, 16), rows8 = ceil_div(m, 8);
-  TROUPE_REQUIRE(rows8 <= 65535, "gemv: too many rows");
-  auto run = [&](auto* kernel, int warps, size_t smem) {
-    const int per = std::max(occupancy(kernel, warps * 32, smem), 1);
-    const dim3 grid(static_cast<unsigned>(std::min<int64_t>(tiles, static_cast<int64_t>(per) * sms)),
-                    static_cast<unsigned>(rows8));
-    launch_kernel(kernel, grid, warps * 32, smem, s, x, ldx, m, w, n, k, y, ldy, beta, int64_t{0});
-    TROUPE_LAUNCHED();
-  };
+  const size_t xs = static_cast<size_t>(4 * std::min<int64_t>(m, 8)) * static_cast<size_t>(k);
   if (k / kMmaBlock < 64) {
-    run(gemv_mma_persist_kernel<2, kMmaWarps, false>, kMmaWarps, 0);
-  } else if (xs <= 160 * 1024) {
-    run(gemv_mma_persist_kernel<4, 16, true>, 16, xs);
+    launch_persist<2, kMmaWarps, false>(x, ldx, m, w, n, k, y, ldy, beta, 0, s);
+  } else if (xs <= kPersistXsMax) {
+    launch_persist<4, 16, true>(x, ldx, m, w, n, k, y, ldy, beta, xs, s);
   } else {
-    run(gemv_mma_persist_kernel<4, 16, false>, 16, 0);
+    launch_persist<4, 16, false>(x, ldx, m, w, n, k, y, ldy, beta, 0, s);
   }
 }
 

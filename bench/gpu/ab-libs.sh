@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Here (not on the GPU machine): the benchmark libraries of kernel variants for
-# bench/gpu/kernel-ab.sh AB_PREBUILT=1, so that device time is not spent compiling.
+# The benchmark libraries of kernel variants for bench/gpu/kernel-ab.sh, which builds
+# its own through this script; run here first (kernel-ab.sh AB_PREBUILT=1 with the
+# libraries carried) so that device time is not spent compiling.
 #   bench/gpu/ab-libs.sh OUT NAME[:SOURCE=FILE[,SOURCE=FILE...]] ...
 # Each NAME gets OUT/lib-NAME/lib.so: bench/gpu/bench_lib.cu and the tree's kernels, with
 # each SOURCE (kernels/cuda/topk.cu) replaced by FILE. The tree's objects are built once

@@ -16,23 +16,13 @@ variants=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do variants+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
 mkdir -p "$out"
-nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
-for v in "${variants[@]}"; do
+for v in "${variants[@]}"; do  # built by ab-libs.sh (outside OUT: the objects need not come back)
   name=${v%%=*} file=${v#*=}
-  dir=${AB_LIB_DIR:-/tmp/kernel-ab}/lib-$name  # outside OUT: the objects need not come back
+  dir=${AB_LIB_DIR:-/tmp/kernel-ab}/lib-$name
   [ "${AB_PREBUILT:-0}" = 1 ] && [ -f "$dir/lib.so" ] && continue  # built elsewhere (AB_LIB_DIR carried along)
-  mkdir -p "$dir"
-  objs=()
-  for src in bench/gpu/bench_lib.cu kernels/cuda/{topk,compressor,indexer,attention,dense}.cu; do
-    obj=$dir/$(basename "$src" .cu).o
-    use=$src
-    [ "$src" = "$source" ] && [ "$file" != tree ] && use=$file
-    "$nvcc" -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Xcompiler -fPIC -I. \
-      -c "$use" -o "$obj" &
-    objs+=("$obj")
-  done
-  wait
-  "$nvcc" -shared -gencode=arch=compute_90a,code=sm_90a -o "$dir/lib.so" "${objs[@]}"
+  spec=$name
+  [ "$file" != tree ] && spec=$name:$source=$file
+  AB_JOBS=${AB_JOBS:-6} bench/gpu/ab-libs.sh "${AB_LIB_DIR:-/tmp/kernel-ab}" "$spec"
 done
 for v in "${variants[@]}"; do
   name=${v%%=*}

@@ -6,6 +6,8 @@
 # SOURCE: the tree's file the variants replace (kernels/cuda/topk.cu); FILE: a copy of
 # it to build instead ("tree" builds SOURCE itself). AB_PREBUILT=1 with AB_LIB_DIR
 # holding lib-NAME/lib.so: those libraries as they are (built here, carried along).
+# AB_ENV_NAME="VAR=value ...": environment for that variant's run only (one library
+# timed under several settings: copy lib-NAME to a second name and give each its own).
 # Example:
 #   bench/gpu/kernel-ab.sh out/ab kernels/cuda/topk.cu before=ab/topk_a.cu after=tree -- --only topk,indexer
 set -euo pipefail
@@ -28,7 +30,9 @@ for v in "${variants[@]}"; do
   name=${v%%=*}
   echo "== $name"
   mkdir -p "$out/$name"
-  PYTHONUNBUFFERED=1 python3 bench/gpu/bench.py "${AB_LIB_DIR:-/tmp/kernel-ab}/lib-$name/lib.so" --out "$out/$name" \
+  envs=AB_ENV_$name
+  # shellcheck disable=SC2086  # the variant's settings are words VAR=value
+  env ${!envs:-} PYTHONUNBUFFERED=1 python3 bench/gpu/bench.py "${AB_LIB_DIR:-/tmp/kernel-ab}/lib-$name/lib.so" --out "$out/$name" \
     "$@" | grep -E "phases|failures"
 done
 python3 - "$out" "${variants[@]%%=*}" <<'PY'

@@ -17,38 +17,44 @@ flags=(-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-const
 sources=(bench/gpu/bench_lib.cu kernels/cuda/{topk,compressor,indexer,attention,dense}.cu)
 jobs=${AB_JOBS:-2}
 mkdir -p "$out/obj"
-compile() {  # SRC OBJ
-  "$nvcc" "${flags[@]}" ${AB_EXTRA_FLAGS:-} -c "$1" -o "$2"
+pids=()
+compile() {  # SRC OBJ, in the background (at most $jobs at once); finish() waits for them
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n; done
+  rm -f "$2"  # a failed compile must not leave an older object to be linked
+  "$nvcc" "${flags[@]}" ${AB_EXTRA_FLAGS:-} -c "$1" -o "$2" &
+  pids+=($!)
+}
+finish() {  # every compile started, each one's status (a bare `wait` returns 0 whatever failed)
+  for pid in "${pids[@]}"; do wait "$pid"; done
+  pids=()
 }
 # The tree's objects (rebuilt when the source or any header of kernels/cuda is newer).
 header=$(ls -t kernels/cuda/*.cuh kernels/cuda/*.hpp | head -1)
 for src in "${sources[@]}"; do
   obj=$out/obj/$(basename "$src" .cu).o
   if [ ! -f "$obj" ] || [ "$src" -nt "$obj" ] || [ "$header" -nt "$obj" ]; then
-    while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n; done
-    compile "$src" "$obj" &
+    compile "$src" "$obj"
   fi
 done
-wait
+finish
 for spec in "$@"; do
   name=${spec%%:*} repl=
   [ "$spec" != "$name" ] && repl=${spec#*:}
   dir=$out/lib-$name
   mkdir -p "$dir"
   objs=()
+  IFS=, read -ra pairs <<< "$repl"
   for src in "${sources[@]}"; do
     obj=$out/obj/$(basename "$src" .cu).o
-    IFS=, read -ra pairs <<< "$repl"
     for pair in "${pairs[@]}"; do
       if [ "${pair%%=*}" = "$src" ]; then
         obj=$dir/$(basename "$src" .cu).o
-        while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n; done
-        compile "${pair#*=}" "$obj" &
+        compile "${pair#*=}" "$obj"
       fi
     done
     objs+=("$obj")
   done
-  wait
+  finish
   "$nvcc" -shared -gencode=arch=compute_90a,code=sm_90a -o "$dir/lib.so" "${objs[@]}"
   echo "built $dir/lib.so"
 done

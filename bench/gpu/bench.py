@@ -115,7 +115,7 @@ def decode_case(B, rate, overlap, dim, all_close):
 
 
 class Bench:
-    def __init__(self, lib, quick):
+    def __init__(self, lib, quick, gemv_shapes="", gemv_rows=(1, 2, 4, 8)):
         self.lib = C.CDLL(lib)
         L = self.lib
         L.tb_topk_ws.restype = lg
@@ -138,6 +138,8 @@ class Bench:
         L.tb_attention.argtypes = [vp, lg, it, lg, it, vp, vp, lg, vp, fl, vp, it, vp, vp]
         L.tb_gemv.argtypes = [vp, lg, vp, lg, lg, it, vp, vp]
         self.quick = quick
+        self.gemv_shapes = gemv_shapes  # "NxK,...": gemv() times these instead of its table's
+        self.gemv_rows = list(gemv_rows)
         self.rows = []
         self.failures = []
         torch.manual_seed(0)
@@ -582,9 +584,7 @@ def main():
     ap.add_argument("--gemv-shapes", default="", help="GEMV shapes NxK (outputs x inputs), comma-separated")
     ap.add_argument("--gemv-rows", default="1,2,4,8", help="rows of x the GEMV shapes are timed at")
     args = ap.parse_args()
-    b = Bench(args.lib, args.quick)
-    b.gemv_shapes = args.gemv_shapes
-    b.gemv_rows = [int(v) for v in args.gemv_rows.split(",")]
+    b = Bench(args.lib, args.quick, args.gemv_shapes, [int(v) for v in args.gemv_rows.split(",")])
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     t0 = time.time()
     b.copy_bandwidth()

@@ -282,8 +282,9 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_mma_kernel(const float* x, i
 // 2] at one barrier a tile. kXs: x staged once a CTA in shared memory as its bf16 hi / lo words in
 // the order the lanes read them ([block][q][lane with g < mh], 16 bytes: q 0-1 hi, 2-3 lo; 4 mh k
 // bytes), so the loop reads 4 conflict-free 16-byte words a block instead of loading and converting
-// 16 floats of x. Needs k / 64 >= kWarps (every warp has a block of every tile) and, with kXs,
-// group_rows == 0.
+// 16 floats of x. Needs k / 64 >= kWarps (every warp has a block of every tile). group_rows is always 0
+// (gemv_typed takes this form only without row groups, and launch_persist passes 0); it stays a parameter
+// because ptxas spills 24 bytes in the <2, 8, false> form without it (sessions 18 and 19).
 template <int kAhead, int kWarps, bool kXs>
 __global__ void __launch_bounds__(kWarps * 32, kWarps == 16 ? 1 : 3)
     gemv_mma_persist_kernel(const float* x, int64_t ldx, int64_t m, const __nv_bfloat16* w, int64_t n, int64_t k,

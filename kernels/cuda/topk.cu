@@ -576,7 +576,9 @@ __device__ __forceinline__ bool radix_select(const uint32_t* keys, uint32_t n, V
 template <class Valid, class Index, class Emit>
 __device__ __forceinline__ void block_select(uint32_t* keys, uint32_t n, Valid&& valid, Index&& index, uint32_t lp,
                                              int lbits, uint32_t lneed, GSmem& sm, Emit&& emit) {
-  if (!radix_select(keys, n, valid, lp, lbits, lneed, sm, emit)) return;
+  // The tie step is rare (float scores seldom tie at the k-th value): [[unlikely]] puts
+  // its code after the hot path's (see grid_topk_kernel on the instruction cache).
+  if (!radix_select(keys, n, valid, lp, lbits, lneed, sm, emit)) [[likely]] return;
   const uint32_t tie_key = sm.tie_key, need = sm.tie_need, base = sm.tie_base;
   __syncthreads();  // every thread has read sm.tie_*
   for (uint32_t i = threadIdx.x; i < n; i += kThreads) {
@@ -672,7 +674,7 @@ __device__ __forceinline__ void counted_select(const GridParams& p, int row, uin
   find_threshold<kThreads>(sm.hist, nbins, need, sm);  // ends with a barrier: the histogram is read
   const uint32_t thr = sm.thr_bin, above = sm.thr_above, on = sm.thr_cnt, need_on = need - above;
   const bool all_on = on == need_on;
-  if (!all_on && on > kRankMax) {  // the same in every thread
+  if (!all_on && on > kRankMax) [[unlikely]] {  // the same in every thread
     for (uint32_t i = tid; i < cnt; i += kThreads) sk[i] = __ldcg(&cand_key[i]);
     __syncthreads();  // and every thread has read sm.thr_*
     block_select(
@@ -758,16 +760,97 @@ __device__ __forceinline__ int64_t chunk_index(int64_t c0, uint32_t flat) {
   return c0 + (e >> 2) * (kThreads * 4) + th * 4 + (e & 3);
 }
 
-// A row that is one chunk (at sk, from c0 = 0): selected in this CTA, ties by lower index.
+// A row that is one chunk (at sk, from c0 = 0; vmask: this thread's valid keys; its
+// round-0 digits counted into sm.hist by load_row_chunk): selected in this CTA, ties by
+// lower index. The threshold bucket of that count; unless the bucket is taken whole, the
+// next digit counted over the bucket's elements and its threshold; then one pass writes
+// out every element above the two digits' threshold and those on it, ranked against each
+// other (larger key, then lower index) when not all are taken. More than kRankMax on it
+// (many equal scores): block_select's radix rounds over the chunk. Every thread of the
+// block calls it.
 template <int EPT>
-__device__ __forceinline__ void select_one_chunk(const GridParams& p, int row, int64_t len, uint32_t* sk, GSmem& sm,
-                                                 int32_t* out) {
-  __syncthreads();
-  block_select(
-      sk, kThreads * EPT, [&](uint32_t i) { return chunk_index(0, i) < len; },
-      [&](uint32_t i) { return static_cast<uint32_t>(chunk_index(0, i)); }, 0u, 0, static_cast<uint32_t>(p.k), sm,
-      [&](uint32_t pos, uint32_t i) { out[pos] = translate_g(p, row, chunk_index(0, i)); });
-  if (p.out_count != nullptr && threadIdx.x == 0) p.out_count[row] = p.k;
+__device__ __forceinline__ void select_one_chunk(const GridParams& p, int row, int64_t len, uint32_t vmask, uint32_t* sk,
+                                                 GSmem& sm, int32_t* out) {
+  const int tid = threadIdx.x;
+  const uint32_t kk = static_cast<uint32_t>(p.k);
+  auto key = [&](int e) { return sk[e * kThreads + tid]; };
+  __syncthreads();  // every thread's round-0 counts
+  find_threshold<kThreads>(sm.hist, kGBins, kk, sm);
+  const uint32_t t0 = sm.thr_bin;
+  uint32_t above = sm.thr_above, on = sm.thr_cnt, prefix = t0;
+  int drop = digit_shift(0);
+  if (on != kk - above) {  // the bucket's next digit
+    constexpr int kShift1 = digit_shift(1);
+    constexpr uint32_t kBins1 = 1u << digit_bits(1);
+    for (uint32_t i = tid; i < kBins1; i += kThreads) sm.hist[i] = 0;  // find_threshold's reads are done
+    __syncthreads();
+#pragma unroll
+    for (int e = 0; e < EPT; ++e) {
+      if (((vmask >> e) & 1u) && (key(e) >> drop) == t0) atomicAdd(&sm.hist[(key(e) >> kShift1) & (kBins1 - 1)], 1u);
+    }
+    __syncthreads();  // and every thread has read sm.thr_*
+    find_threshold<kThreads>(sm.hist, kBins1, kk - above, sm);
+    prefix = (t0 << digit_bits(1)) | sm.thr_bin;
+    drop = kShift1;
+    above += sm.thr_above;
+    on = sm.thr_cnt;
+  }
+  const uint32_t need_on = kk - above;
+  const bool all_on = on == need_on;
+  __syncthreads();  // every thread has read sm.thr_*
+  if (!all_on && on > kRankMax) [[unlikely]] {  // the same in every thread
+    block_select(
+        sk, kThreads * EPT, [&](uint32_t i) { return chunk_index(0, i) < len; },
+        [&](uint32_t i) { return static_cast<uint32_t>(chunk_index(0, i)); }, 0u, 0, kk, sm,
+        [&](uint32_t pos, uint32_t i) { out[pos] = translate_g(p, row, chunk_index(0, i)); });
+  } else {
+    if (tid == 0) sm.local_above = sm.local_tie = 0;
+    __syncthreads();
+    // The elements on the threshold, as key << 32 | ~index (distinct), in the spent
+    // histogram's space (kRankMax 64-bit entries fit in it).
+    uint64_t* on_list = reinterpret_cast<uint64_t*>(sm.hist);
+    const Chosen ch = chosen_elements<EPT>(key, vmask, drop, prefix);
+    const uint2 places = warp_places(ch, &sm.local_above, &sm.local_tie);
+    uint32_t a = places.x;
+    for (uint32_t m = ch.above_mask; m != 0; m &= m - 1) {
+      const int e = __ffs(m) - 1;
+      out[a++] = translate_g(p, row, chunk_index(0, e * kThreads + tid));
+    }
+    uint32_t o = places.y;
+    for (uint32_t m = ch.tie_mask; m != 0; m &= m - 1, ++o) {
+      const int e = __ffs(m) - 1;
+      const int64_t i = chunk_index(0, e * kThreads + tid);
+      if (all_on) {
+        out[above + o] = translate_g(p, row, i);
+      } else {
+        on_list[o] = static_cast<uint64_t>(key(e)) << 32 | ~static_cast<uint32_t>(i);
+      }
+    }
+    if (!all_on) {
+      __syncthreads();
+      for (uint32_t t = tid; t < on; t += kThreads) {
+        const uint64_t mine = on_list[t];
+        uint32_t rank = 0;  // how many go before it
+        for (uint32_t j = 0; j < on; ++j) rank += on_list[j] > mine ? 1u : 0u;
+        if (rank < need_on) out[above + rank] = translate_g(p, row, static_cast<int32_t>(~static_cast<uint32_t>(mine)));
+      }
+    }
+  }
+  if (p.out_count != nullptr && tid == 0) p.out_count[row] = p.k;
+}
+
+// A grid top-k CTA's last step: with tickets, the last CTA of the grid puts them back.
+__device__ __forceinline__ void grid_exit(const GridParams& p) {
+  if (p.ticketed) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      if (atomicAdd(&p.tickets[1], 1u) == gridDim.x - 1) {
+        p.tickets[0] = 0;
+        p.tickets[1] = 0;
+      }
+    }
+  }
 }
 
 template <int EPT>
@@ -799,8 +882,8 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
     if (prof) prof[2] = global_ns();
     auto index_of = [&](uint32_t flat) { return chunk_index(c0, flat); };
     const uint32_t kk = static_cast<uint32_t>(p.k);
-    if (nrow == 1) {  // the whole row is here: select in this CTA
-      select_one_chunk<EPT>(p, row, len, sk, sm, out);
+    if (nrow == 1) [[unlikely]] {  // the whole row is here: select in this CTA
+      select_one_chunk<EPT>(p, row, len, vmask, sk, sm, out);
     } else {
       uint32_t* w = p.ws + static_cast<int64_t>(lrow) * kZeroWords;
       uint32_t* ctr = w + kGRounds * kGBins;
@@ -887,13 +970,29 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
       __syncthreads();  // every thread's output and candidate stores before the arrival
       if (tid == 0) sm.last = arrive_acq_rel(&ctr[kDone]) == static_cast<uint32_t>(nrow - 1);
       __syncthreads();
-      if (sm.last) {
+      // Each common path exits where it ends (grid_exit), ahead of the rare paths' code:
+      // a jump over that code to one shared exit missed the instruction cache (source
+      // counters at 1 x 262,144, session 19: 162 of the exit's 183 samples no_inst).
+      if (!sm.last) {
+        grid_exit(p);
+        return;
+      }
+      {
         long long* lprof = p.profile != nullptr && row == 0 && tid == 0 ? p.profile : nullptr;
         if (lprof) lprof[6] = global_ns();
+        auto row_done = [&] {
+          for (int i = tid; i < kZeroWords; i += kThreads) w[i] = 0;  // ready for the next call
+          if (p.out_count != nullptr && tid == 0) p.out_count[row] = p.k;
+          if (lprof) lprof[10] = global_ns();
+        };
         if (counted) {
           counted_select(p, row, sk, cnt, cand_key, cand_idx, gh_next, nshift, nmask, prefix, pbits, need,
                          out + total_above, sm, lprof);
-        } else if (gather) {
+          row_done();
+          grid_exit(p);
+          return;
+        }
+        if (gather) [[unlikely]] {  // TopkArgs::finish 1, or a gather at the last round
           for (uint32_t i = tid; i < cnt; i += kThreads) sk[i] = __ldcg(&cand_key[i]);
           __syncthreads();
           if (lprof) lprof[7] = global_ns();
@@ -901,25 +1000,14 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
               sk, cnt, [](uint32_t) { return true; },
               [&](uint32_t i) { return static_cast<uint32_t>(__ldcg(&cand_idx[i])); }, prefix, pbits, need, sm,
               [&](uint32_t pos2, uint32_t i) { out[total_above + pos2] = translate_g(p, row, __ldcg(&cand_idx[i])); });
-        } else if (!take_all) {  // more than a chunk's worth of elements equal the k-th value
+        } else if (!take_all) [[unlikely]] {  // more than a chunk's worth of elements equal the k-th value
           ties_in_index_order(p, row, len, prefix, need, out + total_above, sm);
         }
-        for (int i = tid; i < kZeroWords; i += kThreads) w[i] = 0;  // ready for the next call
-        if (p.out_count != nullptr && tid == 0) p.out_count[row] = p.k;
-        if (lprof) lprof[10] = global_ns();
+        row_done();
       }
     }
   }
-  if (p.ticketed) {  // the last CTA of the grid puts the tickets back
-    __syncthreads();
-    if (tid == 0) {
-      __threadfence();
-      if (atomicAdd(&p.tickets[1], 1u) == gridDim.x - 1) {
-        p.tickets[0] = 0;
-        p.tickets[1] = 0;
-      }
-    }
-  }
+  grid_exit(p);
 }
 
 // ---- streamed top-k: rows in several waves, no CTA waits for another ----------------
@@ -1030,14 +1118,14 @@ __device__ __forceinline__ void select_list(const GridParams& p, int row, int64_
   if (counted) {
     counted_select(p, row, sk, cnt, bucket_key, bucket_idx, nullptr, nshift, nmask, prefix, pbits, need,
                    out + above_total, sm, nullptr);
-  } else if (gather) {  // the bucket is one value (pbits == 32): the lowest indices
+  } else if (gather) [[unlikely]] {  // the bucket is one value (pbits == 32): the lowest indices
     for (uint32_t i = tid; i < cnt; i += kThreads) sk[i] = bucket_key[i];
     __syncthreads();
     block_select(
         sk, cnt, [](uint32_t) { return true; }, [&](uint32_t i) { return static_cast<uint32_t>(bucket_idx[i]); },
         prefix, pbits, need, sm,
         [&](uint32_t pos, uint32_t i) { out[above_total + pos] = translate_g(p, row, bucket_idx[i]); });
-  } else {  // more than chunk_cap elements equal the k-th value (pbits == 32)
+  } else [[unlikely]] {  // more than chunk_cap elements equal the k-th value (pbits == 32)
     ties_in_index_order(p, row, len, prefix, need, out + above_total, sm);
   }
 }
@@ -1063,8 +1151,8 @@ __global__ void __launch_bounds__(kThreads, 2) stream_topk_kernel(const GridPara
   if (prof) prof[2] = global_ns();
   auto index_of = [&](uint32_t flat) { return chunk_index(c0, flat); };
   const uint32_t kk = static_cast<uint32_t>(p.k);
-  if (nrow == 1) {  // the whole row is here: select in this CTA
-    select_one_chunk<EPT>(p, row, len, sk, sm, out);
+  if (nrow == 1) [[unlikely]] {  // the whole row is here: select in this CTA
+    select_one_chunk<EPT>(p, row, len, vmask, sk, sm, out);
     return;
   }
   uint32_t* gh = p.ws + static_cast<int64_t>(lrow) * kZeroWords;  // the row's round-0 histogram
@@ -1138,11 +1226,11 @@ __global__ void __launch_bounds__(kThreads, 2) stream_topk_kernel(const GridPara
     lprof[11] = sm.cand_n;
     lprof[12] = sm.overflow;
   }
-  if (sm.overflow == 0) {
+  if (sm.overflow == 0) [[likely]] {
     select_list(
         p, row, len, sm.cand_n, [&](uint32_t i) { return __ldcg(&cand[i]); }, sk, kChunk, bucket_key, bucket_idx,
         out, sm, lprof);
-  } else {  // the list overflowed: select from the row's scores
+  } else [[unlikely]] {  // the list overflowed: select from the row's scores
     const float* src = p.scores + row * p.row_stride;
     select_list(
         p, row, len, static_cast<uint32_t>(len), [&](uint32_t i) { return make_uint2(order_key(__ldcg(src + i)), i); },

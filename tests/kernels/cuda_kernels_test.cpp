@@ -26,51 +26,6 @@ namespace {
 
 using cuda::CudaBackend;
 
-class CudaKernelsTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    auto b = make_cuda_backend(0);
-    if (!b) GTEST_SKIP() << "no CUDA device";
-    gpu_.reset(static_cast<CudaBackend*>(b.release()));
-    cpu_ = make_cpu_backend();
-  }
-  void TearDown() override {
-    for (void* p : owned_) gpu_->free(p);
-  }
-  static void TearDownTestSuite() {
-    if (error_log().empty()) return;
-    std::printf("\n%-60s %s\n", "test", "max relative error (L2)");
-    for (const auto& [name, rel] : error_log()) std::printf("%-60s %.3e\n", name.c_str(), rel);
-    error_log().clear();
-  }
-  template <class T>
-  T* dev(const std::vector<T>& host) {
-    T* p = dev<T>(host.size());
-    if (!host.empty()) gpu_->to_device(p, host.data(), host.size() * sizeof(T));
-    return p;
-  }
-  template <class T>
-  T* dev(size_t n) {
-    void* p = gpu_->alloc(std::max<size_t>(n * sizeof(T), 4));
-    owned_.push_back(p);
-    return static_cast<T*>(p);
-  }
-  template <class T>
-  std::vector<T> host(const T* p, size_t n) {
-    std::vector<T> v(n);
-    gpu_->synchronize();
-    gpu_->to_host(v.data(), p, n * sizeof(T));
-    return v;
-  }
-  void poison(void* p, size_t bytes) { cudaMemsetAsync(p, 0xff, bytes, gpu_->stream()); }  // NaN / -1
-  cudaStream_t stream() { return gpu_->stream(); }
-
-  std::unique_ptr<CudaBackend> gpu_;
-  std::unique_ptr<Backend> cpu_;
-  std::vector<void*> owned_;
-  std::mt19937 rng_{77};
-};
-
 // ---- top-k ------------------------------------------------------------------------
 // The chosen set is exact up to ties: k_eff distinct indices, every chosen value >= the
 // k-th largest, and every value strictly above the k-th largest chosen.
@@ -113,33 +68,59 @@ void check_topk_row_stable(const float* row, int64_t len, int k, const int32_t* 
   ASSERT_EQ(got, want) << what << ": not the stable sort's choice at ties";
 }
 
-TEST_F(CudaKernelsTest, topk_equals_a_sort_up_to_ties) {
-  // fine_steps / coarse_steps: normal values rounded to 1/16 / 1/4, so that about a hundred / several hundred
-  // equal values sit at the k-th place of a 262,144 row (top-k finish 2: ranked, and the radix fallback).
-  enum Dist { normal, few_values, all_equal, with_infinities, signed_zeros, fine_steps, coarse_steps };
-  struct Case {
-    int rows;
-    int64_t len;
-    int k;
-    Dist dist;
-    bool ragged;
-    int max_cluster;
-    int ws_rows = 0;  // workspace sized for this many rows (0: rows), as the backend sizes it once
-  };
-  const Case cases[] = {
-      {1, 262144, 512, normal, false, 0},      {64, 262144, 512, normal, false, 0},
-      {1, 1048576, 2048, normal, false, 0},    {4, 1048576, 512, normal, true, 0},
-      {8, 65536, 2048, few_values, false, 0},  {2, 262144, 512, all_equal, false, 0},
-      {5, 5000, 512, with_infinities, true, 0}, {3, 100000, 1, normal, false, 0},
-      {2, 50, 512, normal, false, 0},          {3, 262144, 512, normal, false, 8},
-      {2, 300000, 2048, few_values, true, 4},  {128, 16384, 64, normal, true, 0},
-      {150, 8000, 512, normal, true, 0, 300},  {100, 65536, 256, few_values, false, 0, 200},
-      {3, 4000, 512, few_values, true, 0},     {2, 1048576, 2048, few_values, false, 0},
-      {4, 262144, 512, signed_zeros, true, 0}, {1, 3000, 100, signed_zeros, false, 0},
-      {2, 262144, 512, fine_steps, false, 0},  {2, 262144, 512, coarse_steps, true, 0},
-      {1, 1048576, 2048, fine_steps, false, 0},
-  };
-  for (const auto& c : cases) {
+enum TopkDist { normal, few_values, all_equal, with_infinities, signed_zeros, fine_steps, coarse_steps };
+struct TopkCase {
+  int rows;
+  int64_t len;
+  int k;
+  TopkDist dist;
+  bool ragged;
+  int max_cluster;
+  int ws_rows = 0;  // workspace sized for this many rows (0: rows), as the backend sizes it once
+};
+
+class CudaKernelsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto b = make_cuda_backend(0);
+    if (!b) GTEST_SKIP() << "no CUDA device";
+    gpu_.reset(static_cast<CudaBackend*>(b.release()));
+    cpu_ = make_cpu_backend();
+  }
+  void TearDown() override {
+    for (void* p : owned_) gpu_->free(p);
+  }
+  static void TearDownTestSuite() {
+    if (error_log().empty()) return;
+    std::printf("\n%-60s %s\n", "test", "max relative error (L2)");
+    for (const auto& [name, rel] : error_log()) std::printf("%-60s %.3e\n", name.c_str(), rel);
+    error_log().clear();
+  }
+  template <class T>
+  T* dev(const std::vector<T>& host) {
+    T* p = dev<T>(host.size());
+    if (!host.empty()) gpu_->to_device(p, host.data(), host.size() * sizeof(T));
+    return p;
+  }
+  template <class T>
+  T* dev(size_t n) {
+    void* p = gpu_->alloc(std::max<size_t>(n * sizeof(T), 4));
+    owned_.push_back(p);
+    return static_cast<T*>(p);
+  }
+  template <class T>
+  std::vector<T> host(const T* p, size_t n) {
+    std::vector<T> v(n);
+    gpu_->synchronize();
+    gpu_->to_host(v.data(), p, n * sizeof(T));
+    return v;
+  }
+  void poison(void* p, size_t bytes) { cudaMemsetAsync(p, 0xff, bytes, gpu_->stream()); }  // NaN / -1
+  cudaStream_t stream() { return gpu_->stream(); }
+
+  // One top-k case: each way of finishing a row on the grid kernel (TopkArgs::finish), then the streamed
+  // kernel, each twice (the workspace must come back zeroed), checked against a sort.
+  void run_topk_case(const TopkCase& c) {
     const std::string what = "rows " + std::to_string(c.rows) + " len " + std::to_string(c.len) + " k " +
                              std::to_string(c.k) + " dist " + std::to_string(c.dist) + " cluster " +
                              std::to_string(c.max_cluster);
@@ -206,6 +187,41 @@ TEST_F(CudaKernelsTest, topk_equals_a_sort_up_to_ties) {
       }
     }
   }
+
+  std::unique_ptr<CudaBackend> gpu_;
+  std::unique_ptr<Backend> cpu_;
+  std::vector<void*> owned_;
+  std::mt19937 rng_{77};
+};
+
+TEST_F(CudaKernelsTest, topk_equals_a_sort_up_to_ties) {
+  // fine_steps / coarse_steps: normal values rounded to 1/16 / 1/4, so that about a hundred / several hundred
+  // equal values sit at the k-th place of a 262,144 row (top-k finish 2: ranked, and the radix fallback).
+  const TopkCase cases[] = {
+      {1, 262144, 512, normal, false, 0},      {64, 262144, 512, normal, false, 0},
+      {1, 1048576, 2048, normal, false, 0},    {4, 1048576, 512, normal, true, 0},
+      {8, 65536, 2048, few_values, false, 0},  {2, 262144, 512, all_equal, false, 0},
+      {5, 5000, 512, with_infinities, true, 0}, {3, 100000, 1, normal, false, 0},
+      {2, 50, 512, normal, false, 0},          {3, 262144, 512, normal, false, 8},
+      {2, 300000, 2048, few_values, true, 4},  {128, 16384, 64, normal, true, 0},
+      {150, 8000, 512, normal, true, 0, 300},  {100, 65536, 256, few_values, false, 0, 200},
+      {3, 4000, 512, few_values, true, 0},     {2, 1048576, 2048, few_values, false, 0},
+      {4, 262144, 512, signed_zeros, true, 0}, {1, 3000, 100, signed_zeros, false, 0},
+      {2, 262144, 512, fine_steps, false, 0},  {2, 262144, 512, coarse_steps, true, 0},
+      {1, 1048576, 2048, fine_steps, false, 0},
+  };
+  for (const auto& c : cases) run_topk_case(c);
+}
+
+// Rows of one chunk, selected inside one CTA (decode at short context): normal values, ~50 / ~200 equal values at
+// the k-th place (ranked by index), one value in ten (the radix fallback), ragged rows; the grid kernel's small chunks
+// and, on the streamed runs, one large chunk. Small enough for racecheck.
+TEST_F(CudaKernelsTest, topk_rows_of_one_chunk) {
+  const TopkCase cases[] = {
+      {3, 4096, 512, normal, false, 0},     {4, 4096, 512, fine_steps, false, 0}, {2, 4096, 512, coarse_steps, false, 0},
+      {2, 4096, 512, few_values, false, 0}, {6, 4000, 64, normal, true, 0},       {3, 16000, 2048, fine_steps, true, 0},
+  };
+  for (const auto& c : cases) run_topk_case(c);
 }
 
 // One workspace, sized once, serves calls of every shape within its bounds in any order (as the backend's

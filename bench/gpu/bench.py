@@ -185,8 +185,8 @@ class Bench:
         # The floor under any one-kernel call timed this way: a 1-element add_ per graph node.
         z = torch.zeros(1, device="cuda")
         self.add(kernel="launch floor", shape="1-element add_, graph node", ours_us=graph_time(lambda i: z.add_(1.0)))
-        # 4,096: rows of one chunk (decode at short context), selected inside one CTA each
-        shapes = [(4096, 512), (65536, 512), (262144, 512), (1048576, 2048)]
+        # 4,096 / 16,384: rows of one small / large chunk (decode at short context), selected inside one CTA each
+        shapes = [(4096, 512), (16384, 512), (65536, 512), (262144, 512), (1048576, 2048)]
         batches = [1, 8, 64] if not self.quick else [1, 64]
         for n, k in shapes:
             for rows in batches:

@@ -1301,7 +1301,9 @@ GridPlan make_grid_plan(int rows, int64_t max_len, int stream) {
   GridPlan g;
   const int64_t c8 = ceil_div(max_len, kThreads * kSmallEPT), c32 = ceil_div(max_len, kThreads * kLargeEPT);
   const int cap8 = grid_capacity<kSmallEPT>(), cap32 = grid_capacity<kLargeEPT>();
-  if (stream != 1 && static_cast<int64_t>(rows) * c8 <= cap8) {
+  // Rows of at most one large chunk (4,096 < max_len <= 16,384) take it: one CTA a row selects
+  // without a row barrier (select_one_chunk), where small chunks would meet at one.
+  if (stream != 1 && (c8 == 1 || c32 > 1) && static_cast<int64_t>(rows) * c8 <= cap8) {
     g.ept = kSmallEPT;
     g.cpr = static_cast<int>(c8);
   } else if (stream == 1 || c32 == 1 || 2 * c32 <= cap32) {

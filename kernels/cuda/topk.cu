@@ -576,8 +576,8 @@ __device__ __forceinline__ bool radix_select(const uint32_t* keys, uint32_t n, V
 template <class Valid, class Index, class Emit>
 __device__ __forceinline__ void block_select(uint32_t* keys, uint32_t n, Valid&& valid, Index&& index, uint32_t lp,
                                              int lbits, uint32_t lneed, GSmem& sm, Emit&& emit) {
-  // The tie step is rare (float scores seldom tie at the k-th value): [[unlikely]] puts
-  // its code after the hot path's (see grid_topk_kernel on the instruction cache).
+  // The tie step is rare (float scores seldom tie at the k-th value): [[likely]] on the
+  // return puts its code after the hot path's (see grid_topk_kernel on the instruction cache).
   if (!radix_select(keys, n, valid, lp, lbits, lneed, sm, emit)) [[likely]] return;
   const uint32_t tie_key = sm.tie_key, need = sm.tie_need, base = sm.tie_base;
   __syncthreads();  // every thread has read sm.tie_*

@@ -624,6 +624,19 @@ __device__ __forceinline__ void ties_in_index_order(const GridParams& p, int row
 // comparisons each); more than this share the threshold digit: block_select.
 constexpr uint32_t kRankMax = 256;
 
+// The `on` elements on a select's threshold digit (on_list: key << 32 | ~index, distinct)
+// ranked against each other, larger key then lower index first: those ranked below
+// `need` go to out[above + rank]. Every thread of the block calls it, after a barrier.
+__device__ __forceinline__ void rank_on_list(const GridParams& p, int row, const uint64_t* on_list, uint32_t on,
+                                             uint32_t need, uint32_t above, int32_t* out) {
+  for (uint32_t t = threadIdx.x; t < on; t += kThreads) {
+    const uint64_t mine = on_list[t];
+    uint32_t rank = 0;  // how many go before it
+    for (uint32_t j = 0; j < on; ++j) rank += on_list[j] > mine ? 1u : 0u;
+    if (rank < need) out[above + rank] = translate_g(p, row, static_cast<int32_t>(~static_cast<uint32_t>(mine)));
+  }
+}
+
 // Candidates a thread of the last CTA holds in registers per pass of counted_select
 // (their keys and indices loaded together: one global round trip a pass; rows that
 // gather at most kPass * kThreads candidates, the usual case, take one pass).
@@ -716,12 +729,7 @@ __device__ __forceinline__ void counted_select(const GridParams& p, int row, uin
   if (lprof) lprof[9] = global_ns();
   if (all_on) return;
   __syncthreads();
-  for (uint32_t t = tid; t < on; t += kThreads) {
-    const uint64_t mine = on_list[t];
-    uint32_t rank = 0;  // how many go before it
-    for (uint32_t j = 0; j < on; ++j) rank += on_list[j] > mine ? 1u : 0u;
-    if (rank < need_on) out[above + rank] = translate_g(p, row, static_cast<int32_t>(~static_cast<uint32_t>(mine)));
-  }
+  rank_on_list(p, row, on_list, on, need_on, above, out);
 }
 
 // The row's length (lengths[row], or max_len), clamped to [0, max_len].
@@ -828,12 +836,7 @@ __device__ __forceinline__ void select_one_chunk(const GridParams& p, int row, i
     }
     if (!all_on) {
       __syncthreads();
-      for (uint32_t t = tid; t < on; t += kThreads) {
-        const uint64_t mine = on_list[t];
-        uint32_t rank = 0;  // how many go before it
-        for (uint32_t j = 0; j < on; ++j) rank += on_list[j] > mine ? 1u : 0u;
-        if (rank < need_on) out[above + rank] = translate_g(p, row, static_cast<int32_t>(~static_cast<uint32_t>(mine)));
-      }
+      rank_on_list(p, row, on_list, on, need_on, above, out);
     }
   }
   if (p.out_count != nullptr && tid == 0) p.out_count[row] = p.k;

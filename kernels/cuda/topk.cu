@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstddef>
 #include <cstdlib>
 #include <cub/block/block_radix_sort.cuh>
 #include <mutex>
@@ -507,7 +508,7 @@ struct GridParams {
 struct GSmem {
   uint32_t hist[kGBins];
   uint32_t scan[32];
-  uint32_t thr_bin, thr_above, thr_cnt;
+  uint32_t thr_bin, thr_above, thr_cnt, thr_old;  // thr_old: scan_places'
   uint32_t above_ctr, tie_ctr, local_above, local_tie;
   uint32_t base_above, base_tie;
   uint32_t ticket, last;
@@ -515,6 +516,8 @@ struct GSmem {
   // radix_select's open ties: more elements equal the k-th value than slots remain.
   uint32_t tie_key, tie_need, tie_base;
 };
+
+static_assert(offsetof(GSmem, hist) == 0 && kZeroWords % 4 == 0, "load_row_hist's 16-byte reads");
 
 // The grid and streamed kernels' shared memory: GSmem, then the chunk's keys
 // [EPT][kThreads] from this 16-byte aligned offset.
@@ -620,6 +623,20 @@ __device__ __forceinline__ void ties_in_index_order(const GridParams& p, int row
   }
 }
 
+// A row's histogram gh[0 .. nbins) (in the workspace, the row's CTAs' counts added) into
+// sm.hist: at 2,048 or 1,024 bins one 16- or 8-byte read a thread (gh and sm.hist are
+// 16-byte aligned), so that the block waits one round trip, not one a bin.
+__device__ __forceinline__ void load_row_hist(const uint32_t* gh, uint32_t nbins, GSmem& sm) {
+  const int tid = threadIdx.x;
+  if (nbins == 4u * kThreads) {
+    reinterpret_cast<uint4*>(sm.hist)[tid] = __ldcg(reinterpret_cast<const uint4*>(gh) + tid);
+  } else if (nbins == 2u * kThreads) {
+    reinterpret_cast<uint2*>(sm.hist)[tid] = __ldcg(reinterpret_cast<const uint2*>(gh) + tid);
+  } else {
+    for (uint32_t i = tid; i < nbins; i += kThreads) sm.hist[i] = __ldcg(&gh[i]);
+  }
+}
+
 // The most elements counted_select ranks against each other (n^2 / kThreads
 // comparisons each); more than this share the threshold digit: block_select.
 constexpr uint32_t kRankMax = 256;
@@ -679,12 +696,21 @@ __device__ __forceinline__ void counted_select(const GridParams& p, int row, uin
   const uint32_t nbins = nmask + 1;
   CandidatePass c = load_candidates(cand_key, cand_idx, 0, cnt);
   if (gh_next != nullptr) {  // else the caller counted into sm.hist
-    for (uint32_t i = tid; i < nbins; i += kThreads) sm.hist[i] = __ldcg(&gh_next[i]);
+    load_row_hist(gh_next, nbins, sm);
   }
   if (tid == 0) sm.local_above = sm.local_tie = 0;
   __syncthreads();
   if (lprof) lprof[7] = global_ns();
-  find_threshold<kThreads>(sm.hist, nbins, need, sm);  // ends with a barrier: the histogram is read
+  // Ends with a barrier: the histogram is read. The bin count a constant in each call
+  // (measured on the H200, run 21: 0.90 -> 0.55 us, against 0.83 for find_threshold's
+  // unrolled reads at a run-time count).
+  if (nbins == static_cast<uint32_t>(kGBins)) {
+    find_threshold<kThreads>(sm.hist, kGBins, need, sm);
+  } else if (nbins == static_cast<uint32_t>(kGBins / 2)) {
+    find_threshold<kThreads>(sm.hist, kGBins / 2, need, sm);
+  } else {
+    find_threshold<kThreads>(sm.hist, nbins, need, sm);
+  }
   const uint32_t thr = sm.thr_bin, above = sm.thr_above, on = sm.thr_cnt, need_on = need - above;
   const bool all_on = on == need_on;
   if (!all_on && on > kRankMax) [[unlikely]] {  // the same in every thread
@@ -792,9 +818,15 @@ __device__ __forceinline__ void select_one_chunk(const GridParams& p, int row, i
     constexpr uint32_t kBins1 = 1u << digit_bits(1);
     for (uint32_t i = tid; i < kBins1; i += kThreads) sm.hist[i] = 0;  // find_threshold's reads are done
     __syncthreads();
+    // The bucket's elements as a mask first: its reads of the keys, with no shared
+    // atomic between them (which the compiler cannot tell from the keys' memory), are
+    // issued together (measured on the H200, run 21: 16,384 scores 2.0 -> 1.0 us).
+    uint32_t in_bucket = 0;
 #pragma unroll
-    for (int e = 0; e < EPT; ++e) {
-      if (((vmask >> e) & 1u) && (key(e) >> drop) == t0) atomicAdd(&sm.hist[(key(e) >> kShift1) & (kBins1 - 1)], 1u);
+    for (int e = 0; e < EPT; ++e) in_bucket |= static_cast<uint32_t>((key(e) >> drop) == t0) << e;
+    for (uint32_t m = in_bucket & vmask; m != 0; m &= m - 1) {
+      const int e = __ffs(m) - 1;
+      atomicAdd(&sm.hist[(key(e) >> kShift1) & (kBins1 - 1)], 1u);
     }
     __syncthreads();  // and every thread has read sm.thr_*
     find_threshold<kThreads>(sm.hist, kBins1, kk - above, sm);
@@ -893,7 +925,7 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
       uint32_t* cand_key = p.scratch + static_cast<int64_t>(lrow) * p.scratch_words;
       int32_t* cand_idx = reinterpret_cast<int32_t*>(cand_key + kChunk);
       uint32_t prefix = 0, need = kk, cnt = 0;
-      int pbits = 0, gather_round = 0;
+      int pbits = 0, gather_round = 0, last_round = kGRounds - 1;
       bool gather = false;
 #pragma unroll 1
       for (int round = 0; round < kGRounds; ++round) {
@@ -902,32 +934,61 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
         if (round > 0) {
           for (uint32_t i = tid; i < nbins; i += kThreads) sm.hist[i] = 0;
           __syncthreads();
+          uint32_t in_bucket = 0;  // a mask first, as in select_one_chunk
 #pragma unroll
           for (int e = 0; e < EPT; ++e) {
-            const uint32_t key = sk[e * kThreads + tid];
-            if (((vmask >> e) & 1u) && (key >> (32 - pbits)) == prefix) {
-              atomicAdd(&sm.hist[(key >> shift) & (nbins - 1)], 1u);
-            }
+            in_bucket |= static_cast<uint32_t>((sk[e * kThreads + tid] >> (32 - pbits)) == prefix) << e;
+          }
+          for (uint32_t m = in_bucket & vmask; m != 0; m &= m - 1) {
+            const int e = __ffs(m) - 1;
+            atomicAdd(&sm.hist[(sk[e * kThreads + tid] >> shift) & (nbins - 1)], 1u);
           }
         }
         __syncthreads();
         uint32_t* gh = w + round * kGBins;
-        for (uint32_t i = tid; i < nbins; i += kThreads) {
-          const uint32_t v = sm.hist[i];
-          if (v != 0) atomicAdd(&gh[i], v);
+        if (round == 0) {
+          // Round 0's counts by adds that return the bin's count before them: in bin i the
+          // CTA's elements take places [old, old + count) among the row's (the CTAs in the
+          // order their adds reached the bin). The returns are kept in registers and stored
+          // after the arrival, which does not wait for them; scan_places then turns them into
+          // places in the output (the fused indexer's way: no global atomic after the barrier).
+          constexpr int kBinsPer = kGBins / kThreads;
+          uint32_t old[kBinsPer];
+#pragma unroll
+          for (int j = 0; j < kBinsPer; ++j) {
+            const uint32_t v = sm.hist[tid + j * kThreads];
+            old[j] = v != 0 ? atomicAdd(&gh[tid + j * kThreads], v) : 0u;
+          }
+          if (prof) prof[3] = global_ns();
+          grid_arrive_and_wait(&ctr[kArrive0], static_cast<uint32_t>(nrow));
+#pragma unroll
+          for (int j = 0; j < kBinsPer; ++j) sm.hist[tid + j * kThreads] = old[j];
+          __syncthreads();
+          scan_places<kThreads>(gh, kGBins, need, sm.hist, sm);
+          need -= sm.thr_above;
+          cnt = sm.thr_cnt;
+          prefix = sm.thr_bin;
+          pbits = bits;
+          if (prof) prof[4] = global_ns();
+        } else {
+          for (uint32_t i = tid; i < nbins; i += kThreads) {
+            const uint32_t v = sm.hist[i];
+            if (v != 0) atomicAdd(&gh[i], v);
+          }
+          grid_arrive_and_wait(&ctr[kArrive0 + round], static_cast<uint32_t>(nrow));
+          load_row_hist(gh, nbins, sm);
+          __syncthreads();
+          narrow_to_threshold(sm.hist, bits, sm, prefix, pbits, need, cnt);
         }
-        if (prof && round == 0) prof[3] = global_ns();
-        grid_arrive_and_wait(&ctr[kArrive0 + round], static_cast<uint32_t>(nrow));
-        for (uint32_t i = tid; i < nbins; i += kThreads) sm.hist[i] = __ldcg(&gh[i]);
-        __syncthreads();
-        narrow_to_threshold(sm.hist, bits, sm, prefix, pbits, need, cnt);
-        if (prof && round == 0) prof[4] = global_ns();
-        if (cnt == need) break;                          // the whole threshold bucket is taken
+        if (cnt == need) {  // the whole threshold bucket is taken
+          last_round = round;
+          break;
+        }
         // Few enough for one CTA (after the last round: the elements equal to the k-th
         // value, whose ties the last CTA settles by index).
         if (cnt <= static_cast<uint32_t>(kChunk)) {
           gather = true;
-          gather_round = round;
+          gather_round = last_round = round;
           break;
         }
       }
@@ -939,34 +1000,54 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
       const bool take_all = cnt == need;
       const uint32_t total_above = kk - need;
       const int drop = 32 - pbits;
-      // This thread's chosen elements as masks, then output ranges: warp scans, one
-      // shared atomic per warp, one global atomic per CTA.
-      const Chosen ch = chosen_elements<EPT>([&](int e) { return sk[e * kThreads + tid]; }, vmask, drop, prefix);
-      if (tid == 0) sm.above_ctr = sm.tie_ctr = 0;
-      __syncthreads();
-      const uint2 places = warp_places(ch, &sm.above_ctr, &sm.tie_ctr);
-      __syncthreads();
-      if (tid == 0) {
-        sm.base_above = sm.above_ctr != 0 ? atomicAdd(&ctr[kAbove], sm.above_ctr) : 0u;
-        sm.base_tie = sm.tie_ctr != 0 ? atomicAdd(&ctr[gather ? kCand : kTie], sm.tie_ctr) : 0u;
-      }
-      __syncthreads();
-      uint32_t pos = sm.base_above + places.x;
-      for (uint32_t m = ch.above_mask; m != 0; m &= m - 1) {
-        const int e = __ffs(m) - 1;
-        out[pos++] = translate_g(p, row, index_of(e * kThreads + tid));
-      }
-      uint32_t g = sm.base_tie + places.y;
-      for (uint32_t m = ch.tie_mask; m != 0; m &= m - 1, ++g) {
-        const int e = __ffs(m) - 1;
+      // An element of the threshold bucket (sk[flat]) at place g among the row's.
+      auto put_bucket = [&](uint32_t flat, uint32_t g) {
         if (gather) {
-          const uint32_t key = sk[e * kThreads + tid];
+          const uint32_t key = sk[flat];
           __stcg(&cand_key[g], key);
-          __stcg(&cand_idx[g], static_cast<int32_t>(index_of(e * kThreads + tid)));
+          __stcg(&cand_idx[g], static_cast<int32_t>(index_of(flat)));
           if (counted) atomicAdd(&gh_next[(key >> nshift) & nmask], 1u);
         } else if (take_all) {  // otherwise the last CTA settles the ties in index order
-          out[total_above + g] = translate_g(p, row, index_of(e * kThreads + tid));
+          out[total_above + g] = translate_g(p, row, index_of(flat));
         }
+      };
+      if (last_round == 0) {
+        // Places from scan_places: sm.hist[b] is the next place in the output of the CTA's
+        // elements in bin b above the threshold bin, and in the bucket for that bin (a
+        // shared atomic an element). The chosen ones as a mask first (the keys' reads issued
+        // together; see select_one_chunk).
+        uint32_t mine = 0;
+#pragma unroll
+        for (int e = 0; e < EPT; ++e) mine |= static_cast<uint32_t>((sk[e * kThreads + tid] >> drop) >= prefix) << e;
+        for (uint32_t m = mine & vmask; m != 0; m &= m - 1) {
+          const uint32_t flat = (__ffs(m) - 1) * kThreads + tid, bin = sk[flat] >> drop;
+          const uint32_t pos = atomicAdd(&sm.hist[bin], 1u);
+          if (bin > prefix) {
+            out[pos] = translate_g(p, row, index_of(flat));
+          } else {
+            put_bucket(flat, pos);
+          }
+        }
+      } else [[unlikely]] {
+        // This thread's chosen elements as masks, then output ranges: warp scans, one
+        // shared atomic per warp, one global atomic per CTA.
+        const Chosen ch = chosen_elements<EPT>([&](int e) { return sk[e * kThreads + tid]; }, vmask, drop, prefix);
+        if (tid == 0) sm.above_ctr = sm.tie_ctr = 0;
+        __syncthreads();
+        const uint2 places = warp_places(ch, &sm.above_ctr, &sm.tie_ctr);
+        __syncthreads();
+        if (tid == 0) {
+          sm.base_above = sm.above_ctr != 0 ? atomicAdd(&ctr[kAbove], sm.above_ctr) : 0u;
+          sm.base_tie = sm.tie_ctr != 0 ? atomicAdd(&ctr[gather ? kCand : kTie], sm.tie_ctr) : 0u;
+        }
+        __syncthreads();
+        uint32_t pos = sm.base_above + places.x;
+        for (uint32_t m = ch.above_mask; m != 0; m &= m - 1) {
+          const int e = __ffs(m) - 1;
+          out[pos++] = translate_g(p, row, index_of(e * kThreads + tid));
+        }
+        uint32_t g = sm.base_tie + places.y;
+        for (uint32_t m = ch.tie_mask; m != 0; m &= m - 1, ++g) put_bucket((__ffs(m) - 1) * kThreads + tid, g);
       }
       if (prof) prof[5] = global_ns();
       // The last CTA of the row to get here finishes it.
@@ -1287,9 +1368,9 @@ int topk_stream(const TopkArgs& a) {
 }
 
 // Small chunks for the least latency when every chunk of the call fits on the device
-// at once; else large chunks (fewer, fuller CTAs share each row's barriers). When the
-// large chunks are more than the device holds at once, the streamed kernel (no CTA
-// waits for another, so the waves follow each other without gaps).
+// at once; else large chunks (fewer, fuller CTAs share each row's barriers), handed out
+// by tickets when they are more than the device holds at once. The streamed kernel (no
+// CTA waits for another) when the call asks for it.
 struct GridPlan {
   bool ok = false;  // false: the cluster kernel
   bool stream = false;
@@ -1314,10 +1395,11 @@ GridPlan make_grid_plan(int rows, int64_t max_len, int stream) {
     g.cpr = static_cast<int>(c32);
     const int64_t launch_chunks = static_cast<int64_t>(std::min(rows, kLaunchRows)) * c32;
     g.ticketed = c32 > 1 && launch_chunks > cap32;
-    // Streamed when the call's large chunks make more than three waves (measured on an
-    // H200, docs/kernels-notes.md session 10: 64 rows of 262,144, 3.9 waves: 57 -> 52 us;
-    // 8 rows of 1 M, 1.9 waves: 34 -> 46 us, the last CTAs' selects are the tail).
-    g.stream = stream == 1 || (stream == 0 && launch_chunks > 3 * cap32);
+    // Streamed only when asked: since round 0's places come from its histogram adds (no
+    // global atomic after the row barrier) the grid kernel is the faster at every wave count
+    // measured on an H200 (run 21: 64 rows of 262,144, 3.9 waves, 46.0 vs 50.4 us; 64 rows
+    // of 1 M, 15.5 waves, 162.8 vs 166.3; session 10 had the streamed one ahead above three).
+    g.stream = stream == 1;
     if (g.stream) g.ticketed = false;
   } else {
     return g;  // rows too long for the grid kernel: the cluster kernel

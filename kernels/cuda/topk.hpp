@@ -65,8 +65,8 @@ struct TopkArgs {
                                     // the last CTA takes the threshold from that count and ranks the few on it;
                                     // 0 = TROUPE_TOPK_FINISH (2 unless it is 1). Both exact, ties by lower index
   int stream = 0;                   // the streamed kernel: 1 = whenever the grid kernel would run; -1 = never;
-                                    // 0 = TROUPE_TOPK_STREAM (1 / 0), else when a call's large chunks are more
-                                    // than three times what the device holds at once
+                                    // 0 = TROUPE_TOPK_STREAM (1 / 0), else never (the grid kernel measured
+                                    // faster at every wave count since run 21)
 };
 
 // Scratch the call needs (enough for any call with at most `rows` rows and this

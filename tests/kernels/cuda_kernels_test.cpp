@@ -215,11 +215,13 @@ TEST_F(CudaKernelsTest, topk_equals_a_sort_up_to_ties) {
 
 // Rows of one chunk, selected inside one CTA (decode at short context): normal values, ~50 / ~200 equal values at
 // the k-th place (ranked by index), one value in ten (the radix fallback), ragged rows; the grid kernel's small chunks
-// and, on the streamed runs, one large chunk. Small enough for racecheck.
+// and, on the streamed runs, one large chunk; ~730 equal values at the k-th place of 16,000 (more than are ranked
+// against each other, fewer than a thousand in the threshold bucket). Small enough for racecheck.
 TEST_F(CudaKernelsTest, topk_rows_of_one_chunk) {
   const TopkCase cases[] = {
       {3, 4096, 512, normal, false, 0},     {4, 4096, 512, fine_steps, false, 0}, {2, 4096, 512, coarse_steps, false, 0},
       {2, 4096, 512, few_values, false, 0}, {6, 4000, 64, normal, true, 0},       {3, 16000, 2048, fine_steps, true, 0},
+      {3, 16000, 2048, coarse_steps, false, 0},
   };
   for (const auto& c : cases) run_topk_case(c);
 }

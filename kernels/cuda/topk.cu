@@ -471,6 +471,11 @@ Plan make_plan(int64_t max_len, int k, int max_cluster) {
 // unfinished row then always has all its CTAs resident.
 constexpr int kGBins = 2048;
 constexpr int kGRounds = 3;
+constexpr int kSmallEPT = 8, kLargeEPT = 32;  // chunks of 4,096 / 16,384 scores
+// The most bucket elements a row's CTAs gather for its last CTA (the candidates' scratch
+// holds this many whatever the chunk size): a 1 M row's round-0 bucket at k = 2,048
+// (~5,000) is gathered at round 0 even from small chunks, not narrowed by round 1.
+constexpr int kGatherMax = kThreads * kLargeEPT;
 enum GCounter { kArrive0 = 0, kAbove = kGRounds, kTie, kCand, kDone, kOverflow, kCounters = 8 };
 // The workspace (one layout for every call, so that calls of any shape can share it):
 // 256 bytes of tickets; then kLaunchRows rows of kZeroWords words that are zero
@@ -688,8 +693,8 @@ __device__ __forceinline__ CandidatePass load_candidates(const uint32_t* cand_ke
 // The first pass's candidates are requested with the histogram, before the
 // threshold is known. Writes the `need` chosen to out[0 .. need). Every thread of
 // the block calls it.
-__device__ __forceinline__ void counted_select(const GridParams& p, int row, uint32_t* sk, uint32_t cnt,
-                                               const uint32_t* cand_key, const int32_t* cand_idx,
+__device__ __forceinline__ void counted_select(const GridParams& p, int row, uint32_t* sk, uint32_t sk_cap,
+                                               uint32_t cnt, uint32_t* cand_key, const int32_t* cand_idx,
                                                const uint32_t* gh_next, int nshift, uint32_t nmask, uint32_t prefix,
                                                int pbits, uint32_t need, int32_t* out, GSmem& sm, long long* lprof) {
   const int tid = threadIdx.x;
@@ -714,10 +719,14 @@ __device__ __forceinline__ void counted_select(const GridParams& p, int row, uin
   const uint32_t thr = sm.thr_bin, above = sm.thr_above, on = sm.thr_cnt, need_on = need - above;
   const bool all_on = on == need_on;
   if (!all_on && on > kRankMax) [[unlikely]] {  // the same in every thread
-    for (uint32_t i = tid; i < cnt; i += kThreads) sk[i] = __ldcg(&cand_key[i]);
+    uint32_t* keys = cand_key;  // more candidates than sk holds: selected where they are
+    if (cnt <= sk_cap) {
+      for (uint32_t i = tid; i < cnt; i += kThreads) sk[i] = __ldcg(&cand_key[i]);
+      keys = sk;
+    }
     __syncthreads();  // and every thread has read sm.thr_*
     block_select(
-        sk, cnt, [](uint32_t) { return true; }, [&](uint32_t i) { return static_cast<uint32_t>(__ldcg(&cand_idx[i])); },
+        keys, cnt, [](uint32_t) { return true; }, [&](uint32_t i) { return static_cast<uint32_t>(__ldcg(&cand_idx[i])); },
         prefix, pbits, need, sm,
         [&](uint32_t pos, uint32_t i) { out[pos] = translate_g(p, row, __ldcg(&cand_idx[i])); });
     return;
@@ -923,7 +932,7 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
       uint32_t* w = p.ws + static_cast<int64_t>(lrow) * kZeroWords;
       uint32_t* ctr = w + kGRounds * kGBins;
       uint32_t* cand_key = p.scratch + static_cast<int64_t>(lrow) * p.scratch_words;
-      int32_t* cand_idx = reinterpret_cast<int32_t*>(cand_key + kChunk);
+      int32_t* cand_idx = reinterpret_cast<int32_t*>(cand_key + kGatherMax);
       uint32_t prefix = 0, need = kk, cnt = 0;
       int pbits = 0, gather_round = 0, last_round = kGRounds - 1;
       bool gather = false;
@@ -986,7 +995,7 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
         }
         // Few enough for one CTA (after the last round: the elements equal to the k-th
         // value, whose ties the last CTA settles by index).
-        if (cnt <= static_cast<uint32_t>(kChunk)) {
+        if (cnt <= static_cast<uint32_t>(kGatherMax)) {
           gather = true;
           gather_round = last_round = round;
           break;
@@ -1070,21 +1079,25 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
           if (lprof) lprof[10] = global_ns();
         };
         if (counted) {
-          counted_select(p, row, sk, cnt, cand_key, cand_idx, gh_next, nshift, nmask, prefix, pbits, need,
+          counted_select(p, row, sk, kChunk, cnt, cand_key, cand_idx, gh_next, nshift, nmask, prefix, pbits, need,
                          out + total_above, sm, lprof);
           row_done();
           grid_exit(p);
           return;
         }
         if (gather) [[unlikely]] {  // TopkArgs::finish 1, or a gather at the last round
-          for (uint32_t i = tid; i < cnt; i += kThreads) sk[i] = __ldcg(&cand_key[i]);
+          uint32_t* keys = cand_key;  // more candidates than sk holds: selected where they are
+          if (cnt <= static_cast<uint32_t>(kChunk)) {
+            for (uint32_t i = tid; i < cnt; i += kThreads) sk[i] = __ldcg(&cand_key[i]);
+            keys = sk;
+          }
           __syncthreads();
           if (lprof) lprof[7] = global_ns();
           block_select(
-              sk, cnt, [](uint32_t) { return true; },
+              keys, cnt, [](uint32_t) { return true; },
               [&](uint32_t i) { return static_cast<uint32_t>(__ldcg(&cand_idx[i])); }, prefix, pbits, need, sm,
               [&](uint32_t pos2, uint32_t i) { out[total_above + pos2] = translate_g(p, row, __ldcg(&cand_idx[i])); });
-        } else if (!take_all) [[unlikely]] {  // more than a chunk's worth of elements equal the k-th value
+        } else if (!take_all) [[unlikely]] {  // more than kGatherMax elements equal the k-th value
           ties_in_index_order(p, row, len, prefix, need, out + total_above, sm);
         }
         row_done();
@@ -1200,7 +1213,7 @@ __device__ __forceinline__ void select_list(const GridParams& p, int row, int64_
   if (lprof) lprof[8] = global_ns();
   if (take_all) return;
   if (counted) {
-    counted_select(p, row, sk, cnt, bucket_key, bucket_idx, nullptr, nshift, nmask, prefix, pbits, need,
+    counted_select(p, row, sk, chunk_cap, cnt, bucket_key, bucket_idx, nullptr, nshift, nmask, prefix, pbits, need,
                    out + above_total, sm, nullptr);
   } else if (gather) [[unlikely]] {  // the bucket is one value (pbits == 32): the lowest indices
     for (uint32_t i = tid; i < cnt; i += kThreads) sk[i] = bucket_key[i];
@@ -1348,16 +1361,15 @@ int grid_capacity() {  // CTAs of grid_topk_kernel<EPT> the device holds at once
   return cap;
 }
 
-constexpr int kSmallEPT = 8, kLargeEPT = 32;  // chunks of 4,096 / 16,384 scores
 
 // The streamed kernel's candidate list of a row: 65,536 entries at most (rows of 1 M
 // scores with k = 2,048 kept 13-16 K on the H200), the whole row when shorter.
 int64_t stream_cand_cap(int64_t max_len) { return std::min<int64_t>(ceil_div(max_len, 4) * 4, 65536); }
 
 // Scratch words a row of a launch needs: the grid kernel's gathered candidates (keys
-// and indices, a chunk's worth), or the streamed kernel's list and gathered bucket.
-int64_t scratch_words(bool stream, int ept, int64_t max_len) {
-  return stream ? 2 * stream_cand_cap(max_len) + 2 * kThreads * kLargeEPT : 2 * static_cast<int64_t>(kThreads) * ept;
+// and indices, kGatherMax of each), or the streamed kernel's list and gathered bucket.
+int64_t scratch_words(bool stream, int64_t max_len) {
+  return stream ? 2 * stream_cand_cap(max_len) + 2 * kThreads * kLargeEPT : 2 * static_cast<int64_t>(kGatherMax);
 }
 
 // TopkArgs::stream, or TROUPE_TOPK_STREAM (read at each call) when it is 0.
@@ -1406,7 +1418,7 @@ GridPlan make_grid_plan(int rows, int64_t max_len, int stream) {
   }
   g.ok = true;
   g.rows_per_launch = g.cpr == 1 ? rows : std::min(rows, kLaunchRows);
-  g.scratch_words = g.cpr > 1 ? scratch_words(g.stream, g.ept, max_len) : 0;
+  g.scratch_words = g.cpr > 1 ? scratch_words(g.stream, max_len) : 0;
   return g;
 }
 
@@ -1414,7 +1426,7 @@ GridPlan make_grid_plan(int rows, int64_t max_len, int stream) {
 // any path: 256 bytes of tickets, the zeroed rows of one launch, then its scratch.
 size_t grid_workspace_bytes(int rows, int64_t max_len) {
   if (ceil_div(max_len, kThreads * kSmallEPT) <= 1) return 0;
-  const int64_t per = std::max(scratch_words(true, kLargeEPT, max_len), scratch_words(false, kLargeEPT, max_len));
+  const int64_t per = std::max(scratch_words(true, max_len), scratch_words(false, max_len));
   return 256 + (static_cast<size_t>(kLaunchRows) * kZeroWords + std::min(rows, kLaunchRows) * per) * 4;
 }
 

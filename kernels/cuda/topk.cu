@@ -473,8 +473,8 @@ constexpr int kGBins = 2048;
 constexpr int kGRounds = 3;
 constexpr int kSmallEPT = 8, kLargeEPT = 32;  // chunks of 4,096 / 16,384 scores
 // The most bucket elements a row's CTAs gather for its last CTA (the candidates' scratch
-// holds this many whatever the chunk size): a 1 M row's round-0 bucket at k = 2,048
-// (~5,000) is gathered at round 0 even from small chunks, not narrowed by round 1.
+// holds this many whatever the chunk size): a round-0 bucket over a small chunk's 4,096
+// (k = 2,048 of a long row: ~5,000 at 1 M) is gathered at round 0, not narrowed by round 1.
 constexpr int kGatherMax = kThreads * kLargeEPT;
 enum GCounter { kArrive0 = 0, kAbove = kGRounds, kTie, kCand, kDone, kOverflow, kCounters = 8 };
 // The workspace (one layout for every call, so that calls of any shape can share it):
@@ -739,23 +739,26 @@ __device__ __forceinline__ void counted_select(const GridParams& p, int row, uin
   // with prefix:thr compares the digit.
   const uint32_t pthr = (prefix << __popc(nmask)) | thr;
   for (uint32_t b0 = 0; b0 < cnt; b0 += kPass * kThreads) {  // uniform trip counts: shuffles below
-    if (b0 > 0) c = load_candidates(cand_key, cand_idx, b0, cnt);
+    // The next pass's candidates requested before this one's are placed (rows of 1 M
+    // gather ~5,000: three passes, each waited on its loads).
+    const CandidatePass cur = c;
+    if (b0 + kPass * kThreads < cnt) c = load_candidates(cand_key, cand_idx, b0 + kPass * kThreads, cnt);
     uint32_t vmask = 0;
 #pragma unroll
     for (int j = 0; j < kPass; ++j) vmask |= static_cast<uint32_t>(b0 + j * kThreads + tid < cnt) << j;
     // Places: one shared atomic a warp for each kind (warp_take's would be one a
     // warp for each of the pass's elements, each waiting for the last).
-    const Chosen ch = chosen_elements<kPass>([&](int j) { return c.key[j]; }, vmask, nshift, pthr);
+    const Chosen ch = chosen_elements<kPass>([&](int j) { return cur.key[j]; }, vmask, nshift, pthr);
     const uint2 places = warp_places(ch, &sm.local_above, &sm.local_tie);
     uint32_t a = places.x, o = places.y;
 #pragma unroll
     for (int j = 0; j < kPass; ++j) {
-      if ((ch.above_mask >> j) & 1u) out[a++] = translate_g(p, row, c.idx[j]);
+      if ((ch.above_mask >> j) & 1u) out[a++] = translate_g(p, row, cur.idx[j]);
       if ((ch.tie_mask >> j) & 1u) {
         if (all_on) {
-          out[above + o] = translate_g(p, row, c.idx[j]);
+          out[above + o] = translate_g(p, row, cur.idx[j]);
         } else {
-          on_list[o] = static_cast<uint64_t>(c.key[j]) << 32 | ~static_cast<uint32_t>(c.idx[j]);
+          on_list[o] = static_cast<uint64_t>(cur.key[j]) << 32 | ~static_cast<uint32_t>(cur.idx[j]);
         }
         ++o;
       }
@@ -1399,7 +1402,9 @@ GridPlan make_grid_plan(int rows, int64_t max_len, int stream) {
   const int cap8 = grid_capacity<kSmallEPT>(), cap32 = grid_capacity<kLargeEPT>();
   // Rows of at most one large chunk (4,096 < max_len <= 16,384) take it: one CTA a row selects
   // without a row barrier (select_one_chunk), where small chunks would meet at one.
-  if (stream != 1 && (c8 == 1 || c32 > 1) && static_cast<int64_t>(rows) * c8 <= cap8) {
+  // Rows over 262,144 take large chunks too (measured on an H200, run 21: 1 x 1 M 12.2 ->
+  // 11.9 us, the longer load paid back by a 64-CTA row barrier instead of 256).
+  if (stream != 1 && (c8 == 1 || c32 > 1) && c8 <= 64 && static_cast<int64_t>(rows) * c8 <= cap8) {
     g.ept = kSmallEPT;
     g.cpr = static_cast<int>(c8);
   } else if (stream == 1 || c32 == 1 || 2 * c32 <= cap32) {

@@ -491,22 +491,9 @@ __device__ __forceinline__ void fused_select(const ScoreParams& p, const FusePar
   // The done counter is reset here, before this CTA's arrival below releases it: the row's CTAs
   // add to it only after that arrival (the counter the last call left at its CTA count).
   if (blockIdx.x == 0 && tid == 0) ctr[kFDone] = 0;
-  // The CTA's counts into the row's histogram by adds that return the bin's count before them: in
-  // bin i, the CTA's elements take places [old, old + count) of the row's elements in it (the CTAs in
-  // the order their adds reached the bin). fs.hist[i] keeps old where the CTA has elements.
-  // The returns are stored only after the arrival: the arrival does not wait for them (the block
-  // barrier and the arrival's release order the adds before it all the same).
-  constexpr int kBinsPer = kFuseBins / kT;
-  uint32_t old[kBinsPer];
-#pragma unroll
-  for (int j = 0; j < kBinsPer; ++j) {
-    const uint32_t v = fs.hist[tid + j * kT];
-    old[j] = v != 0 ? atomicAdd(&w[tid + j * kT], v) : 0u;
-  }
-  grid_arrive_and_wait(ctr + kFArrive, gridDim.x);
-#pragma unroll
-  for (int j = 0; j < kBinsPer; ++j) fs.hist[tid + j * kT] = old[j];
-  __syncthreads();
+  // The CTA's counts into the row's histogram; fs.hist[i] then holds the CTA's first place among the
+  // row's elements in bin i (add_counts_and_arrive).
+  add_counts_and_arrive<kT, kFuseBins>(fs.hist, w, ctr + kFArrive, gridDim.x, [] {});
   if (prof0) prof0[2] = global_ns();
   // The threshold bin t and every bin's first place (see scan_places): each element above t then has
   // its place in the output without a global atomic, a shared atomic on its bin's place.

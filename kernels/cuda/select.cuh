@@ -223,4 +223,31 @@ __device__ __forceinline__ void grid_arrive_and_wait(uint32_t* ctr, uint32_t exp
   __syncthreads();
 }
 
+// A CTA's counts hist[0 .. NBINS) added into its row's histogram gh by adds that return the
+// bin's count before them, then the row's barrier (grid_arrive_and_wait on arrive_ctr): on
+// return hist[i] is that count where the CTA has elements in bin i (its elements take places
+// [hist[i], hist[i] + count) of the row's elements in the bin, the CTAs in the order their adds
+// reached it; scan_places turns these into places in the output), 0 elsewhere. The returns are
+// stored only after the arrival, which does not wait for them (the block barrier and the
+// arrival's release order the adds before it all the same). after_adds() runs once the adds
+// are issued (a stamp). Every thread of the block (NT threads) calls it; ends with a barrier.
+template <int NT, int NBINS, class AfterAdds>
+__device__ __forceinline__ void add_counts_and_arrive(uint32_t* hist, uint32_t* gh, uint32_t* arrive_ctr,
+                                                      uint32_t expected, AfterAdds&& after_adds) {
+  static_assert(NBINS % NT == 0, "whole bins a thread");
+  constexpr int kPer = NBINS / NT;
+  const int tid = threadIdx.x;
+  uint32_t old[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const uint32_t v = hist[tid + j * NT];
+    old[j] = v != 0 ? atomicAdd(&gh[tid + j * NT], v) : 0u;
+  }
+  after_adds();
+  grid_arrive_and_wait(arrive_ctr, expected);
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) hist[tid + j * NT] = old[j];
+  __syncthreads();
+}
+
 }  // namespace troupe::kernels::cuda

@@ -959,23 +959,12 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
         __syncthreads();
         uint32_t* gh = w + round * kGBins;
         if (round == 0) {
-          // Round 0's counts by adds that return the bin's count before them: in bin i the
-          // CTA's elements take places [old, old + count) among the row's (the CTAs in the
-          // order their adds reached the bin). The returns are kept in registers and stored
-          // after the arrival, which does not wait for them; scan_places then turns them into
-          // places in the output (the fused indexer's way: no global atomic after the barrier).
-          constexpr int kBinsPer = kGBins / kThreads;
-          uint32_t old[kBinsPer];
-#pragma unroll
-          for (int j = 0; j < kBinsPer; ++j) {
-            const uint32_t v = sm.hist[tid + j * kThreads];
-            old[j] = v != 0 ? atomicAdd(&gh[tid + j * kThreads], v) : 0u;
-          }
-          if (prof) prof[3] = global_ns();
-          grid_arrive_and_wait(&ctr[kArrive0], static_cast<uint32_t>(nrow));
-#pragma unroll
-          for (int j = 0; j < kBinsPer; ++j) sm.hist[tid + j * kThreads] = old[j];
-          __syncthreads();
+          // Round 0's counts by adds that return each bin's count before them (add_counts_and_arrive):
+          // scan_places turns those into places in the output (the fused indexer's way: no global
+          // atomic after the barrier).
+          add_counts_and_arrive<kThreads, kGBins>(sm.hist, gh, &ctr[kArrive0], static_cast<uint32_t>(nrow), [&] {
+            if (prof) prof[3] = global_ns();
+          });
           scan_places<kThreads>(gh, kGBins, need, sm.hist, sm);
           need -= sm.thr_above;
           cnt = sm.thr_cnt;

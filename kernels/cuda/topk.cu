@@ -1353,7 +1353,6 @@ int grid_capacity() {  // CTAs of grid_topk_kernel<EPT> the device holds at once
   return cap;
 }
 
-
 // The streamed kernel's candidate list of a row: 65,536 entries at most (rows of 1 M
 // scores with k = 2,048 kept 13-16 K on the H200), the whole row when shorter.
 int64_t stream_cand_cap(int64_t max_len) { return std::min<int64_t>(ceil_div(max_len, 4) * 4, 65536); }

@@ -196,7 +196,9 @@ class CudaKernelsTest : public ::testing::Test {
 
 TEST_F(CudaKernelsTest, topk_equals_a_sort_up_to_ties) {
   // fine_steps / coarse_steps: normal values rounded to 1/16 / 1/4, so that about a hundred / several hundred
-  // equal values sit at the k-th place of a 262,144 row (top-k finish 2: ranked, and the radix fallback).
+  // equal values sit at the k-th place of a 262,144 row (top-k finish 2: ranked, and the radix fallback); at
+  // k = 2,048 the row's small chunks gather a round-0 bucket of ~4,600 (more than a chunk's keys: the fallback
+  // selects over the candidates in place, ~340 equal values at the k-th place).
   const TopkCase cases[] = {
       {1, 262144, 512, normal, false, 0},      {64, 262144, 512, normal, false, 0},
       {1, 1048576, 2048, normal, false, 0},    {4, 1048576, 512, normal, true, 0},
@@ -208,15 +210,15 @@ TEST_F(CudaKernelsTest, topk_equals_a_sort_up_to_ties) {
       {3, 4000, 512, few_values, true, 0},     {2, 1048576, 2048, few_values, false, 0},
       {4, 262144, 512, signed_zeros, true, 0}, {1, 3000, 100, signed_zeros, false, 0},
       {2, 262144, 512, fine_steps, false, 0},  {2, 262144, 512, coarse_steps, true, 0},
-      {1, 1048576, 2048, fine_steps, false, 0},
+      {1, 1048576, 2048, fine_steps, false, 0}, {2, 262144, 2048, fine_steps, false, 0},
   };
   for (const auto& c : cases) run_topk_case(c);
 }
 
 // Rows of one chunk, selected inside one CTA (decode at short context): normal values, ~50 / ~200 equal values at
 // the k-th place (ranked by index), one value in ten (the radix fallback), ragged rows; the grid kernel's small chunks
-// and, on the streamed runs, one large chunk; ~730 equal values at the k-th place of 16,000 (more than are ranked
-// against each other, fewer than a thousand in the threshold bucket). Small enough for racecheck.
+// and, on the streamed runs, one large chunk; ~730 equal values at the k-th place of 16,000 on one large chunk (more
+// than are ranked against each other: the radix fallback). Small enough for racecheck.
 TEST_F(CudaKernelsTest, topk_rows_of_one_chunk) {
   const TopkCase cases[] = {
       {3, 4096, 512, normal, false, 0},     {4, 4096, 512, fine_steps, false, 0}, {2, 4096, 512, coarse_steps, false, 0},

@@ -207,8 +207,7 @@ class Bench:
                 # Each way of finishing a row on the grid kernel (TopkArgs::finish, read from TROUPE_TOPK_FINISH at
                 # each call, so at graph capture): 1 = the last CTA's radix rounds, 2 = the counted next digit +
                 # rank; then the kernel choice (TROUPE_TOPK_STREAM): "grid" = never the streamed kernel, "stream" =
-                # always (the default takes it when the large chunks are more than three times what the device
-                # holds at once).
+                # always (the default never takes it since session 21: the grid kernel measured faster).
                 variants = {"1": ("1", None), "2": ("2", None), "grid": ("2", "0"), "stream": ("2", "1")}
                 t_var, exact = {}, True
                 for name, (fin, stream_env) in variants.items():

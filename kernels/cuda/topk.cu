@@ -642,6 +642,14 @@ __device__ __forceinline__ void load_row_hist(const uint32_t* gh, uint32_t nbins
   }
 }
 
+// Where block_select reads a row's cnt gathered candidate keys: copied into sk when they
+// fit its sk_cap words, else in place (block_select overwrites them either way).
+__device__ __forceinline__ uint32_t* candidate_keys(uint32_t* cand_key, uint32_t cnt, uint32_t* sk, uint32_t sk_cap) {
+  if (cnt > sk_cap) return cand_key;
+  for (uint32_t i = threadIdx.x; i < cnt; i += kThreads) sk[i] = __ldcg(&cand_key[i]);
+  return sk;
+}
+
 // The most elements counted_select ranks against each other (n^2 / kThreads
 // comparisons each); more than this share the threshold digit: block_select.
 constexpr uint32_t kRankMax = 256;
@@ -719,11 +727,7 @@ __device__ __forceinline__ void counted_select(const GridParams& p, int row, uin
   const uint32_t thr = sm.thr_bin, above = sm.thr_above, on = sm.thr_cnt, need_on = need - above;
   const bool all_on = on == need_on;
   if (!all_on && on > kRankMax) [[unlikely]] {  // the same in every thread
-    uint32_t* keys = cand_key;  // more candidates than sk holds: selected where they are
-    if (cnt <= sk_cap) {
-      for (uint32_t i = tid; i < cnt; i += kThreads) sk[i] = __ldcg(&cand_key[i]);
-      keys = sk;
-    }
+    uint32_t* keys = candidate_keys(cand_key, cnt, sk, sk_cap);
     __syncthreads();  // and every thread has read sm.thr_*
     block_select(
         keys, cnt, [](uint32_t) { return true; }, [&](uint32_t i) { return static_cast<uint32_t>(__ldcg(&cand_idx[i])); },
@@ -800,6 +804,23 @@ __device__ __forceinline__ bool all_chosen(const GridParams& p, int row, int64_t
   return true;
 }
 
+// Counts into hist the next digit ((key >> shift) & (nbins - 1)) of this thread's keys
+// (sk[e * kThreads + tid], valid where vmask says) whose bits from `drop` up equal
+// `prefix`. The matching keys as a mask first: their reads, with no shared atomic
+// between them (which the compiler cannot tell from the keys' memory), are issued
+// together (measured on the H200, run 21: 16,384 scores 2.0 -> 1.0 us).
+template <int EPT>
+__device__ __forceinline__ void count_bucket_digit(const uint32_t* sk, uint32_t vmask, int drop, uint32_t prefix,
+                                                   int shift, uint32_t nbins, uint32_t* hist) {
+  const int tid = threadIdx.x;
+  uint32_t in_bucket = 0;
+#pragma unroll
+  for (int e = 0; e < EPT; ++e) in_bucket |= static_cast<uint32_t>((sk[e * kThreads + tid] >> drop) == prefix) << e;
+  for (uint32_t m = in_bucket & vmask; m != 0; m &= m - 1) {
+    atomicAdd(&hist[(sk[(__ffs(m) - 1) * kThreads + tid] >> shift) & (nbins - 1)], 1u);
+  }
+}
+
 // The row index of a chunk's element held at sk[flat] (flat = e * kThreads + thread: see load_chunk).
 __device__ __forceinline__ int64_t chunk_index(int64_t c0, uint32_t flat) {
   const uint32_t e = flat / kThreads, th = flat % kThreads;
@@ -830,16 +851,7 @@ __device__ __forceinline__ void select_one_chunk(const GridParams& p, int row, i
     constexpr uint32_t kBins1 = 1u << digit_bits(1);
     for (uint32_t i = tid; i < kBins1; i += kThreads) sm.hist[i] = 0;  // find_threshold's reads are done
     __syncthreads();
-    // The bucket's elements as a mask first: its reads of the keys, with no shared
-    // atomic between them (which the compiler cannot tell from the keys' memory), are
-    // issued together (measured on the H200, run 21: 16,384 scores 2.0 -> 1.0 us).
-    uint32_t in_bucket = 0;
-#pragma unroll
-    for (int e = 0; e < EPT; ++e) in_bucket |= static_cast<uint32_t>((key(e) >> drop) == t0) << e;
-    for (uint32_t m = in_bucket & vmask; m != 0; m &= m - 1) {
-      const int e = __ffs(m) - 1;
-      atomicAdd(&sm.hist[(key(e) >> kShift1) & (kBins1 - 1)], 1u);
-    }
+    count_bucket_digit<EPT>(sk, vmask, drop, t0, kShift1, kBins1, sm.hist);
     __syncthreads();  // and every thread has read sm.thr_*
     find_threshold<kThreads>(sm.hist, kBins1, kk - above, sm);
     prefix = (t0 << digit_bits(1)) | sm.thr_bin;
@@ -946,15 +958,7 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
         if (round > 0) {
           for (uint32_t i = tid; i < nbins; i += kThreads) sm.hist[i] = 0;
           __syncthreads();
-          uint32_t in_bucket = 0;  // a mask first, as in select_one_chunk
-#pragma unroll
-          for (int e = 0; e < EPT; ++e) {
-            in_bucket |= static_cast<uint32_t>((sk[e * kThreads + tid] >> (32 - pbits)) == prefix) << e;
-          }
-          for (uint32_t m = in_bucket & vmask; m != 0; m &= m - 1) {
-            const int e = __ffs(m) - 1;
-            atomicAdd(&sm.hist[(sk[e * kThreads + tid] >> shift) & (nbins - 1)], 1u);
-          }
+          count_bucket_digit<EPT>(sk, vmask, 32 - pbits, prefix, shift, nbins, sm.hist);
         }
         __syncthreads();
         uint32_t* gh = w + round * kGBins;
@@ -1016,7 +1020,7 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
         // Places from scan_places: sm.hist[b] is the next place in the output of the CTA's
         // elements in bin b above the threshold bin, and in the bucket for that bin (a
         // shared atomic an element). The chosen ones as a mask first (the keys' reads issued
-        // together; see select_one_chunk).
+        // together; see count_bucket_digit).
         uint32_t mine = 0;
 #pragma unroll
         for (int e = 0; e < EPT; ++e) mine |= static_cast<uint32_t>((sk[e * kThreads + tid] >> drop) >= prefix) << e;
@@ -1078,11 +1082,7 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
           return;
         }
         if (gather) [[unlikely]] {  // TopkArgs::finish 1, or a gather at the last round
-          uint32_t* keys = cand_key;  // more candidates than sk holds: selected where they are
-          if (cnt <= static_cast<uint32_t>(kChunk)) {
-            for (uint32_t i = tid; i < cnt; i += kThreads) sk[i] = __ldcg(&cand_key[i]);
-            keys = sk;
-          }
+          uint32_t* keys = candidate_keys(cand_key, cnt, sk, kChunk);
           __syncthreads();
           if (lprof) lprof[7] = global_ns();
           block_select(

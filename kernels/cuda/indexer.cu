@@ -497,7 +497,7 @@ __device__ __forceinline__ void fused_select(const ScoreParams& p, const FusePar
   if (prof0) prof0[2] = global_ns();
   // The threshold bin t and every bin's first place (see scan_places): each element above t then has
   // its place in the output without a global atomic, a shared atomic on its bin's place.
-  scan_places<kT>(w, kFuseBins, k, fs.hist, fs);
+  scan_places<kT, kFuseBins>(w, k, fs.hist, fs);
   const uint32_t t = fs.thr_bin, above = fs.thr_above, cnt = fs.thr_cnt, need = k - above, tie0 = fs.thr_old;
   if (prof0) {
     prof0[3] = global_ns();

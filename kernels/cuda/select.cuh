@@ -153,33 +153,37 @@ __device__ __forceinline__ void find_threshold(const uint32_t* hist, uint32_t nb
   __syncthreads();
 }
 
-// After a row's histogram gh (nbins bins, every CTA's counts in) is met: the bin t where the count
+// After a row's histogram gh (NBINS bins, every CTA's counts in) is met: the bin t where the count
 // from the top reaches `need` (sm.thr_bin; sm.thr_above elements in the bins above it, sm.thr_cnt in
 // it, sm.thr_old = hist[t]) and every other bin's first place in the output: hist[i] (this CTA's
 // first place among the row's elements in bin i: the return of its add) += the row's elements
-// above bin i. Each of the NT threads reads nbins / NT <= 4 contiguous bins (thread 0 the
+// above bin i. Each of the NT threads reads NBINS / NT (4 or 8) contiguous bins (thread 0 the
 // highest) and the counts above them come from one block scan. Ends with a barrier.
-template <int NT, class S>
-__device__ __forceinline__ void scan_places(const uint32_t* gh, uint32_t nbins, uint32_t need, uint32_t* hist,
-                                            S& sm) {
-  const uint32_t per = nbins / NT;
-  const int r0 = static_cast<int>(nbins - per * (threadIdx.x + 1));
-  uint32_t h[4];
-  if (per == 4 && reinterpret_cast<uintptr_t>(gh) % 16 == 0) {  // one 16-byte load: a warp's are 4 whole lines
-    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(gh + r0));
-    h[0] = v.x;
-    h[1] = v.y;
-    h[2] = v.z;
-    h[3] = v.w;
+template <int NT, int NBINS, class S>
+__device__ __forceinline__ void scan_places(const uint32_t* gh, uint32_t need, uint32_t* hist, S& sm) {
+  constexpr int kPer = NBINS / NT;
+  static_assert(NBINS % NT == 0 && kPer % 4 == 0 && kPer <= 8, "4 or 8 whole bins a thread");
+  const int r0 = NBINS - kPer * static_cast<int>(threadIdx.x + 1);
+  uint32_t h[kPer];
+  if (reinterpret_cast<uintptr_t>(gh) % 16 == 0) {  // 16-byte loads: a warp's are whole lines
+#pragma unroll
+    for (int q = 0; q < kPer / 4; ++q) {
+      const uint4 v = __ldcg(reinterpret_cast<const uint4*>(gh + r0) + q);
+      h[4 * q] = v.x;
+      h[4 * q + 1] = v.y;
+      h[4 * q + 2] = v.z;
+      h[4 * q + 3] = v.w;
+    }
   } else {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) h[j] = static_cast<uint32_t>(j) < per ? __ldcg(&gh[r0 + j]) : 0u;
+    for (int j = 0; j < kPer; ++j) h[j] = __ldcg(&gh[r0 + j]);
   }
-  uint32_t sum = h[0] + h[1] + h[2] + h[3];
+  uint32_t sum = 0;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) sum += h[j];
   uint32_t run = block_exclusive_scan(sum, sm.scan);  // the row's elements in the bins above these
 #pragma unroll
-  for (int j = 3; j >= 0; --j) {
-    if (static_cast<uint32_t>(j) >= per) continue;
+  for (int j = kPer - 1; j >= 0; --j) {
     const int i = r0 + j;
     if (run < need && need <= run + h[j]) {
       sm.thr_bin = i;

@@ -972,7 +972,7 @@ __global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams
           add_counts_and_arrive<kThreads, kGBins>(sm.hist, gh, &ctr[kArrive0], static_cast<uint32_t>(nrow), [&] {
             if (prof) prof[3] = global_ns();
           });
-          scan_places<kThreads>(gh, kGBins, need, sm.hist, sm);
+          scan_places<kThreads, kGBins>(gh, need, sm.hist, sm);
           need -= sm.thr_above;
           cnt = sm.thr_cnt;
           prefix = sm.thr_bin;

@@ -411,6 +411,7 @@ class Bench:
                 if not (err < 1e-3 and exact):
                     self.failures.append(f"indexer n={n} B={B} fp8={fp8}: err {err} exact {exact}")
                 t_ours = graph_time(ours, calls=nc, reps=10)
+                bucket = None  # the fused top-k's round-0 bucket (its tail's cost grows with it): row 0's
                 if B == 1:  # the fused kernel's phases (us from its entry), eager, after a warm call
                     prof = torch.zeros(16, dtype=torch.int64, device="cuda")
                     for _ in range(3):
@@ -420,6 +421,7 @@ class Bench:
                                                    ptr(ws), ptr(prof), stream())
                     torch.cuda.synchronize()
                     pv = prof.tolist()
+                    bucket = pv[10]
                     names = {1: "scored", 15: "latest scored", 2: "arrived", 3: "threshold", 4: "emitted",
                              5: "arrived again", 6: "listed", 7: "end", 9: "latest end"}
                     print(f"fused phases n={n} fp8={fp8}: " + ", ".join(f"{nm} {(pv[i] - pv[0]) / 1e3:.2f}"
@@ -446,6 +448,8 @@ class Bench:
                 row = dict(kernel="indexer+topk " + ("e4m3" if fp8 else "bf16"), shape=f"{n * 4 // 1024}K ctx x {B}",
                            ours_us=t_ours, gbps=bw / 1e9, pct_copy=100 * bw / self.copy_bw, rel_err=err, exact=exact,
                            finish1_us=t_fin1, scores_us=t_scores, scores_pct_copy=100 * key_bytes / (t_scores * 1e-6) / self.copy_bw)
+                if bucket is not None:
+                    row["bucket"] = bucket
                 # The same call as two kernels (scores, then the top-k), and on mma.sync (the kernel before
                 # wgmma, two kernels), each checked the same way.
                 for env, col, what in [("TROUPE_INDEXER_FUSED", "two_kernel", "two-kernel path"),
@@ -566,7 +570,8 @@ def self_rope(x, inv_freq, pos):
 def table(rows):
     cols = ["kernel", "shape", "ours_us", "torch_us", "torch_bf16_us", "torch_e4m3_us", "speedup", "finish1_us",
             "finish1_speedup", "grid_us", "stream_us", "scores_us", "scores_pct_copy", "two_kernel_us", "mma_sync_us",
-            "mma_sync_scores_us", "key_copies", "target_us", "gbps", "pct_copy", "tflops", "rel_err", "exact", "note"]
+            "mma_sync_scores_us", "key_copies", "bucket", "target_us", "gbps", "pct_copy", "tflops", "rel_err", "exact",
+            "note"]
     used = [c for c in cols if any(c in r for r in rows)]
     fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
     lines = ["| " + " | ".join(used) + " |", "|" + "---|" * len(used)]

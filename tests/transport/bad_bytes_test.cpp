@@ -296,8 +296,8 @@ TEST_F(BadBytes, ucx_peer_sending_bad_frames_gets_errors_or_is_dropped) {
   ASSERT_TRUE(a->send_raw_for_test("server", concat(header_bytes({1, msg::Kind::HEARTBEAT, 23, 800}), seq(2)), std::vector<std::byte>(64)).ok());
   ASSERT_TRUE(a_in.wait_frames(3));
   for (int i = 0; i < 3; ++i) {
-    EXPECT_EQ(a_in.frames[i].frame.kind(), msg::Kind::ERROR);
-    EXPECT_EQ(a_in.frames[i].frame.request_id(), 21u + i);
+    EXPECT_EQ(a_in.frame_at(i).frame.kind(), msg::Kind::ERROR);
+    EXPECT_EQ(a_in.frame_at(i).frame.request_id(), 21u + i);
   }
   EXPECT_TRUE(a->peers() == std::vector<std::string>{"server"});
 
@@ -312,7 +312,7 @@ TEST_F(BadBytes, ucx_peer_sending_bad_frames_gets_errors_or_is_dropped) {
   // The bystander never noticed.
   ASSERT_TRUE(bystander.send("server", FrameBuilder<msg::ListModels>().finish(77)).ok());
   ASSERT_TRUE(bystander_in.wait_frames(1));
-  EXPECT_EQ(bystander_in.frames[0].frame.kind(), msg::Kind::MODEL_LIST);
+  EXPECT_EQ(bystander_in.frame_at(0).frame.kind(), msg::Kind::MODEL_LIST);
   EXPECT_TRUE(bystander_in.downs.empty());
   EXPECT_GE(log_lines("ucx server: bad frame from attacker"), 5u);
 }
@@ -336,8 +336,8 @@ TEST_F(BadBytes, ucx_forged_frame_notices_get_errors_and_the_connection_survives
   };
   auto expect_error = [&](size_t index, uint64_t rid) {
     ASSERT_TRUE(in.wait_frames(index + 1));
-    EXPECT_EQ(in.frames[index].frame.kind(), msg::Kind::ERROR);
-    EXPECT_EQ(in.frames[index].frame.request_id(), rid);
+    EXPECT_EQ(in.frame_at(index).frame.kind(), msg::Kind::ERROR);
+    EXPECT_EQ(in.frame_at(index).frame.request_id(), rid);
   };
   ASSERT_NO_FATAL_FAILURE(notice(31, 0, 0, 4096));  // no arena offered yet
   ASSERT_NO_FATAL_FAILURE(expect_error(0, 31));
@@ -352,8 +352,8 @@ TEST_F(BadBytes, ucx_forged_frame_notices_get_errors_and_the_connection_survives
   };
   auto expect_echo = [&](size_t index, uint64_t rid) {
     ASSERT_TRUE(in.wait_frames(index + 1, 10s));
-    ASSERT_EQ(in.frames[index].frame.request_id(), rid);
-    auto v = messages::open<msg::StageActivation>(in.frames[index].frame);
+    ASSERT_EQ(in.frame_at(index).frame.request_id(), rid);
+    auto v = messages::open<msg::StageActivation>(in.frame_at(index).frame);
     ASSERT_TRUE(v.ok());
     auto got = v->root().getPayload().getInline();
     EXPECT_TRUE(check_pattern(reinterpret_cast<const std::byte*>(got.begin()), got.size(), static_cast<int>(rid)));

@@ -66,11 +66,11 @@ TEST_P(Conformance, every_kind_arrives_both_ways_unchanged) {
   ASSERT_TRUE(ib_.wait_frames(frames.size()));
   ASSERT_TRUE(ia_.wait_frames(frames.size()));
   for (size_t i = 0; i < frames.size(); ++i) {
-    EXPECT_EQ(ib_.frames[i].peer, "alpha");
-    EXPECT_EQ(ib_.frames[i].frame.kind(), frames[i].kind());
-    EXPECT_EQ(ib_.frames[i].frame.request_id(), frames[i].request_id());
-    EXPECT_EQ(canonical_body(ib_.frames[i].frame), canonical_body(frames[i]));
-    EXPECT_EQ(canonical_body(ia_.frames[i].frame), canonical_body(frames[i]));
+    EXPECT_EQ(ib_.frame_at(i).peer, "alpha");
+    EXPECT_EQ(ib_.frame_at(i).frame.kind(), frames[i].kind());
+    EXPECT_EQ(ib_.frame_at(i).frame.request_id(), frames[i].request_id());
+    EXPECT_EQ(canonical_body(ib_.frame_at(i).frame), canonical_body(frames[i]));
+    EXPECT_EQ(canonical_body(ia_.frame_at(i).frame), canonical_body(frames[i]));
   }
   EXPECT_EQ(b_->stats().frames_received, frames.size());
 }
@@ -86,8 +86,8 @@ TEST_P(Conformance, frames_keep_their_order_across_sizes) {
   }
   ASSERT_TRUE(ib_.wait_frames(n, 30s));
   for (int i = 0; i < n; ++i) {
-    ASSERT_EQ(ib_.frames[i].frame.request_id(), static_cast<uint64_t>(i));
-    auto v = messages::open<msg::TokenChunk>(ib_.frames[i].frame);
+    ASSERT_EQ(ib_.frame_at(i).frame.request_id(), static_cast<uint64_t>(i));
+    auto v = messages::open<msg::TokenChunk>(ib_.frame_at(i).frame);
     ASSERT_TRUE(v.ok());
     EXPECT_EQ(v->root().getIndex(), static_cast<uint32_t>(i));
   }
@@ -98,8 +98,8 @@ TEST_P(Conformance, a_handler_can_answer_from_its_callback) {
   auto frames = sample_frames();
   ASSERT_TRUE(a_->send("beta", frames[2]).ok());
   ASSERT_TRUE(ia_.wait_frames(1));
-  EXPECT_EQ(ia_.frames[0].frame.request_id(), frames[2].request_id() + 1);
-  EXPECT_EQ(canonical_body(ia_.frames[0].frame), canonical_body(frames[2]));
+  EXPECT_EQ(ia_.frame_at(0).frame.request_id(), frames[2].request_id() + 1);
+  EXPECT_EQ(canonical_body(ia_.frame_at(0).frame), canonical_body(frames[2]));
 }
 
 TEST_P(Conformance, large_frame_round_trips) {
@@ -109,7 +109,7 @@ TEST_P(Conformance, large_frame_round_trips) {
   auto f = b.finish(77);
   ASSERT_TRUE(a_->send("beta", f).ok());
   ASSERT_TRUE(ib_.wait_frames(1, 30s));
-  auto v = messages::open<msg::StageActivation>(ib_.frames[0].frame);
+  auto v = messages::open<msg::StageActivation>(ib_.frame_at(0).frame);
   ASSERT_TRUE(v.ok());
   auto got = v->root().getPayload().getInline();
   ASSERT_EQ(got.size(), size_t{32 << 20});
@@ -218,7 +218,7 @@ TEST_P(Conformance, disconnect_is_seen_on_both_sides_and_a_restart_reconnects) {
   ASSERT_TRUE(peer.ok()) << peer.error().what();
   ASSERT_TRUE(a_->send("beta", sample_frames()[3]).ok());
   ASSERT_TRUE(ib2.wait_frames(1));
-  EXPECT_EQ(ib2.frames[0].peer, "alpha");
+  EXPECT_EQ(ib2.frame_at(0).peer, "alpha");
 }
 
 TEST_P(Conformance, connecting_to_nothing_fails_cleanly) {
@@ -400,8 +400,8 @@ void send_mixed_frames(UcxPair& p, int n) {
   }
   ASSERT_TRUE(p.ib.wait_frames(n, 60s));
   for (int i = 0; i < n; ++i) {
-    ASSERT_EQ(p.ib.frames[i].frame.request_id(), static_cast<uint64_t>(i));
-    auto v = messages::open<msg::StageActivation>(p.ib.frames[i].frame);
+    ASSERT_EQ(p.ib.frame_at(i).frame.request_id(), static_cast<uint64_t>(i));
+    auto v = messages::open<msg::StageActivation>(p.ib.frame_at(i).frame);
     ASSERT_TRUE(v.ok());
     auto got = v->root().getPayload().getInline();
     ASSERT_EQ(got.size(), sizes[i % 5]) << i;

@@ -69,6 +69,17 @@ struct Inbox {
     return e;
   }
 
+  // Frame i and how many have come, read under the lock: the transport thread may be appending
+  // (a reference into `frames` dangles when the vector grows; ASan caught one in BadBytes).
+  Got frame_at(size_t i) {
+    std::lock_guard lock(mu);
+    return frames.at(i);
+  }
+  size_t frame_count() {
+    std::lock_guard lock(mu);
+    return frames.size();
+  }
+
   template <class Pred>
   bool wait(Pred pred, std::chrono::milliseconds timeout = 10s) {
     std::unique_lock lock(mu);

@@ -38,7 +38,7 @@ class TwoProcess : public ::testing::Test {
 
   // Sends `f` and waits for the next frame with the same request id.
   Frame round_trip(const Frame& f, std::chrono::milliseconds timeout = 30s) {
-    size_t seen = inbox_.frames.size();
+    size_t seen = inbox_.frame_count();
     EXPECT_TRUE(t_->send("server", f).ok());
     Frame got;
     inbox_.wait(

@@ -350,6 +350,7 @@ class Bench:
         cases = [(32768, 1), (262144, 1), (32768, 32), (262144, 32)]
         if self.quick:
             cases = [(262144, 1), (262144, 32)]
+        cases = getattr(self, "indexer_cases", cases)
         for n, B in cases:
             keys = torch.randn(B * n, D, device="cuda")
             keys_bf = keys.to(torch.bfloat16)
@@ -413,6 +414,7 @@ class Bench:
                 t_ours = graph_time(ours, calls=nc, reps=10)
                 bucket = None  # the fused top-k's round-0 bucket (its tail's cost grows with it): row 0's
                 if B == 1:  # the fused kernel's phases (us from its entry), eager, after a warm call
+                    os.environ["TROUPE_INDEXER_FUSED"] = "1"  # (where the default takes two kernels too)
                     prof = torch.zeros(16, dtype=torch.int64, device="cuda")
                     for _ in range(3):
                         prof.zero_()
@@ -420,6 +422,7 @@ class Bench:
                                                    ptr(start), ptr(nk), n, ptr(scores), k, ptr(out), ptr(cnt),
                                                    ptr(ws), ptr(prof), stream())
                     torch.cuda.synchronize()
+                    os.environ.pop("TROUPE_INDEXER_FUSED", None)
                     pv = prof.tolist()
                     bucket = pv[10]
                     names = {1: "scored", 15: "latest scored", 2: "arrived", 3: "threshold", 4: "emitted",
@@ -452,9 +455,10 @@ class Bench:
                     row["bucket"] = bucket
                 # The same call as two kernels (scores, then the top-k), and on mma.sync (the kernel before
                 # wgmma, two kernels), each checked the same way.
-                for env, col, what in [("TROUPE_INDEXER_FUSED", "two_kernel", "two-kernel path"),
-                                       ("TROUPE_INDEXER_WGMMA", "mma_sync", "mma.sync kernel")]:
-                    os.environ[env] = "0"
+                for env, val, col, what in [("TROUPE_INDEXER_FUSED", "1", "fused", "fused kernel"),
+                                            ("TROUPE_INDEXER_FUSED", "0", "two_kernel", "two-kernel path"),
+                                            ("TROUPE_INDEXER_WGMMA", "0", "mma_sync", "mma.sync kernel")]:
+                    os.environ[env] = val
                     ours(0)
                     torch.cuda.synchronize()
                     if not (rel_err(scores, ref_scores) < 1e-3 and topk_values_match(scores, out, k)):
@@ -569,7 +573,7 @@ def self_rope(x, inv_freq, pos):
 
 def table(rows):
     cols = ["kernel", "shape", "ours_us", "torch_us", "torch_bf16_us", "torch_e4m3_us", "speedup", "finish1_us",
-            "finish1_speedup", "grid_us", "stream_us", "scores_us", "scores_pct_copy", "two_kernel_us", "mma_sync_us",
+            "finish1_speedup", "grid_us", "stream_us", "scores_us", "scores_pct_copy", "fused_us", "two_kernel_us", "mma_sync_us",
             "mma_sync_scores_us", "key_copies", "bucket", "target_us", "gbps", "pct_copy", "tflops", "rel_err", "exact",
             "note"]
     used = [c for c in cols if any(c in r for r in rows)]
@@ -588,10 +592,14 @@ def main():
     ap.add_argument("--only", default="")
     ap.add_argument("--gemv-shapes", default="", help="GEMV shapes NxK (outputs x inputs), comma-separated")
     ap.add_argument("--gemv-rows", default="1,2,4,8", help="rows of x the GEMV shapes are timed at")
+    ap.add_argument("--indexer-cases", default="",
+                    help="indexer shapes KEYSxBATCH (keys = context / 4), comma-separated, instead of the default four")
     ap.add_argument("--seed", type=int, default=0,
                     help="each part's random inputs start from this seed (whatever parts ran before it)")
     args = ap.parse_args()
     b = Bench(args.lib, args.quick, args.gemv_shapes, [int(v) for v in args.gemv_rows.split(",")])
+    if args.indexer_cases:
+        b.indexer_cases = [tuple(int(x) for x in c.split("x")) for c in args.indexer_cases.split(",")]
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     t0 = time.time()
     b.copy_bandwidth()

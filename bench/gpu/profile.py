@@ -8,6 +8,7 @@
    calls each, in that order.
 """
 import math
+import os
 import sys
 
 import torch
@@ -30,6 +31,7 @@ def main():
         for _ in range(2):
             L.tb_topk(ptr(x), n, None, 1, n, k, ptr(out), ptr(cnt), ptr(ws), 0, stream())
     if "indexer" in parts:  # indexer + top-k: 1M context, batch 1, bf16 keys, then e4m3 keys
+        os.environ["TROUPE_INDEXER_FUSED"] = "1"  # the fused kernel (by default this length takes two kernels)
         D = 128
         keys = torch.randn(n, D, device="cuda").to(torch.bfloat16)
         q = torch.randn(1, H, D, device="cuda")

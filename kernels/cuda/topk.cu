@@ -915,8 +915,11 @@ __device__ __forceinline__ void grid_exit(const GridParams& p) {
   }
 }
 
-template <int EPT>
-__global__ void __launch_bounds__(kThreads, 2) grid_topk_kernel(const GridParams p) {
+// BLOCKS: the CTAs an SM holds (launch bounds): 2, or 3 (large chunks only) for launches of
+// more than three waves at two an SM (40 registers, 64 bytes spilled; three 74 KB CTAs fill an
+// SM's shared memory; see make_grid_plan).
+template <int EPT, int BLOCKS>
+__global__ void __launch_bounds__(kThreads, BLOCKS) grid_topk_kernel(const GridParams p) {
   pdl_entry();  // see launch_kernel
   constexpr int kChunk = kThreads * EPT;
   extern __shared__ __align__(16) uint8_t gsmem[];
@@ -1337,19 +1340,19 @@ constexpr int grid_smem_bytes() {
   return kGKeysOffset + kThreads * EPT * 4;
 }
 
-template <int EPT>
-int grid_capacity() {  // CTAs of grid_topk_kernel<EPT> the device holds at once
+template <int EPT, int BLOCKS = 2>
+int grid_capacity() {  // CTAs of grid_topk_kernel<EPT, BLOCKS> the device holds at once
   static std::once_flag once;
   static int cap = 0;
   std::call_once(once, [] {
-    TROUPE_CUDA(cudaFuncSetAttribute(grid_topk_kernel<EPT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    TROUPE_CUDA(cudaFuncSetAttribute(grid_topk_kernel<EPT, BLOCKS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      grid_smem_bytes<EPT>()));
-    if constexpr (EPT == 32) {  // the streamed kernel's chunks are the large ones
+    if constexpr (EPT == 32 && BLOCKS == 2) {  // the streamed kernel's chunks are the large ones
       TROUPE_CUDA(cudaFuncSetAttribute(stream_topk_kernel<EPT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        grid_smem_bytes<EPT>()));
     }
     int per = 0;
-    TROUPE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, grid_topk_kernel<EPT>, kThreads,
+    TROUPE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, grid_topk_kernel<EPT, BLOCKS>, kThreads,
                                                               grid_smem_bytes<EPT>()));
     cap = per * sm_count();
   });
@@ -1384,6 +1387,7 @@ struct GridPlan {
   int cpr = 0;
   int rows_per_launch = 0;
   bool ticketed = false;
+  int blocks = 2;  // large chunks: grid_topk_kernel's CTAs an SM
   int64_t scratch_words = 0;  // 0: no workspace (one chunk a row)
 };
 
@@ -1402,7 +1406,11 @@ GridPlan make_grid_plan(int rows, int64_t max_len, int stream) {
     g.ept = kLargeEPT;
     g.cpr = static_cast<int>(c32);
     const int64_t launch_chunks = static_cast<int64_t>(std::min(rows, kLaunchRows)) * c32;
-    g.ticketed = c32 > 1 && launch_chunks > cap32;
+    // More than three waves of two CTAs an SM: three an SM (measured on an H200, session 23: 64 x
+    // 262,144 (3.9 waves) 44.3 -> 43.2 us, 64 x 1 M (15.5) 158 -> 139; but 8 x 1 M (1.9) 27.2 -> 29.1).
+    const int cap3 = grid_capacity<kLargeEPT, 3>();
+    if (c32 > 1 && launch_chunks > 3 * static_cast<int64_t>(cap32) && cap3 > cap32) g.blocks = 3;
+    g.ticketed = c32 > 1 && launch_chunks > (g.blocks == 3 ? cap3 : cap32);
     // Streamed only when asked: since round 0's places come from its histogram adds (no
     // global atomic after the row barrier) the grid kernel is the faster at every wave count
     // measured on an H200 (run 21: 64 rows of 262,144, 3.9 waves, 46.0 vs 50.4 us; 64 rows
@@ -1468,9 +1476,11 @@ void launch_grid_topk(const TopkArgs& a, const GridPlan& g, void* workspace, cud
     if (g.stream) {  // large chunks
       launch_kernel(stream_topk_kernel<kLargeEPT>, grid, kThreads, smem, stream, p);
     } else if (g.ept == kSmallEPT) {
-      launch_kernel(grid_topk_kernel<kSmallEPT>, grid, kThreads, smem, stream, p);
+      launch_kernel(grid_topk_kernel<kSmallEPT, 2>, grid, kThreads, smem, stream, p);
+    } else if (g.blocks == 3) {
+      launch_kernel(grid_topk_kernel<kLargeEPT, 3>, grid, kThreads, smem, stream, p);
     } else {
-      launch_kernel(grid_topk_kernel<kLargeEPT>, grid, kThreads, smem, stream, p);
+      launch_kernel(grid_topk_kernel<kLargeEPT, 2>, grid, kThreads, smem, stream, p);
     }
   }
 }

@@ -552,8 +552,8 @@ TEST_F(CudaKernelsTest, indexer_scores_and_topk_match_a_reference) {
       SCOPED_TRACE("heads " + std::to_string(c.heads) + " type " + std::to_string(static_cast<int>(c.type)) +
                    (c.paged ? " paged" : "") + (fused ? " fused" : " two kernels") +
                    (c.distinct > 0 ? " distinct keys " + std::to_string(c.distinct) : ""));
-      if (fused) {
-        unsetenv("TROUPE_INDEXER_FUSED");
+      if (fused) {  // fused wherever it fits (by default more than 131,072 keys a query take two kernels)
+        setenv("TROUPE_INDEXER_FUSED", "1", 1);
       } else {
         setenv("TROUPE_INDEXER_FUSED", "0", 1);
       }
@@ -645,6 +645,15 @@ TEST_F(CudaKernelsTest, indexer_scores_and_topk_match_a_reference) {
       t.out_count = d_cnt;
       if (!fused) {
         ASSERT_FALSE(cuda::indexer_topk_is_fused(a, t)) << "TROUPE_INDEXER_FUSED=0";
+      } else {
+        unsetenv("TROUPE_INDEXER_FUSED");
+        const bool by_default = cuda::indexer_topk_is_fused(a, t);
+        setenv("TROUPE_INDEXER_FUSED", "1", 1);
+        if (max_keys > 131072) {
+          EXPECT_FALSE(by_default) << "more than 131,072 keys a query take two kernels";
+        } else {
+          EXPECT_EQ(by_default, cuda::indexer_topk_is_fused(a, t)) << "the default fuses wherever it fits";
+        }
       }
       fused_runs += cuda::indexer_topk_is_fused(a, t) ? 1 : 0;
       cuda::indexer_topk(a, t, ws, stream());

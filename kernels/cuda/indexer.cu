@@ -1109,9 +1109,9 @@ size_t indexer_topk_workspace_bytes(int batch, int64_t max_keys, int k) {
 namespace {
 // Keys a query above which the two kernels are the faster (measured on an H200, session 23, batch 1, fused
 // against two kernels: bf16 12.0-12.5 / 14.0-14.4 us at 32,768 keys, 14.3-14.7 / 16.1-16.5 at 65,536,
-// 19.3-19.8 / 20.0-20.5 at 131,072, but 30.0-33.2 / 29.1-30.3 at 262,144 over five inputs; e4m3 at
-// 262,144 24.0-26.9 / 24.2-25.6 over seven, the two kernels ahead by 1.3 us on the input with the
-// largest round-0 bucket): the fused tail's steps grow with the keys (the bucket each CTA ranks against,
+// 19.3-19.8 / 20.0-20.5 at 131,072, but 30.0-33.2 / 29.1-30.3 at 262,144 over nine inputs; e4m3 at
+// 262,144 24.0-26.9 / 24.2-25.6 over the same nine, the two kernels ahead on six, by 1.3 us on the
+// inputs with the largest round-0 bucket): the fused tail's steps grow with the keys (the bucket each CTA ranks against,
 // the scan's skew across CTAs) while the top-k kernel's barely do. At batch 32 the two are within noise.
 constexpr int64_t kFuseMaxKeys = 131072;
 

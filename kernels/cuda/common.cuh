@@ -46,12 +46,16 @@ inline int sm_count() {
   return n;
 }
 
+// A three-way A/B switch: 1 where the environment sets it to 1, -1 where to 0, 0 unset (or
+// anything else).
+inline int env_switch(const char* name) {
+  const char* e = std::getenv(name);
+  return e == nullptr ? 0 : e[0] == '1' ? 1 : e[0] == '0' ? -1 : 0;
+}
+
 // An A/B switch that is on unless the environment sets it to 0 (read it once, into a
 // static: the environment is not re-read per call).
-inline bool env_off(const char* name) {
-  const char* e = std::getenv(name);
-  return e != nullptr && e[0] == '0';
-}
+inline bool env_off(const char* name) { return env_switch(name) < 0; }
 
 // ---- launches ------------------------------------------------------------------
 // Every kernel of this library is launched by launch_kernel with programmatic

@@ -15,7 +15,6 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/indexer.hpp"
@@ -1111,8 +1110,9 @@ namespace {
 // against two kernels: bf16 12.0-12.5 / 14.0-14.4 us at 32,768 keys, 14.3-14.7 / 16.1-16.5 at 65,536,
 // 19.3-19.8 / 20.0-20.5 at 131,072, but 30.0-33.2 / 29.1-30.3 at 262,144 over nine inputs; e4m3 at
 // 262,144 24.0-26.9 / 24.2-25.6 over the same nine, the two kernels ahead on six, by 1.3 us on the
-// inputs with the largest round-0 bucket): the fused tail's steps grow with the keys (the bucket each CTA ranks against,
-// the scan's skew across CTAs) while the top-k kernel's barely do. At batch 32 the two are within noise.
+// inputs with the largest round-0 bucket): the fused tail's steps grow with the keys (the bucket each
+// CTA ranks against, the scan's skew across CTAs) while the top-k kernel's barely do. At batch 32 the
+// two are within noise.
 constexpr int64_t kFuseMaxKeys = 131072;
 
 // The fused kernel's grid for this call, or 0 CTAs a query when the call takes the two-kernel path:
@@ -1120,10 +1120,10 @@ constexpr int64_t kFuseMaxKeys = 131072;
 // fit its shared memory, and at most kFuseMaxKeys keys a query. TROUPE_INDEXER_FUSED (read at each
 // call): 0 always two kernels, 1 fused whenever it fits (the A/B switches).
 int64_t fused_ctas(const IndexerArgs& a, const IndexerTopk& t) {
-  if (env_off("TROUPE_INDEXER_FUSED") || env_off("TROUPE_INDEXER_WGMMA")) return 0;
+  const int fused = env_switch("TROUPE_INDEXER_FUSED");
+  if (fused < 0 || env_off("TROUPE_INDEXER_WGMMA")) return 0;
   if (a.batch > kFuseRows || t.k > 2048) return 0;
-  const char* force = std::getenv("TROUPE_INDEXER_FUSED");
-  if (a.max_keys > kFuseMaxKeys && !(force != nullptr && force[0] == '1')) return 0;
+  if (a.max_keys > kFuseMaxKeys && fused != 1) return 0;
   const int64_t ctas = wgmma_ctas(a);
   return ceil_div(ceil_div(a.max_keys, kWgKeys), ctas * kWgGroups) <= kFuseUnits ? ctas : 0;
 }

@@ -1371,9 +1371,7 @@ int64_t scratch_words(bool stream, int64_t max_len) {
 
 // TopkArgs::stream, or TROUPE_TOPK_STREAM (read at each call) when it is 0.
 int topk_stream(const TopkArgs& a) {
-  if (a.stream != 0) return a.stream;
-  const char* e = std::getenv("TROUPE_TOPK_STREAM");
-  return e == nullptr ? 0 : e[0] == '1' ? 1 : e[0] == '0' ? -1 : 0;
+  return a.stream != 0 ? a.stream : env_switch("TROUPE_TOPK_STREAM");
 }
 
 // Small chunks for the least latency when every chunk of the call fits on the device
@@ -1408,9 +1406,12 @@ GridPlan make_grid_plan(int rows, int64_t max_len, int stream) {
     const int64_t launch_chunks = static_cast<int64_t>(std::min(rows, kLaunchRows)) * c32;
     // More than three waves of two CTAs an SM: three an SM (measured on an H200, session 23: 64 x
     // 262,144 (3.9 waves) 44.3 -> 43.2 us, 64 x 1 M (15.5) 158 -> 139; but 8 x 1 M (1.9) 27.2 -> 29.1).
-    const int cap3 = grid_capacity<kLargeEPT, 3>();
-    if (c32 > 1 && launch_chunks > 3 * static_cast<int64_t>(cap32) && cap3 > cap32) g.blocks = 3;
-    g.ticketed = c32 > 1 && launch_chunks > (g.blocks == 3 ? cap3 : cap32);
+    int cap = cap32;
+    if (c32 > 1 && launch_chunks > 3 * static_cast<int64_t>(cap32) && grid_capacity<kLargeEPT, 3>() > cap32) {
+      g.blocks = 3;
+      cap = grid_capacity<kLargeEPT, 3>();
+    }
+    g.ticketed = c32 > 1 && launch_chunks > cap;
     // Streamed only when asked: since round 0's places come from its histogram adds (no
     // global atomic after the row barrier) the grid kernel is the faster at every wave count
     // measured on an H200 (run 21: 64 rows of 262,144, 3.9 waves, 46.0 vs 50.4 us; 64 rows

@@ -115,7 +115,7 @@ def decode_case(B, rate, overlap, dim, all_close):
 
 
 class Bench:
-    def __init__(self, lib, quick, gemv_shapes="", gemv_rows=(1, 2, 4, 8)):
+    def __init__(self, lib, quick, gemv_shapes="", gemv_rows=(1, 2, 4, 8), indexer_cases=()):
         self.lib = C.CDLL(lib)
         L = self.lib
         L.tb_topk_ws.restype = lg
@@ -140,6 +140,7 @@ class Bench:
         self.quick = quick
         self.gemv_shapes = gemv_shapes  # "NxK,...": gemv() times these instead of its table's
         self.gemv_rows = list(gemv_rows)
+        self.indexer_cases = list(indexer_cases)  # [(keys, batch)]: indexer() times these instead of its four
         self.rows = []
         self.failures = []
         torch.manual_seed(0)
@@ -350,7 +351,7 @@ class Bench:
         cases = [(32768, 1), (262144, 1), (32768, 32), (262144, 32)]
         if self.quick:
             cases = [(262144, 1), (262144, 32)]
-        cases = getattr(self, "indexer_cases", cases)
+        cases = self.indexer_cases or cases
         for n, B in cases:
             keys = torch.randn(B * n, D, device="cuda")
             keys_bf = keys.to(torch.bfloat16)
@@ -597,9 +598,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0,
                     help="each part's random inputs start from this seed (whatever parts ran before it)")
     args = ap.parse_args()
-    b = Bench(args.lib, args.quick, args.gemv_shapes, [int(v) for v in args.gemv_rows.split(",")])
-    if args.indexer_cases:
-        b.indexer_cases = [tuple(int(x) for x in c.split("x")) for c in args.indexer_cases.split(",")]
+    indexer_cases = [tuple(int(x) for x in c.split("x")) for c in args.indexer_cases.split(",") if c]
+    b = Bench(args.lib, args.quick, args.gemv_shapes, [int(v) for v in args.gemv_rows.split(",")], indexer_cases)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     t0 = time.time()
     b.copy_bandwidth()

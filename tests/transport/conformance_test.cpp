@@ -195,7 +195,7 @@ TEST_P(Conformance, a_closing_peer_is_reported_within_a_second) {
   auto t0 = std::chrono::steady_clock::now();
   b_.reset();
   ASSERT_TRUE(ia_.wait_down("beta", 5s));
-  auto dt = ia_.down_times[0] - t0;
+  auto dt = ia_.down_time_at(0) - t0;
   EXPECT_LT(dt, 1s);
   EXPECT_TRUE(a_->peers().empty());
   EXPECT_EQ(a_->stats().remote_keys, 0u);

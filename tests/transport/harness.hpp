@@ -79,6 +79,15 @@ struct Inbox {
     std::lock_guard lock(mu);
     return frames.size();
   }
+  // The same for the peer-down reports.
+  size_t down_count() {
+    std::lock_guard lock(mu);
+    return downs.size();
+  }
+  std::chrono::steady_clock::time_point down_time_at(size_t i) {
+    std::lock_guard lock(mu);
+    return down_times.at(i);
+  }
 
   template <class Pred>
   bool wait(Pred pred, std::chrono::milliseconds timeout = 10s) {

@@ -385,7 +385,13 @@ class Bench:
                 m = max(1, min(8, -(-2 * l2 // nbytes)))
                 return [ts] + [tuple(t.clone() for t in ts) for _ in range(m - 1)]
 
-            for fp8 in (0, 1):
+            # fp8: 0 bf16 keys, 1 e4m3 keys (the query in f16), 2 e4m3 keys and query (per head, as the keys'
+            # quantizer makes them: the fp8 tensor cores).
+            qq8 = torch.empty(B * H, D, dtype=torch.uint8, device="cuda")
+            qs8 = torch.empty(B * H, device="cuda")
+            self.ok(L.tb_quantize_e4m3(ptr(q), B * H, ptr(qq8), ptr(qs8), stream()), "quantize query")
+            q_e4m3 = (qq8.view(torch.float8_e4m3fn).float() * qs8[:, None]).view(B, H, D)
+            for fp8 in (0, 1, 2):
                 sets = copies_of(q8, s8) if fp8 else copies_of(keys_bf)
                 kps = [(ptr(c[0]), ptr(c[1])) if fp8 else (ptr(c[0]), vp(0)) for c in sets]
                 kp, sp = kps[0]
@@ -401,7 +407,7 @@ class Bench:
                 # check: scores against torch on the same (rounded) operands; top-k values exact on our scores
                 if fp8:
                     kf = (q8.view(torch.float8_e4m3fn).float() * s8[:, None]).view(B, n, D)
-                    qf = q.half().float()
+                    qf = q_e4m3 if fp8 == 2 else q.half().float()
                 else:
                     kf = keys_bf.float().view(B, n, D)
                     qf = q.bfloat16().float()
@@ -449,7 +455,8 @@ class Bench:
                 t_scores = graph_time(scores_only, calls=nc, reps=10)
                 key_bytes = B * n * (D + 4 if fp8 else 2 * D)
                 bw = key_bytes / (t_ours * 1e-6)
-                row = dict(kernel="indexer+topk " + ("e4m3" if fp8 else "bf16"), shape=f"{n * 4 // 1024}K ctx x {B}",
+                kname = {0: "bf16", 1: "e4m3", 2: "e4m3 q+k"}[fp8]
+                row = dict(kernel="indexer+topk " + kname, shape=f"{n * 4 // 1024}K ctx x {B}",
                            ours_us=t_ours, gbps=bw / 1e9, pct_copy=100 * bw / self.copy_bw, rel_err=err, exact=exact,
                            finish1_us=t_fin1, scores_us=t_scores, scores_pct_copy=100 * key_bytes / (t_scores * 1e-6) / self.copy_bw)
                 if bucket is not None:
@@ -459,6 +466,8 @@ class Bench:
                 for env, val, col, what in [("TROUPE_INDEXER_FUSED", "1", "fused", "fused kernel"),
                                             ("TROUPE_INDEXER_FUSED", "0", "two_kernel", "two-kernel path"),
                                             ("TROUPE_INDEXER_WGMMA", "0", "mma_sync", "mma.sync kernel")]:
+                    if col == "mma_sync" and fp8 == 2:
+                        continue  # an e4m3 query runs on wgmma only
                     os.environ[env] = val
                     ours(0)
                     torch.cuda.synchronize()
@@ -481,10 +490,17 @@ class Bench:
                 else:
                     # The same math with the e4m3 keys as torch takes them: to bf16 (exact), the einsum in bf16,
                     # each key's positive scale after the relu (relu(q.(s k)) = s relu(q.k)), then torch.topk.
+                    # fp8 == 2: the query quantized per head first (amax / 448) and rounded to e4m3 the same way.
                     def torch_e4m3(i):
                         k8, sc8 = sets[i % len(sets)]
                         kb = k8.view(torch.float8_e4m3fn).to(torch.bfloat16).view(B, n, D)
-                        s = head_sum(torch.einsum("bhd,bnd->bhn", q.bfloat16(), kb).float())
+                        if fp8 == 2:  # the head's positive scale after the relu, like the key's
+                            amax = q.abs().amax(-1, keepdim=True)
+                            qsc = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+                            qb = (q * (1 / qsc)).to(torch.float8_e4m3fn).to(torch.bfloat16)
+                            s = head_sum(torch.einsum("bhd,bnd->bhn", qb, kb).float() * qsc)
+                        else:
+                            s = head_sum(torch.einsum("bhd,bnd->bhn", q.bfloat16(), kb).float())
                         torch.topk(s * sc8.view(B, n), k, dim=1, sorted=False)
                     try:
                         row["torch_e4m3_us"] = graph_time(torch_e4m3, calls=len(sets), reps=5)
@@ -495,7 +511,7 @@ class Bench:
                         row["target_us"] = 15.0
                 self.add(**row)
                 del sets, kps
-            del keys_bf, q8, s8, scores, keys
+            del keys_bf, q8, s8, scores, keys, qq8, qs8, q_e4m3
 
     # ---- attention ------------------------------------------------------------------------------
     def attention(self):

@@ -124,6 +124,7 @@ static IndexerArgs indexer_args(const float* q, const float* w, int batch, int h
   a.scale = scale;
   a.weight_scale = wscale;
   a.key_type = fp8 ? IndexKeyType::e4m3 : IndexKeyType::bf16;
+  a.query_e4m3 = fp8 == 2;  // 2: the query in e4m3 too (fp8 tensor cores)
   a.keys = keys;
   a.key_scales = key_scales;
   a.key_start = reinterpret_cast<const int64_t*>(key_start);

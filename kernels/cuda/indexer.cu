@@ -228,6 +228,13 @@ __global__ void __launch_bounds__(kWarps * 32, 1) indexer_mma_kernel(const Score
 // ~30 -> ~22 us, docs/kernel-runs/run15-indexer.md). The same register form for bf16 keys measured
 // slower (27.7 -> 29.3-30.4 us; its 16 KB units leave one in flight a warpgroup), so bf16 keys stay
 // on the shared-memory form.
+// e4m3 keys with the query in e4m3 too (IndexerArgs::query_e4m3, the kernel's kQ8: DeepSeek's fp8
+// indexer numerics): the same copies and reads, no conversion, 4 wgmma of k = 32 on the fp8 tensor
+// cores (twice the f16 rate). Each CTA quantizes the query itself, per head (scale amax / 448, as
+// quantize_keys_e4m3), into one 64 x 128-byte swizzled tile; the head's scale joins its weight. For
+// step st a thread's A bytes are words 2 st (logical channels 4c .. 4c + 3 of the step) and 2 st + 1
+// (16 + 4c ..) of each of its rows' 32 bytes, word m at key byte e4m3_word_channel(c, m); the query's
+// tile puts the same physical channels at those logical places.
 constexpr int kWgKeys = 64;                  // keys a unit
 constexpr int kWgGroups = 4;                 // warpgroups a CTA
 constexpr int kTileHalf = 64 * 128;          // one 64-channel half of a 64-row tile, bytes
@@ -246,6 +253,9 @@ constexpr int kE4m3Rings = kWgGroups * kE4m3Region;
 template <bool FP8>
 constexpr int kScoreOffset = kUnitBytes + (FP8 ? kE4m3Rings : kBf16Rings);  // the fused form's scores
 
+// The first physical channel of word m (0 .. 7) of lane column c's 32 key bytes (its chunks at bytes 16c
+// and 64 + 16c).
+__device__ __forceinline__ int e4m3_word_channel(int c, int m) { return 16 * c + 4 * m + (m >= 4 ? 48 : 0); }
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -290,6 +300,17 @@ __device__ __forceinline__ void wgmma_m64n64k16_ra(float (&d)[32], const uint32_
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
                "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " TROUPE_WGMMA_D32
                ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+               : TROUPE_WGMMA_OUT32
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+}
+// D (64 x 64 fp32) += A (64 x 32 e4m3, registers: a[0] row g bytes 4c .. 4c + 3, a[1] row g + 8 the same,
+// a[2] row g bytes 16 + 4c .., a[3] row g + 8 the same, of warp w's rows 16w ..) * B (32 x 64 e4m3, shared
+// memory, K-major); `accumulate` 0 overwrites D.
+__device__ __forceinline__ void wgmma_m64n64k32_e4m3_ra(float (&d)[32], const uint32_t (&a)[4], uint64_t b,
+                                                        int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " TROUPE_WGMMA_D32
+               ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
                : TROUPE_WGMMA_OUT32
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
@@ -736,7 +757,7 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const
 }
 
 // e4m3 keys: wgmma's A operand in registers, converted to f16 there (see above; the query in f16).
-template <bool kFused>
+template <bool kFused, bool kQ8>
 __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_e4m3_kernel(const ScoreParams p,
                                                                                 const FuseParams f) {
   pdl_entry();  // see launch_kernel
@@ -755,14 +776,27 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_e4m3_kernel(
   // load of a thread issued before any store. Item i: head i / 64, lane column cq = (i / 16) % 4,
   // pair tp = i % 16 of that lane's 32 channels, its physical channels 16 cq + 64 (tp / 8) +
   // 2 (tp % 8) + {0, 1} stored at logical channel 16 (tp / 2) + 8 (tp % 2) + 2 cq.
-  constexpr int kQPairs = 64 * 64 / (kWgGroups * 128);
+  constexpr int kQPairs = kQ8 ? 1 : 64 * 64 / (kWgGroups * 128);
   const float* qg = p.q + static_cast<int64_t>(b) * p.heads * kDim;
   float2 qv[kQPairs];
+  // kQ8: thread i stages logical chunk j = i % 8 (step j / 2, half j % 2) of head i / 8: word m = j of
+  // each lane column's bytes, four channels each.
+  static_assert(!kQ8 || kWgGroups * 128 == 64 * 8, "kQ8: one 16-byte query chunk a thread");
+  const int qh = threadIdx.x >> 3, qj = threadIdx.x & 7;
+  float4 q8v[kQ8 ? 4 : 1];
+  if constexpr (kQ8) {
 #pragma unroll
-  for (int x = 0; x < kQPairs; ++x) {
-    const int i = threadIdx.x + x * kWgGroups * 128, h = i >> 6, cq = (i >> 4) & 3, tp = i & 15;
-    const int ch = 16 * cq + 64 * (tp >> 3) + 2 * (tp & 7);
-    qv[x] = h < p.heads ? *reinterpret_cast<const float2*>(qg + h * kDim + ch) : make_float2(0.f, 0.f);
+    for (int c4 = 0; c4 < 4; ++c4) {
+      q8v[c4] = qh < p.heads ? *reinterpret_cast<const float4*>(qg + qh * kDim + e4m3_word_channel(c4, qj))
+                             : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  } else {
+#pragma unroll
+    for (int x = 0; x < kQPairs; ++x) {
+      const int i = threadIdx.x + x * kWgGroups * 128, h = i >> 6, cq = (i >> 4) & 3, tp = i & 15;
+      const int ch = 16 * cq + 64 * (tp >> 3) + 2 * (tp & 7);
+      qv[x] = h < p.heads ? *reinterpret_cast<const float2*>(qg + h * kDim + ch) : make_float2(0.f, 0.f);
+    }
   }
   // This thread's accumulator columns are heads 8j + 2c + e: their weights.
   float wv[16];
@@ -814,13 +848,43 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_e4m3_kernel(
     cp_async_commit();
   }
   if (gw + (kE4m3Stages - 1) * W < units) rows_of(gw + (kE4m3Stages - 1) * W, rows_next);
+  float* qscale = reinterpret_cast<float*>(qs + kTileHalf);  // kQ8: the heads' scales after the 8 KB tile
+  if constexpr (kQ8) {  // as quantize_keys_e4m3: scale amax / 448, values times its inverse, rounded to nearest
+    float amax = 0.f;
 #pragma unroll
-  for (int x = 0; x < kQPairs; ++x) {
-    const int i = threadIdx.x + x * kWgGroups * 128, h = i >> 6, cq = (i >> 4) & 3, tp = i & 15;
-    const int k = 16 * (tp >> 1) + 8 * (tp & 1) + 2 * cq;
-    *reinterpret_cast<uint32_t*>(qs + swizzled(h, k >> 3) + 2 * (k & 7)) = pack_f16x2(qv[x].x, qv[x].y);
+    for (int c4 = 0; c4 < 4; ++c4) {
+      amax = fmaxf(amax, fmaxf(fmaxf(fabsf(q8v[c4].x), fabsf(q8v[c4].y)), fmaxf(fabsf(q8v[c4].z), fabsf(q8v[c4].w))));
+    }
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));  // the head's 8
+    const float sc = amax > 0.f ? amax / 448.f : 1.f, inv = 1.f / sc;
+    uint32_t word[4];
+#pragma unroll
+    for (int c4 = 0; c4 < 4; ++c4) {
+      const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(q8v[c4].x * inv, q8v[c4].y * inv), __NV_SATFINITE,
+                                                   __NV_E4M3);
+      const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(q8v[c4].z * inv, q8v[c4].w * inv), __NV_SATFINITE,
+                                                   __NV_E4M3);
+      word[c4] = lo | (hi << 16);
+    }
+    *reinterpret_cast<uint4*>(qs + swizzled(qh, qj)) = make_uint4(word[0], word[1], word[2], word[3]);
+    if (qj == 0) qscale[qh] = qh < p.heads ? sc : 0.f;
+  } else {
+#pragma unroll
+    for (int x = 0; x < kQPairs; ++x) {
+      const int i = threadIdx.x + x * kWgGroups * 128, h = i >> 6, cq = (i >> 4) & 3, tp = i & 15;
+      const int k = 16 * (tp >> 1) + 8 * (tp & 1) + 2 * cq;
+      *reinterpret_cast<uint32_t*>(qs + swizzled(h, k >> 3) + 2 * (k & 7)) = pack_f16x2(qv[x].x, qv[x].y);
+    }
   }
   const ScanShared sh = begin_scan<kFused, true>(qs);
+  if constexpr (kQ8) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) wv[2 * j + e] *= qscale[8 * j + 2 * c + e];
+    }
+  }
   float* cta_scores = sh.scores;
   FuseSmem& fs = *sh.fs;
   float* out = p.scores + b * p.score_stride;
@@ -835,30 +899,43 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_e4m3_kernel(
     if (un + W < units) rows_of(un + W, rows_next);
     cp_async_wait<kE4m3Stages - 1>();  // this thread's copies of unit it have landed
     const uint8_t* cur = ring + static_cast<int>(it % kE4m3Stages) * kE4m3Stage;
-    // A fragments of k-step st: a[st] = {row g: 2c, 2c + 1; row g + 8: the same; row g: 2c + 8, 2c + 9;
-    // row g + 8: the same}, i.e. the thread's channel pairs 2 st (first two) and 2 st + 1 of each row.
-    uint32_t a[8][4];
+    // The thread's 32 bytes of each of its two rows (words m: e4m3_word_channel).
+    uint32_t v[2][8];
 #pragma unroll
     for (int rs = 0; rs < 2; ++rs) {
-      uint32_t v[8];
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
         const uint4 x = *reinterpret_cast<const uint4*>(cur + ((2 * rs + q) * 128 + tid) * 16);
-        v[4 * q] = x.x;
-        v[4 * q + 1] = x.y;
-        v[4 * q + 2] = x.z;
-        v[4 * q + 3] = x.w;
-      }
-#pragma unroll
-      for (int st = 0; st < 8; ++st) {  // word st holds the step's four channels
-        a[st][rs] = e4m3x2_to_f16x2(v[st]);
-        a[st][2 + rs] = e4m3x2_to_f16x2(v[st] >> 16);
+        v[rs][4 * q] = x.x;
+        v[rs][4 * q + 1] = x.y;
+        v[rs][4 * q + 2] = x.z;
+        v[rs][4 * q + 3] = x.w;
       }
     }
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+    if constexpr (kQ8) {
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-    for (int st = 0; st < kDim / 16; ++st) {
-      wgmma_m64n64k16_ra(acc, a[st], wgmma_desc(qb + (st >> 2) * kTileHalf + (st & 3) * 32), st > 0);
+      for (int st = 0; st < kDim / 32; ++st) {
+        const uint32_t a[4] = {v[0][2 * st], v[1][2 * st], v[0][2 * st + 1], v[1][2 * st + 1]};
+        wgmma_m64n64k32_e4m3_ra(acc, a, wgmma_desc(qb + st * 32), st > 0);
+      }
+    } else {
+      // A fragments of k-step st: a[st] = {row g: 2c, 2c + 1; row g + 8: the same; row g: 2c + 8, 2c + 9;
+      // row g + 8: the same}, i.e. the thread's channel pairs 2 st (first two) and 2 st + 1 of each row.
+      uint32_t a[8][4];
+#pragma unroll
+      for (int rs = 0; rs < 2; ++rs) {
+#pragma unroll
+        for (int st = 0; st < 8; ++st) {  // word st holds the step's four channels
+          a[st][rs] = e4m3x2_to_f16x2(v[rs][st]);
+          a[st][2 + rs] = e4m3x2_to_f16x2(v[rs][st] >> 16);
+        }
+      }
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+      for (int st = 0; st < kDim / 16; ++st) {
+        wgmma_m64n64k16_ra(acc, a[st], wgmma_desc(qb + (st >> 2) * kTileHalf + (st & 3) * 32), st > 0);
+      }
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
@@ -1009,19 +1086,25 @@ __global__ void to_bf16_kernel(const float* x, int64_t n, __nv_bfloat16* out) {
 
 // The wgmma kernel of the key type (its shared-memory size set once per form).
 template <bool kFused>
-void launch_wgmma(IndexKeyType type, dim3 grid, cudaStream_t stream, const ScoreParams& p, const FuseParams& f) {
+void launch_wgmma(const IndexerArgs& a, dim3 grid, cudaStream_t stream, const ScoreParams& p, const FuseParams& f) {
   static bool attr = [] {
     TROUPE_CUDA(cudaFuncSetAttribute(indexer_wgmma_kernel<kFused>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      static_cast<int>(kWgSmemOf<kFused, false>)));
-    TROUPE_CUDA(cudaFuncSetAttribute(indexer_wgmma_e4m3_kernel<kFused>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(kWgSmemOf<kFused, true>)));
+    for (auto kernel : {indexer_wgmma_e4m3_kernel<kFused, false>, indexer_wgmma_e4m3_kernel<kFused, true>}) {
+      TROUPE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(kWgSmemOf<kFused, true>)));
+    }
     return true;
   }();
   (void)attr;
-  if (type == IndexKeyType::bf16) {
+  if (a.key_type == IndexKeyType::bf16) {
     launch_kernel(indexer_wgmma_kernel<kFused>, grid, kWgGroups * 128, kWgSmemOf<kFused, false>, stream, p, f);
+  } else if (a.query_e4m3) {
+    launch_kernel(indexer_wgmma_e4m3_kernel<kFused, true>, grid, kWgGroups * 128, kWgSmemOf<kFused, true>, stream, p,
+                  f);
   } else {
-    launch_kernel(indexer_wgmma_e4m3_kernel<kFused>, grid, kWgGroups * 128, kWgSmemOf<kFused, true>, stream, p, f);
+    launch_kernel(indexer_wgmma_e4m3_kernel<kFused, false>, grid, kWgGroups * 128, kWgSmemOf<kFused, true>, stream, p,
+                  f);
   }
 }
 
@@ -1031,6 +1114,9 @@ void require_valid(const IndexerArgs& a) {
   TROUPE_REQUIRE(a.key_start != nullptr || a.page_table != nullptr, "indexer: key_start or page_table");
   TROUPE_REQUIRE(a.page_table == nullptr || (a.page_size > 0 && a.page_size % 8 == 0), "indexer: page_size % 8");
   TROUPE_REQUIRE(a.key_type == IndexKeyType::bf16 || a.key_scales != nullptr, "indexer: e4m3 keys need scales");
+  TROUPE_REQUIRE(!a.query_e4m3 || a.key_type == IndexKeyType::e4m3, "indexer: an e4m3 query needs e4m3 keys");
+  TROUPE_REQUIRE(!a.query_e4m3 || !env_off("TROUPE_INDEXER_WGMMA"),
+                 "indexer: an e4m3 query runs on wgmma only (TROUPE_INDEXER_WGMMA=0 is set)");
 }
 
 // The SMs a query gets (all of them shared by the batch's queries).
@@ -1071,7 +1157,7 @@ void indexer_scores(const IndexerArgs& a, cudaStream_t stream) {
   const ScoreParams p = score_params(a);
   // TROUPE_INDEXER_WGMMA=0 (read at each call, for A/B in one process): the keys on mma.sync.
   if (!env_off("TROUPE_INDEXER_WGMMA")) {
-    launch_wgmma<false>(a.key_type, dim3(static_cast<unsigned>(wgmma_ctas(a)), static_cast<unsigned>(a.batch)),
+    launch_wgmma<false>(a, dim3(static_cast<unsigned>(wgmma_ctas(a)), static_cast<unsigned>(a.batch)),
                         stream, p, FuseParams{});
     TROUPE_LAUNCHED();
     return;
@@ -1163,7 +1249,7 @@ void indexer_topk(const IndexerArgs& a, const IndexerTopk& t, void* workspace, c
     f.out = ta;
     f.ws = static_cast<uint32_t*>(workspace);
     f.profile = t.profile;
-    launch_wgmma<true>(a.key_type, dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(a.batch)), stream,
+    launch_wgmma<true>(a, dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(a.batch)), stream,
                        score_params(a), f);
     TROUPE_LAUNCHED();
     return;

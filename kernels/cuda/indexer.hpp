@@ -6,7 +6,8 @@
 // products run on the tensor cores with fp32 accumulation, on wgmma (sm_90a; the keys
 // as the register A operand, each thread copying and reading back only its own
 // fragments; e4m3 keys converted to f16 in registers, the query in f16, the query the
-// shared-memory B operand). TROUPE_INDEXER_WGMMA=0: the older mma.sync kernel, the
+// shared-memory B operand; or, with query_e4m3, the query quantized per head and both on the
+// fp8 tensor cores). TROUPE_INDEXER_WGMMA=0: the older mma.sync kernel, the
 // query heads held in registers.
 //
 // indexer_topk with at most 64 queries whose keys fit the scoring
@@ -34,6 +35,9 @@ struct IndexerArgs {
   float scale = 1.f;                  // on relu(q . k)
   float weight_scale = 1.f;           // on w
   IndexKeyType key_type = IndexKeyType::bf16;
+  // e4m3 keys: the query quantized to e4m3 too, per head (scale amax / 448, as quantize_keys_e4m3), the
+  // dot products on the fp8 tensor cores (DeepSeek's fp8 indexer numerics); else the query in f16.
+  bool query_e4m3 = false;
   const void* keys = nullptr;         // pool rows of 128 channels (256 B bf16, 128 B e4m3), 16-byte aligned
   const float* key_scales = nullptr;  // e4m3: [pool rows], > 0
   // Key s of query b is pool row key_start[b] + s, or, with a page table,

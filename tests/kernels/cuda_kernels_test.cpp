@@ -533,6 +533,7 @@ TEST_F(CudaKernelsTest, indexer_scores_and_topk_match_a_reference) {
     bool paged;
     cuda::IndexKeyType type;
     int distinct = 0;  // > 0: the keys repeat this many rows (ties at the k-th score: many, or all equal)
+    bool query_e4m3 = false;  // e4m3 keys: the query quantized too (the fp8 tensor cores)
   };
   // Every case runs fused (scores and top-k in one kernel) and as two kernels (TROUPE_INDEXER_FUSED=0).
   // The tie cases: 40 distinct keys put ~2,500 equal scores at the k-th (the fused kernel's candidate
@@ -543,6 +544,8 @@ TEST_F(CudaKernelsTest, indexer_scores_and_topk_match_a_reference) {
                         {64, {70000, 4096}, true, cuda::IndexKeyType::bf16},
                         {64, {262144}, false, cuda::IndexKeyType::e4m3},
                         {40, {3000, 17}, true, cuda::IndexKeyType::e4m3},
+                        {64, {262144}, false, cuda::IndexKeyType::e4m3, 0, true},
+                        {40, {3000, 17, 70000}, true, cuda::IndexKeyType::e4m3, 0, true},
                         {4, {1000}, false, cuda::IndexKeyType::bf16},
                         {64, {100000, 600}, false, cuda::IndexKeyType::bf16, 40},
                         {64, {30000}, true, cuda::IndexKeyType::bf16, 1}};
@@ -550,6 +553,7 @@ TEST_F(CudaKernelsTest, indexer_scores_and_topk_match_a_reference) {
   for (const auto& c : cases) {
     for (const bool fused : {true, false}) {
       SCOPED_TRACE("heads " + std::to_string(c.heads) + " type " + std::to_string(static_cast<int>(c.type)) +
+                   (c.query_e4m3 ? " e4m3 query" : "") +
                    (c.paged ? " paged" : "") + (fused ? " fused" : " two kernels") +
                    (c.distinct > 0 ? " distinct keys " + std::to_string(c.distinct) : ""));
       if (fused) {  // fused wherever it fits (by default more than 131,072 keys a query take two kernels)
@@ -619,6 +623,7 @@ TEST_F(CudaKernelsTest, indexer_scores_and_topk_match_a_reference) {
       a.scale = scale;
       a.weight_scale = wscale;
       a.key_type = c.type;
+      a.query_e4m3 = c.query_e4m3;
       a.keys = d_keys;
       a.key_scales = d_scales;
       if (c.paged) {
@@ -660,10 +665,21 @@ TEST_F(CudaKernelsTest, indexer_scores_and_topk_match_a_reference) {
       const auto scores = host(d_scores, B * max_keys);
       const auto idx = host(d_idx, B * k);
       const auto cnt = host(d_cnt, B);
-      // The query as the tensor cores see it: bf16 (with bf16 keys) or f16 (with e4m3 keys).
+      // The query as the tensor cores see it: bf16 (with bf16 keys), f16 (with e4m3 keys) or, with
+      // query_e4m3, each head's row as quantize_keys_e4m3 makes it (the kernel quantizes the same way).
       std::vector<float> qr(q.size());
-      for (size_t i = 0; i < q.size(); ++i) {
-        qr[i] = c.type == cuda::IndexKeyType::bf16 ? round_bf16(q[i]) : from_f16(f16_bits(q[i]));
+      if (c.query_e4m3) {
+        const int64_t rows = static_cast<int64_t>(q.size()) / 128;
+        uint8_t* d_q8 = dev<uint8_t>(q.size());
+        float* d_qs = dev<float>(rows);
+        cuda::quantize_keys_e4m3(a.q, rows, d_q8, d_qs, stream());
+        const auto q8 = host(d_q8, q.size());
+        const auto qs = host(d_qs, rows);
+        for (size_t i = 0; i < q.size(); ++i) qr[i] = e4m3_to_float(q8[i]) * qs[i / 128];
+      } else {
+        for (size_t i = 0; i < q.size(); ++i) {
+          qr[i] = c.type == cuda::IndexKeyType::bf16 ? round_bf16(q[i]) : from_f16(f16_bits(q[i]));
+        }
       }
       for (int b = 0; b < B; ++b) {
         const int64_t n = c.lengths[b];
@@ -719,6 +735,41 @@ TEST_F(CudaKernelsTest, indexer_scores_and_topk_match_a_reference) {
   }
   unsetenv("TROUPE_INDEXER_FUSED");
   EXPECT_GT(fused_runs, 0) << "no case took the fused kernel";
+}
+
+TEST_F(CudaKernelsTest, indexer_rejects_an_e4m3_query_it_cannot_run) {
+  const std::vector<int32_t> lengths = {100};
+  cuda::IndexerArgs a;
+  a.q = dev<float>(64 * 128);
+  a.w = dev<float>(64);
+  a.batch = 1;
+  a.heads = 64;
+  a.key_type = cuda::IndexKeyType::bf16;
+  a.query_e4m3 = true;
+  a.keys = dev<uint16_t>(100 * 128);
+  a.key_start = dev(std::vector<int64_t>{0});
+  a.n_keys = dev(lengths);
+  a.max_keys = 100;
+  a.scores = dev<float>(100);
+  a.score_stride = 100;
+  auto message_of = [&] {
+    try {
+      cuda::indexer_scores(a, stream());
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message_of().find("an e4m3 query needs e4m3 keys"), std::string::npos) << message_of();
+  a.key_type = cuda::IndexKeyType::e4m3;
+  a.keys = dev<uint8_t>(100 * 128);
+  a.key_scales = dev<float>(100);
+  setenv("TROUPE_INDEXER_WGMMA", "0", 1);
+  const std::string mma_sync = message_of();
+  unsetenv("TROUPE_INDEXER_WGMMA");
+  EXPECT_NE(mma_sync.find("wgmma only"), std::string::npos) << mma_sync;
+  EXPECT_EQ(message_of(), "no error");
+  gpu_->synchronize();
 }
 
 // ---- attention --------------------------------------------------------------------------

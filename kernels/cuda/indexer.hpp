@@ -10,9 +10,9 @@
 // fp8 tensor cores). TROUPE_INDEXER_WGMMA=0: the older mma.sync kernel, the
 // query heads held in registers.
 //
-// indexer_topk with at most 64 queries whose keys fit the scoring
-// CTAs' shared memory (up to ~540 K keys for one query on an H200) runs as one
-// kernel: the scoring CTAs of a query select its top k themselves (see
+// indexer_topk with at most 64 queries of at most 131,072 keys (TROUPE_INDEXER_FUSED=1:
+// whatever fits the scoring CTAs' shared memory, up to ~540 K keys for one query on an
+// H200) runs as one kernel: the scoring CTAs of a query select its top k themselves (see
 // indexer.cu); other calls score, then run the top-k (topk.hpp) as a second kernel.
 #pragma once
 

@@ -697,7 +697,10 @@ TEST_F(CudaKernelsTest, indexer_scores_and_topk_match_a_reference) {
           ref.push_back(static_cast<float>(total));
           got.push_back(scores[b * max_keys + s]);
         }
-        if (!ref.empty()) EXPECT_CLOSE(got, ref, 2e-4);
+        // An e4m3 query's dot products run on the fp8 tensor cores, whose sums keep fewer mantissa bits
+        // than fp32 (the benchmark's relative errors: 1.0-1.4e-4, against 1.4-2.7e-7 for the f16 and bf16 forms;
+        // this test's worst case 1.6e-4).
+        if (!ref.empty()) EXPECT_CLOSE(got, ref, c.query_e4m3 ? 5e-4 : 2e-4);
         // The top-k is exact on the kernel's own scores, ties by lower index.
         check_topk_row(scores.data() + b * max_keys, n, k, idx.data() + b * k, cnt[b], "query " + std::to_string(b));
         check_topk_row_stable(scores.data() + b * max_keys, n, k, idx.data() + b * k, cnt[b],

@@ -245,11 +245,12 @@ constexpr int kBf16Stages = 2;
 constexpr int kBf16Rings = kWgGroups * kBf16Stages * kUnitBytes + kWgGroups * 4 * kWgKeys * 4;
 // e4m3: a unit in a warpgroup's ring is each thread's 4 16-byte chunks chunk-major ([chunk][128
 // threads]: a warp's copies and reads are conflict-free), then the unit's 64 scales.
-// Units a warpgroup's ring holds (one fewer in flight): four with the f16 query, three with the e4m3
-// query (measured on an H200, session 24: 1M x 1 scores 14.9 -> 13.3-13.7 us, batch 32 unchanged; five
-// were slower for both, sessions 15 and 24).
+// Units a warpgroup's ring holds (one fewer in flight): four with the f16 query, two with the e4m3
+// query (measured on an H200, session 24, 1M x 1 scores: four 14.9-15.0 us, three 13.3-13.7, two
+// 12.4-12.5, and at batch 32 285 against 290-315 us; five were slower for both query forms; the f16
+// query on three: batch 1 -0.7 us but batch 32, where its conversions bind it, +10 %).
 template <bool kQ8>
-constexpr int kE4m3Stages = kQ8 ? 3 : 4;
+constexpr int kE4m3Stages = kQ8 ? 2 : 4;
 constexpr int kE4m3Chunks = 4 * 128 * 16;  // the stage's chunks; its scales follow
 constexpr int kE4m3Stage = kE4m3Chunks + kWgKeys * 4;
 template <bool kQ8>

@@ -372,7 +372,8 @@ constexpr int kFuseUnits = 16;  // units a warpgroup scores in the fused form (k
 constexpr int kFuseScoreBytes = kWgGroups * kFuseUnits * kWgKeys * 4;
 constexpr int kFuseCandCap = 4096;  // a row's candidate list ((key, index) pairs)
 // The rings hold the list and the CTA's own bucket elements, as 64-bit composites.
-static_assert(kFuseCandCap * 8 + kWgGroups * kFuseUnits * kWgKeys * 8 <= std::min({kBf16Rings, kE4m3Rings<false>, kE4m3Rings<true>}),
+static_assert(kFuseCandCap * 8 + kWgGroups * kFuseUnits * kWgKeys * 8 <=
+                  std::min({kBf16Rings, kE4m3Rings<false>, kE4m3Rings<true>}),
               "the rings hold the list and the CTA's bucket elements");
 constexpr int kRankMax = 32;  // candidates one warp ranks
 enum FuseCounter { kFArrive = 0, kFDone, kFCounters = 8 };
@@ -763,7 +764,8 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_kernel(const
   }
 }
 
-// e4m3 keys: wgmma's A operand in registers, converted to f16 there (see above; the query in f16).
+// e4m3 keys: wgmma's A operand in registers, converted to f16 there (see above; the query in f16), or
+// (kQ8) as they are, the query quantized to e4m3 by each CTA.
 template <bool kFused, bool kQ8>
 __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_e4m3_kernel(const ScoreParams p,
                                                                                 const FuseParams f) {

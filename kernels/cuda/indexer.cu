@@ -52,6 +52,19 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t v16) {
   return r;
 }
 
+// The e4m3 quantization of a row of 128 (keys by quantize_keys_e4m3, the query by the wgmma kernel's
+// kQ8 form: the same numbers either way): scale amax / 448 (1 for a row of zeros), each value times its
+// inverse rounded to nearest, saturated.
+__device__ __forceinline__ float e4m3_row_scale(float amax) { return amax > 0.f ? amax / 448.f : 1.f; }
+__device__ __forceinline__ float abs_max4(float4 v) {
+  return fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+}
+__device__ __forceinline__ uint32_t pack_e4m3x4(float4 v, float inv) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v.x * inv, v.y * inv), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v.z * inv, v.w * inv), __NV_SATFINITE, __NV_E4M3);
+  return lo | (hi << 16);
+}
+
 __device__ __forceinline__ int64_t key_row(const ScoreParams& p, int b, int64_t s) {
   if (p.page_table != nullptr) {
     const int64_t page = p.page_table[b * p.page_stride + s / p.page_size];
@@ -859,25 +872,15 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_e4m3_kernel(
   }
   if (gw + (kRing - 1) * W < units) rows_of(gw + (kRing - 1) * W, rows_next);
   float* qscale = reinterpret_cast<float*>(qs + kTileHalf);  // kQ8: the heads' scales after the 8 KB tile
-  if constexpr (kQ8) {  // as quantize_keys_e4m3: scale amax / 448, values times its inverse, rounded to nearest
+  if constexpr (kQ8) {  // quantized as quantize_keys_e4m3 quantizes a key row
     float amax = 0.f;
 #pragma unroll
-    for (int c4 = 0; c4 < 4; ++c4) {
-      amax = fmaxf(amax, fmaxf(fmaxf(fabsf(q8v[c4].x), fabsf(q8v[c4].y)), fmaxf(fabsf(q8v[c4].z), fabsf(q8v[c4].w))));
-    }
+    for (int c4 = 0; c4 < 4; ++c4) amax = fmaxf(amax, abs_max4(q8v[c4]));
 #pragma unroll
     for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));  // the head's 8
-    const float sc = amax > 0.f ? amax / 448.f : 1.f, inv = 1.f / sc;
-    uint32_t word[4];
-#pragma unroll
-    for (int c4 = 0; c4 < 4; ++c4) {
-      const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(q8v[c4].x * inv, q8v[c4].y * inv), __NV_SATFINITE,
-                                                   __NV_E4M3);
-      const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(q8v[c4].z * inv, q8v[c4].w * inv), __NV_SATFINITE,
-                                                   __NV_E4M3);
-      word[c4] = lo | (hi << 16);
-    }
-    *reinterpret_cast<uint4*>(qs + swizzled(qh, qj)) = make_uint4(word[0], word[1], word[2], word[3]);
+    const float sc = e4m3_row_scale(amax), inv = 1.f / sc;
+    *reinterpret_cast<uint4*>(qs + swizzled(qh, qj)) = make_uint4(pack_e4m3x4(q8v[0], inv), pack_e4m3x4(q8v[1], inv),
+                                                                 pack_e4m3x4(q8v[2], inv), pack_e4m3x4(q8v[3], inv));
     if (qj == 0) qscale[qh] = qh < p.heads ? sc : 0.f;
   } else {
 #pragma unroll
@@ -1072,17 +1075,8 @@ __global__ void quantize_e4m3_kernel(const float* x, int64_t rows, uint8_t* q, f
   if (r >= rows) return;
   const int lane = threadIdx.x & 31;
   const float4 v = reinterpret_cast<const float4*>(x + r * kDim)[lane];
-  const float amax = warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-  const float sc = amax > 0.f ? amax / 448.f : 1.f;
-  const float inv = 1.f / sc;
-  const float vals[4] = {v.x * inv, v.y * inv, v.z * inv, v.w * inv};
-  uint32_t packed = 0;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const __nv_fp8_storage_t b = __nv_cvt_float_to_fp8(vals[i], __NV_SATFINITE, __NV_E4M3);
-    packed |= static_cast<uint32_t>(b) << (8 * i);
-  }
-  reinterpret_cast<uint32_t*>(q + r * kDim)[lane] = packed;
+  const float sc = e4m3_row_scale(warp_max(abs_max4(v)));
+  reinterpret_cast<uint32_t*>(q + r * kDim)[lane] = pack_e4m3x4(v, 1.f / sc);
   if (lane == 0) scales[r] = sc;
 }
 

@@ -137,6 +137,7 @@ class Bench:
         L.tb_attention_ws.argtypes = [lg, it, lg, lg, it]
         L.tb_attention.argtypes = [vp, lg, it, lg, it, vp, vp, lg, vp, fl, vp, it, vp, vp]
         L.tb_gemv.argtypes = [vp, lg, vp, lg, lg, it, vp, vp]
+        L.tb_indexer_ragged.argtypes = [vp, vp, lg, it, lg, fl, fl, vp, vp, lg, vp, lg, it, vp]
         self.quick = quick
         self.gemv_shapes = gemv_shapes  # "NxK,...": gemv() times these instead of its table's
         self.gemv_rows = list(gemv_rows)
@@ -513,6 +514,60 @@ class Bench:
                 del sets, kps
             del keys_bf, q8, s8, scores, keys, qq8, qs8, q_e4m3
 
+    # ---- the engine's indexer scoring: fp32 keys by row pointers --------------------------------
+    def ragged(self):
+        """The backend op's scoring (CudaBackend::indexer_topk's first step) over fp32 key rows named by
+        pointers into a pool (the engine's paged state), 64 heads x 128: the split-bf16 tensor-core form
+        and the fp32 CUDA-core form, each checked against float64, next to torch fp32 (gather, einsum,
+        head sum) in the same run."""
+        L = self.lib
+        H, D = 64, 128
+        cases = [(256, 1), (4096, 1), (32768, 1), (262144, 1), (32768, 8), (4096, 64)]
+        if self.quick:
+            cases = [(32768, 1), (4096, 64)]
+        l2 = torch.cuda.get_device_properties(0).L2_cache_size
+        for n, B in cases:
+            # Disjoint pool regions that calls rotate among, enough to pass twice the L2 (at most 8): each call
+            # finds its keys cold, as a decode step does after the weights went through the L2.
+            nsets = max(1, min(8, -(-2 * l2 // (B * n * D * 4))))
+            pool = torch.randn(nsets * B * n, D, device="cuda")
+            idx = torch.stack([torch.randperm(B * n, device="cuda")[:n] for _ in range(B)])  # [B, n] of region 0
+            rows = [pool.data_ptr() + (idx.flatten() + r * B * n) * D * 4 for r in range(nsets)]
+            offsets = torch.arange(B + 1, dtype=torch.int64, device="cuda") * n
+            q = torch.randn(B, H, D, device="cuda")
+            w = torch.randn(B, H, device="cuda")
+            scores = torch.empty(B, n, device="cuda")
+            scale, wscale = 1 / math.sqrt(D), 1 / math.sqrt(H)
+            kd = pool[:B * n].double()[idx]  # [B, n, D]
+            ref = (torch.relu(torch.einsum("bhd,bnd->bhn", q.double(), kd)) * scale *
+                   (w.double() * wscale)[:, :, None]).sum(1)
+            del kd
+            calls = nsets * -(-10 // nsets)
+            row = dict(kernel="indexer scores fp32 rows", shape=f"{n} keys x {B}")
+            for form, name in ((2, "split"), (1, "fp32")):
+                def ours(i, form=form):
+                    L.tb_indexer_ragged(ptr(q), ptr(w), B, H, D, fl(scale), fl(wscale), vp(rows[i % nsets].data_ptr()),
+                                        ptr(offsets), n, ptr(scores), n, form, stream())
+                scores.fill_(float("nan"))
+                self.ok(L.tb_indexer_ragged(ptr(q), ptr(w), B, H, D, fl(scale), fl(wscale), vp(rows[0].data_ptr()),
+                                            ptr(offsets), n, ptr(scores), n, form, stream()), "ragged indexer")
+                torch.cuda.synchronize()
+                err = rel_err(scores, ref)
+                if not (err < (1e-4 if form == 2 else 1e-5)):
+                    self.failures.append(f"ragged indexer {name} n={n} B={B}: err {err}")
+                row[name + "_us"] = graph_time(ours, calls=calls, reps=15)
+                row[name + "_err"] = err
+
+            def theirs(i):
+                kf = pool[idx + (i % nsets) * B * n]
+                (torch.relu(torch.einsum("bhd,bnd->bhn", q, kf)) * scale * (w * wscale)[:, :, None]).sum(1)
+            row["torch_us"] = graph_time(theirs, calls=nsets, reps=10)
+            row.update(ours_us=row["split_us"], speedup=row["torch_us"] / row["split_us"], rel_err=row["split_err"],
+                       gbps=B * n * D * 4 / (row["split_us"] * 1e-6) / 1e9)
+            row["pct_copy"] = 100 * row["gbps"] * 1e9 / self.copy_bw
+            self.add(**row)
+            del pool, idx, rows, ref, scores
+
     # ---- attention ------------------------------------------------------------------------------
     def attention(self):
         L = self.lib
@@ -591,7 +646,7 @@ def self_rope(x, inv_freq, pos):
 def table(rows):
     cols = ["kernel", "shape", "ours_us", "torch_us", "torch_bf16_us", "torch_e4m3_us", "speedup", "finish1_us",
             "finish1_speedup", "grid_us", "stream_us", "scores_us", "scores_pct_copy", "fused_us", "two_kernel_us", "mma_sync_us",
-            "mma_sync_scores_us", "key_copies", "bucket", "target_us", "gbps", "pct_copy", "tflops", "rel_err", "exact",
+            "mma_sync_scores_us", "fp32_us", "fp32_err", "key_copies", "bucket", "target_us", "gbps", "pct_copy", "tflops", "rel_err", "exact",
             "note"]
     used = [c for c in cols if any(c in r for r in rows)]
     fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
@@ -619,7 +674,7 @@ def main():
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     t0 = time.time()
     b.copy_bandwidth()
-    for part in ["topk", "compressor", "indexer", "attention", "gemv"]:
+    for part in ["topk", "compressor", "indexer", "ragged", "attention", "gemv"]:
         if args.only and part not in args.only.split(","):
             continue
         # The same inputs whether a part runs alone (--only) or after others: the fused indexer's

@@ -169,6 +169,20 @@ int tb_indexer_topk(const float* q, const float* w, int batch, int heads, float 
                                   max_keys, scores, k, out, count, ws, nullptr, stream);
 }
 
+// The backend op's scoring: fp32 keys by row pointers (form 0 automatic, 1 fp32, 2 split bf16).
+int tb_indexer_ragged(const float* q, const float* w, long batch, int heads, long dim, float scale, float wscale,
+                      const void* const* rows, const long* offsets, long max_keys, float* scores, long stride,
+                      int form, void* stream) {
+  return guarded([&] {
+    RaggedRows r;
+    r.rows = reinterpret_cast<const float* const*>(rows);
+    r.offsets = reinterpret_cast<const int64_t*>(offsets);
+    r.max_rows = max_keys;
+    indexer_scores_ragged(q, w, batch, heads, dim, scale, wscale, r, scores, stride, max_keys,
+                          static_cast<cudaStream_t>(stream), static_cast<RaggedForm>(form));
+  });
+}
+
 static AttentionArgs attention_args(const float* q, long n, int heads, long dim, int bf16_keys, const void* const* rows,
                                     const long* offsets, long max_keys, const float* sinks, float scale, float* out,
                                     int splits) {

@@ -314,14 +314,24 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t a, uint
                  : "l"(a), "l"(b), "r"(accumulate));
   }
 }
-// D (64 x 64 fp32) += A (64 x 16 f16, registers: a[0..3] as mma.sync's m16n8k16 fragments, warp w's
-// rows 16w .. 16w + 15) * B (16 x 64 f16, shared memory); `accumulate` 0 overwrites D.
+// D (64 x 64 fp32) += A (64 x 16 f16, or bf16 with kBf16; registers: a[0..3] as mma.sync's m16n8k16
+// fragments, warp w's rows 16w .. 16w + 15) * B (16 x 64, the same type, shared memory); `accumulate` 0
+// overwrites D.
+template <bool kBf16 = false>
 __device__ __forceinline__ void wgmma_m64n64k16_ra(float (&d)[32], const uint32_t (&a)[4], uint64_t b, int accumulate) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " TROUPE_WGMMA_D32
-               ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-               : TROUPE_WGMMA_OUT32
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+  if constexpr (kBf16) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " TROUPE_WGMMA_D32
+                 ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+                 : TROUPE_WGMMA_OUT32
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+  } else {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " TROUPE_WGMMA_D32
+                 ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+                 : TROUPE_WGMMA_OUT32
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+  }
 }
 // D (64 x 64 fp32) += A (64 x 32 e4m3, registers: a[0] row g bytes 4c .. 4c + 3, a[1] row g + 8 the same,
 // a[2] row g bytes 16 + 4c .., a[3] row g + 8 the same, of warp w's rows 16w ..) * B (32 x 64 e4m3, shared
@@ -978,6 +988,160 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_e4m3_kernel(
   }
 }
 
+// ---- fp32 keys by row pointers on the tensor cores (the backend op's 128-channel form) -------------
+// indexer_scores_ragged's keys are fp32 rows named by pointers (the engine's pools). Each value x
+// (query and key) is split into two bf16, hi = bf16(x) and lo = bf16(x - hi), and q . k is summed as
+// qh . kh + qh . kl + ql . kh on wgmma with fp32 accumulation: what is left out (ql . kl, and each
+// value's rounding past its 16 bits) is ~2^-16 of each product, where bf16 alone would leave ~2^-8.
+// The structure is the e4m3 kernel's: warp w of a warpgroup holds keys 16w + g and 16w + g + 8 of a
+// unit of 64 as wgmma's A fragments in registers, each thread copying (cp.async, into its
+// warpgroup's ring) and reading back only its own bytes, so the scan has no barrier; B is the query
+// (hi and lo tiles, swizzled as above). A thread's bytes of a key row are the 16-byte chunks at
+// 64 j + 16 c (j < 8; the four lanes of a row cover 64 contiguous bytes a copy): physical channels
+// 16 j + 4 c + {0, 1, 2, 3}, which k-step j takes as its logical channels 2c, 2c + 1 (the first pair)
+// and 2c + 8, 2c + 9 (the second); the query's tiles carry the same permutation (split_channel).
+// 32 KB units in rings of three, two warpgroups a CTA (225 KB of shared memory, one CTA an SM).
+constexpr int kSplitGroups = 2;
+constexpr int kSplitRing = 3;
+constexpr int kSplitUnit = kWgKeys * kDim * 4;  // [16 chunks (j, rs)][128 threads][16 bytes]
+constexpr size_t kSplitSmem = 1024 + 2 * kUnitBytes + static_cast<size_t>(kSplitGroups) * kSplitRing * kSplitUnit;
+
+// The physical channel at logical channel k (see above).
+__device__ __forceinline__ int split_channel(int k) {
+  const int i = k & 15;
+  return (k & ~15) + 4 * ((i & 7) >> 1) + 2 * (i >> 3) + (i & 1);
+}
+// x = hi + lo (two bf16 pairs of a float pair: the first value in the low half).
+__device__ __forceinline__ void split_bf16x2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  hi = pack_bf16x2(x0, x1);
+  const float h0 = __uint_as_float(hi << 16), h1 = __uint_as_float(hi & 0xffff0000u);
+  lo = pack_bf16x2(x0 - h0, x1 - h1);
+}
+
+__global__ void __launch_bounds__(kSplitGroups * 128, 1)
+    indexer_split_kernel(const float* q, const float* w, int heads, float wscale, RaggedRows keys, float* scores,
+                         int64_t score_stride) {
+  pdl_entry();  // see launch_kernel
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* qs = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);  // swizzled tiles need 1,024 alignment
+  uint8_t* qlo = qs + kUnitBytes;
+  const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
+  uint8_t* ring = qs + 2 * kUnitBytes + wg * (kSplitRing * kSplitUnit);
+  const int b = blockIdx.y;
+  const int64_t begin = keys.offsets[b], n = keys.offsets[b + 1] - begin;
+  const int64_t units = (n + kWgKeys - 1) / kWgKeys;
+  if (static_cast<int64_t>(blockIdx.x) * kSplitGroups >= units) return;  // the whole CTA: nothing to score
+  const int64_t gw = static_cast<int64_t>(blockIdx.x) * kSplitGroups + wg;
+  const int64_t W = static_cast<int64_t>(gridDim.x) * kSplitGroups;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  const int rkey = 16 * warp + g;
+  const float* const* rows = keys.rows + begin;
+  // This thread's two key rows of a unit (null past n), looked up one unit ahead of their copies.
+  auto rows_of = [&](int64_t unit, const float* (&r)[2]) {
+#pragma unroll
+    for (int rs = 0; rs < 2; ++rs) {
+      const int64_t s = unit * kWgKeys + rkey + 8 * rs;
+      r[rs] = s < n ? rows[s] : nullptr;
+    }
+  };
+  auto issue = [&](int stage, const float* const (&r)[2]) {
+    uint8_t* dst = ring + stage * kSplitUnit;
+#pragma unroll
+    for (int rs = 0; rs < 2; ++rs) {
+      const bool valid = r[rs] != nullptr;
+      const uint8_t* src = reinterpret_cast<const uint8_t*>(valid ? r[rs] : q) + (valid ? 16 * c : 0);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) cp_async16(dst + ((2 * j + rs) * 128 + tid) * 16, src + (valid ? 64 * j : 0), valid);
+    }
+  };
+  const float* rows_next[2] = {nullptr, nullptr};  // of unit gw + (kSplitRing - 1) W, the next to be issued
+#pragma unroll
+  for (int st = 0; st < kSplitRing - 1; ++st) {
+    const int64_t u = gw + st * W;
+    if (u < units) {
+      rows_of(u, rows_next);
+      issue(st, rows_next);
+    }
+    cp_async_commit();
+  }
+  if (gw + (kSplitRing - 1) * W < units) rows_of(gw + (kSplitRing - 1) * W, rows_next);
+  // The query's hi and lo tiles (rows past `heads` are 0): logical channel pairs, split_channel's order.
+  const float* qg = q + static_cast<int64_t>(b) * heads * kDim;
+  for (int i = threadIdx.x; i < 64 * kDim / 2; i += kSplitGroups * 128) {
+    const int h = i / (kDim / 2), k = 2 * (i % (kDim / 2));
+    const float2 v = h < heads ? *reinterpret_cast<const float2*>(qg + h * kDim + split_channel(k)) : make_float2(0.f, 0.f);
+    uint32_t hi, lo;
+    split_bf16x2(v.x, v.y, hi, lo);
+    const int at = swizzled(h, k >> 3) + 2 * (k & 7);
+    *reinterpret_cast<uint32_t*>(qs + at) = hi;
+    *reinterpret_cast<uint32_t*>(qlo + at) = lo;
+  }
+  fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy)
+  asm volatile("griddepcontrol.launch_dependents;");
+  __syncthreads();
+  // This thread's accumulator columns are heads 8j + 2c + e: their weights.
+  float wv[16];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int h = 8 * j + 2 * c + e;
+      wv[2 * j + e] = h < heads ? w[b * heads + h] * wscale : 0.f;
+    }
+  }
+  float* out = scores + b * score_stride;
+  const uint32_t qh_addr = smem_u32(qs), ql_addr = smem_u32(qlo);
+  float acc[32];
+#pragma unroll 1
+  for (int64_t it = 0; gw + it * W < units; ++it) {
+    const int64_t u = gw + it * W, un = u + (kSplitRing - 1) * W;
+    // The slot refilled held unit it - 1, which only this thread read, and is done with.
+    if (un < units) issue(static_cast<int>((it + kSplitRing - 1) % kSplitRing), rows_next);
+    cp_async_commit();
+    if (un + W < units) rows_of(un + W, rows_next);
+    cp_async_wait<kSplitRing - 1>();  // this thread's copies of unit it have landed
+    const uint8_t* cur = ring + static_cast<int>(it % kSplitRing) * kSplitUnit;
+    // A fragments of k-step j: {row g: 2c, 2c + 1; row g + 8: the same; row g: 2c + 8, 2c + 9; row g + 8: the
+    // same}: chunk j of each row, its first float pair then its second.
+    uint32_t ah[8][4], al[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int rs = 0; rs < 2; ++rs) {
+        const float4 x = *reinterpret_cast<const float4*>(cur + ((2 * j + rs) * 128 + tid) * 16);
+        split_bf16x2(x.x, x.y, ah[j][rs], al[j][rs]);
+        split_bf16x2(x.z, x.w, ah[j][2 + rs], al[j][2 + rs]);
+      }
+    }
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int j = 0; j < kDim / 16; ++j) {
+      const uint32_t off = (j >> 2) * kTileHalf + (j & 3) * 32;
+      wgmma_m64n64k16_ra<true>(acc, ah[j], wgmma_desc(qh_addr + off), j > 0);
+      wgmma_m64n64k16_ra<true>(acc, ah[j], wgmma_desc(ql_addr + off), 1);
+      wgmma_m64n64k16_ra<true>(acc, al[j], wgmma_desc(qh_addr + off), 1);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+    for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(acc[i])::"memory");  // reads stay after the wait
+    // acc[4j + e]: key row g (e < 2) or g + 8, head 8j + 2c + (e & 1).
+    float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      s0 += wv[2 * j] * fmaxf(acc[4 * j], 0.f) + wv[2 * j + 1] * fmaxf(acc[4 * j + 1], 0.f);
+      s1 += wv[2 * j] * fmaxf(acc[4 * j + 2], 0.f) + wv[2 * j + 1] * fmaxf(acc[4 * j + 3], 0.f);
+    }
+    s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+    s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+    s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+    s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+    const int64_t key = u * kWgKeys + rkey + 8 * (c & 1);
+    if (c < 2 && key < n) out[key] = c == 0 ? s0 : s1;
+  }
+  cp_async_wait<0>();
+}
+
 // ---- fp32 ragged scoring (the backend op) ------------------------------------
 // A CTA scores CHUNK keys of one query against every head (<= 64). Thread (kg, hg) of
 // KG key groups x 256 / KG head groups holds a register tile of keys kg, kg + KG, ...
@@ -1266,12 +1430,35 @@ void indexer_topk(const IndexerArgs& a, const IndexerTopk& t, void* workspace, c
   topk(ta, workspace != nullptr ? static_cast<char*>(workspace) + kFuseWorkspaceBytes : nullptr, stream);
 }
 
+static bool ragged_split(int64_t dim, RaggedForm form) {
+  static const bool on = !env_off("TROUPE_INDEXER_SPLIT");
+  return dim == kDim && (form == RaggedForm::split || (form == RaggedForm::automatic && on));
+}
+
 void indexer_scores_ragged(const float* q, const float* w, int64_t n_queries, int heads, int64_t dim, float scale,
                            float weight_scale, RaggedRows keys, float* scores, int64_t score_stride, int64_t max_keys,
-                           cudaStream_t stream) {
+                           cudaStream_t stream, RaggedForm form) {
   TROUPE_REQUIRE(heads >= 1 && heads <= 64, "indexer: 1..64 heads");
   TROUPE_REQUIRE(dim % 4 == 0 && dim <= 512, "indexer: dim must be a multiple of 4, <= 512");
+  TROUPE_REQUIRE(form != RaggedForm::split || dim == kDim, "indexer: the split form takes 128-channel keys");
   if (n_queries == 0 || max_keys == 0) return;
+  if (ragged_split(dim, form)) {
+    static bool split_attr = [] {
+      TROUPE_CUDA(cudaFuncSetAttribute(indexer_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(kSplitSmem)));
+      return true;
+    }();
+    (void)split_attr;
+    // One CTA an SM: a query's units over at most as many CTAs as leave every query one wave's share.
+    static const int sms = sm_count();
+    const int64_t per_query = std::max<int64_t>(1, sms / std::max<int64_t>(n_queries, 1));
+    const int64_t ctas = std::min(ceil_div(ceil_div(max_keys, kWgKeys), kSplitGroups), per_query);
+    const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(n_queries));
+    launch_kernel(indexer_split_kernel, grid, kSplitGroups * 128, kSplitSmem, stream, q, w, heads,
+                  weight_scale * scale, keys, scores, score_stride);
+    TROUPE_LAUNCHED();
+    return;
+  }
   static const bool tile = !env_off("TROUPE_INDEXER_TILE");
   static bool attr = [] {
     for (auto f : {indexer_ragged_kernel<64, 16>, indexer_ragged_kernel<64, 64>, indexer_ragged_kernel<16, 16>}) {

@@ -77,10 +77,14 @@ bool indexer_topk_is_fused(const IndexerArgs& a, const IndexerTopk& t);
 void indexer_topk(const IndexerArgs& a, const IndexerTopk& t, void* workspace, cudaStream_t stream);
 
 // The backend op's scoring: fp32 keys given as ragged row pointers (any head count and dim).
-// scores[t, s] for s < n_t at stride score_stride.
+// scores[t, s] for s < n_t at stride score_stride. Two forms: `fp32`, CUDA-core products in
+// fp32 (any dim); `split`, 128-channel keys on the tensor cores with query and keys split into
+// two bf16 each (x = hi + lo; q . k = qh . kh + qh . kl + ql . kh, fp32 sums: within ~2^-16 of
+// each product). `automatic`: split wherever dim is 128, unless TROUPE_INDEXER_SPLIT=0.
+enum class RaggedForm : uint8_t { automatic, fp32, split };
 void indexer_scores_ragged(const float* q, const float* w, int64_t n_queries, int heads, int64_t dim, float scale,
                            float weight_scale, RaggedRows keys, float* scores, int64_t score_stride,
-                           int64_t max_keys, cudaStream_t stream);
+                           int64_t max_keys, cudaStream_t stream, RaggedForm form = RaggedForm::automatic);
 
 // rows x 128 fp32 -> e4m3 with one scale per row (amax / 448).
 void quantize_keys_e4m3(const float* x, int64_t rows, uint8_t* q, float* scales, cudaStream_t stream);

@@ -775,6 +775,73 @@ TEST_F(CudaKernelsTest, indexer_rejects_an_e4m3_query_it_cannot_run) {
   gpu_->synchronize();
 }
 
+// The backend op's scoring over fp32 keys named by row pointers, in both forms: the split-bf16
+// tensor-core form (128 channels) within 2e-5 of a double reference (bf16 alone: ~3e-3), the fp32
+// CUDA-core form within 1e-6; outputs NaN-poisoned, ragged lists (empty, one key, unit edges), head
+// counts under 64, and rows in pool order unrelated to the key order.
+TEST_F(CudaKernelsTest, indexer_ragged_forms_match_a_reference) {
+  struct Case {
+    int heads;
+    std::vector<int64_t> lengths;
+  };
+  const Case cases[] = {{64, {0, 1, 63, 64, 65, 1000, 20000}}, {40, {3000, 129}}, {64, {70000}}, {7, {500, 2}}};
+  const int64_t dim = 128;
+  for (const auto& c : cases) {
+    const int64_t n = static_cast<int64_t>(c.lengths.size());
+    const int64_t total = std::accumulate(c.lengths.begin(), c.lengths.end(), int64_t{0});
+    const int64_t pool_rows = total + 101, max_len = *std::max_element(c.lengths.begin(), c.lengths.end());
+    const std::vector<float> pool = randn(pool_rows * dim, rng_), q = randn(n * c.heads * dim, rng_),
+                             w = randn(n * c.heads, rng_);
+    const float* gpool = dev(pool);
+    std::vector<const float*> rows;
+    std::vector<int64_t> offsets{0}, row_id;
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t s = 0; s < c.lengths[t]; ++s) {
+        row_id.push_back((row_id.size() * 7919 + 13) % pool_rows);
+        rows.push_back(gpool + row_id.back() * dim);
+      }
+      offsets.push_back(static_cast<int64_t>(rows.size()));
+    }
+    const float scale = 1.f / std::sqrt(static_cast<float>(dim)), wscale = 1.f / std::sqrt(static_cast<float>(c.heads));
+    std::vector<float> ref(static_cast<size_t>(n * max_len), 0.f);
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t s = 0; s < c.lengths[t]; ++s) {
+        const float* key = pool.data() + row_id[offsets[t] + s] * dim;
+        double total_score = 0;
+        for (int h = 0; h < c.heads; ++h) {
+          double dot = 0;
+          for (int64_t i = 0; i < dim; ++i) dot += static_cast<double>(q[(t * c.heads + h) * dim + i]) * key[i];
+          total_score += std::max(dot, 0.0) * scale * w[t * c.heads + h] * wscale;
+        }
+        ref[t * max_len + s] = static_cast<float>(total_score);
+      }
+    }
+    const RaggedRows keys{dev(rows), dev(offsets), max_len};
+    const float *gq = dev(q), *gw = dev(w);
+    float* scores = dev<float>(n * max_len);
+    for (const auto form : {cuda::RaggedForm::split, cuda::RaggedForm::fp32}) {
+      const bool split = form == cuda::RaggedForm::split;
+      SCOPED_TRACE(std::string(split ? "split" : "fp32") + " heads " + std::to_string(c.heads));
+      cudaMemsetAsync(scores, 0, n * max_len * 4, stream());  // entries past a query's list compare as 0
+      for (int64_t t = 0; t < n; ++t) poison(scores + t * max_len, c.lengths[t] * 4);
+      cuda::indexer_scores_ragged(gq, gw, n, c.heads, dim, scale, wscale, keys, scores, max_len, max_len, stream(),
+                                  form);
+      ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+      EXPECT_CLOSE(host(scores, n * max_len), ref, split ? 2e-5 : 1e-6);
+    }
+  }
+  // The split form takes 128-channel keys only: a clear error for others (automatic falls back to fp32).
+  const RaggedRows none{dev<const float*>(1), dev(std::vector<int64_t>{0, 0}), 1};
+  try {
+    cuda::indexer_scores_ragged(dev<float>(64 * 96), dev<float>(64), 1, 64, 96, 1.f, 1.f, none, dev<float>(4), 4, 1,
+                                stream(), cuda::RaggedForm::split);
+    ADD_FAILURE() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("128-channel"), std::string::npos) << e.what();
+  }
+  gpu_->synchronize();
+}
+
 // ---- attention --------------------------------------------------------------------------
 TEST_F(CudaKernelsTest, attention_with_bf16_keys_and_derotation_matches_cpu) {
   const int64_t dim = 512, rope_dim = 64, n = 5;

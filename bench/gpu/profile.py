@@ -2,8 +2,9 @@
 """Runs each fast kernel a few times eagerly (no graphs), for Nsight Compute:
    ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
        -k regex:'topk_kernel|indexer_mma|indexer_wgmma|attention_kernel|compress_kernel' python3 bench/gpu/profile.py LIB
-   profile.py LIB [PARTS]: PARTS a comma list of topk, indexer, attention, compressor, decode (default:
-   all but decode, the compressor's decode form at batch 64);
+   profile.py LIB [PARTS]: PARTS a comma list of topk, indexer, attention, compressor, decode, ragged
+   (default: all but decode, the compressor's decode form at batch 64, and ragged, the backend op's
+   split-bf16 scoring of fp32 key rows by pointers: 262,144 keys x 1, two calls);
    attention runs CSA decode at batch 1 and 64 (640 keys) and HCA decode at batch 1 (8,320 keys), two
    calls each, in that order.
 """
@@ -75,6 +76,17 @@ def main():
         for _ in range(2):
             L.tb_compress_decode(rate, 1, dim, ptr(ape), ptr(norm), fl(1e-6), ptr(inv), rope_dim, fl(1.0), ptr(kv),
                                  ptr(sc), B, ptr(pos), ptr(ring_rows), ptr(out_rows), 0, stream())
+    if "ragged" in parts:  # the backend op's scoring: fp32 rows by pointers, split bf16 on the tensor cores
+        D = 128
+        pool = torch.randn(n, D, device="cuda")
+        rows = pool.data_ptr() + torch.randperm(n, device="cuda") * D * 4
+        offsets = torch.tensor([0, n], dtype=torch.int64, device="cuda")
+        q = torch.randn(1, H, D, device="cuda")
+        w = torch.randn(1, H, device="cuda")
+        scores = torch.empty(1, n, device="cuda")
+        for _ in range(2):
+            L.tb_indexer_ragged(ptr(q), ptr(w), 1, H, D, fl(1 / math.sqrt(D)), fl(1 / 8), ptr(rows), ptr(offsets), n,
+                                ptr(scores), n, 2, stream())
     torch.cuda.synchronize()
     print("profile driver done")
 

@@ -1035,8 +1035,20 @@ __global__ void __launch_bounds__(kSplitGroups * 128, 1)
   const int64_t W = static_cast<int64_t>(gridDim.x) * kSplitGroups;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
   const int rkey = 16 * warp + g;
+  // The query's loads, all issued before the first keys' copies (behind those they would wait as long as
+  // the copies): this thread's logical channel pairs of the hi and lo tiles, split_channel's order.
+  constexpr int kQPairs = 64 * kDim / 2 / (kSplitGroups * 128);
+  const float* qg = q + static_cast<int64_t>(b) * heads * kDim;
+  float2 qv[kQPairs];
+#pragma unroll
+  for (int x = 0; x < kQPairs; ++x) {
+    const int i = threadIdx.x + x * kSplitGroups * 128, h = i / (kDim / 2), k = 2 * (i % (kDim / 2));
+    qv[x] = h < heads ? *reinterpret_cast<const float2*>(qg + h * kDim + split_channel(k)) : make_float2(0.f, 0.f);
+  }
   const float* const* rows = keys.rows + begin;
-  // This thread's two key rows of a unit (null past n), looked up one unit ahead of their copies.
+  // This thread's two key rows of a unit (null past n). A row pointer loaded after a unit's copies
+  // waits behind them (~4 us with the memory busy, more than an iteration: ncu, session 25), so each
+  // unit's pointers are loaded two iterations before its copies, into one of two register pairs.
   auto rows_of = [&](int64_t unit, const float* (&r)[2]) {
 #pragma unroll
     for (int rs = 0; rs < 2; ++rs) {
@@ -1054,24 +1066,25 @@ __global__ void __launch_bounds__(kSplitGroups * 128, 1)
       for (int j = 0; j < 8; ++j) cp_async16(dst + ((2 * j + rs) * 128 + tid) * 16, src + (valid ? 64 * j : 0), valid);
     }
   };
-  const float* rows_next[2] = {nullptr, nullptr};  // of unit gw + (kSplitRing - 1) W, the next to be issued
+  static_assert(kSplitRing == 3, "the loop below issues units two ahead, their pointers two more ahead");
+  const float* ra[2] = {nullptr, nullptr};  // of units gw + 2W, gw + 4W, ... (even iterations issue them)
+  const float* rb[2] = {nullptr, nullptr};  // of units gw + 3W, gw + 5W, ...
 #pragma unroll
   for (int st = 0; st < kSplitRing - 1; ++st) {
     const int64_t u = gw + st * W;
     if (u < units) {
-      rows_of(u, rows_next);
-      issue(st, rows_next);
+      rows_of(u, ra);
+      issue(st, ra);
     }
     cp_async_commit();
   }
-  if (gw + (kSplitRing - 1) * W < units) rows_of(gw + (kSplitRing - 1) * W, rows_next);
-  // The query's hi and lo tiles (rows past `heads` are 0): logical channel pairs, split_channel's order.
-  const float* qg = q + static_cast<int64_t>(b) * heads * kDim;
-  for (int i = threadIdx.x; i < 64 * kDim / 2; i += kSplitGroups * 128) {
-    const int h = i / (kDim / 2), k = 2 * (i % (kDim / 2));
-    const float2 v = h < heads ? *reinterpret_cast<const float2*>(qg + h * kDim + split_channel(k)) : make_float2(0.f, 0.f);
+  if (gw + 2 * W < units) rows_of(gw + 2 * W, ra);
+  if (gw + 3 * W < units) rows_of(gw + 3 * W, rb);
+#pragma unroll
+  for (int x = 0; x < kQPairs; ++x) {
+    const int i = threadIdx.x + x * kSplitGroups * 128, h = i / (kDim / 2), k = 2 * (i % (kDim / 2));
     uint32_t hi, lo;
-    split_bf16x2(v.x, v.y, hi, lo);
+    split_bf16x2(qv[x].x, qv[x].y, hi, lo);
     const int at = swizzled(h, k >> 3) + 2 * (k & 7);
     *reinterpret_cast<uint32_t*>(qs + at) = hi;
     *reinterpret_cast<uint32_t*>(qlo + at) = lo;
@@ -1092,15 +1105,18 @@ __global__ void __launch_bounds__(kSplitGroups * 128, 1)
   float* out = scores + b * score_stride;
   const uint32_t qh_addr = smem_u32(qs), ql_addr = smem_u32(qlo);
   float acc[32];
-#pragma unroll 1
-  for (int64_t it = 0; gw + it * W < units; ++it) {
-    const int64_t u = gw + it * W, un = u + (kSplitRing - 1) * W;
+  // Iteration it: issue unit it + 2 (its pointers in `next`, loaded two iterations ago; then `next` takes
+  // unit it + 4's), wait for unit it's copies and score it. `cur` / `fill`: the ring slots of units it and
+  // it + 2. Whether unit it exists.
+  auto step = [&](int64_t it, int cur_slot, int fill_slot, const float* (&next)[2]) {
+    const int64_t u = gw + it * W;
+    if (u >= units) return false;
     // The slot refilled held unit it - 1, which only this thread read, and is done with.
-    if (un < units) issue(static_cast<int>((it + kSplitRing - 1) % kSplitRing), rows_next);
+    if (u + 2 * W < units) issue(fill_slot, next);
     cp_async_commit();
-    if (un + W < units) rows_of(un + W, rows_next);
+    if (u + 4 * W < units) rows_of(u + 4 * W, next);
     cp_async_wait<kSplitRing - 1>();  // this thread's copies of unit it have landed
-    const uint8_t* cur = ring + static_cast<int>(it % kSplitRing) * kSplitUnit;
+    const uint8_t* cur = ring + cur_slot * kSplitUnit;
     // A fragments of k-step j: {row g: 2c, 2c + 1; row g + 8: the same; row g: 2c + 8, 2c + 9; row g + 8: the
     // same}: chunk j of each row, its first float pair then its second.
     uint32_t ah[8][4], al[8][4];
@@ -1138,6 +1154,17 @@ __global__ void __launch_bounds__(kSplitGroups * 128, 1)
     s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
     const int64_t key = u * kWgKeys + rkey + 8 * (c & 1);
     if (c < 2 && key < n) out[key] = c == 0 ? s0 : s1;
+    return true;
+  };
+  // Two iterations a trip, so that each pointer pair is read two iterations after its loads with no
+  // register move between (a move would wait for the loads). Ring slots: unit it in it % 3.
+  int slot = 0;  // of unit it (it even)
+#pragma unroll 1
+  for (int64_t it = 0;; it += 2) {
+    const int slot1 = slot == 2 ? 0 : slot + 1, slot2 = slot1 == 2 ? 0 : slot1 + 1;
+    if (!step(it, slot, slot2, ra)) break;
+    if (!step(it + 1, slot1, slot, rb)) break;
+    slot = slot2;
   }
   cp_async_wait<0>();
 }

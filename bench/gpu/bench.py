@@ -517,7 +517,7 @@ class Bench:
     # ---- the engine's indexer scoring: fp32 keys by row pointers --------------------------------
     def ragged(self):
         """The backend op's scoring (CudaBackend::indexer_topk's first step) over fp32 key rows named by
-        pointers into a pool (the engine's paged state), 64 heads x 128: the split-bf16 tensor-core form
+        pointers into a pool (the engine's paged state: pages of 32 rows in random order), 64 heads x 128: the split-bf16 tensor-core form
         and the fp32 CUDA-core form, each checked against float64, next to torch fp32 (gather, einsum,
         head sum) in the same run."""
         L = self.lib
@@ -531,7 +531,10 @@ class Bench:
             # finds its keys cold, as a decode step does after the weights went through the L2.
             nsets = max(1, min(8, -(-2 * l2 // (B * n * D * 4))))
             pool = torch.randn(nsets * B * n, D, device="cuda")
-            idx = torch.stack([torch.randperm(B * n, device="cuda")[:n] for _ in range(B)])  # [B, n] of region 0
+            # Each query's keys are pages of 32 contiguous rows (16 KB) in random order, as the engine's paged
+            # pools hold CSA index keys (a page of 128 tokens, rate 4); the pages of region 0.
+            pages = [torch.randperm(B * n // 32, device="cuda")[:-(-n // 32)] for _ in range(B)]
+            idx = torch.stack([(pg[:, None] * 32 + torch.arange(32, device="cuda")).flatten()[:n] for pg in pages])
             rows = [pool.data_ptr() + (idx.flatten() + r * B * n) * D * 4 for r in range(nsets)]
             offsets = torch.arange(B + 1, dtype=torch.int64, device="cuda") * n
             q = torch.randn(B, H, D, device="cuda")

@@ -1000,7 +1000,8 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_e4m3_kernel(
 // 64 j + 16 c (j < 8; the four lanes of a row cover 64 contiguous bytes a copy): physical channels
 // 16 j + 4 c + {0, 1, 2, 3}, which k-step j takes as its logical channels 2c, 2c + 1 (the first pair)
 // and 2c + 8, 2c + 9 (the second); the query's tiles carry the same permutation (split_channel).
-// 32 KB units in rings of three, two warpgroups a CTA (225 KB of shared memory, one CTA an SM).
+// 32 KB units in rings of three, two warpgroups a CTA (225 KB of shared memory, one CTA an SM); a slot is
+// refilled as soon as its unit is in registers, so three units a warpgroup are in flight during the tensor steps.
 constexpr int kSplitGroups = 2;
 constexpr int kSplitRing = 3;
 constexpr int kSplitUnit = kWgKeys * kDim * 4;  // [16 chunks (j, rs)][128 threads][16 bytes]
@@ -1066,11 +1067,15 @@ __global__ void __launch_bounds__(kSplitGroups * 128, 1)
       for (int j = 0; j < 8; ++j) cp_async16(dst + ((2 * j + rs) * 128 + tid) * 16, src + (valid ? 64 * j : 0), valid);
     }
   };
-  static_assert(kSplitRing == 3, "the loop below issues units two ahead, their pointers two more ahead");
-  const float* ra[2] = {nullptr, nullptr};  // of units gw + 2W, gw + 4W, ... (even iterations issue them)
-  const float* rb[2] = {nullptr, nullptr};  // of units gw + 3W, gw + 5W, ...
+  // Every slot of the ring is in flight from the start; a unit's slot is refilled (with the unit three
+  // after it) as soon as its chunks are in registers, so three units a warpgroup are in flight while
+  // the tensor cores work (two until 2589e86: the refill waited for the next iteration, and the scan
+  // was bound by its bytes in flight, ncu session 25).
+  static_assert(kSplitRing == 3, "units are issued three ahead, their pointers two iterations before that");
+  const float* ra[2] = {nullptr, nullptr};  // of units gw + 3W, gw + 5W, ... (even iterations issue them)
+  const float* rb[2] = {nullptr, nullptr};  // of units gw + 4W, gw + 6W, ...
 #pragma unroll
-  for (int st = 0; st < kSplitRing - 1; ++st) {
+  for (int st = 0; st < kSplitRing; ++st) {
     const int64_t u = gw + st * W;
     if (u < units) {
       rows_of(u, ra);
@@ -1078,8 +1083,8 @@ __global__ void __launch_bounds__(kSplitGroups * 128, 1)
     }
     cp_async_commit();
   }
-  if (gw + 2 * W < units) rows_of(gw + 2 * W, ra);
-  if (gw + 3 * W < units) rows_of(gw + 3 * W, rb);
+  if (gw + 3 * W < units) rows_of(gw + 3 * W, ra);
+  if (gw + 4 * W < units) rows_of(gw + 4 * W, rb);
 #pragma unroll
   for (int x = 0; x < kQPairs; ++x) {
     const int i = threadIdx.x + x * kSplitGroups * 128, h = i / (kDim / 2), k = 2 * (i % (kDim / 2));
@@ -1105,18 +1110,14 @@ __global__ void __launch_bounds__(kSplitGroups * 128, 1)
   float* out = scores + b * score_stride;
   const uint32_t qh_addr = smem_u32(qs), ql_addr = smem_u32(qlo);
   float acc[32];
-  // Iteration it: issue unit it + 2 (its pointers in `next`, loaded two iterations ago; then `next` takes
-  // unit it + 4's), wait for unit it's copies and score it. `cur` / `fill`: the ring slots of units it and
-  // it + 2. Whether unit it exists.
-  auto step = [&](int64_t it, int cur_slot, int fill_slot, const float* (&next)[2]) {
+  // Iteration it: wait for unit it's copies (in ring slot `slot`), take its chunks into registers, start
+  // the tensor steps, refill the slot with unit it + 3 (its pointers in `next`, loaded two iterations ago;
+  // then `next` takes unit it + 5's), and sum the unit's scores. Whether unit it exists.
+  auto step = [&](int64_t it, int slot, const float* (&next)[2]) {
     const int64_t u = gw + it * W;
     if (u >= units) return false;
-    // The slot refilled held unit it - 1, which only this thread read, and is done with.
-    if (u + 2 * W < units) issue(fill_slot, next);
-    cp_async_commit();
-    if (u + 4 * W < units) rows_of(u + 4 * W, next);
-    cp_async_wait<kSplitRing - 1>();  // this thread's copies of unit it have landed
-    const uint8_t* cur = ring + cur_slot * kSplitUnit;
+    cp_async_wait<kSplitRing - 1>();  // this thread's copies of unit it have landed (it + 1, it + 2 in flight)
+    const uint8_t* cur = ring + slot * kSplitUnit;
     // A fragments of k-step j: {row g: 2c, 2c + 1; row g + 8: the same; row g: 2c + 8, 2c + 9; row g + 8: the
     // same}: chunk j of each row, its first float pair then its second.
     uint32_t ah[8][4], al[8][4];
@@ -1138,6 +1139,11 @@ __global__ void __launch_bounds__(kSplitGroups * 128, 1)
       wgmma_m64n64k16_ra<true>(acc, al[j], wgmma_desc(qh_addr + off), 1);
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    // The slot's chunks are consumed (the tensor steps' registers were computed from them): refill it
+    // while the steps run. Only this thread read those chunks and writes them.
+    if (u + 3 * W < units) issue(slot, next);
+    cp_async_commit();
+    if (u + 5 * W < units) rows_of(u + 5 * W, next);
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
     for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(acc[i])::"memory");  // reads stay after the wait
@@ -1157,14 +1163,14 @@ __global__ void __launch_bounds__(kSplitGroups * 128, 1)
     return true;
   };
   // Two iterations a trip, so that each pointer pair is read two iterations after its loads with no
-  // register move between (a move would wait for the loads). Ring slots: unit it in it % 3.
+  // register move between (a move would wait for the loads). Unit it sits in ring slot it % 3.
   int slot = 0;  // of unit it (it even)
 #pragma unroll 1
   for (int64_t it = 0;; it += 2) {
-    const int slot1 = slot == 2 ? 0 : slot + 1, slot2 = slot1 == 2 ? 0 : slot1 + 1;
-    if (!step(it, slot, slot2, ra)) break;
-    if (!step(it + 1, slot1, slot, rb)) break;
-    slot = slot2;
+    const int slot1 = slot == 2 ? 0 : slot + 1;
+    if (!step(it, slot, ra)) break;
+    if (!step(it + 1, slot1, rb)) break;
+    slot = slot1 == 2 ? 0 : slot1 + 1;
   }
   cp_async_wait<0>();
 }

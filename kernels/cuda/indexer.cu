@@ -371,6 +371,34 @@ __device__ __forceinline__ void reduce_half(float (&v)[16], int lane) {
   }
 }
 
+// The register-A forms (keys as wgmma's A operand: the e4m3 and split kernels) put key rows g and g + 8 of
+// the thread's warp in its accumulators against heads 8j + 2c + {0, 1} (acc[4j + e]: row g for e < 2).
+// The weights of those heads (times wscale; 0 past `heads`):
+__device__ __forceinline__ void ra_head_weights(const float* w, int b, int heads, float wscale, int c, float (&wv)[16]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int h = 8 * j + 2 * c + e;
+      wv[2 * j + e] = h < heads ? w[b * heads + h] * wscale : 0.f;
+    }
+  }
+}
+// and sum_h w_h relu(q_h . k) of rows g (x) and g + 8 (y): the thread's 16 heads, then the 4 lanes of the rows.
+__device__ __forceinline__ float2 ra_head_sums(const float (&acc)[32], const float (&wv)[16]) {
+  float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    s0 += wv[2 * j] * fmaxf(acc[4 * j], 0.f) + wv[2 * j + 1] * fmaxf(acc[4 * j + 1], 0.f);
+    s1 += wv[2 * j] * fmaxf(acc[4 * j + 2], 0.f) + wv[2 * j + 1] * fmaxf(acc[4 * j + 3], 0.f);
+  }
+  s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+  s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+  s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+  s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+  return make_float2(s0, s1);
+}
+
 // ---- the fused top-k (queries whose keys fit the scoring CTAs) ------------------------------
 // The scoring CTAs of a row select its top k themselves, ties by lower index: each counts
 // the round-0 digit (the top 11 bits of the order-preserving key) of the scores it wrote
@@ -831,16 +859,8 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_e4m3_kernel(
       qv[x] = h < p.heads ? *reinterpret_cast<const float2*>(qg + h * kDim + ch) : make_float2(0.f, 0.f);
     }
   }
-  // This thread's accumulator columns are heads 8j + 2c + e: their weights.
   float wv[16];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int h = 8 * j + 2 * c + e;
-      wv[2 * j + e] = h < p.heads ? p.w[b * p.heads + h] * p.wscale : 0.f;
-    }
-  }
+  ra_head_weights(p.w, b, p.heads, p.wscale, c, wv);
   const int64_t units = (n + kWgKeys - 1) / kWgKeys;
   const int64_t gw = static_cast<int64_t>(blockIdx.x) * kWgGroups + wg;
   const int64_t W = static_cast<int64_t>(gridDim.x) * kWgGroups;
@@ -964,20 +984,10 @@ __global__ void __launch_bounds__(kWgGroups * 128, 1) indexer_wgmma_e4m3_kernel(
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
     for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(acc[i])::"memory");  // reads stay after the wait
-    // acc[4j + e]: key row g (e < 2) or g + 8, head 8j + 2c + (e & 1).
-    float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      s0 += wv[2 * j] * fmaxf(acc[4 * j], 0.f) + wv[2 * j + 1] * fmaxf(acc[4 * j + 1], 0.f);
-      s1 += wv[2 * j] * fmaxf(acc[4 * j + 2], 0.f) + wv[2 * j + 1] * fmaxf(acc[4 * j + 3], 0.f);
-    }
-    s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
-    s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
-    s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
-    s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+    const float2 sums = ra_head_sums(acc, wv);
     if (c < 2) {  // lane c writes row g + 8c (whose scale it copied)
       const int r = rkey + 8 * c;
-      const float sum = (c == 0 ? s0 : s1) * reinterpret_cast<const float*>(cur + kE4m3Chunks)[r];  // s relu(q.k)
+      const float sum = (c == 0 ? sums.x : sums.y) * reinterpret_cast<const float*>(cur + kE4m3Chunks)[r];  // s relu(q.k)
       put_score<kFused>(out, cta_scores, fs, u * kWgKeys + r, n, (wg * kFuseUnits + it) * kWgKeys + r, sum);
     }
   }
@@ -1097,16 +1107,8 @@ __global__ void __launch_bounds__(kSplitGroups * 128, 1)
   fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy)
   asm volatile("griddepcontrol.launch_dependents;");
   __syncthreads();
-  // This thread's accumulator columns are heads 8j + 2c + e: their weights.
   float wv[16];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int h = 8 * j + 2 * c + e;
-      wv[2 * j + e] = h < heads ? w[b * heads + h] * wscale : 0.f;
-    }
-  }
+  ra_head_weights(w, b, heads, wscale, c, wv);
   float* out = scores + b * score_stride;
   const uint32_t qh_addr = smem_u32(qs), ql_addr = smem_u32(qlo);
   float acc[32];
@@ -1147,19 +1149,9 @@ __global__ void __launch_bounds__(kSplitGroups * 128, 1)
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
     for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(acc[i])::"memory");  // reads stay after the wait
-    // acc[4j + e]: key row g (e < 2) or g + 8, head 8j + 2c + (e & 1).
-    float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      s0 += wv[2 * j] * fmaxf(acc[4 * j], 0.f) + wv[2 * j + 1] * fmaxf(acc[4 * j + 1], 0.f);
-      s1 += wv[2 * j] * fmaxf(acc[4 * j + 2], 0.f) + wv[2 * j + 1] * fmaxf(acc[4 * j + 3], 0.f);
-    }
-    s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
-    s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
-    s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
-    s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+    const float2 sums = ra_head_sums(acc, wv);
     const int64_t key = u * kWgKeys + rkey + 8 * (c & 1);
-    if (c < 2 && key < n) out[key] = c == 0 ? s0 : s1;
+    if (c < 2 && key < n) out[key] = c == 0 ? sums.x : sums.y;
     return true;
   };
   // Two iterations a trip, so that each pointer pair is read two iterations after its loads with no

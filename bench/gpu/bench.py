@@ -115,7 +115,7 @@ def decode_case(B, rate, overlap, dim, all_close):
 
 
 class Bench:
-    def __init__(self, lib, quick, gemv_shapes="", gemv_rows=(1, 2, 4, 8), indexer_cases=()):
+    def __init__(self, lib, quick, gemv_shapes="", gemv_rows=(1, 2, 4, 8), indexer_cases=(), topk_cases=()):
         self.lib = C.CDLL(lib)
         L = self.lib
         L.tb_topk_ws.restype = lg
@@ -142,6 +142,7 @@ class Bench:
         self.gemv_shapes = gemv_shapes  # "NxK,...": gemv() times these instead of its table's
         self.gemv_rows = list(gemv_rows)
         self.indexer_cases = list(indexer_cases)  # [(keys, batch)]: indexer() times these instead of its four
+        self.topk_cases = list(topk_cases)  # [(length, rows)]: topk() times these (k 512, 2048 from 1M) instead
         self.rows = []
         self.failures = []
         torch.manual_seed(0)
@@ -190,76 +191,78 @@ class Bench:
         # 4,096 / 16,384: rows of one small / large chunk (decode at short context), selected inside one CTA each
         shapes = [(4096, 512), (16384, 512), (65536, 512), (262144, 512), (1048576, 2048)]
         batches = [1, 8, 64] if not self.quick else [1, 64]
-        for n, k in shapes:
-            for rows in batches:
-                bytes_in = rows * n * 4
-                nbuf = max(2, min(32, (256 << 20) // bytes_in))
-                xs = [torch.randn(rows, n, device="cuda") for _ in range(nbuf)]
-                out = torch.empty(rows, k, dtype=torch.int32, device="cuda")
-                cnt = torch.empty(rows, dtype=torch.int32, device="cuda")
-                wsb = L.tb_topk_ws(rows, n, k, 0)
-                ws = torch.zeros(max(wsb, 16), dtype=torch.uint8, device="cuda")
+        cases = [(n, k, rows) for n, k in shapes for rows in batches]
+        if self.topk_cases:
+            cases = [(n, 2048 if n >= 1048576 else 512, rows) for n, rows in self.topk_cases]
+        for n, k, rows in cases:
+            bytes_in = rows * n * 4
+            nbuf = max(2, min(32, (256 << 20) // bytes_in))
+            xs = [torch.randn(rows, n, device="cuda") for _ in range(nbuf)]
+            out = torch.empty(rows, k, dtype=torch.int32, device="cuda")
+            cnt = torch.empty(rows, dtype=torch.int32, device="cuda")
+            wsb = L.tb_topk_ws(rows, n, k, 0)
+            ws = torch.zeros(max(wsb, 16), dtype=torch.uint8, device="cuda")
 
-                def ours(i):
-                    L.tb_topk(ptr(xs[i % nbuf]), n, None, rows, n, k, ptr(out), ptr(cnt), ptr(ws), 0, stream())
+            def ours(i):
+                L.tb_topk(ptr(xs[i % nbuf]), n, None, rows, n, k, ptr(out), ptr(cnt), ptr(ws), 0, stream())
 
-                def theirs(i):
-                    torch.topk(xs[i % nbuf], k, dim=1, sorted=False)
+            def theirs(i):
+                torch.topk(xs[i % nbuf], k, dim=1, sorted=False)
 
-                # Each way of finishing a row on the grid kernel (TopkArgs::finish, read from TROUPE_TOPK_FINISH at
-                # each call, so at graph capture): 1 = the last CTA's radix rounds, 2 = the counted next digit +
-                # rank; then the kernel choice (TROUPE_TOPK_STREAM): "grid" = never the streamed kernel, "stream" =
-                # always (the default never takes it since session 21: the grid kernel measured faster).
-                variants = {"1": ("1", None), "2": ("2", None), "grid": ("2", "0"), "stream": ("2", "1")}
-                t_var, exact = {}, True
-                for name, (fin, stream_env) in variants.items():
-                    os.environ["TROUPE_TOPK_FINISH"] = fin
-                    if stream_env is None:
-                        os.environ.pop("TROUPE_TOPK_STREAM", None)
-                    else:
-                        os.environ["TROUPE_TOPK_STREAM"] = stream_env
-                    # check: the chosen values equal torch.topk's values (ties give equal values)
-                    self.ok(L.tb_topk(ptr(xs[0]), n, None, rows, n, k, ptr(out), ptr(cnt), ptr(ws), 0, stream()),
-                            "topk")
+            # Each way of finishing a row on the grid kernel (TopkArgs::finish, read from TROUPE_TOPK_FINISH at
+            # each call, so at graph capture): 1 = the last CTA's radix rounds, 2 = the counted next digit +
+            # rank; then the kernel choice (TROUPE_TOPK_STREAM): "grid" = never the streamed kernel, "stream" =
+            # always (the default never takes it since session 21: the grid kernel measured faster).
+            variants = {"1": ("1", None), "2": ("2", None), "grid": ("2", "0"), "stream": ("2", "1")}
+            t_var, exact = {}, True
+            for name, (fin, stream_env) in variants.items():
+                os.environ["TROUPE_TOPK_FINISH"] = fin
+                if stream_env is None:
+                    os.environ.pop("TROUPE_TOPK_STREAM", None)
+                else:
+                    os.environ["TROUPE_TOPK_STREAM"] = stream_env
+                # check: the chosen values equal torch.topk's values (ties give equal values)
+                self.ok(L.tb_topk(ptr(xs[0]), n, None, rows, n, k, ptr(out), ptr(cnt), ptr(ws), 0, stream()),
+                        "topk")
+                torch.cuda.synchronize()
+                ok = topk_values_match(xs[0], out, k) and bool((cnt == k).all())
+                if not ok:
+                    self.failures.append(f"topk {rows}x{n} k={k} variant {name}")
+                exact = exact and ok
+                t_var[name] = graph_time(ours)
+                if rows == 1 or name == "stream":
+                    # where the time goes: CTA 0's phases, then the row's last CTA (%globaltimer); the
+                    # streamed kernel then the row's candidates and whether they overflowed
+                    prof = torch.zeros(16, dtype=torch.int64, device="cuda")
+                    self.ok(L.tb_topk_profiled(ptr(xs[1]), n, None, rows, n, k, ptr(out), ptr(cnt), ptr(ws), 0,
+                                               ptr(prof), stream()), "topk profile")
                     torch.cuda.synchronize()
-                    ok = topk_values_match(xs[0], out, k) and bool((cnt == k).all())
-                    if not ok:
-                        self.failures.append(f"topk {rows}x{n} k={k} variant {name}")
-                    exact = exact and ok
-                    t_var[name] = graph_time(ours)
-                    if rows == 1 or name == "stream":
-                        # where the time goes: CTA 0's phases, then the row's last CTA (%globaltimer); the
-                        # streamed kernel then the row's candidates and whether they overflowed
-                        prof = torch.zeros(16, dtype=torch.int64, device="cuda")
-                        self.ok(L.tb_topk_profiled(ptr(xs[1]), n, None, rows, n, k, ptr(out), ptr(cnt), ptr(ws), 0,
-                                                   ptr(prof), stream()), "topk profile")
-                        torch.cuda.synchronize()
-                        st = prof.tolist()
-                        names = ["entry", "wait", "load", "hist0", "threshold0", "emit", "last_cta", "cand_load",
-                                 "cand_threshold", "cand_emit", "end"]  # finish 1 stamps no cand_threshold/emit
-                        if name == "stream":  # the streamed kernel's stamps (topk.cu, stream_topk_kernel)
-                            names = ["entry", "wait", "load", "partial_hist", "partial_threshold", "list_stores",
-                                     "last_cta", "row_threshold", "list_pass", "-", "bucket_select"]
-                        valid = [i for i in range(11) if st[i]]
-                        deltas = [(names[j], (st[j] - st[i]) / 1000.0) for i, j in zip(valid, valid[1:])]
-                        extra = ""
-                        if name == "stream":  # then the list pass's first batch: keys in, entries placed
-                            extra = f" candidates={st[11]} overflow={st[12]}"
-                            if st[13] and st[14]:
-                                extra += (f" list_keys_in={(st[13] - st[7]) / 1000.0:.2f}"
-                                          f" list_placed={(st[14] - st[13]) / 1000.0:.2f}")
-                        print(f"  topk {rows}x{n} {name} phases (us): " +
-                              " ".join(f"{nm}={d:.2f}" for nm, d in deltas) + extra, flush=True)
-                os.environ.pop("TROUPE_TOPK_FINISH", None)
-                os.environ.pop("TROUPE_TOPK_STREAM", None)
-                t_ours = t_var["2"]  # the default
-                t_torch = graph_time(theirs)
-                target = {(262144, 1): 8.0, (262144, 64): 40.0, (1048576, 1): 12.0}.get((n, rows))
-                self.add(kernel="topk", shape=f"{rows}x{n} k={k}", ours_us=t_ours, torch_us=t_torch,
-                         speedup=t_torch / t_ours, target_us=target if target else "", exact=exact,
-                         finish1_us=t_var["1"], finish1_speedup=t_torch / t_var["1"], grid_us=t_var["grid"],
-                         stream_us=t_var["stream"])
-                del xs, out, ws
+                    st = prof.tolist()
+                    names = ["entry", "wait", "load", "hist0", "threshold0", "emit", "last_cta", "cand_load",
+                             "cand_threshold", "cand_emit", "end"]  # finish 1 stamps no cand_threshold/emit
+                    if name == "stream":  # the streamed kernel's stamps (topk.cu, stream_topk_kernel)
+                        names = ["entry", "wait", "load", "partial_hist", "partial_threshold", "list_stores",
+                                 "last_cta", "row_threshold", "list_pass", "-", "bucket_select"]
+                    valid = [i for i in range(11) if st[i]]
+                    deltas = [(names[j], (st[j] - st[i]) / 1000.0) for i, j in zip(valid, valid[1:])]
+                    extra = ""
+                    if name == "stream":  # then the list pass's first batch: keys in, entries placed
+                        extra = f" candidates={st[11]} overflow={st[12]}"
+                        if st[13] and st[14]:
+                            extra += (f" list_keys_in={(st[13] - st[7]) / 1000.0:.2f}"
+                                      f" list_placed={(st[14] - st[13]) / 1000.0:.2f}")
+                    print(f"  topk {rows}x{n} {name} phases (us): " +
+                          " ".join(f"{nm}={d:.2f}" for nm, d in deltas) + extra, flush=True)
+            os.environ.pop("TROUPE_TOPK_FINISH", None)
+            os.environ.pop("TROUPE_TOPK_STREAM", None)
+            t_ours = t_var["2"]  # the default
+            t_torch = graph_time(theirs)
+            target = {(262144, 1): 8.0, (262144, 64): 40.0, (1048576, 1): 12.0}.get((n, rows))
+            self.add(kernel="topk", shape=f"{rows}x{n} k={k}", ours_us=t_ours, torch_us=t_torch,
+                     speedup=t_torch / t_ours, target_us=target if target else "", exact=exact,
+                     finish1_us=t_var["1"], finish1_speedup=t_torch / t_var["1"], grid_us=t_var["grid"],
+                     stream_us=t_var["stream"])
+            del xs, out, ws
 
     # ---- fused compressor ---------------------------------------------------------------
     @staticmethod
@@ -669,11 +672,15 @@ def main():
     ap.add_argument("--gemv-rows", default="1,2,4,8", help="rows of x the GEMV shapes are timed at")
     ap.add_argument("--indexer-cases", default="",
                     help="indexer shapes KEYSxBATCH (keys = context / 4), comma-separated, instead of the default four")
+    ap.add_argument("--topk-cases", default="",
+                    help="top-k shapes LENGTHxROWS (k 512, 2048 from 1M), comma-separated, instead of the default 15")
     ap.add_argument("--seed", type=int, default=0,
                     help="each part's random inputs start from this seed (whatever parts ran before it)")
     args = ap.parse_args()
     indexer_cases = [tuple(int(x) for x in c.split("x")) for c in args.indexer_cases.split(",") if c]
-    b = Bench(args.lib, args.quick, args.gemv_shapes, [int(v) for v in args.gemv_rows.split(",")], indexer_cases)
+    topk_cases = [tuple(int(x) for x in c.split("x")) for c in args.topk_cases.split(",") if c]
+    b = Bench(args.lib, args.quick, args.gemv_shapes, [int(v) for v in args.gemv_rows.split(",")], indexer_cases,
+              topk_cases)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     t0 = time.time()
     b.copy_bandwidth()

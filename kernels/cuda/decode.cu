@@ -7,7 +7,9 @@
 namespace troupe::kernels::cuda {
 namespace {
 
-constexpr int64_t kRowsPerBlock = 2048;  // entry pointers one block of decode_rows copies
+constexpr int kRowsThreads = 256;
+constexpr int kRowsBatch = 4;  // entry pointers a thread loads before it stores them
+constexpr int64_t kRowsPerBlock = kRowsThreads * kRowsBatch;  // a chunk of decode_rows' entry pointers
 
 struct RowsArgs {
   const int64_t* positions;
@@ -31,8 +33,10 @@ __device__ __forceinline__ int64_t entry_len(const RowsArgs& a, int64_t b, int64
   return a.picked != nullptr ? static_cast<int64_t>(a.picked_count[b]) : (p + 1) / a.rate;
 }
 
-// grid (batch, entry chunks): block (b, y) writes entry rows [y * kRowsPerBlock, +kRowsPerBlock)
-// of query b; blocks with y == 0 also write the window rows and the offset.
+// grid (batch, Y): block (b, y) writes entry rows [c * kRowsPerBlock, +kRowsPerBlock) of query b for
+// chunks c = y, y + Y, ...; blocks with y == 0 also write the window rows and the offset. A thread's
+// pointers of a chunk are loaded before any is stored (a plain loop waited a round trip for each:
+// the stores might alias the table as far as the compiler knows).
 __global__ void decode_rows_kernel(const RowsArgs a, int64_t batch) {
   pdl_entry();  // see launch_kernel
   __shared__ long long partial[32];
@@ -63,12 +67,21 @@ __global__ void decode_rows_kernel(const RowsArgs a, int64_t batch) {
       out[i] = a.window[t * a.window_stride + (j0 + i) % a.window_slots];
     }
   }
-  const int64_t e0 = static_cast<int64_t>(blockIdx.y) * kRowsPerBlock;
-  const int64_t e1 = min(el, e0 + kRowsPerBlock);
   const float* const* tab = a.entries + t * a.entry_stride;
-  for (int64_t i = e0 + threadIdx.x; i < e1; i += blockDim.x) {
-    const int64_t src = a.picked != nullptr ? static_cast<int64_t>(a.picked[b * a.k + i]) : i;
-    out[wl + i] = tab[src];
+  for (int64_t e0 = static_cast<int64_t>(blockIdx.y) * kRowsPerBlock; e0 < el;
+       e0 += static_cast<int64_t>(gridDim.y) * kRowsPerBlock) {
+    const float* v[kRowsBatch];
+#pragma unroll
+    for (int j = 0; j < kRowsBatch; ++j) {
+      const int64_t i = e0 + j * kRowsThreads + threadIdx.x;
+      const int64_t src = i >= el ? 0 : a.picked != nullptr ? static_cast<int64_t>(a.picked[b * a.k + i]) : i;
+      v[j] = i < el ? tab[src] : nullptr;
+    }
+#pragma unroll
+    for (int j = 0; j < kRowsBatch; ++j) {
+      const int64_t i = e0 + j * kRowsThreads + threadIdx.x;
+      if (i < el) out[wl + i] = v[j];
+    }
   }
 }
 
@@ -311,12 +324,13 @@ void decode_rows(int64_t batch, const int64_t* positions, const int32_t* table_o
   TROUPE_REQUIRE(entries == nullptr || rate > 0 || picked != nullptr, "decode_rows: rate must be positive");
   RowsArgs a{positions, table_of, window, window_stride, window_slots, window_len, entries, entry_stride,
              rate > 0 ? rate : 1, picked, picked_count, k, out_rows, out_offsets};
-  // Entry chunks from the table's capacity (picked lists hold at most k).
+  // Entry chunks from the table's capacity (picked lists hold at most k; the table's stride bounds the
+  // others, and is the whole slot's table: every layer's), over at most ~two blocks an SM in all.
   const int64_t most = entries == nullptr ? 0 : picked != nullptr ? k : entry_stride;
-  const int64_t chunks = std::max<int64_t>(1, ceil_div(most, kRowsPerBlock));
-  TROUPE_REQUIRE(chunks <= 65535, "decode_rows: entry tables too large");
-  launch_kernel(decode_rows_kernel, dim3(static_cast<unsigned>(batch), static_cast<unsigned>(chunks)), 256, 0, s, a,
-                batch);
+  static const int sms = sm_count();
+  const int64_t chunks = std::clamp<int64_t>(std::min(ceil_div(most, kRowsPerBlock), 2 * sms / batch), 1, 65535);
+  launch_kernel(decode_rows_kernel, dim3(static_cast<unsigned>(batch), static_cast<unsigned>(chunks)), kRowsThreads, 0,
+                s, a, batch);
   TROUPE_LAUNCHED();
 }
 

@@ -1389,15 +1389,21 @@ struct GridPlan {
   int64_t scratch_words = 0;  // 0: no workspace (one chunk a row)
 };
 
+// The most small chunks a row takes (more: large chunks, a quarter as many CTAs at the row's barriers).
+// Measured on an H200 (session 25): rows of 65-128 small chunks are faster on them than on 17-32 large ones
+// (1 x 262,145 11.9 -> 8.0 us, 1 x 524,288 8.9 -> 8.1, 2 x 262,145 13.2 -> 8.5); at 64 until then, a step
+// that put the engine's 1M-context rows (262,144 + a few) on large chunks.
+constexpr int64_t kSmallChunksMax = 128;
+
 GridPlan make_grid_plan(int rows, int64_t max_len, int stream) {
   GridPlan g;
   const int64_t c8 = ceil_div(max_len, kThreads * kSmallEPT), c32 = ceil_div(max_len, kThreads * kLargeEPT);
   const int cap8 = grid_capacity<kSmallEPT>(), cap32 = grid_capacity<kLargeEPT>();
   // Rows of at most one large chunk (4,096 < max_len <= 16,384) take it: one CTA a row selects
   // without a row barrier (select_one_chunk), where small chunks would meet at one.
-  // Rows over 262,144 take large chunks too (measured on an H200, run 21: 1 x 1 M 12.2 ->
-  // 11.9 us, the longer load paid back by a 64-CTA row barrier instead of 256).
-  if (stream != 1 && (c8 == 1 || c32 > 1) && c8 <= 64 && static_cast<int64_t>(rows) * c8 <= cap8) {
+  // Rows over kSmallChunksMax small chunks (524,288 scores) take large chunks too (measured on an H200,
+  // run 21: 1 x 1 M 12.2 -> 11.9 us, the longer load paid back by a 64-CTA row barrier instead of 256).
+  if (stream != 1 && (c8 == 1 || c32 > 1) && c8 <= kSmallChunksMax && static_cast<int64_t>(rows) * c8 <= cap8) {
     g.ept = kSmallEPT;
     g.cpr = static_cast<int>(c8);
   } else if (stream == 1 || c32 == 1 || 2 * c32 <= cap32) {

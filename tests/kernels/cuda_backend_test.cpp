@@ -556,7 +556,7 @@ std::vector<int64_t> row_numbers(const std::vector<const float*>& rows, const fl
 TEST_F(CudaBackendTest, decode_rows_and_compress_lists_match_cpu) {
   const int64_t width = 8, pool_rows = 5000, stride = 3000;  // table row stride (pointers)
   Mirror pool(cpu(), gpu(), pool_rows * width * 4);
-  const int64_t W = 16, cap = 600, k = 12;
+  const int64_t W = 16, cap = 1500, k = 12;
   // Tables of 3 slots: window (W) at 0, ring (16 slots) at W, entries (cap) at W + 16.
   const int64_t off_w = 0, off_ring = W, off_e = W + 16;
   std::vector<int64_t> table_rows(3 * stride, 0);
@@ -570,36 +570,54 @@ TEST_F(CudaBackendTest, decode_rows_and_compress_lists_match_cpu) {
   };
   const float* const* ct = tables_for(cpu(), pool.cpu());
   const float* const* gt = tables_for(gpu(), pool.gpu());
-  const std::vector<int64_t> pos_host{0, 3, 2402, 95, 7};
+  // Five queries, then 300 (one block a query, which then walks the chunks of its list itself).
+  std::vector<int64_t> many_pos(300);
+  std::vector<int32_t> many_tof(300);
+  for (size_t i = 0; i < many_pos.size(); ++i) {
+    many_pos[i] = static_cast<int64_t>((i * 2654435761u) % 6000);
+    many_tof[i] = static_cast<int32_t>(i % 3);
+  }
+  const std::pair<std::vector<int64_t>, std::vector<int32_t>> sets[] = {{{0, 3, 5000, 95, 7}, {2, 0, 1, 0, 2}},
+                                                                         {many_pos, many_tof}};
+  for (const auto& [lists_pos, lists_tof] : sets) {
+    const int64_t n = static_cast<int64_t>(lists_pos.size());
+    SCOPED_TRACE(std::to_string(n) + " queries");
+    Mirror pos(cpu(), gpu(), lists_pos), tof(cpu(), gpu(), lists_tof);
+    std::vector<int32_t> picked_host(n * k), count_host(n);
+    for (int64_t b = 0; b < n; ++b) {
+      count_host[b] = static_cast<int32_t>(std::min<int64_t>(k, (lists_pos[b] + 1) / 4));
+      for (int64_t j = 0; j < count_host[b]; ++j) {
+        picked_host[b * k + j] = static_cast<int32_t>(j * 3 % ((lists_pos[b] + 1) / 4));
+      }
+    }
+    Mirror picked(cpu(), gpu(), picked_host), count(cpu(), gpu(), count_host);
+    for (int mode = 0; mode < 3; ++mode) {  // all entries (rate 4), picked entries, window only
+      SCOPED_TRACE("mode " + std::to_string(mode));
+      const int64_t most = W + (mode == 0 ? cap : mode == 1 ? k : 0);
+      Mirror rows(cpu(), gpu(), n * most * 8), offs(cpu(), gpu(), (n + 1) * 8);
+      rows.poison();
+      offs.poison();
+      for (Backend* b : {&cpu(), &gpu()}) {
+        const bool g = b == &gpu();
+        const float* const* t = g ? gt : ct;
+        b->decode_rows(n, g ? pos.gpu<int64_t>() : pos.cpu<int64_t>(), g ? tof.gpu<int32_t>() : tof.cpu<int32_t>(),
+                       t + off_w, stride, W, W, mode == 2 ? nullptr : t + off_e, stride, 4,
+                       mode == 1 ? (g ? picked.gpu<int32_t>() : picked.cpu<int32_t>()) : nullptr,
+                       mode == 1 ? (g ? count.gpu<int32_t>() : count.cpu<int32_t>()) : nullptr, static_cast<int>(k),
+                       g ? rows.gpu<const float*>() : rows.cpu<const float*>(),
+                       g ? offs.gpu<int64_t>() : offs.cpu<int64_t>());
+      }
+      const auto co = offs.cpu_host<int64_t>(n + 1), go = offs.gpu_host<int64_t>(n + 1);
+      ASSERT_EQ(go, co);
+      const auto cr = rows.cpu_host<const float*>(co[n]), gr = rows.gpu_host<const float*>(co[n]);
+      EXPECT_EQ(row_numbers(gr, pool.gpu(), width), row_numbers(cr, pool.cpu(), width));
+    }
+  }
+  // The compressor's lists: the five queries.
+  const std::vector<int64_t> pos_host{0, 3, 5000, 95, 7};
   const std::vector<int32_t> table_of_host{2, 0, 1, 0, 2};
   const int64_t n = static_cast<int64_t>(pos_host.size());
   Mirror pos(cpu(), gpu(), pos_host), tof(cpu(), gpu(), table_of_host);
-  std::vector<int32_t> picked_host(n * k), count_host(n);
-  for (int64_t b = 0; b < n; ++b) {
-    count_host[b] = static_cast<int32_t>(std::min<int64_t>(k, (pos_host[b] + 1) / 4));
-    for (int64_t j = 0; j < count_host[b]; ++j) picked_host[b * k + j] = static_cast<int32_t>(j * 3 % ((pos_host[b] + 1) / 4));
-  }
-  Mirror picked(cpu(), gpu(), picked_host), count(cpu(), gpu(), count_host);
-  for (int mode = 0; mode < 3; ++mode) {  // all entries (rate 4), picked entries, window only
-    SCOPED_TRACE("mode " + std::to_string(mode));
-    const int64_t most = W + (mode == 0 ? cap : mode == 1 ? k : 0);
-    Mirror rows(cpu(), gpu(), n * most * 8), offs(cpu(), gpu(), (n + 1) * 8);
-    rows.poison();
-    offs.poison();
-    for (Backend* b : {&cpu(), &gpu()}) {
-      const bool g = b == &gpu();
-      const float* const* t = g ? gt : ct;
-      b->decode_rows(n, g ? pos.gpu<int64_t>() : pos.cpu<int64_t>(), g ? tof.gpu<int32_t>() : tof.cpu<int32_t>(),
-                     t + off_w, stride, W, W, mode == 2 ? nullptr : t + off_e, stride, 4,
-                     mode == 1 ? (g ? picked.gpu<int32_t>() : picked.cpu<int32_t>()) : nullptr,
-                     mode == 1 ? (g ? count.gpu<int32_t>() : count.cpu<int32_t>()) : nullptr, static_cast<int>(k),
-                     g ? rows.gpu<const float*>() : rows.cpu<const float*>(), g ? offs.gpu<int64_t>() : offs.cpu<int64_t>());
-    }
-    const auto co = offs.cpu_host<int64_t>(n + 1), go = offs.gpu_host<int64_t>(n + 1);
-    ASSERT_EQ(go, co);
-    const auto cr = rows.cpu_host<const float*>(co[n]), gr = rows.gpu_host<const float*>(co[n]);
-    EXPECT_EQ(row_numbers(gr, pool.gpu(), width), row_numbers(cr, pool.cpu(), width));
-  }
   for (bool overlap : {true, false}) {
     SCOPED_TRACE(overlap ? "CSA" : "HCA");
     const int64_t rate = overlap ? 4 : 8, dim = 4, w = overlap ? 2 * dim : dim, slots = overlap ? 2 * rate : rate;

@@ -211,6 +211,9 @@ TEST_F(CudaKernelsTest, topk_equals_a_sort_up_to_ties) {
       {4, 262144, 512, signed_zeros, true, 0}, {1, 3000, 100, signed_zeros, false, 0},
       {2, 262144, 512, fine_steps, false, 0},  {2, 262144, 512, coarse_steps, true, 0},
       {1, 1048576, 2048, fine_steps, false, 0}, {2, 262144, 2048, fine_steps, false, 0},
+      // 65-128 small chunks a row (up to 524,288 scores: the grid kernel's small chunks since session 25)
+      {1, 262145, 512, normal, false, 0},      {1, 300000, 512, few_values, true, 0},
+      {2, 400000, 2048, fine_steps, false, 0}, {1, 524288, 512, coarse_steps, false, 0},
   };
   for (const auto& c : cases) run_topk_case(c);
 }

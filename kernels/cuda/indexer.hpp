@@ -76,7 +76,8 @@ size_t indexer_topk_workspace_bytes(int batch, int64_t max_keys, int k);
 bool indexer_topk_is_fused(const IndexerArgs& a, const IndexerTopk& t);
 void indexer_topk(const IndexerArgs& a, const IndexerTopk& t, void* workspace, cudaStream_t stream);
 
-// The backend op's scoring: fp32 keys given as ragged row pointers (any head count and dim).
+// The backend op's scoring: fp32 keys given as ragged row pointers (any head count and dim; rows
+// 16-byte aligned, as the pools' rows are: both forms read them in 16-byte pieces).
 // scores[t, s] for s < n_t at stride score_stride. Two forms: `fp32`, CUDA-core products in
 // fp32 (any dim); `split`, 128-channel keys on the tensor cores with query and keys split into
 // two bf16 each (x = hi + lo; q . k = qh . kh + qh . kl + ql . kh, fp32 sums: within ~2^-16 of

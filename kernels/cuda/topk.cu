@@ -1448,8 +1448,9 @@ int topk_finish(const TopkArgs& a) {
   return e != nullptr && e[0] == '1' ? 1 : 2;
 }
 
-void launch_grid_topk(const TopkArgs& a, const GridPlan& g, void* workspace, cudaStream_t stream) {
-  GridParams p{};
+// The call's fields every kernel's parameters share (Params, GridParams), from the arguments.
+template <class P>
+void set_call(const TopkArgs& a, P& p) {
   p.scores = a.scores;
   p.row_stride = a.row_stride;
   p.lengths = a.lengths;
@@ -1462,9 +1463,14 @@ void launch_grid_topk(const TopkArgs& a, const GridPlan& g, void* workspace, cud
   p.page_stride = a.page_stride;
   p.page_bits = a.page_bits;
   p.vec_ok = (reinterpret_cast<uintptr_t>(a.scores) % 16 == 0) && (a.row_stride % 4 == 0);
+  p.profile = a.profile;
+}
+
+void launch_grid_topk(const TopkArgs& a, const GridPlan& g, void* workspace, cudaStream_t stream) {
+  GridParams p{};
+  set_call(a, p);
   p.cpr = g.cpr;
   p.ticketed = g.ticketed;
-  p.profile = a.profile;
   p.counted_finish = topk_finish(a) == 2;
   if (g.scratch_words > 0) {
     TROUPE_REQUIRE(workspace != nullptr, "top-k: this row length needs a workspace");
@@ -1540,21 +1546,9 @@ void topk(const TopkArgs& args, void* workspace, cudaStream_t stream) {
   }
   const Plan plan = make_plan(std::max<int64_t>(a.max_len, 1), a.k, a.max_cluster);
   Params p{};
-  p.scores = a.scores;
-  p.row_stride = a.row_stride;
-  p.lengths = a.lengths;
-  p.max_len = a.max_len;
-  p.k = a.k;
-  p.out_idx = a.out_idx;
-  p.out_stride = a.out_stride;
-  p.out_count = a.out_count;
-  p.page_table = a.page_table;
-  p.page_stride = a.page_stride;
-  p.page_bits = a.page_bits;
-  p.profile = a.profile;
+  set_call(a, p);
   p.segments = plan.segments;
   p.seg_cap = plan.seg_cap;
-  p.vec_ok = (reinterpret_cast<uintptr_t>(a.scores) % 16 == 0) && (a.row_stride % 4 == 0);
   if (plan.segments > 1) {
     TROUPE_REQUIRE(workspace != nullptr, "top-k: this row length needs a workspace");
     const size_t per = static_cast<size_t>(plan.segments) * a.k;

@@ -520,9 +520,9 @@ class Bench:
     # ---- the engine's indexer scoring: fp32 keys by row pointers --------------------------------
     def ragged(self):
         """The backend op's scoring (CudaBackend::indexer_topk's first step) over fp32 key rows named by
-        pointers into a pool (the engine's paged state: pages of 32 rows in random order), 64 heads x 128: the split-bf16 tensor-core form
-        and the fp32 CUDA-core form, each checked against float64, next to torch fp32 (gather, einsum,
-        head sum) in the same run."""
+        pointers into a pool (the engine's paged state: pages of 32 rows in random order), 64 heads x 128:
+        the split-bf16 tensor-core form and the fp32 CUDA-core form, each checked against float64, next to
+        torch fp32 (gather, einsum, head sum) in the same run."""
         L = self.lib
         H, D = 64, 128
         cases = [(256, 1), (4096, 1), (32768, 1), (262144, 1), (32768, 8), (4096, 64)]
@@ -552,11 +552,11 @@ class Bench:
             row = dict(kernel="indexer scores fp32 rows", shape=f"{n} keys x {B}")
             for form, name in ((2, "split"), (1, "fp32")):
                 def ours(i, form=form):
-                    L.tb_indexer_ragged(ptr(q), ptr(w), B, H, D, fl(scale), fl(wscale), vp(rows[i % nsets].data_ptr()),
-                                        ptr(offsets), n, ptr(scores), n, form, stream())
+                    return L.tb_indexer_ragged(ptr(q), ptr(w), B, H, D, fl(scale), fl(wscale),
+                                               vp(rows[i % nsets].data_ptr()), ptr(offsets), n, ptr(scores), n, form,
+                                               stream())
                 scores.fill_(float("nan"))
-                self.ok(L.tb_indexer_ragged(ptr(q), ptr(w), B, H, D, fl(scale), fl(wscale), vp(rows[0].data_ptr()),
-                                            ptr(offsets), n, ptr(scores), n, form, stream()), "ragged indexer")
+                self.ok(ours(0), "ragged indexer")
                 torch.cuda.synchronize()
                 err = rel_err(scores, ref)
                 if not (err < (1e-4 if form == 2 else 1e-5)):
@@ -677,10 +677,10 @@ def main():
     ap.add_argument("--seed", type=int, default=0,
                     help="each part's random inputs start from this seed (whatever parts ran before it)")
     args = ap.parse_args()
-    indexer_cases = [tuple(int(x) for x in c.split("x")) for c in args.indexer_cases.split(",") if c]
-    topk_cases = [tuple(int(x) for x in c.split("x")) for c in args.topk_cases.split(",") if c]
-    b = Bench(args.lib, args.quick, args.gemv_shapes, [int(v) for v in args.gemv_rows.split(",")], indexer_cases,
-              topk_cases)
+    def pairs(arg):  # "AxB,CxD" -> [(A, B), (C, D)]
+        return [tuple(int(x) for x in c.split("x")) for c in arg.split(",") if c]
+    b = Bench(args.lib, args.quick, args.gemv_shapes, [int(v) for v in args.gemv_rows.split(",")],
+              pairs(args.indexer_cases), pairs(args.topk_cases))
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     t0 = time.time()
     b.copy_bandwidth()

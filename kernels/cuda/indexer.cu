@@ -664,11 +664,15 @@ struct ScanShared {
   float* scores;
   FuseSmem* fs;
 };
-template <bool kFused, bool FP8, bool kQ8 = false>
-__device__ __forceinline__ ScanShared begin_scan(uint8_t* qs) {
+// The first two, and the barrier after them (every wgmma kernel, after its query's stores).
+__device__ __forceinline__ void scan_start() {
   fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy)
   asm volatile("griddepcontrol.launch_dependents;");
   __syncthreads();
+}
+template <bool kFused, bool FP8, bool kQ8 = false>
+__device__ __forceinline__ ScanShared begin_scan(uint8_t* qs) {
+  scan_start();
   const ScanShared sh{reinterpret_cast<float*>(qs + kScoreOffset<FP8, kQ8>),
                       reinterpret_cast<FuseSmem*>(qs + kScoreOffset<FP8, kQ8> + kFuseScoreBytes)};
   if constexpr (kFused) {
@@ -1050,11 +1054,16 @@ __global__ void __launch_bounds__(kSplitGroups * 128, 1)
   // the copies): this thread's logical channel pairs of the hi and lo tiles, split_channel's order.
   constexpr int kQPairs = 64 * kDim / 2 / (kSplitGroups * 128);
   const float* qg = q + static_cast<int64_t>(b) * heads * kDim;
+  auto qpair = [&](int x) {  // pair x of this thread: its head and first logical channel
+    const int i = threadIdx.x + x * kSplitGroups * 128;
+    return make_int2(i / (kDim / 2), 2 * (i % (kDim / 2)));
+  };
   float2 qv[kQPairs];
 #pragma unroll
   for (int x = 0; x < kQPairs; ++x) {
-    const int i = threadIdx.x + x * kSplitGroups * 128, h = i / (kDim / 2), k = 2 * (i % (kDim / 2));
-    qv[x] = h < heads ? *reinterpret_cast<const float2*>(qg + h * kDim + split_channel(k)) : make_float2(0.f, 0.f);
+    const int2 hk = qpair(x);
+    qv[x] = hk.x < heads ? *reinterpret_cast<const float2*>(qg + hk.x * kDim + split_channel(hk.y))
+                         : make_float2(0.f, 0.f);
   }
   const float* const* rows = keys.rows + begin;
   // This thread's two key rows of a unit (null past n). A row pointer loaded after a unit's copies
@@ -1097,16 +1106,14 @@ __global__ void __launch_bounds__(kSplitGroups * 128, 1)
   if (gw + 4 * W < units) rows_of(gw + 4 * W, rb);
 #pragma unroll
   for (int x = 0; x < kQPairs; ++x) {
-    const int i = threadIdx.x + x * kSplitGroups * 128, h = i / (kDim / 2), k = 2 * (i % (kDim / 2));
+    const int2 hk = qpair(x);
     uint32_t hi, lo;
     split_bf16x2(qv[x].x, qv[x].y, hi, lo);
-    const int at = swizzled(h, k >> 3) + 2 * (k & 7);
+    const int at = swizzled(hk.x, hk.y >> 3) + 2 * (hk.y & 7);
     *reinterpret_cast<uint32_t*>(qs + at) = hi;
     *reinterpret_cast<uint32_t*>(qlo + at) = lo;
   }
-  fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy)
-  asm volatile("griddepcontrol.launch_dependents;");
-  __syncthreads();
+  scan_start();
   float wv[16];
   ra_head_weights(w, b, heads, wscale, c, wv);
   float* out = scores + b * score_stride;
@@ -1476,7 +1483,7 @@ void indexer_scores_ragged(const float* q, const float* w, int64_t n_queries, in
     (void)split_attr;
     // One CTA an SM: a query's units over at most as many CTAs as leave every query one wave's share.
     static const int sms = sm_count();
-    const int64_t per_query = std::max<int64_t>(1, sms / std::max<int64_t>(n_queries, 1));
+    const int64_t per_query = std::max<int64_t>(1, sms / n_queries);
     const int64_t ctas = std::min(ceil_div(ceil_div(max_keys, kWgKeys), kSplitGroups), per_query);
     const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(n_queries));
     launch_kernel(indexer_split_kernel, grid, kSplitGroups * 128, kSplitSmem, stream, q, w, heads,

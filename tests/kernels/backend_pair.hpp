@@ -109,6 +109,24 @@ inline void record_error(const std::string& test, double rel) {
   error_log().emplace_back(test, rel);
 }
 
+// Reference indexer scores in double (for judging near-ties): query t's (q [t, heads, dim], w [t, heads])
+// against pool rows `rows`.
+inline std::vector<double> index_scores(const std::vector<float>& q, const std::vector<float>& w, int64_t t,
+                                        int heads, int64_t dim, const std::vector<float>& pool,
+                                        const std::vector<int64_t>& rows, float scale, float wscale) {
+  std::vector<double> s(rows.size());
+  for (size_t j = 0; j < rows.size(); ++j) {
+    double total = 0;
+    for (int h = 0; h < heads; ++h) {
+      double dot = 0;
+      for (int64_t i = 0; i < dim; ++i) dot += static_cast<double>(q[(t * heads + h) * dim + i]) * pool[rows[j] * dim + i];
+      total += std::max(dot, 0.0) * scale * w[t * heads + h] * wscale;
+    }
+    s[j] = total;
+  }
+  return s;
+}
+
 // A buffer mirrored on two backends.
 class Mirror {
  public:

@@ -333,23 +333,6 @@ TEST_F(CudaBackendTest, compress_matches_cpu_for_csa_and_hca_windows) {
   }
 }
 
-// Reference indexer scores in double (for judging near-ties).
-std::vector<double> index_scores(const std::vector<float>& q, const std::vector<float>& w, int64_t t, int heads,
-                                 int64_t dim, const std::vector<float>& pool, const std::vector<int64_t>& rows,
-                                 float scale, float wscale) {
-  std::vector<double> s(rows.size());
-  for (size_t j = 0; j < rows.size(); ++j) {
-    double total = 0;
-    for (int h = 0; h < heads; ++h) {
-      double dot = 0;
-      for (int64_t i = 0; i < dim; ++i) dot += static_cast<double>(q[(t * heads + h) * dim + i]) * pool[rows[j] * dim + i];
-      total += std::max(dot, 0.0) * scale * w[t * heads + h] * wscale;
-    }
-    s[j] = total;
-  }
-  return s;
-}
-
 TEST_F(CudaBackendTest, indexer_topk_picks_the_cpu_set) {
   struct Case {
     int heads;

@@ -808,16 +808,9 @@ TEST_F(CudaKernelsTest, indexer_ragged_forms_match_a_reference) {
     const float scale = 1.f / std::sqrt(static_cast<float>(dim)), wscale = 1.f / std::sqrt(static_cast<float>(c.heads));
     std::vector<float> ref(static_cast<size_t>(n * max_len), 0.f);
     for (int64_t t = 0; t < n; ++t) {
-      for (int64_t s = 0; s < c.lengths[t]; ++s) {
-        const float* key = pool.data() + row_id[offsets[t] + s] * dim;
-        double total_score = 0;
-        for (int h = 0; h < c.heads; ++h) {
-          double dot = 0;
-          for (int64_t i = 0; i < dim; ++i) dot += static_cast<double>(q[(t * c.heads + h) * dim + i]) * key[i];
-          total_score += std::max(dot, 0.0) * scale * w[t * c.heads + h] * wscale;
-        }
-        ref[t * max_len + s] = static_cast<float>(total_score);
-      }
+      const std::vector<int64_t> ids(row_id.begin() + offsets[t], row_id.begin() + offsets[t + 1]);
+      const std::vector<double> sc = index_scores(q, w, t, c.heads, dim, pool, ids, scale, wscale);
+      for (size_t s = 0; s < sc.size(); ++s) ref[t * max_len + s] = static_cast<float>(sc[s]);
     }
     const RaggedRows keys{dev(rows), dev(offsets), max_len};
     const float *gq = dev(q), *gw = dev(w);

@@ -251,10 +251,27 @@ __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// RoPE turn of one pair at `angle` (precise sincos: angles reach 1e6 rad).
+// sin and cos of a float angle of at least 105,615 rad, where sincosf leaves its fast path (a three-part
+// Cody-Waite reduction) for a Payne-Hanek one through local memory: the double form's fast path reaches
+// 2^31 rad, and its result rounded to float is at least as accurate. Out of line: rare at short context.
+static __device__ __noinline__ void sincos_far(float angle, float* s, float* c) {
+  double sd, cd;
+  sincos(static_cast<double>(angle), &sd, &cd);
+  *s = static_cast<float>(sd);
+  *c = static_cast<float>(cd);
+}
+
+// RoPE turn of one pair at `angle` (precise sincos: angles reach 1e6 rad, positions at 1M context).
+// kFar: angles from 105,615 rad through sincos_far (the rope kernel; the attention and compressor
+// kernels, whose code and registers are tuned, keep sincosf whatever the angle).
+template <bool kFar = false>
 __device__ __forceinline__ void rope_pair(float& a, float& b, float angle, float scale, bool inverse) {
   float s, c;
-  sincosf(angle, &s, &c);
+  if (!kFar || fabsf(angle) < 105615.f) {
+    sincosf(angle, &s, &c);
+  } else {
+    sincos_far(angle, &s, &c);
+  }
   c *= scale;
   s = (inverse ? -s : s) * scale;
   const float x = a, y = b;

@@ -589,7 +589,7 @@ __global__ void rope_kernel(float* x, int64_t rows, int heads, int64_t head_dim,
     const int64_t pair = i % half, rh = i / half, row = rh / heads;
     float* slice = x + rh * head_dim + (head_dim - rope.rope_dim);
     const float angle = rope.inv_freq[pair] * static_cast<float>(positions[row]);
-    rope_pair(slice[2 * pair], slice[2 * pair + 1], angle, rope.scale, inverse);
+    rope_pair<true>(slice[2 * pair], slice[2 * pair + 1], angle, rope.scale, inverse);
   }
 }
 

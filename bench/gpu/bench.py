@@ -71,14 +71,15 @@ def rel_err(got, ref):
 
 def attention_case(L, pool, B, n, H, qscale=1.0):
     """One attention call's inputs: B queries of H heads, each over n keys gathered at random from the rows of
-    `pool` (bf16, [rows, D]): q, the key indices, the row pointers, offsets, out and the workspace."""
+    `pool` (bf16 or fp32, [rows, D]): q, the key indices, the row pointers, offsets, out and the workspace."""
     D = pool.shape[1]
     q = torch.randn(B, H, D, device="cuda") * qscale
     idx = torch.randint(0, pool.shape[0], (B, n), device="cuda")
-    rows = pool.data_ptr() + idx.flatten() * D * 2
+    rows = pool.data_ptr() + idx.flatten() * D * pool.element_size()
     offsets = torch.arange(B + 1, dtype=torch.int64, device="cuda") * n
     out = torch.empty(B, H, D, device="cuda")
-    ws = torch.empty(max(L.tb_attention_ws(B, H, D, n, 0), 16), dtype=torch.uint8, device="cuda")
+    bf16_keys = int(pool.dtype == torch.bfloat16)
+    ws = torch.empty(max(L.tb_attention_ws(B, H, D, bf16_keys, n, 0), 16), dtype=torch.uint8, device="cuda")
     return q, idx, rows, offsets, out, ws
 
 
@@ -134,7 +135,7 @@ class Bench:
         L.tb_indexer_topk.argtypes = idx + [it, vp, vp, vp, vp]
         L.tb_indexer_topk_profiled.argtypes = idx + [it, vp, vp, vp, vp, vp]
         L.tb_attention_ws.restype = lg
-        L.tb_attention_ws.argtypes = [lg, it, lg, lg, it]
+        L.tb_attention_ws.argtypes = [lg, it, lg, it, lg, it]
         L.tb_attention.argtypes = [vp, lg, it, lg, it, vp, vp, lg, vp, fl, vp, it, vp, vp]
         L.tb_gemv.argtypes = [vp, lg, vp, lg, lg, it, vp, vp]
         L.tb_indexer_ragged.argtypes = [vp, vp, lg, it, lg, fl, fl, vp, vp, lg, vp, lg, it, vp]
@@ -578,20 +579,24 @@ class Bench:
     def attention(self):
         L = self.lib
         H, D = 64, 512
-        cases = [("CSA decode", 1, 640), ("CSA decode", 64, 640), ("HCA 1M decode", 1, 128 + 8192),
-                 ("HCA 1M decode", 64, 128 + 8192), ("CSA prefill", 2048, 640)]
+        # (name, queries, keys, bf16 keys): the last, fp32 key rows, is the engine's long-context HCA call
+        cases = [("CSA decode", 1, 640, 1), ("CSA decode", 64, 640, 1), ("HCA 1M decode", 1, 128 + 8192, 1),
+                 ("HCA 1M decode", 64, 128 + 8192, 1), ("CSA prefill", 2048, 640, 1),
+                 ("HCA 1M decode fp32 keys", 1, 128 + 8192, 0)]
         if self.quick:
             cases = cases[:3]
         pool_rows = 200000
-        pool = torch.randn(pool_rows, D, device="cuda").to(torch.bfloat16)
+        pool16 = torch.randn(pool_rows, D, device="cuda").to(torch.bfloat16)
+        pool32 = pool16.float() if any(c[3] == 0 for c in cases) else None
         sinks = torch.randn(H, device="cuda")
         scale = 1 / math.sqrt(D)
-        for name, B, n in cases:
+        for name, B, n, bf16_keys in cases:
+            pool = pool16 if bf16_keys else pool32
             q, idx, rows, offsets, out, ws = attention_case(L, pool, B, n, H, 0.5)
 
             def ours(i):
-                L.tb_attention(ptr(q), B, H, D, 1, ptr(rows), ptr(offsets), n, ptr(sinks), fl(scale), ptr(out), 0,
-                               ptr(ws), stream())
+                L.tb_attention(ptr(q), B, H, D, bf16_keys, ptr(rows), ptr(offsets), n, ptr(sinks), fl(scale),
+                               ptr(out), 0, ptr(ws), stream())
 
             def composed(qq, keys):
                 logits = torch.einsum("bhd,bnd->bhn", qq, keys).float() * scale
@@ -607,9 +612,9 @@ class Bench:
             if not err < 1e-2:
                 self.failures.append(f"attention {name} B={B}: rel err {err}")
             t_ours = graph_time(ours, calls=5 if B * n < 100000 else 2, reps=10)
-            t_torch = graph_time(lambda i: composed(q.bfloat16(), pool[idx]), calls=1, reps=5)
+            t_torch = graph_time(lambda i: composed(q.to(pool.dtype), pool[idx]), calls=1, reps=5)
             flops = 4.0 * B * H * n * D
-            bytes_ = B * n * D * 2
+            bytes_ = B * n * D * pool.element_size()
             self.add(kernel="attention " + name, shape=f"batch {B} keys {n} heads {H}x{D}", ours_us=t_ours,
                      torch_us=t_torch, speedup=t_torch / t_ours, tflops=flops / (t_ours * 1e-6) / 1e12,
                      gbps=bytes_ / (t_ours * 1e-6) / 1e9, rel_err=err)

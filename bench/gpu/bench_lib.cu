@@ -202,10 +202,9 @@ static AttentionArgs attention_args(const float* q, long n, int heads, long dim,
   return a;
 }
 
-long tb_attention_ws(long n, int heads, long dim, long max_keys, int splits) {
-  return static_cast<long>(
-      attention_workspace_bytes(attention_args(nullptr, n, heads, dim, 1, nullptr, nullptr, max_keys, nullptr, 1.f,
-                                               nullptr, splits)));
+long tb_attention_ws(long n, int heads, long dim, int bf16_keys, long max_keys, int splits) {
+  return static_cast<long>(attention_workspace_bytes(
+      attention_args(nullptr, n, heads, dim, bf16_keys, nullptr, nullptr, max_keys, nullptr, 1.f, nullptr, splits)));
 }
 
 int tb_attention(const float* q, long n, int heads, long dim, int bf16_keys, const void* const* rows,

@@ -26,11 +26,12 @@ def main():
     out = torch.empty(1, k, dtype=torch.int32, device="cuda")
     cnt = torch.empty(1, dtype=torch.int32, device="cuda")
     H = 64
-    if "topk" in parts:  # one row of 262,144
-        x = torch.randn(1, n, device="cuda")
-        ws = torch.zeros(16, dtype=torch.uint8, device="cuda")
+    if "topk" in parts:  # one row of 262,144 (PROFILE_TOPK_N: another length)
+        nt = int(os.environ.get("PROFILE_TOPK_N", n))
+        x = torch.randn(1, nt, device="cuda")
+        ws = torch.zeros(max(L.tb_topk_ws(1, nt, k, 0), 16), dtype=torch.uint8, device="cuda")
         for _ in range(2):
-            L.tb_topk(ptr(x), n, None, 1, n, k, ptr(out), ptr(cnt), ptr(ws), 0, stream())
+            L.tb_topk(ptr(x), nt, None, 1, nt, k, ptr(out), ptr(cnt), ptr(ws), 0, stream())
     if "indexer" in parts:  # indexer + top-k: 1M context, batch 1, bf16 keys, then e4m3 keys
         os.environ["TROUPE_INDEXER_FUSED"] = "1"  # the fused kernel (by default this length takes two kernels)
         D = 128
@@ -87,6 +88,13 @@ def main():
         for _ in range(2):
             L.tb_indexer_ragged(ptr(q), ptr(w), 1, H, D, fl(1 / math.sqrt(D)), fl(1 / 8), ptr(rows), ptr(offsets), n,
                                 ptr(scores), n, 2, stream())
+    if "gemv" in parts:  # lm_head (129,280 x 4,096 bf16) at 4 rows of x
+        n_out, dim, m = 129280, 4096, 4
+        wg = torch.randn(n_out, dim, device="cuda").to(torch.bfloat16)
+        xg = torch.randn(m, dim, device="cuda")
+        yg = torch.empty(m, n_out, device="cuda")
+        for _ in range(2):
+            L.tb_gemv(ptr(xg), m, ptr(wg), n_out, dim, 1, ptr(yg), stream())
     torch.cuda.synchronize()
     print("profile driver done")
 

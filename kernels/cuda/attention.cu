@@ -9,6 +9,7 @@
 // Then O goes through shared memory to 16-byte row stores. Shared-memory rows are padded by
 // 16 bytes so ldmatrix phases hit 32 banks.
 #include <algorithm>
+#include <cstdlib>
 
 #include "kernels/cuda/attention.hpp"
 #include "kernels/cuda/common.cuh"
@@ -16,7 +17,8 @@
 namespace troupe::kernels::cuda {
 namespace {
 
-constexpr int kHeads = 64;
+constexpr int kHeads = 64;        // the wide form's heads a CTA
+constexpr int kNarrowHeads = 16;  // the narrow form's (few queries: four times the CTAs, a quarter of Q and O each)
 constexpr int kKeys = 32;
 constexpr int kThreads = 256;
 constexpr float kLog2e = 1.4426950408889634f;
@@ -57,27 +59,34 @@ __device__ __forceinline__ void ldsm_x2_trans(uint32_t (&r)[2], const void* p) {
                : "r"(smem_u32(p)));
 }
 
-template <int DIM, bool BF16>
+template <int DIM, bool BF16, int HEADS>
 struct Layout {
+  static constexpr int kParts = 8 / (HEADS / 16);  // the score phase's channel parts (a warp each per m-tile)
   static constexpr int kRow = DIM + 8;          // bf16 elements per padded row
-  static constexpr int kQ = 0;                  // [64][kRow] bf16
-  static constexpr int kK = kQ + kHeads * kRow * 2;
+  static constexpr int kQ = 0;                  // [HEADS][kRow] bf16
+  static constexpr int kK = kQ + HEADS * kRow * 2;
   static constexpr int kKBufs = BF16 ? 2 : 1;   // bf16 keys: double buffer; fp32: one + staging
   static constexpr int kStage = kK + kKBufs * kKeys * kRow * 2;  // fp32 staging [32][DIM]
-  static constexpr int kS = kStage + (BF16 ? 0 : kKeys * DIM * 4);  // [2][64][33] fp32 (two channel halves)
-  static constexpr int kP = kS + 2 * kHeads * 33 * 4;               // [64][40] bf16
-  static constexpr int kAlpha = kP + kHeads * 40 * 2;               // [64] fp32
-  static constexpr int kML = kAlpha + kHeads * 4;                   // [64][2] fp32
-  static constexpr int kPtrs = kML + kHeads * 8;  // [2][32]: the row pointers of the next tile (ring)
+  static constexpr int kS = kStage + (BF16 ? 0 : kKeys * DIM * 4);  // [kParts][HEADS][33] fp32
+  static constexpr int kP = kS + kParts * HEADS * 33 * 4;           // [HEADS][40] bf16
+  static constexpr int kAlpha = kP + HEADS * 40 * 2;                // [HEADS] fp32
+  static constexpr int kML = kAlpha + HEADS * 4;                    // [HEADS][2] fp32
+  static constexpr int kPtrs = kML + HEADS * 8;  // [2][32]: the row pointers of the next tile (ring)
   static constexpr int kBytes = kPtrs + 2 * kKeys * 8;
 };
 
-template <int DIM, bool BF16>
-__global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) {
+// HEADS: 64 (the wide form) or 16 (the narrow form; DIM >= 128).
+template <int DIM, bool BF16, int HEADS>
+__global__ void __launch_bounds__(kThreads, HEADS == kHeads ? 1 : 2) attention_kernel(const Params p) {
   pdl_entry();  // see launch_kernel
-  using L = Layout<DIM, BF16>;
+  using L = Layout<DIM, BF16, HEADS>;
   constexpr int kRow = L::kRow;
   constexpr int kNTW = DIM / 64;  // n-tiles (8 channels) per warp in the PV phase
+  constexpr int kMT = HEADS / 16;               // m-tiles (16 heads)
+  constexpr int kChan = DIM / L::kParts;        // channels of a score-phase warp
+  constexpr int kSub = kThreads / HEADS;        // softmax threads a head row
+  constexpr int kKPT = kKeys / kSub;            // keys a softmax thread
+  static_assert(kChan % 16 == 0 && kKPT % 2 == 0, "the narrow form needs DIM >= 128");
   extern __shared__ __align__(16) uint8_t smem[];
   auto* Qs = reinterpret_cast<__nv_bfloat16*>(smem + L::kQ);
   auto* Ks0 = reinterpret_cast<__nv_bfloat16*>(smem + L::kK);
@@ -92,7 +101,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
   const int g = lane >> 2, c = lane & 3;
   const int split = blockIdx.x;
   const int64_t t = blockIdx.y;
-  const int h0 = blockIdx.z * kHeads;
+  const int h0 = blockIdx.z * HEADS;
   const int64_t kbeg = p.offsets[t];
   const int64_t n = p.offsets[t + 1] - kbeg;
   const int64_t beg = static_cast<int64_t>(split) * p.keys_per_split;
@@ -141,7 +150,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
 
   // Q (scaled into the log2 domain) -> bf16 rows; rows past `heads` are zero. Sixteen
   // 16-byte loads per thread in flight at a time (the loop is latency-bound otherwise).
-  constexpr int kQ4 = kHeads * DIM / 4;
+  constexpr int kQ4 = HEADS * DIM / 4;
   constexpr int kBatch = 16;
   for (int base = 0; base < kQ4; base += kBatch * kThreads) {
     float4 v[kBatch];
@@ -165,15 +174,16 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
     }
   }
 
-  // Softmax state of head row tid / 4 (each of the 4 threads keeps a copy).
-  const int srow = tid >> 2, ssub = tid & 3;
+  // Softmax state of head row tid / kSub (each of its kSub threads keeps a copy).
+  const unsigned utid = static_cast<unsigned>(tid);  // unsigned: / and % by powers of two are shifts and masks
+  const int srow = static_cast<int>(utid / kSub), ssub = static_cast<int>(utid % kSub);
   const bool has_sink = p.sinks != nullptr && split == 0 && h0 + srow < p.heads;
   float m_run = has_sink ? p.sinks[h0 + srow] * kLog2e : -INFINITY;
   float l_run = has_sink ? 1.f : 0.f;
 
-  float o[4][kNTW][4];
+  float o[kMT][kNTW][4];
 #pragma unroll
-  for (int mt = 0; mt < 4; ++mt)
+  for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
     for (int nt = 0; nt < kNTW; ++nt) o[mt][nt][0] = o[mt][nt][1] = o[mt][nt][2] = o[mt][nt][3] = 0.f;
 
@@ -200,18 +210,19 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
     const int64_t remaining = end - (beg + static_cast<int64_t>(tile) * kKeys);
     const int nvalid = remaining < kKeys ? static_cast<int>(remaining) : kKeys;
 
-    // ---- S = Q K^T: warp w takes m-tile w % 4 (16 heads), all 32 keys, channel half w / 4 ----
-    // (16 x 32 over half the channels: a quarter fewer shared-memory reads than 16 x 16 over all
-    // of them, which bounded this phase; the halves are summed by the softmax.)
+    // ---- S = Q K^T: warp w takes m-tile w % kMT (16 heads), all 32 keys, channel part w / kMT ----
+    // (wide form: 16 x 32 over half the channels, a quarter fewer shared-memory reads than 16 x 16
+    // over all of them, which bounded this phase; the parts are summed by the softmax.)
     {
-      const int mt = warp & 3, kh = warp >> 2;
+      const unsigned uw = static_cast<unsigned>(warp);
+      const int mt = static_cast<int>(uw % kMT), kh = static_cast<int>(uw / kMT);
       float s[4][4] = {};
       const int mi = lane >> 3;
       const __nv_bfloat16* qrow =
-          Qs + (16 * mt + (lane & 7) + ((mi & 1) ? 8 : 0)) * kRow + ((mi >> 1) ? 8 : 0) + kh * (DIM / 2);
-      const __nv_bfloat16* krow = Ks + ((lane & 7) + ((mi >> 1) ? 8 : 0)) * kRow + ((mi & 1) ? 8 : 0) + kh * (DIM / 2);
+          Qs + (16 * mt + (lane & 7) + ((mi & 1) ? 8 : 0)) * kRow + ((mi >> 1) ? 8 : 0) + kh * kChan;
+      const __nv_bfloat16* krow = Ks + ((lane & 7) + ((mi >> 1) ? 8 : 0)) * kRow + ((mi & 1) ? 8 : 0) + kh * kChan;
 #pragma unroll 4
-      for (int ks = 0; ks < DIM / 32; ++ks) {
+      for (int ks = 0; ks < kChan / 16; ++ks) {
         uint32_t a[4], b0[4], b1[4];
         ldsm_x4(a, qrow + ks * 16);
         ldsm_x4(b0, krow + ks * 16);
@@ -221,7 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
         mma_16816<true>(s[2], a, b1[0], b1[1]);
         mma_16816<true>(s[3], a, b1[2], b1[3]);
       }
-      float* Sh = Ss + kh * kHeads * 33;
+      float* Sh = Ss + kh * HEADS * 33;
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         const int col = 8 * nt + 2 * c;
@@ -233,39 +244,52 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
     }
     __syncthreads();
 
-    // ---- online softmax: row srow, keys 8 * ssub ... ----
+    // ---- online softmax: row srow, keys kKPT * ssub ... ----
     {
-      float sv[8];
+      float sv[kKPT];
       float mx = -INFINITY;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int k = 8 * ssub + j;
-        sv[j] = k < nvalid ? Ss[srow * 33 + k] + Ss[(kHeads + srow) * 33 + k] : -INFINITY;
+      for (int j = 0; j < kKPT; ++j) {
+        const int k = kKPT * ssub + j;
+        if constexpr (L::kParts == 2) {
+          sv[j] = k < nvalid ? Ss[srow * 33 + k] + Ss[(HEADS + srow) * 33 + k] : -INFINITY;
+        } else {
+          float v = Ss[srow * 33 + k];
+#pragma unroll
+          for (int part = 1; part < L::kParts; ++part) v += Ss[(part * HEADS + srow) * 33 + k];
+          sv[j] = k < nvalid ? v : -INFINITY;
+        }
         mx = fmaxf(mx, sv[j]);
       }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+#pragma unroll
+      for (int d = 1; d < kSub; d <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
       const float m_new = fmaxf(m_run, mx);
       float alpha = 1.f, sum = 0.f;
-      uint32_t packed[4];
+      uint32_t packed[kKPT / 2];
       if (m_new == -INFINITY) {
-        packed[0] = packed[1] = packed[2] = packed[3] = 0u;
+#pragma unroll
+        for (int j = 0; j < kKPT / 2; ++j) packed[j] = 0u;
       } else {
         alpha = exp2f(m_run - m_new);
-        float pv[8];
+        float pv[kKPT];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < kKPT; ++j) {
           pv[j] = exp2f(sv[j] - m_new);
           sum += pv[j];
         }
 #pragma unroll
-        for (int j = 0; j < 4; ++j) packed[j] = pack_bf16x2(pv[2 * j], pv[2 * j + 1]);
+        for (int j = 0; j < kKPT / 2; ++j) packed[j] = pack_bf16x2(pv[2 * j], pv[2 * j + 1]);
       }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+#pragma unroll
+      for (int d = 1; d < kSub; d <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, d);
       l_run = l_run * alpha + sum;
       m_run = m_new;
-      *reinterpret_cast<uint4*>(Ps + srow * 40 + 8 * ssub) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      if constexpr (kKPT == 8) {
+        *reinterpret_cast<uint4*>(Ps + srow * 40 + 8 * ssub) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kKPT / 2; ++j) reinterpret_cast<uint32_t*>(Ps + srow * 40 + kKPT * ssub)[j] = packed[j];
+      }
       if (ssub == 0) alpha_s[srow] = alpha;
     }
     __syncthreads();
@@ -273,7 +297,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
     // ---- O = O * alpha + P V for channels [warp * dim/8, ...) ----
     {
 #pragma unroll
-      for (int mt = 0; mt < 4; ++mt) {
+      for (int mt = 0; mt < kMT; ++mt) {
         const float a0 = alpha_s[16 * mt + g], a1 = alpha_s[16 * mt + g + 8];
 #pragma unroll
         for (int nt = 0; nt < kNTW; ++nt) {
@@ -287,9 +311,9 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
       const int cbase = warp * (DIM / 8);
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk) {
-        uint32_t a[4][4];
+        uint32_t a[kMT][4];
 #pragma unroll
-        for (int mt = 0; mt < 4; ++mt) {
+        for (int mt = 0; mt < kMT; ++mt) {
           ldsm_x4(a[mt], Ps + (16 * mt + (lane & 7) + ((mi & 1) ? 8 : 0)) * 40 + 16 * kk + ((mi >> 1) ? 8 : 0));
         }
         const __nv_bfloat16* vrow = Ks + (16 * kk + (lane & 7) + ((mi & 1) ? 8 : 0)) * kRow + cbase;
@@ -299,7 +323,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
             uint32_t b[4];
             ldsm_x4_trans(b, vrow + 16 * np + ((mi >> 1) ? 8 : 0));
 #pragma unroll
-            for (int mt = 0; mt < 4; ++mt) {
+            for (int mt = 0; mt < kMT; ++mt) {
               mma_16816<true>(o[mt][2 * np], a[mt], b[0], b[1]);
               mma_16816<true>(o[mt][2 * np + 1], a[mt], b[2], b[3]);
             }
@@ -310,7 +334,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
             uint32_t b[2];
             ldsm_x2_trans(b, vrow + 8 * nt);
 #pragma unroll
-            for (int mt = 0; mt < 4; ++mt) mma_16816<true>(o[mt][nt], a[mt], b[0], b[1]);
+            for (int mt = 0; mt < kMT; ++mt) mma_16816<true>(o[mt][nt], a[mt], b[0], b[1]);
           }
         }
       }
@@ -327,11 +351,11 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
   }
   __syncthreads();  // and every warp is done with Qs and Ks, which the staging reuses
   constexpr int kORow = DIM + 8;  // padded: the fragments' float2 stores hit distinct banks
-  static_assert(kHeads * kORow * 4 <= L::kS, "the O staging fits under the score tile");
+  static_assert(HEADS * kORow * 4 <= L::kS, "the O staging fits under the score tile");
   float* Os = reinterpret_cast<float*>(smem);
   const bool single = gridDim.x == 1;
 #pragma unroll
-  for (int mt = 0; mt < 4; ++mt) {
+  for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = 16 * mt + g + 8 * half;
@@ -346,7 +370,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
     }
   }
   __syncthreads();
-  const int rows = min(kHeads, p.heads - h0);
+  const int rows = min(HEADS, p.heads - h0);
   const bool derope = single && p.derope;
   const int64_t pos = derope ? p.positions[t] : 0;
   const int rope_begin = DIM - static_cast<int>(p.rope.rope_dim);
@@ -456,50 +480,100 @@ __global__ void __launch_bounds__(kCombineMaxThreads) combine_kernel(const Param
   }
 }
 
-// Key splits: the count with the least estimated time, in 1/16 of a tile's: waves x tiles a split
-// (one CTA an SM: the kernel's shared memory), plus for the combine a tile's time (its launch) and
-// a 16th of one a query-split (its partial rows, 256 KB read and written at 64 heads x 512); the
-// fewest on a tie, at least two tiles a split, at most 64. The first plan (enough CTAs to fill the
-// device twice) ran 64 queries in three waves: CSA 640 keys 114 -> 67 us, HCA 8,320 keys 669 -> 541
-// us in one; up to 256 splits at one query made the partials dominate (HCA 38 -> 53 us).
-int plan_splits(const AttentionArgs& a) {
-  if (a.splits > 0) return a.splits;
+// Whether the plan may choose the narrow form by itself (off until measured on the GPU).
+constexpr bool kNarrowByCost = false;
+
+// A call's form and key splits.
+struct Plan {
+  int heads_cta;  // kHeads (the wide form) or kNarrowHeads
+  int splits;
+  int64_t cost;   // estimated, in 1/16 of a wide tile's time
+};
+
+// The key splits of one form: the count with the least estimated time, in 1/16 of a wide tile's: waves
+// x tiles a split (the wide form one CTA an SM, its shared memory; the narrow form two with bf16 keys,
+// one with fp32 keys and their staging; its tile kNarrowTileCost of a wide one's 16), plus for the
+// combine a tile's time (its launch) and a 16th of one a query-split's 64 heads (their partial rows,
+// 256 KB read and written at 64 heads x 512); the fewest on a tie, at least two tiles a split, at most
+// 64. The first plan (enough CTAs to fill the device twice) ran 64 queries in three waves: CSA 640 keys
+// 114 -> 67 us, HCA 8,320 keys 669 -> 541 us in one; up to 256 splits at one query made the partials
+// dominate (HCA 38 -> 53 us).
+constexpr int64_t kNarrowTileCost = 8;
+Plan plan_form(const AttentionArgs& a, int heads_cta) {
   static const int sms = sm_count();
-  const int64_t blocks = std::max<int64_t>(1, a.n_queries * ceil_div(a.heads, kHeads));
+  const bool narrow = heads_cta == kNarrowHeads;
+  const int64_t per_sm = narrow && a.key_type == KeyType::bf16 ? 2 : 1, tile_cost = narrow ? kNarrowTileCost : 16;
+  const int64_t blocks = std::max<int64_t>(1, a.n_queries * ceil_div(a.heads, heads_cta));
   const int64_t tiles = std::max<int64_t>(1, ceil_div(a.max_keys, kKeys));
-  const int64_t most = std::clamp<int64_t>(ceil_div(tiles, 2), 1, 64);
-  int64_t best = 1, best_cost = INT64_MAX;
-  for (int64_t s = 1; s <= most; ++s) {
-    const int64_t cost =
-        16 * ceil_div(blocks * s, static_cast<int64_t>(sms)) * ceil_div(tiles, s) + (s > 1 ? 16 + blocks * s : 0);
-    if (cost < best_cost) {
-      best = s;
-      best_cost = cost;
-    }
+  auto cost = [&](int64_t s) {
+    return tile_cost * ceil_div(blocks * s, per_sm * sms) * ceil_div(tiles, s) +
+           (s > 1 ? 16 + blocks * s * heads_cta / kHeads : 0);
+  };
+  if (a.splits > 0) return {heads_cta, a.splits, cost(a.splits)};
+  // TROUPE_ATTENTION_SPLITS=N: N splits (at most one a tile) for calls of one query instead of the plan (an
+  // A/B switch for batch-1 decode)
+  static const int64_t forced = [] {
+    const char* e = std::getenv("TROUPE_ATTENTION_SPLITS");
+    return e == nullptr ? int64_t{0} : std::clamp<int64_t>(std::atoll(e), 0, 4096);
+  }();
+  if (forced > 0 && a.n_queries == 1) {
+    const int64_t s = std::min(forced, tiles);
+    return {heads_cta, static_cast<int>(s), cost(s)};
   }
-  return static_cast<int>(best);
+  const int64_t most = std::clamp<int64_t>(ceil_div(tiles, 2), 1, 64);
+  Plan best{heads_cta, 1, INT64_MAX};
+  for (int64_t s = 1; s <= most; ++s) {
+    const int64_t c = cost(s);
+    if (c < best.cost) best = {heads_cta, static_cast<int>(s), c};
+  }
+  return best;
 }
 
-template <int DIM, bool BF16>
+// The form: AttentionArgs::cta_heads, else TROUPE_ATTENTION_HEADS (16 or 64: an A/B switch), else the one
+// of least estimated time (the wide one on a tie); the narrow form needs dim >= 128.
+Plan plan(const AttentionArgs& a) {
+  static const int forced = [] {
+    const char* e = std::getenv("TROUPE_ATTENTION_HEADS");
+    const int v = e == nullptr ? 0 : std::atoi(e);
+    return v == kNarrowHeads || v == kHeads ? v : 0;
+  }();
+  const int want = a.cta_heads != 0 ? a.cta_heads : forced;
+  if (a.dim < 128 || want == kHeads) return plan_form(a, kHeads);
+  if (want == kNarrowHeads) return plan_form(a, kNarrowHeads);
+  const Plan wide = plan_form(a, kHeads);
+  if (!kNarrowByCost) return wide;
+  const Plan narrow = plan_form(a, kNarrowHeads);
+  return narrow.cost < wide.cost ? narrow : wide;
+}
+
+template <int DIM, bool BF16, int HEADS>
 void launch_dim(const Params& p, dim3 grid, cudaStream_t stream) {
-  using L = Layout<DIM, BF16>;
+  using L = Layout<DIM, BF16, HEADS>;
   static bool attr = [] {
-    TROUPE_CUDA(cudaFuncSetAttribute(attention_kernel<DIM, BF16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    TROUPE_CUDA(cudaFuncSetAttribute(attention_kernel<DIM, BF16, HEADS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      L::kBytes));
     return true;
   }();
   (void)attr;
-  launch_kernel(attention_kernel<DIM, BF16>, grid, kThreads, L::kBytes, stream, p);
+  launch_kernel(attention_kernel<DIM, BF16, HEADS>, grid, kThreads, L::kBytes, stream, p);
   TROUPE_LAUNCHED();
 }
 
 template <bool BF16>
-void launch(int64_t dim, const Params& p, dim3 grid, cudaStream_t stream) {
+void launch(int64_t dim, int heads_cta, const Params& p, dim3 grid, cudaStream_t stream) {
+  if (heads_cta == kNarrowHeads) {
+    switch (dim) {
+      case 128: return launch_dim<128, BF16, kNarrowHeads>(p, grid, stream);
+      case 256: return launch_dim<256, BF16, kNarrowHeads>(p, grid, stream);
+      case 512: return launch_dim<512, BF16, kNarrowHeads>(p, grid, stream);
+      default: TROUPE_REQUIRE(false, "attention: the 16-head form needs dim 128, 256 or 512");
+    }
+  }
   switch (dim) {
-    case 64: return launch_dim<64, BF16>(p, grid, stream);
-    case 128: return launch_dim<128, BF16>(p, grid, stream);
-    case 256: return launch_dim<256, BF16>(p, grid, stream);
-    case 512: return launch_dim<512, BF16>(p, grid, stream);
+    case 64: return launch_dim<64, BF16, kHeads>(p, grid, stream);
+    case 128: return launch_dim<128, BF16, kHeads>(p, grid, stream);
+    case 256: return launch_dim<256, BF16, kHeads>(p, grid, stream);
+    case 512: return launch_dim<512, BF16, kHeads>(p, grid, stream);
     default: TROUPE_REQUIRE(false, "attention: dim must be 64, 128, 256 or 512");
   }
 }
@@ -507,7 +581,7 @@ void launch(int64_t dim, const Params& p, dim3 grid, cudaStream_t stream) {
 }  // namespace
 
 size_t attention_workspace_bytes(const AttentionArgs& a) {
-  const int splits = plan_splits(a);
+  const int splits = plan(a).splits;
   if (splits <= 1) return 0;
   return static_cast<size_t>(splits) * a.n_queries * a.heads * (a.dim + 2) * 4 + 256;
 }
@@ -515,7 +589,8 @@ size_t attention_workspace_bytes(const AttentionArgs& a) {
 void attention(const AttentionArgs& a, void* workspace, cudaStream_t stream) {
   if (a.n_queries == 0) return;
   TROUPE_REQUIRE(a.n_queries <= 65535, "attention: at most 65535 queries per call");
-  const int splits = plan_splits(a);
+  const Plan pl = plan(a);
+  const int heads_cta = pl.heads_cta, splits = pl.splits;
   TROUPE_REQUIRE(splits <= 4096, "attention: at most 4096 key splits");
   Params p{};
   p.q = a.q;
@@ -538,11 +613,11 @@ void attention(const AttentionArgs& a, void* workspace, cudaStream_t stream) {
     p.part_ml = p.part_o + static_cast<int64_t>(splits) * a.n_queries * a.heads * a.dim;
   }
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(a.n_queries),
-                  static_cast<unsigned>(ceil_div(a.heads, kHeads)));
+                  static_cast<unsigned>(ceil_div(a.heads, heads_cta)));
   if (a.key_type == KeyType::bf16) {
-    launch<true>(a.dim, p, grid, stream);
+    launch<true>(a.dim, heads_cta, p, grid, stream);
   } else {
-    launch<false>(a.dim, p, grid, stream);
+    launch<false>(a.dim, heads_cta, p, grid, stream);
   }
   if (splits > 1) {
     launch_kernel(combine_kernel, dim3(static_cast<unsigned>(a.n_queries), static_cast<unsigned>(a.heads)),

@@ -2,8 +2,8 @@
 // rows (SWA window + selected CSA or all HCA entries, K = V shared head) plus a
 // per-head sink logit that only joins the denominator.
 //
-// One CTA owns 64 heads of one query (heads padded to 64) and a range of its
-// keys; 32-key tiles stream through shared memory (cp.async), S = Q K^T and
+// One CTA owns 64 heads of one query (heads padded to 64; or 16, the narrow form for
+// few queries) and a range of its keys; 32-key tiles stream through shared memory (cp.async), S = Q K^T and
 // O += P V run as mma.sync m16n8k16 with bf16 operands and fp32 accumulation,
 // with an online softmax in fp32. Long key lists are split over CTAs
 // (flash-decoding) and merged by a second kernel. Optionally the output's
@@ -36,6 +36,8 @@ struct AttentionArgs {
   const RopeTable* derope = nullptr; // optional inverse RoPE of the output at positions[t]
   const int64_t* positions = nullptr;
   int splits = 0;                    // key splits per query; 0 = automatic
+  int cta_heads = 0;                 // heads a CTA: 64, or 16 (dim >= 128: four times the CTAs, for few
+                                     // queries); 0 = automatic
 };
 
 size_t attention_workspace_bytes(const AttentionArgs& a);

@@ -506,9 +506,13 @@ void gemv_typed(const float* x, int64_t ldx, int64_t m, const WT* w, int64_t n, 
     // Since session 18 also 3-4 rows over 1,024 outputs or more that the device holds at one CTA an SM
     // (the 16-warp form below; run 18 call 5, m = 4 / 3: 2048 x 4096 10.0 -> 7.3 / 8.8 -> 7.2 us, 1024 x
     // 4096 7.4 -> 4.9 / 6.3 -> 4.9; over 512 outputs, 32 CTAs, slower: 4.1 -> 4.3 / 3.6 -> 4.4).
+    // Since session 26 also 3 rows over grids of more than two waves of 16-row tiles, the persistent form
+    // (run 26 call 3: lm_head m = 3 on gemv_core 295 us against cuBLAS's 245).
     static const int sms = sm_count();
     const bool one_wave_m = n >= 1024 && ceil_div(n, 16) <= sms;
-    const bool mma_wins = m > kGemvMaxRows || (m == kGemvMaxRows && n >= 4096) || (m >= 3 && one_wave_m);
+    const bool persist_m = ceil_div(n, 16) > 2 * static_cast<int64_t>(sms);
+    const bool mma_wins =
+        m > kGemvMaxRows || (m == kGemvMaxRows && n >= 4096) || (m >= 3 && (one_wave_m || persist_m));
     if (mma_wins && k % kMmaBlock == 0 && (group_rows == 0 || group_rows % 16 == 0) && gemv_mma_enabled()) {
       TROUPE_REQUIRE(ceil_div(m, 8) <= 65535, "gemv: too many rows");
       const dim3 grid(static_cast<unsigned>(ceil_div(n, 16)), static_cast<unsigned>(ceil_div(m, 8)));

@@ -87,13 +87,14 @@ TEST_F(CudaBackendTest, linear_matches_cpu_for_every_weight_type_and_shape) {
                           {17, 1024, 4096}, {64, 4096, 1024}, {300, 512, 256}, {2, 7, 12},
                           {4, 4096, 1024}, {3, 2500, 512}, {4, 2000, 512}, {4, 16400, 128}, {7, 1000, 320},
                           {2, 4096, 1024}, {2, 300, 256}, {3, 2048, 1024}, {4, 600, 512},
-                          {4, 16388, 1024}, {6, 4500, 4096}, {8, 4400, 6144}};
+                          {4, 16388, 1024}, {6, 4500, 4096}, {8, 4400, 6144}, {3, 4500, 4096}};
   // (3 x 2500, 4 x 600: x rows 3-4 on gemv_core's 4-row tiles (more outputs than one wave of 16-row tensor-core
   // CTAs, or fewer than 1,024); 3 x 2048 and 4 x 2000 on the tensor cores' one-wave form (16 warps); 4 and 7
   // rows on the tensor cores, three blocks in flight (4 x 4096, 7 x 1000: partial 16-row tiles) and two (4 x
   // 16400); 2 rows on the exact-row kernels, 4-row tiles and one-row tiles (2 x 300); the persistent tensor-core
   // form past two waves of tiles: 8 warps with x from global memory (4 x 16388, a partial last tile), 16 with x
-  // staged (6 x 4500 x 4096) and 16 with x from global memory (8 x 4400 x 6144: x too large to stage))
+  // staged (6 x 4500 x 4096; 3 rows too, 3 x 4500 x 4096) and 16 with x from global memory (8 x 4400 x 6144: x
+  // too large to stage))
   for (WeightType type : {WeightType::f32, WeightType::bf16, WeightType::f16}) {
     for (const auto& s : shapes) {
       SCOPED_TRACE("type " + std::to_string(static_cast<int>(type)) + " m " + std::to_string(s.m) + " n " +

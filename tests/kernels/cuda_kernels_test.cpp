@@ -839,9 +839,10 @@ TEST_F(CudaKernelsTest, indexer_ragged_forms_match_a_reference) {
 }
 
 // ---- attention --------------------------------------------------------------------------
+// Both forms (64 heads a CTA, and the narrow 16), with and without key splits, against the CPU; heads
+// that are no multiple of 16 or 64 leave the last CTA's rows past them unused.
 TEST_F(CudaKernelsTest, attention_with_bf16_keys_and_derotation_matches_cpu) {
   const int64_t dim = 512, rope_dim = 64, n = 5;
-  const int heads = 64;
   const std::vector<int64_t> lengths = {640, 128, 8320, 1, 0};
   const int64_t pool_rows = 9000;
   std::vector<float> pool = randn(pool_rows * dim, rng_);
@@ -850,7 +851,6 @@ TEST_F(CudaKernelsTest, attention_with_bf16_keys_and_derotation_matches_cpu) {
     pool_b[i] = bf16_bits(pool[i]);
     pool[i] = from_bf16(pool_b[i]);
   }
-  std::vector<float> q = randn(n * heads * dim, rng_, 0.5f), sinks = randn(heads, rng_);
   std::vector<int64_t> positions = {1000, 5, 1048000, 77, 3};
   std::vector<float> inv(rope_dim / 2);
   for (size_t i = 0; i < inv.size(); ++i) inv[i] = std::pow(160000.f, -2.f * i / rope_dim);
@@ -866,42 +866,48 @@ TEST_F(CudaKernelsTest, attention_with_bf16_keys_and_derotation_matches_cpu) {
     }
     offsets.push_back(static_cast<int64_t>(crows.size()));
   }
-  // CPU reference: attention, then the inverse RoPE of the output.
-  std::vector<float> ref(n * heads * dim);
-  const float scale = 1.f / std::sqrt(static_cast<float>(dim));
-  cpu_->attention(q.data(), n, heads, dim, {crows.data(), offsets.data()}, sinks.data(), scale, ref.data());
-  RopeTable rc{inv.data(), rope_dim, 1.f};
-  cpu_->rope(ref.data(), n, heads, dim, rc, positions.data(), true);
-
   float* d_inv = dev(inv);
-  RopeTable rg{d_inv, rope_dim, 1.f};
-  float* d_out = dev<float>(n * heads * dim);
-  std::vector<float> first;
-  for (int splits : {0, 1, 7}) {
-    poison(d_out, n * heads * dim * 4);
-    cuda::AttentionArgs a;
-    a.q = dev(q);
-    a.n_queries = n;
-    a.heads = heads;
-    a.dim = dim;
-    a.key_type = cuda::KeyType::bf16;
-    a.rows = dev(grows);
-    a.offsets = dev(offsets);
-    a.max_keys = *std::max_element(lengths.begin(), lengths.end());
-    a.sinks = dev(sinks);
-    a.scale = scale;
-    a.out = d_out;
-    a.derope = &rg;
-    a.positions = dev(positions);
-    a.splits = splits;
-    const size_t ws = cuda::attention_workspace_bytes(a);
-    cuda::attention(a, ws > 0 ? dev<char>(ws) : nullptr, stream());
-    const auto got = host(d_out, n * heads * dim);
-    EXPECT_CLOSE(got, ref, 1e-2);
-    if (first.empty()) {
-      first = got;
-    } else {
-      EXPECT_CLOSE(got, first, 5e-3);  // splitting the keys changes only rounding (P is bf16)
+  RopeTable rc{inv.data(), rope_dim, 1.f}, rg{d_inv, rope_dim, 1.f};
+  const float scale = 1.f / std::sqrt(static_cast<float>(dim));
+  for (int heads : {64, 40}) {
+    std::vector<float> q = randn(n * heads * dim, rng_, 0.5f), sinks = randn(heads, rng_);
+    // CPU reference: attention, then the inverse RoPE of the output.
+    std::vector<float> ref(n * heads * dim);
+    cpu_->attention(q.data(), n, heads, dim, {crows.data(), offsets.data()}, sinks.data(), scale, ref.data());
+    cpu_->rope(ref.data(), n, heads, dim, rc, positions.data(), true);
+    float* d_out = dev<float>(n * heads * dim);
+    std::vector<float> first;
+    for (int form : {64, 16}) {
+      for (int splits : {0, 1, 7}) {
+        SCOPED_TRACE("heads " + std::to_string(heads) + " form " + std::to_string(form) + " splits " +
+                     std::to_string(splits));
+        poison(d_out, n * heads * dim * 4);
+        cuda::AttentionArgs a;
+        a.q = dev(q);
+        a.n_queries = n;
+        a.heads = heads;
+        a.dim = dim;
+        a.key_type = cuda::KeyType::bf16;
+        a.rows = dev(grows);
+        a.offsets = dev(offsets);
+        a.max_keys = *std::max_element(lengths.begin(), lengths.end());
+        a.sinks = dev(sinks);
+        a.scale = scale;
+        a.out = d_out;
+        a.derope = &rg;
+        a.positions = dev(positions);
+        a.splits = splits;
+        a.cta_heads = form;
+        const size_t ws = cuda::attention_workspace_bytes(a);
+        cuda::attention(a, ws > 0 ? dev<char>(ws) : nullptr, stream());
+        const auto got = host(d_out, n * heads * dim);
+        EXPECT_CLOSE(got, ref, 1e-2);
+        if (first.empty()) {
+          first = got;
+        } else {
+          EXPECT_CLOSE(got, first, 5e-3);  // the form and the key splits change only rounding (P is bf16)
+        }
+      }
     }
   }
 }

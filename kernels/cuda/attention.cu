@@ -480,25 +480,23 @@ __global__ void __launch_bounds__(kCombineMaxThreads) combine_kernel(const Param
   }
 }
 
-// Whether the plan may choose the narrow form by itself (off until measured on the GPU).
-constexpr bool kNarrowByCost = false;
-
 // A call's form and key splits.
 struct Plan {
   int heads_cta;  // kHeads (the wide form) or kNarrowHeads
   int splits;
-  int64_t cost;   // estimated, in 1/16 of a wide tile's time
+  int64_t cost;   // estimated, in 1/16 of a wide tile's time (compares split counts of one form)
 };
 
 // The key splits of one form: the count with the least estimated time, in 1/16 of a wide tile's: waves
 // x tiles a split (the wide form one CTA an SM, its shared memory; the narrow form two with bf16 keys,
-// one with fp32 keys and their staging; its tile kNarrowTileCost of a wide one's 16), plus for the
+// one with fp32 keys and their staging; its tile kNarrowTileCost of a wide one's 16: run 26 call 4,
+// 64 queries of 640 keys, 20 narrow tiles a CTA at two an SM took 59 us, 10 wide ones 49), plus for the
 // combine a tile's time (its launch) and a 16th of one a query-split's 64 heads (their partial rows,
 // 256 KB read and written at 64 heads x 512); the fewest on a tie, at least two tiles a split, at most
 // 64. The first plan (enough CTAs to fill the device twice) ran 64 queries in three waves: CSA 640 keys
 // 114 -> 67 us, HCA 8,320 keys 669 -> 541 us in one; up to 256 splits at one query made the partials
 // dominate (HCA 38 -> 53 us).
-constexpr int64_t kNarrowTileCost = 8;
+constexpr int64_t kNarrowTileCost = 12;
 Plan plan_form(const AttentionArgs& a, int heads_cta) {
   static const int sms = sm_count();
   const bool narrow = heads_cta == kNarrowHeads;
@@ -529,8 +527,12 @@ Plan plan_form(const AttentionArgs& a, int heads_cta) {
   return best;
 }
 
-// The form: AttentionArgs::cta_heads, else TROUPE_ATTENTION_HEADS (16 or 64: an A/B switch), else the one
-// of least estimated time (the wide one on a tie); the narrow form needs dim >= 128.
+// The form: AttentionArgs::cta_heads, else TROUPE_ATTENTION_HEADS (16 or 64: an A/B switch), else the
+// narrow one where the wide plan's CTAs would fill less than half the device (a tile's time is mostly its
+// keys' round trip, not its 64 heads' math, so a lone query wants more CTAs with less each; run 26 call
+// 4, one query: CSA 640 keys 17.0 -> 10.4 us, HCA 8,320 keys 29.2 -> 27.2, 34.5 -> 32.2-34.0 with fp32
+// keys; with 64 queries the narrow form lost, 49 -> 59 and 367 -> 673 us, where the costs above, which
+// overweight the combine, chose it). The narrow form needs dim >= 128.
 Plan plan(const AttentionArgs& a) {
   static const int forced = [] {
     const char* e = std::getenv("TROUPE_ATTENTION_HEADS");
@@ -540,10 +542,10 @@ Plan plan(const AttentionArgs& a) {
   const int want = a.cta_heads != 0 ? a.cta_heads : forced;
   if (a.dim < 128 || want == kHeads) return plan_form(a, kHeads);
   if (want == kNarrowHeads) return plan_form(a, kNarrowHeads);
+  static const int64_t sms = sm_count();
   const Plan wide = plan_form(a, kHeads);
-  if (!kNarrowByCost) return wide;
-  const Plan narrow = plan_form(a, kNarrowHeads);
-  return narrow.cost < wide.cost ? narrow : wide;
+  const int64_t ctas = a.n_queries * ceil_div(a.heads, kHeads) * wide.splits;
+  return 2 * ctas < sms ? plan_form(a, kNarrowHeads) : wide;
 }
 
 template <int DIM, bool BF16, int HEADS>

@@ -403,32 +403,44 @@ __global__ void __launch_bounds__(kThreads, HEADS == kHeads ? 1 : 2) attention_k
   }
 }
 
-// Merges the splits of (query, head): O = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s.
+// Merges the splits of (query, head): O = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s, a CTA
+// each (query, head, column range of `cols`: few queries take the rows in several ranges, so
+// that the CTAs fill the device; one query, 64 heads: four of 128 columns).
 // The splits' (m, l) into shared memory first, every split's in one round trip (a thread
-// a split); then `groups` groups of dim / 4 threads each sum every groups-th split's
-// partial row (a float4 of channels a thread, kCombineUnroll splits' loads in flight, no
-// branch on loaded data), merged through shared memory. groups grows with the splits (a
-// group per kCombineUnroll splits, at most 512 threads): few splits (many queries) keep
-// small CTAs. (It was a thread a channel pair walking the splits, two dependent round
-// trips a split: ~25 of the 60 us of a batch-1 decode over 8,320 keys in 64 splits.)
+// a split), M and the denominator by the first warp; then `groups` groups of cols / 4 threads
+// each sum every groups-th split's partial row (a float4 of channels a thread,
+// kCombineUnroll splits' loads in flight, no branch on loaded data), merged through shared
+// memory. groups grows with the splits (a group per kCombineUnroll splits, at most 512
+// threads): few splits (many queries) keep small CTAs. (It was a thread a channel pair
+// walking the splits, two dependent round trips a split: ~25 of the 60 us of a batch-1
+// decode over 8,320 keys in 64 splits.)
 constexpr int kCombineMaxThreads = 512;
 constexpr int kCombineUnroll = 4;
-int combine_groups(int splits, int64_t dim) {
-  const int most = std::max<int>(1, kCombineMaxThreads / static_cast<int>(dim / 4));
+int combine_groups(int splits, int64_t cols) {
+  const int most = std::max<int>(1, kCombineMaxThreads / static_cast<int>(cols / 4));
   return std::clamp<int>(static_cast<int>(ceil_div(splits, kCombineUnroll)), 1, most);
 }
-size_t combine_smem(int splits, int64_t dim) {
-  return (2 * static_cast<size_t>(splits) + 4 + static_cast<size_t>(combine_groups(splits, dim)) * dim) * 4;
+// Columns a combine CTA: the row halved while the CTAs would still fit the device twice over (ranges of
+// at least 64 columns).
+int64_t combine_cols(int64_t rows, int64_t dim) {
+  static const int64_t sms = sm_count();
+  int64_t cols = dim;
+  while (cols % 128 == 0 && rows * (dim / cols) * 2 <= 2 * sms) cols /= 2;
+  return cols;
 }
-__global__ void __launch_bounds__(kCombineMaxThreads) combine_kernel(const Params p, int splits, int dim) {
+size_t combine_smem(int splits, int64_t cols) {
+  return (2 * static_cast<size_t>(splits) + 4 + static_cast<size_t>(combine_groups(splits, cols)) * cols) * 4;
+}
+__global__ void __launch_bounds__(kCombineMaxThreads) combine_kernel(const Params p, int splits, int dim, int cols) {
   pdl_entry();  // see launch_kernel
-  extern __shared__ __align__(16) float cs[];  // [splits] m, [splits] l, [groups][dim] sums
+  extern __shared__ __align__(16) float cs[];  // [splits] m, [splits] l, [groups][cols] sums
   float* m_s = cs;
   float* l_s = cs + splits;
   float* sums = cs + ((2 * splits + 3) & ~3);  // 16-byte aligned
-  const int per_group = dim / 4, groups = blockDim.x / per_group;
+  __shared__ float max_inv[2];
+  const int per_group = cols / 4, groups = blockDim.x / per_group;
   const int64_t t = blockIdx.x;
-  const int h = blockIdx.y, tid = threadIdx.x;
+  const int h = blockIdx.y, tid = threadIdx.x, col0 = blockIdx.z * cols;
   auto row = [&](int s) { return (static_cast<int64_t>(s) * p.n_queries + t) * p.heads + h; };
   for (int s = tid; s < splits; s += blockDim.x) {
     const float2 ml = *reinterpret_cast<const float2*>(p.part_ml + row(s) * 2);
@@ -436,12 +448,23 @@ __global__ void __launch_bounds__(kCombineMaxThreads) combine_kernel(const Param
     l_s[s] = ml.y;
   }
   __syncthreads();
-  float mx = -INFINITY;
-  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, m_s[s]);
+  if (tid < 32) {  // M and 1 / sum_s 2^(m_s - M) l_s, a lane every 32nd split
+    float mx = -INFINITY;
+    for (int s = tid; s < splits; s += 32) mx = fmaxf(mx, m_s[s]);
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
+    float l = 0.f;
+    for (int s = tid; s < splits; s += 32) l += m_s[s] > -INFINITY ? exp2f(m_s[s] - mx) * l_s[s] : 0.f;
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) l += __shfl_xor_sync(0xffffffffu, l, d);
+    if (tid == 0) {
+      max_inv[0] = mx;
+      max_inv[1] = l > 0.f ? 1.f / l : 0.f;
+    }
+  }
+  __syncthreads();
+  const float mx = max_inv[0], inv = max_inv[1];
   auto weight = [&](int s) { return m_s[s] > -INFINITY ? exp2f(m_s[s] - mx) : 0.f; };
-  float l = 0.f;
-  for (int s = 0; s < splits; ++s) l += weight(s) * l_s[s];
-  const float inv = l > 0.f ? 1.f / l : 0.f;
   const int grp = tid / per_group, c4 = tid % per_group;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int s0 = grp; s0 < splits; s0 += groups * kCombineUnroll) {
@@ -449,7 +472,8 @@ __global__ void __launch_bounds__(kCombineMaxThreads) combine_kernel(const Param
 #pragma unroll
     for (int u = 0; u < kCombineUnroll; ++u) {
       const int s = s0 + u * groups;
-      v[u] = s < splits ? reinterpret_cast<const float4*>(p.part_o + row(s) * dim)[c4] : make_float4(0.f, 0.f, 0.f, 0.f);
+      v[u] = s < splits ? reinterpret_cast<const float4*>(p.part_o + row(s) * dim + col0)[c4]
+                        : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
     for (int u = 0; u < kCombineUnroll; ++u) {
@@ -461,18 +485,19 @@ __global__ void __launch_bounds__(kCombineMaxThreads) combine_kernel(const Param
       acc.w = fmaf(w, v[u].w, acc.w);
     }
   }
-  reinterpret_cast<float4*>(sums + grp * dim)[c4] = acc;
+  reinterpret_cast<float4*>(sums + grp * cols)[c4] = acc;
   __syncthreads();
   const int64_t pos = p.derope ? p.positions[t] : 0;
   const int rope_begin = dim - static_cast<int>(p.rope.rope_dim);
-  for (int col = 2 * tid; col < dim; col += 2 * blockDim.x) {
+  for (int c = 2 * tid; c < cols; c += 2 * blockDim.x) {
     float x = 0.f, y = 0.f;
     for (int g = 0; g < groups; ++g) {
-      x += sums[g * dim + col];
-      y += sums[g * dim + col + 1];
+      x += sums[g * cols + c];
+      y += sums[g * cols + c + 1];
     }
     x *= inv;
     y *= inv;
+    const int col = col0 + c;
     if (p.derope && col >= rope_begin) {
       rope_pair(x, y, p.rope.inv_freq[(col - rope_begin) / 2] * static_cast<float>(pos), p.rope.scale, true);
     }
@@ -622,9 +647,12 @@ void attention(const AttentionArgs& a, void* workspace, cudaStream_t stream) {
     launch<false>(a.dim, heads_cta, p, grid, stream);
   }
   if (splits > 1) {
-    launch_kernel(combine_kernel, dim3(static_cast<unsigned>(a.n_queries), static_cast<unsigned>(a.heads)),
-                  static_cast<unsigned>(combine_groups(splits, a.dim) * (a.dim / 4)), combine_smem(splits, a.dim), stream,
-                  p, splits, static_cast<int>(a.dim));
+    const int64_t cols = combine_cols(a.n_queries * a.heads, a.dim);
+    launch_kernel(combine_kernel,
+                  dim3(static_cast<unsigned>(a.n_queries), static_cast<unsigned>(a.heads),
+                       static_cast<unsigned>(a.dim / cols)),
+                  static_cast<unsigned>(combine_groups(splits, cols) * (cols / 4)), combine_smem(splits, cols), stream, p,
+                  splits, static_cast<int>(a.dim), static_cast<int>(cols));
     TROUPE_LAUNCHED();
   }
 }

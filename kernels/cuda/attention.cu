@@ -564,6 +564,8 @@ Plan plan(const AttentionArgs& a) {
     const int v = e == nullptr ? 0 : std::atoi(e);
     return v == kNarrowHeads || v == kHeads ? v : 0;
   }();
+  TROUPE_REQUIRE(a.cta_heads == 0 || a.cta_heads == kHeads || a.cta_heads == kNarrowHeads,
+                 "attention: cta_heads must be 0 (automatic), 64 or 16");
   const int want = a.cta_heads != 0 ? a.cta_heads : forced;
   if (a.dim < 128 || want == kHeads) return plan_form(a, kHeads);
   if (want == kNarrowHeads) return plan_form(a, kNarrowHeads);

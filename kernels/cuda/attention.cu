@@ -251,14 +251,13 @@ __global__ void __launch_bounds__(kThreads, HEADS == kHeads ? 1 : 2) attention_k
 #pragma unroll
       for (int j = 0; j < kKPT; ++j) {
         const int k = kKPT * ssub + j;
-        if constexpr (L::kParts == 2) {
-          sv[j] = k < nvalid ? Ss[srow * 33 + k] + Ss[(HEADS + srow) * 33 + k] : -INFINITY;
-        } else {
+        auto parts_sum = [&] {  // read only for valid keys
           float v = Ss[srow * 33 + k];
 #pragma unroll
           for (int part = 1; part < L::kParts; ++part) v += Ss[(part * HEADS + srow) * 33 + k];
-          sv[j] = k < nvalid ? v : -INFINITY;
-        }
+          return v;
+        };
+        sv[j] = k < nvalid ? parts_sum() : -INFINITY;
         mx = fmaxf(mx, sv[j]);
       }
 #pragma unroll
@@ -509,7 +508,6 @@ __global__ void __launch_bounds__(kCombineMaxThreads) combine_kernel(const Param
 struct Plan {
   int heads_cta;  // kHeads (the wide form) or kNarrowHeads
   int splits;
-  int64_t cost;   // estimated, in 1/16 of a wide tile's time (compares split counts of one form)
 };
 
 // The key splits of one form: the count with the least estimated time, in 1/16 of a wide tile's: waves
@@ -532,24 +530,24 @@ Plan plan_form(const AttentionArgs& a, int heads_cta) {
     return tile_cost * ceil_div(blocks * s, per_sm * sms) * ceil_div(tiles, s) +
            (s > 1 ? 16 + blocks * s * heads_cta / kHeads : 0);
   };
-  if (a.splits > 0) return {heads_cta, a.splits, cost(a.splits)};
+  if (a.splits > 0) return {heads_cta, a.splits};
   // TROUPE_ATTENTION_SPLITS=N: N splits (at most one a tile) for calls of one query instead of the plan (an
   // A/B switch for batch-1 decode)
   static const int64_t forced = [] {
     const char* e = std::getenv("TROUPE_ATTENTION_SPLITS");
     return e == nullptr ? int64_t{0} : std::clamp<int64_t>(std::atoll(e), 0, 4096);
   }();
-  if (forced > 0 && a.n_queries == 1) {
-    const int64_t s = std::min(forced, tiles);
-    return {heads_cta, static_cast<int>(s), cost(s)};
-  }
+  if (forced > 0 && a.n_queries == 1) return {heads_cta, static_cast<int>(std::min(forced, tiles))};
   const int64_t most = std::clamp<int64_t>(ceil_div(tiles, 2), 1, 64);
-  Plan best{heads_cta, 1, INT64_MAX};
+  int64_t best = 1, best_cost = INT64_MAX;
   for (int64_t s = 1; s <= most; ++s) {
     const int64_t c = cost(s);
-    if (c < best.cost) best = {heads_cta, static_cast<int>(s), c};
+    if (c < best_cost) {
+      best = s;
+      best_cost = c;
+    }
   }
-  return best;
+  return {heads_cta, static_cast<int>(best)};
 }
 
 // The form: AttentionArgs::cta_heads, else TROUPE_ATTENTION_HEADS (16 or 64: an A/B switch), else the

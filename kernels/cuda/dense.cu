@@ -155,7 +155,9 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const float* x, int6
 // gemv_core's FMAs cost 4-8 instructions a weight at 4-8 rows of x, so it fell below the memory
 // rate there (m = 4: 53 % of copy, m = 8 on lm_head 619 us); the tensor cores take those products
 // off the issue slots. Two or three blocks of weights a warp are in flight (registers: kAhead); a
-// form with a ring of four blocks in shared memory (cp.async) measured ~2x slower and was not kept.
+// form with a ring of four blocks in shared memory (cp.async) measured ~2x slower and was not kept
+// (session 16; gemv_mma_ring_kernel's per-warp ring of six blocks with whole-line copies, session 27,
+// is faster past one wave of tiles).
 // A CTA computes 16 output rows for 8 rows of x (zero past m):
 // A = the 16 weight rows, B = x's rows as columns; its 8 warps split k in blocks of 64 (warp w:
 // blocks w, w + 8, ...) and sum their 16 x 8 tiles in shared memory in a fixed order. In a block,
@@ -391,6 +393,104 @@ __global__ void __launch_bounds__(kWarps * 32, kWarps == 16 ? 1 : 3)
   }
 }
 
+// The persistent form with each warp's weight blocks in flight in a ring of kSlots blocks in shared memory
+// (cp.async) instead of registers: the register ring held gemv_mma_persist_kernel to four blocks a warp
+// (128 KB an SM in flight, ~4.0 TB/s on lm_head whatever the math: 256 us with the mma replaced by an
+// xor, run 27 call 1), and each of its load instructions covered half of 8 rows' 128-byte lines (whole
+// lines of 4 rows: 264 -> 257 us). Here lane l copies chunk l & 7 (16 bytes) of rows (l >> 3) + 4q of a
+// block, whole lines a copy instruction, and reads back the lanes' mma layout (rows g and g + 8, chunks c
+// and 4 + c) after its wait and a warp barrier; row r's chunk j lies at j ^ 4 (r & 1) so that the reads'
+// 8-lane phases (rows g, g + 1) meet no bank twice. x's words of the warp's blocks (at most kRingXBlocks a
+// tile: k <= 4,096) stay in registers for the whole kernel (read from x for every block instead, at k = 6,144:
+// 8192 x 6144 m = 3 28.3 -> 30.3 us against the register ring's; not kept). Tiles, sums and barriers as in
+// gemv_mma_persist_kernel.
+constexpr int kRingSlots = 6, kRingXBlocks = 4;
+__global__ void __launch_bounds__(512, 1)
+    gemv_mma_ring_kernel(const float* x, int64_t ldx, int64_t m, const __nv_bfloat16* w, int64_t n, int64_t k,
+                         float* y, int64_t ldy, float beta) {
+  // pdl-prologue: w (the first weights are copied before pdl_entry: no kernel writes them)
+  constexpr int kWarps = 16, kSlots = kRingSlots;
+  __shared__ float part[2][kWarps][4][32];
+  extern __shared__ uint4 ring[];  // [warp][slot][16 rows][8 chunks]
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * 8;
+  const int mh = m - m0 < 8 ? static_cast<int>(m - m0) : 8;
+  const int64_t blocks = k / kMmaBlock, tiles = (n + 15) / 16;
+  const int64_t my_tiles = (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x;
+  const int nb = static_cast<int>((blocks - warp + kWarps - 1) / kWarps);  // this warp's blocks a tile
+  const int64_t items = my_tiles * nb;
+  const bool xok = g < mh;
+  uint4* const mine = ring + warp * kSlots * 128;
+  const int cr = lane >> 3, cj = lane & 7, sw = (g & 1) << 2;
+  int64_t cti = 0;  // the next item to copy: this CTA's tile cti, this warp's block cjb of it
+  int cjb = 0;
+  auto copy_item = [&](int slot) {
+    const int64_t row0 = (blockIdx.x + cti * gridDim.x) * 16;
+    const int64_t o = (warp + static_cast<int64_t>(cjb) * kWarps) * kMmaBlock + 8 * cj;
+    uint4* dst = mine + slot * 128 + (cj ^ ((cr & 1) << 2));
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int r = cr + 4 * q;
+      const bool ok = row0 + r < n;
+      cp_async16(dst + r * 8, ok ? w + (row0 + r) * k + o : w, ok);
+    }
+    if (++cjb == nb) cjb = 0, ++cti;
+  };
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) {  // weights are no kernel's output: copied before the wait
+    if (s < items) copy_item(s);
+    cp_async_commit();
+  }
+  pdl_entry();
+  const float* xr = x + (m0 + g) * ldx + 8 * c + warp * kMmaBlock;
+  uint32_t xh[kRingXBlocks][8], xl[kRingXBlocks][8];
+#pragma unroll
+  for (int j = 0; j < kRingXBlocks; ++j) x_words(xr + j * kWarps * kMmaBlock, xok && j < nb, xh[j], xl[j]);
+  float d[4] = {0.f, 0.f, 0.f, 0.f};
+  int slot = 0;
+  int64_t i = 0;
+  // One block: item i's weights from its slot (after its group's wait), the slot refilled, the products.
+  auto step = [&](const uint32_t (&hi)[8], const uint32_t (&lo)[8]) {
+    cp_async_wait<kSlots - 1>();  // item i's group (one group an item, empty ones past the end)
+    __syncwarp();
+    const uint4* src = mine + slot * 128;
+    const uint4 cur[4] = {src[g * 8 + (c ^ sw)], src[g * 8 + ((4 + c) ^ sw)], src[(g + 8) * 8 + (c ^ sw)],
+                          src[(g + 8) * 8 + ((4 + c) ^ sw)]};
+    __syncwarp();  // every lane has read the slot before it is copied over
+    if (i + kSlots < items) copy_item(slot);
+    cp_async_commit();
+    mma_block(d, cur, hi, lo);
+    if (++slot == kSlots) slot = 0;
+    ++i;
+  };
+  for (int64_t ti = 0; ti < my_tiles; ++ti) {
+#pragma unroll
+    for (int j = 0; j < kRingXBlocks; ++j) {
+      if (j < nb) step(xh[j], xl[j]);
+    }
+    float(&pt)[kWarps][4][32] = part[ti & 1];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      pt[warp][u][lane] = d[u];
+      d[u] = 0.f;
+    }
+    __syncthreads();  // (part[ti & 1] was last read before the previous tile's barrier)
+    if (threadIdx.x < 128) {  // d[u] of lane l: row g(l) + 8 (u / 2), column 2 c(l) + u % 2
+      const int u = threadIdx.x >> 5, l = threadIdx.x & 31;
+      float sum = 0.f;
+#pragma unroll
+      for (int v = 0; v < kWarps; ++v) sum += pt[v][u][l];
+      const int64_t row = (blockIdx.x + ti * gridDim.x) * 16 + (l >> 2) + 8 * (u >> 1);
+      const int col = 2 * (l & 3) + (u & 1);
+      if (row < n && col < mh) {
+        float* yy = y + (m0 + col) * ldy + row;
+        *yy = beta == 0.f ? sum : sum + beta * *yy;
+      }
+    }
+  }
+  cp_async_wait<0>();
+}
+
 struct MultiSegments {
   const void* w[kMultiMax];
   float* y[kMultiMax];
@@ -472,7 +572,34 @@ void launch_persist(const float* x, int64_t ldx, int64_t m, const __nv_bfloat16*
 // us, 16384 x 4096 42 / 43 -> 36 / 37 (x from global memory instead: 267 / 284, 37 / 37; 8 warps at three
 // CTAs an SM with x staged: 395 at 4 rows). Fewer blocks (k 1,024-4,032): 8 warps two ahead at three
 // CTAs an SM, x from global memory (32768 x 1024 22 -> 18.5, 8192 x 1024 7.5 -> 6.5-6.9; 16 warps
-// there, one block a warp a tile, barrier-bound: 19.4, 7.3).
+// there, one block a warp a tile, barrier-bound: 19.4, 7.3). Since session 27 the shared-memory ring
+// takes k of 2,048 to 4,096 (gemv_typed), so these run at k < 2,048 and k > 4,096 (and with
+// TROUPE_GEMV_RING=0).
+
+// TROUPE_GEMV_RING=0: gemv_mma_ring_kernel's shapes on the forms before it (an A/B switch).
+bool gemv_ring_enabled() {
+  static const bool on = !env_off("TROUPE_GEMV_RING");
+  return on;
+}
+
+// gemv_mma_ring_kernel over the device at one CTA an SM (or one a tile).
+void launch_ring(const float* x, int64_t ldx, int64_t m, const __nv_bfloat16* w, int64_t n, int64_t k, float* y,
+                 int64_t ldy, float beta, cudaStream_t s) {
+  auto* kernel = gemv_mma_ring_kernel;
+  constexpr size_t smem = static_cast<size_t>(16) * kRingSlots * 2048;
+  static const int64_t ctas = [&] {
+    TROUPE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    int per = 0;
+    TROUPE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kernel, 512, smem));
+    TROUPE_REQUIRE(per >= 1, "gemv: the ring kernel does not fit an SM");
+    return static_cast<int64_t>(per) * sm_count();
+  }();
+  TROUPE_REQUIRE(ceil_div(m, 8) <= 65535, "gemv: too many rows");
+  const dim3 grid(static_cast<unsigned>(std::min(ceil_div(n, 16), ctas)), static_cast<unsigned>(ceil_div(m, 8)));
+  launch_kernel(kernel, grid, 512, smem, s, x, ldx, m, w, n, k, y, ldy, beta);
+  TROUPE_LAUNCHED();
+}
+
 void gemv_mma_persist(const float* x, int64_t ldx, int64_t m, const __nv_bfloat16* w, int64_t n, int64_t k, float* y,
                       int64_t ldy, float beta, cudaStream_t s) {
   const size_t xs = static_cast<size_t>(4 * std::min<int64_t>(m, 8)) * static_cast<size_t>(k);
@@ -507,12 +634,12 @@ void gemv_typed(const float* x, int64_t ldx, int64_t m, const WT* w, int64_t n, 
     // (the 16-warp form below; run 18 call 5, m = 4 / 3: 2048 x 4096 10.0 -> 7.3 / 8.8 -> 7.2 us, 1024 x
     // 4096 7.4 -> 4.9 / 6.3 -> 4.9; over 512 outputs, 32 CTAs, slower: 4.1 -> 4.3 / 3.6 -> 4.4).
     // Since session 26 also 3 rows over grids of more than two waves of 16-row tiles, the persistent form
-    // (run 26 call 3: lm_head m = 3 on gemv_core 295 us against cuBLAS's 245).
+    // (run 26 call 3: lm_head m = 3 on gemv_core 295 us against cuBLAS's 245); since session 27 3 rows over
+    // >= 4,096 outputs (run 27 call 1: 4096 x 4096 13.5 -> 12.9 us).
     static const int sms = sm_count();
     const bool one_wave_m = n >= 1024 && ceil_div(n, 16) <= sms;
     const bool persist_m = ceil_div(n, 16) > 2 * static_cast<int64_t>(sms);
-    const bool mma_wins =
-        m > kGemvMaxRows || (m == kGemvMaxRows && n >= 4096) || (m >= 3 && (one_wave_m || persist_m));
+    const bool mma_wins = m > kGemvMaxRows || (m >= 3 && (n >= 4096 || one_wave_m || persist_m));
     if (mma_wins && k % kMmaBlock == 0 && (group_rows == 0 || group_rows % 16 == 0) && gemv_mma_enabled()) {
       TROUPE_REQUIRE(ceil_div(m, 8) <= 65535, "gemv: too many rows");
       const dim3 grid(static_cast<unsigned>(ceil_div(n, 16)), static_cast<unsigned>(ceil_div(m, 8)));
@@ -523,6 +650,19 @@ void gemv_typed(const float* x, int64_t ldx, int64_t m, const WT* w, int64_t n, 
       // us, 2 293 us).
       const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y;
       const bool one_wave = ctas <= sms;
+      // More than one wave of CTAs with k of 2,048 to 4,096: the shared-memory ring (gemv_mma_ring_kernel;
+      // run 27 calls 2-4 against the forms below: lm_head m = 3 / 4 / 8 264 / 265 / 267 -> 240 / 241 / 245
+      // us, 16384 x 4096 36 -> 31.5, 16384 x 2048 19.3 -> 16.3, 4096 x 4096 12.6 -> 10.5 (m = 8 13.0 ->
+      // 11.3), 4096 x 2048 6.9 -> 6.4; k = 1,024, one block a warp a tile, 8192 x 1024 6.4 -> 6.6, not
+      // taken; k > 4,096, x read for every block, 8192 x 6144 28.3 -> 30.3, not taken).
+      // TROUPE_GEMV_RING_WIDE=0: the ring past two waves only (an A/B switch).
+      static const bool ring_wide = !env_off("TROUPE_GEMV_RING_WIDE");
+      const int64_t blocks = k / kMmaBlock;
+      if (blocks >= 32 && blocks <= 16 * kRingXBlocks && group_rows == 0 &&
+          ctas > (ring_wide ? 1 : 2) * static_cast<int64_t>(sms) && gemv_ring_enabled()) {
+        launch_ring(x, ldx, m, w, n, k, y, ldy, beta, s);
+        return;
+      }
       // More than two waves of CTAs (lm_head): the persistent form (see gemv_mma_persist).
       if (ctas > 2 * static_cast<int64_t>(sms) && k / kMmaBlock >= 16 && group_rows == 0 && gemv_persist_enabled()) {
         gemv_mma_persist(x, ldx, m, w, n, k, y, ldy, beta, s);

@@ -405,11 +405,12 @@ __global__ void __launch_bounds__(kWarps * 32, kWarps == 16 ? 1 : 3)
 // 8192 x 6144 m = 3 28.3 -> 30.3 us against the register ring's; not kept). Tiles, sums and barriers as in
 // gemv_mma_persist_kernel.
 constexpr int kRingSlots = 6, kRingXBlocks = 4;
+template <int kSlots = kRingSlots>
 __global__ void __launch_bounds__(512, 1)
     gemv_mma_ring_kernel(const float* x, int64_t ldx, int64_t m, const __nv_bfloat16* w, int64_t n, int64_t k,
                          float* y, int64_t ldy, float beta) {
   // pdl-prologue: w (the first weights are copied before pdl_entry: no kernel writes them)
-  constexpr int kWarps = 16, kSlots = kRingSlots;
+  constexpr int kWarps = 16;
   __shared__ float part[2][kWarps][4][32];
   extern __shared__ uint4 ring[];  // [warp][slot][16 rows][8 chunks]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
@@ -583,10 +584,11 @@ bool gemv_ring_enabled() {
 }
 
 // gemv_mma_ring_kernel over the device at one CTA an SM (or one a tile).
-void launch_ring(const float* x, int64_t ldx, int64_t m, const __nv_bfloat16* w, int64_t n, int64_t k, float* y,
-                 int64_t ldy, float beta, cudaStream_t s) {
-  auto* kernel = gemv_mma_ring_kernel;
-  constexpr size_t smem = static_cast<size_t>(16) * kRingSlots * 2048;
+template <int kSlots>
+void launch_ring_slots(const float* x, int64_t ldx, int64_t m, const __nv_bfloat16* w, int64_t n, int64_t k, float* y,
+                       int64_t ldy, float beta, cudaStream_t s) {
+  auto* kernel = gemv_mma_ring_kernel<kSlots>;
+  constexpr size_t smem = static_cast<size_t>(16) * kSlots * 2048;
   static const int64_t ctas = [&] {
     TROUPE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     int per = 0;
@@ -598,6 +600,17 @@ void launch_ring(const float* x, int64_t ldx, int64_t m, const __nv_bfloat16* w,
   const dim3 grid(static_cast<unsigned>(std::min(ceil_div(n, 16), ctas)), static_cast<unsigned>(ceil_div(m, 8)));
   launch_kernel(kernel, grid, 512, smem, s, x, ldx, m, w, n, k, y, ldy, beta);
   TROUPE_LAUNCHED();
+}
+// TROUPE_GEMV_RING_SLOTS=2 / 4: that many blocks a warp in the ring instead of six (an A/B switch).
+void launch_ring(const float* x, int64_t ldx, int64_t m, const __nv_bfloat16* w, int64_t n, int64_t k, float* y,
+                 int64_t ldy, float beta, cudaStream_t s) {
+  static const int slots = [] {
+    const char* e = std::getenv("TROUPE_GEMV_RING_SLOTS");
+    return e != nullptr && (e[0] == '2' || e[0] == '4') ? e[0] - '0' : kRingSlots;
+  }();
+  if (slots == 2) return launch_ring_slots<2>(x, ldx, m, w, n, k, y, ldy, beta, s);
+  if (slots == 4) return launch_ring_slots<4>(x, ldx, m, w, n, k, y, ldy, beta, s);
+  launch_ring_slots<kRingSlots>(x, ldx, m, w, n, k, y, ldy, beta, s);
 }
 
 void gemv_mma_persist(const float* x, int64_t ldx, int64_t m, const __nv_bfloat16* w, int64_t n, int64_t k, float* y,

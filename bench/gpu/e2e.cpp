@@ -381,19 +381,24 @@ int bench(const std::string& dir, int batch, int64_t prompt, int64_t fresh, int 
 
 // Eager decode steps (no graphs) between cudaProfilerStart/Stop, for
 // `ncu --profile-from-start off`: the kernels of `steps` batch-1 steps at `prompt` context.
-int profile_steps(const std::string& dir, int64_t prompt, int steps) {
+int profile_steps(const std::string& dir, int64_t prompt, int steps, int batch) {
   auto gpu = cuda();
   auto m = model::Model::load(dir, *gpu);
   std::mt19937_64 rng(5);
-  const auto ids = random_ids(rng, prompt, m->config().vocab_size);
-  auto st = m->new_dense_state();
-  model::Chunk c{st.get(), ids, model::LogitsWanted::none};
-  m->forward(std::span(&c, 1));
-  model::Decoder dec(*m, {1, prompt + steps + 8, false});
-  const int slot = dec.bind(*st);
-  const int slots[1] = {slot};
-  const int32_t first = 7;
-  dec.step(slots, std::span<const int32_t>(&first, 1));
+  std::vector<std::unique_ptr<model::SequenceState>> st;
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<model::Chunk> chunks;
+  for (int b = 0; b < batch; ++b) {
+    st.push_back(m->new_dense_state());
+    prompts.push_back(random_ids(rng, prompt, m->config().vocab_size));
+  }
+  for (int b = 0; b < batch; ++b) chunks.push_back({st[b].get(), prompts[b], model::LogitsWanted::none});
+  m->forward(chunks);
+  model::Decoder dec(*m, {batch, prompt + steps + 8, false});
+  std::vector<int> slots;
+  for (int b = 0; b < batch; ++b) slots.push_back(dec.bind(*st[b]));
+  const std::vector<int32_t> first(static_cast<size_t>(batch), 7);
+  dec.step(slots, first);
   dec.step(slots, {});
   dec.tokens();
 #if TROUPE_E2E_PROFILER
@@ -404,7 +409,7 @@ int profile_steps(const std::string& dir, int64_t prompt, int steps) {
 #if TROUPE_E2E_PROFILER
   if (cudaProfilerStop() != cudaSuccess) throw std::runtime_error("cudaProfilerStop failed");
 #endif
-  emit({{"kind", "profile_steps"}, {"prompt", prompt}, {"steps", steps}});
+  emit({{"kind", "profile_steps"}, {"batch", batch}, {"prompt", prompt}, {"steps", steps}});
   return 0;
 }
 
@@ -583,10 +588,11 @@ int main(int argc, char** argv) {
   lg->add_option("--out", out)->required();
   std::string weights = "bf16";
   lg->add_option("--weights", weights, "matrix type on the device: bf16 (as served) or f32");
-  auto* ps = app.add_subcommand("profile-steps", "eager batch-1 decode steps inside cudaProfilerStart/Stop (ncu)");
+  auto* ps = app.add_subcommand("profile-steps", "eager decode steps inside cudaProfilerStart/Stop (ncu)");
   ps->add_option("--model", model_dir)->required();
   ps->add_option("--prompt", prompt);
   ps->add_option("--steps", steps);
+  ps->add_option("--batch", batch, "sequences a step (1 unless given)");
   auto* bn = app.add_subcommand("bench", "generate and decode throughput");
   auto* cx = app.add_subcommand("context", "decode throughput at long contexts");
   auto* en = app.add_subcommand("engine", "engine::Engine on the CUDA backend");
@@ -604,7 +610,7 @@ int main(int argc, char** argv) {
   try {
     if (fx->parsed()) return fixtures(dir);
     if (lg->parsed()) return logits(model_dir, ids, prefill, out, weights);
-    if (ps->parsed()) return profile_steps(model_dir, prompt, steps);
+    if (ps->parsed()) return profile_steps(model_dir, prompt, steps, batch);
     if (bn->parsed()) return bench(model_dir, batch, prompt, fresh, repeats, seed);
     if (cx->parsed()) return context(model_dir, parse_list(contexts), steps);
     if (en->parsed()) return run_engine(model_dir, batch, prompt, fresh, seed);

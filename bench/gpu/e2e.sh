@@ -143,14 +143,14 @@ for v in ${VARIANTS:-}; do
 done
 [ "${SKIP_EXTRA:-0}" = 1 ] || stage engine 90 "$bundle/run.sh" troupe_gpu_e2e engine --model "$model" --batch 8 --prompt 512 --new 32
 [ "${SKIP_B8:-0}" = 1 ] || stage bench-b8 60 "$bundle/run.sh" troupe_gpu_e2e bench --model "$model" --batch 8 --prompt 512 --new 32
-# NCU=1: every kernel of 2 eager batch-1 decode steps timed by ncu (no graphs, so
-# launch gaps are not in these times), summed per kernel name -> OUT/kernels.md. Caches are
-# not flushed between kernels (NCU_CACHE=all flushes them: every kernel then starts cold).
+# NCU=1: every kernel of 2 eager decode steps (batch NCU_BATCH, 1 unless set) timed by ncu (no
+# graphs, so launch gaps are not in these times), summed per kernel name -> OUT/kernels.md. Caches
+# are not flushed between kernels (NCU_CACHE=all flushes them: every kernel then starts cold).
 if [ "${NCU:-0}" = 1 ]; then
   t0=$SECONDS
   timeout 150 ncu --profile-from-start off --clock-control none --cache-control "${NCU_CACHE:-none}" \
     --metrics gpu__time_duration.sum --csv \
-    "$bundle/run.sh" troupe_gpu_e2e profile-steps --model "$model" --prompt 512 --steps 2 > "$shm/ncu.csv" 2>> "$L"
+    "$bundle/run.sh" troupe_gpu_e2e profile-steps --model "$model" --prompt 512 --steps 2 --batch "${NCU_BATCH:-1}" > "$shm/ncu.csv" 2>> "$L"
   echo "stage ncu: exit $?, $((SECONDS - t0)) s" | tee -a "$L"
   python3 "$here/ncu_steps.py" "$shm/ncu.csv" 2 > "$out/kernels.md" 2>> "$L"
   head -n 40 "$out/kernels.md"

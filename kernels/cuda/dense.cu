@@ -216,6 +216,34 @@ __device__ __forceinline__ void ring_shift(uint4 (&buf)[kAhead][4], const uint4 
   }
 }
 
+// A tile's sums: every warp's 16 x 8 products d (zeroed after) into pt, one barrier, then 128 threads add
+// the warps' parts in a fixed order and store y's rows row0 .. row0 + 15 of x rows m0 .. m0 + mh - 1 (y = sum,
+// or sum + beta y). pt must not be read by any thread still before this barrier (the persistent kernels
+// alternate two).
+template <int kWarps>
+__device__ __forceinline__ void tile_sums(float (&d)[4], float (&pt)[kWarps][4][32], int64_t row0, int64_t n,
+                                          int64_t m0, int mh, float* y, int64_t ldy, float beta) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    pt[warp][u][lane] = d[u];
+    d[u] = 0.f;
+  }
+  __syncthreads();
+  if (threadIdx.x < 128) {  // d[u] of lane l: row g(l) + 8 (u / 2), column 2 c(l) + u % 2
+    const int u = threadIdx.x >> 5, l = threadIdx.x & 31;
+    float sum = 0.f;
+#pragma unroll
+    for (int v = 0; v < kWarps; ++v) sum += pt[v][u][l];
+    const int64_t row = row0 + (l >> 2) + 8 * (u >> 1);
+    const int col = 2 * (l & 3) + (u & 1);
+    if (row < n && col < mh) {
+      float* yy = y + (m0 + col) * ldy + row;
+      *yy = beta == 0.f ? sum : sum + beta * *yy;
+    }
+  }
+}
+
 // kAhead: blocks of weights a warp has in flight while it multiplies one (registers: 2 keep 3 CTAs an SM,
 // 3 two); kWarps: warps a CTA (16 with kAhead 4: one CTA an SM, for grids the device holds at once).
 template <int kAhead, int kWarps = kMmaWarps>
@@ -259,21 +287,7 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_mma_kernel(const float* x, i
     mma_block(d, buf[0], hi, lo);
     ring_shift<kAhead>(buf, after);
   }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) part[warp][i][lane] = d[i];
-  __syncthreads();
-  if (threadIdx.x < 128) {  // d[i] of lane l: row g(l) + 8 (i / 2), column 2 c(l) + i % 2
-    const int i = threadIdx.x >> 5, l = threadIdx.x & 31;
-    float sum = 0.f;
-#pragma unroll
-    for (int v = 0; v < kWarps; ++v) sum += part[v][i][l];
-    const int64_t row = row0 + (l >> 2) + 8 * (i >> 1);
-    const int col = 2 * (l & 3) + (i & 1);
-    if (row < n && col < mh) {
-      float* yy = y + (m0 + col) * ldy + row;
-      *yy = beta == 0.f ? sum : sum + beta * *yy;
-    }
-  }
+  tile_sums<kWarps>(d, part, row0, n, m0, mh, y, ldy, beta);
 }
 
 // The same products over grids larger than the device holds at twice (lm_head: 8,080 tiles of 16
@@ -367,26 +381,9 @@ __global__ void __launch_bounds__(kWarps * 32, kWarps == 16 ? 1 : 3)
     }
     mma_block(d, buf[0], hi, lo);
     ring_shift<kAhead>(buf, after);
-    if (++j == nb) {  // this warp's last block of the tile: the tile's sums
-      float(&pt)[kWarps][4][32] = part[ti & 1];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        pt[warp][u][lane] = d[u];
-        d[u] = 0.f;
-      }
-      __syncthreads();  // (part[ti & 1] was last read before the previous tile's barrier)
-      if (threadIdx.x < 128) {  // d[u] of lane l: row g(l) + 8 (u / 2), column 2 c(l) + u % 2
-        const int u = threadIdx.x >> 5, l = threadIdx.x & 31;
-        float sum = 0.f;
-#pragma unroll
-        for (int v = 0; v < kWarps; ++v) sum += pt[v][u][l];
-        const int64_t row = (blockIdx.x + ti * gridDim.x) * 16 + (l >> 2) + 8 * (u >> 1);
-        const int col = 2 * (l & 3) + (u & 1);
-        if (row < n && col < mh) {
-          float* yy = y + (m0 + col) * ldy + row;
-          *yy = beta == 0.f ? sum : sum + beta * *yy;
-        }
-      }
+    if (++j == nb) {  // this warp's last block of the tile: the tile's sums (part[ti & 1] was last read
+                      // before the previous tile's barrier)
+      tile_sums<kWarps>(d, part[ti & 1], (blockIdx.x + ti * gridDim.x) * 16, n, m0, mh, y, ldy, beta);
       j = 0;
       ++ti;
     }
@@ -469,25 +466,8 @@ __global__ void __launch_bounds__(512, 1)
     for (int j = 0; j < kRingXBlocks; ++j) {
       if (j < nb) step(xh[j], xl[j]);
     }
-    float(&pt)[kWarps][4][32] = part[ti & 1];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      pt[warp][u][lane] = d[u];
-      d[u] = 0.f;
-    }
-    __syncthreads();  // (part[ti & 1] was last read before the previous tile's barrier)
-    if (threadIdx.x < 128) {  // d[u] of lane l: row g(l) + 8 (u / 2), column 2 c(l) + u % 2
-      const int u = threadIdx.x >> 5, l = threadIdx.x & 31;
-      float sum = 0.f;
-#pragma unroll
-      for (int v = 0; v < kWarps; ++v) sum += pt[v][u][l];
-      const int64_t row = (blockIdx.x + ti * gridDim.x) * 16 + (l >> 2) + 8 * (u >> 1);
-      const int col = 2 * (l & 3) + (u & 1);
-      if (row < n && col < mh) {
-        float* yy = y + (m0 + col) * ldy + row;
-        *yy = beta == 0.f ? sum : sum + beta * *yy;
-      }
-    }
+    // (part[ti & 1] was last read before the previous tile's barrier)
+    tile_sums<kWarps>(d, part[ti & 1], (blockIdx.x + ti * gridDim.x) * 16, n, m0, mh, y, ldy, beta);
   }
   cp_async_wait<0>();
 }

@@ -290,6 +290,22 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_mma_kernel(const float* x, i
   tile_sums<kWarps>(d, part, row0, n, m0, mh, y, ldy, beta);
 }
 
+// Where a CTA of a persistent tensor-core GEMV stands (x rows m0 .. m0 + mh - 1; tiles blockIdx.x, + gridDim.x,
+// ...: my_tiles of them) and this warp's blocks of k a tile (warp, + kWarps, ...: nb), items = my_tiles nb.
+template <int kWarps>
+struct PersistPlace {
+  int64_t m0, my_tiles, items;
+  int mh, nb;
+  __device__ __forceinline__ PersistPlace(int64_t m, int64_t n, int64_t k) {
+    m0 = static_cast<int64_t>(blockIdx.y) * 8;
+    mh = m - m0 < 8 ? static_cast<int>(m - m0) : 8;
+    const int64_t blocks = k / kMmaBlock, tiles = (n + 15) / 16;
+    my_tiles = (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x;
+    nb = static_cast<int>((blocks - (threadIdx.x >> 5) + kWarps - 1) / kWarps);
+    items = my_tiles * nb;
+  }
+};
+
 // The same products over grids larger than the device holds at twice (lm_head: 8,080 tiles of 16
 // rows), persistent: each CTA takes tiles blockIdx.x, + gridDim.x, ..., and each warp streams its
 // blocks of every one of its CTA's tiles as one sequence, kAhead blocks in flight across the tiles'
@@ -309,12 +325,9 @@ __global__ void __launch_bounds__(kWarps * 32, kWarps == 16 ? 1 : 3)
   __shared__ float part[2][kWarps][4][32];
   extern __shared__ uint4 xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * 8;
-  const int mh = m - m0 < 8 ? static_cast<int>(m - m0) : 8;
-  const int64_t blocks = k / kMmaBlock, tiles = (n + 15) / 16;
-  const int64_t my_tiles = (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x;
-  const int nb = static_cast<int>((blocks - warp + kWarps - 1) / kWarps);  // this warp's blocks a tile
-  const int64_t items = my_tiles * nb;
+  const PersistPlace<kWarps> at(m, n, k);
+  const int64_t m0 = at.m0, my_tiles = at.my_tiles, items = at.items;
+  const int mh = at.mh, nb = at.nb;
   const bool xok = g < mh;
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
   // Item i: tile blockIdx.x + (i / nb) gridDim.x, block warp + (i % nb) kWarps.
@@ -340,7 +353,7 @@ __global__ void __launch_bounds__(kWarps * 32, kWarps == 16 ? 1 : 3)
   if constexpr (kXs) {
     // Staging item t: block t / (4 mh), lane' = t % (4 mh) = 4 g + c: its 16 elements of x row g.
     const int per = 4 * mh;
-    for (int64_t t = threadIdx.x; t < blocks * per; t += kWarps * 32) {
+    for (int64_t t = threadIdx.x; t < k / kMmaBlock * per; t += kWarps * 32) {
       const int64_t blk = t / per;
       const int l = static_cast<int>(t % per), gg = l >> 2, cc = l & 3;
       uint32_t hi[8], lo[8];
@@ -411,12 +424,9 @@ __global__ void __launch_bounds__(512, 1)
   __shared__ float part[2][kWarps][4][32];
   extern __shared__ uint4 ring[];  // [warp][slot][16 rows][8 chunks]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * 8;
-  const int mh = m - m0 < 8 ? static_cast<int>(m - m0) : 8;
-  const int64_t blocks = k / kMmaBlock, tiles = (n + 15) / 16;
-  const int64_t my_tiles = (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x;
-  const int nb = static_cast<int>((blocks - warp + kWarps - 1) / kWarps);  // this warp's blocks a tile
-  const int64_t items = my_tiles * nb;
+  const PersistPlace<kWarps> at(m, n, k);
+  const int64_t m0 = at.m0, my_tiles = at.my_tiles, items = at.items;
+  const int mh = at.mh, nb = at.nb;
   const bool xok = g < mh;
   uint4* const mine = ring + warp * kSlots * 128;
   const int cr = lane >> 3, cj = lane & 7, sw = (g & 1) << 2;

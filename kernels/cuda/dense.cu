@@ -538,6 +538,16 @@ bool gemv_persist_enabled() {
 // x staged in shared memory (4 mh k bytes) up to this much.
 constexpr size_t kPersistXsMax = 160 * 1024;
 
+// CTAs of `kernel` one SM holds at once with `threads` threads and `smem` bytes of dynamic shared memory (the
+// kernel's dynamic shared memory limit raised to smem first).
+template <class... A>
+int resident_per_sm(void (*kernel)(A...), int threads, size_t smem) {
+  TROUPE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  int per = 0;
+  TROUPE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kernel, threads, smem));
+  return per;
+}
+
 // One form of gemv_mma_persist_kernel over the device: as many CTAs as it holds at once (or tiles). The
 // occupancy is asked once a form, at the form's largest shared memory (the staged form is held to one
 // CTA an SM by its registers whatever x's size).
@@ -545,13 +555,8 @@ template <int kAhead, int kWarps, bool kXs>
 void launch_persist(const float* x, int64_t ldx, int64_t m, const __nv_bfloat16* w, int64_t n, int64_t k, float* y,
                     int64_t ldy, float beta, size_t smem, cudaStream_t s) {
   auto* kernel = gemv_mma_persist_kernel<kAhead, kWarps, kXs>;
-  static const int64_t ctas = [&] {
-    const size_t most = kXs ? kPersistXsMax : 0;
-    TROUPE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(most)));
-    int per = 0;
-    TROUPE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kernel, kWarps * 32, most));
-    return static_cast<int64_t>(std::max(per, 1)) * sm_count();
-  }();
+  static const int64_t ctas =
+      static_cast<int64_t>(std::max(resident_per_sm(kernel, kWarps * 32, kXs ? kPersistXsMax : 0), 1)) * sm_count();
   const dim3 grid(static_cast<unsigned>(std::min(ceil_div(n, 16), ctas)), static_cast<unsigned>(ceil_div(m, 8)));
   launch_kernel(kernel, grid, kWarps * 32, smem, s, x, ldx, m, w, n, k, y, ldy, beta, int64_t{0});
   TROUPE_LAUNCHED();
@@ -580,9 +585,7 @@ void launch_ring_slots(const float* x, int64_t ldx, int64_t m, const __nv_bfloat
   auto* kernel = gemv_mma_ring_kernel<kSlots>;
   constexpr size_t smem = static_cast<size_t>(16) * kSlots * 2048;
   static const int64_t ctas = [&] {
-    TROUPE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    int per = 0;
-    TROUPE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kernel, 512, smem));
+    const int per = resident_per_sm(kernel, 512, smem);
     TROUPE_REQUIRE(per >= 1, "gemv: the ring kernel does not fit an SM");
     return static_cast<int64_t>(per) * sm_count();
   }();
@@ -667,7 +670,7 @@ void gemv_typed(const float* x, int64_t ldx, int64_t m, const WT* w, int64_t n, 
         return;
       }
       // More than two waves of CTAs (lm_head): the persistent form (see gemv_mma_persist).
-      if (ctas > 2 * static_cast<int64_t>(sms) && k / kMmaBlock >= 16 && group_rows == 0 && gemv_persist_enabled()) {
+      if (ctas > 2 * static_cast<int64_t>(sms) && blocks >= 16 && group_rows == 0 && gemv_persist_enabled()) {
         gemv_mma_persist(x, ldx, m, w, n, k, y, ldy, beta, s);
         return;
       }

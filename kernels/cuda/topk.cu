@@ -840,12 +840,13 @@ __device__ __forceinline__ int64_t chunk_index(int64_t c0, uint32_t flat) {
 // block calls it.
 template <int EPT>
 __device__ __forceinline__ void select_one_chunk(const GridParams& p, int row, int64_t len, uint32_t vmask, uint32_t* sk,
-                                                 GSmem& sm, int32_t* out) {
+                                                 GSmem& sm, int32_t* out, long long* prof) {
   const int tid = threadIdx.x;
   const uint32_t kk = static_cast<uint32_t>(p.k);
   auto key = [&](int e) { return sk[e * kThreads + tid]; };
   __syncthreads();  // every thread's round-0 counts
   find_threshold<kThreads>(sm.hist, kGBins, kk, sm);
+  if (prof) prof[3] = global_ns();
   const uint32_t t0 = sm.thr_bin;
   uint32_t above = sm.thr_above, on = sm.thr_cnt, prefix = t0;
   int drop = digit_shift(0);
@@ -862,6 +863,7 @@ __device__ __forceinline__ void select_one_chunk(const GridParams& p, int row, i
     above += sm.thr_above;
     on = sm.thr_cnt;
   }
+  if (prof) prof[4] = global_ns();
   const uint32_t need_on = kk - above;
   const bool all_on = on == need_on;
   __syncthreads();  // every thread has read sm.thr_*
@@ -893,12 +895,14 @@ __device__ __forceinline__ void select_one_chunk(const GridParams& p, int row, i
         on_list[o] = static_cast<uint64_t>(key(e)) << 32 | ~static_cast<uint32_t>(i);
       }
     }
+    if (prof) prof[5] = global_ns();
     if (!all_on) {
       __syncthreads();
       rank_on_list(p, row, on_list, on, need_on, above, out);
     }
   }
   if (p.out_count != nullptr && tid == 0) p.out_count[row] = p.k;
+  if (prof) prof[10] = global_ns();
 }
 
 // A grid top-k CTA's last step: with tickets, the last CTA of the grid puts them back.
@@ -948,7 +952,7 @@ __global__ void __launch_bounds__(kThreads, BLOCKS) grid_topk_kernel(const GridP
     auto index_of = [&](uint32_t flat) { return chunk_index(c0, flat); };
     const uint32_t kk = static_cast<uint32_t>(p.k);
     if (nrow == 1) [[unlikely]] {  // the whole row is here: select in this CTA
-      select_one_chunk<EPT>(p, row, len, vmask, sk, sm, out);
+      select_one_chunk<EPT>(p, row, len, vmask, sk, sm, out, prof);
     } else {
       uint32_t* w = p.ws + static_cast<int64_t>(lrow) * kZeroWords;
       uint32_t* ctr = w + kGRounds * kGBins;
@@ -1105,6 +1109,30 @@ __global__ void __launch_bounds__(kThreads, BLOCKS) grid_topk_kernel(const GridP
   grid_exit(p);
 }
 
+// Rows of one chunk (the grid plan's cpr == 1): CTA r selects row row0 + r alone, as grid_topk_kernel's
+// nrow == 1 branch does (rows shorter than the call's longest), in a kernel of its own, without the
+// multi-CTA paths' code (46 registers at 4,096 against 64). Measured on the H200, run 28 call 2: 1 / 8 / 64
+// x 4,096 4.48 / 4.59 / 4.83 -> 4.08 / 4.22 / 4.54 us; 1 / 8 / 64 x 16,384 6.57 / 6.67 / 7.58 -> 6.32 /
+// 6.49 / 7.40; which of the two (code, registers) gains is not measured.
+template <int EPT>
+__global__ void __launch_bounds__(kThreads, 2) one_chunk_topk_kernel(const GridParams p) {
+  pdl_entry();  // see launch_kernel
+  extern __shared__ __align__(16) uint8_t gsmem[];
+  GSmem& sm = *reinterpret_cast<GSmem*>(gsmem);
+  uint32_t* sk = reinterpret_cast<uint32_t*>(gsmem + kGKeysOffset);  // [EPT][kThreads]
+  long long* prof = p.profile != nullptr && blockIdx.x == 0 && threadIdx.x == 0 ? p.profile : nullptr;
+  if (prof) prof[0] = global_ns();
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // the scores' producer has finished
+  if (prof) prof[1] = global_ns();
+  const int row = p.row0 + static_cast<int>(blockIdx.x);
+  const int64_t len = row_length(p, row);
+  int32_t* out = p.out_idx + row * p.out_stride;
+  if (all_chosen(p, row, len, 0, out)) return;
+  const uint32_t vmask = load_row_chunk<EPT>(p, row, len, 0, sk, sm);
+  if (prof) prof[2] = global_ns();
+  select_one_chunk<EPT>(p, row, len, vmask, sk, sm, out, prof);
+}
+
 // ---- streamed top-k: rows in several waves, no CTA waits for another ----------------
 // When a call's chunks are more than the device holds at once, the grid kernel's
 // resident CTAs wait at their rows' barriers while the next wave cannot start. Here no
@@ -1247,7 +1275,8 @@ __global__ void __launch_bounds__(kThreads, 2) stream_topk_kernel(const GridPara
   auto index_of = [&](uint32_t flat) { return chunk_index(c0, flat); };
   const uint32_t kk = static_cast<uint32_t>(p.k);
   if (nrow == 1) [[unlikely]] {  // the whole row is here: select in this CTA
-    select_one_chunk<EPT>(p, row, len, vmask, sk, sm, out);
+    // (unstamped: the profile's slots name this kernel's phases, not select_one_chunk's)
+    select_one_chunk<EPT>(p, row, len, vmask, sk, sm, out, nullptr);
     return;
   }
   uint32_t* gh = p.ws + static_cast<int64_t>(lrow) * kZeroWords;  // the row's round-0 histogram
@@ -1349,6 +1378,10 @@ int grid_capacity() {  // CTAs of grid_topk_kernel<EPT, BLOCKS> the device holds
                                      grid_smem_bytes<EPT>()));
     if constexpr (EPT == 32 && BLOCKS == 2) {  // the streamed kernel's chunks are the large ones
       TROUPE_CUDA(cudaFuncSetAttribute(stream_topk_kernel<EPT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       grid_smem_bytes<EPT>()));
+    }
+    if constexpr (BLOCKS == 2) {
+      TROUPE_CUDA(cudaFuncSetAttribute(one_chunk_topk_kernel<EPT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        grid_smem_bytes<EPT>()));
     }
     int per = 0;
@@ -1488,6 +1521,12 @@ void launch_grid_topk(const TopkArgs& a, const GridPlan& g, void* workspace, cud
     const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(rows) * g.cpr), 1, 1);
     if (g.stream) {  // large chunks
       launch_kernel(stream_topk_kernel<kLargeEPT>, grid, kThreads, smem, stream, p);
+    } else if (g.cpr == 1) {
+      if (g.ept == kSmallEPT) {
+        launch_kernel(one_chunk_topk_kernel<kSmallEPT>, grid, kThreads, smem, stream, p);
+      } else {
+        launch_kernel(one_chunk_topk_kernel<kLargeEPT>, grid, kThreads, smem, stream, p);
+      }
     } else if (g.ept == kSmallEPT) {
       launch_kernel(grid_topk_kernel<kSmallEPT, 2>, grid, kThreads, smem, stream, p);
     } else if (g.blocks == 3) {

@@ -14,7 +14,8 @@
 // their histograms in the workspace with global atomics and meet at a per-row
 // arrival counter, the threshold bucket's elements are gathered and the row's
 // last CTA finishes them. Used while a row needs at most half the CTAs the device
-// holds at once (rows up to ~3 M scores on an H200).
+// holds at once (rows up to ~3 M scores on an H200). Rows of one chunk (at most
+// 16,384 scores) take a kernel of their own, one CTA a row selecting alone.
 //
 // Streamed kernel (the grid kernel's large chunks, when a call has more than three
 // times as many as the device holds at once, e.g. 64 rows of 262,144): no CTA waits

@@ -218,11 +218,11 @@ __device__ __forceinline__ void ring_shift(uint4 (&buf)[kAhead][4], const uint4 
 
 // A tile's sums: every warp's 16 x 8 products d (zeroed after) into pt, one barrier, then 128 threads add
 // the warps' parts in a fixed order and store y's rows row0 .. row0 + 15 of x rows m0 .. m0 + mh - 1 (y = sum,
-// or sum + beta y). pt must not be read by any thread still before this barrier (the persistent kernels
-// alternate two).
+// or sum + beta y; with `add`, y + sum: a later window of k, whose element the same thread stored before).
+// pt must not be read by any thread still before this barrier (the persistent kernels alternate two).
 template <int kWarps>
 __device__ __forceinline__ void tile_sums(float (&d)[4], float (&pt)[kWarps][4][32], int64_t row0, int64_t n,
-                                          int64_t m0, int mh, float* y, int64_t ldy, float beta) {
+                                          int64_t m0, int mh, float* y, int64_t ldy, float beta, bool add = false) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll
   for (int u = 0; u < 4; ++u) {
@@ -239,7 +239,7 @@ __device__ __forceinline__ void tile_sums(float (&d)[4], float (&pt)[kWarps][4][
     const int col = 2 * (l & 3) + (u & 1);
     if (row < n && col < mh) {
       float* yy = y + (m0 + col) * ldy + row;
-      *yy = beta == 0.f ? sum : sum + beta * *yy;
+      *yy = add ? *yy + sum : beta == 0.f ? sum : sum + beta * *yy;
     }
   }
 }
@@ -410,12 +410,15 @@ __global__ void __launch_bounds__(kWarps * 32, kWarps == 16 ? 1 : 3)
 // lines of 4 rows: 264 -> 257 us). Here lane l copies chunk l & 7 (16 bytes) of rows (l >> 3) + 4q of a
 // block, whole lines a copy instruction, and reads back the lanes' mma layout (rows g and g + 8, chunks c
 // and 4 + c) after its wait and a warp barrier; row r's chunk j lies at j ^ 4 (r & 1) so that the reads'
-// 8-lane phases (rows g, g + 1) meet no bank twice. x's words of the warp's blocks (at most kRingXBlocks a
-// tile: k <= 4,096) stay in registers for the whole kernel (read from x for every block instead, at k = 6,144:
-// 8192 x 6144 m = 3 28.3 -> 30.3 us against the register ring's; not kept). Tiles, sums and barriers as in
-// gemv_mma_persist_kernel.
-constexpr int kRingSlots = 6, kRingXBlocks = 4;
-template <int kSlots = kRingSlots>
+// 8-lane phases (rows g, g + 1) meet no bank twice. x's words of the warp's blocks stay in registers: k is
+// taken in windows of kRingWindow blocks (4,096 elements; kRingXBlocks a warp a tile), the CTA's tiles window
+// by window, x's words of a window loaded at its start (read from x for every block instead, at k = 6,144:
+// 8192 x 6144 m = 3 28.3 -> 30.3 us against the register ring's; not kept). Window 0 stores y (sum, or sum +
+// beta y), later ones add to it. Tiles, sums and barriers as in gemv_mma_persist_kernel.
+// kWindows: k may take more than one window (a kernel of its own, so that k <= 4,096 runs the one-window
+// code: with the loop over windows there, 4096 x 4096 m = 8 took 11.5 -> 12.0 us, run 28 call 1).
+constexpr int kRingSlots = 6, kRingXBlocks = 4, kRingWindow = 16 * kRingXBlocks;
+template <int kSlots = kRingSlots, bool kWindows = false>
 __global__ void __launch_bounds__(512, 1)
     gemv_mma_ring_kernel(const float* x, int64_t ldx, int64_t m, const __nv_bfloat16* w, int64_t n, int64_t k,
                          float* y, int64_t ldy, float beta) {
@@ -425,16 +428,30 @@ __global__ void __launch_bounds__(512, 1)
   extern __shared__ uint4 ring[];  // [warp][slot][16 rows][8 chunks]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const PersistPlace<kWarps> at(m, n, k);
-  const int64_t m0 = at.m0, my_tiles = at.my_tiles, items = at.items;
-  const int mh = at.mh, nb = at.nb;
+  const int64_t m0 = at.m0, my_tiles = at.my_tiles, blocks = k / kMmaBlock;
+  const int mh = at.mh, windows = kWindows ? static_cast<int>((blocks + kRingWindow - 1) / kRingWindow) : 1;
+  // This warp's blocks a tile in window v (0 where the last window is shorter than the warp's index).
+  auto nb_of = [&](int v) {
+    const int wb = static_cast<int>(std::min<int64_t>(kRingWindow, blocks - static_cast<int64_t>(v) * kRingWindow));
+    return wb > warp ? (wb - warp + kWarps - 1) / kWarps : 0;
+  };
+  int64_t items = my_tiles * at.nb;
+  if constexpr (kWindows) {
+    items = 0;
+    for (int v = 0; v < windows; ++v) items += my_tiles * nb_of(v);
+  }
   const bool xok = g < mh;
   uint4* const mine = ring + warp * kSlots * 128;
   const int cr = lane >> 3, cj = lane & 7, sw = (g & 1) << 2;
-  int64_t cti = 0;  // the next item to copy: this CTA's tile cti, this warp's block cjb of it
-  int cjb = 0;
+  int cw = 0, cjb = 0, cnb = at.nb;  // the next item to copy: window cw, this CTA's tile cti, block cjb
+  int64_t cti = 0;
+  if constexpr (kWindows) {
+    cnb = nb_of(0);
+    while (cnb == 0 && cw + 1 < windows) cnb = nb_of(++cw);
+  }
   auto copy_item = [&](int slot) {
     const int64_t row0 = (blockIdx.x + cti * gridDim.x) * 16;
-    const int64_t o = (warp + static_cast<int64_t>(cjb) * kWarps) * kMmaBlock + 8 * cj;
+    const int64_t o = (static_cast<int64_t>(cw) * kRingWindow + warp + cjb * kWarps) * kMmaBlock + 8 * cj;
     uint4* dst = mine + slot * 128 + (cj ^ ((cr & 1) << 2));
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
@@ -442,7 +459,17 @@ __global__ void __launch_bounds__(512, 1)
       const bool ok = row0 + r < n;
       cp_async16(dst + r * 8, ok ? w + (row0 + r) * k + o : w, ok);
     }
-    if (++cjb == nb) cjb = 0, ++cti;
+    if (++cjb == cnb) {
+      cjb = 0;
+      ++cti;
+      if constexpr (kWindows) {
+        if (cti == my_tiles) {
+          cti = 0;
+          do cnb = ++cw < windows ? nb_of(cw) : 1;
+          while (cnb == 0);
+        }
+      }
+    }
   };
 #pragma unroll
   for (int s = 0; s < kSlots; ++s) {  // weights are no kernel's output: copied before the wait
@@ -450,10 +477,6 @@ __global__ void __launch_bounds__(512, 1)
     cp_async_commit();
   }
   pdl_entry();
-  const float* xr = x + (m0 + g) * ldx + 8 * c + warp * kMmaBlock;
-  uint32_t xh[kRingXBlocks][8], xl[kRingXBlocks][8];
-#pragma unroll
-  for (int j = 0; j < kRingXBlocks; ++j) x_words(xr + j * kWarps * kMmaBlock, xok && j < nb, xh[j], xl[j]);
   float d[4] = {0.f, 0.f, 0.f, 0.f};
   int slot = 0;
   int64_t i = 0;
@@ -471,13 +494,21 @@ __global__ void __launch_bounds__(512, 1)
     if (++slot == kSlots) slot = 0;
     ++i;
   };
-  for (int64_t ti = 0; ti < my_tiles; ++ti) {
+  int64_t done = 0;  // tiles summed (part[done & 1] alternates across windows too)
+  for (int v = 0; v < windows; ++v) {
+    const int nb = kWindows ? nb_of(v) : at.nb;
+    const float* xr = x + (m0 + g) * ldx + 8 * c + (static_cast<int64_t>(v) * kRingWindow + warp) * kMmaBlock;
+    uint32_t xh[kRingXBlocks][8], xl[kRingXBlocks][8];
 #pragma unroll
-    for (int j = 0; j < kRingXBlocks; ++j) {
-      if (j < nb) step(xh[j], xl[j]);
+    for (int j = 0; j < kRingXBlocks; ++j) x_words(xr + j * kWarps * kMmaBlock, xok && j < nb, xh[j], xl[j]);
+    for (int64_t ti = 0; ti < my_tiles; ++ti, ++done) {
+#pragma unroll
+      for (int j = 0; j < kRingXBlocks; ++j) {
+        if (j < nb) step(xh[j], xl[j]);
+      }
+      // (part[done & 1] was last read before the previous tile's barrier)
+      tile_sums<kWarps>(d, part[done & 1], (blockIdx.x + ti * gridDim.x) * 16, n, m0, mh, y, ldy, beta, v > 0);
     }
-    // (part[ti & 1] was last read before the previous tile's barrier)
-    tile_sums<kWarps>(d, part[ti & 1], (blockIdx.x + ti * gridDim.x) * 16, n, m0, mh, y, ldy, beta);
   }
   cp_async_wait<0>();
 }
@@ -569,8 +600,8 @@ void launch_persist(const float* x, int64_t ldx, int64_t m, const __nv_bfloat16*
 // CTAs an SM with x staged: 395 at 4 rows). Fewer blocks (k 1,024-4,032): 8 warps two ahead at three
 // CTAs an SM, x from global memory (32768 x 1024 22 -> 18.5, 8192 x 1024 7.5 -> 6.5-6.9; 16 warps
 // there, one block a warp a tile, barrier-bound: 19.4, 7.3). Since session 27 the shared-memory ring
-// takes k of 2,048 to 4,096 (gemv_typed), so these run at k < 2,048 and k > 4,096 (and with
-// TROUPE_GEMV_RING=0).
+// takes k of 2,048 to 4,096 and since session 28 any larger k (gemv_typed), so these run at k < 2,048
+// (and with TROUPE_GEMV_RING=0).
 
 // TROUPE_GEMV_RING=0: gemv_mma_ring_kernel's shapes on the forms before it (an A/B switch).
 bool gemv_ring_enabled() {
@@ -579,10 +610,10 @@ bool gemv_ring_enabled() {
 }
 
 // gemv_mma_ring_kernel over the device at one CTA an SM (or one a tile).
-template <int kSlots>
+template <int kSlots, bool kWindows>
 void launch_ring_slots(const float* x, int64_t ldx, int64_t m, const __nv_bfloat16* w, int64_t n, int64_t k, float* y,
                        int64_t ldy, float beta, cudaStream_t s) {
-  auto* kernel = gemv_mma_ring_kernel<kSlots>;
+  auto* kernel = gemv_mma_ring_kernel<kSlots, kWindows>;
   constexpr size_t smem = static_cast<size_t>(16) * kSlots * 2048;
   static const int64_t ctas = [&] {
     const int per = resident_per_sm(kernel, 512, smem);
@@ -595,15 +626,21 @@ void launch_ring_slots(const float* x, int64_t ldx, int64_t m, const __nv_bfloat
   TROUPE_LAUNCHED();
 }
 // TROUPE_GEMV_RING_SLOTS=2 / 4: that many blocks a warp in the ring instead of six (an A/B switch).
-void launch_ring(const float* x, int64_t ldx, int64_t m, const __nv_bfloat16* w, int64_t n, int64_t k, float* y,
-                 int64_t ldy, float beta, cudaStream_t s) {
+template <bool kWindows>
+void launch_ring_windows(const float* x, int64_t ldx, int64_t m, const __nv_bfloat16* w, int64_t n, int64_t k,
+                         float* y, int64_t ldy, float beta, cudaStream_t s) {
   static const int slots = [] {
     const char* e = std::getenv("TROUPE_GEMV_RING_SLOTS");
     return e != nullptr && (e[0] == '2' || e[0] == '4') ? e[0] - '0' : kRingSlots;
   }();
-  if (slots == 2) return launch_ring_slots<2>(x, ldx, m, w, n, k, y, ldy, beta, s);
-  if (slots == 4) return launch_ring_slots<4>(x, ldx, m, w, n, k, y, ldy, beta, s);
-  launch_ring_slots<kRingSlots>(x, ldx, m, w, n, k, y, ldy, beta, s);
+  if (slots == 2) return launch_ring_slots<2, kWindows>(x, ldx, m, w, n, k, y, ldy, beta, s);
+  if (slots == 4) return launch_ring_slots<4, kWindows>(x, ldx, m, w, n, k, y, ldy, beta, s);
+  launch_ring_slots<kRingSlots, kWindows>(x, ldx, m, w, n, k, y, ldy, beta, s);
+}
+void launch_ring(const float* x, int64_t ldx, int64_t m, const __nv_bfloat16* w, int64_t n, int64_t k, float* y,
+                 int64_t ldy, float beta, cudaStream_t s) {
+  if (k / kMmaBlock > kRingWindow) return launch_ring_windows<true>(x, ldx, m, w, n, k, y, ldy, beta, s);
+  launch_ring_windows<false>(x, ldx, m, w, n, k, y, ldy, beta, s);
 }
 
 void gemv_mma_persist(const float* x, int64_t ldx, int64_t m, const __nv_bfloat16* w, int64_t n, int64_t k, float* y,
@@ -656,16 +693,23 @@ void gemv_typed(const float* x, int64_t ldx, int64_t m, const WT* w, int64_t n, 
       // us, 2 293 us).
       const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y;
       const bool one_wave = ctas <= sms;
-      // More than one wave of CTAs with k of 2,048 to 4,096: the shared-memory ring (gemv_mma_ring_kernel;
+      // More than one wave of CTAs with k of 2,048 or more: the shared-memory ring (gemv_mma_ring_kernel;
       // run 27 calls 2-4 against the forms below: lm_head m = 3 / 4 / 8 264 / 265 / 267 -> 240 / 241 / 245
       // us, 16384 x 4096 36 -> 31.5, 16384 x 2048 19.3 -> 16.3, 4096 x 4096 12.6 -> 10.5 (m = 8 13.0 ->
       // 11.3), 4096 x 2048 6.9 -> 6.4; k = 1,024, one block a warp a tile, 8192 x 1024 6.4 -> 6.6, not
-      // taken; k > 4,096, x read for every block, 8192 x 6144 28.3 -> 30.3, not taken).
-      // TROUPE_GEMV_RING_WIDE=0: the ring past two waves only (an A/B switch).
-      static const bool ring_wide = !env_off("TROUPE_GEMV_RING_WIDE");
+      // taken). k > 4,096 in windows (run 28 calls 1-2: 4096 x 8192 m = 3 / 4 / 8 22.7 / 23.1 / 23.9 ->
+      // 19.8 / 20.6 / 22.0 us, cuBLAS 22.1-22.4; 8192 x 6144 28.2 / 28.3 / 32.5 -> 27.3 / 27.8 / 30.0, cuBLAS
+      // 26.3; x read for every block instead, run 27: 8192 x 6144 28.3 -> 30.3).
+      // TROUPE_GEMV_RING_WIDE (an A/B switch): 0 = the ring past two waves only; w = past one wave only where
+      // k takes more than one window.
+      static const int ring_wide = [] {
+        const char* e = std::getenv("TROUPE_GEMV_RING_WIDE");
+        return e == nullptr ? 1 : e[0] == '0' ? 0 : e[0] == 'w' ? 2 : 1;
+      }();
       const int64_t blocks = k / kMmaBlock;
-      if (blocks >= 32 && blocks <= 16 * kRingXBlocks && group_rows == 0 &&
-          ctas > (ring_wide ? 1 : 2) * static_cast<int64_t>(sms) && gemv_ring_enabled()) {
+      const bool ring_past_one = ring_wide == 1 || (ring_wide == 2 && blocks > kRingWindow);
+      if (blocks >= 32 && group_rows == 0 &&
+          ctas > (ring_past_one ? 1 : 2) * static_cast<int64_t>(sms) && gemv_ring_enabled()) {
         launch_ring(x, ldx, m, w, n, k, y, ldy, beta, s);
         return;
       }

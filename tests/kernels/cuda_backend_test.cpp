@@ -88,15 +88,15 @@ TEST_F(CudaBackendTest, linear_matches_cpu_for_every_weight_type_and_shape) {
                           {4, 4096, 1024}, {3, 2500, 512}, {4, 2000, 512}, {4, 16400, 128}, {7, 1000, 320},
                           {2, 4096, 1024}, {2, 300, 256}, {3, 2048, 1024}, {4, 600, 512},
                           {4, 16388, 1024}, {6, 4500, 4096}, {8, 4400, 6144}, {3, 4500, 4096}, {8, 4400, 6208},
-                          {8, 4400, 2112}, {3, 4500, 2048}};
+                          {8, 4400, 2112}, {3, 4500, 2048}, {4, 4096, 8192}, {5, 4500, 4416}};
   // (3 x 2500, 4 x 600: x rows 3-4 on gemv_core's 4-row tiles (more outputs than one wave of 16-row tensor-core
   // CTAs, or fewer than 1,024); 3 x 2048 and 4 x 2000 on the tensor cores' one-wave form (16 warps); 4 and 7 rows
   // on the tensor cores, three blocks in flight (4 x 4096 x 1024, 7 x 1000: partial 16-row tiles) and two (4 x
   // 16400 x 128); 2 rows on the exact-row kernels, 4-row tiles and one-row tiles (2 x 300); the persistent
-  // register-ring form past two waves of tiles: 8 warps with x from global memory (4 x 16388 x 1024, a partial
-  // last tile) and, with k > 4,096, 16 warps with x read for every block (8 x 4400 x 6144 and 6208: warp 0 has
-  // one block more a tile); past one wave with k of 2,048 to 4,096 the shared-memory ring form (6 / 3 x 4500 x
-  // 4096, 3 x 4500 x 2048, 8 x 4400 x 2112: warp 0 has three blocks a tile, the others two))
+  // register-ring form past two waves of tiles with k < 2,048 (4 x 16388 x 1024, a partial last tile); past one
+  // wave with k >= 2,048 the shared-memory ring form (6 / 3 x 4500 x 4096, 3 x 4500 x 2048, 8 x 4400 x 2112: warp
+  // 0 has three blocks a tile, the others two) and its windows of k (4 x 4096 x 8192; 8 x 4400 x 6144 and 6208:
+  // a second window of 32 / 33 blocks; 5 x 4500 x 4416: a second window of 5 blocks, most warps none))
   for (WeightType type : {WeightType::f32, WeightType::bf16, WeightType::f16}) {
     for (const auto& s : shapes) {
       SCOPED_TRACE("type " + std::to_string(static_cast<int>(type)) + " m " + std::to_string(s.m) + " n " +
@@ -119,9 +119,10 @@ TEST_F(CudaBackendTest, linear_accumulates_with_beta_one) {
   struct Shape {
     int64_t m, n, k;
   };
-  // (4 x 4500 x 1024: the persistent tensor-core GEMV; 5 x 4500 x 4096: its shared-memory ring form)
-  for (const auto& s :
-       {Shape{1, 384, 512}, Shape{6, 384, 512}, Shape{40, 384, 512}, Shape{4, 4500, 1024}, Shape{5, 4500, 4096}}) {
+  // (4 x 4500 x 1024: the persistent tensor-core GEMV; 5 x 4500 x 4096: its shared-memory ring form; 3 x 4500 x
+  // 8192: the ring's two windows of k, the second adding to the first)
+  for (const auto& s : {Shape{1, 384, 512}, Shape{6, 384, 512}, Shape{40, 384, 512}, Shape{4, 4500, 1024},
+                        Shape{5, 4500, 4096}, Shape{3, 4500, 8192}}) {
     MirrorWeight w(cpu(), gpu(), s.n, s.k, WeightType::bf16, rng_);
     Mirror x(cpu(), gpu(), randn(s.m * s.k, rng_));
     Mirror y(cpu(), gpu(), randn(s.m * s.n, rng_));

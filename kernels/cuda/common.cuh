@@ -10,8 +10,11 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 
 namespace troupe::kernels::cuda {
@@ -102,19 +105,75 @@ inline bool pdl_for(const void* kernel) {
   return only == nullptr || any(only);
 }
 
+// TROUPE_CARVEOUT (an A/B switch; unset: the driver's choice of each SM's split of its unified L1 /
+// shared memory). N (0-100): every kernel launched by launch_kernel_ex prefers N % as shared memory
+// (cudaFuncAttributePreferredSharedMemoryCarveout; 100 or 0: one split for every kernel, so that no SM
+// changes it between a kernel of ~200 KB of shared memory, the GEMV ring, and the next). `auto`: each
+// launch prefers what its own CTAs need (carveout_for), as a launch attribute.
+constexpr int kCarveoutAuto = -2;
+inline int carveout_setting() {
+  static const int v = [] {
+    const char* e = std::getenv("TROUPE_CARVEOUT");
+    if (e == nullptr || *e == '\0') return -1;
+    if (std::strcmp(e, "auto") == 0) return kCarveoutAuto;
+    const int x = std::atoi(e);
+    return x < 0 ? -1 : std::min(x, 100);
+  }();
+  return v;
+}
+
+// The share of an SM's unified L1 / shared memory (percent, rounded up; the driver rounds it up again to
+// a split the SM has) that holds as many CTAs of `kernel` (`threads` a CTA, `dyn` bytes of dynamic shared
+// memory) as the largest split would, so that the rest stays L1; 0 without shared memory, -1 where the
+// runtime cannot say. Remembered per kernel, block size and dynamic size.
+inline int carveout_for(const void* kernel, unsigned threads, size_t dyn) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, unsigned, size_t>, int> memo;
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_tuple(kernel, threads, dyn);
+  if (const auto it = memo.find(key); it != memo.end()) return it->second;
+  int pct = -1, dev = 0, sm_bytes = 0, reserved = 0, blocks = 0;
+  cudaFuncAttributes a{};
+  if (cudaFuncGetAttributes(&a, kernel) == cudaSuccess && cudaGetDevice(&dev) == cudaSuccess &&
+      cudaDeviceGetAttribute(&sm_bytes, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) == cudaSuccess &&
+      cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev) == cudaSuccess &&
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, static_cast<int>(threads), dyn) == cudaSuccess &&
+      sm_bytes > 0) {
+    const size_t per = a.sharedSizeBytes + dyn;
+    const size_t need = static_cast<size_t>(blocks) * (per + static_cast<size_t>(reserved)) * 100;
+    pct = per == 0 ? 0 : static_cast<int>(std::min<size_t>(100, (need + sm_bytes - 1) / sm_bytes));
+  } else {
+    (void)cudaGetLastError();  // not left for an unrelated later check
+  }
+  memo[key] = pct;
+  return pct;
+}
+
 // Launches `kernel` on `stream` with the PDL attribute (and `extra` attributes,
 // e.g. a cluster shape) and checks the launch.
 template <class... KArgs, class... Args>
 void launch_kernel_ex(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                       const cudaLaunchAttribute* extra, int n_extra, Args&&... args) {
   TROUPE_REQUIRE(n_extra >= 0 && n_extra <= 3, "launch_kernel_ex: at most 3 extra launch attributes");
-  cudaLaunchAttribute attrs[4];
+  cudaLaunchAttribute attrs[5];
   int n = 0;
   for (int i = 0; i < n_extra; ++i) attrs[n++] = extra[i];
   if (pdl_for(reinterpret_cast<const void*>(kernel))) {
     attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attrs[n].val.programmaticStreamSerializationAllowed = 1;
     ++n;
+  }
+  if (const int c = carveout_setting(); c >= 0) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, c) != cudaSuccess) {
+      (void)cudaGetLastError();  // a hint: the launch below runs either way
+    }
+  } else if (c == kCarveoutAuto) {
+    const int pct = carveout_for(reinterpret_cast<const void*>(kernel), block.x * block.y * block.z, smem);
+    if (pct >= 0) {
+      attrs[n].id = cudaLaunchAttributePreferredSharedMemoryCarveout;
+      attrs[n].val.sharedMemCarveout = static_cast<unsigned>(pct);
+      ++n;
+    }
   }
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;

@@ -4,7 +4,8 @@
 #   bench/gpu/step-ab.sh BUNDLE MODEL BATCHES [SETTING ...]
 # BUNDLE: a device-bundle holding troupe_gpu_e2e. MODEL: a model folder (troupe init-model --preset
 # flash-shaped --dtype bf16 --seed 0 --out MODEL). BATCHES: comma-separated batch sizes. SETTING: "" (as
-# built) or NAME=VALUE[,NAME=VALUE...]. Prints each run's steady step, experts touched a layer (runs
+# built) or NAME=VALUE[,NAME=VALUE...]; E2E_BIN=FILE in a setting runs that binary of the bundle instead of
+# troupe_gpu_e2e (a variant built from a patched tree). Prints each run's steady step, experts touched a layer (runs
 # compare only where these agree) and fraction of the roofline; with SMI=1 also the mean SM clock and
 # power drawn over the run (nvidia-smi every 100 ms). ROUNDS (2), PROMPT (512), NEW (32).
 set -uo pipefail
@@ -25,7 +26,9 @@ for b in ${batches//,/ }; do
         nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -lms 100 > "$tmp/smi.csv" &
         smi_pid=$!
       fi
-      env ${setting//,/ } timeout 120 "$bundle/run.sh" troupe_gpu_e2e bench --model "$model" --batch "$b" \
+      bin=troupe_gpu_e2e
+      for kv in ${setting//,/ }; do [[ $kv == E2E_BIN=* ]] && bin=${kv#E2E_BIN=}; done
+      env ${setting//,/ } timeout 120 "$bundle/run.sh" "$bin" bench --model "$model" --batch "$b" \
         --prompt "${PROMPT:-512}" --new "${NEW:-32}" > "$tmp/run.json" 2> "$tmp/err.txt"
       rc=$?
       extra=

@@ -15,6 +15,10 @@ for t in kernels_cuda_backend_test kernels_cuda_kernels_test; do
   timeout "${TEST_S:-150}" "$bundle/run.sh" "$t" > "$out/$t.log" 2>&1
   echo "$t: exit $? ($(grep -c '^\[       OK' "$out/$t.log") ok, $(grep -c '^\[  FAILED' "$out/$t.log") failed lines)"
 done
+# the GEMV forms the shared-memory ring displaced (ctest's kernels_cuda_linear_without_ring)
+TROUPE_GEMV_RING=0 timeout "${TEST_S:-150}" "$bundle/run.sh" kernels_cuda_backend_test --gtest_filter='*linear*:*beta*' \
+  > "$out/linear_without_ring.log" 2>&1
+echo "linear without the ring: exit $? ($(grep -c '^\[       OK' "$out/linear_without_ring.log") ok, $(grep -c '^\[  FAILED' "$out/linear_without_ring.log") failed lines)"
 if [ -x "$bundle/model_tests" ]; then  # the GPU decoder against the CPU forward pass
   src=${BUILD_SOURCE_DIR:-/work/main}  # TROUPE_SOURCE_DIR of the build: where the binary looks for the fixtures
   if [ ! -e "$src/tests/fixtures/model" ]; then

@@ -1,6 +1,7 @@
 #include "base/dtype.hpp"
 
 #include <cmath>
+#include <limits>
 
 #include "base/check.hpp"
 
@@ -14,6 +15,9 @@ size_t dtype_size(DType t) {
     case DType::i64: return 8;
     case DType::i32: return 4;
     case DType::u8: return 1;
+    case DType::i8: return 1;
+    case DType::f8_e4m3: return 1;
+    case DType::f8_e8m0: return 1;
   }
   return 0;
 }
@@ -26,6 +30,9 @@ std::string_view dtype_name(DType t) {
     case DType::i64: return "I64";
     case DType::i32: return "I32";
     case DType::u8: return "U8";
+    case DType::i8: return "I8";
+    case DType::f8_e4m3: return "F8_E4M3";
+    case DType::f8_e8m0: return "F8_E8M0";
   }
   return "?";
 }
@@ -75,6 +82,25 @@ uint16_t f32_to_f16(float f) {
   return static_cast<uint16_t>(sign | (absx >> 13));
 }
 
+float e4m3_to_f32(uint8_t v) {
+  const uint32_t exp = (v >> 3) & 0xf, mant = v & 0x7;
+  const float sign = (v & 0x80) ? -1.0f : 1.0f;
+  if (exp == 0xf && mant == 0x7) return std::numeric_limits<float>::quiet_NaN();
+  if (exp == 0) return sign * std::ldexp(static_cast<float>(mant), -9);  // subnormal: mant/8 * 2^-6
+  return sign * std::ldexp(static_cast<float>(8 + mant), static_cast<int>(exp) - 10);
+}
+
+float e8m0_to_f32(uint8_t v) {
+  if (v == 0xff) return std::numeric_limits<float>::quiet_NaN();
+  return std::ldexp(1.0f, static_cast<int>(v) - 127);
+}
+
+float e2m1_to_f32(uint8_t v) {
+  static constexpr float kMagnitude[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const float m = kMagnitude[v & 0x7];
+  return (v & 0x8) ? -m : m;
+}
+
 void convert_to_f32(DType from, const void* src, float* dst, size_t n) {
   switch (from) {
     case DType::f32:
@@ -88,6 +114,16 @@ void convert_to_f32(DType from, const void* src, float* dst, size_t n) {
     case DType::f16: {
       const auto* s = static_cast<const uint16_t*>(src);
       for (size_t i = 0; i < n; ++i) dst[i] = f16_to_f32(s[i]);
+      return;
+    }
+    case DType::f8_e4m3: {
+      const auto* s = static_cast<const uint8_t*>(src);
+      for (size_t i = 0; i < n; ++i) dst[i] = e4m3_to_f32(s[i]);
+      return;
+    }
+    case DType::f8_e8m0: {
+      const auto* s = static_cast<const uint8_t*>(src);
+      for (size_t i = 0; i < n; ++i) dst[i] = e8m0_to_f32(s[i]);
       return;
     }
     default:

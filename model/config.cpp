@@ -222,6 +222,45 @@ void ModelConfig::finish() {
        "is smaller than the compress rope dimension");
 }
 
+namespace {
+
+// quantization_config: quant_method "fp8" (e4m3 weights with block scales, dynamic activation
+// scheme). Its other keys (modules_to_not_convert, scale_fmt, ...) need nothing: a matrix is
+// dequantized when the checkpoint gives it in FP8 or FP4 with a scale tensor beside it.
+Quantization parse_quantization(const json& q, const std::string& source) {
+  const std::string field = "quantization_config";
+  if (!q.is_object()) field_error(source, field, "must be an object");
+  Quantization out;
+  const std::string method = q.contains("quant_method") && q.at("quant_method").is_string()
+                                 ? q.at("quant_method").get<std::string>()
+                                 : std::string();
+  if (method != "fp8") {
+    field_error(source, field + ".quant_method",
+                "is '" + method + "'; troupe loads quant_method 'fp8' (e4m3 block-scaled weights, FP4 experts)");
+  }
+  out.fp8 = true;
+  if (q.contains("fmt") && !q.at("fmt").is_null() && q.at("fmt") != "e4m3") {
+    field_error(source, field + ".fmt", "is " + q.at("fmt").dump() + ", expected \"e4m3\"");
+  }
+  if (q.contains("activation_scheme") && !q.at("activation_scheme").is_null() &&
+      q.at("activation_scheme") != "dynamic") {
+    field_error(source, field + ".activation_scheme",
+                "is " + q.at("activation_scheme").dump() + "; troupe loads the dynamic scheme (no activation scales)");
+  }
+  if (q.contains("weight_block_size") && !q.at("weight_block_size").is_null()) {
+    const json& b = q.at("weight_block_size");
+    if (!b.is_array() || b.size() != 2 || !b[0].is_number_integer() || !b[1].is_number_integer() ||
+        b[0].get<int64_t>() <= 0 || b[1].get<int64_t>() <= 0) {
+      field_error(source, field + ".weight_block_size", "must be two positive integers, got " + b.dump());
+    }
+    out.block_rows = b[0].get<int64_t>();
+    out.block_cols = b[1].get<int64_t>();
+  }
+  return out;
+}
+
+}  // namespace
+
 ModelConfig parse_config(const std::string& text, const std::string& source) {
   json j;
   try {
@@ -241,7 +280,7 @@ ModelConfig parse_config(const std::string& text, const std::string& source) {
       "rope_parameters", "rope_scaling", "hidden_act", "attention_bias", "mlp_bias",
       // legacy spellings transformers folds in
       "compress_ratios", "compress_rate_csa", "compress_rate_hca", "num_hash_layers", "qk_rope_head_dim",
-      "quantization_config"};
+      "quantization_config", "expert_dtype"};
   for (auto it = j.begin(); it != j.end(); ++it) {
     if (!math_fields.count(it.key()) && !kIgnoredFields.count(it.key())) {
       field_error(source, it.key(), "is unknown to troupe (it may change the model's math)");
@@ -254,8 +293,12 @@ ModelConfig parse_config(const std::string& text, const std::string& source) {
   if (rd.string("model_type", "deepseek_v4") != "deepseek_v4") {
     field_error(source, "model_type", "is '" + rd.string("model_type", "") + "', expected 'deepseek_v4'");
   }
-  if (rd.has("quantization_config")) {
-    field_error(source, "quantization_config", "is present; quantized (FP8/FP4) checkpoints are not supported yet");
+  if (rd.has("quantization_config")) c.quantization = parse_quantization(rd.at("quantization_config"), source);
+  {
+    const std::string ed = rd.string("expert_dtype", "fp8");
+    if (ed != "fp8" && ed != "fp4") field_error(source, "expert_dtype", "is '" + ed + "', expected fp8 or fp4");
+    if (ed == "fp4" && !c.quantization.fp8) field_error(source, "expert_dtype", "is fp4 without a quantization_config");
+    c.quantization.expert_dtype = ed;
   }
   c.vocab_size = rd.positive("vocab_size");
   c.hidden_size = rd.positive("hidden_size");

@@ -35,8 +35,21 @@ struct RopeConfig {
   std::vector<float> inv_freq;    // rope_dim / 2 entries
 };
 
+// A quantized checkpoint (config.json's quantization_config, quant_method "fp8", as DeepSeek ships
+// V4): matrices in FP8 e4m3 with a scale per block (`<name>.scale` or `<name>.weight_scale_inv`:
+// float32, bf16 or e8m0 values), routed experts optionally in FP4 e2m1 (two a byte, element 2j in the
+// low nibble) with a scale per 1 x 32 inputs. troupe dequantizes them as it loads (the products are
+// those of transformers' dequantizing load); activations are not quantized.
+struct Quantization {
+  bool fp8 = false;
+  int64_t block_rows = 0;  // weight_block_size; 0: derived from each scale grid (which must divide the matrix)
+  int64_t block_cols = 0;
+  std::string expert_dtype = "fp8";  // config.json's expert_dtype: fp8 or fp4
+};
+
 struct ModelConfig {
   std::string source;  // the config.json path, for error messages
+  Quantization quantization;
 
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;

@@ -33,6 +33,9 @@ bool parse_dtype(const std::string& s, DType* out) {
   else if (s == "I64") *out = DType::i64;
   else if (s == "I32") *out = DType::i32;
   else if (s == "U8") *out = DType::u8;
+  else if (s == "I8") *out = DType::i8;
+  else if (s == "F8_E4M3") *out = DType::f8_e4m3;
+  else if (s == "F8_E8M0") *out = DType::f8_e8m0;
   else return false;
   return true;
 }
@@ -66,7 +69,7 @@ void Checkpoint::add_file(const std::string& path) {
     try {
       const std::string dt = t.at("dtype").get<std::string>();
       if (!parse_dtype(dt, &v.dtype)) {
-        raise(ErrorCode::unsupported, "{}: tensor '{}' has dtype {}; troupe reads F32, BF16, F16, I64, I32", path,
+        raise(ErrorCode::unsupported, "{}: tensor '{}' has dtype {}; troupe reads F32, BF16, F16, F8_E4M3, F8_E8M0, I64, I32, I8, U8", path,
               v.name, dt);
       }
       v.shape = t.at("shape").get<std::vector<int64_t>>();

@@ -140,8 +140,112 @@ class WeightLoader {
   }
 
   Weight matrix(const std::string& canon, int64_t rows, int64_t cols) {
-    auto f = host_f32(find(canon, {rows, cols}));
+    auto f = matrix_f32(canon, rows, cols, 0);
     return matrix_from_host(f.data(), rows, cols);
+  }
+
+  // A matrix [rows, cols] (stacked = 0) or a stack of them [stacked, rows, cols] as fp32: a float
+  // tensor converted, or an FP8 / packed FP4 one dequantized with its scale tensor.
+  std::vector<float> matrix_f32(const std::string& canon, int64_t rows, int64_t cols, int64_t stacked) {
+    std::vector<int64_t> shape = {rows, cols};
+    if (stacked > 0) shape.insert(shape.begin(), stacked);
+    const int64_t count = stacked > 0 ? stacked : 1;
+    auto it = by_name_.find(canon);
+    if (it == by_name_.end() || !is_quantized(it->second->dtype)) return host_f32(find(canon, shape));
+    const TensorView& w = *it->second;
+    used_.insert(canon);
+    const bool fp4 = w.dtype != DType::f8_e4m3;  // i8 / u8: two e2m1 codes a byte
+    std::vector<int64_t> stored = shape;
+    if (fp4) {
+      if (cols % 2 != 0) raise(ErrorCode::invalid_file, "{}: tensor '{}' is packed FP4 but {} inputs are odd", ck_.dir(), w.name, cols);
+      stored.back() = cols / 2;
+    }
+    if (w.shape != stored) {
+      TensorView want;
+      want.shape = stored;
+      raise(ErrorCode::invalid_file, "{}: tensor '{}' ({}) has shape {}, expected {} from config.json", ck_.dir(), w.name,
+            dtype_name(w.dtype), w.shape_string(), want.shape_string());
+    }
+    const TensorView& s = scale_of(canon, w);
+    const int64_t lead = stacked > 0 ? 1 : 0;
+    if (s.shape.size() != static_cast<size_t>(2 + lead) || (lead && s.shape[0] != count)) {
+      raise(ErrorCode::invalid_file, "{}: scale tensor '{}' has shape {}, expected {}[scale rows, scale columns]", ck_.dir(),
+            s.name, s.shape_string(), lead ? std::to_string(count) + " x " : "");
+    }
+    const int64_t sr = s.shape[static_cast<size_t>(lead)], sc = s.shape[static_cast<size_t>(lead + 1)];
+    int64_t bm, bn;
+    const Quantization& q = c_.quantization;
+    if (!fp4 && q.block_rows > 0) {  // DeepSeek's blocks: the last ones may be partial
+      bm = q.block_rows;
+      bn = q.block_cols;
+      if (sr != (rows + bm - 1) / bm || sc != (cols + bn - 1) / bn) {
+        raise(ErrorCode::invalid_file, "{}: scale tensor '{}' has a {} x {} grid; blocks of {} x {} over [{}, {}] need {} x {}",
+              ck_.dir(), s.name, sr, sc, bm, bn, rows, cols, (rows + bm - 1) / bm, (cols + bn - 1) / bn);
+      }
+    } else {
+      if (sr <= 0 || sc <= 0 || rows % sr != 0 || cols % sc != 0) {
+        raise(ErrorCode::invalid_file, "{}: scale tensor '{}' has a {} x {} grid, which does not divide [{}, {}]", ck_.dir(),
+              s.name, sr, sc, rows, cols);
+      }
+      bm = rows / sr;
+      bn = cols / sc;
+    }
+    std::vector<float> scales(static_cast<size_t>(s.numel()));
+    if (s.dtype == DType::u8) {  // e8m0 exponents stored as bytes
+      convert_to_f32(DType::f8_e8m0, s.data, scales.data(), scales.size());
+    } else if (s.dtype == DType::f32 || s.dtype == DType::bf16 || s.dtype == DType::f16 || s.dtype == DType::f8_e8m0) {
+      convert_to_f32(s.dtype, s.data, scales.data(), scales.size());
+    } else {
+      raise(ErrorCode::invalid_file, "{}: scale tensor '{}' has dtype {}, expected F32, BF16, F16, F8_E8M0 or U8", ck_.dir(),
+            s.name, dtype_name(s.dtype));
+    }
+    std::vector<float> out(static_cast<size_t>(count * rows * cols));
+    const auto* bytes = static_cast<const uint8_t*>(w.data);
+    for (int64_t e = 0; e < count; ++e) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* srow = scales.data() + (e * sr + r / bm) * sc;
+        float* orow = out.data() + (e * rows + r) * cols;
+        if (fp4) {
+          const uint8_t* in = bytes + (e * rows + r) * (cols / 2);
+          for (int64_t c = 0; c < cols; ++c) {
+            const uint8_t code = (c & 1) ? static_cast<uint8_t>(in[c / 2] >> 4) : static_cast<uint8_t>(in[c / 2] & 0xf);
+            orow[c] = e2m1_to_f32(code) * srow[c / bn];
+          }
+        } else {
+          const uint8_t* in = bytes + (e * rows + r) * cols;
+          for (int64_t c = 0; c < cols; ++c) orow[c] = e4m3_to_f32(in[c]) * srow[c / bn];
+        }
+      }
+    }
+    return out;
+  }
+
+  static bool is_quantized(DType t) { return t == DType::f8_e4m3 || t == DType::i8 || t == DType::u8; }
+
+  // The scale tensor beside a quantized weight: `X.weight` -> `X.scale` (DeepSeek's name) or
+  // `X.weight_scale_inv` (transformers'); a stacked `experts.gate_up_proj` -> `..._scale_inv`.
+  const TensorView& scale_of(const std::string& canon, const TensorView& w) {
+    if (!c_.quantization.fp8) {
+      raise(ErrorCode::invalid_file, "{}: tensor '{}' is {} but config.json has no quantization_config", ck_.dir(), w.name,
+            dtype_name(w.dtype));
+    }
+    std::vector<std::string> names;
+    const std::string suffix = ".weight";
+    if (canon.size() > suffix.size() && canon.compare(canon.size() - suffix.size(), suffix.size(), suffix) == 0) {
+      const std::string base = canon.substr(0, canon.size() - suffix.size());
+      names = {base + ".scale", base + ".weight_scale_inv"};
+    } else {
+      names = {canon + "_scale_inv", canon + ".scale"};
+    }
+    for (const auto& n : names) {
+      auto it = by_name_.find(n);
+      if (it != by_name_.end()) {
+        used_.insert(n);
+        return *it->second;
+      }
+    }
+    raise(ErrorCode::invalid_file, "{}: tensor '{}' is {} but has no scale tensor ('{}')", ck_.dir(), w.name, dtype_name(w.dtype),
+          names[0]);
   }
 
   HcWeights hc(const std::string& prefix, int64_t n_mix, int n_scale, bool head) {
@@ -166,8 +270,8 @@ class WeightLoader {
   void load_experts(const std::string& p, MoeWeights& m) {
     const int64_t E = c_.n_routed_experts, I = c_.moe_intermediate_size, D = c_.hidden_size;
     if (has(p + "experts.gate_up_proj")) {
-      auto gu = host_f32(find(p + "experts.gate_up_proj", {E, 2 * I, D}));
-      auto dn = host_f32(find(p + "experts.down_proj", {E, D, I}));
+      auto gu = matrix_f32(p + "experts.gate_up_proj", 2 * I, D, E);
+      auto dn = matrix_f32(p + "experts.down_proj", D, I, E);
       for (int64_t e = 0; e < E; ++e) {
         m.gate.push_back(matrix_from_host(gu.data() + e * 2 * I * D, I, D));
         m.up.push_back(matrix_from_host(gu.data() + e * 2 * I * D + I * D, I, D));

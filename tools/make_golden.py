@@ -16,7 +16,8 @@ its own prefill-then-decode run) and no top-k choice (lightning indexer, MoE
 router) is within a hair of a tie, where any two correct implementations may
 pick differently. Otherwise the next seed is tried.
 
-Usage (GPU machine):  python3 tools/make_golden.py --out tests/fixtures/model
+Usage (the GPU machine, or a CPU-only venv with torch, transformers 5.17 and accelerate, as in
+tools/oracle_fuzz.py):  python3 tools/make_golden.py --out tests/fixtures/model [--cases fp8_fp4]
 Never run in CI: CI uses the committed fixtures.
 """
 import argparse
@@ -90,6 +91,16 @@ CASES = {
         mlp_layer_types=["hash_moe", "moe", "moe"],
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
         tie_word_embeddings=True, tokens=200, prefill=63, seed=6, save_original_format=False, shard="150KB"),
+    # a quantized checkpoint as DeepSeek ships V4: linears FP8 e4m3 with block scales (power-of-two values in
+    # float32 `.scale` tensors, blocks of 32 x 64 here), routed experts FP4 e2m1 packed two a byte with one
+    # float8_e8m0 scale per 32 inputs (`expert_dtype: fp4`); expected logits from transformers' own
+    # dequantizing load of those files
+    "fp8_fp4": dict(
+        hidden_size=128, q_lora_rank=64, head_dim=64, o_lora_rank=64, index_head_dim=32, moe_intermediate_size=64,
+        layer_types=["compressed_sparse_attention", "sliding_attention", "heavily_compressed_attention"],
+        mlp_layer_types=["hash_moe", "moe", "moe"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        tokens=160, prefill=45, seed=7, quantize=dict(block=[32, 64])),
 }
 
 
@@ -172,11 +183,87 @@ class TieWatch:
         mdv4.DeepseekV4TopKRouter.forward = router
 
 
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def pow2_scale(amax, top):
+    """The power-of-two scale (ue8m0) that brings amax within the format's largest value."""
+    return torch.exp2(torch.ceil(torch.log2(torch.clamp(amax, min=1e-30) / top)))
+
+
+def quantize_fp8(w, block):
+    """w [R, C] -> (e4m3 [R, C], float32 scales [ceil(R/bm), ceil(C/bn)], powers of two)."""
+    bm, bn = block
+    R, C = w.shape
+    sr, sc = -(-R // bm), -(-C // bn)
+    scale = torch.empty(sr, sc)
+    q = torch.empty(R, C, dtype=torch.float8_e4m3fn)
+    for i in range(sr):
+        for j in range(sc):
+            blk = w[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn]
+            s = pow2_scale(blk.abs().max(), 448.0)
+            scale[i, j] = s
+            q[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn] = (blk / s).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def quantize_fp4(w):
+    """w [R, C] -> (int8 [R, C/2], two e2m1 codes a byte, element 2j in the low nibble; e8m0 scales [R, C/32])."""
+    R, C = w.shape
+    blocks = w.reshape(R, C // 32, 32)
+    scale = pow2_scale(blocks.abs().amax(dim=-1), 6.0)  # [R, C/32]
+    x = blocks / scale.unsqueeze(-1)
+    values = torch.tensor(FP4_VALUES)
+    mag = (x.abs().unsqueeze(-1) - values).abs().argmin(dim=-1)  # nearest magnitude code 0..7
+    code = (mag | ((x < 0) & (mag > 0)).long() << 3).reshape(R, C).to(torch.uint8)
+    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).view(torch.int8)
+    return packed, scale.to(torch.float8_e8m0fnu)
+
+
+def quantize_checkpoint(d, block, experts_fp4=True):
+    """Rewrites a saved (DeepSeek-named) fp32 checkpoint the way V4's are shipped: every attention,
+    compressor, indexer and shared-expert linear in FP8 with `.scale`, routed experts in FP4 (or
+    FP8 when experts_fp4 is false)."""
+    from safetensors.torch import load_file, save_file
+    files = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))
+    for f in files:
+        path = os.path.join(d, f)
+        out = {}
+        for k, v in load_file(path).items():
+            linear = (v.dim() == 2 and k.endswith(".weight") and (".attn." in k or ".shared_experts." in k)
+                      and not k.endswith("norm.weight"))
+            expert = ".experts." in k and ".shared_experts." not in k and k.endswith(".weight")
+            if expert and experts_fp4:
+                q, scale = quantize_fp4(v.float())
+            elif expert:
+                q, scale = quantize_fp8(v.float(), block)
+            elif linear:
+                q, scale = quantize_fp8(v.float(), block)
+            else:
+                out[k] = v
+                continue
+            out[k] = q
+            out[k[:-len(".weight")] + ".scale"] = scale
+        save_file(out, path, metadata={"format": "pt"})
+    index = os.path.join(d, "model.safetensors.index.json")
+    if os.path.exists(index):
+        raise SystemExit("quantize_checkpoint: sharded checkpoints are not handled here")
+    cfg_path = os.path.join(d, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block), "scale_fmt": "ue8m0"}
+    cfg["expert_dtype"] = "fp4" if experts_fp4 else "fp8"
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
 def run_case(name, spec, out_dir, device, watch, attempts=20):
     spec = dict(spec)
     tokens, prefill, seed = spec.pop("tokens"), spec.pop("prefill"), spec.pop("seed")
     original = spec.pop("save_original_format", True)
     shard = spec.pop("shard", None)
+    quantize = spec.pop("quantize", None)
     fields = dict(BASE)
     fields.update(spec)
     fields["num_hidden_layers"] = len(fields["layer_types"])
@@ -218,11 +305,31 @@ def run_case(name, spec, out_dir, device, watch, attempts=20):
         if shard:
             kwargs["max_shard_size"] = shard
         model.save_pretrained(d, **kwargs)
+        if quantize:
+            # The expected logits are those of transformers' load of the quantized files (it
+            # dequantizes FP8 and FP4 on a machine without an FP8 GPU, or when asked to).
+            quantize_checkpoint(d, quantize["block"])
+            from transformers import FineGrainedFP8Config
+            qcfg = FineGrainedFP8Config(weight_block_size=tuple(quantize["block"]), dequantize=True)
+            loaded = DeepseekV4ForCausalLM.from_pretrained(d, dtype=torch.float32, quantization_config=qcfg)
+            loaded.config._attn_implementation = "eager"
+            loaded = loaded.eval().to(device)
+            watch.min_index_gap = watch.min_router_gap = float("inf")
+            with torch.no_grad():
+                qlogits = loaded(x, use_cache=False).logits[0].float().cpu()
+            if min(watch.min_index_gap, watch.min_router_gap) < TIE_GAP:
+                print(f"{name}: seed {s} discarded: the quantized model's top-k near a tie", flush=True)
+                continue
+            meta_extra = dict(quantized_vs_fp32=float((qlogits - stateless).abs().max()))
+            stateless = qlogits
+            model = loaded.cpu()
+        else:
+            meta_extra = {}
         np.save(os.path.join(d, "ids.npy"), ids.numpy().astype(np.int64))
         np.save(os.path.join(d, "logits.npy"), stateless.numpy().astype(np.float32))
         meta = dict(case=name, seed=s, tokens=tokens, prefill=prefill, stateless_vs_cached=diff,
                     logit_scale=scale, min_index_gap=index_gap, min_router_gap=router_gap,
-                    transformers=transformers.__version__, torch=torch.__version__, device=str(device))
+                    transformers=transformers.__version__, torch=torch.__version__, device=str(device), **meta_extra)
         if name == "basic":
             # The bf16 twin: the same model saved in bf16; its expected logits are the
             # fp32 forward of the bf16-rounded weights.

@@ -3,6 +3,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "model/safetensors.hpp"
 #include "tests/model/fixtures.hpp"
 #include "tests/support/process.hpp"
 
@@ -104,6 +105,68 @@ TEST_F(ForwardCli, missing_shard_listed_in_the_index) {
   std::filesystem::copy(fixtures_dir() + "/hf_names_sharded", d.path(), std::filesystem::copy_options::recursive);
   std::filesystem::remove(d.path() + "/model-00003-of-00010.safetensors");
   expect_error(run_command(forward(d.path(), "1,2")), "model-00003-of-00010.safetensors listed in the index is missing");
+}
+
+// The FP8 / FP4 checkpoint (tests/fixtures/model/fp8_fp4, as DeepSeek ships V4) with one file or
+// field broken: each an error that names the tensor or the field.
+class QuantizedCheckpoint : public ForwardCli {
+ protected:
+  void SetUp() override {
+    std::filesystem::copy(fixtures_dir() + "/fp8_fp4", d_.path(), std::filesystem::copy_options::recursive);
+    cfg_ = nlohmann::json::parse(read_text_file(d_.path() + "/config.json"));
+  }
+  void write_config(const nlohmann::json& c) { std::ofstream(d_.path() + "/config.json") << c.dump(); }
+  TempDir d_;
+  nlohmann::json cfg_;
+};
+
+TEST_F(QuantizedCheckpoint, loads_and_matches_transformers_dequantizing_load) {
+  const Fixture f = load_fixture("fp8_fp4");
+  auto r = run_command(forward(d_.path(), join(f.ids), "--prefill 45"));
+  ASSERT_EQ(r.status, 0) << r.err;
+  auto got = read_npy(dir_->path() + "/out.npy").as_f32();
+  ASSERT_EQ(got.size(), f.logits.size());
+  EXPECT_LE(max_abs_diff(got.data(), f.logits.data(), got.size()), 1e-3);
+}
+
+TEST_F(QuantizedCheckpoint, fp8_tensors_without_a_quantization_config) {
+  cfg_.erase("quantization_config");
+  cfg_.erase("expert_dtype");
+  write_config(cfg_);
+  expect_error(run_command(forward(d_.path(), "1,2")), "is F8_E4M3 but config.json has no quantization_config");
+}
+
+TEST_F(QuantizedCheckpoint, other_quantization_methods_and_settings) {
+  auto c = cfg_;
+  c["quantization_config"]["quant_method"] = "awq";
+  write_config(c);
+  expect_error(run_command(forward(d_.path(), "1,2")), "quantization_config.quant_method' is 'awq'");
+  c = cfg_;
+  c["quantization_config"]["activation_scheme"] = "static";
+  write_config(c);
+  expect_error(run_command(forward(d_.path(), "1,2")), "activation_scheme' is \"static\"");
+  c = cfg_;
+  c["quantization_config"]["weight_block_size"] = {16, 64};
+  write_config(c);
+  expect_error(run_command(forward(d_.path(), "1,2")), "blocks of 16 x 64");
+  c = cfg_;
+  c["expert_dtype"] = "int4";
+  write_config(c);
+  expect_error(run_command(forward(d_.path(), "1,2")), "field 'expert_dtype' is 'int4'");
+}
+
+TEST_F(QuantizedCheckpoint, weight_without_its_scale) {
+  {
+    auto ck = model::Checkpoint::open(d_.path());
+    std::vector<model::TensorToWrite> keep;
+    for (const auto& [name, v] : ck.tensors()) {
+      if (name == "model.layers.1.attn.wq_a.scale") continue;
+      keep.push_back({name, v.dtype, v.shape, v.data});
+    }
+    model::write_safetensors(dir_->path() + "/rewritten.safetensors", keep);
+  }
+  std::filesystem::rename(dir_->path() + "/rewritten.safetensors", d_.path() + "/model.safetensors");
+  expect_error(run_command(forward(d_.path(), "1,2")), "wq_a.weight' is F8_E4M3 but has no scale tensor");
 }
 
 }  // namespace

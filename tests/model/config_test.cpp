@@ -53,6 +53,16 @@ TEST(Config, flat_yarn_parameters_apply_to_the_compress_rope_only) {
   EXPECT_NEAR(c.rope_compress.inv_freq[1], 1.0f / std::pow(160000.0f, 0.5f) / 16.0f, 1e-9);
 }
 
+TEST(Config, fp8_quantization_as_deepseek_ships_it) {
+  auto c = parse(R"(, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}, "expert_dtype": "fp4")");
+  EXPECT_TRUE(c.quantization.fp8);
+  EXPECT_EQ(c.quantization.block_rows, 128);
+  EXPECT_EQ(c.quantization.block_cols, 128);
+  EXPECT_EQ(c.quantization.expert_dtype, "fp4");
+  EXPECT_FALSE(parse("").quantization.fp8);
+}
+
 TEST(Config, bad_values_name_the_field_and_file) {
   auto expect_error = [](const std::string& extra, const std::string& phrase) {
     try {
@@ -67,7 +77,10 @@ TEST(Config, bad_values_name_the_field_and_file) {
   expect_error(R"(, "layer_types": ["sliding_attention"])", "layer_types' has fewer entries");
   expect_error(R"(, "rope_parameters": {"rope_type": "dynamic", "factor": 2})", "rope_type' is 'dynamic'");
   expect_error(R"(, "num_key_value_heads": 2)", "num_key_value_heads' must be 1");
-  expect_error(R"(, "quantization_config": {"quant_method": "fp8"})", "quantization_config");
+  expect_error(R"(, "quantization_config": {"quant_method": "bitsandbytes"})", "quant_method' is 'bitsandbytes'");
+  expect_error(R"(, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128]})", "weight_block_size");
+  expect_error(R"(, "quantization_config": {"quant_method": "fp8", "fmt": "e5m2"})", "fmt' is \"e5m2\"");
+  expect_error(R"(, "expert_dtype": "fp4")", "expert_dtype' is fp4 without a quantization_config");
   expect_error(R"(, "hidden_size": "big")", "'hidden_size' must be an integer");
 }
 

@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import shutil
 import subprocess
 import sys
@@ -43,7 +44,7 @@ TOLERANCE = 1e-3  # the golden tests' bound on max |logit - transformers|
 CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
 
 
-def draw_config(rng):
+def draw_config(rng, tokens_max=700):
     """One random config (constructor kwargs) and the run's token count and prefill."""
     heads = rng.choice([1, 2, 3, 4, 6, 8])
     o_groups = rng.choice([g for g in range(1, heads + 1) if heads % g == 0])
@@ -91,7 +92,7 @@ def draw_config(rng):
             yarn["mscale"] = rng.choice([0.707, 1.0])
             yarn["mscale_all_dim"] = rng.choice([0.0, 0.5, 1.0])
         fields["rope_parameters"] = yarn
-    tokens = rng.randint(20, 320) if rng.random() < 0.8 else rng.randint(320, 700)
+    tokens = rng.randint(20, 320) if rng.random() < 0.8 else rng.randint(320, max(320, tokens_max))
     prefill = rng.randint(1, tokens)
     return fields, tokens, prefill
 
@@ -124,8 +125,8 @@ def legacy_spelling(config_path, rng):
     return changed
 
 
-def troupe_forward(troupe, model_dir, ids, prefill, out):
-    cmd = [troupe, "forward", "--model", model_dir, "--ids", ",".join(map(str, ids)), "--out", out]
+def troupe_forward(troupe, model_dir, ids, prefill, out, extra):
+    cmd = shlex.split(troupe) + ["forward", "--model", model_dir, "--ids", ",".join(map(str, ids)), "--out", out] + extra
     if prefill is not None:
         cmd += ["--prefill", str(prefill)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -136,16 +137,25 @@ def troupe_forward(troupe, model_dir, ids, prefill, out):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--troupe", default="build/bin/troupe")
+    ap.add_argument("--troupe", default="build/bin/troupe", help="the troupe command (may hold a wrapper and its arguments)")
+    ap.add_argument("--backend", default="cpu", choices=["cpu", "cuda"],
+                    help="troupe's backend (fp32 weights either way: the oracle's weights are fp32)")
     ap.add_argument("--cases", type=int, default=20)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--keep", default="/tmp/oracle_fuzz_failures")
+    ap.add_argument("--tokens-max", type=int, default=700, help="the longest of the long fifth of the cases")
     ap.add_argument("--quantized", type=float, default=0.3, help="share of cases saved as FP8/FP4 checkpoints")
     ap.add_argument("--stable-ties", action="store_true",
                     help="the oracle's top-k settles exact ties by lower index, as troupe does (torch's order is unspecified)")
     ap.add_argument("--attempts", type=int, default=8, help="redraws of a config's weights near a tie")
     args = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
+    if args.quantized > 0:
+        try:
+            import accelerate  # noqa: F401  (transformers' FP8 loader needs it)
+        except ImportError:
+            print("accelerate is not installed: no quantized cases", flush=True)
+            args.quantized = 0.0
     torch.set_float32_matmul_precision("highest")
     watch = make_golden.TieWatch()
     watch.install()
@@ -157,7 +167,7 @@ def main():
     rng = random.Random(args.seed)
     failures, skipped, passed, ties = [], 0, 0, 0
     for case in range(args.cases):
-        fields, tokens, prefill = draw_config(rng)
+        fields, tokens, prefill = draw_config(rng, args.tokens_max)
         label = f"case {case} (seed {args.seed})"
         try:
             cfg = DeepseekV4Config(**fields)
@@ -220,7 +230,8 @@ def main():
             errs = {}
             problem = None
             for what, pf in (("stateless", None), (f"prefill {prefill} then decode", prefill)):
-                got, err = troupe_forward(args.troupe, d, ids.tolist(), pf, os.path.join(work, "out.npy"))
+                got, err = troupe_forward(args.troupe, d, ids.tolist(), pf, os.path.join(work, "out.npy"),
+                                          ["--backend", args.backend, "--weights", "f32"])
                 if got is None:
                     problem = f"{what}: troupe failed: {err}"
                     break

@@ -1,6 +1,7 @@
 // troupe forward --model DIR --ids 5,17,300 --prefill N --out FILE.npy
 // Runs the first N ids as one call, then each remaining id as its own call, and
 // writes float32 logits [number of ids, vocab] (row t: the logits after id t).
+#include <optional>
 #include <sstream>
 
 #include "apps/troupe/commands.hpp"
@@ -36,7 +37,7 @@ std::vector<int32_t> parse_ids(const std::string& text) {
 
 Command add_forward(CLI::App& app) {
   struct Opts {
-    std::string model, ids, out, backend = "cpu";
+    std::string model, ids, out, backend = "cpu", weights = "auto";
     int64_t prefill = -1;
   };
   auto o = std::make_shared<Opts>();
@@ -46,6 +47,8 @@ Command add_forward(CLI::App& app) {
   cmd->add_option("--prefill", o->prefill, "ids run as the first call (default: all)");
   cmd->add_option("--out", o->out, "output .npy file")->required();
   cmd->add_option("--backend", o->backend, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  cmd->add_option("--weights", o->weights, "matrix type: auto (f32 on cpu, bf16 on cuda), f32 or bf16")
+      ->check(CLI::IsMember({"auto", "f32", "bf16"}));
   return [o] {
     const auto ids = parse_ids(o->ids);
     const auto n = static_cast<int64_t>(ids.size());
@@ -55,7 +58,13 @@ Command add_forward(CLI::App& app) {
     std::unique_ptr<kernels::Backend> backend =
         o->backend == "cuda" ? kernels::make_cuda_backend() : kernels::make_cpu_backend();
     if (!backend) raise(ErrorCode::unavailable, "the CUDA backend is not available (no GPU or not compiled)");
-    auto model = model::Model::load(o->model, *backend);
+    if (o->weights == "bf16" && o->backend != "cuda") {
+      raise(ErrorCode::invalid_argument, "--weights bf16 needs --backend cuda (the CPU backend computes in fp32)");
+    }
+    std::optional<kernels::WeightType> type;
+    if (o->weights == "f32") type = kernels::WeightType::f32;
+    if (o->weights == "bf16") type = kernels::WeightType::bf16;
+    auto model = model::Model::load(o->model, *backend, type);
     const int64_t V = model->config().vocab_size;
     for (int32_t id : ids) {
       if (id >= V) raise(ErrorCode::invalid_argument, "token id {} is out of range for a vocabulary of {}", id, V);

@@ -46,6 +46,9 @@ int main(int argc, char** argv) {
   } catch (const std::bad_alloc&) {
     std::cerr << "troupe: error: out of memory\n";
     return 1;
+  } catch (const std::exception& e) {  // a library's own exception: still one line, not an abort
+    std::cerr << "troupe: error: " << e.what() << "\n";
+    return 1;
   }
   return 0;
 }

@@ -3,7 +3,9 @@
 # device-bundle, see ../shared/docs/STACK.md section 9), a compute-sanitizer pass
 # over the smaller cases, and the benchmark (bench/gpu/run.sh). Logs go to OUT.
 #   bench/gpu/device-check.sh BUNDLE_DIR OUT [bench options]
-# Budgets (seconds) per stage: TEST_S, SAN_S, BENCH_S. model_tests (DecoderGpu) runs when the bundle has it.
+# Budgets (seconds) per stage: TEST_S, SAN_S, BENCH_S, FUZZ_S. model_tests (DecoderGpu) runs when the bundle has it;
+# FUZZ=N random configs through the bundle's troupe on CUDA against transformers (default 30, 0: off) when the
+# machine's python has transformers' deepseek_v4.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 bundle=$(cd "$1" && pwd) out=$2
@@ -26,6 +28,14 @@ if [ -x "$bundle/model_tests" ]; then  # the GPU decoder against the CPU forward
   fi
   timeout "${TEST_S:-150}" "$bundle/run.sh" model_tests --gtest_filter='DecoderGpu*' > "$out/decoder_gpu.log" 2>&1
   echo "model_tests DecoderGpu: exit $? ($(grep -c '^\[       OK' "$out/decoder_gpu.log") ok, $(grep -c '^\[  FAILED' "$out/decoder_gpu.log") failed lines)"
+fi
+if [ "${FUZZ:-30}" -gt 0 ] && python3 -c "import transformers.models.deepseek_v4" 2> /dev/null; then
+  # the CUDA backend (fp32 weights) against transformers on random configs (tools/oracle_fuzz.py; the
+  # oracle runs on the CPU, exact ties settled by lower index as troupe does)
+  timeout "${FUZZ_S:-300}" python3 tools/oracle_fuzz.py --troupe "$bundle/run.sh troupe" --backend cuda \
+    --cases "${FUZZ:-30}" --seed "${FUZZ_SEED:-1}" --stable-ties --keep "$out/fuzz_failures" > "$out/oracle_fuzz.log" 2>&1
+  echo "oracle fuzz (cuda, fp32 weights): exit $? ($(grep " passed, " "$out/oracle_fuzz.log" | tail -n 1))"
+  grep -A1 ": FAIL" "$out/oracle_fuzz.log" | head -20
 fi
 san="compute-sanitizer --tool memcheck --error-exitcode 9"
 LD_LIBRARY_PATH="$bundle/lib:${LD_LIBRARY_PATH:-}" timeout "${SAN_S:-120}" $san "$bundle/kernels_cuda_kernels_test" \

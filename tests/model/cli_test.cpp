@@ -82,6 +82,11 @@ TEST_F(ForwardCli, prefill_larger_than_the_ids) {
   expect_error(run_command(forward(model(), "1,2,3", "--prefill 4")), "--prefill 4 is larger than the 3 ids given");
 }
 
+TEST_F(ForwardCli, bf16_weights_on_the_cpu_backend) {
+  expect_error(run_command(forward(model(), "1,2", "--weights bf16")), "--weights bf16 needs --backend cuda");
+  EXPECT_EQ(run_command(forward(model(), "1,2", "--weights f32")).status, 0);
+}
+
 TEST_F(ForwardCli, malformed_ids) {
   expect_error(run_command(forward(model(), "1,x,3")), "'x' is not a token id");
 }

@@ -36,7 +36,7 @@ Section add(PoolLayout& p, int64_t rows, int64_t width) {
 
 CacheGeometry CacheGeometry::of(const model::ModelConfig& c, int64_t page_tokens) {
   CacheGeometry g;
-  g.window = c.sliding_window;
+  g.window = c.sliding_window;  // widened below to a CSA ring's span when the ring is longer
   g.layers = c.num_hidden_layers;
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     g.shapes.push_back(model::LayerShape::of(c, l));
@@ -46,6 +46,10 @@ CacheGeometry CacheGeometry::of(const model::ModelConfig& c, int64_t page_tokens
     TROUPE_CHECK(rate == 0 || rate == s.rate, "one compress rate per layer type");
     rate = s.rate;
   }
+  // The CSA ring rows of the last 2r tokens live in those tokens' window pages, so
+  // a sequence keeps the window pages of its last max(sliding_window, 2r) tokens
+  // (attention still reads only sliding_window of them).
+  if (g.csa_rate > 0) g.window = std::max<int64_t>(g.window, 2 * g.csa_rate);
   int64_t unit = 1;
   if (g.csa_rate > 0) unit = std::lcm(unit, g.csa_rate);
   if (g.hca_rate > 0) unit = std::lcm(unit, g.hca_rate);
@@ -61,10 +65,6 @@ CacheGeometry CacheGeometry::of(const model::ModelConfig& c, int64_t page_tokens
   if (page_tokens < g.window && g.window % page_tokens != 0) {
     raise(ErrorCode::invalid_argument, "page size {} tokens must be at least sliding_window {} or divide it",
           page_tokens, g.window);
-  }
-  if (g.csa_rate > 0 && g.window < 2 * g.csa_rate) {
-    raise(ErrorCode::unsupported, "sliding_window {} is shorter than a CSA ring ({} tokens): the cache nests the "
-          "rings in window pages", g.window, 2 * g.csa_rate);
   }
   g.page_tokens = page_tokens;
   const int64_t P = page_tokens;

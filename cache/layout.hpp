@@ -65,7 +65,7 @@ struct PoolLayout {
 
 struct CacheGeometry {
   int64_t page_tokens = 0;  // P
-  int64_t window = 0;       // sliding_window
+  int64_t window = 0;       // raw tokens whose window pages a sequence keeps: max(sliding_window, 2 r_csa)
   int64_t csa_rate = 0;     // 0 without CSA layers
   int64_t hca_rate = 0;     // 0 without HCA layers
   int64_t layers = 0;

@@ -91,6 +91,18 @@ CASES = {
         mlp_layer_types=["hash_moe", "moe", "moe"],
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
         tie_word_embeddings=True, tokens=200, prefill=63, seed=6, save_original_format=False, shard="150KB"),
+    # corners of the config space: hc_mult 1, a window of two tokens, rope over the whole head, one
+    # indexer pick, one Sinkhorn iteration, a head per output group, every expert routed, a tight
+    # SwiGLU clamp, a large rms eps; config.json in the legacy spellings (compress_ratios,
+    # num_hash_layers, qk_rope_head_dim), which transformers folds in
+    "corners": dict(
+        hc_mult=1, sliding_window=2, partial_rotary_factor=1.0, index_head_dim=32, index_topk=1, hc_sinkhorn_iters=1, o_groups=4,
+        num_experts_per_tok=8, swiglu_limit=0.3, rms_norm_eps=1e-3, scoring_func="sigmoid",
+        layer_types=["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention",
+                     "compressed_sparse_attention"],
+        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        tokens=330, prefill=131, seed=8, legacy_config=True),
     # a quantized checkpoint as DeepSeek ships V4: linears FP8 e4m3 with block scales (power-of-two values in
     # float32 `.scale` tensors, blocks of 32 x 64 here), routed experts FP4 e2m1 packed two a byte with one
     # float8_e8m0 scale per 32 inputs (`expert_dtype: fp4`); expected logits from transformers' own
@@ -258,12 +270,39 @@ def quantize_checkpoint(d, block, experts_fp4=True):
         json.dump(cfg, f, indent=2)
 
 
+def write_legacy_config(path):
+    """config.json in the spellings older checkpoints ship: compress_ratios per layer instead of
+    layer_types + compress_rates (real rates only), num_hash_layers instead of mlp_layer_types (hash
+    layers first), qk_rope_head_dim instead of partial_rotary_factor."""
+    with open(path) as f:
+        cfg = json.load(f)
+    rates = cfg.pop("compress_rates")
+    assert rates == {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}, rates
+    ratio = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+    cfg["compress_ratios"] = [ratio[t] for t in cfg.pop("layer_types")]
+    mlp = cfg.pop("mlp_layer_types")
+    n_hash = mlp.count("hash_moe")
+    assert mlp == ["hash_moe"] * n_hash + ["moe"] * (len(mlp) - n_hash), mlp
+    cfg["num_hash_layers"] = n_hash
+    cfg["qk_rope_head_dim"] = int(round(cfg["head_dim"] * cfg.pop("partial_rotary_factor")))
+    # rope_parameters as older configs have it: absent for default rope, else a flat rope_scaling
+    # (YaRN's keys) that transformers applies to the compress rope with compress_rope_theta
+    rp = cfg.pop("rope_parameters")
+    assert rp["main"]["rope_type"] == "default", rp
+    if rp["compress"]["rope_type"] != "default":
+        cfg["rope_scaling"] = {k: v for k, v in rp["compress"].items()
+                               if k not in ("rope_theta", "partial_rotary_factor", "attention_factor")}
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
 def run_case(name, spec, out_dir, device, watch, attempts=20):
     spec = dict(spec)
     tokens, prefill, seed = spec.pop("tokens"), spec.pop("prefill"), spec.pop("seed")
     original = spec.pop("save_original_format", True)
     shard = spec.pop("shard", None)
     quantize = spec.pop("quantize", None)
+    legacy_config = spec.pop("legacy_config", False)
     fields = dict(BASE)
     fields.update(spec)
     fields["num_hidden_layers"] = len(fields["layer_types"])
@@ -325,10 +364,19 @@ def run_case(name, spec, out_dir, device, watch, attempts=20):
             model = loaded.cpu()
         else:
             meta_extra = {}
+        if legacy_config:
+            write_legacy_config(os.path.join(d, "config.json"))
+            again = DeepseekV4ForCausalLM.from_pretrained(d, dtype=torch.float32)
+            again.config._attn_implementation = "eager"
+            with torch.no_grad():
+                moved = float((again.eval().to(device)(x, use_cache=False).logits[0].float().cpu() - stateless).abs().max())
+            if moved > 1e-5:
+                raise SystemExit(f"{name}: the legacy config.json changes transformers' logits by {moved:.2e}")
         np.save(os.path.join(d, "ids.npy"), ids.numpy().astype(np.int64))
         np.save(os.path.join(d, "logits.npy"), stateless.numpy().astype(np.float32))
+        finite = lambda v: v if np.isfinite(v) else None  # no top-k choice made: JSON null, not Infinity
         meta = dict(case=name, seed=s, tokens=tokens, prefill=prefill, stateless_vs_cached=diff,
-                    logit_scale=scale, min_index_gap=index_gap, min_router_gap=router_gap,
+                    logit_scale=scale, min_index_gap=finite(index_gap), min_router_gap=finite(router_gap),
                     transformers=transformers.__version__, torch=torch.__version__, device=str(device), **meta_extra)
         if name == "basic":
             # The bf16 twin: the same model saved in bf16; its expected logits are the

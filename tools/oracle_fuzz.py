@@ -144,6 +144,8 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--keep", default="/tmp/oracle_fuzz_failures")
     ap.add_argument("--tokens-max", type=int, default=700, help="the longest of the long fifth of the cases")
+    ap.add_argument("--engine", action="store_true",
+                    help="also run `troupe generate` (the serving engine) and check its rows and its prefix-cached rerun")
     ap.add_argument("--quantized", type=float, default=0.3, help="share of cases saved as FP8/FP4 checkpoints")
     ap.add_argument("--stable-ties", action="store_true",
                     help="the oracle's top-k settles exact ties by lower index, as troupe does (torch's order is unspecified)")
@@ -165,7 +167,7 @@ def main():
             return torch.return_types.topk((self.gather(dim, order), order))
         torch.Tensor.topk = stable_topk
     rng = random.Random(args.seed)
-    failures, skipped, passed, ties = [], 0, 0, 0
+    failures, skipped, passed, ties, engine_unsupported = [], 0, 0, 0, 0
     for case in range(args.cases):
         fields, tokens, prefill = draw_config(rng, args.tokens_max)
         label = f"case {case} (seed {args.seed})"
@@ -242,6 +244,39 @@ def main():
                 if not np.isfinite(errs[what]) or errs[what] > TOLERANCE:
                     problem = f"{what}: max |logit - transformers| = {errs[what]:.3e}"
                     break
+            if problem is None and args.engine:
+                # The serving engine (paged pools, chunked prefill, the decode path, the prefix cache):
+                # greedy tokens from the first `prefill` ids, every row against transformers over the
+                # same sequence, and a rerun from the prefix cache sampling the same ids.
+                n_new = min(tokens - prefill, 48) if tokens > prefill else 8
+                extra = ["--backend", args.backend, "--weights", "f32", "--ignore-eos", "--repeat", "2",
+                         "--step-tokens", str(rng.choice([16, 64, 512])), "--max-chunk", str(rng.choice([0, 1, 7, 33]))]
+                cmd = shlex.split(args.troupe) + ["generate", "--model", d, "--ids", ",".join(map(str, ids[:prefill].tolist())),
+                                                  "--max-tokens", str(n_new), "--out", os.path.join(work, "gen.npy")] + extra
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+                if p.returncode != 0 and "shorter than a CSA ring" in p.stderr:
+                    engine_unsupported += 1
+                    errs["engine"] = float("nan")
+                elif p.returncode != 0:
+                    problem = f"engine: troupe generate failed: {(p.stderr or p.stdout).strip()[-600:]}"
+                else:
+                    runs = [list(map(int, line.split(","))) for line in p.stdout.split()]
+                    seq = torch.tensor(ids[:prefill].tolist() + runs[0][:-1])
+                    watch.min_index_gap = watch.min_router_gap = float("inf")
+                    with torch.no_grad():
+                        oracle_model = loaded if quant else model
+                        want = oracle_model(seq.view(1, -1), use_cache=False).logits[0].float().numpy()
+                    got = np.load(os.path.join(work, "gen.npy"))
+                    near = min(watch.min_index_gap, watch.min_router_gap) < make_golden.TIE_GAP
+                    if len(runs) != 2 or runs[0] != runs[1]:
+                        problem = f"engine: the prefix-cached rerun sampled {runs[1:]} after {runs[0]}"
+                    elif got.shape != want.shape:
+                        problem = f"engine: rows {got.shape} vs {want.shape}"
+                    else:
+                        errs["engine"] = float(np.abs(got - want).max())
+                        if not np.isfinite(errs["engine"]) or errs["engine"] > TOLERANCE:
+                            problem = f"engine ({' '.join(extra[6:])}): max |logit - transformers| = {errs['engine']:.3e}"
+                            tie = tie or near
             took = time.time() - t0
             if problem and tie:
                 ties += 1
@@ -265,7 +300,8 @@ def main():
         finally:
             shutil.rmtree(work, ignore_errors=True)
     print(f"\n{passed} passed, {len(failures)} failed, {ties} near-tie draws differed (not counted), "
-          f"{skipped} skipped of {args.cases}")
+          f"{skipped} skipped of {args.cases}" + (f"; the engine refused {engine_unsupported} (window < CSA ring)"
+                                                   if engine_unsupported else ""))
     for label, problem, desc in failures:
         print(f"  {label}: {problem}\n    {desc}")
     sys.exit(1 if failures else 0)

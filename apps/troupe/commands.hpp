@@ -10,6 +10,7 @@ namespace troupe::app {
 using Command = std::function<int()>;
 
 Command add_forward(CLI::App& app);
+Command add_generate(CLI::App& app);
 Command add_init_model(CLI::App& app);
 Command add_deploy(CLI::App& app);
 Command add_tokenize(CLI::App& app);

@@ -23,6 +23,7 @@ int main(int argc, char** argv) {
     commands[app.get_subcommands({})[before]] = std::move(run);
   };
   reg(troupe::app::add_forward);
+  reg(troupe::app::add_generate);
   reg(troupe::app::add_init_model);
   reg(troupe::app::add_deploy);
   reg(troupe::app::add_tokenize);

@@ -112,6 +112,30 @@ TEST_F(ForwardCli, missing_shard_listed_in_the_index) {
   expect_error(run_command(forward(d.path(), "1,2")), "model-00003-of-00010.safetensors listed in the index is missing");
 }
 
+// `troupe generate`: the serving engine (paged pools, chunked prefill, prefix cache) from the CLI.
+// The corners fixture has a window of 2 tokens, shorter than its CSA ring of 8 (the engine keeps the
+// ring's window pages too).
+TEST_F(ForwardCli, generate_runs_the_engine_and_its_prompt_rows_match_transformers) {
+  const Fixture f = load_fixture("corners");
+  const int64_t p = f.meta.at("prefill").get<int64_t>();
+  const std::vector<int32_t> prompt(f.ids.begin(), f.ids.begin() + p);
+  const std::string out = dir_->path() + "/gen.npy";
+  auto r = run_command(troupe_binary() + " generate --model " + f.dir + " --ids " + join(prompt) +
+                       " --max-tokens 5 --ignore-eos --repeat 2 --max-chunk 7 --step-tokens 16 --out " + out);
+  ASSERT_EQ(r.status, 0) << r.err;
+  // two lines of five ids, the same: the second run starts from the prefix cache
+  const auto nl = r.out.find('\n');
+  ASSERT_NE(nl, std::string::npos);
+  EXPECT_EQ(r.out.substr(0, nl + 1), r.out.substr(nl + 1)) << r.out;
+  EXPECT_EQ(std::count(r.out.begin(), r.out.begin() + static_cast<long>(nl), ','), 4) << r.out;
+  const auto rows = read_npy(out);
+  ASSERT_EQ(rows.shape.at(0), p + 4);
+  const auto got = rows.as_f32();
+  EXPECT_LE(max_abs_diff(got.data(), f.logits.data(), static_cast<size_t>(p * f.vocab)), 1e-3);
+  expect_error(run_command(troupe_binary() + " generate --model " + f.dir + " --ids 1,999"),
+               "token id 999 is out of range for a vocabulary of 256");
+}
+
 // The FP8 / FP4 checkpoint (tests/fixtures/model/fp8_fp4, as DeepSeek ships V4) with one file or
 // field broken: each an error that names the tensor or the field.
 class QuantizedCheckpoint : public ForwardCli {

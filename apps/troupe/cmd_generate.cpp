@@ -7,42 +7,20 @@
 // prefix cache, and with greedy sampling must sample the same ids.
 #include <iostream>
 #include <map>
-#include <optional>
-#include <sstream>
 
 #include "apps/troupe/commands.hpp"
+#include "apps/troupe/model_args.hpp"
 #include "base/error.hpp"
 #include "base/npy.hpp"
 #include "engine/engine.hpp"
 #include "model/forward.hpp"
 
 namespace troupe::app {
-namespace {
-
-std::vector<int32_t> parse_prompt(const std::string& text) {
-  std::vector<int32_t> ids;
-  std::stringstream ss(text);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    size_t used = 0;
-    long long v = -1;
-    try {
-      v = std::stoll(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used != item.size() || v < 0 || v > INT32_MAX) raise(ErrorCode::invalid_argument, "--ids: '{}' is not a token id", item);
-    ids.push_back(static_cast<int32_t>(v));
-  }
-  if (ids.empty()) raise(ErrorCode::invalid_argument, "--ids: no token ids given");
-  return ids;
-}
-
-}  // namespace
 
 Command add_generate(CLI::App& app) {
   struct Opts {
-    std::string model, ids, out, backend = "cpu", weights = "auto";
+    std::string model, ids, out;
+    BackendArgs backend;
     int32_t max_tokens = 16;
     int64_t step_tokens = 512, max_chunk = 0, page_tokens = 0;
     float temperature = 0.0f;
@@ -56,9 +34,7 @@ Command add_generate(CLI::App& app) {
   cmd->add_option("--ids", o->ids, "the prompt: comma-separated token ids")->required();
   cmd->add_option("--max-tokens", o->max_tokens, "tokens to sample")->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--out", o->out, "write the first run's logits rows as .npy");
-  cmd->add_option("--backend", o->backend, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
-  cmd->add_option("--weights", o->weights, "matrix type: auto (f32 on cpu, bf16 on cuda), f32 or bf16")
-      ->check(CLI::IsMember({"auto", "f32", "bf16"}));
+  add_backend_options(cmd, o->backend);
   cmd->add_option("--step-tokens", o->step_tokens, "tokens per engine step")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd->add_option("--max-chunk", o->max_chunk, "prefill tokens per step for the request (0: the step budget)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
@@ -70,21 +46,10 @@ Command add_generate(CLI::App& app) {
   cmd->add_option("--repeat", o->repeat, "runs of the request, one after another (later ones from the prefix cache)")
       ->check(CLI::Range(1, 100));
   return [o] {
-    const auto prompt = parse_prompt(o->ids);
-    if (o->weights == "bf16" && o->backend != "cuda") {
-      raise(ErrorCode::invalid_argument, "--weights bf16 needs --backend cuda (the CPU backend computes in fp32)");
-    }
-    std::unique_ptr<kernels::Backend> backend =
-        o->backend == "cuda" ? kernels::make_cuda_backend() : kernels::make_cpu_backend();
-    if (!backend) raise(ErrorCode::unavailable, "the CUDA backend is not available (no GPU or not compiled)");
-    std::optional<kernels::WeightType> type;
-    if (o->weights == "f32") type = kernels::WeightType::f32;
-    if (o->weights == "bf16") type = kernels::WeightType::bf16;
-    auto model = model::Model::load(o->model, *backend, type);
+    const auto prompt = parse_token_ids(o->ids);
+    auto loaded = load_model(o->model, o->backend, prompt);
+    auto& model = loaded.model;
     const int64_t V = model->config().vocab_size;
-    for (int32_t id : prompt) {
-      if (id >= V) raise(ErrorCode::invalid_argument, "token id {} is out of range for a vocabulary of {}", id, V);
-    }
     engine::EngineOptions eo;
     eo.step_tokens = o->step_tokens;
     eo.page_tokens = o->page_tokens;

@@ -830,6 +830,12 @@ void handle_frame(Self self, const frames::FrameCall& call) {
     send_frame_error(call.conn, call.frame.request_id(), ErrorCode::invalid_argument,
                      fmt::format("unreadable {}: {}", messages::kind_name(call.frame.kind()), e.getDescription().cStr()),
                      call.frame.kind());
+  } catch (const std::exception& e) {  // never the gateway's end either
+    spdlog::error("frames: {} request {}: handling {} failed: {}", call.conn->peer(), call.frame.request_id(),
+                  messages::kind_name(call.frame.kind()), e.what());
+    send_frame_error(call.conn, call.frame.request_id(), ErrorCode::internal,
+                     fmt::format("internal error while handling {}", messages::kind_name(call.frame.kind())),
+                     call.frame.kind());
   }
 }
 
@@ -879,7 +885,7 @@ void handle_admin(Self self, HttpCall call, const std::string& path) {
                                 {"largest", w.largest}, {"largest_tokens", w.largest_tokens},
                                 {"largest_share", w.largest_share}, {"long_tail_parked", w.parked_ids}});
               }
-              responder->respond(200, "application/json", json{{"workers", list}}.dump());
+              responder->respond(200, "application/json", gateway::dump_json(json{{"workers", list}}));
             },
             [=](caf::error& e) {
               respond_error(*responder, ApiError{503, "the router did not answer: " + caf::to_string(e),
@@ -894,14 +900,14 @@ void handle_admin(Self self, HttpCall call, const std::string& path) {
     if (crash) {
       spdlog::warn("admin: crashing worker {} (test hook)", *name);
       self->send(st.supervisor, crash_atom::value, *name);
-      responder->respond(200, "application/json", json{{"crashed", *name}}.dump());
+      responder->respond(200, "application/json", gateway::dump_json(json{{"crashed", *name}}));
       return;
     }
     self->request(st.supervisor, std::chrono::seconds(5), drain_atom::value, *name)
         .then(
             [=](bool started) {
               if (started) {
-                responder->respond(200, "application/json", json{{"draining", *name}}.dump());
+                responder->respond(200, "application/json", gateway::dump_json(json{{"draining", *name}}));
               } else {
                 respond_error(*responder, ApiError{404, "no live worker named '" + *name + "'",
                                                    "invalid_request_error", "worker", ""});
@@ -940,7 +946,7 @@ void handle_admin(Self self, HttpCall call, const std::string& path) {
         .then(
             [=](const std::string& why) {
               if (why.empty()) {
-                responder->respond(200, "application/json", json{{"node", node}, {"workers", workers}}.dump());
+                responder->respond(200, "application/json", gateway::dump_json(json{{"node", node}, {"workers", workers}}));
               } else {
                 respond_error(*responder, ApiError{400, why, "invalid_request_error", "workers", ""});
               }
@@ -966,7 +972,7 @@ void handle(Self self, HttpCall call) {
     auto responder = call.responder;
     if (st.config.not_ready) {
       if (std::string why = st.config.not_ready(); !why.empty()) {
-        responder->respond(503, "application/json", json({{"status", "unavailable"}, {"reason", why}}).dump());
+        responder->respond(503, "application/json", gateway::dump_json(json({{"status", "unavailable"}, {"reason", why}})));
         return;
       }
     }
@@ -981,7 +987,7 @@ void handle(Self self, HttpCall call) {
               int64_t ready = 0;
               for (const auto& w : ws) ready += w.draining ? 0 : 1;
               json j = {{"status", ready >= need ? "ok" : "starting"}, {"workers", ready}};
-              responder->respond(ready >= need ? 200 : 503, "application/json", j.dump());
+              responder->respond(ready >= need ? 200 : 503, "application/json", gateway::dump_json(j));
             },
             [=](caf::error&) { responder->respond(503, "application/json", R"({"status": "router not answering"})"); });
     return;
@@ -1010,7 +1016,7 @@ void handle(Self self, HttpCall call) {
                                      {"created", now_unix()},
                                      {"owned_by", "troupe"},
                                      {"max_model_len", st.config.max_model_len}}})}};
-    call.responder->respond(200, "application/json", j.dump());
+    call.responder->respond(200, "application/json", gateway::dump_json(j));
     return;
   }
   if (path == "/v1/completions" || path == "/v1/chat/completions") {
@@ -1051,7 +1057,16 @@ caf::behavior gateway_actor(Self self, GatewayConfig config, std::shared_ptr<con
         self->state.draining = true;
         return static_cast<int64_t>(self->state.inflight.size());
       },
-      [=](HttpCall call) { handle(self, std::move(call)); },
+      [=](HttpCall call) {
+        // An exception here would end the gateway actor and with it every request: answer 500 instead.
+        auto responder = call.responder;
+        try {
+          handle(self, std::move(call));
+        } catch (const std::exception& e) {
+          spdlog::error("gateway: handling a request failed: {}", e.what());
+          respond_error(*responder, ApiError{500, "internal error while handling the request", "internal_error", "", ""});
+        }
+      },
       [=](const Assigned& a) {
         auto& s = self->state;
         auto it = s.inflight.find(a.id);

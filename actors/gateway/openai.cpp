@@ -85,13 +85,15 @@ std::string escape_for_error(const std::string& s) { return s.size() > 200 ? s.s
 
 }  // namespace
 
+std::string dump_json(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
 std::string error_body(const ApiError& e) {
   json j = {{"error",
              {{"message", e.message},
               {"type", e.type},
               {"param", e.param.empty() ? json(nullptr) : json(e.param)},
               {"code", e.code.empty() ? json(nullptr) : json(e.code)}}}};
-  return j.dump();
+  return dump_json(j);  // the message may quote the request's bytes
 }
 
 ApiError to_api_error(const Error& e) {
@@ -330,8 +332,6 @@ json logprobs_json(const ApiRequest& req, const std::vector<LogprobEntry>& entri
   return {{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops}, {"text_offset", offsets}};
 }
 
-// Token bytes need not be valid UTF-8: replace what is not (U+FFFD) instead of failing.
-std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
 }  // namespace
 
@@ -358,7 +358,7 @@ std::string response_body(const ApiRequest& req, const ApiResult& r) {
     choice["prompt_token_ids"] = r.prompt_ids;
   }
   j["choices"] = json::array({choice});
-  return dump(j);
+  return dump_json(j);
 }
 
 std::string stream_delta(const ApiRequest& req, const ApiResult& r, const std::string& delta,
@@ -382,7 +382,7 @@ std::string stream_delta(const ApiRequest& req, const ApiResult& r, const std::s
     if (first) choice["prompt_token_ids"] = r.prompt_ids;
   }
   j["choices"] = json::array({choice});
-  return "data: " + dump(j) + "\n\n";
+  return "data: " + dump_json(j) + "\n\n";
 }
 
 std::string stream_finish(const ApiRequest& req, const ApiResult& r) {
@@ -397,12 +397,12 @@ std::string stream_finish(const ApiRequest& req, const ApiResult& r) {
   }
   if (req.return_token_ids) choice["token_ids"] = json::array();
   j["choices"] = json::array({choice});
-  std::string out = "data: " + j.dump() + "\n\n";
+  std::string out = "data: " + dump_json(j) + "\n\n";
   if (req.include_usage) {
     json u = {{"id", r.id}, {"created", r.created}, {"model", r.model},
               {"object", req.kind == ApiKind::chat ? "chat.completion.chunk" : "text_completion"},
               {"choices", json::array()}, {"usage", usage_json(r)}};
-    out += "data: " + u.dump() + "\n\n";
+    out += "data: " + dump_json(u) + "\n\n";
   }
   return out + "data: [DONE]\n\n";
 }

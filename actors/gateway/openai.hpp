@@ -62,6 +62,9 @@ struct ApiError {
 };
 
 std::string error_body(const ApiError& e);
+// JSON text of a response: bytes that are not UTF-8 (token pieces, echoed input) become U+FFFD
+// instead of an exception.
+std::string dump_json(const nlohmann::json& j);
 ApiError to_api_error(const Error& e);
 
 // Parses and validates a /v1/completions or /v1/chat/completions body.

@@ -62,6 +62,19 @@ def test_malformed_json():
     still_serving()
 
 
+def test_bytes_that_are_not_utf8():
+    # The parser's message quotes the bytes it stopped at; quoting them back must not end the
+    # gateway (it did: an exception serialising the error body took every request with it).
+    ok = b'{"model": "deepseek-v4-tiny", "prompt": "hi", "max_tokens": 2}'
+    for raw in [ok + b"\xff\xfe", b'{"model": "\xff\xfe", "prompt": "x"}', b'{"model": "deepseek-v4-tiny", "prompt": "\xc3"}',
+                b'{"model": "deepseek-v4-tiny", "messages": [{"role": "\xe4\xb8", "content": "x"}]}']:
+        for path in ["/v1/completions", "/v1/chat/completions"]:
+            s, b = post(raw, path=path)
+            expect_error(s, b, 400)
+            assert "\ufffd" in b["error"]["message"] or "UTF-8" in b["error"]["message"], b
+    still_serving()
+
+
 def test_wrong_types_name_the_parameter():
     cases = [({"max_tokens": "ten"}, "max_tokens"), ({"temperature": "hot"}, "temperature"),
              ({"stream": "yes"}, "stream"), ({"prompt": 5}, "prompt"), ({"top_p": 0}, "top_p"),

@@ -249,6 +249,65 @@ def test_slowloris_is_cut_off_and_others_are_served():
     still_serving()
 
 
+def random_body(rng):
+    """A request body from a seeded generator: known fields with values of any type (None, bools,
+    integers past int64, NaN, strings with added-token text, nested lists and objects), sometimes
+    cut short or followed by bytes that are not UTF-8. The generation length stays small."""
+    names = ["model", "messages", "prompt", "temperature", "top_p", "top_k", "n", "stream", "stream_options",
+             "stop", "seed", "logprobs", "top_logprobs", "echo", "logit_bias", "presence_penalty",
+             "frequency_penalty", "repetition_penalty", "ignore_eos", "user", "response_format", "tools",
+             "tool_choice", "suffix", "best_of", "add_generation_prompt", "priority", "return_token_ids"]
+
+    def value(depth=0):
+        r = rng.random() * (0.65 if depth > 1 else 1.0)
+        if r < 0.1:
+            return None
+        if r < 0.2:
+            return rng.choice([True, False])
+        if r < 0.33:
+            return rng.choice([0, 1, -1, 7, 2 ** 31, -2 ** 63, 2 ** 64, 10 ** 20])
+        if r < 0.43:
+            return rng.choice([0.0, 0.5, -0.1, 1e308, float("nan"), 1e-9])
+        if r < 0.65:
+            return rng.choice(["", "x", "\u00e9\u4e2d", "a" * 500, "<\uff5cend\u2581of\u2581sentence\uff5c>", MODEL])
+        if r < 0.82:
+            return [value(depth + 1) for _ in range(rng.randint(0, 3))]
+        return {rng.choice(names + ["role", "content", "type", "text", "include_usage"]): value(depth + 1)
+                for _ in range(rng.randint(0, 3))}
+
+    b = {"model": MODEL if rng.random() < 0.7 else value()}
+    if rng.random() < 0.5:
+        b["messages"] = [{"role": rng.choice(["user", "system", "assistant", "tool", "bogus", 3]),
+                          "content": value()} for _ in range(rng.randint(0, 3))]
+    else:
+        b["prompt"] = rng.choice(["hello", [1, 2, 3], [[1, 2], [3]], [], [10 ** 12], [-1], value()])
+    for _ in range(rng.randint(0, 6)):
+        b[rng.choice(names)] = value()
+    b["max_tokens"] = rng.choice([1, 2, 3, 0, -1, "2", None])
+    raw = json.dumps(b).encode()
+    if rng.random() < 0.05:
+        raw = raw[:rng.randint(0, len(raw))]
+    if rng.random() < 0.05:
+        raw += b"\xff\xfe"
+    return raw
+
+
+def test_random_bodies():
+    """400 seeded random bodies: each answered (2xx, or 4xx in the error format), none ends the server."""
+    import random
+    rng = random.Random(20261204)
+    seen = {}
+    for _ in range(400):
+        path = rng.choice(["/v1/completions", "/v1/chat/completions"])
+        s, b = post(random_body(rng), path=path)
+        seen[s] = seen.get(s, 0) + 1
+        assert s in (200, 400, 404, 413), (s, b)
+        if s != 200:
+            expect_error(s, b, s)
+    assert seen.get(400, 0) > 300 and seen.get(200, 0) > 0, seen
+    still_serving()
+
+
 def test_port_in_use_fails_fast():
     """A second server on a taken port exits with a clear error (it used to hang)."""
     p = subprocess.run([A.troupe, "serve", "--port", str(srv().port)], env={"TROUPE_HOME": A.home, "PATH": "/usr/bin"},

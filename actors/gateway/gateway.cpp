@@ -12,6 +12,7 @@
 #include <optional>
 #include <set>
 
+#include "actors/gateway/fanout.hpp"
 #include "actors/gateway/openai.hpp"
 #include "messages/kinds.hpp"
 #include "model/tokenizer/openai_messages.hpp"
@@ -564,9 +565,23 @@ void handle_generate(Self self, HttpCall call, ApiKind kind) {
     respond_error(*call.responder, *e);
     return;
   }
+  auto& api = std::get<ApiRequest>(parsed);
+  if (api.n > 1 || !api.more_prompts.empty()) {  // one request per choice, answered as one
+    auto children = gateway::fan_out(api);
+    auto group = gateway::FanOut::make(call.responder, static_cast<int32_t>(children.size()), api.n, api.stream,
+                                       api.include_usage);
+    for (size_t i = 0; i < children.size() && !group->finished(); ++i) {
+      Origin origin;
+      origin.responder = group->child(static_cast<int32_t>(i));
+      auto responder = origin.responder;
+      if (auto e = admit(self, std::move(children[i]), kind, route, std::move(origin))) respond_error(*responder, *e);
+    }
+    group->admitted();
+    return;
+  }
   Origin origin;
   origin.responder = call.responder;
-  if (auto e = admit(self, std::move(std::get<ApiRequest>(parsed)), kind, route, std::move(origin))) {
+  if (auto e = admit(self, std::move(api), kind, route, std::move(origin))) {
     respond_error(*call.responder, *e);
   }
 }

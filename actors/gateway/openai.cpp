@@ -1,5 +1,6 @@
 #include "actors/gateway/openai.hpp"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <limits>
@@ -140,8 +141,30 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
       fi.token_ids("prompt", ids);
       if (fi.error) return *fi.error;
       r.prompt_ids = std::move(ids);
-    } else if (p.is_array() && p.size() > 1) {
-      return bad("prompt", "batched prompts are not supported: send one prompt per request");
+    } else if (p.is_array() && p.size() > 1 && (p[0].is_string() || p[0].is_array())) {
+      // a batch: every element a string, or every element a list of token ids
+      for (size_t i = 0; i < p.size(); ++i) {
+        ApiRequest::Prompt one;
+        if (p[0].is_string() && p[i].is_string()) {
+          one.text = p[i].get<std::string>();
+        } else if (p[0].is_array() && p[i].is_array()) {
+          json inner = {{"prompt", p[i]}};
+          Fields fi(inner);
+          std::vector<int32_t> ids;
+          fi.token_ids("prompt", ids);
+          if (fi.error) return *fi.error;
+          if (ids.empty()) return bad("prompt", "'prompt' must not hold an empty list of token ids");
+          one.ids = std::move(ids);
+        } else {
+          return bad("prompt", "a batch of prompts must be all strings or all lists of token ids");
+        }
+        if (i == 0) {
+          r.prompt_text = one.text;
+          r.prompt_ids = one.ids;
+        } else {
+          r.more_prompts.push_back(std::move(one));
+        }
+      }
     } else {
       return bad("prompt", "'prompt' must be a string or a list of token ids");
     }
@@ -235,10 +258,13 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
             std::numeric_limits<int32_t>::max());
   f.boolean("return_token_ids", r.return_token_ids);
   f.token_ids("stop_token_ids", s.stop_token_ids);
-  f.integer("n", [&](int64_t v) {
-    if (v != 1) f.error = bad("n", "only n = 1 is supported");
-  }, 1, 128);
+  f.integer("n", [&](int64_t v) { r.n = static_cast<int32_t>(v); }, 1, kMaxChoices);
   if (f.error) return *f.error;
+  if (static_cast<int64_t>(r.n) * static_cast<int64_t>(1 + r.more_prompts.size()) > kMaxChoices) {
+    return bad(r.more_prompts.empty() ? "n" : "prompt",
+               fmt::format("a request may ask for at most {} choices (n x prompts), got {} x {}", kMaxChoices, r.n,
+                           1 + r.more_prompts.size()));
+  }
   if (s.max_tokens && s.min_tokens > *s.max_tokens) return bad("min_tokens", "'min_tokens' must not exceed 'max_tokens'");
   if (j.contains("stop") && !j["stop"].is_null()) {
     const auto& st = j["stop"];
@@ -408,5 +434,97 @@ std::string stream_finish(const ApiRequest& req, const ApiResult& r) {
 }
 
 std::string stream_error(const ApiError& e) { return "data: " + error_body(e) + "\n\ndata: [DONE]\n\n"; }
+
+std::vector<ApiRequest> fan_out(const ApiRequest& r) {
+  std::vector<ApiRequest::Prompt> prompts{{r.prompt_text, r.prompt_ids}};
+  prompts.insert(prompts.end(), r.more_prompts.begin(), r.more_prompts.end());
+  std::vector<ApiRequest> out;
+  for (const auto& p : prompts) {
+    for (int32_t s = 0; s < r.n; ++s) {
+      ApiRequest c = r;
+      c.n = 1;
+      c.more_prompts.clear();
+      c.prompt_text = p.text;
+      c.prompt_ids = p.ids;
+      if (r.sampling.seed) c.sampling.seed = *r.sampling.seed + out.size();
+      out.push_back(std::move(c));
+    }
+  }
+  return out;
+}
+
+namespace {
+
+// Adds a choice's usage into the merged one (its prompt's tokens once per prompt).
+void add_usage(json& total, const json& u, bool count_prompt) {
+  if (!u.is_object()) return;
+  auto get = [](const json& o, const char* k) { return o.contains(k) && o[k].is_number_integer() ? o[k].get<int64_t>() : 0; };
+  if (total.is_null()) {
+    total = {{"prompt_tokens", 0}, {"completion_tokens", 0}, {"total_tokens", 0},
+             {"prompt_tokens_details", {{"cached_tokens", 0}}}};
+  }
+  const int64_t p = count_prompt ? get(u, "prompt_tokens") : 0;
+  const int64_t cached = count_prompt && u.contains("prompt_tokens_details") ? get(u["prompt_tokens_details"], "cached_tokens") : 0;
+  total["prompt_tokens"] = total["prompt_tokens"].get<int64_t>() + p;
+  total["completion_tokens"] = total["completion_tokens"].get<int64_t>() + get(u, "completion_tokens");
+  total["total_tokens"] = total["prompt_tokens"].get<int64_t>() + total["completion_tokens"].get<int64_t>();
+  total["prompt_tokens_details"]["cached_tokens"] = total["prompt_tokens_details"]["cached_tokens"].get<int64_t>() + cached;
+}
+
+}  // namespace
+
+std::string merge_bodies(const std::vector<std::string>& bodies, int32_t n) {
+  json merged, usage;
+  json choices = json::array();
+  for (size_t i = 0; i < bodies.size(); ++i) {
+    json b = json::parse(bodies[i]);
+    if (i == 0) merged = b;
+    for (auto& c : b["choices"]) {
+      c["index"] = static_cast<int64_t>(i);
+      choices.push_back(std::move(c));
+    }
+    add_usage(usage, b["usage"], i % static_cast<size_t>(std::max(n, 1)) == 0);
+  }
+  merged["choices"] = std::move(choices);
+  merged["usage"] = std::move(usage);
+  return dump_json(merged);
+}
+
+std::string reindex_events(const std::string& chunk, int32_t index, const std::string& id, bool count_prompt,
+                           json& usage, std::string& error) {
+  std::string out;
+  size_t at = 0;
+  while (at < chunk.size()) {
+    size_t end = chunk.find("\n\n", at);
+    if (end == std::string::npos) end = chunk.size();
+    const std::string event = chunk.substr(at, end - at);
+    at = end + 2;
+    if (event.rfind("data: ", 0) != 0) {
+      if (!event.empty()) out += event + "\n\n";
+      continue;
+    }
+    const std::string data = event.substr(6);
+    if (data == "[DONE]") continue;
+    json j = json::parse(data, nullptr, false);
+    if (j.is_discarded() || !j.is_object()) {
+      out += event + "\n\n";
+      continue;
+    }
+    if (j.contains("error")) {
+      error = data;
+      break;
+    }
+    if (j.contains("choices") && j["choices"].is_array() && j["choices"].empty() && j.contains("usage")) {
+      add_usage(usage, j["usage"], count_prompt);
+      continue;
+    }
+    if (j.contains("choices") && j["choices"].is_array()) {
+      for (auto& c : j["choices"]) c["index"] = index;
+    }
+    if (!id.empty() && j.contains("id")) j["id"] = id;
+    out += "data: " + dump_json(j) + "\n\n";
+  }
+  return out;
+}
 
 }  // namespace troupe::gateway

@@ -50,7 +50,33 @@ struct ApiRequest {
   // "top_logprobs": N.
   int32_t logprobs = -1;
   int32_t priority = 0;               // vLLM's field, our order: larger is admitted first under pressure
+  // Choices per prompt ("n"), and a completions batch's prompts after the first (each text
+  // or token ids). A request with n > 1 or a batch runs as one request per choice
+  // (fan_out), answered as one response (merge_bodies, reindex_events).
+  int32_t n = 1;
+  struct Prompt {
+    std::optional<std::string> text;
+    std::optional<std::vector<int32_t>> ids;
+  };
+  std::vector<Prompt> more_prompts;
 };
+
+inline constexpr int32_t kMaxChoices = 128;  // n x prompts of one request
+
+// The requests of a request's choices, in the API's order (prompt-major: choice
+// index = prompt * n + sample), each with n = 1 and one prompt; with a seed, choice
+// i samples with seed + i (the same seed would give every choice the same tokens).
+std::vector<ApiRequest> fan_out(const ApiRequest& r);
+// One response from the choices' own bodies (response_body of each, in index order):
+// their choices renumbered, usage summed (a prompt's tokens counted once for its n choices).
+std::string merge_bodies(const std::vector<std::string>& bodies, int32_t n);
+// A choice's stream chunk (one or more SSE events) as the merged stream carries it:
+// choice indices set to `index`, ids to `id` (when not empty); its usage event is
+// added into `usage` (prompt tokens only when `count_prompt`) and dropped, and so is its
+// "[DONE]". An error event (an object with "error") ends the scan: its JSON goes to
+// `error` and what came before it is returned.
+std::string reindex_events(const std::string& chunk, int32_t index, const std::string& id, bool count_prompt,
+                           nlohmann::json& usage, std::string& error);
 
 // An error as the API reports it: HTTP status + OpenAI error body.
 struct ApiError {

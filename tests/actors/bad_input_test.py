@@ -78,7 +78,7 @@ def test_bytes_that_are_not_utf8():
 def test_wrong_types_name_the_parameter():
     cases = [({"max_tokens": "ten"}, "max_tokens"), ({"temperature": "hot"}, "temperature"),
              ({"stream": "yes"}, "stream"), ({"prompt": 5}, "prompt"), ({"top_p": 0}, "top_p"),
-             ({"seed": 1.5}, "seed"), ({"stop": [1, 2]}, "stop"), ({"n": 2}, "n"), ({"model": 7}, "model"),
+             ({"seed": 1.5}, "seed"), ({"stop": [1, 2]}, "stop"), ({"n": 0}, "n"), ({"n": 129}, "n"), ({"model": 7}, "model"),
              ({"prompt": [1, -4]}, "prompt"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
              ({"temperature": 3.5}, "temperature"), ({"logprobs": 21}, "logprobs"),
              ({"logprobs": True}, "logprobs"), ({"logprobs": "2"}, "logprobs"),
@@ -141,6 +141,14 @@ def test_prompt_longer_than_the_model_limit():
     expect_error(s, b, 400, param="prompt", words=("out of range",))
     s, b = post({"model": MODEL, "prompt": [], "max_tokens": 4})
     expect_error(s, b, 400, param="prompt")
+    # several choices: one error for the request, as for one choice
+    for stream in (False, True):
+        s, b = post({"model": MODEL, "prompt": list(range(100, 700)), "max_tokens": 4, "n": 3, "stream": stream})
+        expect_error(s, b, 400, code="context_length_exceeded")
+        s, b = post({"model": MODEL, "prompt": ["fits", "x " * 600], "max_tokens": 4, "stream": stream})
+        expect_error(s, b, 400, code="context_length_exceeded")
+    s, b = post({"model": MODEL, "prompt": [[1, 2], "mixed"], "max_tokens": 4})
+    expect_error(s, b, 400, param="prompt", words=("all strings or all lists",))
     still_serving()
 
 

@@ -49,6 +49,23 @@ def test_disconnect_mid_stream_aborts_and_frees_pages():
         print(f"5 streams aborted: {running_pages} held pages -> 0 in {freed_in:.2f} s")
 
 
+def test_disconnect_mid_stream_aborts_every_choice():
+    """A stream of n = 4 choices whose client goes away: all four requests stop and free their pages."""
+    with harness.Server(A.troupe, A.home, name="disconnect_n") as s:
+        s.idle_pages()
+        body = {"model": MODEL, "prompt": "four at once " * 20, "max_tokens": 4000, "ignore_eos": True,
+                "temperature": 1.0, "n": 4}
+        sock = harness.open_stream(s.port, body)
+        events, done = harness.read_events(sock, want=8)
+        assert len(events) == 8 and not done, events
+        s.wait_for("4 running requests", lambda: harness.metric(s.metrics(), "troupe_running") == 4 or None, timeout=30)
+        sock.close()
+        m = s.idle_pages()
+        assert held_pages(m) == 0 and harness.metric(m, "troupe_leaked_pages") == 0
+        assert harness.metric(m, "troupe_client_aborts_total") == 4
+        assert harness.metric(m, "troupe_requests_finished_total") == 0
+
+
 def test_disconnect_before_the_answer_of_a_non_streaming_request():
     with harness.Server(A.troupe, A.home, name="disconnect2") as s:
         s.idle_pages()

@@ -324,6 +324,52 @@ def test_seed_reproducible_sampling():
     assert a != extra(greedy().choices[0], "token_ids")
 
 
+def test_n_choices_and_batched_prompts():
+    """n > 1 and completions batches: one request per choice, answered as one response in the
+    API's order (prompt-major). With a seed, choice i samples as a lone request with seed + i."""
+    kw = dict(model=MODEL, max_tokens=8, temperature=1.0, extra_body=dict(return_token_ids=True))
+    r = client().completions.create(prompt=PROMPT, n=3, seed=77, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2], r.choices
+    for i, c in enumerate(r.choices):
+        alone = client().completions.create(prompt=PROMPT, seed=77 + i, **kw).choices[0]
+        assert extra(c, "token_ids") == extra(alone, "token_ids") and c.text == alone.text, (i, c, alone)
+    prompt_ids = extra(r.choices[0], "prompt_token_ids")
+    assert r.usage.prompt_tokens == len(prompt_ids), r.usage  # counted once for the three choices
+    assert r.usage.completion_tokens == 24 and r.usage.total_tokens == len(prompt_ids) + 24, r.usage
+    # a batch of two prompts, two greedy choices each: choices 0-1 the first prompt's argmax, 2-3 the second's
+    other = "A second prompt, about pages"
+    b = client().completions.create(model=MODEL, prompt=[PROMPT, other], n=2, max_tokens=6, temperature=0,
+                                    extra_body=dict(return_token_ids=True))
+    want = [extra(greedy(p, n=6).choices[0], "token_ids") for p in (PROMPT, other)]
+    assert [extra(c, "token_ids") for c in b.choices] == [want[0], want[0], want[1], want[1]], b.choices
+    lens = [len(extra(b.choices[0], "prompt_token_ids")), len(extra(b.choices[2], "prompt_token_ids"))]
+    assert b.usage.prompt_tokens == sum(lens) and b.usage.completion_tokens == 24, b.usage
+    # token-id batches too
+    ids_batch = client().completions.create(model=MODEL, prompt=[[5, 6, 7], [8, 9]], max_tokens=2, temperature=0)
+    assert [c.index for c in ids_batch.choices] == [0, 1]
+    # the stream of a chat with n = 3: each index's text equals the whole answer's choice with that index
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Three takes, please."}], max_tokens=6,
+                temperature=1.0, seed=5, n=3)
+    whole = client().chat.completions.create(**chat)
+    texts, finish, usage, done = {}, {}, None, 0
+    for ch in client().chat.completions.create(stream=True, stream_options={"include_usage": True}, **chat):
+        if ch.usage:
+            usage = ch.usage
+            done += 1
+        for c in ch.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+    assert texts == {c.index: c.message.content for c in whole.choices}, (texts, whole.choices)
+    assert finish == {0: "length", 1: "length", 2: "length"}, finish
+    assert done == 1 and usage.completion_tokens == 18 and usage.prompt_tokens == whole.usage.prompt_tokens, usage
+    # too many choices: a 400 naming the parameter
+    try:
+        client().completions.create(model=MODEL, prompt=[PROMPT] * 5, n=30, max_tokens=1)
+        raise AssertionError("150 choices were accepted")
+    except openai.BadRequestError as e:
+        assert e.body["param"] == "prompt" and "at most 128 choices" in e.body["message"], e.body
+
+
 def test_min_tokens_holds_back_stop_ids():
     g = extra(greedy(n=10).choices[0], "token_ids")
     k = next(i for i in range(2, 8) if g[i] not in g[:i])

@@ -35,9 +35,9 @@ void run(std::vector<std::function<void()>>& callbacks) {
 
 }  // namespace
 
-std::shared_ptr<FanOut> FanOut::make(std::shared_ptr<Responder> client, int32_t choices, int32_t n, bool stream,
+std::shared_ptr<FanOut> FanOut::make(std::shared_ptr<Responder> client, int32_t choices, int32_t n,
                                      bool include_usage) {
-  std::shared_ptr<FanOut> f(new FanOut(std::move(client), choices, n, stream, include_usage));
+  std::shared_ptr<FanOut> f(new FanOut(std::move(client), choices, n, include_usage));
   std::weak_ptr<FanOut> weak = f;
   f->client_->on_close([weak] {  // the client went away: stop every choice still running
     auto self = weak.lock();
@@ -53,11 +53,10 @@ std::shared_ptr<FanOut> FanOut::make(std::shared_ptr<Responder> client, int32_t 
   return f;
 }
 
-FanOut::FanOut(std::shared_ptr<Responder> client, int32_t choices, int32_t n, bool stream, bool include_usage)
+FanOut::FanOut(std::shared_ptr<Responder> client, int32_t choices, int32_t n, bool include_usage)
     : client_(std::move(client)),
       choices_(choices),
       n_(n),
-      stream_(stream),
       include_usage_(include_usage),
       child_done_(static_cast<size_t>(choices), false),
       bodies_(static_cast<size_t>(choices)),

@@ -19,8 +19,8 @@ namespace troupe::gateway {
 
 class FanOut : public std::enable_shared_from_this<FanOut> {
  public:
-  // `choices` children, `n` choices per prompt; `stream` and `include_usage` as the request asked.
-  static std::shared_ptr<FanOut> make(std::shared_ptr<Responder> client, int32_t choices, int32_t n, bool stream,
+  // `choices` children, `n` choices per prompt; `include_usage` as a stream request asked.
+  static std::shared_ptr<FanOut> make(std::shared_ptr<Responder> client, int32_t choices, int32_t n,
                                       bool include_usage);
   // The responder choice `index` answers through.
   std::shared_ptr<Responder> child(int32_t index);
@@ -40,7 +40,7 @@ class FanOut : public std::enable_shared_from_this<FanOut> {
   bool closed() const { return client_->closed(); }
 
  private:
-  FanOut(std::shared_ptr<Responder> client, int32_t choices, int32_t n, bool stream, bool include_usage);
+  FanOut(std::shared_ptr<Responder> client, int32_t choices, int32_t n, bool include_usage);
   bool mark_done_locked(int32_t index);  // false: it had answered already
   void stop_others_locked(int32_t except, std::vector<std::function<void()>>& out);
   void fail_locked(int32_t index, int status, const std::string& content_type, const std::string& body,
@@ -48,7 +48,7 @@ class FanOut : public std::enable_shared_from_this<FanOut> {
 
   std::shared_ptr<Responder> client_;
   const int32_t choices_, n_;
-  const bool stream_, include_usage_;
+  const bool include_usage_;
   mutable std::mutex mu_;
   bool done_ = false;            // the client has its answer
   bool client_streaming_ = false;

@@ -568,8 +568,8 @@ void handle_generate(Self self, HttpCall call, ApiKind kind) {
   auto& api = std::get<ApiRequest>(parsed);
   if (api.n > 1 || !api.more_prompts.empty()) {  // one request per choice, answered as one
     auto children = gateway::fan_out(api);
-    auto group = gateway::FanOut::make(call.responder, static_cast<int32_t>(children.size()), api.n, api.stream,
-                                       api.include_usage);
+    auto group = gateway::FanOut::make(call.responder, static_cast<int32_t>(children.size()), api.n,
+                                       api.stream && api.include_usage);
     for (size_t i = 0; i < children.size() && !group->finished(); ++i) {
       Origin origin;
       origin.responder = group->child(static_cast<int32_t>(i));

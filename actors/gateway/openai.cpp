@@ -477,8 +477,9 @@ std::string merge_bodies(const std::vector<std::string>& bodies, int32_t n) {
   json merged, usage;
   json choices = json::array();
   for (size_t i = 0; i < bodies.size(); ++i) {
-    json b = json::parse(bodies[i]);
-    if (i == 0) merged = b;
+    json b = json::parse(bodies[i], nullptr, false);
+    if (!b.is_object() || !b.contains("choices") || !b["choices"].is_array()) continue;  // (response_body's: never)
+    if (merged.is_null()) merged = b;
     for (auto& c : b["choices"]) {
       c["index"] = static_cast<int64_t>(i);
       choices.push_back(std::move(c));

@@ -31,8 +31,8 @@ if [ -x "$bundle/model_tests" ]; then  # the GPU decoder against the CPU forward
 fi
 if [ "${FUZZ:-30}" -gt 0 ] && python3 -c "import transformers.models.deepseek_v4" 2> /dev/null; then
   # the CUDA backend (fp32 weights; troupe forward, and the engine through troupe generate) against transformers
-  # on random configs (tools/oracle_fuzz.py; the
-  # oracle runs on the CPU, exact ties settled by lower index as troupe does)
+  # on random configs (tools/oracle_fuzz.py; the oracle runs on the CPU, exact ties settled by lower index as
+  # troupe does)
   timeout "${FUZZ_S:-300}" python3 tools/oracle_fuzz.py --troupe "$bundle/run.sh troupe" --backend cuda \
     --cases "${FUZZ:-30}" --seed "${FUZZ_SEED:-1}" --stable-ties --engine --keep "$out/fuzz_failures" > "$out/oracle_fuzz.log" 2>&1
   echo "oracle fuzz (cuda, fp32 weights): exit $? ($(grep " passed, " "$out/oracle_fuzz.log" | tail -n 1))"

@@ -975,6 +975,65 @@ void handle_admin(Self self, HttpCall call, const std::string& path) {
   respond_error(*responder, ApiError{404, "no route " + method + " " + path, "invalid_request_error", "", ""});
 }
 
+// vLLM's /tokenize and /detokenize: the ids a prompt (text, or chat messages through the
+// template) becomes exactly as a completion request would feed it, and the text of ids.
+void handle_tokenize(Self self, const HttpCall& call, bool detokenize) {
+  auto& st = self->state;
+  auto bad = [&](const std::string& param, const std::string& message) {
+    respond_error(*call.responder, ApiError{400, message, "invalid_request_error", param, ""});
+  };
+  json j = json::parse(call.request.body, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return bad("", "request body must be a JSON object");
+  if (j.contains("model") && !j["model"].is_null()) {
+    if (!j["model"].is_string()) return bad("model", "'model' must be a string");
+    if (j["model"] != st.config.model_name) {
+      respond_error(*call.responder,
+                    ApiError{404, "The model '" + j["model"].get<std::string>() + "' does not exist; this server serves '" +
+                                      st.config.model_name + "'.",
+                             "invalid_request_error", "model", "model_not_found"});
+      return;
+    }
+  }
+  try {
+    if (detokenize) {
+      if (!j.contains("tokens") || !j["tokens"].is_array()) return bad("tokens", "'tokens' must be a list of token ids");
+      std::vector<int32_t> ids;
+      for (const auto& t : j["tokens"]) {
+        if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= st.tok->vocab_size()) {
+          return bad("tokens", "'tokens' must hold ids in [0, " + std::to_string(st.tok->vocab_size()) + ")");
+        }
+        ids.push_back(t.get<int32_t>());
+      }
+      call.responder->respond(200, "application/json", gateway::dump_json(json{{"prompt", st.tok->decode(ids)}}));
+      return;
+    }
+    std::vector<int32_t> ids;
+    if (j.contains("messages")) {
+      if (!j["messages"].is_array() || j["messages"].empty()) return bad("messages", "'messages' must be a non-empty list");
+      tokenizer::ChatOptions opts;
+      opts.add_generation_prompt = true;  // as a chat completion renders it
+      if (j.contains("add_generation_prompt") && j["add_generation_prompt"].is_boolean()) {
+        opts.add_generation_prompt = j["add_generation_prompt"].get<bool>();
+      }
+      ids = st.tok->encode_chat(tokenizer::messages_from_json(j["messages"]), opts);
+    } else if (j.contains("prompt") && j["prompt"].is_string()) {
+      tokenizer::EncodeOptions opts;
+      const bool special = !j.contains("add_special_tokens") || !j["add_special_tokens"].is_boolean() ||
+                           j["add_special_tokens"].get<bool>();
+      opts.add_bos = special && st.tok->config().add_bos_token;
+      ids = st.tok->encode(j["prompt"].get<std::string>(), opts);
+    } else {
+      return bad("prompt", "give 'prompt' (a string) or 'messages'");
+    }
+    json out = {{"tokens", ids}, {"count", ids.size()}, {"max_model_len", st.config.max_model_len}};
+    call.responder->respond(200, "application/json", gateway::dump_json(out));
+  } catch (const Error& e) {
+    auto ae = gateway::to_api_error(e);
+    if (ae.status >= 500) ae.status = 400;
+    respond_error(*call.responder, ae);
+  }
+}
+
 void handle(Self self, HttpCall call) {
   auto& st = self->state;
   const auto& req = call.request;
@@ -1011,7 +1070,8 @@ void handle(Self self, HttpCall call) {
     call.responder->respond(200, "text/plain; version=0.0.4", st.metrics->render());
     return;
   }
-  if ((path.rfind("/v1/", 0) == 0 || path.rfind("/admin/", 0) == 0) && !st.config.api_key.empty()) {
+  const bool tokenizing = path == "/tokenize" || path == "/detokenize";
+  if ((path.rfind("/v1/", 0) == 0 || path.rfind("/admin/", 0) == 0 || tokenizing) && !st.config.api_key.empty()) {
     auto h = req.headers.find("authorization");
     if (h == req.headers.end() || h->second != "Bearer " + st.config.api_key) {
       requests_counter(st, path, 401).inc();
@@ -1022,6 +1082,28 @@ void handle(Self self, HttpCall call) {
   }
   if (path.rfind("/admin/", 0) == 0) {
     handle_admin(self, std::move(call), path);
+    return;
+  }
+  if (tokenizing) {
+    if (req.method != "POST") {
+      respond_error(*call.responder, ApiError{405, "use POST for " + path, "invalid_request_error", "", ""},
+                    {{"allow", "POST"}});
+      return;
+    }
+    handle_tokenize(self, call, path == "/detokenize");
+    return;
+  }
+  if (path.rfind("/v1/models/", 0) == 0 && req.method == "GET") {  // the OpenAI SDK's models.retrieve
+    const std::string id = path.substr(std::string("/v1/models/").size());
+    if (id != st.config.model_name) {
+      respond_error(*call.responder, ApiError{404, "The model '" + id + "' does not exist; this server serves '" +
+                                                       st.config.model_name + "'.",
+                                              "invalid_request_error", "model", "model_not_found"});
+      return;
+    }
+    json m = {{"id", st.config.model_name}, {"object", "model"}, {"created", now_unix()}, {"owned_by", "troupe"},
+              {"max_model_len", st.config.max_model_len}};
+    call.responder->respond(200, "application/json", gateway::dump_json(m));
     return;
   }
   if (path == "/v1/models" && req.method == "GET") {

@@ -411,7 +411,37 @@ def test_ignore_eos_and_min_tokens_with_the_models_eos():
 def test_models_and_health():
     models = client().models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert client().models.retrieve(MODEL).id == MODEL
+    try:
+        client().models.retrieve("gpt-7")
+        raise AssertionError("an unknown model was retrieved")
+    except openai.NotFoundError as e:
+        assert e.body["code"] == "model_not_found", e.body
     assert srv().get("/health")[0] == 200
+
+
+def test_tokenize_and_detokenize():
+    """vLLM's /tokenize and /detokenize: the ids a completion or chat request feeds, and their text."""
+    ref = greedy(n=1).choices[0]
+    s, _, b = srv().request("POST", "/tokenize", {"model": MODEL, "prompt": PROMPT})
+    assert s == 200 and b["tokens"] == extra(ref, "prompt_token_ids") and b["count"] == len(b["tokens"]), b
+    assert b["max_model_len"] > 0
+    s, _, plain = srv().request("POST", "/tokenize", {"prompt": PROMPT, "add_special_tokens": False})
+    assert s == 200 and plain["tokens"] == b["tokens"][1:], plain  # no BOS
+    msgs = [{"role": "user", "content": "Count the pages."}]
+    chat = client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, temperature=0,
+                                            extra_body=dict(return_token_ids=True))
+    s, _, c = srv().request("POST", "/tokenize", {"model": MODEL, "messages": msgs})
+    assert s == 200 and c["tokens"] == extra(chat.choices[0], "prompt_token_ids"), (c, chat.choices[0])
+    s, _, d = srv().request("POST", "/detokenize", {"model": MODEL, "tokens": plain["tokens"]})
+    assert s == 200 and d["prompt"] == PROMPT, d
+    for path, body, param in [("/tokenize", {"prompt": 5}, "prompt"), ("/detokenize", {"tokens": [-1]}, "tokens"),
+                              ("/detokenize", {"tokens": "x"}, "tokens"), ("/tokenize", "[1", "")]:
+        s, _, e = srv().request("POST", path, body)
+        assert s == 400 and e["error"]["param"] == (param or None), (path, body, s, e)
+    s, _, e = srv().request("POST", "/tokenize", {"model": "gpt-7", "prompt": "x"})
+    assert s == 404 and e["error"]["code"] == "model_not_found", e
+    assert srv().request("GET", "/tokenize")[0] == 405
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@
 #include "model/init.hpp"
 #include "model/state.hpp"
 
+#include "tests/model/fixtures.hpp"
+
 namespace troupe::testing {
 namespace {
 
@@ -155,6 +157,34 @@ TEST(Decoder, cpu_steps_equal_forward_bit_for_bit) {
     }
   }
   EXPECT_EQ(replays, 0);  // no graphs on the CPU backend
+}
+
+// The Decoder (the GPU's decode path, here on the CPU backend) on every committed
+// fixture's config (hc_mult 1-4, windows 2-64, rates 2-128, full rope, FP8/FP4
+// weights...): each sequence's steps equal Model::forward's bit for bit.
+TEST(Decoder, cpu_steps_equal_forward_on_every_fixture) {
+  for (const auto& name : fixture_names()) {
+    const Fixture f = load_fixture(name);
+    auto backend = kernels::make_cpu_backend();
+    auto m = model::Model::load(f.dir, *backend);
+    const auto T = static_cast<int64_t>(f.ids.size());
+    std::vector<Seq> seqs;
+    for (int64_t prompt : {f.meta.at("prefill").get<int64_t>(), T / 3 + 1, int64_t{1}}) {
+      Seq s;
+      s.prompt = std::min<int64_t>(prompt, T - 24);
+      s.ids = f.ids;
+      seqs.push_back(std::move(s));
+    }
+    const int64_t steps = 24;
+    auto want = reference(*m, seqs, steps);
+    std::vector<std::vector<int32_t>> greedy;
+    int64_t replays = 0;
+    auto got = decoded(*m, seqs, steps, &greedy, &replays, false);
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      ASSERT_EQ(got[i].size(), want[i].size()) << name;
+      EXPECT_EQ(got[i], want[i]) << name << " sequence " << i << " (prompt " << seqs[i].prompt << ")";
+    }
+  }
 }
 
 // Reordered batches, a sequence leaving and rebinding: the same numbers up to

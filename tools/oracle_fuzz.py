@@ -250,7 +250,8 @@ def main():
                 # same sequence, and a rerun from the prefix cache sampling the same ids.
                 n_new = min(tokens - prefill, 48) if tokens > prefill else 8
                 extra = ["--backend", args.backend, "--weights", "f32", "--ignore-eos", "--repeat", "2",
-                         "--step-tokens", str(rng.choice([16, 64, 512])), "--max-chunk", str(rng.choice([0, 1, 7, 33]))]
+                         "--step-tokens", str(rng.choice([16, 64, 512])), "--max-chunk", str(rng.choice([0, 1, 7, 33])),
+                         "--decode-batch", str(rng.choice([-1, 8]))]  # 8: decode steps through model::Decoder
                 cmd = shlex.split(args.troupe) + ["generate", "--model", d, "--ids", ",".join(map(str, ids[:prefill].tolist())),
                                                   "--max-tokens", str(n_new), "--out", os.path.join(work, "gen.npy")] + extra
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

@@ -27,6 +27,8 @@ Command add_generate(CLI::App& app) {
     uint64_t seed = 0;
     bool ignore_eos = false;
     int repeat = 1;
+    int decode_batch = -1;
+    bool stats = false;
   };
   auto o = std::make_shared<Opts>();
   auto* cmd = app.add_subcommand("generate", "sample from a prompt of token ids through the serving engine (no HTTP)");
@@ -40,9 +42,14 @@ Command add_generate(CLI::App& app) {
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
   cmd->add_option("--page-tokens", o->page_tokens, "tokens per cache page (0: the default)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
+  cmd->add_option("--decode-batch", o->decode_batch,
+                  "decode steps through model::Decoder for up to this many sequences (-1: the backend's default, "
+                  "64 with CUDA graphs, 0 on the CPU; 0: off)")
+      ->check(CLI::Range(-1, 4096));
   cmd->add_option("--temperature", o->temperature, "0: greedy")->check(CLI::Range(0.0f, 2.0f));
   cmd->add_option("--seed", o->seed, "sampling seed");
   cmd->add_flag("--ignore-eos", o->ignore_eos, "EOS ids are ordinary tokens (always sample --max-tokens)");
+  cmd->add_flag("--stats", o->stats, "print the engine's counters to stderr at the end");
   cmd->add_option("--repeat", o->repeat, "runs of the request, one after another (later ones from the prefix cache)")
       ->check(CLI::Range(1, 100));
   return [o] {
@@ -53,6 +60,7 @@ Command add_generate(CLI::App& app) {
     engine::EngineOptions eo;
     eo.step_tokens = o->step_tokens;
     eo.page_tokens = o->page_tokens;
+    eo.decode_batch = o->decode_batch;
     engine::Engine eng(*model, eo);
     for (int run = 0; run < o->repeat; ++run) {
       engine::Request r;
@@ -94,6 +102,12 @@ Command add_generate(CLI::App& app) {
         }
         write_npy_f32(o->out, all.data(), {n, V});
       }
+    }
+    if (o->stats) {
+      const auto st = eng.stats();
+      std::cerr << "engine: " << st.steps << " steps, " << st.prefill_tokens << " prefill and " << st.decode_tokens
+                << " decode tokens, " << st.decoder_steps << " decoder steps (" << st.graph_replays
+                << " graph replays), " << st.cached_tokens << " tokens from the prefix cache\n";
     }
     return 0;
   };

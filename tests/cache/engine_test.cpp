@@ -96,7 +96,7 @@ TEST(Engine, prefix_reuse_computes_the_new_tokens_and_less_than_a_window) {
   EngineOptions o;
   o.step_tokens = 128;
   Harness h(m, o);
-  const int64_t W = m.config().sliding_window, P = h.engine().geometry().page_tokens;
+  const int64_t P = h.engine().geometry().page_tokens;
   std::mt19937_64 rng(12);
   const auto x = test::random_ids(rng, 500, m.config().vocab_size);
   const auto a = h.submit(greedy(x, 3));
@@ -115,7 +115,7 @@ TEST(Engine, prefix_reuse_computes_the_new_tokens_and_less_than_a_window) {
   const auto& u = h[b].last.usage;
   EXPECT_EQ(u.cached_tokens, 500 / P * P);
   EXPECT_EQ(u.computed_tokens, static_cast<int64_t>(b_prompt.size()) + 2 - u.cached_tokens);
-  EXPECT_LE(u.computed_tokens - 2, 40 + W);  // the new tokens, plus less than a window
+  EXPECT_LE(u.computed_tokens - 2, 40 + P);  // the new tokens, plus less than a page (the last boundary's rest)
   h.expect_dense_logits(a);
   h.expect_dense_logits(b);
   // The tokens equal a cold run's.
@@ -136,7 +136,7 @@ TEST(Engine, prefix_reuse_after_windows_were_tombstoned) {
   o.step_tokens = 256;
   o.checkpoint_every_pages = 1;  // keep the window of every page boundary, until tombstoned
   Harness h(m, o);
-  const int64_t W = m.config().sliding_window, P = h.engine().geometry().page_tokens;
+  const int64_t P = h.engine().geometry().page_tokens;
   const int64_t V = m.config().vocab_size;
   std::mt19937_64 rng(13);
   const auto x = test::random_ids(rng, 600, V);
@@ -154,7 +154,7 @@ TEST(Engine, prefix_reuse_after_windows_were_tombstoned) {
   const auto b1 = h.submit(greedy(share(300), 2));
   h.run();
   EXPECT_EQ(h[b1].last.usage.cached_tokens, 300 / P * P);
-  EXPECT_LE(h[b1].last.usage.computed_tokens - 1, 30 + W);
+  EXPECT_LE(h[b1].last.usage.computed_tokens - 1, 30 + P);
   h.expect_dense_logits(b1);
 
   // Tombstone: windows inside the prefix go; the entries and each node's end window stay.
@@ -170,7 +170,7 @@ TEST(Engine, prefix_reuse_after_windows_were_tombstoned) {
   const auto b3 = h.submit(greedy(share(450), 2));
   h.run();
   EXPECT_EQ(h[b2].last.usage.cached_tokens, 600 / P * P);
-  EXPECT_LE(h[b2].last.usage.computed_tokens - 1, 30 + W);
+  EXPECT_LE(h[b2].last.usage.computed_tokens - 1, 30 + P);
   EXPECT_LT(h[b3].last.usage.cached_tokens, 450 / P * P);
   EXPECT_GT(h[b3].last.usage.recomputed_tokens, 0);
   h.expect_dense_logits(b2);

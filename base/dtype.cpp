@@ -101,33 +101,25 @@ float e2m1_to_f32(uint8_t v) {
   return (v & 0x8) ? -m : m;
 }
 
+namespace {
+
+// dst[i] = f(element i of src), the elements of type T.
+template <class T, class F>
+void map_to_f32(const void* src, float* dst, size_t n, F f) {
+  const auto* s = static_cast<const T*>(src);
+  for (size_t i = 0; i < n; ++i) dst[i] = f(s[i]);
+}
+
+}  // namespace
+
 void convert_to_f32(DType from, const void* src, float* dst, size_t n) {
   switch (from) {
-    case DType::f32:
-      std::memcpy(dst, src, n * 4);
-      return;
-    case DType::bf16: {
-      const auto* s = static_cast<const uint16_t*>(src);
-      for (size_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
-      return;
-    }
-    case DType::f16: {
-      const auto* s = static_cast<const uint16_t*>(src);
-      for (size_t i = 0; i < n; ++i) dst[i] = f16_to_f32(s[i]);
-      return;
-    }
-    case DType::f8_e4m3: {
-      const auto* s = static_cast<const uint8_t*>(src);
-      for (size_t i = 0; i < n; ++i) dst[i] = e4m3_to_f32(s[i]);
-      return;
-    }
-    case DType::f8_e8m0: {
-      const auto* s = static_cast<const uint8_t*>(src);
-      for (size_t i = 0; i < n; ++i) dst[i] = e8m0_to_f32(s[i]);
-      return;
-    }
-    default:
-      TROUPE_CHECK(false, "convert_to_f32: not a floating type");
+    case DType::f32: std::memcpy(dst, src, n * 4); return;
+    case DType::bf16: return map_to_f32<uint16_t>(src, dst, n, bf16_to_f32);
+    case DType::f16: return map_to_f32<uint16_t>(src, dst, n, f16_to_f32);
+    case DType::f8_e4m3: return map_to_f32<uint8_t>(src, dst, n, e4m3_to_f32);
+    case DType::f8_e8m0: return map_to_f32<uint8_t>(src, dst, n, e8m0_to_f32);
+    default: TROUPE_CHECK(false, "convert_to_f32: not a floating type");
   }
 }
 

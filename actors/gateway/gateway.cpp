@@ -431,6 +431,30 @@ struct Origin {
 
 // Tokenizes and checks a parsed request and hands it to the router; or
 // returns why not (nothing is answered then: the caller reports the error).
+ApiError model_not_found(const GatewayState& st, const std::string& name) {
+  return ApiError{404, "The model '" + name + "' does not exist; this server serves '" + st.config.model_name + "'.",
+                  "invalid_request_error", "model", "model_not_found"};
+}
+
+// The served model as /v1/models lists it.
+json model_object(const GatewayState& st) {
+  return {{"id", st.config.model_name}, {"object", "model"}, {"created", now_unix()}, {"owned_by", "troupe"},
+          {"max_model_len", st.config.max_model_len}};
+}
+
+// The ids a chat (through the template) or a text prompt becomes, as a request feeds
+// them to the model (/tokenize answers the same). Throws troupe::Error for bad messages.
+std::vector<int32_t> encode_messages(const GatewayState& st, const json& messages, bool add_generation_prompt) {
+  tokenizer::ChatOptions opts;
+  opts.add_generation_prompt = add_generation_prompt;
+  return st.tok->encode_chat(tokenizer::messages_from_json(messages), opts);
+}
+std::vector<int32_t> encode_text(const GatewayState& st, const std::string& text, bool special_tokens = true) {
+  tokenizer::EncodeOptions opts;
+  opts.add_bos = special_tokens && st.tok->config().add_bos_token;
+  return st.tok->encode(text, opts);
+}
+
 std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std::string& route, Origin origin) {
   auto& st = self->state;
   if (st.draining) {
@@ -438,24 +462,17 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
     return ApiError{503, "the server is shutting down; retry on another replica", "service_unavailable", "", ""};
   }
   if (api.model != st.config.model_name) {
-    ApiError e{404, "The model '" + api.model + "' does not exist; this server serves '" + st.config.model_name + "'.",
-               "invalid_request_error", "model", "model_not_found"};
     requests_counter(st, route, 404).inc();
-    return e;
+    return model_not_found(st, api.model);
   }
   std::vector<int32_t> prompt;
   try {
     if (kind == ApiKind::chat) {
-      auto messages = tokenizer::messages_from_json(api.messages);
-      tokenizer::ChatOptions opts;
-      opts.add_generation_prompt = api.add_generation_prompt;
-      prompt = st.tok->encode_chat(messages, opts);
+      prompt = encode_messages(st, api.messages, api.add_generation_prompt);
     } else if (api.prompt_ids) {
       prompt = *api.prompt_ids;
     } else {
-      tokenizer::EncodeOptions opts;
-      opts.add_bos = st.tok->config().add_bos_token;
-      prompt = st.tok->encode(*api.prompt_text, opts);
+      prompt = encode_text(st, *api.prompt_text);
     }
   } catch (const Error& e) {
     auto ae = gateway::to_api_error(e);
@@ -987,10 +1004,7 @@ void handle_tokenize(Self self, const HttpCall& call, bool detokenize) {
   if (j.contains("model") && !j["model"].is_null()) {
     if (!j["model"].is_string()) return bad("model", "'model' must be a string");
     if (j["model"] != st.config.model_name) {
-      respond_error(*call.responder,
-                    ApiError{404, "The model '" + j["model"].get<std::string>() + "' does not exist; this server serves '" +
-                                      st.config.model_name + "'.",
-                             "invalid_request_error", "model", "model_not_found"});
+      respond_error(*call.responder, model_not_found(st, j["model"].get<std::string>()));
       return;
     }
   }
@@ -1010,18 +1024,13 @@ void handle_tokenize(Self self, const HttpCall& call, bool detokenize) {
     std::vector<int32_t> ids;
     if (j.contains("messages")) {
       if (!j["messages"].is_array() || j["messages"].empty()) return bad("messages", "'messages' must be a non-empty list");
-      tokenizer::ChatOptions opts;
-      opts.add_generation_prompt = true;  // as a chat completion renders it
-      if (j.contains("add_generation_prompt") && j["add_generation_prompt"].is_boolean()) {
-        opts.add_generation_prompt = j["add_generation_prompt"].get<bool>();
-      }
-      ids = st.tok->encode_chat(tokenizer::messages_from_json(j["messages"]), opts);
+      const bool generation_prompt = !j.contains("add_generation_prompt") || !j["add_generation_prompt"].is_boolean() ||
+                                     j["add_generation_prompt"].get<bool>();  // as a chat completion renders it
+      ids = encode_messages(st, j["messages"], generation_prompt);
     } else if (j.contains("prompt") && j["prompt"].is_string()) {
-      tokenizer::EncodeOptions opts;
       const bool special = !j.contains("add_special_tokens") || !j["add_special_tokens"].is_boolean() ||
                            j["add_special_tokens"].get<bool>();
-      opts.add_bos = special && st.tok->config().add_bos_token;
-      ids = st.tok->encode(j["prompt"].get<std::string>(), opts);
+      ids = encode_text(st, j["prompt"].get<std::string>(), special);
     } else {
       return bad("prompt", "give 'prompt' (a string) or 'messages'");
     }
@@ -1096,23 +1105,14 @@ void handle(Self self, HttpCall call) {
   if (path.rfind("/v1/models/", 0) == 0 && req.method == "GET") {  // the OpenAI SDK's models.retrieve
     const std::string id = path.substr(std::string("/v1/models/").size());
     if (id != st.config.model_name) {
-      respond_error(*call.responder, ApiError{404, "The model '" + id + "' does not exist; this server serves '" +
-                                                       st.config.model_name + "'.",
-                                              "invalid_request_error", "model", "model_not_found"});
+      respond_error(*call.responder, model_not_found(st, id));
       return;
     }
-    json m = {{"id", st.config.model_name}, {"object", "model"}, {"created", now_unix()}, {"owned_by", "troupe"},
-              {"max_model_len", st.config.max_model_len}};
-    call.responder->respond(200, "application/json", gateway::dump_json(m));
+    call.responder->respond(200, "application/json", gateway::dump_json(model_object(st)));
     return;
   }
   if (path == "/v1/models" && req.method == "GET") {
-    json j = {{"object", "list"},
-              {"data", json::array({{{"id", st.config.model_name},
-                                     {"object", "model"},
-                                     {"created", now_unix()},
-                                     {"owned_by", "troupe"},
-                                     {"max_model_len", st.config.max_model_len}}})}};
+    json j = {{"object", "list"}, {"data", json::array({model_object(st)})}};
     call.responder->respond(200, "application/json", gateway::dump_json(j));
     return;
   }

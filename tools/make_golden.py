@@ -270,30 +270,46 @@ def quantize_checkpoint(d, block, experts_fp4=True):
         json.dump(cfg, f, indent=2)
 
 
-def write_legacy_config(path):
-    """config.json in the spellings older checkpoints ship: compress_ratios per layer instead of
-    layer_types + compress_rates (real rates only), num_hash_layers instead of mlp_layer_types (hash
-    layers first), qk_rope_head_dim instead of partial_rotary_factor."""
+LEGACY_SPELLINGS = ("compress_ratios", "num_hash_layers", "qk_rope_head_dim", "rope_scaling")
+
+
+def legacy_spelling(path, parts=LEGACY_SPELLINGS):
+    """Rewrites a saved config.json in the spellings older checkpoints and converters ship, each of
+    `parts` only where it can say the same thing: compress_ratios per layer instead of layer_types +
+    compress_rates (the real rates only), num_hash_layers instead of mlp_layer_types (hash layers
+    first), qk_rope_head_dim instead of partial_rotary_factor, and rope_parameters as older configs
+    have it (absent for default rope, else a flat rope_scaling of YaRN's keys, which transformers
+    applies to the compress rope with compress_rope_theta). Returns the parts applied."""
     with open(path) as f:
         cfg = json.load(f)
-    rates = cfg.pop("compress_rates")
-    assert rates == {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}, rates
-    ratio = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
-    cfg["compress_ratios"] = [ratio[t] for t in cfg.pop("layer_types")]
-    mlp = cfg.pop("mlp_layer_types")
-    n_hash = mlp.count("hash_moe")
-    assert mlp == ["hash_moe"] * n_hash + ["moe"] * (len(mlp) - n_hash), mlp
-    cfg["num_hash_layers"] = n_hash
-    cfg["qk_rope_head_dim"] = int(round(cfg["head_dim"] * cfg.pop("partial_rotary_factor")))
-    # rope_parameters as older configs have it: absent for default rope, else a flat rope_scaling
-    # (YaRN's keys) that transformers applies to the compress rope with compress_rope_theta
-    rp = cfg.pop("rope_parameters")
-    assert rp["main"]["rope_type"] == "default", rp
-    if rp["compress"]["rope_type"] != "default":
-        cfg["rope_scaling"] = {k: v for k, v in rp["compress"].items()
-                               if k not in ("rope_theta", "partial_rotary_factor", "attention_factor")}
+    applied = []
+    real_rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+    if "compress_ratios" in parts and cfg.get("compress_rates") == real_rates and "layer_types" in cfg:
+        cfg.pop("compress_rates")
+        ratio = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+        cfg["compress_ratios"] = [ratio[t] for t in cfg.pop("layer_types")]
+        applied.append("compress_ratios")
+    mlp = cfg.get("mlp_layer_types")
+    if "num_hash_layers" in parts and mlp is not None:
+        n_hash = mlp.count("hash_moe")
+        if mlp == ["hash_moe"] * n_hash + ["moe"] * (len(mlp) - n_hash):
+            cfg.pop("mlp_layer_types")
+            cfg["num_hash_layers"] = n_hash
+            applied.append("num_hash_layers")
+    if "qk_rope_head_dim" in parts and "partial_rotary_factor" in cfg:
+        cfg["qk_rope_head_dim"] = int(round(cfg["head_dim"] * cfg.pop("partial_rotary_factor")))
+        applied.append("qk_rope_head_dim")
+    rp = cfg.get("rope_parameters")
+    if ("rope_scaling" in parts and isinstance(rp, dict) and isinstance(rp.get("main"), dict)
+            and isinstance(rp.get("compress"), dict) and rp["main"].get("rope_type") == "default"):
+        cfg.pop("rope_parameters")
+        if rp["compress"].get("rope_type", "default") != "default":
+            cfg["rope_scaling"] = {k: v for k, v in rp["compress"].items()
+                                   if k not in ("rope_theta", "partial_rotary_factor", "attention_factor")}
+        applied.append("rope_scaling")
     with open(path, "w") as f:
         json.dump(cfg, f, indent=2)
+    return applied
 
 
 def run_case(name, spec, out_dir, device, watch, attempts=20):
@@ -365,7 +381,9 @@ def run_case(name, spec, out_dir, device, watch, attempts=20):
         else:
             meta_extra = {}
         if legacy_config:
-            write_legacy_config(os.path.join(d, "config.json"))
+            applied = legacy_spelling(os.path.join(d, "config.json"))
+            if applied != list(LEGACY_SPELLINGS):
+                raise SystemExit(f"{name}: config.json cannot take every legacy spelling (only {applied})")
             again = DeepseekV4ForCausalLM.from_pretrained(d, dtype=torch.float32)
             again.config._attn_implementation = "eager"
             with torch.no_grad():

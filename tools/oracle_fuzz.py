@@ -97,34 +97,6 @@ def draw_config(rng, tokens_max=700):
     return fields, tokens, prefill
 
 
-def legacy_spelling(config_path, rng):
-    """Rewrites a saved config.json in the older spellings DeepSeek's checkpoints and
-    converters ship (compress_ratios per layer, num_hash_layers, qk_rope_head_dim,
-    rope_scaling); only where they can express the same config."""
-    with open(config_path) as f:
-        cfg = json.load(f)
-    changed = []
-    rates = cfg.get("compress_rates") or {}
-    # compress_ratios (0 / 4 / 128 per layer) only names the real rates.
-    if rates.get(CSA) == 4 and rates.get(HCA) == 128 and rng.random() < 0.7:
-        to_ratio = {SWA: 0, CSA: 4, HCA: 128}
-        cfg["compress_ratios"] = [to_ratio[t] for t in cfg.pop("layer_types")]
-        cfg.pop("compress_rates")
-        changed.append("compress_ratios")
-    mlp = cfg.get("mlp_layer_types") or []
-    n_hash = sum(1 for t in mlp if t == "hash_moe")
-    if mlp[:n_hash] == ["hash_moe"] * n_hash and rng.random() < 0.7:
-        cfg.pop("mlp_layer_types")
-        cfg["num_hash_layers"] = n_hash
-        changed.append("num_hash_layers")
-    if rng.random() < 0.5 and "partial_rotary_factor" in cfg:
-        cfg["qk_rope_head_dim"] = int(round(cfg["head_dim"] * cfg.pop("partial_rotary_factor")))
-        changed.append("qk_rope_head_dim")
-    with open(config_path, "w") as f:
-        json.dump(cfg, f, indent=2)
-    return changed
-
-
 def troupe_forward(troupe, model_dir, ids, prefill, out, extra):
     cmd = shlex.split(troupe) + ["forward", "--model", model_dir, "--ids", ",".join(map(str, ids)), "--out", out] + extra
     if prefill is not None:
@@ -204,7 +176,10 @@ def main():
             if rng.random() < 0.2:
                 kwargs["max_shard_size"] = "100KB"
             model.save_pretrained(d, **kwargs)
-            legacy = legacy_spelling(os.path.join(d, "config.json"), rng) if rng.random() < 0.4 else []
+            legacy = []
+            if rng.random() < 0.4:  # some of the older config.json spellings, where they can say the same
+                parts = [p for p, chance in zip(make_golden.LEGACY_SPELLINGS, (0.7, 0.7, 0.5, 0.5)) if rng.random() < chance]
+                legacy = make_golden.legacy_spelling(os.path.join(d, "config.json"), parts)
             quant = ""
             if original and "max_shard_size" not in kwargs and rng.random() < args.quantized:
                 # FP8 linears (blocks of 8 x 8: every drawn width is a multiple of 8 or below it), FP4

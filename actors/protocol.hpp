@@ -41,6 +41,10 @@ struct Job {
   std::shared_ptr<const engine::SequenceImage> image;
   int32_t attempt = 0;                 // resubmissions after a worker was lost
   int32_t logprobs = -1;               // alternatives per token to report with its logprob (0..20); -1: none
+  // The prompt's logprobs (completions' echo): each prompt token's after the
+  // first, with this many alternatives (0..20); -1: none. Reported in TokenBatch
+  // messages without tokens, before the first token.
+  int32_t prompt_logprobs = -1;
 };
 
 // A sampled token's log-probability (log-softmax of the raw logits) and the
@@ -58,7 +62,20 @@ struct TokenBatch {
   std::vector<int32_t> tokens;
   caf::actor worker;
   std::vector<TokenLogprob> logprobs;  // one per token when the job asked for them
+  // Job::prompt_logprobs: the logprobs of prompt tokens prompt_index, prompt_index + 1, ...
+  // (a batch carries these or tokens, not both).
+  int64_t prompt_index = 0;
+  std::vector<TokenLogprob> prompt_logprobs;
 };
+
+inline TokenBatch token_batch(RequestId id, int64_t index, std::vector<int32_t> tokens, caf::actor worker) {
+  TokenBatch b;
+  b.id = id;
+  b.index = index;
+  b.tokens = std::move(tokens);
+  b.worker = std::move(worker);
+  return b;
+}
 
 struct Done {
   RequestId id = 0;

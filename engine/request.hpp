@@ -27,7 +27,7 @@ struct SamplingParams {
   int32_t top_k = 0;             // the k most likely tokens; 0: all
   std::optional<uint64_t> seed;  // same seed, same tokens; none: the engine picks one
   int32_t min_tokens = 0;        // stop ids and EOS cannot be sampled before this many tokens
-  int32_t max_tokens = 16;       // finish with `length` after this many tokens
+  int32_t max_tokens = 16;       // finish with `length` after this many tokens (0: after the prompt, sampling none)
   std::vector<int32_t> stop_ids; // finish with `stop` after sampling one of these (it is returned)
   bool ignore_eos = false;       // EOS ids are ordinary tokens
   // Changes to the logits before anything else, in vLLM's order and meaning: the
@@ -55,8 +55,13 @@ struct SamplingParams {
 enum class LogitsMode : uint8_t {
   none,
   sampled,  // each token event carries the logits row it was sampled from
-  all,      // plus `logits` events with every computed prompt row
+  prompt,   // sampled, plus `logits` events with the rows of the prompt's chunks (prompt logprobs)
+  all,      // `logits` events with every computed row, prompt and decode (token events carry none)
 };
+// Whether a chunk starting at `start` of a sequence whose prompt has `prompt_len` tokens returns every row.
+inline bool wants_all_rows(LogitsMode m, int64_t start, int64_t prompt_len) {
+  return m == LogitsMode::all || (m == LogitsMode::prompt && start < prompt_len);
+}
 
 struct Request {
   std::vector<int32_t> prompt;
@@ -84,7 +89,7 @@ struct Usage {
 
 enum class EventKind : uint8_t {
   token,     // a sampled token
-  logits,    // LogitsMode::all: computed prompt rows
+  logits,    // LogitsMode::all / prompt: computed rows, `position` the first one's
   finished,  // last event of a request
   parked,    // park(id) done (ok) or refused (!ok, message says why)
   resumed,   // resume(id) done

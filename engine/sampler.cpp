@@ -28,7 +28,7 @@ std::string check(const SamplingParams& p) {
   if (!(p.temperature >= 0.0f) || !std::isfinite(p.temperature)) return fmt::format("temperature {} must be >= 0", p.temperature);
   if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) return fmt::format("top_p {} must be in (0, 1]", p.top_p);
   if (p.top_k < 0) return fmt::format("top_k {} must be >= 0", p.top_k);
-  if (p.max_tokens < 1) return fmt::format("max_tokens {} must be >= 1", p.max_tokens);
+  if (p.max_tokens < 0) return fmt::format("max_tokens {} must be >= 0", p.max_tokens);
   if (p.min_tokens < 0 || p.min_tokens > p.max_tokens) {
     return fmt::format("min_tokens {} must be in [0, max_tokens {}]", p.min_tokens, p.max_tokens);
   }

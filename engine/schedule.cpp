@@ -49,13 +49,9 @@ bool Engine::step() {
     return da != db ? da : a->order < b->order;
   });
   auto add = [&](Seq& s, int64_t n) {
-    const bool last = s.length() + n == static_cast<int64_t>(s.tokens.size());
-    const auto wanted = s.req.logits == LogitsMode::all ? model::LogitsWanted::all
-                        : last                          ? model::LogitsWanted::last
-                                                        : model::LogitsWanted::none;
     batch.chunks.push_back({s.state.get(),
                             std::span<const int32_t>(s.tokens).subspan(static_cast<size_t>(s.length()), static_cast<size_t>(n)),
-                            wanted});
+                            s.rows_wanted(n)});
     batch.seqs.push_back(&s);
     batch.tokens += n;
   };
@@ -167,12 +163,9 @@ bool Engine::try_admit(Seq& s, int64_t budget, Batch& batch) {
   s.phase = Phase::running;
   n = fit_chunk(s, n);
   TROUPE_CHECK(n > 0, "admission checked the room for the first chunk");
-  const bool last = s.length() + n == static_cast<int64_t>(s.tokens.size());
   batch.chunks.push_back({s.state.get(),
                           std::span<const int32_t>(s.tokens).subspan(static_cast<size_t>(s.length()), static_cast<size_t>(n)),
-                          s.req.logits == LogitsMode::all ? model::LogitsWanted::all
-                          : last                          ? model::LogitsWanted::last
-                                                          : model::LogitsWanted::none});
+                          s.rows_wanted(n)});
   batch.seqs.push_back(&s);
   batch.tokens += n;
   return true;
@@ -303,7 +296,7 @@ void Engine::after_chunk(Seq& s, int64_t n, const float* rows, int64_t row_count
   } else {
     counters_.prefill_tokens += n;
   }
-  if (s.req.logits == LogitsMode::all && row_count > 0) {
+  if (wants_all_rows(s.req.logits, start, s.prompt_len) && row_count > 0) {
     Event e = make_event(s.id, EventKind::logits);
     e.position = start;
     e.logits.assign(rows, rows + row_count * V);
@@ -319,8 +312,12 @@ void Engine::after_chunk(Seq& s, int64_t n, const float* rows, int64_t row_count
   s.state->trim();  // after the insert: the tree keeps the checkpoint windows it wants
   if (s.length() < static_cast<int64_t>(s.tokens.size())) return;  // more prompt to feed
 
-  const float* last = rows != nullptr ? rows + (row_count - 1) * V : nullptr;
   const auto& sp = s.req.sampling;
+  if (sp.max_tokens == 0) {  // the prompt only (its rows were the point)
+    finish(s, FinishReason::length);
+    return;
+  }
+  const float* last = rows != nullptr ? rows + (row_count - 1) * V : nullptr;
   if (sampled == nullptr && sp.adjusts_logits()) {
     s.counts.update(s.tokens, sp.answer_begin(s.prompt_len));
   }
@@ -332,7 +329,9 @@ void Engine::after_chunk(Seq& s, int64_t n, const float* rows, int64_t row_count
   Event e = make_event(s.id, EventKind::token);
   e.token = token;
   e.position = s.length();
-  if (s.req.logits == LogitsMode::sampled && last != nullptr) e.logits.assign(last, last + V);
+  if ((s.req.logits == LogitsMode::sampled || s.req.logits == LogitsMode::prompt) && last != nullptr) {
+    e.logits.assign(last, last + V);
+  }
   emit(std::move(e));
 
   const auto& p = s.req.sampling;

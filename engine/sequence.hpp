@@ -65,6 +65,11 @@ struct Engine::Seq {
   int64_t length() const { return state ? state->length() : 0; }
   // Tokens to feed before the next sample.
   int64_t pending() const { return static_cast<int64_t>(tokens.size()) - length(); }
+  // The logits rows a chunk of the next `n` tokens returns.
+  model::LogitsWanted rows_wanted(int64_t n) const {
+    if (wants_all_rows(req.logits, length(), prompt_len)) return model::LogitsWanted::all;
+    return length() + n == static_cast<int64_t>(tokens.size()) ? model::LogitsWanted::last : model::LogitsWanted::none;
+  }
 };
 
 struct Engine::Command {

@@ -84,6 +84,7 @@ struct Job {
   decodeTo @7 :ActorRef;
   attempt @8 :Int32;
   logprobs @9 :Int32 = -1;     # alternatives per token to report with its logprob (0..20); -1: none
+  promptLogprobs @10 :Int32 = -1;  # the prompt tokens' logprobs with this many alternatives; -1: none
 }
 
 # A sampled token's log-probability under the model (log-softmax of its raw
@@ -100,6 +101,8 @@ struct TokenBatch {
   tokens @2 :List(Int32);
   worker @3 :ActorRef;
   logprobs @4 :List(TokenLogprob);  # one per token when the job asked for them
+  promptIndex @5 :Int64;            # Job.promptLogprobs: the prompt token the first of promptLogprobs is for
+  promptLogprobs @6 :List(TokenLogprob);
 }
 
 struct Done {

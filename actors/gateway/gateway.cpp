@@ -117,6 +117,11 @@ struct InFlight {
   // the one before it, by index; a Done waits for its last token.
   std::map<int64_t, TokenBatch> early;
   std::optional<Done> early_done;
+  // Completions' echo with logprobs: the prompt's entries are still coming
+  // (result.logprobs holds the ones here). Tokens and a Done wait in `early`
+  // until they are all here, then the echo goes out first.
+  bool prompt_pending = false;
+  std::string echo;  // the echoed prompt (echo: true), streamed as the first event
 };
 
 struct GatewayState {
@@ -273,6 +278,7 @@ void retry(Self self, RequestId id, const std::string& why) {
     return;
   }
   spdlog::info("gateway: request {} resubmitted ({}; {} tokens already streamed)", id, why, f.result.token_ids.size());
+  if (!f.prompt_pending) f.job.prompt_logprobs = -1;  // (none of them will be asked again)
   st.metrics->counter("troupe_resubmits_total", "Requests resubmitted after a worker loss").inc();
   f.worker = nullptr;
   f.early.clear();  // the next attempt streams from what the client has
@@ -299,6 +305,19 @@ void take_over(Self self, InFlight& f, RequestId id, const caf::actor& worker, i
 
 void on_done(Self self, const Done& d);
 
+// A token's logprob as the API reports it: its bytes and its alternatives' (ids
+// outside the tokenizer, which random weights can produce, have none).
+gateway::LogprobEntry logprob_entry(const tokenizer::Tokenizer& tok, int32_t id, const TokenLogprob& l) {
+  auto bytes = [&](int32_t t) { return t >= 0 && t < tok.vocab_size() ? std::string(tok.token_bytes(t)) : std::string(); };
+  gateway::LogprobEntry e;
+  e.bytes = bytes(id);
+  e.logprob = l.logprob;
+  for (size_t k = 0; k < l.top_ids.size() && k < l.top_logprobs.size(); ++k) {
+    e.top.emplace_back(bytes(l.top_ids[k]), l.top_logprobs[k]);
+  }
+  return e;
+}
+
 // Streams the new tokens of `b` (b.index <= what the client has); false when
 // that ended the request (a stop string): `f` is gone then.
 bool stream_batch(Self self, InFlight& f, const TokenBatch& b) {
@@ -312,20 +331,8 @@ bool stream_batch(Self self, InFlight& f, const TokenBatch& b) {
     const int32_t tok = b.tokens[i];
     f.result.token_ids.push_back(tok);
     ids.push_back(tok);
-    if (f.api.logprobs >= 0) {
-      gateway::LogprobEntry e;
-      auto bytes = [&](int32_t id) {
-        return id >= 0 && id < st.tok->vocab_size() ? std::string(st.tok->token_bytes(id)) : std::string();
-      };
-      e.bytes = bytes(tok);
-      if (i < b.logprobs.size()) {  // (a worker that did not compute them leaves the entry at 0)
-        const auto& l = b.logprobs[i];
-        e.logprob = l.logprob;
-        for (size_t k = 0; k < l.top_ids.size() && k < l.top_logprobs.size(); ++k) {
-          e.top.emplace_back(bytes(l.top_ids[k]), l.top_logprobs[k]);
-        }
-      }
-      f.result.logprobs.push_back(std::move(e));
+    if (f.api.logprobs >= 0) {  // (a worker that did not compute them leaves the entry at 0)
+      f.result.logprobs.push_back(logprob_entry(*st.tok, tok, i < b.logprobs.size() ? b.logprobs[i] : TokenLogprob{}));
     }
     std::string text;
     try {
@@ -364,35 +371,75 @@ bool stream_batch(Self self, InFlight& f, const TokenBatch& b) {
   return true;
 }
 
+// The echoed prompt as the stream's first event (with the prompt's logprobs when asked).
+void send_echo(InFlight& f) {
+  if (!f.api.stream || !f.api.echo) return;
+  f.responder->send(gateway::stream_delta(f.api, f.result, f.echo, {}, f.first, f.result.logprobs));
+  f.first = false;
+}
+
+// Streams what waited for the batches before it (and for the prompt's logprobs);
+// false when that ended the request.
+bool stream_early(Self self, InFlight& f) {
+  auto have = [&f] { return static_cast<int64_t>(f.result.token_ids.size()); };
+  while (!f.early.empty() && f.early.begin()->first <= have()) {
+    const TokenBatch next = std::move(f.early.begin()->second);
+    f.early.erase(f.early.begin());
+    if (!stream_batch(self, f, next)) return false;
+  }
+  if (f.early_done && f.early_done->end_index <= have()) {
+    const Done d = *f.early_done;
+    f.early_done.reset();
+    on_done(self, d);
+    return false;
+  }
+  return true;
+}
+
+// Prompt logprobs (echo): entries for prompt tokens b.prompt_index, ...; the ones
+// already here (a recomputation) are skipped.
+void take_prompt_logprobs(Self self, InFlight& f, const TokenBatch& b) {
+  auto& st = self->state;
+  const auto& prompt = f.result.prompt_ids;
+  for (size_t i = 0; i < b.prompt_logprobs.size(); ++i) {
+    const int64_t index = b.prompt_index + static_cast<int64_t>(i);
+    if (!f.prompt_pending || index != static_cast<int64_t>(f.result.logprobs.size())) continue;
+    f.result.logprobs.push_back(logprob_entry(*st.tok, prompt[static_cast<size_t>(index)], b.prompt_logprobs[i]));
+    if (f.result.logprobs.size() == prompt.size()) {
+      f.prompt_pending = false;
+      send_echo(f);
+    }
+  }
+}
+
 void on_tokens(Self self, const TokenBatch& b) {
   auto& st = self->state;
   auto it = st.inflight.find(b.id);
   if (it == st.inflight.end()) return;
   InFlight& f = it->second;
   take_over(self, f, b.id, b.worker, b.index);
+  if (!b.prompt_logprobs.empty()) {
+    const bool was_pending = f.prompt_pending;
+    take_prompt_logprobs(self, f, b);
+    if (was_pending && !f.prompt_pending) stream_early(self, f);
+    return;
+  }
   if (f.client_parked) {
     f.held.push_back(b);
     return;
   }
   auto have = [&f] { return static_cast<int64_t>(f.result.token_ids.size()); };
-  if (b.index > have()) {  // the batch before it is still on its way
+  if (b.index > have() || f.prompt_pending) {  // the batch before it (or the prompt's logprobs) still on its way
     f.early.emplace(b.index, b);
-    st.metrics->counter("troupe_early_batches_total",
-                        "Token batches that overtook an earlier one of their request (two workers, two processes) "
-                        "and waited for it").inc();
+    if (b.index > have()) {
+      st.metrics->counter("troupe_early_batches_total",
+                          "Token batches that overtook an earlier one of their request (two workers, two processes) "
+                          "and waited for it").inc();
+    }
     return;
   }
   if (!stream_batch(self, f, b)) return;
-  while (!f.early.empty() && f.early.begin()->first <= have()) {
-    const TokenBatch next = std::move(f.early.begin()->second);
-    f.early.erase(f.early.begin());
-    if (!stream_batch(self, f, next)) return;
-  }
-  if (f.early_done && f.early_done->end_index <= have()) {
-    const Done d = *f.early_done;
-    f.early_done.reset();
-    on_done(self, d);
-  }
+  stream_early(self, f);
 }
 
 void on_done(Self self, const Done& d) {
@@ -410,7 +457,7 @@ void on_done(Self self, const Done& d) {
     it->second.held_done = d;
     return;
   }
-  if (d.end_index > static_cast<int64_t>(it->second.result.token_ids.size())) {
+  if (d.end_index > static_cast<int64_t>(it->second.result.token_ids.size()) || it->second.prompt_pending) {
     // Its last tokens are on their way (another process sent some of them).
     if (!it->second.early_done) {
       self->delayed_send(self, s.config.token_gap_timeout, gap_atom::value, d.id, it->second.attempts);
@@ -502,7 +549,7 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
     return ApiError{400, "the prompt is empty", "invalid_request_error", "prompt", ""};
   }
   int64_t max_tokens = api.sampling.max_tokens.value_or(kind == ApiKind::chat ? st.config.max_model_len - plen : 16);
-  if (plen + std::max<int64_t>(max_tokens, 1) > st.config.max_model_len || max_tokens < 1) {
+  if (plen + std::max<int64_t>(max_tokens, 1) > st.config.max_model_len || max_tokens < (api.echo ? 0 : 1)) {
     ApiError e{400,
                "This model's maximum context length is " + std::to_string(st.config.max_model_len) +
                    " tokens. However, you requested " + std::to_string(plen + std::max<int64_t>(max_tokens, 1)) +
@@ -528,7 +575,17 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
   f.result.created = now_unix();
   f.result.model = st.config.model_name;
   f.result.prompt_ids = prompt;
-  if (api.echo && api.prompt_text) f.result.text = *api.prompt_text;
+  if (api.echo) {
+    f.echo = api.prompt_text ? *api.prompt_text : st.tok->decode(prompt);
+    f.result.text = f.echo;
+    if (api.logprobs >= 0) {  // the first prompt token has no logprob (null); the others come from the worker
+      gateway::LogprobEntry first;
+      first.bytes = std::string(st.tok->token_bytes(prompt[0]));
+      first.none = true;
+      f.result.logprobs.push_back(std::move(first));
+      f.prompt_pending = plen > 1;
+    }
+  }
   f.start = f.last_token = Clock::now();
   Job& job = f.job;
   job.id = id;
@@ -536,6 +593,7 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
   job.prompt_tokens = plen;
   job.reply_to = caf::actor_cast<caf::actor>(self);
   job.logprobs = api.logprobs;
+  if (api.echo && api.logprobs >= 0) job.prompt_logprobs = api.logprobs;
   job.priority = api.priority;
   auto& s = job.sampling;
   s.temperature = api.sampling.temperature;
@@ -554,6 +612,7 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
   requests_counter(st, route, 200).inc();
   if (origin.responder) {
     if (api.stream) origin.responder->start_stream(200, "text/event-stream");
+    if (!f.prompt_pending) send_echo(f);
     const auto me = caf::actor_cast<caf::actor>(self);
     origin.responder->on_close([me, id] { caf::anon_send(me, gone_atom::value, id); });
   }

@@ -220,7 +220,11 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
   f.integer("seed", [&](int64_t v) { s.seed = static_cast<uint64_t>(v); }, std::numeric_limits<int64_t>::min(),
             std::numeric_limits<int64_t>::max());
   const char* max_key = f.has("max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
-  f.integer(max_key, [&](int64_t v) { s.max_tokens = v; }, 1, int64_t{1} << 40);
+  f.integer(max_key, [&](int64_t v) { s.max_tokens = v; }, 0, int64_t{1} << 40);
+  if (!f.error && s.max_tokens == 0 && !r.echo) {
+    return bad(max_key, fmt::format("'{}' must be at least 1{}", max_key,
+                                    kind == ApiKind::completion ? " (0 only with 'echo': the prompt and its logprobs alone)" : ""));
+  }
   f.integer("min_tokens", [&](int64_t v) { s.min_tokens = v; }, 0, int64_t{1} << 40);
   f.boolean("ignore_eos", s.ignore_eos);
   constexpr double kPen = engine::kMaxAbsPenalty, kBias = engine::kMaxAbsLogitBias;
@@ -306,7 +310,6 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
       if (j["logprobs"].is_boolean()) return bad("logprobs", "'logprobs' must be an integer from 0 to 20 (alternatives per token)");
       f.integer("logprobs", [&](int64_t v) { r.logprobs = static_cast<int32_t>(v); }, 0, 20);
     }
-    if (!f.error && r.logprobs >= 0 && r.echo) return bad("echo", "'echo' with 'logprobs' (the prompt's logprobs) is not supported");
   } else {
     bool want = false;
     f.boolean("logprobs", want);
@@ -346,8 +349,8 @@ json logprobs_json(const ApiRequest& req, const std::vector<LogprobEntry>& entri
   json tokens = json::array(), lps = json::array(), tops = json::array(), offsets = json::array();
   for (const auto& e : entries) {
     tokens.push_back(e.bytes);
-    lps.push_back(e.logprob);
-    json top = json::object();
+    lps.push_back(e.none ? json(nullptr) : json(e.logprob));
+    json top = e.none ? json(nullptr) : json::object();
     for (const auto& [b, lp] : e.top) {
       if (!top.contains(b)) top[b] = lp;
     }

@@ -44,7 +44,7 @@ struct ApiRequest {
   bool stream = false;
   bool include_usage = false;         // stream_options.include_usage
   bool return_token_ids = false;
-  bool echo = false;                  // completions: prepend the prompt text
+  bool echo = false;                  // completions: prepend the prompt (and its logprobs when asked)
   // Alternatives per token to report with each token's logprob (0..20); -1:
   // no logprobs. Completions: "logprobs": N; chat: "logprobs": true with
   // "top_logprobs": N.
@@ -104,6 +104,7 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
 struct LogprobEntry {
   std::string bytes;
   float logprob = 0;
+  bool none = false;  // no logprob (an echoed prompt's first token): null, as are its alternatives
   std::vector<std::pair<std::string, float>> top;
 };
 

@@ -116,6 +116,30 @@ void set_list(B list, const std::vector<int32_t>& v) {
   for (size_t i = 0; i < v.size(); ++i) list.set(static_cast<unsigned>(i), v[i]);
 }
 
+void logprobs_to_wire(const std::vector<TokenLogprob>& in, capnp::List<msg::TokenLogprob>::Builder out) {
+  for (size_t i = 0; i < in.size(); ++i) {
+    const auto& l = in[i];
+    auto o = out[static_cast<unsigned>(i)];
+    o.setLogprob(l.logprob);
+    set_list(o.initTopIds(static_cast<unsigned>(l.top_ids.size())), l.top_ids);
+    auto tl = o.initTopLogprobs(static_cast<unsigned>(l.top_logprobs.size()));
+    for (size_t k = 0; k < l.top_logprobs.size(); ++k) tl.set(static_cast<unsigned>(k), l.top_logprobs[k]);
+  }
+}
+
+std::vector<TokenLogprob> logprobs_from_wire(capnp::List<msg::TokenLogprob>::Reader in) {
+  std::vector<TokenLogprob> out;
+  out.reserve(in.size());
+  for (auto l : in) {
+    TokenLogprob t;
+    t.logprob = l.getLogprob();
+    t.top_ids = ints(l.getTopIds());
+    for (float v : l.getTopLogprobs()) t.top_logprobs.push_back(v);
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
 }  // namespace
 
 void to_wire(const Job& job, RefMap& refs, msg::Job::Builder out) {
@@ -129,6 +153,7 @@ void to_wire(const Job& job, RefMap& refs, msg::Job::Builder out) {
   refs.to_wire(job.decode_to, out.initDecodeTo());
   out.setAttempt(job.attempt);
   out.setLogprobs(job.logprobs);
+  out.setPromptLogprobs(job.prompt_logprobs);
 }
 
 Job from_wire(msg::Job::Reader in, RefMap& refs) {
@@ -143,6 +168,7 @@ Job from_wire(msg::Job::Reader in, RefMap& refs) {
   job.decode_to = refs.from_wire(in.getDecodeTo());
   job.attempt = in.getAttempt();
   job.logprobs = std::clamp(in.getLogprobs(), -1, 20);
+  job.prompt_logprobs = std::clamp(in.getPromptLogprobs(), -1, 20);
   return job;
 }
 
@@ -236,16 +262,10 @@ bool encode_body(const caf::message& m, RefMap& refs, msg::ActorMessage::Body::B
     out.setIndex(b.index);
     set_list(out.initTokens(static_cast<unsigned>(b.tokens.size())), b.tokens);
     refs.to_wire(b.worker, out.initWorker());
-    if (!b.logprobs.empty()) {
-      auto lps = out.initLogprobs(static_cast<unsigned>(b.logprobs.size()));
-      for (size_t i = 0; i < b.logprobs.size(); ++i) {
-        const auto& l = b.logprobs[i];
-        auto o = lps[static_cast<unsigned>(i)];
-        o.setLogprob(l.logprob);
-        set_list(o.initTopIds(static_cast<unsigned>(l.top_ids.size())), l.top_ids);
-        auto tl = o.initTopLogprobs(static_cast<unsigned>(l.top_logprobs.size()));
-        for (size_t k = 0; k < l.top_logprobs.size(); ++k) tl.set(static_cast<unsigned>(k), l.top_logprobs[k]);
-      }
+    if (!b.logprobs.empty()) logprobs_to_wire(b.logprobs, out.initLogprobs(static_cast<unsigned>(b.logprobs.size())));
+    if (!b.prompt_logprobs.empty()) {
+      out.setPromptIndex(b.prompt_index);
+      logprobs_to_wire(b.prompt_logprobs, out.initPromptLogprobs(static_cast<unsigned>(b.prompt_logprobs.size())));
     }
     return true;
   }
@@ -350,14 +370,10 @@ bool deliver_body(msg::ActorMessage::Body::Reader body, RefMap& refs, const caf:
       return true;
     case B::TOKEN_BATCH: {
       auto in = body.getTokenBatch();
-      TokenBatch b{in.getId(), in.getIndex(), ints(in.getTokens()), refs.from_wire(in.getWorker()), {}};
-      for (auto l : in.getLogprobs()) {
-        TokenLogprob t;
-        t.logprob = l.getLogprob();
-        t.top_ids = ints(l.getTopIds());
-        for (float v : l.getTopLogprobs()) t.top_logprobs.push_back(v);
-        b.logprobs.push_back(std::move(t));
-      }
+      TokenBatch b = token_batch(in.getId(), in.getIndex(), ints(in.getTokens()), refs.from_wire(in.getWorker()));
+      b.logprobs = logprobs_from_wire(in.getLogprobs());
+      b.prompt_index = in.getPromptIndex();
+      b.prompt_logprobs = logprobs_from_wire(in.getPromptLogprobs());
       caf::anon_send(target, std::move(b));
       return true;
     }

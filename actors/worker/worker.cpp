@@ -21,7 +21,12 @@ struct Running {
   bool long_tail_parked = false;  // parked by the supervisor's long-tail policy
   bool client_parked = false;     // parked by its client (frame Park): only the client's Resume continues it
   bool superseded = false;        // a later attempt of the request runs here instead: silent until it ends
+  int64_t prompt_next = 1;        // Job::prompt_logprobs: the next prompt token whose logprob to report
 };
+
+// Prompt rows per forward chunk of a request whose prompt logprobs are wanted:
+// each row is a vocabulary of floats in the engine's event.
+constexpr int64_t kPromptRowsChunk = 128;
 
 // The log-probability of `token` under `logits` (log-softmax, the raw
 // logits as the model gave them) and the `top` most likely ids, best first
@@ -30,14 +35,20 @@ TokenLogprob logprob_of(std::span<const float> logits, int32_t token, int32_t to
   TokenLogprob out;
   if (logits.empty()) return out;
   float mx = -std::numeric_limits<float>::infinity();
-  for (float x : logits) mx = std::max(mx, x);
+  size_t best = 0;
+  for (size_t i = 0; i < logits.size(); ++i) {
+    if (logits[i] > mx) mx = logits[i], best = i;
+  }
   double sum = 0;
   for (float x : logits) sum += std::exp(static_cast<double>(x) - mx);
   const double lse = mx + std::log(sum);
   auto lp = [&](int32_t id) { return static_cast<float>(logits[static_cast<size_t>(id)] - lse); };
   if (token >= 0 && static_cast<size_t>(token) < logits.size()) out.logprob = lp(token);
   const size_t k = std::min<size_t>(static_cast<size_t>(std::max(top, 0)), logits.size());
-  if (k > 0) {
+  if (k == 1) {  // (the first maximum: the lowest id on ties)
+    out.top_ids.push_back(static_cast<int32_t>(best));
+    out.top_logprobs.push_back(lp(static_cast<int32_t>(best)));
+  } else if (k > 1) {
     std::vector<int32_t> ids(logits.size());
     for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i);
     auto better = [&](int32_t a, int32_t b) {
@@ -61,8 +72,9 @@ Job continuation(const Running& run) {
   j.prompt.insert(j.prompt.end(), run.sampled.begin(), run.sampled.end());
   const auto n = static_cast<int32_t>(run.sampled.size());
   j.generated_before = run.next_index;
-  j.sampling.max_tokens = std::max(1, j.sampling.max_tokens - n);
+  j.sampling.max_tokens = std::max(0, j.sampling.max_tokens - n);
   j.sampling.min_tokens = std::max(0, j.sampling.min_tokens - n);
+  if (run.prompt_next >= j.prompt_tokens) j.prompt_logprobs = -1;  // all reported
   return j;
 }
 
@@ -118,6 +130,12 @@ void start_job(Self self, Job job) {
     r.park_after_prefill = static_cast<bool>(job.decode_to);
     r.priority = job.priority;
     if (job.logprobs >= 0) r.logits = engine::LogitsMode::sampled;  // each token comes with its logits row
+    if (job.prompt_logprobs >= 0) {
+      // Every prompt row, so none from the prefix cache, in chunks whose rows stay small.
+      r.logits = engine::LogitsMode::prompt;
+      r.prefix_cache = false;
+      r.max_chunk_tokens = kPromptRowsChunk;
+    }
     eid = st.engine->submit(std::move(r));
   }
   Running run;
@@ -209,9 +227,26 @@ void on_event(Self self, const engine::Event& e) {
     case engine::EventKind::token: {
       if (run.superseded) break;
       run.sampled.push_back(e.token);
-      TokenBatch b{run.job.id, run.next_index++, {e.token}, me, {}};
+      TokenBatch b = token_batch(run.job.id, run.next_index++, {e.token}, me);
       if (run.job.logprobs >= 0) b.logprobs.push_back(logprob_of(e.logits, e.token, run.job.logprobs));
       self->send(run.job.reply_to, std::move(b));
+      break;
+    }
+    case engine::EventKind::logits: {  // prompt rows (Job::prompt_logprobs)
+      if (run.superseded || run.job.prompt_logprobs < 0) break;
+      const auto V = static_cast<size_t>(st.model->config().vocab_size);
+      TokenBatch b = token_batch(run.job.id, run.next_index, {}, me);
+      b.prompt_index = run.prompt_next;
+      // Row r is position e.position + r's: it predicts prompt token e.position + r + 1.
+      // (A preempted request computes its rows again: the ones reported are skipped.)
+      for (size_t r = 0; (r + 1) * V <= e.logits.size(); ++r) {
+        const int64_t target = e.position + static_cast<int64_t>(r) + 1;
+        if (target != run.prompt_next || target >= run.job.prompt_tokens) continue;
+        b.prompt_logprobs.push_back(logprob_of(std::span(e.logits).subspan(r * V, V),
+                                               run.job.prompt[static_cast<size_t>(target)], run.job.prompt_logprobs));
+        ++run.prompt_next;
+      }
+      if (!b.prompt_logprobs.empty()) self->send(run.job.reply_to, std::move(b));
       break;
     }
     case engine::EventKind::parked: {

@@ -125,10 +125,10 @@ TEST_F(GatewayOrder, the_decode_workers_tokens_and_done_before_the_prefill_worke
     return std::vector<caf::message>{
         caf::make_message(Assigned{job.id, prefill, "prefill", 0}),
         caf::make_message(Assigned{job.id, decode, "decode", 1}),
-        caf::make_message(TokenBatch{job.id, 3, {103, 104}, decode, {}}),
-        caf::make_message(TokenBatch{job.id, 1, {101, 102}, decode, {}}),
+        caf::make_message(token_batch(job.id, 3, {103, 104}, decode)),
+        caf::make_message(token_batch(job.id, 1, {101, 102}, decode)),
         caf::make_message(Done{job.id, engine::FinishReason::length, {}, decode, 5}),
-        caf::make_message(TokenBatch{job.id, 0, {100}, prefill, {}}),  // overtaken on its way from another process
+        caf::make_message(token_batch(job.id, 0, {100}, prefill)),  // overtaken on its way from another process
     };
   });
   auto [ids, reason] = complete(5);
@@ -142,8 +142,8 @@ TEST_F(GatewayOrder, tokens_that_never_come_make_the_request_run_again_from_what
   start([](const Job& job, const caf::actor& prefill, const caf::actor& decode) {
     if (job.attempt == 0) {  // token 1 is lost with its process
       return std::vector<caf::message>{
-          caf::make_message(TokenBatch{job.id, 0, {100}, prefill, {}}),
-          caf::make_message(TokenBatch{job.id, 2, {102, 103}, decode, {}}),
+          caf::make_message(token_batch(job.id, 0, {100}, prefill)),
+          caf::make_message(token_batch(job.id, 2, {102, 103}, decode)),
           caf::make_message(Done{job.id, engine::FinishReason::length, {}, decode, 4}),
       };
     }
@@ -151,7 +151,7 @@ TEST_F(GatewayOrder, tokens_that_never_come_make_the_request_run_again_from_what
     std::vector<int32_t> rest;
     for (int64_t i = job.generated_before; i < 4; ++i) rest.push_back(static_cast<int32_t>(100 + i));
     return std::vector<caf::message>{
-        caf::make_message(TokenBatch{job.id, job.generated_before, rest, decode, {}}),
+        caf::make_message(token_batch(job.id, job.generated_before, rest, decode)),
         caf::make_message(Done{job.id, engine::FinishReason::length, {}, decode, 4}),
     };
   }, 300ms);

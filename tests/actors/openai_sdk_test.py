@@ -140,17 +140,76 @@ def test_logprobs_are_the_forward_logits_log_softmax():
                 streamed += d.logprobs.content
     assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in content]
     # Bad values are a 400 naming the parameter.
-    for kw in (dict(logprobs=21), dict(logprobs=2, echo=True)):
+    for kw in (dict(logprobs=21, max_tokens=2), dict(logprobs=2, max_tokens=0)):
         try:
-            client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, **kw)
+            client().completions.create(model=MODEL, prompt=PROMPT, **kw)
             raise AssertionError(f"{kw} was accepted")
         except openai.BadRequestError as e:
-            assert e.status_code == 400 and ("logprobs" in str(e) or "echo" in str(e)), e
+            assert e.status_code == 400 and ("logprobs" in str(e) or "max_tokens" in str(e)), e
     try:
         client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, top_logprobs=2)
         raise AssertionError("top_logprobs without logprobs was accepted")
     except openai.BadRequestError as e:
         assert "top_logprobs" in str(e), e
+
+
+def log_softmax(rows):
+    import numpy as np
+    rows = rows.astype(np.float64)
+    m = rows.max(axis=1, keepdims=True)
+    return rows - (m + np.log(np.exp(rows - m).sum(axis=1, keepdims=True)))
+
+
+def test_echo_with_logprobs_scores_the_prompt():
+    """Completions' "echo" with "logprobs" (what lm-evaluation-harness's loglikelihood
+    asks): the prompt's tokens come first, the first with null, each other with the
+    log-softmax of `troupe forward`'s row before it, then the answer's entries as
+    without echo; "max_tokens": 0 gives the prompt alone; streaming gives the same
+    entries (the echo first); a batch of token-id prompts is scored prompt by prompt."""
+    n = 3
+    plain = client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=n, temperature=0, logprobs=2,
+                                        extra_body=dict(return_token_ids=True)).choices[0]
+    r = client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=n, temperature=0, logprobs=2, echo=True,
+                                    extra_body=dict(return_token_ids=True))
+    c = r.choices[0]
+    prompt_ids, ids, lp = extra(c, "prompt_token_ids"), extra(c, "token_ids"), c.logprobs
+    P = len(prompt_ids)
+    assert ids == extra(plain, "token_ids") and c.text == PROMPT + plain.text, (c.text, plain.text)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == P + n, lp
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ref = log_softmax(harness.forward_logits(A.troupe, harness.model_dir(A.home), prompt_ids, P))
+    for i in range(1, P):
+        assert abs(lp.token_logprobs[i] - ref[i - 1, prompt_ids[i]]) < 1e-3, (i, lp.token_logprobs[i], ref[i - 1, prompt_ids[i]])
+        top = lp.top_logprobs[i]
+        assert len(top) == 2 and abs(max(top.values()) - ref[i - 1].max()) < 1e-3, (i, top)
+    assert lp.token_logprobs[P:] == plain.logprobs.token_logprobs and lp.tokens[P:] == plain.logprobs.tokens
+    assert lp.text_offset == [sum(len(t.encode()) for t in lp.tokens[:i]) for i in range(P + n)], lp.text_offset
+    assert r.usage.prompt_tokens == P and r.usage.completion_tokens == n
+    # The prompt alone.
+    z = client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, logprobs=2, echo=True)
+    zc = z.choices[0]
+    assert zc.text == PROMPT and zc.finish_reason == "length" and z.usage.completion_tokens == 0, zc
+    assert zc.logprobs.token_logprobs == lp.token_logprobs[:P] and zc.logprobs.tokens == lp.tokens[:P]
+    # Streamed: the echo (with the prompt's entries) first, then the answer's.
+    text, entries, first = "", [], None
+    for ch in client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=n, temperature=0, logprobs=2,
+                                          echo=True, stream=True):
+        for d in ch.choices:
+            first = d.text if first is None else first
+            text += d.text
+            if d.logprobs:
+                entries += list(zip(d.logprobs.tokens, d.logprobs.token_logprobs, d.logprobs.text_offset))
+    assert first == PROMPT and text == c.text, (first, text)
+    assert entries == list(zip(lp.tokens, lp.token_logprobs, lp.text_offset)), entries
+    # A batch of token-id prompts, as lm-evaluation-harness sends a context and its continuation.
+    other = prompt_ids[:4] + [77, 78, 79]
+    b = client().completions.create(model=MODEL, prompt=[prompt_ids, other], max_tokens=0, logprobs=1, echo=True)
+    assert [x.index for x in b.choices] == [0, 1]
+    assert b.choices[0].logprobs.token_logprobs == lp.token_logprobs[:P]
+    ref2 = log_softmax(harness.forward_logits(A.troupe, harness.model_dir(A.home), other, len(other)))
+    got = b.choices[1].logprobs.token_logprobs
+    assert got[0] is None and all(abs(got[i] - ref2[i - 1, other[i]]) < 1e-3 for i in range(1, len(other))), got
+    assert b.usage.prompt_tokens == P + len(other) and b.usage.completion_tokens == 0
 
 
 def penalized_mismatches(prompt_ids, ids, rp, fp, pp):

@@ -42,6 +42,42 @@ void batched_equal_alone(model::Model& m, float tol, int64_t max_len) {
   h.expect_no_leaks(true);
 }
 
+// LogitsMode::prompt (prompt logprobs): every prompt row once, in `logits` events
+// before the first token, then each token with its row; max_tokens 0 ends after
+// the prompt with no token. Both equal DenseState's rows, with a shared prefix in
+// the tree (prefix_cache off: none of it is taken from there) and in company.
+TEST(Engine, prompt_rows_then_sampled_rows_and_max_tokens_zero) {
+  auto& m = tiny();
+  EngineOptions o;
+  o.step_tokens = 96;
+  Harness h(m, o);
+  std::mt19937_64 rng(23);
+  const auto prompt = test::random_ids(rng, 300, m.config().vocab_size);
+  h.submit(greedy(prompt, 3, LogitsMode::none));  // leaves the prompt in the tree
+  h.run();
+  std::vector<RequestId> ids;
+  for (int32_t max_tokens : {4, 0}) {
+    auto r = greedy(prompt, max_tokens, LogitsMode::prompt);
+    r.prefix_cache = false;
+    r.max_chunk_tokens = 50;
+    ids.push_back(h.submit(std::move(r)));
+    h.submit(greedy(test::random_ids(rng, 120, m.config().vocab_size), 5, LogitsMode::none));  // company
+  }
+  h.run();
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const auto& run = h[ids[i]];
+    ASSERT_TRUE(run.finished);
+    EXPECT_EQ(run.last.reason, FinishReason::length);
+    EXPECT_EQ(run.generated.size(), i == 0 ? 4u : 0u);
+    EXPECT_EQ(run.last.usage.cached_tokens, 0);
+    const auto first_token = std::find(run.kinds.begin(), run.kinds.end(), EventKind::token);
+    EXPECT_EQ(std::count(first_token, run.kinds.end(), EventKind::logits), 0) << "a logits event after a token";
+    EXPECT_GE(std::count(run.kinds.begin(), run.kinds.end(), EventKind::logits), 6);  // chunks of at most 50
+    h.expect_dense_logits(ids[i]);
+  }
+  h.expect_no_leaks(false);
+}
+
 // The model alone (no cache): a sequence fed in chunks of 1, 7 or 64 tokens,
 // each call batched with another sequence, gives the bits of one call.
 TEST(Engine, model_rows_do_not_depend_on_chunking_or_batch_company) {

@@ -239,6 +239,7 @@ def complete(host, port, model, prompt, max_tokens, stream=False, timeout=120, o
             ch = data["choices"][0]
             out["token_ids"] = ch["token_ids"]
             out["finish_reason"] = ch["finish_reason"]
+            out["logprobs"] = ch.get("logprobs")
             return out
         if r.status != 200:
             out["error"] = r.read().decode()

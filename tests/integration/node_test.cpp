@@ -137,6 +137,7 @@ TEST_F(NodeFabric, messages_cross_as_the_same_structs_and_handles_become_one_pro
   job.sampling.seed = 77;
   job.reply_to = router_;
   job.logprobs = 3;
+  job.prompt_logprobs = 2;
   caf::anon_send(w, job);
   auto m = worker_in_->pop();
   ASSERT_TRUE(m.match_elements<Job>()) << caf::to_string(m);
@@ -147,13 +148,16 @@ TEST_F(NodeFabric, messages_cross_as_the_same_structs_and_handles_become_one_pro
   ASSERT_TRUE(got.sampling.seed.has_value());
   EXPECT_EQ(*got.sampling.seed, 77u);
   EXPECT_EQ(got.logprobs, 3);
+  EXPECT_EQ(got.prompt_logprobs, 2);
   ASSERT_TRUE(got.reply_to);
   EXPECT_NE(got.reply_to, router_);
 
   // The worker answers through the reply_to proxy, naming itself: a's side
   // sees the same proxy it already holds for the worker.
-  TokenBatch batch{42, 0, {11, 12}, worker_, {}};
+  TokenBatch batch = token_batch(42, 0, {11, 12}, worker_);
   batch.logprobs = {TokenLogprob{-0.5f, {11, 3}, {-0.5f, -1.25f}}, TokenLogprob{-2.0f, {}, {}}};
+  batch.prompt_index = 5;
+  batch.prompt_logprobs = {TokenLogprob{-3.5f, {7}, {-0.25f}}};
   caf::anon_send(got.reply_to, batch);
   m = router_in_->pop();
   ASSERT_TRUE(m.match_elements<TokenBatch>()) << caf::to_string(m);
@@ -165,6 +169,11 @@ TEST_F(NodeFabric, messages_cross_as_the_same_structs_and_handles_become_one_pro
   EXPECT_EQ(lps[0].top_ids, (std::vector<int32_t>{11, 3}));
   EXPECT_EQ(lps[0].top_logprobs, (std::vector<float>{-0.5f, -1.25f}));
   EXPECT_EQ(lps[1].logprob, -2.0f);
+  EXPECT_EQ(m.get_as<TokenBatch>(0).prompt_index, 5);
+  const auto& plps = m.get_as<TokenBatch>(0).prompt_logprobs;
+  ASSERT_EQ(plps.size(), 1u);
+  EXPECT_EQ(plps[0].logprob, -3.5f);
+  EXPECT_EQ(plps[0].top_ids, (std::vector<int32_t>{7}));
 
   caf::anon_send(got.reply_to, Done{42, engine::FinishReason::length, {}, worker_, 2});
   m = router_in_->pop();

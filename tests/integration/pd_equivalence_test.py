@@ -2,7 +2,8 @@
 prefill and decode as three `troupe run` processes, the KV moving between them
 by UCX RMA) give the same greedy tokens, streamed and not, also for requests
 with repetition / frequency / presence penalties (which the prefill and decode
-processes must both apply: they travel in the job and in the handoff).
+processes must both apply: they travel in the job and in the handoff), and the
+prompt's logprobs of echo requests (computed in the prefill process).
 
 Run by ctest (tests/integration/CMakeLists.txt).
 """
@@ -42,6 +43,20 @@ class ColocatedVsDisaggregated(unittest.TestCase):
             out.append(r["token_ids"])
         return out
 
+    def echo_scores(self, host, port, model, prompts):
+        """The prompt's logprobs (echo) with an answer and without: the prefill process
+        computes them and they reach the gateway's process over the fabric."""
+        out = []
+        for p, max_tokens in ((prompts[0], 4), (prompts[1], 0)):
+            r = h.complete(host, port, model, p, max_tokens, extra={"echo": True, "logprobs": 2})
+            self.assertIsNone(r["error"], r)
+            lp = r["logprobs"]
+            self.assertEqual(len(lp["token_logprobs"]), len(p) + max_tokens, lp)
+            self.assertIsNone(lp["token_logprobs"][0])
+            self.assertTrue(all(x is not None for x in lp["token_logprobs"][1:]), lp)
+            out.append((r["token_ids"], lp))
+        return out
+
     def test_colocated_and_disaggregated_give_identical_greedy_tokens(self):
         prompts = h.prompts(6, length=40, seed=3)
         max_tokens = 24
@@ -56,6 +71,7 @@ class ColocatedVsDisaggregated(unittest.TestCase):
         penalized = (0, 3, 5)
         colocated = self.run_all(host, serve_port, model, prompts, max_tokens, penalized)
         plain = self.run_all(host, serve_port, model, [prompts[i] for i in penalized], max_tokens)
+        echo_colocated = self.echo_scores(host, serve_port, model, prompts)
         self.assertNotEqual(plain, [colocated[i] for i in penalized], "the penalties changed no answer")
         serve.kill()
 
@@ -70,6 +86,7 @@ class ColocatedVsDisaggregated(unittest.TestCase):
         disaggregated = self.run_all(host, front, model, prompts, max_tokens, penalized)
 
         self.assertEqual(disaggregated, colocated)
+        self.assertEqual(self.echo_scores(host, front, model, prompts), echo_colocated)
         # The state really moved between the processes, and nothing leaked.
         lent = h.metrics(host, topo.port("prefill"))
         pulled = h.metrics(host, topo.port("decode"))

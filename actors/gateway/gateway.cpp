@@ -122,6 +122,7 @@ struct InFlight {
   // until they are all here, then the echo goes out first.
   bool prompt_pending = false;
   std::string echo;  // the echoed prompt (echo: true), streamed as the first event
+  std::unique_ptr<gateway::ToolCallParser> tools;  // chat with tools: splits the answer into content and calls
 };
 
 struct GatewayState {
@@ -198,6 +199,12 @@ void send_finish(const FrameSink& s, const InFlight& f, msg::FinishReason reason
   (void)s.conn->send(b.finish(s.rid));
 }
 
+// The calls of a parser step go to the result; its content is returned.
+std::string take_tool_calls(InFlight& f, gateway::ToolCallParser::Step step) {
+  for (auto& c : step.calls) f.result.tool_calls.push_back(std::move(c));
+  return std::move(step.content);
+}
+
 void finish(Self self, RequestId id, const std::string& reason) {
   auto& st = self->state;
   auto it = st.inflight.find(id);
@@ -209,6 +216,12 @@ void finish(Self self, RequestId id, const std::string& reason) {
   std::string finish_reason = reason;
   if (!step.stopped) tail += f.stops->finish();
   else finish_reason = "stop";
+  const size_t calls_before = f.result.tool_calls.size();
+  if (f.tools) {
+    tail = take_tool_calls(f, f.tools->push(tail));
+    tail += take_tool_calls(f, f.tools->finish());
+    if (!f.result.tool_calls.empty() && finish_reason == "stop") finish_reason = "tool_calls";
+  }
   f.result.text += tail;
   f.result.finish_reason = finish_reason == "abort" ? "abort" : finish_reason;
   if (f.frames) {
@@ -217,7 +230,13 @@ void finish(Self self, RequestId id, const std::string& reason) {
                               : finish_reason == "abort" ? msg::FinishReason::ABORTED
                                                          : msg::FinishReason::STOP);
   } else if (f.api.stream) {
-    if (!tail.empty()) f.responder->send(gateway::stream_delta(f.api, f.result, tail, {}, f.first));
+    if (!tail.empty()) {
+      f.responder->send(gateway::stream_delta(f.api, f.result, tail, {}, f.first));
+      f.first = false;
+    }
+    if (f.result.tool_calls.size() > calls_before) {
+      f.responder->send(gateway::stream_tool_calls(f.result, calls_before, f.first));
+    }
     f.responder->send(gateway::stream_finish(f.api, f.result));
     f.responder->end();
   } else {
@@ -305,6 +324,7 @@ void take_over(Self self, InFlight& f, RequestId id, const caf::actor& worker, i
 
 void on_done(Self self, const Done& d);
 
+
 // A token's logprob as the API reports it: its bytes and its alternatives' (ids
 // outside the tokenizer, which random weights can produce, have none).
 gateway::LogprobEntry logprob_entry(const tokenizer::Tokenizer& tok, int32_t id, const TokenLogprob& l) {
@@ -345,6 +365,8 @@ bool stream_batch(Self self, InFlight& f, const TokenBatch& b) {
     stopped = step.stopped;
   }
   if (ids.empty()) return true;
+  const size_t calls_before = f.result.tool_calls.size();
+  if (f.tools) delta = take_tool_calls(f, f.tools->push(delta));
   const auto now = Clock::now();
   if (f.first) {
     st.metrics->histogram("troupe_ttft_seconds", "Time to first token", MetricsRegistry::latency_buckets())
@@ -361,6 +383,10 @@ bool stream_batch(Self self, InFlight& f, const TokenBatch& b) {
     std::vector<gateway::LogprobEntry> lps;
     if (f.api.logprobs >= 0) lps.assign(f.result.logprobs.end() - static_cast<std::ptrdiff_t>(ids.size()), f.result.logprobs.end());
     f.responder->send(gateway::stream_delta(f.api, f.result, delta, ids, f.first, lps));
+    f.first = false;
+  }
+  if (f.api.stream && f.responder && f.result.tool_calls.size() > calls_before) {
+    f.responder->send(gateway::stream_tool_calls(f.result, calls_before, f.first));
     f.first = false;
   }
   if (stopped) {
@@ -491,9 +517,14 @@ json model_object(const GatewayState& st) {
 
 // The ids a chat (through the template) or a text prompt becomes, as a request feeds
 // them to the model (/tokenize answers the same). Throws troupe::Error for bad messages.
-std::vector<int32_t> encode_messages(const GatewayState& st, const json& messages, bool add_generation_prompt) {
+std::vector<int32_t> encode_messages(const GatewayState& st, const json& messages, bool add_generation_prompt,
+                                     const ApiRequest* tools = nullptr) {
   tokenizer::ChatOptions opts;
   opts.add_generation_prompt = add_generation_prompt;
+  if (tools && tools->uses_tools()) {  // (tool_choice none: the model is not told of them)
+    opts.system_suffix = gateway::tools_prompt(tools->tools);
+    opts.answer_prefix = gateway::forced_call_start(tools->tool_choice);
+  }
   return st.tok->encode_chat(tokenizer::messages_from_json(messages), opts);
 }
 std::vector<int32_t> encode_text(const GatewayState& st, const std::string& text, bool special_tokens = true) {
@@ -515,7 +546,12 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
   std::vector<int32_t> prompt;
   try {
     if (kind == ApiKind::chat) {
-      prompt = encode_messages(st, api.messages, api.add_generation_prompt);
+      if (!api.add_generation_prompt && gateway::forced_call_start(api.tool_choice).size() > 0) {
+        requests_counter(st, route, 400).inc();
+        return ApiError{400, "'tool_choice' that forces a call needs 'add_generation_prompt'", "invalid_request_error",
+                        "tool_choice", ""};
+      }
+      prompt = encode_messages(st, api.messages, api.add_generation_prompt, &api);
     } else if (api.prompt_ids) {
       prompt = *api.prompt_ids;
     } else {
@@ -571,6 +607,11 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
   f.frames = origin.frames;
   f.decoder = std::make_unique<tokenizer::StreamDecoder>(*st.tok);
   f.stops = std::make_unique<tokenizer::StopStrings>(api.sampling.stop);
+  if (api.uses_tools()) {
+    std::string forced;
+    for (const auto& part : gateway::forced_call_start(api.tool_choice)) forced += part.text;
+    f.tools = std::make_unique<gateway::ToolCallParser>(std::move(forced), api.parallel_tool_calls);
+  }
   f.result.id = (kind == ApiKind::chat ? "chatcmpl-" : "cmpl-") + std::to_string(id);
   f.result.created = now_unix();
   f.result.model = st.config.model_name;
@@ -1085,7 +1126,12 @@ void handle_tokenize(Self self, const HttpCall& call, bool detokenize) {
       if (!j["messages"].is_array() || j["messages"].empty()) return bad("messages", "'messages' must be a non-empty list");
       const bool generation_prompt = !j.contains("add_generation_prompt") || !j["add_generation_prompt"].is_boolean() ||
                                      j["add_generation_prompt"].get<bool>();  // as a chat completion renders it
-      ids = encode_messages(st, j["messages"], generation_prompt);
+      ApiRequest tools;  // tool definitions render into the prompt as a chat completion's do
+      if (auto e = gateway::parse_tools(j, tools)) {
+        respond_error(*call.responder, *e);
+        return;
+      }
+      ids = encode_messages(st, j["messages"], generation_prompt, &tools);
     } else if (j.contains("prompt") && j["prompt"].is_string()) {
       const bool special = !j.contains("add_special_tokens") || !j["add_special_tokens"].is_boolean() ||
                            j["add_special_tokens"].get<bool>();

@@ -109,6 +109,73 @@ ApiError to_api_error(const Error& e) {
   }
 }
 
+// "tools", "tool_choice" and "parallel_tool_calls" of a chat request. The legacy
+// "functions" / "function_call" are refused (their answers have another shape).
+std::optional<ApiError> parse_tools(const json& j, ApiRequest& r) {
+  for (const char* k : {"functions", "function_call"}) {
+    if (j.contains(k) && !j[k].is_null()) {
+      return bad(k, fmt::format("'{}' (the legacy function calling) is not supported; use 'tools' and 'tool_choice'", k));
+    }
+  }
+  if (j.contains("tools") && !j["tools"].is_null()) {
+    const auto& tools = j["tools"];
+    if (!tools.is_array()) return bad("tools", "'tools' must be a list of tools");
+    for (size_t i = 0; i < tools.size(); ++i) {
+      const auto& t = tools[i];
+      const std::string where = fmt::format("tools[{}]", i);
+      if (!t.is_object() || !t.contains("type") || t["type"] != "function") {
+        return bad("tools", where + " must be an object with \"type\": \"function\" (the only kind served)");
+      }
+      if (!t.contains("function") || !t["function"].is_object()) return bad("tools", where + ".function must be an object");
+      const auto& fn = t["function"];
+      if (!fn.contains("name") || !fn["name"].is_string() || fn["name"].get<std::string>().empty()) {
+        return bad("tools", where + ".function.name must be a non-empty string");
+      }
+      if (fn.contains("description") && !fn["description"].is_null() && !fn["description"].is_string()) {
+        return bad("tools", where + ".function.description must be a string");
+      }
+      if (fn.contains("parameters") && !fn["parameters"].is_null() && !fn["parameters"].is_object()) {
+        return bad("tools", where + ".function.parameters must be a JSON Schema object");
+      }
+      const std::string name = fn["name"];
+      for (const auto& other : r.tools) {
+        if (other.name == name) return bad("tools", "two tools are named '" + escape_for_error(name) + "'");
+      }
+      r.tools.push_back(ToolSpec{name, fn});
+    }
+  }
+  if (j.contains("tool_choice") && !j["tool_choice"].is_null()) {
+    const auto& c = j["tool_choice"];
+    auto& choice = r.tool_choice;
+    if (c == "none") {
+      choice.mode = ToolChoice::none;
+    } else if (c == "auto") {
+      choice.mode = ToolChoice::auto_;
+    } else if (c == "required") {
+      choice.mode = ToolChoice::required;
+    } else if (c.is_object() && c.value("type", "") == "function" && c.contains("function") &&
+               c["function"].is_object() && c["function"].contains("name") && c["function"]["name"].is_string()) {
+      choice.mode = ToolChoice::named;
+      choice.name = c["function"]["name"];
+    } else {
+      return bad("tool_choice", "'tool_choice' must be \"none\", \"auto\", \"required\" or "
+                                "{\"type\": \"function\", \"function\": {\"name\": ...}}");
+    }
+    if (r.tools.empty() && choice.mode != ToolChoice::none && choice.mode != ToolChoice::auto_) {
+      return bad("tool_choice", "'tool_choice' asks for a tool call but the request offers no 'tools'");
+    }
+    if (choice.mode == ToolChoice::named &&
+        std::none_of(r.tools.begin(), r.tools.end(), [&](const ToolSpec& t) { return t.name == choice.name; })) {
+      return bad("tool_choice", "'tool_choice' names '" + escape_for_error(choice.name) + "', which is not in 'tools'");
+    }
+  }
+  if (j.contains("parallel_tool_calls") && !j["parallel_tool_calls"].is_null()) {
+    if (!j["parallel_tool_calls"].is_boolean()) return bad("parallel_tool_calls", "'parallel_tool_calls' must be true or false");
+    r.parallel_tool_calls = j["parallel_tool_calls"].get<bool>();
+  }
+  return std::nullopt;
+}
+
 std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKind kind) {
   json j;
   try {
@@ -195,20 +262,7 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
       }
     }
     r.messages = j["messages"];
-    // Not served yet, so refused rather than dropped: a client that offers tools
-    // would otherwise never see a call and not know why. (The DeepSeek-V4 chat
-    // template has no place for tool definitions, and answers are not parsed
-    // into tool_calls.)
-    for (const char* k : {"tools", "functions"}) {
-      if (j.contains(k) && !j[k].is_null() && !(j[k].is_array() && j[k].empty())) {
-        return bad(k, fmt::format("'{}' (tool calling) is not supported by this server", k));
-      }
-    }
-    for (const char* k : {"tool_choice", "function_call"}) {
-      if (j.contains(k) && !j[k].is_null() && j[k] != "none" && j[k] != "auto") {
-        return bad(k, fmt::format("'{}' is not supported: this server does not call tools", k));
-      }
-    }
+    if (auto e = parse_tools(j, r)) return *e;
     f.boolean("add_generation_prompt", r.add_generation_prompt);
   }
 
@@ -362,7 +416,35 @@ json logprobs_json(const ApiRequest& req, const std::vector<LogprobEntry>& entri
 }
 
 
+// OpenAI's "tool_calls" for r.tool_calls[first...] (with "index" in stream deltas).
+json tool_calls_json(const ApiResult& r, size_t first, bool indexed) {
+  json calls = json::array();
+  for (size_t i = first; i < r.tool_calls.size(); ++i) {
+    const auto& c = r.tool_calls[i];
+    json call = {{"id", tool_call_id(r, i)}, {"type", c.type},
+                 {"function", {{"name", c.name}, {"arguments", c.arguments}}}};
+    if (indexed) call["index"] = i;
+    calls.push_back(std::move(call));
+  }
+  return calls;
+}
+
 }  // namespace
+
+std::string tool_call_id(const ApiResult& r, size_t index) {
+  // Unique per request and call: the response id's number and the call's index.
+  const auto dash = r.id.rfind('-');
+  return fmt::format("call_{}_{}", dash == std::string::npos ? r.id : r.id.substr(dash + 1), index);
+}
+
+std::string stream_tool_calls(const ApiResult& r, size_t first, bool first_event) {
+  json d = {{"tool_calls", tool_calls_json(r, first, true)}};
+  if (first_event) d["role"] = "assistant";
+  json choice = {{"index", 0}, {"finish_reason", nullptr}, {"logprobs", nullptr}, {"delta", d}};
+  json j = {{"id", r.id}, {"created", r.created}, {"model", r.model}, {"object", "chat.completion.chunk"},
+            {"choices", json::array({choice})}};
+  return "data: " + dump_json(j) + "\n\n";
+}
 
 json usage_json(const ApiResult& r) {
   const auto p = static_cast<int64_t>(r.prompt_ids.size()), c = static_cast<int64_t>(r.token_ids.size());
@@ -378,6 +460,10 @@ std::string response_body(const ApiRequest& req, const ApiResult& r) {
   if (req.kind == ApiKind::chat) {
     j["object"] = "chat.completion";
     choice["message"] = {{"role", "assistant"}, {"content", r.text}};
+    if (!r.tool_calls.empty()) {
+      if (r.text.empty()) choice["message"]["content"] = nullptr;
+      choice["message"]["tool_calls"] = tool_calls_json(r, 0, false);
+    }
   } else {
     j["object"] = "text_completion";
     choice["text"] = r.text;

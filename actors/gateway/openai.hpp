@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "actors/gateway/tool_calls.hpp"
 #include "base/error.hpp"
 
 namespace troupe::gateway {
@@ -59,6 +60,13 @@ struct ApiRequest {
     std::optional<std::vector<int32_t>> ids;
   };
   std::vector<Prompt> more_prompts;
+  // Chat: the functions offered ("tools"), what the model may do with them
+  // ("tool_choice"), and whether it may call several at once ("parallel_tool_calls").
+  std::vector<ToolSpec> tools;
+  ToolChoice tool_choice;
+  bool parallel_tool_calls = true;
+  // Whether the answer is parsed for tool calls (tools offered and not tool_choice none).
+  bool uses_tools() const { return !tools.empty() && tool_choice.mode != ToolChoice::none; }
 };
 
 inline constexpr int32_t kMaxChoices = 128;  // n x prompts of one request
@@ -97,6 +105,8 @@ ApiError to_api_error(const Error& e);
 // Never throws; malformed JSON, wrong types and out-of-range values give a 400
 // that names the parameter.
 std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKind kind);
+// A chat body's "tools", "tool_choice" and "parallel_tool_calls" into `r` (parse_request's; /tokenize's too).
+std::optional<ApiError> parse_tools(const nlohmann::json& j, ApiRequest& r);
 
 // One generated token's log-probability as the API reports it: the token's
 // bytes (its text may be part of a UTF-8 sequence), its logprob, and the most
@@ -119,6 +129,7 @@ struct ApiResult {
   std::string finish_reason;  // "stop", "length", "abort"
   int64_t cached_tokens = 0;
   std::vector<LogprobEntry> logprobs;  // one per token id when asked
+  std::vector<ToolCall> tool_calls;    // chat with tools: the calls parsed from the answer (text holds the rest)
 };
 
 nlohmann::json usage_json(const ApiResult& r);
@@ -129,6 +140,10 @@ std::string stream_delta(const ApiRequest& req, const ApiResult& r, const std::s
                          const std::vector<int32_t>& delta_ids, bool first,
                          const std::vector<LogprobEntry>& delta_logprobs = {});
 // The closing events: finish reason, optional usage, then "data: [DONE]".
+// A chat stream's event with tool calls result.tool_calls[first...] (each whole: id, name, arguments).
+std::string stream_tool_calls(const ApiResult& r, size_t first, bool first_event);
+// The id of the request's `index`-th tool call.
+std::string tool_call_id(const ApiResult& r, size_t index);
 std::string stream_finish(const ApiRequest& req, const ApiResult& r);
 std::string stream_error(const ApiError& e);
 

@@ -94,6 +94,8 @@ std::vector<ChatPart> ChatTemplate::render_parts(std::span<const Message> messag
   }
   if (!bos_token_.empty()) r.marker(bos_token_);
   r.text(system_prompt);
+  if (!options.system_suffix.empty() && !system_prompt.empty()) r.text("\n\n");
+  for (const ChatPart& p : options.system_suffix) p.marker ? r.marker(p.text) : r.text(p.text);
 
   // The template's namespace: is_first is set by the first tool call and never
   // cleared; is_output_first is cleared by the first tool output, ever.
@@ -148,7 +150,10 @@ std::vector<ChatPart> ChatTemplate::render_parts(std::span<const Message> messag
     }
   }
   if (is_tool) r.marker(marker::tool_outputs_end);
-  if (options.add_generation_prompt && !is_tool) r.marker(marker::assistant);
+  if (options.add_generation_prompt) {  // (after tool outputs the answer follows them directly)
+    if (!is_tool) r.marker(marker::assistant);
+    for (const ChatPart& p : options.answer_prefix) p.marker ? r.marker(p.text) : r.text(p.text);
+  }
   return r.take();
 }
 

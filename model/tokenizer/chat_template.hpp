@@ -28,15 +28,22 @@ struct Message {
   std::string tool_call_id;            // tool only; not rendered by this template
 };
 
-struct ChatOptions {
-  bool add_generation_prompt = false;  // end with the assistant's turn marker
-};
-
 // One run of a rendered prompt: a marker of the template ("<｜User｜>") or text
 // (message content, and literals such as "\n```json\n").
 struct ChatPart {
   std::string text;
   bool marker = false;
+};
+
+struct ChatOptions {
+  bool add_generation_prompt = false;  // end with the assistant's turn marker
+  // Not the template's: what a server adds. `system_suffix` follows the system
+  // prompt (after a blank line when there is one): tool definitions, their
+  // markers as the template's tokens. `answer_prefix` follows the assistant's
+  // turn marker, or the tool outputs the answer follows (add_generation_prompt
+  // only): an answer's forced start.
+  std::vector<ChatPart> system_suffix;
+  std::vector<ChatPart> answer_prefix;
 };
 
 class ChatTemplate {

@@ -429,6 +429,94 @@ def test_n_choices_and_batched_prompts():
         assert e.body["param"] == "prompt" and "at most 128 choices" in e.body["message"], e.body
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_tool_calls():
+    """Chat "tools": their definitions go into the prompt (with the template's own
+    tool markers); tool_choice naming a function (or "required") starts the answer
+    inside a call, so the answer comes back as tool_calls whose arguments are the
+    generated text (the greedy continuation of that prompt), streamed alike;
+    tool_choice "none" leaves the prompt as without tools; a conversation with
+    earlier calls and their results renders; bad tool fields are a 400."""
+    tok = Tokenizer.from_file(os.path.join(harness.model_dir(A.home), "tokenizer.json"))
+    marker = {m: tok.token_to_id(m) for m in ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
+                                              "<｜tool▁outputs▁begin｜>", "<｜Assistant｜>")}
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
+    s = srv()
+    status, plain = s.post("/tokenize", {"model": MODEL, "messages": msgs})
+    status, with_tools = s.post("/tokenize", {"model": MODEL, "messages": msgs, "tools": [WEATHER, CLOCK]})
+    assert status == 200, with_tools
+    ids = with_tools["tokens"]
+    text = tok.decode(ids, skip_special_tokens=False)
+    assert '"name":"get_weather"' in text and '"name":"get_time"' in text and "Be brief.\n\n## Tools" in text, text
+    assert marker["<｜tool▁calls▁begin｜>"] in ids and marker["<｜tool▁sep｜>"] in ids, "the markers are not tokens"
+    user = plain["tokens"].index(tok.token_to_id("<｜User｜>"))  # the turns after the system prompt are as without tools
+    assert ids[0] == plain["tokens"][0] and ids[-(len(plain["tokens"]) - user):] == plain["tokens"][user:], ids
+    _, none = s.post("/tokenize", {"model": MODEL, "messages": msgs, "tools": [WEATHER], "tool_choice": "none"})
+    assert none["tokens"] == plain["tokens"]
+
+    for stream in (False, True):
+        kw = dict(model=MODEL, messages=msgs, max_tokens=6, temperature=0, tools=[WEATHER, CLOCK],
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                  extra_body=dict(return_token_ids=True))
+        if not stream:
+            r = client().chat.completions.create(**kw)
+            c = r.choices[0]
+            calls, content, finish = c.message.tool_calls, c.message.content, c.finish_reason
+            prompt_ids, gen = extra(c, "prompt_token_ids"), extra(c, "token_ids")
+        else:
+            calls, content, finish, gen2 = {}, "", None, []
+            for ch in client().chat.completions.create(stream=True, **kw):
+                for d in ch.choices:
+                    content += d.delta.content or ""
+                    gen2 += extra(d, "token_ids") or []
+                    finish = d.finish_reason or finish
+                    for tc in d.delta.tool_calls or []:
+                        calls[tc.index] = tc
+            calls = [calls[i] for i in sorted(calls)]
+            assert gen2 == gen, (gen2, gen)
+        assert finish == "length" and not content, (finish, content)
+        assert len(calls) == 1 and calls[0].function.name == "get_weather" and calls[0].type == "function", calls
+        assert calls[0].function.arguments == tok.decode(gen, skip_special_tokens=False).strip(), calls
+        assert calls[0].id.startswith("call_") and calls[0].id.endswith("_0"), calls[0].id
+    # The prompt ends inside the call: the markers, "function", the name and the fence.
+    forced = [marker["<｜Assistant｜>"], marker["<｜tool▁calls▁begin｜>"], marker["<｜tool▁call▁begin｜>"]]
+    assert prompt_ids[len(ids) - 1:len(ids) + 2] == forced, (prompt_ids[len(ids) - 3:], forced)
+    assert tok.decode(prompt_ids[len(ids) + 2:], skip_special_tokens=False) == "function<｜tool▁sep｜>get_weather\n```json\n"
+    bad = harness.check_greedy(A.troupe, harness.model_dir(A.home), prompt_ids, gen)
+    assert not bad, f"tool-call tokens differ from troupe forward's argmax at {bad}"
+
+    # "required": the model names the function itself.
+    r = client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0, tools=[WEATHER],
+                                         tool_choice="required")
+    assert r.choices[0].message.tool_calls and r.choices[0].message.content is None, r
+
+    # A conversation with an earlier call and its result.
+    history = msgs + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_9", "content": "18 C, sunny"}]
+    r = client().chat.completions.create(model=MODEL, messages=history, max_tokens=3, temperature=0, tools=[WEATHER],
+                                         extra_body=dict(return_token_ids=True))
+    pids = extra(r.choices[0], "prompt_token_ids")
+    assert marker["<｜tool▁outputs▁begin｜>"] in pids and r.choices[0].finish_reason == "length", r
+    assert "18 C, sunny" in tok.decode(pids, skip_special_tokens=False)
+
+    for body, param in ((dict(tools={"a": 1}), "tools"), (dict(tools=[{"type": "function", "function": {}}]), "tools"),
+                        (dict(tools=[{"type": "retrieval"}]), "tools"),
+                        (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
+                         "tool_choice"),
+                        (dict(tool_choice="required"), "tool_choice"), (dict(tools=[WEATHER], tool_choice="always"),
+                                                                        "tool_choice"),
+                        (dict(functions=[WEATHER["function"]]), "functions"),
+                        (dict(tools=[WEATHER, WEATHER]), "tools")):
+        status, e = s.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 2, **body})
+        assert status == 400 and e["error"]["param"] == param, (body, status, e)
+
+
 def test_min_tokens_holds_back_stop_ids():
     g = extra(greedy(n=10).choices[0], "token_ids")
     k = next(i for i in range(2, 8) if g[i] not in g[:i])

@@ -97,11 +97,13 @@ def test_wrong_types_name_the_parameter():
     s, b = post({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, path="/v1/chat/completions")
     expect_error(s, b, 400, param="messages", words=("wizard",))
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    # Features this server does not have are refused by name, not dropped.
+    # Bad values, and features this server does not have, are refused by name, not dropped.
     tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
     for patch, param in [({"logprobs": 2}, "logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-                         ({"top_logprobs": 2}, "top_logprobs"), ({"tools": [tool]}, "tools"),
+                         ({"top_logprobs": 2}, "top_logprobs"), ({"tools": [{**tool, "type": "code"}]}, "tools"),
+                         ({"tools": tool}, "tools"), ({"tools": [tool], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
                          ({"tool_choice": "required"}, "tool_choice"), ({"functions": [tool["function"]]}, "functions"),
+                         ({"tools": [tool], "tool_choice": "required", "add_generation_prompt": False}, "tool_choice"),
                          ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
                           "response_format")]:
         s, b = post({**chat, **patch}, path="/v1/chat/completions")

@@ -52,10 +52,10 @@ TEST(ShadowRadix, match_is_whole_pages_and_splits_keep_both_branches) {
   ShadowRadix t(f.tiers);
   f.insert(t, a, *sa);
   EXPECT_EQ(t.node_count(), 1);
-  // b shares 3 pages and a half.
+  // b shares 3 pages and a half, and has a whole page of its own after them.
   auto b = a;
   b.resize(static_cast<size_t>(3 * f.P + f.P / 2));
-  for (int i = 0; i < 40; ++i) b.push_back(7);
+  for (int64_t i = 0; i < f.P; ++i) b.push_back(7);
   auto m = t.match(b, static_cast<int64_t>(b.size()));
   EXPECT_EQ(m.matched, 3 * f.P);
   auto sb = f.run(b, {static_cast<int64_t>(b.size())});

@@ -324,7 +324,6 @@ void take_over(Self self, InFlight& f, RequestId id, const caf::actor& worker, i
 
 void on_done(Self self, const Done& d);
 
-
 // A token's logprob as the API reports it: its bytes and its alternatives' (ids
 // outside the tokenizer, which random weights can produce, have none).
 gateway::LogprobEntry logprob_entry(const tokenizer::Tokenizer& tok, int32_t id, const TokenLogprob& l) {

@@ -90,8 +90,11 @@ std::vector<std::vector<float>> reference(model::Model& m, const std::vector<Seq
 // The same through the Decoder. With `shuffle` the batch order changes every
 // step and one sequence leaves for a step (a Model::forward chunk) and comes
 // back (rebound); rows then sit at other batch positions than in the reference.
+// `greedy` (the sampled ids) and `replays` (graph replays) may be null.
 std::vector<std::vector<float>> decoded(model::Model& m, const std::vector<Seq>& seqs, int64_t steps,
                                         std::vector<std::vector<int32_t>>* greedy, int64_t* replays, bool shuffle) {
+  std::vector<std::vector<int32_t>> unused;
+  if (greedy == nullptr) greedy = &unused;
   std::vector<std::unique_ptr<model::SequenceState>> st;
   for (const auto& s : seqs) {
     st.push_back(m.new_dense_state());
@@ -134,7 +137,7 @@ std::vector<std::vector<float>> decoded(model::Model& m, const std::vector<Seq>&
       (*greedy)[order[j]].push_back(tok[j]);
     }
   }
-  *replays = dec.replays();
+  if (replays != nullptr) *replays = dec.replays();
   return out;
 }
 
@@ -177,9 +180,7 @@ TEST(Decoder, cpu_steps_equal_forward_on_every_fixture) {
     }
     const int64_t steps = 24;
     auto want = reference(*m, seqs, steps);
-    std::vector<std::vector<int32_t>> greedy;
-    int64_t replays = 0;
-    auto got = decoded(*m, seqs, steps, &greedy, &replays, false);
+    auto got = decoded(*m, seqs, steps, nullptr, nullptr, false);
     for (size_t i = 0; i < seqs.size(); ++i) {
       ASSERT_EQ(got[i].size(), want[i].size()) << name;
       EXPECT_EQ(got[i], want[i]) << name << " sequence " << i << " (prompt " << seqs[i].prompt << ")";
@@ -195,9 +196,7 @@ TEST(Decoder, cpu_reordered_and_rebound_steps_match_forward) {
   const auto seqs = make_seqs(m->config().vocab_size);
   const int64_t steps = 30;
   auto want = reference(*m, seqs, steps);
-  std::vector<std::vector<int32_t>> greedy;
-  int64_t replays = 0;
-  auto got = decoded(*m, seqs, steps, &greedy, &replays, true);
+  auto got = decoded(*m, seqs, steps, nullptr, nullptr, true);
   for (size_t i = 0; i < seqs.size(); ++i) {
     ASSERT_EQ(got[i].size(), want[i].size());
     EXPECT_LT(rel_l2(got[i], want[i]), 1e-5) << "sequence " << i;

@@ -23,6 +23,7 @@
 // A page holds the rows of every layer, so moving a page is one copy.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -79,6 +80,12 @@ struct CacheGeometry {
 
   const PoolLayout& pool(PoolKind k) const { return pools[static_cast<size_t>(index(k))]; }
   bool has(PoolKind k) const { return pool(k).present(); }
+  // The page of the largest pool (a slab holds at least one of every pool's).
+  size_t largest_page_bytes() const {
+    size_t largest = 0;
+    for (const auto& p : pools) largest = std::max(largest, p.page_bytes);
+    return largest;
+  }
   // Entries (of the pool's rate) per token page.
   int64_t entries_per_page(PoolKind k) const;
   // Token pages that cover tokens [0, n).

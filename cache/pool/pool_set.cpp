@@ -5,10 +5,8 @@
 namespace troupe::cache {
 
 size_t PoolSet::default_slab_bytes(const CacheGeometry& g) {
-  size_t largest = 0;
-  for (PoolKind k : kAllPools) largest = std::max(largest, g.pool(k).page_bytes);
   const size_t unit = 64 * 1024;
-  return std::max<size_t>(unit, (largest * 4 + unit - 1) / unit * unit);
+  return std::max<size_t>(unit, (g.largest_page_bytes() * 4 + unit - 1) / unit * unit);
 }
 
 PoolSet::PoolSet(const CacheGeometry& geometry, std::unique_ptr<Memory> memory, uint64_t budget_bytes,

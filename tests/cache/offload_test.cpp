@@ -15,11 +15,9 @@ using test::Harness;
 // steps); 576 KiB is about a thousand tokens of the tiny model.
 EngineOptions capped(bool host, uint64_t bytes) {
   const auto g = cache::CacheGeometry::of(test::shared_model().model->config());
-  size_t largest = 0;
-  for (auto k : cache::kAllPools) largest = std::max(largest, g.pool(k).page_bytes);
   EngineOptions o;
   o.step_tokens = std::min<int64_t>(512, g.page_tokens);  // (a chunk's pages stay well inside the tier)
-  o.slab_bytes = (largest + 4095) / 4096 * 4096;
+  o.slab_bytes = (g.largest_page_bytes() + 4095) / 4096 * 4096;
   o.device_bytes = bytes;
   o.host_bytes = host ? uint64_t{256} << 20 : 0;
   o.prefix_cache = false;

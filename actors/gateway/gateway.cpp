@@ -404,21 +404,19 @@ void send_echo(InFlight& f) {
 }
 
 // Streams what waited for the batches before it (and for the prompt's logprobs);
-// false when that ended the request.
-bool stream_early(Self self, InFlight& f) {
+// `f` may be gone afterwards (the request ended).
+void stream_early(Self self, InFlight& f) {
   auto have = [&f] { return static_cast<int64_t>(f.result.token_ids.size()); };
   while (!f.early.empty() && f.early.begin()->first <= have()) {
     const TokenBatch next = std::move(f.early.begin()->second);
     f.early.erase(f.early.begin());
-    if (!stream_batch(self, f, next)) return false;
+    if (!stream_batch(self, f, next)) return;
   }
   if (f.early_done && f.early_done->end_index <= have()) {
     const Done d = *f.early_done;
     f.early_done.reset();
     on_done(self, d);
-    return false;
   }
-  return true;
 }
 
 // Prompt logprobs (echo): entries for prompt tokens b.prompt_index, ...; the ones
@@ -545,7 +543,7 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
   std::vector<int32_t> prompt;
   try {
     if (kind == ApiKind::chat) {
-      if (!api.add_generation_prompt && gateway::forced_call_start(api.tool_choice).size() > 0) {
+      if (!api.add_generation_prompt && api.tool_choice.forces_call()) {
         requests_counter(st, route, 400).inc();
         return ApiError{400, "'tool_choice' that forces a call needs 'add_generation_prompt'", "invalid_request_error",
                         "tool_choice", ""};

@@ -161,7 +161,7 @@ std::optional<ApiError> parse_tools(const json& j, ApiRequest& r) {
       return bad("tool_choice", "'tool_choice' must be \"none\", \"auto\", \"required\" or "
                                 "{\"type\": \"function\", \"function\": {\"name\": ...}}");
     }
-    if (r.tools.empty() && choice.mode != ToolChoice::none && choice.mode != ToolChoice::auto_) {
+    if (r.tools.empty() && choice.forces_call()) {
       return bad("tool_choice", "'tool_choice' asks for a tool call but the request offers no 'tools'");
     }
     if (choice.mode == ToolChoice::named &&

@@ -49,7 +49,7 @@ std::vector<tokenizer::ChatPart> tools_prompt(const std::vector<ToolSpec>& tools
 }
 
 std::vector<tokenizer::ChatPart> forced_call_start(const ToolChoice& choice) {
-  if (choice.mode != ToolChoice::required && choice.mode != ToolChoice::named) return {};
+  if (!choice.forces_call()) return {};
   std::vector<tokenizer::ChatPart> p{{std::string(mk::tool_calls_begin), true},
                                      {std::string(mk::tool_call_begin), true},
                                      {"function", false},

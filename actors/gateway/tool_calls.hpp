@@ -31,6 +31,8 @@ struct ToolSpec {
 struct ToolChoice {
   enum Mode { none, auto_, required, named } mode = auto_;
   std::string name;  // named
+  // required and named: the answer starts inside a call (forced_call_start).
+  bool forces_call() const { return mode == required || mode == named; }
 };
 
 struct ToolCall {

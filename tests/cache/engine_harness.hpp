@@ -16,7 +16,7 @@ namespace troupe::test {
 struct Run {
   std::vector<int32_t> prompt;
   std::vector<int32_t> generated;
-  std::map<int64_t, std::vector<float>> rows;  // position -> logits row (LogitsMode::all / sampled)
+  std::map<int64_t, std::vector<float>> rows;  // position -> logits row (LogitsMode::all, prompt or sampled)
   std::vector<engine::EventKind> kinds;
   bool finished = false;
   engine::Event last;

@@ -62,10 +62,16 @@ Plan plan_pools(const CacheGeometry& g, const PlanInput& in) {
   // (entry pages, and a checkpoint window per page_tokens * 16 cached tokens).
   std::array<double, kPoolKinds> share{};
   if (in.ratios) {
+    // Shares of the pools this model has (a model without HCA layers has no HCA pools):
+    // the ratios given to the others are not handed round to these by the leftovers below.
     double sum = 0;
-    for (double r : *in.ratios) sum += std::max(0.0, r);
-    if (!(sum > 0)) raise(ErrorCode::invalid_argument, "pool ratios must add up to more than 0");
-    for (size_t i = 0; i < share.size(); ++i) share[i] = std::max(0.0, (*in.ratios)[i]) / sum;
+    for (size_t i = 0; i < share.size(); ++i) {
+      if (plan.pools[i].page_bytes > 0) sum += std::max(0.0, (*in.ratios)[i]);
+    }
+    if (!(sum > 0)) raise(ErrorCode::invalid_argument, "pool ratios must give more than 0 to a pool this model uses");
+    for (size_t i = 0; i < share.size(); ++i) {
+      share[i] = plan.pools[i].page_bytes > 0 ? std::max(0.0, (*in.ratios)[i]) / sum : 0.0;
+    }
   } else {
     std::array<double, kPoolKinds> cache_bytes{};
     double cache_total = 0;

@@ -2,6 +2,7 @@
 // tombstones, admission control.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 
@@ -218,30 +219,38 @@ TEST(Engine, prefix_reuse_after_windows_were_tombstoned) {
 TEST(Engine, new_work_waits_when_the_device_tier_is_full_and_says_why) {
   auto& m = tiny();
   const auto g = cache::CacheGeometry::of(m.config());
-  EngineOptions o;
-  o.step_tokens = 64;
-  o.slab_bytes = cache::PoolSet::default_slab_bytes(g);
-  o.device_bytes = 6 * o.slab_bytes;
-  o.prefix_cache = false;
-  Harness h(m, o);
   std::mt19937_64 rng(14);
-  std::vector<RequestId> ids;
-  for (int i = 0; i < 6; ++i) ids.push_back(h.submit(greedy(test::random_ids(rng, 300, m.config().vocab_size), 20)));
-  bool waited = false;
-  while (!h.engine().idle()) {
-    h.engine().step();
-    const auto s = h.engine().stats();
-    if (s.waiting > 0 && !s.waiting_reason.empty()) waited = true;
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 6; ++i) prompts.push_back(test::random_ids(rng, 300, m.config().vocab_size));
+  // The smallest device tier that runs each request (4-6 slabs on the tiny model; models of
+  // other page sizes need other counts): there the six cannot all run at once.
+  for (int64_t slabs = 1; slabs <= 64; ++slabs) {
+    EngineOptions o;
+    o.step_tokens = 64;
+    o.slab_bytes = cache::PoolSet::default_slab_bytes(g);
+    o.device_bytes = static_cast<uint64_t>(slabs) * o.slab_bytes;
+    o.prefix_cache = false;
+    Harness h(m, o);
+    std::vector<RequestId> ids;
+    for (const auto& p : prompts) ids.push_back(h.submit(greedy(p, 20)));
+    bool waited = false;
+    while (!h.engine().idle()) {
+      h.engine().step();
+      const auto s = h.engine().stats();
+      if (s.waiting > 0 && !s.waiting_reason.empty()) waited = true;
+    }
+    h.collect();
+    const bool all_ran = std::ranges::all_of(ids, [&](RequestId id) {
+      return h[id].finished && h[id].last.reason == FinishReason::length;
+    });
+    if (!all_ran) continue;  // one request alone does not fit this tier: a larger one
+    EXPECT_TRUE(waited) << "with " << slabs << " slabs";
+    EXPECT_GT(h.engine().stats().admission_waits, 0);
+    for (auto id : ids) h.expect_dense_logits(id);
+    h.expect_no_leaks(true);
+    return;
   }
-  h.collect();
-  EXPECT_TRUE(waited);
-  EXPECT_GT(h.engine().stats().admission_waits, 0);
-  for (auto id : ids) {
-    ASSERT_TRUE(h[id].finished);
-    EXPECT_EQ(h[id].last.reason, FinishReason::length) << h[id].last.message;
-    h.expect_dense_logits(id);
-  }
-  h.expect_no_leaks(true);
+  FAIL() << "no device tier up to 64 slabs ran the requests";
 }
 
 TEST(Engine, a_request_that_can_never_fit_fails_clearly) {
@@ -381,43 +390,56 @@ TEST(EngineHandoff, an_image_waiting_for_device_room_counts_as_waiting) {
   // A decode worker's queue is the handoffs it took and cannot run yet: the
   // scale rule reads it as queue depth, so it must not hide among the parked.
   auto& m = tiny();
+  const int64_t V = m.config().vocab_size;
   std::mt19937_64 rng(23);
+  const auto prompt = test::random_ids(rng, 300, V);
+  std::vector<std::vector<int32_t>> busy_prompts;
+  for (int i = 0; i < 6; ++i) busy_prompts.push_back(test::random_ids(rng, 300, V));
+  const auto g = cache::CacheGeometry::of(m.config());
   EngineOptions with_host;
   with_host.host_bytes = 32 << 20;
-  Harness prefill(m, with_host);
-  RequestId id = 0;
-  auto image = prefill_and_export(prefill, test::greedy(test::random_ids(rng, 300, m.config().vocab_size), 10), id);
-  ASSERT_TRUE(image.has_value());
-
-  const auto g = cache::CacheGeometry::of(m.config());
-  EngineOptions o = with_host;
-  o.slab_bytes = cache::PoolSet::default_slab_bytes(g);
-  o.device_bytes = 6 * o.slab_bytes;
-  o.prefix_cache = false;
-  Harness decode(m, o);
-  // Requests that fill the device tier first.
-  std::vector<RequestId> busy;
-  for (int i = 0; i < 6; ++i) busy.push_back(decode.submit(greedy(test::random_ids(rng, 300, m.config().vocab_size), 40)));
-  for (int i = 0; i < 8; ++i) decode.engine().step();
-  const auto moved = decode.engine().import(std::move(*image));
-  bool counted = false;
-  while (!decode.engine().idle()) {
-    decode.engine().step();
-    const auto s = decode.engine().stats();
-    if (s.steps % 32 != 0) continue;  // the request list is refreshed with the full audit
-    for (const auto& q : s.requests) {
-      if (q.id == moved && q.phase == "parked") {
-        EXPECT_GE(s.waiting, 1);
-        EXPECT_EQ(s.parked, 0);
-        counted = true;
+  // Device tiers from the smallest: the first that runs each request and where the busy
+  // requests hold the device while the image waits through an audit (the tiny model's 6
+  // slabs; models of other page sizes need other counts). Every tier's audits must count
+  // a waiting image as waiting.
+  for (int64_t slabs = 1; slabs <= 64; ++slabs) {
+    Harness prefill(m, with_host);
+    RequestId id = 0;
+    auto image = prefill_and_export(prefill, test::greedy(prompt, 10), id);
+    ASSERT_TRUE(image.has_value());
+    EngineOptions o = with_host;
+    o.slab_bytes = cache::PoolSet::default_slab_bytes(g);
+    o.device_bytes = static_cast<uint64_t>(slabs) * o.slab_bytes;
+    o.prefix_cache = false;
+    Harness decode(m, o);
+    // Requests that fill the device tier first.
+    std::vector<RequestId> ran;
+    for (const auto& p : busy_prompts) ran.push_back(decode.submit(greedy(p, 40)));
+    for (int i = 0; i < 8; ++i) decode.engine().step();
+    const auto moved = decode.engine().import(std::move(*image));
+    ran.push_back(moved);
+    bool counted = false;
+    while (!decode.engine().idle()) {
+      decode.engine().step();
+      const auto s = decode.engine().stats();
+      if (s.steps % 32 != 0) continue;  // the request list is refreshed with the full audit
+      for (const auto& q : s.requests) {
+        if (q.id == moved && q.phase == "parked") {
+          EXPECT_GE(s.waiting, 1);
+          EXPECT_EQ(s.parked, 0);
+          counted = true;
+        }
       }
     }
+    decode.collect();
+    const bool all_ran = std::ranges::all_of(ran, [&](RequestId r) {
+      return decode[r].finished && decode[r].last.reason == FinishReason::length;
+    });
+    if (!all_ran || !counted) continue;  // a request did not fit, or the image did not wait: a larger tier
+    release_handoff(prefill, id, decode);
+    return;
   }
-  decode.collect();
-  EXPECT_TRUE(counted) << "the image never had to wait: give the busy requests more of the device";
-  ASSERT_TRUE(decode[moved].finished) << decode[moved].last.message;
-  EXPECT_EQ(decode[moved].last.reason, FinishReason::length) << decode[moved].last.message;
-  release_handoff(prefill, id, decode);
+  FAIL() << "no device tier up to 64 slabs made the image wait through an audit";
 }
 
 TEST(EngineHandoff, a_bad_image_finishes_with_an_error) {
@@ -524,33 +546,46 @@ namespace {
 TEST(Engine, spilled_prefixes_reload_on_a_later_match) {
   auto& m = tiny();
   const auto g = cache::CacheGeometry::of(m.config());
-  EngineOptions o;
-  o.slab_bytes = cache::PoolSet::default_slab_bytes(g);
-  o.device_bytes = 8 * o.slab_bytes;
-  o.host_bytes = 64 << 20;
-  o.step_tokens = 256;
-  Harness h(m, o);
   const int64_t V = m.config().vocab_size;
   std::mt19937_64 rng(20);
   const auto shared = test::random_ids(rng, 400, V);
-  h.submit(greedy(shared, 2));
-  h.run();
-  // Others fill the device tier: the shared prefix goes to the host tier.
-  for (int i = 0; i < 6; ++i) h.submit(greedy(test::random_ids(rng, 700, V), 2));
-  h.run();
-  auto s = h.engine().stats();
-  EXPECT_GT(s.spilled_pages, 0);
+  std::vector<std::vector<int32_t>> others;
+  for (int i = 0; i < 6; ++i) others.push_back(test::random_ids(rng, 700, V));
   auto prompt = shared;
   const auto tail = test::random_ids(rng, 20, V);
   prompt.insert(prompt.end(), tail.begin(), tail.end());
-  const auto b = h.submit(greedy(prompt, 3));
-  h.run();
-  s = h.engine().stats();
-  EXPECT_GT(s.reloaded_pages, 0);
-  EXPECT_EQ(h[b].last.usage.cached_tokens, 400 / g.page_tokens * g.page_tokens);
-  h.expect_dense_logits(b);
-  h.engine().clear_cache();
-  h.expect_no_leaks(true);
+  // The smallest device tier that runs each request (the tiny model's 8 slabs or fewer;
+  // models of other page sizes need other counts): the others' cached prefixes push the
+  // shared one out.
+  for (int64_t slabs = 1; slabs <= 64; ++slabs) {
+    EngineOptions o;
+    o.slab_bytes = cache::PoolSet::default_slab_bytes(g);
+    o.device_bytes = static_cast<uint64_t>(slabs) * o.slab_bytes;
+    o.host_bytes = 64 << 20;
+    o.step_tokens = 256;
+    Harness h(m, o);
+    std::vector<RequestId> ids{h.submit(greedy(shared, 2))};
+    h.run();
+    // Others fill the device tier: the shared prefix goes to the host tier.
+    for (const auto& p : others) ids.push_back(h.submit(greedy(p, 2)));
+    h.run();
+    const bool all_ran = std::ranges::all_of(ids, [&](RequestId id) {
+      return h[id].finished && h[id].last.reason == FinishReason::length;
+    });
+    if (!all_ran) continue;  // one request alone does not fit this tier: a larger one
+    auto s = h.engine().stats();
+    EXPECT_GT(s.spilled_pages, 0) << "with " << slabs << " slabs";
+    const auto b = h.submit(greedy(prompt, 3));
+    h.run();
+    s = h.engine().stats();
+    EXPECT_GT(s.reloaded_pages, 0);
+    EXPECT_EQ(h[b].last.usage.cached_tokens, 400 / g.page_tokens * g.page_tokens);
+    h.expect_dense_logits(b);
+    h.engine().clear_cache();
+    h.expect_no_leaks(true);
+    return;
+  }
+  FAIL() << "no device tier up to 64 slabs ran the requests";
 }
 
 }  // namespace

@@ -199,9 +199,12 @@ void send_finish(const FrameSink& s, const InFlight& f, msg::FinishReason reason
   (void)s.conn->send(b.finish(s.rid));
 }
 
-// The calls of a parser step go to the result; its content is returned.
-std::string take_tool_calls(InFlight& f, gateway::ToolCallParser::Step step) {
+// The calls of a parser step go to the result and its call pieces to `deltas` (what a
+// stream sends next); its content is returned.
+std::string take_tool_calls(InFlight& f, gateway::ToolCallParser::Step step,
+                            std::vector<gateway::ToolCallDelta>& deltas) {
   for (auto& c : step.calls) f.result.tool_calls.push_back(std::move(c));
+  for (auto& d : step.deltas) deltas.push_back(std::move(d));
   return std::move(step.content);
 }
 
@@ -216,10 +219,10 @@ void finish(Self self, RequestId id, const std::string& reason) {
   std::string finish_reason = reason;
   if (!step.stopped) tail += f.stops->finish();
   else finish_reason = "stop";
-  const size_t calls_before = f.result.tool_calls.size();
+  std::vector<gateway::ToolCallDelta> deltas;
   if (f.tools) {
-    tail = take_tool_calls(f, f.tools->push(tail));
-    tail += take_tool_calls(f, f.tools->finish());
+    tail = take_tool_calls(f, f.tools->push(tail), deltas);
+    tail += take_tool_calls(f, f.tools->finish(), deltas);
     if (!f.result.tool_calls.empty() && finish_reason == "stop") finish_reason = "tool_calls";
   }
   f.result.text += tail;
@@ -234,9 +237,7 @@ void finish(Self self, RequestId id, const std::string& reason) {
       f.responder->send(gateway::stream_delta(f.api, f.result, tail, {}, f.first));
       f.first = false;
     }
-    if (f.result.tool_calls.size() > calls_before) {
-      f.responder->send(gateway::stream_tool_calls(f.result, calls_before, f.first));
-    }
+    if (!deltas.empty()) f.responder->send(gateway::stream_tool_calls(f.result, deltas, f.first));
     f.responder->send(gateway::stream_finish(f.api, f.result));
     f.responder->end();
   } else {
@@ -364,8 +365,8 @@ bool stream_batch(Self self, InFlight& f, const TokenBatch& b) {
     stopped = step.stopped;
   }
   if (ids.empty()) return true;
-  const size_t calls_before = f.result.tool_calls.size();
-  if (f.tools) delta = take_tool_calls(f, f.tools->push(delta));
+  std::vector<gateway::ToolCallDelta> deltas;
+  if (f.tools) delta = take_tool_calls(f, f.tools->push(delta), deltas);
   const auto now = Clock::now();
   if (f.first) {
     st.metrics->histogram("troupe_ttft_seconds", "Time to first token", MetricsRegistry::latency_buckets())
@@ -384,8 +385,8 @@ bool stream_batch(Self self, InFlight& f, const TokenBatch& b) {
     f.responder->send(gateway::stream_delta(f.api, f.result, delta, ids, f.first, lps));
     f.first = false;
   }
-  if (f.api.stream && f.responder && f.result.tool_calls.size() > calls_before) {
-    f.responder->send(gateway::stream_tool_calls(f.result, calls_before, f.first));
+  if (f.api.stream && f.responder && !deltas.empty()) {
+    f.responder->send(gateway::stream_tool_calls(f.result, deltas, f.first));
     f.first = false;
   }
   if (stopped) {

@@ -416,15 +416,13 @@ json logprobs_json(const ApiRequest& req, const std::vector<LogprobEntry>& entri
 }
 
 
-// OpenAI's "tool_calls" for r.tool_calls[first...] (with "index" in stream deltas).
-json tool_calls_json(const ApiResult& r, size_t first, bool indexed) {
+// OpenAI's message "tool_calls" for r.tool_calls.
+json tool_calls_json(const ApiResult& r) {
   json calls = json::array();
-  for (size_t i = first; i < r.tool_calls.size(); ++i) {
+  for (size_t i = 0; i < r.tool_calls.size(); ++i) {
     const auto& c = r.tool_calls[i];
-    json call = {{"id", tool_call_id(r, i)}, {"type", c.type},
-                 {"function", {{"name", c.name}, {"arguments", c.arguments}}}};
-    if (indexed) call["index"] = i;
-    calls.push_back(std::move(call));
+    calls.push_back({{"id", tool_call_id(r, i)}, {"type", c.type},
+                     {"function", {{"name", c.name}, {"arguments", c.arguments}}}});
   }
   return calls;
 }
@@ -437,8 +435,22 @@ std::string tool_call_id(const ApiResult& r, size_t index) {
   return fmt::format("call_{}_{}", dash == std::string::npos ? r.id : r.id.substr(dash + 1), index);
 }
 
-std::string stream_tool_calls(const ApiResult& r, size_t first, bool first_event) {
-  json d = {{"tool_calls", tool_calls_json(r, first, true)}};
+std::string stream_tool_calls(const ApiResult& r, const std::vector<ToolCallDelta>& deltas, bool first_event) {
+  json calls = json::array();
+  for (const auto& d : deltas) {
+    if (!d.opens && !calls.empty() && calls.back()["index"] == d.index) {  // one entry a call and event
+      calls.back()["function"]["arguments"] = calls.back()["function"]["arguments"].get<std::string>() + d.arguments;
+      continue;
+    }
+    json c = {{"index", d.index}, {"function", {{"arguments", d.arguments}}}};
+    if (d.opens) {
+      c["id"] = tool_call_id(r, d.index);
+      c["type"] = d.type;
+      c["function"]["name"] = d.name;
+    }
+    calls.push_back(std::move(c));
+  }
+  json d = {{"tool_calls", std::move(calls)}};
   if (first_event) d["role"] = "assistant";
   json choice = {{"index", 0}, {"finish_reason", nullptr}, {"logprobs", nullptr}, {"delta", d}};
   json j = {{"id", r.id}, {"created", r.created}, {"model", r.model}, {"object", "chat.completion.chunk"},
@@ -462,7 +474,7 @@ std::string response_body(const ApiRequest& req, const ApiResult& r) {
     choice["message"] = {{"role", "assistant"}, {"content", r.text}};
     if (!r.tool_calls.empty()) {
       if (r.text.empty()) choice["message"]["content"] = nullptr;
-      choice["message"]["tool_calls"] = tool_calls_json(r, 0, false);
+      choice["message"]["tool_calls"] = tool_calls_json(r);
     }
   } else {
     j["object"] = "text_completion";

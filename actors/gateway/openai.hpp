@@ -139,11 +139,12 @@ std::string response_body(const ApiRequest& req, const ApiResult& r);
 std::string stream_delta(const ApiRequest& req, const ApiResult& r, const std::string& delta,
                          const std::vector<int32_t>& delta_ids, bool first,
                          const std::vector<LogprobEntry>& delta_logprobs = {});
-// The closing events: finish reason, optional usage, then "data: [DONE]".
-// A chat stream's event with tool calls result.tool_calls[first...] (each whole: id, name, arguments).
-std::string stream_tool_calls(const ApiResult& r, size_t first, bool first_event);
+// A chat stream's event with tool-call pieces (delta.tool_calls: a call's first piece
+// has its id, type and name; every piece adds to its arguments).
+std::string stream_tool_calls(const ApiResult& r, const std::vector<ToolCallDelta>& deltas, bool first_event);
 // The id of the request's `index`-th tool call.
 std::string tool_call_id(const ApiResult& r, size_t index);
+// The closing events: finish reason, optional usage, then "data: [DONE]".
 std::string stream_finish(const ApiRequest& req, const ApiResult& r);
 std::string stream_error(const ApiError& e);
 

@@ -1,6 +1,7 @@
 #include "actors/gateway/tool_calls.hpp"
 
 #include <algorithm>
+#include <utility>
 
 namespace troupe::gateway {
 namespace mk = tokenizer::marker;
@@ -59,37 +60,94 @@ std::vector<tokenizer::ChatPart> forced_call_start(const ToolChoice& choice) {
 }
 
 ToolCallParser::ToolCallParser(std::string forced, bool parallel) : parallel_(parallel) {
-  Step ignored;  // (the forced start opens the section: no content comes of it)
+  // The forced start opens the section (no content comes of it) and, named, the call:
+  // its opening delta goes out with the first step.
+  Step opened;
   buf_ = std::move(forced);
-  drain(ignored);
+  drain(opened);
+  pending_ = std::move(opened.deltas);
 }
 
-void ToolCallParser::take_call(std::string_view body, Step& out) {
-  ToolCall call;
+std::optional<ToolCallParser::Head> ToolCallParser::head_of(std::string_view body, bool final) {
+  Head h;
   const auto sep = body.find(mk::tool_sep);
-  if (sep == std::string_view::npos) {
-    call.name = std::string(trim(body));
-  } else {
-    const std::string_view head = trim(body.substr(0, sep)), rest = body.substr(sep + mk::tool_sep.size());
-    if (const auto fence = rest.find(kFence); fence != std::string_view::npos) {  // type, name, fenced arguments
-      if (!head.empty()) call.type = std::string(head);
-      call.name = std::string(trim(rest.substr(0, fence)));
-      std::string_view args = rest.substr(fence + kFence.size());
-      args = trim(args);
-      while (!args.empty() && args.back() == '`') args.remove_suffix(1);  // the closing fence (or part of it)
-      call.arguments = std::string(trim(args));
-    } else if (head == "function") {  // type, then the name's line and arguments without their fence
-      const std::string_view r = trim(rest);
-      const auto eol = r.find('\n');
-      call.name = std::string(trim(r.substr(0, eol)));
-      if (eol != std::string_view::npos) call.arguments = std::string(trim(r.substr(eol + 1)));
-    } else {  // name, arguments
-      call.name = std::string(head);
-      call.arguments = std::string(trim(rest));
-    }
+  if (sep == std::string_view::npos) {  // a name alone (the call cut short)
+    if (!final) return std::nullopt;
+    h.name = std::string(trim(body));
+    h.args_at = body.size();
+    return h;
   }
+  const std::string_view head = trim(body.substr(0, sep));
+  const size_t rest_at = sep + mk::tool_sep.size();
+  const std::string_view rest = body.substr(rest_at);
+  // The arguments begin at `at` (in rest): fenced when the json fence comes first there.
+  // Undecided while what follows could still become the fence.
+  auto args_from = [&](size_t at) -> bool {
+    const std::string_view r = rest.substr(std::min(at, rest.size()));
+    const auto b = r.find_first_not_of(" \t\r\n");
+    const std::string_view lead = b == std::string_view::npos ? std::string_view{} : r.substr(b);
+    if (starts_with(lead, kFence)) {
+      h.fenced = true;
+      h.args_at = rest_at + at + b + kFence.size();
+      return true;
+    }
+    if (!final && starts_with(kFence, lead)) return false;
+    h.args_at = rest_at + std::min(at, rest.size());
+    return true;
+  };
+  if (head != "function") {  // the later form: NAME<sep>ARGUMENTS (or a fence before them)
+    h.name = std::string(head);
+    return args_from(0) ? std::optional<Head>(h) : std::nullopt;
+  }
+  // The V3 form: function<sep>NAME, a newline or the fence, the arguments.
+  const auto name_at = rest.find_first_not_of(" \t\r\n");
+  const auto fence = rest.find(kFence);
+  const auto eol = name_at == std::string_view::npos ? std::string_view::npos : rest.find('\n', name_at);
+  if (fence != std::string_view::npos && (eol == std::string_view::npos || fence < eol)) {
+    h.name = std::string(trim(rest.substr(0, fence)));
+    h.fenced = true;
+    h.args_at = rest_at + fence + kFence.size();
+    return h;
+  }
+  if (eol == std::string_view::npos) {
+    if (!final) return std::nullopt;
+    h.name = std::string(trim(rest));
+    h.args_at = body.size();
+    return h;
+  }
+  h.name = std::string(trim(rest.substr(0, eol)));
+  return args_from(eol + 1) ? std::optional<Head>(h) : std::nullopt;
+}
+
+void ToolCallParser::stream_call(std::string_view body, bool final, Step& out) {
+  if (!head_) {
+    head_ = head_of(body, final);
+    if (!head_) return;
+    out.deltas.push_back({calls_, true, head_->type, head_->name, {}});
+    sent_ = 0;
+  }
+  // The arguments: trimmed; fenced ones without the fence's close. What is sure before the
+  // end: all but trailing blanks (and backquotes, fenced), which may yet be the close.
+  std::string_view args = body.substr(std::min(head_->args_at, body.size()));
+  args = trim(args);
+  if (final) {
+    if (head_->fenced) {
+      while (!args.empty() && args.back() == '`') args.remove_suffix(1);
+      args = trim(args);
+    }
+  } else {
+    const auto last = args.find_last_not_of(head_->fenced ? " \t\r\n`" : " \t\r\n");
+    args = last == std::string_view::npos ? std::string_view{} : args.substr(0, last + 1);
+  }
+  if (args.size() > sent_) {
+    if (out.deltas.empty() || out.deltas.back().index != calls_) out.deltas.push_back({calls_, false, {}, {}, {}});
+    out.deltas.back().arguments += args.substr(sent_);
+    sent_ = args.size();
+  }
+  if (!final) return;
+  out.calls.push_back({head_->type, head_->name, std::string(args)});
+  head_.reset();
   ++calls_;
-  out.calls.push_back(std::move(call));
   if (!parallel_) state_ = State::done;
 }
 
@@ -130,11 +188,14 @@ void ToolCallParser::drain(Step& out) {
       }
       case State::in_call: {
         const auto end = buf_.find(mk::tool_call_end);
-        if (end == std::string::npos) return;
+        if (end == std::string::npos) {  // the call so far, a possible end marker held back
+          stream_call(std::string_view(buf_).substr(0, buf_.size() - partial_suffix(buf_, mk::tool_call_end)), false, out);
+          return;
+        }
         const std::string body = buf_.substr(0, end);
         buf_.erase(0, end + mk::tool_call_end.size());
         state_ = State::between;
-        take_call(body, out);
+        stream_call(body, true, out);
         break;
       }
       case State::done:
@@ -146,6 +207,7 @@ void ToolCallParser::drain(Step& out) {
 
 ToolCallParser::Step ToolCallParser::push(std::string_view text) {
   Step out;
+  out.deltas = std::exchange(pending_, {});
   buf_ += text;
   drain(out);
   return out;
@@ -153,12 +215,13 @@ ToolCallParser::Step ToolCallParser::push(std::string_view text) {
 
 ToolCallParser::Step ToolCallParser::finish() {
   Step out;
+  out.deltas = std::exchange(pending_, {});
   if (state_ == State::content) {
     out.content = std::move(buf_);
   } else if (state_ == State::in_call) {
     std::string_view body = buf_;
     body.remove_suffix(partial_suffix(body, mk::tool_call_end));
-    if (!trim(body).empty()) take_call(body, out);
+    if (head_ || !trim(body).empty()) stream_call(body, true, out);
   }
   buf_.clear();
   state_ = State::done;

@@ -48,10 +48,21 @@ std::vector<tokenizer::ChatPart> tools_prompt(const std::vector<ToolSpec>& tools
 // function named (named); empty for none and auto.
 std::vector<tokenizer::ChatPart> forced_call_start(const ToolChoice& choice);
 
+// A piece of a call as it streams (OpenAI's delta.tool_calls[i]): the first of
+// a call opens it (type and name, arguments so far); later ones add to its
+// arguments. A call's pieces' arguments put together are its ToolCall's.
+struct ToolCallDelta {
+  size_t index = 0;  // the call's, from 0 in the answer
+  bool opens = false;
+  std::string type, name;  // when it opens
+  std::string arguments;
+};
+
 // Splits a generated text into content and tool calls; text is pushed as it
 // streams and comes back as the content that is surely not part of a call
-// (a possible start of the call section is held back) plus the calls that
-// completed. Text after the call section is dropped.
+// (a possible start of the call section is held back), the calls' pieces as
+// far as they are sure (a possible closing fence or marker is held back) and
+// the calls that completed. Text after the call section is dropped.
 class ToolCallParser {
  public:
   // `forced`: the text of forced_call_start (the answer begins inside it).
@@ -59,6 +70,7 @@ class ToolCallParser {
 
   struct Step {
     std::string content;
+    std::vector<ToolCallDelta> deltas;
     std::vector<ToolCall> calls;
   };
   Step push(std::string_view text);
@@ -67,14 +79,29 @@ class ToolCallParser {
   Step finish();
   size_t calls() const { return calls_; }
 
+  // Where a call's head (type and name) ends and its arguments begin, once the
+  // call's text so far (`body`, after the call's begin marker) tells; `final`:
+  // no more text comes. Public for the tests.
+  struct Head {
+    std::string type = "function", name;
+    size_t args_at = 0;  // in body
+    bool fenced = false;  // the arguments end with the json fence's close
+  };
+  static std::optional<Head> head_of(std::string_view body, bool final);
+
  private:
   enum class State { content, between, in_call, done };
   void drain(Step& out);
-  void take_call(std::string_view body, Step& out);
+  // The open call's arguments from its text so far (`body`): the pieces not yet
+  // sent, up to what is sure (`final`: all of them), then the call when final.
+  void stream_call(std::string_view body, bool final, Step& out);
   State state_ = State::content;
   std::string buf_;
   size_t calls_ = 0;
   bool parallel_ = true;
+  std::optional<Head> head_;  // the open call's, once known
+  size_t sent_ = 0;           // bytes of its arguments sent in deltas
+  std::vector<ToolCallDelta> pending_;  // the forced start's, for the first step
 };
 
 }  // namespace troupe::gateway

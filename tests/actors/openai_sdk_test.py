@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import tempfile
+from types import SimpleNamespace
 
 import openai
 from tokenizers import Tokenizer
@@ -475,8 +476,14 @@ def test_tool_calls():
                     content += d.delta.content or ""
                     gen2 += extra(d, "token_ids") or []
                     finish = d.finish_reason or finish
-                    for tc in d.delta.tool_calls or []:
-                        calls[tc.index] = tc
+                    for tc in d.delta.tool_calls or []:  # a call's first piece names it; each adds arguments
+                        if tc.index not in calls:
+                            assert tc.id and tc.type == "function" and tc.function.name, tc
+                            calls[tc.index] = SimpleNamespace(id=tc.id, type=tc.type, function=SimpleNamespace(
+                                name=tc.function.name, arguments=""))
+                        else:
+                            assert tc.id is None and tc.function.name is None, tc
+                        calls[tc.index].function.arguments += tc.function.arguments or ""
             calls = [calls[i] for i in sorted(calls)]
             assert gen2 == gen, (gen2, gen)
         assert finish == "length" and not content, (finish, content)

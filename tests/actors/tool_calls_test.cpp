@@ -31,12 +31,32 @@ struct Outcome {
 Outcome run(const std::vector<std::string>& pieces, std::string forced = {}, bool parallel = true) {
   ToolCallParser p(std::move(forced), parallel);
   Outcome o;
+  std::vector<ToolCall> streamed;  // the calls as their deltas build them
   auto take = [&](ToolCallParser::Step s) {
     o.content += s.content;
-    for (auto& c : s.calls) o.calls.push_back(std::move(c));
+    for (auto& d : s.deltas) {
+      if (d.opens) {
+        EXPECT_EQ(d.index, streamed.size()) << "a call opens once, in order";
+        streamed.push_back({d.type, d.name, {}});
+      } else {
+        EXPECT_EQ(d.index + 1, streamed.size()) << "arguments go to the open call";
+      }
+      if (d.index < streamed.size()) streamed[d.index].arguments += d.arguments;
+    }
+    for (auto& c : s.calls) {
+      // A call completes after its deltas: they put together its name and arguments.
+      EXPECT_LT(o.calls.size(), streamed.size());
+      if (o.calls.size() < streamed.size()) {
+        EXPECT_EQ(streamed[o.calls.size()].name, c.name);
+        EXPECT_EQ(streamed[o.calls.size()].type, c.type);
+        EXPECT_EQ(streamed[o.calls.size()].arguments, c.arguments);
+      }
+      o.calls.push_back(std::move(c));
+    }
   };
   for (const auto& piece : pieces) take(p.push(piece));
   take(p.finish());
+  EXPECT_EQ(streamed.size(), o.calls.size());
   return o;
 }
 
@@ -123,6 +143,50 @@ TEST(ToolCalls, an_answer_cut_inside_a_call_gives_its_arguments_so_far) {
   // Cut in the closing fence, or in the end marker.
   for (const auto& o : every_split(text + "]}\n``")) expect_calls(o, {{"f", "{\"x\": [1, 2]}"}});
   for (const auto& o : every_split(text + "]}\n```<｜tool▁call")) expect_calls(o, {{"f", "{\"x\": [1, 2]}"}});
+}
+
+TEST(ToolCalls, arguments_stream_before_the_call_ends) {
+  ToolCallParser p;
+  std::string args;
+  auto push = [&](const std::string& text) {
+    auto s = p.push(text);
+    for (const auto& d : s.deltas) args += d.arguments;
+    return s;
+  };
+  auto s = push("Sure." + std::string(mk::tool_calls_begin) + std::string(mk::tool_call_begin) + "function" +
+                std::string(mk::tool_sep) + "get_weather\n");
+  EXPECT_EQ(s.content, "Sure.");
+  EXPECT_TRUE(s.deltas.empty()) << "the fence may follow the name's line";
+  s = push("```json\n{\"city\": ");
+  ASSERT_EQ(s.deltas.size(), 1u);
+  EXPECT_TRUE(s.deltas[0].opens);
+  EXPECT_EQ(s.deltas[0].name, "get_weather");
+  EXPECT_EQ(args, "{\"city\":");  // the blank after the colon held back
+  push("\"Pa");
+  EXPECT_EQ(args, "{\"city\": \"Pa");
+  push("ris\"}\n``");  // the close of the fence held back
+  EXPECT_EQ(args, "{\"city\": \"Paris\"}");
+  s = push("`" + std::string(mk::tool_call_end));
+  ASSERT_EQ(s.calls.size(), 1u);
+  EXPECT_EQ(s.calls[0].arguments, args);
+  // The later form: the arguments follow the separator.
+  ToolCallParser later;
+  std::string largs;
+  const std::vector<std::string> pieces{
+      std::string(mk::tool_calls_begin) + std::string(mk::tool_call_begin) + "search", std::string(mk::tool_sep),
+      "{\"q\"", ": 1}", std::string(mk::tool_call_end)};
+  for (const auto& piece : pieces) {
+    for (const auto& d : later.push(piece).deltas) {
+      if (d.opens) {
+        EXPECT_EQ(d.name, "search");
+      }
+      largs += d.arguments;
+    }
+    if (piece == "{\"q\"") {
+      EXPECT_EQ(largs, "{\"q\"");
+    }
+  }
+  EXPECT_EQ(largs, "{\"q\": 1}");
 }
 
 TEST(ToolCalls, the_prompt_defines_the_tools_with_the_templates_markers) {

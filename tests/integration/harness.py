@@ -298,7 +298,15 @@ class Streams:
         return self.results
 
 
-def prompts(n, length=24, seed=1, vocab=512):
+def model_vocab():
+    """The served model's vocabulary size (its config.json; the generated tiny model's 512 before it exists)."""
+    config = paths()[1] / "config.json"
+    return json.loads(config.read_text())["vocab_size"] if config.exists() else 512
+
+
+def prompts(n, length=24, seed=1, vocab=None):
+    """n random token-id prompts of about `length` ids below `vocab` (the served model's by default)."""
+    vocab = vocab if vocab is not None else model_vocab()
     r = random.Random(seed)
     return [[r.randrange(1, vocab) for _ in range(length + (i % 5))] for i in range(n)]
 

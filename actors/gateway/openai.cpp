@@ -168,6 +168,9 @@ std::optional<ApiError> parse_tools(const json& j, ApiRequest& r) {
         std::none_of(r.tools.begin(), r.tools.end(), [&](const ToolSpec& t) { return t.name == choice.name; })) {
       return bad("tool_choice", "'tool_choice' names '" + escape_for_error(choice.name) + "', which is not in 'tools'");
     }
+    if (choice.mode == ToolChoice::required && r.tools.size() == 1) {  // the one function it may call, named
+      choice = ToolChoice{ToolChoice::named, r.tools.front().name};
+    }
   }
   if (j.contains("parallel_tool_calls") && !j["parallel_tool_calls"].is_null()) {
     if (!j["parallel_tool_calls"].is_boolean()) return bad("parallel_tool_calls", "'parallel_tool_calls' must be true or false");

@@ -497,10 +497,13 @@ def test_tool_calls():
     bad = harness.check_greedy(A.troupe, harness.model_dir(A.home), prompt_ids, gen)
     assert not bad, f"tool-call tokens differ from troupe forward's argmax at {bad}"
 
-    # "required": the model names the function itself.
+    # "required": the model names the function itself among several; one offered is named for it.
+    r = client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0,
+                                         tools=[WEATHER, CLOCK], tool_choice="required")
+    assert r.choices[0].message.tool_calls and r.choices[0].message.content is None, r
     r = client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0, tools=[WEATHER],
                                          tool_choice="required")
-    assert r.choices[0].message.tool_calls and r.choices[0].message.content is None, r
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"], r
 
     # A conversation with an earlier call and its result.
     history = msgs + [{"role": "assistant", "content": None, "tool_calls": [

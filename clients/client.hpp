@@ -46,6 +46,7 @@ struct GenerateOptions {
   float temperature = 1.0f;
   float top_p = 1.0f;
   uint32_t top_k = 0;
+  float min_p = 0.0f;  // 0: off
   std::optional<uint64_t> seed;
   float repetition_penalty = 1.0f;
   float frequency_penalty = 0.0f;

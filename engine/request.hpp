@@ -25,6 +25,7 @@ struct SamplingParams {
   float temperature = 0.0f;      // 0: greedy (argmax, lowest id on ties)
   float top_p = 1.0f;            // nucleus: the smallest set of tokens with this much probability, (0, 1]
   int32_t top_k = 0;             // the k most likely tokens; 0: all
+  float min_p = 0.0f;            // only tokens at least this times the likeliest one's probability, [0, 1]; 0: all
   std::optional<uint64_t> seed;  // same seed, same tokens; none: the engine picks one
   int32_t min_tokens = 0;        // stop ids and EOS cannot be sampled before this many tokens
   int32_t max_tokens = 16;       // finish with `length` after this many tokens (0: after the prompt, sampling none)

@@ -28,6 +28,7 @@ std::string check(const SamplingParams& p) {
   if (!(p.temperature >= 0.0f) || !std::isfinite(p.temperature)) return fmt::format("temperature {} must be >= 0", p.temperature);
   if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) return fmt::format("top_p {} must be in (0, 1]", p.top_p);
   if (p.top_k < 0) return fmt::format("top_k {} must be >= 0", p.top_k);
+  if (!(p.min_p >= 0.0f && p.min_p <= 1.0f)) return fmt::format("min_p {} must be in [0, 1]", p.min_p);
   if (p.max_tokens < 0) return fmt::format("max_tokens {} must be >= 0", p.max_tokens);
   if (p.min_tokens < 0 || p.min_tokens > p.max_tokens) {
     return fmt::format("min_tokens {} must be in [0, max_tokens {}]", p.min_tokens, p.max_tokens);
@@ -125,6 +126,15 @@ int32_t sample(std::span<const float> logits, const SamplingParams& p, uint64_t 
     const float x = l[static_cast<size_t>(ids[i])];
     prob[i] = x == kOff ? 0.0 : std::exp((x - top) / p.temperature);
     sum += prob[i];
+  }
+  // min_p (vLLM's order: before top_p): the head whose probability is at least min_p
+  // times the first's (prob[] is relative to it).
+  if (p.min_p > 0.0f) {
+    size_t head = 1;
+    while (head < ids.size() && prob[head] >= p.min_p) ++head;
+    for (size_t i = head; i < ids.size(); ++i) sum -= prob[i];
+    ids.resize(head);
+    prob.resize(head);
   }
   // Nucleus: the shortest head whose mass reaches top_p (at least one token).
   size_t keep = ids.size();

@@ -53,6 +53,7 @@ struct Sampling {
   presencePenalty @11 :Float32;
   answerStart @12 :Int64 = -1;          # where the answer starts in the sequence; -1: the prompt's end
   logitBias @13 :List(TokenBias);       # added to these tokens' logits first
+  minP @14 :Float32;                    # 0: off
 }
 
 struct TokenBias {

@@ -33,6 +33,9 @@ struct SamplingParams {
   # Added to these tokens' logits before the penalties (OpenAI's logit_bias):
   # at most 1,024 entries, each bias in [-100, 100], tokens in the vocabulary.
   logitBias @8 :List(LogitBias);
+  # vLLM's min_p: only tokens whose probability is at least this times the likeliest
+  # one's, in [0, 1]; 0 = off.
+  minP @9 :Float32 = 0.0;
 }
 
 struct LogitBias {

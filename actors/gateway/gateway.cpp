@@ -638,6 +638,7 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
   s.temperature = api.sampling.temperature;
   s.top_p = api.sampling.top_p;
   s.top_k = std::max(0, api.sampling.top_k);
+  s.min_p = api.sampling.min_p;
   s.seed = api.sampling.seed;
   s.max_tokens = static_cast<int32_t>(max_tokens);
   s.min_tokens = static_cast<int32_t>(std::min<int64_t>(api.sampling.min_tokens, max_tokens));
@@ -753,6 +754,8 @@ std::variant<ApiRequest, ApiError> from_frame(const messages::Frame& frame, cons
   if (!(t >= 0.0f && t <= 2.0f)) return bad("temperature", fmt::format("temperature must be between 0 and 2, got {}", t));
   if (!(p > 0.0f && p <= 1.0f)) return bad("top_p", fmt::format("topP must be in (0, 1], got {}", p));
   if (sp.getTopK() > (1u << 20)) return bad("top_k", fmt::format("topK must be at most {}, got {}", 1u << 20, sp.getTopK()));
+  const float mp = sp.getMinP();
+  if (!(mp >= 0.0f && mp <= 1.0f)) return bad("min_p", fmt::format("minP must be in [0, 1], got {}", mp));
   const float rp = sp.getRepetitionPenalty(), fp = sp.getFrequencyPenalty(), pp = sp.getPresencePenalty();
   if (!(rp > 0.0f) || !std::isfinite(rp)) {
     return bad("repetition_penalty", fmt::format("repetitionPenalty must be greater than 0, got {}", rp));
@@ -767,6 +770,7 @@ std::variant<ApiRequest, ApiError> from_frame(const messages::Frame& frame, cons
   s.temperature = t;
   s.top_p = p;
   s.top_k = static_cast<int32_t>(sp.getTopK());
+  s.min_p = mp;
   s.repetition_penalty = rp;
   s.frequency_penalty = fp;
   s.presence_penalty = pp;

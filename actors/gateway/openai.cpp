@@ -274,6 +274,7 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
   f.number("top_p", [&](double v) { s.top_p = static_cast<float>(v); }, 0.0, 1.0);
   if (!f.error && s.top_p <= 0.0f && f.has("top_p")) f.error = bad("top_p", "'top_p' must be greater than 0");
   f.integer("top_k", [&](int64_t v) { s.top_k = static_cast<int32_t>(v); }, -1, 1 << 20);
+  f.number("min_p", [&](double v) { s.min_p = static_cast<float>(v); }, 0.0, 1.0);
   f.integer("seed", [&](int64_t v) { s.seed = static_cast<uint64_t>(v); }, std::numeric_limits<int64_t>::min(),
             std::numeric_limits<int64_t>::max());
   const char* max_key = f.has("max_completion_tokens") ? "max_completion_tokens" : "max_tokens";

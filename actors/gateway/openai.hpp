@@ -19,6 +19,7 @@ struct SamplingSpec {
   float temperature = 1.0f;
   float top_p = 1.0f;
   int32_t top_k = -1;                 // -1 or 0: off
+  float min_p = 0.0f;                 // vLLM / SGLang extension; 0: off
   std::optional<uint64_t> seed;
   std::optional<int64_t> max_tokens;  // unset: up to the context limit
   int64_t min_tokens = 0;

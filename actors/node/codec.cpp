@@ -53,6 +53,7 @@ void sampling_to_wire(const engine::SamplingParams& s, msg::Sampling::Builder ou
   out.setTemperature(s.temperature);
   out.setTopP(s.top_p);
   out.setTopK(s.top_k);
+  out.setMinP(s.min_p);
   if (s.seed) out.getSeed().setValue(*s.seed);
   else out.getSeed().setNone();
   out.setMinTokens(s.min_tokens);
@@ -76,6 +77,7 @@ engine::SamplingParams sampling_from_wire(msg::Sampling::Reader in) {
   s.temperature = in.getTemperature();
   s.top_p = in.getTopP();
   s.top_k = in.getTopK();
+  s.min_p = in.getMinP();
   if (in.getSeed().isValue()) s.seed = in.getSeed().getValue();
   s.min_tokens = in.getMinTokens();
   s.max_tokens = in.getMaxTokens();

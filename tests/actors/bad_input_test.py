@@ -84,6 +84,7 @@ def test_wrong_types_name_the_parameter():
              ({"logprobs": True}, "logprobs"), ({"logprobs": "2"}, "logprobs"),
              ({"frequency_penalty": 3}, "frequency_penalty"), ({"presence_penalty": "x"}, "presence_penalty"),
              ({"repetition_penalty": -1}, "repetition_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+             ({"min_p": 1.5}, "min_p"), ({"min_p": -0.1}, "min_p"), ({"min_p": "x"}, "min_p"),
              ({"suffix": "tail"}, "suffix"), ({"best_of": 3}, "best_of"),
              ({"response_format": {"type": "json_object"}}, "response_format"),
              ({"response_format": "json"}, "response_format")]
@@ -265,7 +266,7 @@ def random_body(rng):
     cut short or followed by bytes that are not UTF-8. The generation length stays small."""
     names = ["model", "messages", "prompt", "temperature", "top_p", "top_k", "n", "stream", "stream_options",
              "stop", "seed", "logprobs", "top_logprobs", "echo", "logit_bias", "presence_penalty",
-             "frequency_penalty", "repetition_penalty", "ignore_eos", "user", "response_format", "tools",
+             "frequency_penalty", "repetition_penalty", "min_p", "ignore_eos", "user", "response_format", "tools",
              "tool_choice", "suffix", "best_of", "add_generation_prompt", "priority", "return_token_ids"]
 
     def value(depth=0):

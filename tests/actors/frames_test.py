@@ -169,6 +169,7 @@ def test_bad_requests():
                      "presencePenalty")
         expect_error(lambda: c.generate(text="x", repetition_penalty=0.0, max_tokens=2), "invalidArgument",
                      "repetitionPenalty")
+        expect_error(lambda: c.generate(text="x", min_p=1.5, max_tokens=2), "invalidArgument", "minP")
         expect_error(lambda: c.generate(text="x", logit_bias={5: 150.0}, max_tokens=2), "invalidArgument", "logitBias")
         expect_error(lambda: c.generate(text="x", logit_bias={10_000_000: 1.0}, max_tokens=2), "invalidArgument",
                      "out of range")

@@ -384,6 +384,24 @@ def test_seed_reproducible_sampling():
     assert a != extra(greedy().choices[0], "token_ids")
 
 
+def test_min_p_cuts_sampling_to_the_likeliest_tokens():
+    """min_p (vLLM/SGLang): at 1 only the likeliest token is left, so sampling at any
+    temperature and seed is greedy; a small min_p leaves the seeds their say; out of
+    range is a 400 naming it."""
+    def sample(min_p, seed):
+        kw = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.5, seed=seed,
+                  extra_body=dict(return_token_ids=True, min_p=min_p))
+        return extra(client().completions.create(**kw).choices[0], "token_ids")
+    want = extra(greedy().choices[0], "token_ids")
+    assert sample(1.0, 5) == want and sample(1.0, 6) == want, (sample(1.0, 5), want)
+    assert sample(1e-9, 5) != sample(1e-9, 6), "two seeds sampled the same 12 tokens"
+    try:
+        client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body=dict(min_p=2))
+        raise AssertionError("min_p 2 was accepted")
+    except openai.BadRequestError as e:
+        assert "min_p" in str(e), e
+
+
 def test_n_choices_and_batched_prompts():
     """n > 1 and completions batches: one request per choice, answered as one response in the
     API's order (prompt-major). With a seed, choice i samples as a lone request with seed + i."""

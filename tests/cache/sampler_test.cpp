@@ -72,6 +72,26 @@ TEST(Sampler, top_k_and_top_p_keep_only_the_head) {
       EXPECT_TRUE(nucleus.count(sample(l, tp, 7, pos, 0, {})));
     }
   }
+  // min_p: only tokens at least min_p times the likeliest one's probability (after the
+  // temperature), every one of them drawn; then top_p over what is left (vLLM's order).
+  {
+    const std::vector<float> l{2.0f, 0.0f, 1.5f, -3.0f, 1.0f, 2.0f};
+    SamplingParams mp;
+    mp.temperature = 0.5f;
+    mp.min_p = 0.2f;  // exp((x - 2) / 0.5) >= 0.2: x >= 2 + 0.5 ln 0.2 = 1.195
+    std::set<int32_t> drawn;
+    for (int64_t pos = 0; pos < 400; ++pos) drawn.insert(sample(l, mp, 11, pos, 0, {}));
+    EXPECT_EQ(drawn, (std::set<int32_t>{0, 2, 5}));
+    mp.top_p = 0.6f;  // of {0, 5, 2} (masses 0.42, 0.42, 0.16): the first two
+    drawn.clear();
+    for (int64_t pos = 0; pos < 400; ++pos) drawn.insert(sample(l, mp, 11, pos, 0, {}));
+    EXPECT_EQ(drawn, (std::set<int32_t>{0, 5}));
+    mp.top_p = 1.0f;
+    mp.min_p = 1.0f;  // the likeliest alone (ties: both)
+    drawn.clear();
+    for (int64_t pos = 0; pos < 200; ++pos) drawn.insert(sample(l, mp, 11, pos, 0, {}));
+    EXPECT_EQ(drawn, (std::set<int32_t>{0, 5}));
+  }
   // A tiny top_p is greedy.
   std::vector<float> l{0, 3, 1};
   SamplingParams p;
@@ -208,6 +228,8 @@ TEST(Sampler, penalties_out_of_range_are_refused) {
   EXPECT_NE(bad([](SamplingParams& p) { p.repetition_penalty = NAN; }).find("repetition_penalty"), std::string::npos);
   EXPECT_NE(bad([](SamplingParams& p) { p.frequency_penalty = 2.5f; }).find("frequency_penalty"), std::string::npos);
   EXPECT_NE(bad([](SamplingParams& p) { p.presence_penalty = -3.f; }).find("presence_penalty"), std::string::npos);
+  EXPECT_NE(bad([](SamplingParams& p) { p.min_p = 1.5f; }).find("min_p"), std::string::npos);
+  EXPECT_NE(bad([](SamplingParams& p) { p.min_p = NAN; }).find("min_p"), std::string::npos);
   EXPECT_NE(bad([](SamplingParams& p) { p.presence_penalty = NAN; }).find("presence_penalty"), std::string::npos);
   EXPECT_NE(bad([](SamplingParams& p) { p.logit_bias = {{5, 101.f}}; }).find("logit_bias"), std::string::npos);
   EXPECT_NE(bad([](SamplingParams& p) { p.logit_bias = {{-1, 1.f}}; }).find("logit_bias"), std::string::npos);

@@ -122,6 +122,8 @@ def main():
     ap.add_argument("--stable-ties", action="store_true",
                     help="the oracle's top-k settles exact ties by lower index, as troupe does (torch's order is unspecified)")
     ap.add_argument("--attempts", type=int, default=8, help="redraws of a config's weights near a tie")
+    ap.add_argument("--keep-cases", type=lambda v: {int(c) for c in v.split(",") if c}, default=set(),
+                    help="case numbers kept in --keep even when they pass (to rerun one on another backend)")
     args = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     if args.quantized > 0:
@@ -254,11 +256,7 @@ def main():
                             problem = f"engine ({' '.join(extra[6:])}): max |logit - transformers| = {errs['engine']:.3e}"
                             tie = tie or near
             took = time.time() - t0
-            if problem and tie:
-                ties += 1
-                print(f"{label}: near-tie draw differs ({problem}; {'; '.join(gaps[:2])}); not counted\n    {desc}",
-                      flush=True)
-            elif problem:
+            def keep_case():  # the model, its ids and the oracle's logits (tools/case_check.py reruns them)
                 keep = os.path.join(args.keep, f"seed{args.seed}_case{case}")
                 shutil.rmtree(keep, ignore_errors=True)
                 shutil.copytree(d, keep)
@@ -267,6 +265,16 @@ def main():
                 with open(os.path.join(keep, "meta.json"), "w") as f:
                     json.dump(dict(case=f"seed{args.seed}_case{case}", tokens=tokens, prefill=prefill,
                                    fields=fields, legacy=legacy, problem=problem), f, indent=2, default=str)
+                return keep
+
+            if case in args.keep_cases and not problem:
+                print(f"{label}: kept in {keep_case()} (--keep-cases)", flush=True)
+            if problem and tie:
+                ties += 1
+                print(f"{label}: near-tie draw differs ({problem}; {'; '.join(gaps[:2])}); not counted\n    {desc}",
+                      flush=True)
+            elif problem:
+                keep = keep_case()
                 failures.append((label, problem, desc))
                 print(f"{label}: FAIL {problem}\n    {desc}\n    kept in {keep}", flush=True)
             else:

@@ -116,8 +116,7 @@ def decode_case(B, rate, overlap, dim, all_close):
 
 
 class Bench:
-    def __init__(self, lib, quick, gemv_shapes="", gemv_rows=(1, 2, 4, 8), indexer_cases=(), topk_cases=(),
-                 topk_prefetch=()):
+    def __init__(self, lib, quick, gemv_shapes="", gemv_rows=(1, 2, 4, 8), indexer_cases=(), topk_cases=()):
         self.lib = C.CDLL(lib)
         L = self.lib
         L.tb_topk_ws.restype = lg
@@ -144,7 +143,6 @@ class Bench:
         self.gemv_shapes = gemv_shapes  # "NxK,...": gemv() times these instead of its table's
         self.gemv_rows = list(gemv_rows)
         self.indexer_cases = list(indexer_cases)  # [(keys, batch)]: indexer() times these instead of its four
-        self.topk_prefetch = list(topk_prefetch)  # TROUPE_TOPK_PREFETCH values timed on the ticketed shapes
         self.topk_cases = list(topk_cases)  # [(length, rows)]: topk() times these (k 512, 2048 from 1M) instead
         self.rows = []
         self.failures = []
@@ -261,29 +259,13 @@ class Bench:
                           " ".join(f"{nm}={d:.2f}" for nm, d in deltas) + extra, flush=True)
             os.environ.pop("TROUPE_TOPK_FINISH", None)
             os.environ.pop("TROUPE_TOPK_STREAM", None)
-            # The ticketed launches' L2 prefetch of a later ticket's chunk (TROUPE_TOPK_PREFETCH = tickets
-            # ahead, 0: none; topk.cu, prefetch_later_chunk), where the grid outnumbers the resident CTAs.
-            pf = {}
-            if rows > 1 and n >= 262144:
-                for ahead in self.topk_prefetch:
-                    os.environ["TROUPE_TOPK_PREFETCH"] = str(ahead)
-                    self.ok(L.tb_topk(ptr(xs[0]), n, None, rows, n, k, ptr(out), ptr(cnt), ptr(ws), 0, stream()),
-                            "topk")
-                    torch.cuda.synchronize()
-                    if not (topk_values_match(xs[0], out, k) and bool((cnt == k).all())):
-                        self.failures.append(f"topk {rows}x{n} k={k} prefetch {ahead}")
-                        exact = False
-                    pf[f"prefetch{ahead}_us"] = graph_time(ours)
-                os.environ.pop("TROUPE_TOPK_PREFETCH", None)
-                print(f"  topk {rows}x{n} prefetch (us): default {t_var['2']:.2f} " +
-                      " ".join(f"{key}={v:.2f}" for key, v in pf.items()), flush=True)
             t_ours = t_var["2"]  # the default
             t_torch = graph_time(theirs)
             target = {(262144, 1): 8.0, (262144, 64): 40.0, (1048576, 1): 12.0}.get((n, rows))
             self.add(kernel="topk", shape=f"{rows}x{n} k={k}", ours_us=t_ours, torch_us=t_torch,
                      speedup=t_torch / t_ours, target_us=target if target else "", exact=exact,
                      finish1_us=t_var["1"], finish1_speedup=t_torch / t_var["1"], grid_us=t_var["grid"],
-                     stream_us=t_var["stream"], **pf)
+                     stream_us=t_var["stream"])
             del xs, out, ws
 
     # ---- fused compressor ---------------------------------------------------------------
@@ -700,16 +682,13 @@ def main():
                     help="indexer shapes KEYSxBATCH (keys = context / 4), comma-separated, instead of the default four")
     ap.add_argument("--topk-cases", default="",
                     help="top-k shapes LENGTHxROWS (k 512, 2048 from 1M), comma-separated, instead of the default 15")
-    ap.add_argument("--topk-prefetch", default="",
-                    help="TROUPE_TOPK_PREFETCH values (tickets ahead) also timed on the rows of 262,144 and more")
     ap.add_argument("--seed", type=int, default=0,
                     help="each part's random inputs start from this seed (whatever parts ran before it)")
     args = ap.parse_args()
     def pairs(arg):  # "AxB,CxD" -> [(A, B), (C, D)]
         return [tuple(int(x) for x in c.split("x")) for c in arg.split(",") if c]
     b = Bench(args.lib, args.quick, args.gemv_shapes, [int(v) for v in args.gemv_rows.split(",")],
-              pairs(args.indexer_cases), pairs(args.topk_cases),
-              [int(v) for v in args.topk_prefetch.split(",") if v])
+              pairs(args.indexer_cases), pairs(args.topk_cases))
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     t0 = time.time()
     b.copy_bandwidth()

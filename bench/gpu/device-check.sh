@@ -5,8 +5,7 @@
 #   bench/gpu/device-check.sh BUNDLE_DIR OUT [bench options]
 # Budgets (seconds) per stage: TEST_S, SAN_S, BENCH_S, FUZZ_S. model_tests (DecoderGpu) runs when the bundle has it;
 # FUZZ=N random configs through the bundle's troupe on CUDA against transformers (default 30, 0: off) when the
-# machine's python has transformers' deepseek_v4. TOPK_PREFETCH=N adds a memcheck of the top-k tests with
-# TROUPE_TOPK_PREFETCH=N.
+# machine's python has transformers' deepseek_v4.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 bundle=$(cd "$1" && pwd) out=$2
@@ -50,11 +49,6 @@ echo "sanitizer (backend): exit $?"
 LD_LIBRARY_PATH="$bundle/lib:${LD_LIBRARY_PATH:-}" timeout "${SAN_S:-120}" compute-sanitizer --tool racecheck \
   --error-exitcode 9 "$bundle/kernels_cuda_kernels_test" --gtest_filter='*translates*:*indexer*' >> "$out/sanitizer.log" 2>&1
 echo "racecheck (top-k grid kernel over 64 CTAs; the indexer's wgmma and fused kernels): exit $?"
-if [ -n "${TOPK_PREFETCH:-}" ]; then  # the top-k tests with TROUPE_TOPK_PREFETCH=N (a ticketed CTA's L2 prefetch), memcheck
-  TROUPE_TOPK_PREFETCH=$TOPK_PREFETCH LD_LIBRARY_PATH="$bundle/lib:${LD_LIBRARY_PATH:-}" timeout "${SAN_S:-120}" $san \
-    "$bundle/kernels_cuda_kernels_test" --gtest_filter='*topk*' >> "$out/sanitizer.log" 2>&1
-  echo "memcheck (top-k tests, TROUPE_TOPK_PREFETCH=$TOPK_PREFETCH): exit $?"
-fi
 grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|out of bounds|hazard" "$out/sanitizer.log" | sort | uniq -c | head -20
 timeout "${BENCH_S:-240}" bench/gpu/run.sh "$out" "$@" > "$out/bench.log" 2>&1
 echo "bench: exit $?"

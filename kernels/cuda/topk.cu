@@ -511,7 +511,6 @@ struct GridParams {
   uint32_t* tickets;   // [2]: next ticket, CTAs finished; zero between calls
   long long* profile;  // optional: %globaltimer (ns) at phase ends (row 0)
   bool counted_finish; // TopkArgs::finish == 2: the gathering CTAs also count the bucket's next digit
-  int prefetch;        // ticketed: a CTA asks L2 for the chunk of the ticket this many after its own (0: none)
 };
 
 struct GSmem {
@@ -906,25 +905,6 @@ __device__ __forceinline__ void select_one_chunk(const GridParams& p, int row, i
   if (prof) prof[10] = global_ns();
 }
 
-// A ticketed launch's CTA, once it holds ticket t: asks L2 for the chunk of ticket t + p.prefetch
-// (cp.async.bulk.prefetch, 4 KB a lane of warp 0), which a CTA about a wave later will load,
-// so that DRAM keeps streaming while the resident CTAs wait at their rows' barriers.
-template <int EPT>
-__device__ __forceinline__ void prefetch_later_chunk(const GridParams& p, int64_t t) {
-  constexpr int kChunk = kThreads * EPT;
-  constexpr int kPiece = 4096;  // bytes a lane asks for
-  const int64_t u = t + p.prefetch;
-  if (p.prefetch <= 0 || !p.vec_ok || u >= gridDim.x || threadIdx.x >= kChunk * 4 / kPiece) return;
-  const int row = p.row0 + static_cast<int>(u / p.cpr);
-  const int64_t c0 = (u % p.cpr) * kChunk;
-  const int64_t n = row_length(p, row) - c0;
-  const int64_t bytes = (n < kChunk ? n : kChunk) * 4 - static_cast<int64_t>(threadIdx.x) * kPiece;
-  if (bytes < 16) return;
-  const uint32_t size = static_cast<uint32_t>(bytes < kPiece ? bytes & ~int64_t{15} : kPiece);
-  const float* src = p.scores + row * p.row_stride + c0 + threadIdx.x * (kPiece / 4);
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(size) : "memory");
-}
-
 // A grid top-k CTA's last step: with tickets, the last CTA of the grid puts them back.
 __device__ __forceinline__ void grid_exit(const GridParams& p) {
   if (p.ticketed) {
@@ -959,7 +939,6 @@ __global__ void __launch_bounds__(kThreads, BLOCKS) grid_topk_kernel(const GridP
     if (tid == 0) sm.ticket = atomicAdd(&p.tickets[0], 1u);
     __syncthreads();
     t = sm.ticket;
-    prefetch_later_chunk<EPT>(p, t);
   }
   const int lrow = static_cast<int>(t / p.cpr), chunk = static_cast<int>(t % p.cpr);
   const int row = p.row0 + lrow;
@@ -1502,14 +1481,6 @@ int topk_finish(const TopkArgs& a) {
   return e != nullptr && e[0] == '1' ? 1 : 2;
 }
 
-// Tickets ahead whose chunk a ticketed grid CTA asks L2 for (prefetch_later_chunk):
-// TROUPE_TOPK_PREFETCH (read at each call; 0: none), else kTopkPrefetch.
-constexpr int kTopkPrefetch = 0;
-int topk_prefetch() {
-  const char* e = std::getenv("TROUPE_TOPK_PREFETCH");
-  return e != nullptr && e[0] != 0 ? std::max(0, std::atoi(e)) : kTopkPrefetch;
-}
-
 // The call's fields every kernel's parameters share (Params, GridParams), from the arguments.
 template <class P>
 void set_call(const TopkArgs& a, P& p) {
@@ -1534,7 +1505,6 @@ void launch_grid_topk(const TopkArgs& a, const GridPlan& g, void* workspace, cud
   p.cpr = g.cpr;
   p.ticketed = g.ticketed;
   p.counted_finish = topk_finish(a) == 2;
-  p.prefetch = g.ticketed ? topk_prefetch() : 0;
   if (g.scratch_words > 0) {
     TROUPE_REQUIRE(workspace != nullptr, "top-k: this row length needs a workspace");
     p.tickets = static_cast<uint32_t*>(workspace);  // the first 256 bytes

@@ -16,6 +16,18 @@ using test::Harness;
 
 model::Model& tiny() { return *test::shared_model().model; }
 
+// `o` with a device tier of `slabs` of the model's default slab.
+EngineOptions with_slabs(EngineOptions o, const cache::CacheGeometry& g, int64_t slabs) {
+  o.slab_bytes = cache::PoolSet::default_slab_bytes(g);
+  o.device_bytes = static_cast<uint64_t>(slabs) * o.slab_bytes;
+  return o;
+}
+
+// Whether each of `ids` finished by reaching its max_tokens.
+bool all_ran_to_length(Harness& h, const std::vector<RequestId>& ids) {
+  return std::ranges::all_of(ids, [&](RequestId id) { return h[id].finished && h[id].last.reason == FinishReason::length; });
+}
+
 // 32 sequences of random lengths (1 to 700 tokens) in random prefill chunks,
 // batched together, against each run alone through DenseState in one call.
 void batched_equal_alone(model::Model& m, float tol, int64_t max_len) {
@@ -225,10 +237,8 @@ TEST(Engine, new_work_waits_when_the_device_tier_is_full_and_says_why) {
   // The smallest device tier that runs each request (4-6 slabs on the tiny model; models of
   // other page sizes need other counts): there the six cannot all run at once.
   for (int64_t slabs = 1; slabs <= 64; ++slabs) {
-    EngineOptions o;
+    EngineOptions o = with_slabs({}, g, slabs);
     o.step_tokens = 64;
-    o.slab_bytes = cache::PoolSet::default_slab_bytes(g);
-    o.device_bytes = static_cast<uint64_t>(slabs) * o.slab_bytes;
     o.prefix_cache = false;
     Harness h(m, o);
     std::vector<RequestId> ids;
@@ -240,10 +250,7 @@ TEST(Engine, new_work_waits_when_the_device_tier_is_full_and_says_why) {
       if (s.waiting > 0 && !s.waiting_reason.empty()) waited = true;
     }
     h.collect();
-    const bool all_ran = std::ranges::all_of(ids, [&](RequestId id) {
-      return h[id].finished && h[id].last.reason == FinishReason::length;
-    });
-    if (!all_ran) continue;  // one request alone does not fit this tier: a larger one
+    if (!all_ran_to_length(h, ids)) continue;  // one request alone does not fit this tier: a larger one
     EXPECT_TRUE(waited) << "with " << slabs << " slabs";
     EXPECT_GT(h.engine().stats().admission_waits, 0);
     for (auto id : ids) h.expect_dense_logits(id);
@@ -407,9 +414,7 @@ TEST(EngineHandoff, an_image_waiting_for_device_room_counts_as_waiting) {
     RequestId id = 0;
     auto image = prefill_and_export(prefill, test::greedy(prompt, 10), id);
     ASSERT_TRUE(image.has_value());
-    EngineOptions o = with_host;
-    o.slab_bytes = cache::PoolSet::default_slab_bytes(g);
-    o.device_bytes = static_cast<uint64_t>(slabs) * o.slab_bytes;
+    EngineOptions o = with_slabs(with_host, g, slabs);
     o.prefix_cache = false;
     Harness decode(m, o);
     // Requests that fill the device tier first.
@@ -432,10 +437,7 @@ TEST(EngineHandoff, an_image_waiting_for_device_room_counts_as_waiting) {
       }
     }
     decode.collect();
-    const bool all_ran = std::ranges::all_of(ran, [&](RequestId r) {
-      return decode[r].finished && decode[r].last.reason == FinishReason::length;
-    });
-    if (!all_ran || !counted) continue;  // a request did not fit, or the image did not wait: a larger tier
+    if (!all_ran_to_length(decode, ran) || !counted) continue;  // a request did not fit, or the image did not wait: a larger tier
     release_handoff(prefill, id, decode);
     return;
   }
@@ -517,9 +519,7 @@ TEST(Engine, decode_checkpoints_yield_to_a_long_generation) {
   // A device tier of 7 slabs presses the tiny model's checkpoints; other models may
   // need fewer: the smallest that still runs the request shows it.
   for (int64_t slabs = 7; slabs >= 1; --slabs) {
-    EngineOptions o;
-    o.slab_bytes = cache::PoolSet::default_slab_bytes(g);
-    o.device_bytes = static_cast<uint64_t>(slabs) * o.slab_bytes;
+    EngineOptions o = with_slabs({}, g, slabs);
     o.decode_insert_every_pages = 1;  // a checkpoint every page
     Harness h(m, o);
     const auto id = h.submit(greedy(prompt, static_cast<int32_t>(22 * P - 4), LogitsMode::none));
@@ -558,9 +558,7 @@ TEST(Engine, spilled_prefixes_reload_on_a_later_match) {
   // models of other page sizes need other counts): the others' cached prefixes push the
   // shared one out.
   for (int64_t slabs = 1; slabs <= 64; ++slabs) {
-    EngineOptions o;
-    o.slab_bytes = cache::PoolSet::default_slab_bytes(g);
-    o.device_bytes = static_cast<uint64_t>(slabs) * o.slab_bytes;
+    EngineOptions o = with_slabs({}, g, slabs);
     o.host_bytes = 64 << 20;
     o.step_tokens = 256;
     Harness h(m, o);
@@ -569,10 +567,7 @@ TEST(Engine, spilled_prefixes_reload_on_a_later_match) {
     // Others fill the device tier: the shared prefix goes to the host tier.
     for (const auto& p : others) ids.push_back(h.submit(greedy(p, 2)));
     h.run();
-    const bool all_ran = std::ranges::all_of(ids, [&](RequestId id) {
-      return h[id].finished && h[id].last.reason == FinishReason::length;
-    });
-    if (!all_ran) continue;  // one request alone does not fit this tier: a larger one
+    if (!all_ran_to_length(h, ids)) continue;  // one request alone does not fit this tier: a larger one
     auto s = h.engine().stats();
     EXPECT_GT(s.spilled_pages, 0) << "with " << slabs << " slabs";
     const auto b = h.submit(greedy(prompt, 3));

@@ -45,9 +45,21 @@ struct SamplingParams {
   // penalties. -1: at the end of the request's prompt. A request resubmitted with its
   // answer so far appended to the prompt keeps the original prompt's length here.
   int64_t answer_start = -1;
+  // The answer begins with one of these token sequences (none: free): while the answer so
+  // far is a proper prefix of some of them, only their next tokens can be sampled, and
+  // once it holds one whole, sampling is free again. (A tool call's name when the request
+  // must call one of several tools.)
+  std::vector<std::vector<int32_t>> answer_prefixes;
 
   // Where the answer starts for a sequence whose request prompt has `prompt_len` tokens.
   int64_t answer_begin(int64_t prompt_len) const { return answer_start >= 0 ? answer_start : prompt_len; }
+  // Whether answer_prefixes may still mask the token after `generated` answer tokens.
+  bool prefix_bound(int64_t generated) const {
+    for (const auto& q : answer_prefixes) {
+      if (static_cast<int64_t>(q.size()) > generated) return true;
+    }
+    return false;
+  }
   bool adjusts_logits() const {
     return !logit_bias.empty() || repetition_penalty != 1.0f || frequency_penalty != 0.0f || presence_penalty != 0.0f;
   }

@@ -28,6 +28,12 @@ std::string check(const SamplingParams& p) {
   if (!(p.temperature >= 0.0f) || !std::isfinite(p.temperature)) return fmt::format("temperature {} must be >= 0", p.temperature);
   if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) return fmt::format("top_p {} must be in (0, 1]", p.top_p);
   if (p.top_k < 0) return fmt::format("top_k {} must be >= 0", p.top_k);
+  for (const auto& q : p.answer_prefixes) {
+    if (q.empty()) return "an answer prefix is empty";
+    for (int32_t t : q) {
+      if (t < 0) return fmt::format("an answer prefix has token {}", t);
+    }
+  }
   if (!(p.min_p >= 0.0f && p.min_p <= 1.0f)) return fmt::format("min_p {} must be in [0, 1]", p.min_p);
   if (p.max_tokens < 0) return fmt::format("max_tokens {} must be >= 0", p.max_tokens);
   if (p.min_tokens < 0 || p.min_tokens > p.max_tokens) {
@@ -90,8 +96,22 @@ void adjust_logits(std::span<float> l, const SamplingParams& p, const TokenCount
   }
 }
 
+std::vector<int32_t> prefix_choices(const SamplingParams& p, std::span<const int32_t> answer) {
+  std::vector<int32_t> next;
+  for (const auto& q : p.answer_prefixes) {
+    const size_t n = std::min(q.size(), answer.size());
+    if (!std::equal(q.begin(), q.begin() + static_cast<std::ptrdiff_t>(n), answer.begin())) continue;
+    if (q.size() <= answer.size()) return {};  // a whole prefix: free from here
+    next.push_back(q[answer.size()]);
+  }
+  std::sort(next.begin(), next.end());
+  next.erase(std::unique(next.begin(), next.end()), next.end());
+  return next;
+}
+
 int32_t sample(std::span<const float> logits, const SamplingParams& p, uint64_t seed, int64_t position,
-               int32_t generated, std::span<const int64_t> eos, const TokenCounts& counts) {
+               int32_t generated, std::span<const int64_t> eos, const TokenCounts& counts,
+               std::span<const int32_t> answer) {
   const auto V = static_cast<int32_t>(logits.size());
   std::vector<float> l(logits.begin(), logits.end());
   adjust_logits(l, p, counts);
@@ -104,6 +124,16 @@ int32_t sample(std::span<const float> logits, const SamplingParams& p, uint64_t 
       for (int64_t e : eos) {
         if (e >= 0 && e < V) l[static_cast<size_t>(e)] = kOff;
       }
+    }
+  }
+  if (!p.answer_prefixes.empty()) {  // only the tokens that continue a prefix (kept finite: one is drawn)
+    const auto next = prefix_choices(p, answer);
+    if (!next.empty()) {
+      std::vector<float> only(l.size(), kOff);
+      for (int32_t t : next) {
+        if (t >= 0 && t < V) only[static_cast<size_t>(t)] = std::max(l[static_cast<size_t>(t)], std::numeric_limits<float>::lowest());
+      }
+      l.swap(only);
     }
   }
   if (p.temperature <= 0.0f || p.top_k == 1) {

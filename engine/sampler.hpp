@@ -28,8 +28,14 @@ struct TokenCounts {
 // The token at `position` (its index in the sequence), the `generated`-th of
 // the request. `eos` are the model's EOS ids. `counts`: the sequence so far, for
 // the penalties (none: no history).
+// `answer`: the answer's tokens so far (for p.answer_prefixes).
 int32_t sample(std::span<const float> logits, const SamplingParams& p, uint64_t seed, int64_t position,
-               int32_t generated, std::span<const int64_t> eos, const TokenCounts& counts = TokenCounts{});
+               int32_t generated, std::span<const int64_t> eos, const TokenCounts& counts = TokenCounts{},
+               std::span<const int32_t> answer = {});
+
+// The tokens p.answer_prefixes allow after `answer` (sorted, distinct), or none when they
+// no longer bind it (a whole prefix is there, or none is left that it begins).
+std::vector<int32_t> prefix_choices(const SamplingParams& p, std::span<const int32_t> answer);
 
 // The params' logit bias and penalties applied to `logits` in place (see SamplingParams).
 void adjust_logits(std::span<float> logits, const SamplingParams& p, const TokenCounts& counts);

@@ -175,7 +175,7 @@ namespace {
 
 // Whether the host sampler would pick the argmax of the raw logits for `s`'s next token.
 bool greedy_on_device(const SamplingParams& p, LogitsMode logits, int32_t generated, bool model_has_eos) {
-  if (logits != LogitsMode::none) return false;
+  if (logits != LogitsMode::none || p.prefix_bound(generated)) return false;
   if (!(p.temperature <= 0.0f || p.top_k == 1) || p.adjusts_logits()) return false;
   const bool masks = generated < p.min_tokens && (!p.stop_ids.empty() || (!p.ignore_eos && model_has_eos));
   return !masks;
@@ -323,7 +323,9 @@ void Engine::after_chunk(Seq& s, int64_t n, const float* rows, int64_t row_count
   }
   const int32_t token = sampled != nullptr ? *sampled  // argmax on the device (greedy_on_device)
                                            : sample(std::span(last, static_cast<size_t>(V)), sp, s.seed, s.length(),
-                                                    s.generated, c.eos_token_ids, s.counts);
+                                                    s.generated, c.eos_token_ids, s.counts,
+                                                    std::span(s.tokens).subspan(std::min<size_t>(
+                                                        s.tokens.size(), static_cast<size_t>(sp.answer_begin(s.prompt_len)))));
   s.tokens.push_back(token);
   ++s.generated;
   Event e = make_event(s.id, EventKind::token);

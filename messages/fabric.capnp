@@ -54,6 +54,7 @@ struct Sampling {
   answerStart @12 :Int64 = -1;          # where the answer starts in the sequence; -1: the prompt's end
   logitBias @13 :List(TokenBias);       # added to these tokens' logits first
   minP @14 :Float32;                    # 0: off
+  answerPrefixes @15 :List(List(Int32)); # the answer begins with one of these (engine::SamplingParams)
 }
 
 struct TokenBias {

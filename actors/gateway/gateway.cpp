@@ -649,6 +649,11 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
   s.presence_penalty = api.sampling.presence_penalty;
   s.answer_start = plen;  // a resubmission appends the answer so far to the prompt; the penalties still see it
   s.logit_bias = api.sampling.logit_bias;
+  if (api.uses_tools() && api.tool_choice.mode == gateway::ToolChoice::required) {
+    // The answer starts inside a call after "function<sep>": it goes on with one of the
+    // offered names and the json fence, so the call names a tool the request has.
+    for (const auto& t : api.tools) s.answer_prefixes.push_back(encode_text(st, t.name + "\n```json\n", false));
+  }
   requests_counter(st, route, 200).inc();
   if (origin.responder) {
     if (api.stream) origin.responder->start_stream(200, "text/event-stream");

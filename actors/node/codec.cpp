@@ -65,6 +65,12 @@ void sampling_to_wire(const engine::SamplingParams& s, msg::Sampling::Builder ou
   out.setFrequencyPenalty(s.frequency_penalty);
   out.setPresencePenalty(s.presence_penalty);
   out.setAnswerStart(s.answer_start);
+  auto prefixes = out.initAnswerPrefixes(static_cast<unsigned>(s.answer_prefixes.size()));
+  for (size_t i = 0; i < s.answer_prefixes.size(); ++i) {
+    const auto& q = s.answer_prefixes[i];
+    auto l = prefixes.init(static_cast<unsigned>(i), static_cast<unsigned>(q.size()));
+    for (size_t j = 0; j < q.size(); ++j) l.set(static_cast<unsigned>(j), q[j]);
+  }
   auto bias = out.initLogitBias(static_cast<unsigned>(s.logit_bias.size()));
   for (size_t i = 0; i < s.logit_bias.size(); ++i) {
     bias[static_cast<unsigned>(i)].setToken(s.logit_bias[i].first);
@@ -88,6 +94,7 @@ engine::SamplingParams sampling_from_wire(msg::Sampling::Reader in) {
   s.presence_penalty = in.getPresencePenalty();
   s.answer_start = in.getAnswerStart();
   for (auto b : in.getLogitBias()) s.logit_bias.emplace_back(b.getToken(), b.getBias());
+  for (auto q : in.getAnswerPrefixes()) s.answer_prefixes.push_back(ints(q));
   return s;
 }
 

@@ -515,10 +515,13 @@ def test_tool_calls():
     bad = harness.check_greedy(A.troupe, harness.model_dir(A.home), prompt_ids, gen)
     assert not bad, f"tool-call tokens differ from troupe forward's argmax at {bad}"
 
-    # "required": the model names the function itself among several; one offered is named for it.
-    r = client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0,
-                                         tools=[WEATHER, CLOCK], tool_choice="required")
-    assert r.choices[0].message.tool_calls and r.choices[0].message.content is None, r
+    # "required": the model names one of the offered functions (its answer held to their names), greedy or
+    # sampled; one offered is named for it.
+    for seed in range(4):
+        r = client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=1.0, seed=seed,
+                                             tools=[WEATHER, CLOCK], tool_choice="required")
+        calls = r.choices[0].message.tool_calls
+        assert calls and calls[0].function.name in ("get_weather", "get_time") and r.choices[0].message.content is None, r
     r = client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0, tools=[WEATHER],
                                          tool_choice="required")
     assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"], r

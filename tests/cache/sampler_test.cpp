@@ -92,6 +92,27 @@ TEST(Sampler, top_k_and_top_p_keep_only_the_head) {
     for (int64_t pos = 0; pos < 200; ++pos) drawn.insert(sample(l, mp, 11, pos, 0, {}));
     EXPECT_EQ(drawn, (std::set<int32_t>{0, 5}));
   }
+  // Answer prefixes: only the tokens that continue one, greedy or sampled, until one is whole.
+  {
+    const std::vector<float> l{0.0f, 9.0f, 1.0f, 2.0f, 0.5f, 3.0f, 0.0f, 0.0f, 0.0f, 0.0f};  // token 1 far ahead
+    SamplingParams pp;
+    pp.answer_prefixes = {{5, 6, 7}, {5, 9}, {8}};
+    EXPECT_EQ(prefix_choices(pp, {}), (std::vector<int32_t>{5, 8}));
+    EXPECT_EQ(sample(l, pp, 0, 0, 0, {}), 5);  // greedy: the likelier of 5 and 8
+    const std::vector<int32_t> a5{5}, a56{5, 6}, a567{5, 6, 7}, a4{4};
+    EXPECT_EQ(prefix_choices(pp, a5), (std::vector<int32_t>{6, 9}));
+    EXPECT_EQ(sample(l, pp, 0, 0, 1, {}, {}, a56), 7);
+    EXPECT_TRUE(prefix_choices(pp, a567).empty());  // whole: free again
+    EXPECT_EQ(sample(l, pp, 0, 0, 3, {}, {}, a567), 1);
+    EXPECT_TRUE(prefix_choices(pp, a4).empty());  // begins none of them: free
+    pp.temperature = 2.0f;
+    std::set<int32_t> drawn;
+    for (int64_t pos = 0; pos < 200; ++pos) drawn.insert(sample(l, pp, 5, pos, 1, {}, {}, a5));
+    EXPECT_EQ(drawn, (std::set<int32_t>{6, 9}));
+    SamplingParams bad;
+    bad.answer_prefixes = {{}};
+    EXPECT_NE(check(bad).find("prefix"), std::string::npos);
+  }
   // A tiny top_p is greedy.
   std::vector<float> l{0, 3, 1};
   SamplingParams p;

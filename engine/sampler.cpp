@@ -128,13 +128,14 @@ int32_t sample(std::span<const float> logits, const SamplingParams& p, uint64_t 
   }
   if (!p.answer_prefixes.empty()) {  // only the tokens that continue a prefix (kept finite: one is drawn)
     const auto next = prefix_choices(p, answer);
-    if (!next.empty()) {
-      std::vector<float> only(l.size(), kOff);
-      for (int32_t t : next) {
-        if (t >= 0 && t < V) only[static_cast<size_t>(t)] = std::max(l[static_cast<size_t>(t)], std::numeric_limits<float>::lowest());
-      }
-      l.swap(only);
+    std::vector<float> only(l.size(), kOff);
+    bool any = false;
+    for (int32_t t : next) {
+      if (t < 0 || t >= V) continue;  // (an id past this model's vocabulary cannot be drawn)
+      only[static_cast<size_t>(t)] = std::max(l[static_cast<size_t>(t)], std::numeric_limits<float>::lowest());
+      any = true;
     }
+    if (any) l.swap(only);
   }
   if (p.temperature <= 0.0f || p.top_k == 1) {
     return static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());  // first of the maxima

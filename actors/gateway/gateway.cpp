@@ -618,8 +618,7 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
     f.echo = api.prompt_text ? *api.prompt_text : st.tok->decode(prompt);
     f.result.text = f.echo;
     if (api.logprobs >= 0) {  // the first prompt token has no logprob (null); the others come from the worker
-      gateway::LogprobEntry first;
-      first.bytes = std::string(st.tok->token_bytes(prompt[0]));
+      gateway::LogprobEntry first = logprob_entry(*st.tok, prompt[0], TokenLogprob{});
       first.none = true;
       f.result.logprobs.push_back(std::move(first));
       f.prompt_pending = plen > 1;

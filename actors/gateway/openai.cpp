@@ -420,6 +420,14 @@ json logprobs_json(const ApiRequest& req, const std::vector<LogprobEntry>& entri
 }
 
 
+// The fields every stream event of `r` starts with (its choices go under "choices").
+json event_head(const ApiResult& r, ApiKind kind) {
+  return {{"id", r.id}, {"created", r.created}, {"model", r.model},
+          {"object", kind == ApiKind::chat ? "chat.completion.chunk" : "text_completion"}};
+}
+
+std::string sse(const json& event) { return "data: " + dump_json(event) + "\n\n"; }
+
 // OpenAI's message "tool_calls" for r.tool_calls.
 json tool_calls_json(const ApiResult& r) {
   json calls = json::array();
@@ -456,10 +464,9 @@ std::string stream_tool_calls(const ApiResult& r, const std::vector<ToolCallDelt
   }
   json d = {{"tool_calls", std::move(calls)}};
   if (first_event) d["role"] = "assistant";
-  json choice = {{"index", 0}, {"finish_reason", nullptr}, {"logprobs", nullptr}, {"delta", d}};
-  json j = {{"id", r.id}, {"created", r.created}, {"model", r.model}, {"object", "chat.completion.chunk"},
-            {"choices", json::array({choice})}};
-  return "data: " + dump_json(j) + "\n\n";
+  json j = event_head(r, ApiKind::chat);
+  j["choices"] = json::array({{{"index", 0}, {"finish_reason", nullptr}, {"logprobs", nullptr}, {"delta", d}}});
+  return sse(j);
 }
 
 json usage_json(const ApiResult& r) {
@@ -498,14 +505,12 @@ std::string stream_delta(const ApiRequest& req, const ApiResult& r, const std::s
   size_t offset = 0;  // the text offset of the delta's first token: the bytes of the tokens before it
   for (size_t i = 0; i + delta_logprobs.size() < r.logprobs.size(); ++i) offset += r.logprobs[i].bytes.size();
   json choice = {{"index", 0}, {"finish_reason", nullptr}, {"logprobs", logprobs_json(req, delta_logprobs, offset)}};
-  json j = {{"id", r.id}, {"created", r.created}, {"model", r.model}};
+  json j = event_head(r, req.kind);
   if (req.kind == ApiKind::chat) {
-    j["object"] = "chat.completion.chunk";
     json d = {{"content", delta}};
     if (first) d["role"] = "assistant";
     choice["delta"] = d;
   } else {
-    j["object"] = "text_completion";
     choice["text"] = delta;
   }
   if (req.return_token_ids) {
@@ -513,27 +518,25 @@ std::string stream_delta(const ApiRequest& req, const ApiResult& r, const std::s
     if (first) choice["prompt_token_ids"] = r.prompt_ids;
   }
   j["choices"] = json::array({choice});
-  return "data: " + dump_json(j) + "\n\n";
+  return sse(j);
 }
 
 std::string stream_finish(const ApiRequest& req, const ApiResult& r) {
   json choice = {{"index", 0}, {"finish_reason", r.finish_reason}, {"logprobs", nullptr}};
-  json j = {{"id", r.id}, {"created", r.created}, {"model", r.model}};
+  json j = event_head(r, req.kind);
   if (req.kind == ApiKind::chat) {
-    j["object"] = "chat.completion.chunk";
     choice["delta"] = json::object();
   } else {
-    j["object"] = "text_completion";
     choice["text"] = "";
   }
   if (req.return_token_ids) choice["token_ids"] = json::array();
   j["choices"] = json::array({choice});
-  std::string out = "data: " + dump_json(j) + "\n\n";
+  std::string out = sse(j);
   if (req.include_usage) {
-    json u = {{"id", r.id}, {"created", r.created}, {"model", r.model},
-              {"object", req.kind == ApiKind::chat ? "chat.completion.chunk" : "text_completion"},
-              {"choices", json::array()}, {"usage", usage_json(r)}};
-    out += "data: " + dump_json(u) + "\n\n";
+    json u = event_head(r, req.kind);
+    u["choices"] = json::array();
+    u["usage"] = usage_json(r);
+    out += sse(u);
   }
   return out + "data: [DONE]\n\n";
 }

@@ -300,10 +300,11 @@ NodeProcess::NodeProcess(RunOptions options) : impl_(std::make_unique<Impl>()) {
     im.router = im.node->remote(im.router_instance, "router");
   }
 
+  std::shared_ptr<const tokenizer::Tokenizer> tok;
+  if (im.runs_gateway || im.runs_worker) {
+    tok = std::shared_ptr<const tokenizer::Tokenizer>(tokenizer::Tokenizer::load(tokenizer::tokenizer_dir_for(model_dir)));
+  }
   if (im.runs_gateway) {
-    const fs::path tok_dir = fs::exists(fs::path(model_dir) / "tokenizer.json") ? fs::path(model_dir)
-                                                                               : fs::path(tokenizer::default_tokenizer_dir());
-    auto tok = std::shared_ptr<const tokenizer::Tokenizer>(tokenizer::Tokenizer::load(tok_dir.string()));
     GatewayConfig gc;
     gc.model_name = fs::path(model_dir).filename().string();
     gc.max_model_len = std::min<int64_t>(config->max_position_embeddings, 32768);
@@ -337,6 +338,7 @@ NodeProcess::NodeProcess(RunOptions options) : impl_(std::make_unique<Impl>()) {
     if (wc.engine.host_bytes == 0) wc.engine.host_bytes = wc.engine.device_bytes;
     wc.engine.step_tokens = im.options.step_tokens;
     wc.engine.max_running = im.options.max_running;
+    wc.engine.vocabulary = std::make_shared<const engine::TokenVocabulary>(tok->vocabulary_bytes());
     wc.handoff_timeout = std::chrono::milliseconds(static_cast<int64_t>(topo.policies.disaggregation.handoff_timeout_s * 1000));
     SupervisorConfig sc;
     sc.workers.push_back(wc);

@@ -62,8 +62,7 @@ Graph::Graph(ServeOptions options) : options_(std::move(options)), owned_(std::m
   owned_->backend = options_.backend == "cuda" ? kernels::make_cuda_backend() : kernels::make_cpu_backend();
   if (!owned_->backend) raise(ErrorCode::unavailable, "the CUDA backend is not available (no GPU or not compiled)");
   owned_->model = std::shared_ptr<model::Model>(model::Model::load(dir, *owned_->backend));
-  const fs::path tok_dir = fs::exists(fs::path(dir) / "tokenizer.json") ? fs::path(dir) : fs::path(tokenizer::default_tokenizer_dir());
-  owned_->tokenizer = std::shared_ptr<const tokenizer::Tokenizer>(tokenizer::Tokenizer::load(tok_dir.string()));
+  owned_->tokenizer = std::shared_ptr<const tokenizer::Tokenizer>(tokenizer::Tokenizer::load(tokenizer::tokenizer_dir_for(dir)));
   const auto& mc = owned_->model->config();
   if (owned_->tokenizer->vocab_size() > mc.vocab_size) {
     spdlog::warn("the tokenizer has {} ids but the model only {}; prompts with larger ids are refused",
@@ -97,6 +96,7 @@ void Graph::spawn_actors(const model::ModelConfig& mc) {
   base.engine.cold_pages = options_.cold_pages;
   base.engine.step_tokens = options_.step_tokens;
   base.engine.max_running = options_.max_running;
+  base.engine.vocabulary = std::make_shared<const engine::TokenVocabulary>(owned_->tokenizer->vocabulary_bytes());
   SupervisorConfig sc;
   auto add = [&](WorkerRole role, int n, const std::string& prefix) {
     for (int i = 0; i < n; ++i) {

@@ -107,6 +107,7 @@ Expected<uint64_t> Client::submit(const GenerateOptions& o) {
   s.setTopP(o.top_p);
   s.setTopK(o.top_k);
   s.setMinP(o.min_p);
+  s.setJsonSchema(o.json_schema);
   if (o.seed) s.getSeed().setValue(*o.seed);
   s.setRepetitionPenalty(o.repetition_penalty);
   s.setFrequencyPenalty(o.frequency_penalty);

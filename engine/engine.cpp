@@ -191,6 +191,17 @@ void Engine::admit_request(RequestId id, Request r) {
                       c.max_position_embeddings);
   }
   if (why.empty()) why = check(r.sampling);
+  if (why.empty() && !r.sampling.json_schema.empty()) {
+    if (!options_.vocabulary) {
+      why = "structured output (a json schema) needs the tokenizer's vocabulary, which this engine was not given";
+    } else {
+      try {
+        grammars_.get(r.sampling.json_schema);
+      } catch (const Error& e) {
+        why = e.what();
+      }
+    }
+  }
   if (why.empty() && r.max_chunk_tokens < 0) why = "max_chunk_tokens must be >= 0";
   ++counters_.submitted;
   if (!why.empty()) {

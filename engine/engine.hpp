@@ -33,6 +33,7 @@
 #include "cache/host/page_mover.hpp"
 #include "cache/pool/pool_set.hpp"
 #include "cache/radix/shadow_radix.hpp"
+#include "engine/json_schema.hpp"
 #include "engine/request.hpp"
 #include "model/decoder.hpp"
 #include "model/forward.hpp"
@@ -59,6 +60,9 @@ struct EngineOptions {
   // Model::forward) on others; a larger batch runs through Model::forward.
   int decode_batch = -1;
   int64_t decode_context = 0;                 // longest sequence the decoder's tables hold; 0: min(max positions, 131072)
+  // What each token id writes (the tokenizer's), for SamplingParams::json_schema;
+  // none: requests with a schema are refused.
+  std::shared_ptr<const TokenVocabulary> vocabulary;
 };
 
 // Pages per pool, by who holds them. A page with several holders counts for
@@ -196,6 +200,12 @@ class Engine {
   bool run_decode(Batch& batch);  // false: not a batch for the decoder (the caller runs Model::forward)
   void after_chunk(Seq& s, int64_t n, const float* rows, int64_t row_count, const int32_t* sampled = nullptr);
   void insert_prefix(Seq& s);
+  // SamplingParams::json_schema: brings s.matcher up to the answer (false: a token breaks
+  // the schema; throws what compiling it throws); whether the value is whole; the tokens
+  // that may come next (nullopt), or why none may: empty to finish with `stop`, else an error.
+  bool sync_matcher(Seq& s);
+  bool schema_whole(Seq& s);
+  std::optional<std::string> schema_mask(Seq& s, std::span<const int32_t> answer, TokenMask& allowed);
   bool handle_stall();
   void preempt(Seq& s);
   // Puts `s` in the waiting queue, by priority (larger first): at the end of its
@@ -225,6 +235,7 @@ class Engine {
   uint64_t moves_ = 0;                       // page moves between tiers (row pointers changed)
 
   std::map<RequestId, std::unique_ptr<Seq>> seqs_;
+  GrammarCache grammars_;  // SamplingParams::json_schema, compiled
   std::vector<RequestId> waiting_;  // by priority (larger first), then arrival
   uint64_t admit_counter_ = 0;
   EngineStats counters_;

@@ -50,11 +50,18 @@ struct SamplingParams {
   // once it holds one whole, sampling is free again. (A tool call's name when the request
   // must call one of several tools.)
   std::vector<std::vector<int32_t>> answer_prefixes;
+  // The answer is one JSON value valid under this JSON Schema (engine/json_schema.hpp
+  // says which keywords are held; "{}": any value; empty: free text). Only tokens that
+  // keep it valid are sampled, and the request finishes with `stop` once the value is
+  // whole (min_tokens gives way). Where it could end or go on (a number at the top),
+  // an EOS id may end it (unless ignore_eos, or before min_tokens).
+  std::string json_schema;
 
   // Where the answer starts for a sequence whose request prompt has `prompt_len` tokens.
   int64_t answer_begin(int64_t prompt_len) const { return answer_start >= 0 ? answer_start : prompt_len; }
-  // Whether answer_prefixes may still mask the token after `generated` answer tokens.
+  // Whether answer_prefixes or json_schema may still mask the token after `generated` answer tokens.
   bool prefix_bound(int64_t generated) const {
+    if (!json_schema.empty()) return true;
     for (const auto& q : answer_prefixes) {
       if (static_cast<int64_t>(q.size()) > generated) return true;
     }

@@ -34,6 +34,7 @@ std::string check(const SamplingParams& p) {
       if (t < 0) return fmt::format("an answer prefix has token {}", t);
     }
   }
+  if (!p.answer_prefixes.empty() && !p.json_schema.empty()) return "answer prefixes and a json schema cannot be combined";
   if (!(p.min_p >= 0.0f && p.min_p <= 1.0f)) return fmt::format("min_p {} must be in [0, 1]", p.min_p);
   if (p.max_tokens < 0) return fmt::format("max_tokens {} must be >= 0", p.max_tokens);
   if (p.min_tokens < 0 || p.min_tokens > p.max_tokens) {
@@ -111,7 +112,7 @@ std::vector<int32_t> prefix_choices(const SamplingParams& p, std::span<const int
 
 int32_t sample(std::span<const float> logits, const SamplingParams& p, uint64_t seed, int64_t position,
                int32_t generated, std::span<const int64_t> eos, const TokenCounts& counts,
-               std::span<const int32_t> answer) {
+               std::span<const int32_t> answer, std::span<const uint64_t> allowed) {
   const auto V = static_cast<int32_t>(logits.size());
   std::vector<float> l(logits.begin(), logits.end());
   adjust_logits(l, p, counts);
@@ -136,6 +137,19 @@ int32_t sample(std::span<const float> logits, const SamplingParams& p, uint64_t 
       any = true;
     }
     if (any) l.swap(only);
+  }
+  if (!allowed.empty()) {
+    auto is_allowed = [&](size_t i) { return i < allowed.size() * 64 && (allowed[i >> 6] >> (i & 63) & 1); };
+    bool any = false;
+    for (size_t i = 0; i < l.size(); ++i) {
+      if (!is_allowed(i)) l[i] = kOff;
+      any = any || l[i] != kOff;
+    }
+    if (!any) {  // every allowed id masked above (min_tokens): kept finite, since one is drawn
+      for (size_t i = 0; i < l.size(); ++i) {
+        if (is_allowed(i)) l[i] = std::numeric_limits<float>::lowest();
+      }
+    }
   }
   if (p.temperature <= 0.0f || p.top_k == 1) {
     return static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());  // first of the maxima

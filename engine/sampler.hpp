@@ -28,10 +28,12 @@ struct TokenCounts {
 // The token at `position` (its index in the sequence), the `generated`-th of
 // the request. `eos` are the model's EOS ids. `counts`: the sequence so far, for
 // the penalties (none: no history).
-// `answer`: the answer's tokens so far (for p.answer_prefixes).
+// `answer`: the answer's tokens so far (for p.answer_prefixes). `allowed`: when given,
+// only the ids whose bit it sets can be drawn (p.json_schema's; bit i % 64 of word
+// i / 64, ids past it excluded); it must set at least one.
 int32_t sample(std::span<const float> logits, const SamplingParams& p, uint64_t seed, int64_t position,
                int32_t generated, std::span<const int64_t> eos, const TokenCounts& counts = TokenCounts{},
-               std::span<const int32_t> answer = {});
+               std::span<const int32_t> answer = {}, std::span<const uint64_t> allowed = {});
 
 // The tokens p.answer_prefixes allow after `answer` (sorted, distinct), or none when they
 // no longer bind it (a whole prefix is there, or none is left that it begins).

@@ -321,11 +321,22 @@ void Engine::after_chunk(Seq& s, int64_t n, const float* rows, int64_t row_count
   if (sampled == nullptr && sp.adjusts_logits()) {
     s.counts.update(s.tokens, sp.answer_begin(s.prompt_len));
   }
+  const auto answer = std::span(s.tokens).subspan(
+      std::min<size_t>(s.tokens.size(), static_cast<size_t>(sp.answer_begin(s.prompt_len))));
+  TokenMask allowed;
+  if (!sp.json_schema.empty()) {
+    if (auto why = schema_mask(s, answer, allowed)) {
+      if (why->empty()) {
+        finish(s, FinishReason::stop);  // the value is whole (an imported answer), or nothing may follow
+      } else {
+        finish(s, FinishReason::error, ErrorCode::internal, *why);
+      }
+      return;
+    }
+  }
   const int32_t token = sampled != nullptr ? *sampled  // argmax on the device (greedy_on_device)
                                            : sample(std::span(last, static_cast<size_t>(V)), sp, s.seed, s.length(),
-                                                    s.generated, c.eos_token_ids, s.counts,
-                                                    std::span(s.tokens).subspan(std::min<size_t>(
-                                                        s.tokens.size(), static_cast<size_t>(sp.answer_begin(s.prompt_len)))));
+                                                    s.generated, c.eos_token_ids, s.counts, answer, allowed);
   s.tokens.push_back(token);
   ++s.generated;
   Event e = make_event(s.id, EventKind::token);
@@ -341,6 +352,8 @@ void Engine::after_chunk(Seq& s, int64_t n, const float* rows, int64_t row_count
   const bool is_stop = std::find(p.stop_ids.begin(), p.stop_ids.end(), token) != p.stop_ids.end();
   if (s.generated >= p.min_tokens && (is_stop || (is_eos && !p.ignore_eos))) {
     finish(s, FinishReason::stop);
+  } else if (!p.json_schema.empty() && schema_whole(s)) {
+    finish(s, FinishReason::stop);  // the value is whole: nothing but its end may follow
   } else if (s.generated >= p.max_tokens || static_cast<int64_t>(s.tokens.size()) >= c.max_position_embeddings) {
     finish(s, FinishReason::length);
   } else if (s.req.park_after_prefill && s.generated == 1) {
@@ -421,6 +434,51 @@ void Engine::enqueue(Seq& s, bool again) {
     return again ? q <= p : q < p;
   });
   waiting_.insert(it, s.id);
+}
+
+bool Engine::sync_matcher(Seq& s) {
+  const auto& p = s.req.sampling;
+  if (!s.matcher) {
+    s.matcher = std::make_unique<JsonMatcher>(grammars_.get(p.json_schema));
+    s.matched = 0;
+  }
+  const auto begin = static_cast<size_t>(p.answer_begin(s.prompt_len));
+  const TokenVocabulary& vocab = *options_.vocabulary;
+  for (; begin + static_cast<size_t>(s.matched) < s.tokens.size(); ++s.matched) {
+    const int32_t id = s.tokens[begin + static_cast<size_t>(s.matched)];
+    if (id < 0 || id >= vocab.size() || vocab.bytes(id).empty() || !s.matcher->feed(vocab.bytes(id))) return false;
+  }
+  return true;
+}
+
+bool Engine::schema_whole(Seq& s) {
+  try {
+    return sync_matcher(s) && s.matcher->complete();
+  } catch (const Error&) {
+    return false;  // schema_mask reports it at the next sample
+  }
+}
+
+std::optional<std::string> Engine::schema_mask(Seq& s, std::span<const int32_t> answer, TokenMask& allowed) {
+  const auto& p = s.req.sampling;
+  try {
+    if (!sync_matcher(s)) {
+      return fmt::format("the answer's {} tokens break its json schema", answer.size());
+    }
+  } catch (const Error& e) {
+    return std::string(e.what());
+  }
+  if (s.matcher->complete()) return std::string();
+  const auto& eos = model_.config().eos_token_ids;
+  allowed = s.matcher->allowed(*options_.vocabulary);
+  allowed.resize(std::max(allowed.size(), static_cast<size_t>(model_.config().vocab_size + 63) / 64), 0);
+  if (s.matcher->may_end() && !p.ignore_eos && s.generated >= p.min_tokens) {
+    for (int64_t e : eos) {
+      if (e >= 0 && static_cast<size_t>(e) < allowed.size() * 64) allowed[static_cast<size_t>(e) >> 6] |= uint64_t{1} << (e & 63);
+    }
+  }
+  if (std::all_of(allowed.begin(), allowed.end(), [](uint64_t w) { return w == 0; })) return std::string();
+  return std::nullopt;
 }
 
 }  // namespace troupe::engine

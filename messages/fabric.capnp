@@ -55,6 +55,7 @@ struct Sampling {
   logitBias @13 :List(TokenBias);       # added to these tokens' logits first
   minP @14 :Float32;                    # 0: off
   answerPrefixes @15 :List(List(Int32)); # the answer begins with one of these (engine::SamplingParams)
+  jsonSchema @16 :Text;                 # the answer is JSON under this schema; empty: free text
 }
 
 struct TokenBias {

@@ -36,6 +36,11 @@ struct SamplingParams {
   # vLLM's min_p: only tokens whose probability is at least this times the likeliest
   # one's, in [0, 1]; 0 = off.
   minP @9 :Float32 = 0.0;
+  # Structured output: the answer is one JSON value valid under this JSON Schema
+  # (the keywords troupe holds: engine/json_schema.hpp; "{}" = any JSON value,
+  # {"type": "object"} = OpenAI's json_object); empty = free text. A schema
+  # troupe cannot hold is refused with an Error frame naming the keyword.
+  jsonSchema @10 :Text;
 }
 
 struct LogitBias {

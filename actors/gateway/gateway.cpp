@@ -14,6 +14,7 @@
 
 #include "actors/gateway/fanout.hpp"
 #include "actors/gateway/openai.hpp"
+#include "engine/json_schema.hpp"
 #include "messages/kinds.hpp"
 #include "model/tokenizer/openai_messages.hpp"
 #include "model/tokenizer/stop_strings.hpp"
@@ -129,6 +130,7 @@ struct GatewayState {
   static inline const char* name = "gateway";
   GatewayConfig config;
   std::shared_ptr<const tokenizer::Tokenizer> tok;
+  engine::GrammarCache grammars;  // json schemas compiled at admission (a bad one is a 400 here, not an engine error)
   std::shared_ptr<gateway::HttpServer> server;
   std::shared_ptr<frames::Front> frame_front;
   std::map<FrameKey, RequestId> frame_ids;  // running frame requests
@@ -577,6 +579,29 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
                                std::to_string(vocab), "invalid_request_error", "logit_bias", ""};
     }
   }
+  std::string json_schema = api.sampling.json_schema;
+  if (!json_schema.empty()) {
+    try {
+      st.grammars.get(json_schema);
+    } catch (const Error& e) {
+      requests_counter(st, route, 400).inc();
+      return ApiError{400, e.what(), "invalid_request_error", "response_format", ""};
+    }
+  } else if (api.uses_tools() && api.tool_choice.mode == gateway::ToolChoice::named) {
+    // The answer is the named call's arguments: held to the tool's parameters where this
+    // grammar holds their schema, else to any JSON object.
+    json_schema = R"({"type": "object"})";
+    for (const auto& t : api.tools) {
+      if (t.name != api.tool_choice.name || !t.function.contains("parameters")) continue;
+      try {
+        const std::string params = t.function["parameters"].dump();
+        st.grammars.get(params);
+        json_schema = params;
+      } catch (const Error& e) {
+        spdlog::debug("tool '{}': arguments held to any object: {}", t.name, e.what());
+      }
+    }
+  }
   const auto plen = static_cast<int64_t>(prompt.size());
   if (plen == 0) {
     requests_counter(st, route, 400).inc();
@@ -648,6 +673,7 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
   s.presence_penalty = api.sampling.presence_penalty;
   s.answer_start = plen;  // a resubmission appends the answer so far to the prompt; the penalties still see it
   s.logit_bias = api.sampling.logit_bias;
+  s.json_schema = std::move(json_schema);
   if (api.uses_tools() && api.tool_choice.mode == gateway::ToolChoice::required) {
     // The answer starts inside a call after "function<sep>": it goes on with one of the
     // offered names and the json fence, so the call names a tool the request has.
@@ -775,6 +801,7 @@ std::variant<ApiRequest, ApiError> from_frame(const messages::Frame& frame, cons
   s.top_p = p;
   s.top_k = static_cast<int32_t>(sp.getTopK());
   s.min_p = mp;
+  s.json_schema = sp.getJsonSchema().cStr();
   s.repetition_penalty = rp;
   s.frequency_penalty = fp;
   s.presence_penalty = pp;

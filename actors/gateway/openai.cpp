@@ -350,10 +350,40 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
     if (!rf.is_object() || !rf.contains("type") || !rf["type"].is_string()) {
       return bad("response_format", "'response_format' must be an object with a string 'type'");
     }
-    if (rf["type"] != "text") {
-      return bad("response_format", "only response_format type 'text' is supported (no constrained decoding), got '" +
-                                        escape_for_error(rf["type"].get<std::string>()) + "'");
+    const std::string type = rf["type"];
+    if (type == "json_object") {
+      s.json_schema = R"({"type": "object"})";
+    } else if (type == "json_schema") {
+      if (!rf.contains("json_schema") || !rf["json_schema"].is_object()) {
+        return bad("response_format", "response_format type 'json_schema' needs a 'json_schema' object");
+      }
+      const auto& js = rf["json_schema"];
+      if (js.contains("schema") && !js["schema"].is_null() && !js["schema"].is_object() && !js["schema"].is_boolean()) {
+        return bad("response_format", "'json_schema.schema' must be a JSON Schema (an object)");
+      }
+      s.json_schema = js.contains("schema") && !js["schema"].is_null() ? js["schema"].dump() : "{}";
+    } else if (type != "text") {
+      return bad("response_format", "response_format 'type' must be 'text', 'json_object' or 'json_schema', got '" +
+                                        escape_for_error(type) + "'");
     }
+  }
+  if (j.contains("guided_json") && !j["guided_json"].is_null()) {  // vLLM's
+    if (!s.json_schema.empty()) return bad("guided_json", "give either 'guided_json' or a json 'response_format', not both");
+    const auto& g = j["guided_json"];
+    if (g.is_string()) {
+      s.json_schema = g.get<std::string>();
+    } else if (g.is_object() || g.is_boolean()) {
+      s.json_schema = g.dump();
+    } else {
+      return bad("guided_json", "'guided_json' must be a JSON Schema (an object or its text)");
+    }
+  }
+  if (!s.json_schema.empty() && r.uses_tools() && r.tool_choice.mode == ToolChoice::required) {
+    return bad("response_format", "a json response_format cannot be combined with tool_choice 'required' over several tools");
+  }
+  if (!s.json_schema.empty() && r.uses_tools() && r.tool_choice.mode == ToolChoice::named) {
+    return bad("response_format", "a json response_format cannot be combined with a named tool_choice (the call's "
+                                  "arguments already follow the tool's parameters)");
   }
   if (j.contains("stream_options") && j["stream_options"].is_object()) {
     const auto& so = j["stream_options"];

@@ -65,6 +65,7 @@ void sampling_to_wire(const engine::SamplingParams& s, msg::Sampling::Builder ou
   out.setFrequencyPenalty(s.frequency_penalty);
   out.setPresencePenalty(s.presence_penalty);
   out.setAnswerStart(s.answer_start);
+  out.setJsonSchema(s.json_schema);
   auto prefixes = out.initAnswerPrefixes(static_cast<unsigned>(s.answer_prefixes.size()));
   for (size_t i = 0; i < s.answer_prefixes.size(); ++i) {
     const auto& q = s.answer_prefixes[i];
@@ -95,6 +96,7 @@ engine::SamplingParams sampling_from_wire(msg::Sampling::Reader in) {
   s.answer_start = in.getAnswerStart();
   for (auto b : in.getLogitBias()) s.logit_bias.emplace_back(b.getToken(), b.getBias());
   for (auto q : in.getAnswerPrefixes()) s.answer_prefixes.push_back(ints(q));
+  s.json_schema = in.getJsonSchema().cStr();
   return s;
 }
 

@@ -101,6 +101,9 @@ Command add_client(CLI::App& app) {
   gen->add_option("--top-p", o->gen.top_p, "nucleus mass");
   gen->add_option("--top-k", o->gen.top_k, "0 = off");
   gen->add_option("--min-p", o->gen.min_p, "0 .. 1; 0 = off");
+  gen->add_option("--json-schema", o->gen.json_schema,
+                  "the answer is JSON under this JSON Schema (its text; '{}' any value, '{\"type\": \"object\"}' "
+                  "an object)");
   gen->add_option("--seed", o->seed, "sampling seed");
   gen->add_option("--repetition-penalty", o->gen.repetition_penalty, "> 0; 1 = off");
   gen->add_option("--frequency-penalty", o->gen.frequency_penalty, "-2 .. 2; 0 = off");

@@ -52,4 +52,10 @@ std::string default_tokenizer_dir() {
         "the shipped DeepSeek-V4 tokenizer was not found (looked in {}); set TROUPE_TOKENIZER_DIR", looked);
 }
 
+std::string tokenizer_dir_for(const std::string& model_dir) {
+  std::error_code ec;
+  if (fs::exists(fs::path(model_dir) / "tokenizer.json", ec)) return model_dir;
+  return default_tokenizer_dir();
+}
+
 }  // namespace troupe::tokenizer

@@ -15,4 +15,7 @@ namespace troupe::tokenizer {
 // Throws troupe::Error(not_found) listing every place it looked.
 std::string default_tokenizer_dir();
 
+// The tokenizer of the model in `model_dir`: its own tokenizer.json, else the shipped one.
+std::string tokenizer_dir_for(const std::string& model_dir);
+
 }  // namespace troupe::tokenizer

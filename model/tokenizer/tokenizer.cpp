@@ -211,6 +211,14 @@ std::string_view Tokenizer::token_bytes(int32_t id) const {
   return token_bytes_[id];
 }
 
+std::vector<std::string> Tokenizer::vocabulary_bytes() const {
+  std::vector<std::string> out(token_bytes_.size());
+  for (size_t id = 0; id < out.size(); ++id) {
+    if (token_kind_[id] == kVocab) out[id] = token_bytes_[id];
+  }
+  return out;
+}
+
 bool Tokenizer::is_special(int32_t id) const {
   return id >= 0 && id < vocab_size() && token_kind_[id] == kAddedSpecial;
 }

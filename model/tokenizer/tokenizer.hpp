@@ -71,6 +71,9 @@ class Tokenizer {
   // Throws troupe::Error(invalid_argument) for an unknown id.
   std::string_view token_bytes(int32_t id) const;
   bool is_special(int32_t id) const;
+  // Every id's bytes, empty for added tokens (special or not) and ids the tokenizer
+  // does not have: what text the model can write token by token (structured output).
+  std::vector<std::string> vocabulary_bytes() const;
   // The id of a vocabulary or added-token string ("<｜User｜>", "Ġthe").
   std::optional<int32_t> token_id(std::string_view token) const;
   int32_t vocab_size() const { return static_cast<int32_t>(token_bytes_.size()); }

@@ -86,7 +86,10 @@ def test_wrong_types_name_the_parameter():
              ({"repetition_penalty": -1}, "repetition_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
              ({"min_p": 1.5}, "min_p"), ({"min_p": -0.1}, "min_p"), ({"min_p": "x"}, "min_p"),
              ({"suffix": "tail"}, "suffix"), ({"best_of": 3}, "best_of"),
-             ({"response_format": {"type": "json_object"}}, "response_format"),
+             ({"response_format": {"type": "xml"}}, "response_format"),
+             ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "x"}}}},
+              "response_format"),
+             ({"guided_json": 5}, "guided_json"),
              ({"response_format": "json"}, "response_format")]
     for patch, param in cases:
         body = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
@@ -105,8 +108,7 @@ def test_wrong_types_name_the_parameter():
                          ({"tools": tool}, "tools"), ({"tools": [tool], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
                          ({"tool_choice": "required"}, "tool_choice"), ({"functions": [tool["function"]]}, "functions"),
                          ({"tools": [tool], "tool_choice": "required", "add_generation_prompt": False}, "tool_choice"),
-                         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-                          "response_format")]:
+                         ({"response_format": {"type": "json_schema", "json_schema": "x"}}, "response_format")]:
         s, b = post({**chat, **patch}, path="/v1/chat/completions")
         expect_error(s, b, 400, param=param)
     # Their "off" values are fine.
@@ -266,7 +268,7 @@ def random_body(rng):
     cut short or followed by bytes that are not UTF-8. The generation length stays small."""
     names = ["model", "messages", "prompt", "temperature", "top_p", "top_k", "n", "stream", "stream_options",
              "stop", "seed", "logprobs", "top_logprobs", "echo", "logit_bias", "presence_penalty",
-             "frequency_penalty", "repetition_penalty", "min_p", "ignore_eos", "user", "response_format", "tools",
+             "frequency_penalty", "repetition_penalty", "min_p", "ignore_eos", "user", "response_format", "guided_json", "tools",
              "tool_choice", "suffix", "best_of", "add_generation_prompt", "priority", "return_token_ids"]
 
     def value(depth=0):

@@ -7,6 +7,7 @@ over frames gives the same ids and text as /v1/completions; Abort, Park and
 Resume (same greedy ids), ListModels, a closed connection aborts its requests; bad requests get Error frames and
 the server keeps serving.
 """
+import json
 import re
 import socket
 import struct
@@ -115,6 +116,23 @@ def test_chat_matches_http():
         out = c.generate(chat=[("user", "hello")], max_tokens=6, temperature=0.0)
     assert out["text"] == b["choices"][0]["message"]["content"], (out, b)
     assert out["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"], (out, b)
+
+
+def test_json_schema_matches_http():
+    """GenerateRequest.sampling.jsonSchema: the same answer as HTTP's response_format, valid under the schema."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"},
+                                               "tag": {"enum": ["a", "b"]}}, "required": ["ok", "n", "tag"]}
+    s, b = srv().post("/v1/completions", dict(model=MODEL, prompt="state:", max_tokens=300, temperature=0,
+                                              response_format={"type": "json_schema",
+                                                               "json_schema": {"name": "s", "schema": schema}}))
+    assert s == 200 and b["choices"][0]["finish_reason"] == "stop", (s, b)
+    with client() as c:
+        out = c.generate(text="state:", max_tokens=300, temperature=0.0, json_schema=schema)
+        assert out["text"] == b["choices"][0]["text"], (out, b)
+        v = json.loads(out["text"])
+        assert set(v) == {"ok", "n", "tag"} and isinstance(v["ok"], bool) and v["tag"] in ("a", "b"), v
+        expect_error(lambda: c.generate(text="x", json_schema={"type": "string", "format": "email", "pattern": "@"},
+                                        max_tokens=2), "invalidArgument", "'pattern'")
 
 
 def test_list_models():

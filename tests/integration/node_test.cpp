@@ -137,6 +137,7 @@ TEST_F(NodeFabric, messages_cross_as_the_same_structs_and_handles_become_one_pro
   job.sampling.seed = 77;
   job.sampling.min_p = 0.25f;
   job.sampling.answer_prefixes = {{4, 5}, {6}};
+  job.sampling.json_schema = R"({"type": "object"})";
   job.reply_to = router_;
   job.logprobs = 3;
   job.prompt_logprobs = 2;
@@ -149,6 +150,7 @@ TEST_F(NodeFabric, messages_cross_as_the_same_structs_and_handles_become_one_pro
   EXPECT_EQ(got.sampling.max_tokens, 9);
   EXPECT_EQ(got.sampling.min_p, 0.25f);
   EXPECT_EQ(got.sampling.answer_prefixes, (std::vector<std::vector<int32_t>>{{4, 5}, {6}}));
+  EXPECT_EQ(got.sampling.json_schema, job.sampling.json_schema);
   ASSERT_TRUE(got.sampling.seed.has_value());
   EXPECT_EQ(*got.sampling.seed, 77u);
   EXPECT_EQ(got.logprobs, 3);

@@ -1,0 +1,129 @@
+// Structured output: answers held to a JSON Schema, token by token.
+//
+// A schema compiles to a JsonGrammar (a tree of value kinds). A JsonMatcher
+// follows one answer through it byte by byte: its state is a set of stacks of
+// frames (one per way the bytes so far can still be read; several only where
+// anyOf, a type list or an enum leaves the reading open), and the tokens that may
+// come next are those whose bytes the state accepts whole. Token masks are cached
+// per state in the grammar, so an answer that revisits a state (every property
+// of every array element, every token inside a long string) pays once.
+//
+// What is held: the JSON syntax (RFC 8259; strings valid UTF-8), and of JSON
+// Schema: type (a name or a list), properties / required (properties given: no
+// others, as OpenAI's strict mode and xgrammar's default), additionalProperties
+// (objects without properties), items, minItems / maxItems, minLength /
+// maxLength, enum, const, anyOf / oneOf (oneOf as anyOf), allOf of one schema,
+// $ref into the document ($defs, definitions, recursion), nullable. Annotations
+// (title, description, default, examples, format, $schema, $id, $comment, ...) are
+// read past. Anything that would narrow the values further (pattern, minimum,
+// multipleOf, uniqueItems, ...) is refused when the schema compiles, naming the
+// keyword and where it is: an answer is never claimed to follow a rule that was
+// not applied. Bounds that keep a runaway answer finite (and every number a
+// double): at most 64 consecutive whitespace bytes, 32 bytes of one number and two
+// digits of its exponent, 32 levels of nesting, 64 properties an object.
+//
+// Not thread-safe: a grammar and its matchers belong to one engine thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+namespace troupe::engine {
+
+// What each token id writes, as the masks see it.
+class TokenVocabulary {
+ public:
+  // bytes[id]: the token's bytes; empty for ids that structured output never
+  // samples (special and added tokens, ids the tokenizer does not have).
+  explicit TokenVocabulary(std::vector<std::string> bytes);
+  int32_t size() const { return static_cast<int32_t>(bytes_.size()); }
+  std::string_view bytes(int32_t id) const { return bytes_[static_cast<size_t>(id)]; }
+  // Ids whose first byte is b.
+  std::span<const int32_t> starting_with(uint8_t b) const;
+  // How many characters the token writes when it is text a JSON string takes as it is
+  // (no quote, backslash or control byte; whole UTF-8 characters), else -1.
+  int32_t plain_chars(int32_t id) const { return plain_chars_[static_cast<size_t>(id)]; }
+
+ private:
+  std::vector<std::string> bytes_;
+  std::vector<int32_t> by_first_;        // ids sorted by first byte
+  std::vector<uint32_t> first_begin_;    // 257 offsets into by_first_
+  std::vector<int32_t> plain_chars_;
+};
+
+// Allowed token ids as bits (bit id % 64 of word id / 64).
+using TokenMask = std::vector<uint64_t>;
+
+class JsonGrammar {
+ public:
+  // Throws troupe::Error(invalid_argument) for text that is not JSON, a schema
+  // that matches nothing, or a keyword this grammar does not hold (the message
+  // names it and its JSON pointer).
+  static std::shared_ptr<JsonGrammar> compile(std::string_view schema);
+  ~JsonGrammar();
+
+  struct Node;
+  struct Frame;
+  struct State;
+
+ private:
+  friend class JsonMatcher;
+  JsonGrammar();
+  void step_all(const State& in, uint8_t c, State& out) const;
+  void step(std::vector<Frame>& s, uint8_t c, State& out) const;
+  void finish_child(std::vector<Frame>& s) const;
+  bool accepting(const State& s) const;
+  const TokenMask& mask(const State& s, const TokenVocabulary& vocab);
+
+  std::vector<Node> nodes_;
+  uint32_t root_ = 0;
+  // Masks by state (the state's frames as bytes), for one vocabulary.
+  const TokenVocabulary* mask_vocab_ = nullptr;
+  std::unordered_map<std::string, TokenMask> masks_;
+  // Scratch of mask(), kept for its capacity.
+  std::unique_ptr<State> scratch_[3];
+};
+
+// One answer's place in a grammar.
+class JsonMatcher {
+ public:
+  explicit JsonMatcher(std::shared_ptr<JsonGrammar> grammar);
+  ~JsonMatcher();
+  JsonMatcher(const JsonMatcher& other);  // the same place, followed apart from here on
+  JsonMatcher& operator=(const JsonMatcher& other);
+  JsonMatcher(JsonMatcher&&) noexcept;
+  JsonMatcher& operator=(JsonMatcher&&) noexcept;
+
+  // Reads `bytes` on. False when they break the schema: the matcher is then dead.
+  bool feed(std::string_view bytes);
+  bool dead() const;
+  // The answer is one whole value: nothing but its end may follow.
+  bool complete() const;
+  // Whether the answer may end here, or go on (a number can do both).
+  bool may_end() const;
+  // The tokens of `vocab` whose bytes the state accepts whole (valid until the
+  // next call on this grammar).
+  const TokenMask& allowed(const TokenVocabulary& vocab);
+
+ private:
+  std::shared_ptr<JsonGrammar> grammar_;
+  std::unique_ptr<JsonGrammar::State> state_, next_;
+};
+
+// Compiled grammars by schema text, for one engine (bounded: the oldest half goes
+// when it is full).
+class GrammarCache {
+ public:
+  std::shared_ptr<JsonGrammar> get(const std::string& schema);
+
+ private:
+  std::unordered_map<std::string, std::pair<uint64_t, std::shared_ptr<JsonGrammar>>> grammars_;
+  uint64_t uses_ = 0;
+};
+
+}  // namespace troupe::engine

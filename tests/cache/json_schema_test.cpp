@@ -1,0 +1,297 @@
+// Structured output (engine/json_schema.hpp): the matcher against hand-written
+// documents, random walks through it checked by an independent validator, token
+// masks against feeding each token, and the keywords it refuses.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <random>
+#include <string>
+#include <vector>
+
+#include "base/error.hpp"
+#include "engine/json_schema.hpp"
+#include "model/tokenizer/default_tokenizer.hpp"
+#include "model/tokenizer/tokenizer.hpp"
+
+namespace troupe::engine {
+namespace {
+
+using Json = nlohmann::json;
+
+// Characters (code points) of UTF-8 text.
+int64_t chars(const std::string& s) {
+  int64_t n = 0;
+  for (unsigned char c : s) n += (c & 0xC0) != 0x80;
+  return n;
+}
+
+// An independent reading of the schema subset json_schema.hpp holds: whether
+// `v` is valid under `s` (root `doc` for $ref).
+bool valid(const Json& v, const Json& s, const Json& doc) {
+  if (s.is_boolean()) return s.get<bool>();
+  if (s.contains("$ref")) return valid(v, doc.at(Json::json_pointer(s["$ref"].get<std::string>().substr(1))), doc);
+  if (s.value("nullable", false) && v.is_null()) return true;
+  for (const char* k : {"anyOf", "oneOf"}) {
+    if (!s.contains(k)) continue;
+    for (const auto& o : s[k]) {
+      if (valid(v, o, doc)) return true;
+    }
+    return false;
+  }
+  if (s.contains("allOf")) return valid(v, s["allOf"][0], doc);
+  if (s.contains("const")) return v == s["const"];
+  if (s.contains("enum")) return std::find(s["enum"].begin(), s["enum"].end(), v) != s["enum"].end();
+  std::vector<std::string> types;
+  if (s.contains("type")) {
+    if (s["type"].is_string()) types.push_back(s["type"]);
+    for (const auto& t : s["type"]) {
+      if (t.is_string()) types.push_back(t);
+    }
+  }
+  auto typed = [&](const std::string& t) {
+    if (t == "object") {
+      if (!v.is_object()) return false;
+      const bool named = s.contains("properties") && !s["properties"].empty();
+      for (const auto& [k, x] : v.items()) {
+        if (named) {
+          if (!s["properties"].contains(k) || !valid(x, s["properties"][k], doc)) return false;
+        } else if (!valid(x, s.value("additionalProperties", Json(true)), doc)) {
+          return false;
+        }
+      }
+      for (const auto& r : s.value("required", Json::array())) {
+        if (!v.contains(r.get<std::string>())) return false;
+      }
+      return true;
+    }
+    if (t == "array") {
+      if (!v.is_array()) return false;
+      if (static_cast<int64_t>(v.size()) < s.value("minItems", 0)) return false;
+      if (s.contains("maxItems") && static_cast<int64_t>(v.size()) > s["maxItems"].get<int64_t>()) return false;
+      for (const auto& x : v) {
+        if (!valid(x, s.value("items", Json(true)), doc)) return false;
+      }
+      return true;
+    }
+    if (t == "string") {
+      if (!v.is_string()) return false;
+      const int64_t n = chars(v.get<std::string>());
+      return n >= s.value("minLength", 0) && (!s.contains("maxLength") || n <= s["maxLength"].get<int64_t>());
+    }
+    if (t == "integer") return v.is_number_integer();
+    if (t == "number") return v.is_number();
+    if (t == "boolean") return v.is_boolean();
+    if (t == "null") return v.is_null();
+    return false;
+  };
+  if (types.empty()) {
+    if (s.contains("properties")) return typed("object");
+    if (s.contains("items")) return typed("array");
+    return true;
+  }
+  return std::any_of(types.begin(), types.end(), typed);
+}
+
+// Whether the whole of `text` is an answer the matcher takes.
+bool takes(const std::string& schema, const std::string& text) {
+  JsonMatcher m(JsonGrammar::compile(schema));
+  return m.feed(text) && m.may_end();
+}
+
+const char* const kPerson = R"({
+  "type": "object",
+  "properties": {
+    "name": {"type": "string", "minLength": 1, "maxLength": 12},
+    "age": {"type": "integer"},
+    "tags": {"type": "array", "items": {"enum": ["a", "b", 1, 10, null]}, "maxItems": 3},
+    "home": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/place"}]},
+    "score": {"type": ["number", "boolean"]}
+  },
+  "required": ["name", "age"],
+  "$defs": {"place": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"const": "x\"y"}},
+                      "required": ["city"], "additionalProperties": false}}
+})";
+
+TEST(JsonSchema, takes_valid_documents_and_nothing_else) {
+  struct Case {
+    const char* schema;
+    const char* text;
+    bool ok;
+  };
+  const Case cases[] = {
+      {"{}", R"({"a": [1, 2.5e-3, true, null, "x\u00e9\n"], "b": {}})", true},
+      {"{}", "-0.5E+10", true},
+      {"{}", "[1,]", false},
+      {"{}", "01", false},
+      {"{}", R"("\x")", false},
+      {"{}", "\"a\x01\"", false},
+      {"{}", "\"\xC3\xA9\"", true},       // é
+      {"{}", "\"\xC3\"", false},          // a lead byte alone
+      {"{}", "\"\xE0\x80\x80\"", false},  // overlong
+      {"{}", "\"\xED\xA0\x80\"", false},  // a surrogate
+      {"{}", "{\"a\":1}{", false},
+      {"{}", "  \n{ } ", false},          // nothing after the value, not even whitespace
+      {"{}", "  \n{ }", true},
+      {R"({"type": "object"})", "[]", false},
+      {R"({"type": "object"})", R"({"x": {"y": [1]}})", true},
+      {kPerson, R"({"name": "Ann", "age": 30})", true},
+      {kPerson, R"({"age": 30, "name": "Ann", "tags": ["a", 10, null], "home": {"city": "Oslo", "zip": "x\"y"}, "score": false})", true},
+      {kPerson, R"({"name": "Ann"})", false},                     // age required
+      {kPerson, R"({"name": "", "age": 1})", false},              // minLength
+      {kPerson, R"({"name": "abcdefghijklm", "age": 1})", false}, // maxLength 12
+      {kPerson, R"({"name": "abcdefghijkl", "age": 1})", true},
+      {kPerson, R"({"name": "Ann", "age": 1.5})", false},         // integer
+      {kPerson, R"({"name": "Ann", "age": 1, "age": 2})", false}, // twice
+      {kPerson, R"({"name": "Ann", "age": 1, "other": 2})", false},
+      {kPerson, R"({"name": "Ann", "age": 1, "tags": ["a", "b", 1, 10]})", false},  // maxItems 3
+      {kPerson, R"({"name": "Ann", "age": 1, "tags": [100]})", false},
+      {kPerson, R"({"name": "Ann", "age": 1, "tags": [1, 10]})", true},
+      {kPerson, R"({"name": "Ann", "age": 1, "home": {"zip": "x\"y"}})", false},  // city required
+      {kPerson, R"({"name": "Ann", "age": 1, "home": null, "score": 3})", true},
+      {kPerson, R"({"name": "Ann", "age": 1, "score": "3"})", false},
+      {R"({"enum": [1, 10, 12.5]})", "1", true},
+      {R"({"enum": [1, 10, 12.5]})", "12", false},
+      {R"({"enum": [1, 10, 12.5]})", "12.5", true},
+      {R"({"type": "array", "minItems": 2, "items": {"type": "boolean"}})", "[true]", false},
+      {R"({"type": "array", "minItems": 2, "items": {"type": "boolean"}})", "[true, false]", true},
+      {R"({"type": "object", "additionalProperties": {"type": "integer"}})", R"({"a": 1, "b": 2})", true},
+      {R"({"type": "object", "additionalProperties": {"type": "integer"}})", R"({"a": "1"})", false},
+      {R"({"type": "object", "additionalProperties": false})", "{}", true},
+      {R"({"type": "object", "additionalProperties": false})", R"({"a": 1})", false},
+      {R"({"$defs": {"t": {"type": "object", "properties": {"k": {"type": "array", "items": {"$ref": "#/$defs/t"}}}}}, "$ref": "#/$defs/t"})",
+       R"({"k": [{"k": []}, {}]})", true},
+      {R"({"type": "string", "nullable": true})", "null", true},
+      {R"({"type": "integer"})", "123456789012345678901234567890123", false},  // 33 bytes
+      {R"({"anyOf": [{"$ref": "#"}, {"$ref": "#"}, {"type": "null"}]})", "null", true},
+      {R"({"anyOf": [{"$ref": "#"}, {"type": "null"}]})", "1", false},
+  };
+  for (const auto& c : cases) EXPECT_EQ(takes(c.schema, c.text), c.ok) << c.schema << "\n" << c.text;
+}
+
+TEST(JsonSchema, refuses_what_it_does_not_hold) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"not json", "not JSON"},
+      {"false", "matches nothing"},
+      {R"({"type": "string", "pattern": "a+"})", "'pattern'"},
+      {R"({"type": "integer", "minimum": 0})", "'minimum'"},
+      {R"({"properties": {"a": {"type": "string", "format": "date", "maxLength": 3, "multipleOf": 2}}})", "#/properties/a/multipleOf"},
+      {R"({"properties": {"a": {}}, "additionalProperties": true})", "additional properties"},
+      {R"({"properties": {"a": {}}, "required": ["b"]})", "\"b\" is not one of the properties"},
+      {R"({"$ref": "http://example.com/s.json"})", "only references into this document"},
+      {R"({"$ref": "#/$defs/none"})", "names nothing"},
+      {R"({"type": "decimal"})", "unknown type 'decimal'"},
+      {R"({"allOf": [{}, {}]})", "allOf of one"},
+      {R"({"$ref": "#"})", "refers to itself"},
+      {R"({"type": "array", "minItems": 3, "maxItems": 2})", "maxItems is below minItems"},
+      {R"({"type": "string", "maxLength": -1})", "non-negative integer"},
+  };
+  for (const auto& [schema, why] : cases) {
+    try {
+      JsonGrammar::compile(schema);
+      ADD_FAILURE() << schema << " compiled";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+    }
+  }
+}
+
+// A random answer the matcher allows, byte by byte, leaning towards bytes that
+// close things so that most walks end; empty when a walk runs past `cap`.
+std::string walk(const std::string& schema, std::mt19937_64& rng, size_t cap) {
+  JsonMatcher m(JsonGrammar::compile(schema));
+  std::string text;
+  const std::string closers = "\"}],:0123456789tfn{[ ";
+  while (text.size() < cap) {
+    if (m.may_end() && (m.complete() || rng() % 4 == 0)) return text;
+    std::vector<uint8_t> ok, closing;
+    for (int c = 0; c < 256; ++c) {
+      JsonMatcher t = m;
+      if (!t.feed(std::string(1, static_cast<char>(c)))) continue;
+      ok.push_back(static_cast<uint8_t>(c));
+      if (closers.find(static_cast<char>(c)) != std::string::npos) closing.push_back(static_cast<uint8_t>(c));
+    }
+    if (ok.empty()) return {};  // stuck: fails below
+    const auto& from = !closing.empty() && rng() % 3 != 0 ? closing : ok;
+    const uint8_t c = from[rng() % from.size()];
+    text.push_back(static_cast<char>(c));
+    EXPECT_TRUE(m.feed(std::string(1, static_cast<char>(c))));
+  }
+  return {};
+}
+
+TEST(JsonSchema, random_answers_are_valid_json_under_the_schema) {
+  const char* const schemas[] = {
+      "{}",
+      kPerson,
+      R"({"type": "array", "items": {"type": "object", "properties": {"id": {"type": "integer"}, "ok": {"type": "boolean"}}, "required": ["id"]}, "minItems": 1, "maxItems": 4})",
+      R"({"anyOf": [{"type": "string", "maxLength": 3}, {"type": "array", "items": {"type": ["integer", "null"]}}]})",
+      R"({"type": "object", "additionalProperties": {"enum": ["x", 2, true, {"a": [1]}]}})",
+  };
+  std::mt19937_64 rng(7);
+  for (const char* schema : schemas) {
+    const Json s = Json::parse(schema);
+    int ended = 0;
+    for (int i = 0; i < 60; ++i) {
+      const std::string text = walk(schema, rng, 300);
+      if (text.empty()) continue;
+      ++ended;
+      Json v;
+      ASSERT_NO_THROW(v = Json::parse(text)) << text;
+      EXPECT_TRUE(valid(v, s, s)) << schema << "\n" << text;
+    }
+    EXPECT_GT(ended, 20) << schema;
+  }
+}
+
+// The mask at each place equals feeding every token on a copy.
+void expect_masks_exact(const std::string& schema, const TokenVocabulary& vocab, const std::vector<std::string>& prefixes) {
+  for (const auto& prefix : prefixes) {
+    JsonMatcher m(JsonGrammar::compile(schema));
+    ASSERT_TRUE(m.feed(prefix)) << prefix;
+    const TokenMask mask = m.allowed(vocab);
+    int64_t allowed = 0;
+    for (int32_t id = 0; id < vocab.size(); ++id) {
+      const std::string_view b = vocab.bytes(id);
+      JsonMatcher t = m;
+      const bool want = !b.empty() && t.feed(b);
+      const bool got = mask[static_cast<size_t>(id) >> 6] >> (id & 63) & 1;
+      allowed += got;
+      ASSERT_EQ(got, want) << "after '" << prefix << "' token " << id << " '" << b << "'";
+    }
+    EXPECT_EQ(m.allowed(vocab), mask);  // cached: the same
+    EXPECT_GT(allowed, 0) << prefix;
+  }
+}
+
+TEST(JsonSchema, token_masks_equal_feeding_each_token) {
+  std::vector<std::string> bytes = {"\"", "\"}", "\",", "\":", "\"a", "a\"", "{\"", "}", "]}", "},{", "\\", "\\u", "00e9",
+                                    "\\u00e9\"", "\\n", "1", "10", "1.", "1e", "e+5", ".5", "-", "true", "tr", "ue}",
+                                    "null", " ", "  ", "\n", " \"", ", \"", "\xC3", "\xA9", "\xC3\xA9", "\xA9\"", "name",
+                                    "\"name\": \"", "age\":", "x\\\"y", "\":\"", "\x01", "", "[", "[]", "[1,", "a,"};
+  for (int c = 32; c < 127; ++c) bytes.emplace_back(1, static_cast<char>(c));
+  const TokenVocabulary vocab(bytes);
+  expect_masks_exact(kPerson, vocab, {"", "{", "{\"", "{\"na", "{\"name\": \"A", "{\"name\": \"abcdefghijk",
+                                      "{\"name\": \"Ann\", \"age\": 1", "{\"name\": \"Ann\", \"age\": 12, \"tags\": [1",
+                                      "{\"age\": 1, \"name\": \"x\", \"home\": {\"zip\": \"x\\", "{\"age\": 1, \"name\": \"\xC3"});
+  expect_masks_exact("{}", vocab, {"", "[", "[\"", "{\"a\": 1.", "[tr", "{\"x\":{\"y\":[1, 2"});
+}
+
+TEST(JsonSchema, token_masks_equal_feeding_each_token_of_the_deepseek_vocabulary) {
+  const auto tok = tokenizer::Tokenizer::load(tokenizer::default_tokenizer_dir());
+  const TokenVocabulary vocab(tok->vocabulary_bytes());
+  expect_masks_exact(kPerson, vocab, {"", "{\"", "{\"name\": \"Jo", "{\"name\": \"Ann\", \"age\": 4",
+                                      "{\"name\": \"Ann\", \"age\": 4, \"tags\": [", "{\"age\": 1, \"name\": \"abcdefghij"});
+}
+
+TEST(JsonSchema, the_cache_compiles_a_schema_once) {
+  GrammarCache cache;
+  const auto a = cache.get(kPerson);
+  EXPECT_EQ(cache.get(kPerson), a);
+  EXPECT_NE(cache.get("{}"), a);
+  EXPECT_THROW(cache.get("{\"type\": 1}"), Error);
+}
+
+}  // namespace
+}  // namespace troupe::engine

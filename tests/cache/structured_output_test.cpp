@@ -1,0 +1,184 @@
+// SamplingParams::json_schema through the engine: the answers of a random-weight
+// model are JSON valid under the schema, greedy and sampled; a resubmitted answer
+// goes on as it would have; bad schemas and engines without a vocabulary refuse.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <regex>
+
+#include "engine/json_schema.hpp"
+#include "tests/cache/engine_harness.hpp"
+
+namespace troupe::engine {
+namespace {
+
+using Json = nlohmann::json;
+
+// The test model's ids as text: printable ASCII, JSON pieces, words and a few
+// multi-byte characters; ids 0 and 1 (EOS) write nothing.
+std::shared_ptr<const TokenVocabulary> test_vocabulary(int32_t V) {
+  std::vector<std::string> bytes(static_cast<size_t>(V));
+  for (int32_t id = 2; id < 2 + 95 && id < V; ++id) bytes[static_cast<size_t>(id)] = std::string(1, static_cast<char>(id + 30));
+  const char* const pieces[] = {"{\"", "\":", "\": ", "\",", "\", \"", "\"}", "true", "false", "null", " \"", ", \"",
+                                "}", "]", "[", "0", "12", ".5", "e+", "mode", "count", "flags", "label", "ab", "cd",
+                                "\xC3\xA9", "\xE4\xB8\xAD", "\xE4", "\xB8\xAD", "  ", "\n", "\\n", "\\u00", "}]", "[{"};
+  int32_t id = 97;
+  for (const char* p : pieces) {
+    if (id < V) bytes[static_cast<size_t>(id++)] = p;
+  }
+  for (int i = 0; id < V; ++id, ++i) bytes[static_cast<size_t>(id)] = "w" + std::to_string(i);
+  return std::make_shared<const TokenVocabulary>(std::move(bytes));
+}
+
+// Every string bounded, so every answer ends within the test's max_tokens.
+const char* const kSchema = R"({
+  "type": "object",
+  "properties": {
+    "mode": {"enum": ["fast", "exact"]},
+    "count": {"type": "integer"},
+    "flags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+    "label": {"type": ["string", "null"], "maxLength": 6}
+  },
+  "required": ["mode", "count"]
+})";
+
+std::string text_of(const TokenVocabulary& v, const std::vector<int32_t>& ids) {
+  std::string t;
+  for (int32_t id : ids) t += v.bytes(id);
+  return t;
+}
+
+void expect_valid(const std::string& text) {
+  Json j;
+  ASSERT_NO_THROW(j = Json::parse(text)) << text;
+  ASSERT_TRUE(j.is_object()) << text;
+  ASSERT_TRUE(j.contains("mode") && j.contains("count")) << text;
+  EXPECT_TRUE(j["mode"] == "fast" || j["mode"] == "exact") << text;
+  EXPECT_TRUE(j["count"].is_number_integer()) << text;
+  for (const auto& [k, v] : j.items()) {
+    EXPECT_TRUE(k == "mode" || k == "count" || k == "flags" || k == "label") << text;
+  }
+  if (j.contains("flags")) {
+    EXPECT_TRUE(j["flags"].is_array() && j["flags"].size() <= 3) << text;
+    for (const auto& f : j["flags"]) EXPECT_TRUE(f.is_boolean()) << text;
+  }
+  if (j.contains("label")) {
+    EXPECT_TRUE(j["label"].is_null() || j["label"].is_string()) << text;
+  }
+}
+
+TEST(StructuredOutput, answers_are_json_under_the_schema) {
+  auto& m = test::shared_model();
+  EngineOptions o;
+  o.vocabulary = test_vocabulary(static_cast<int32_t>(m.model->config().vocab_size));
+  test::Harness h(*m.model, o);
+  const auto& eos = m.model->config().eos_token_ids;
+  std::vector<RequestId> ids;
+  for (int i = 0; i < 6; ++i) {
+    Request r;
+    r.prompt = {5, 17, 33, static_cast<int32_t>(40 + i)};
+    r.sampling.json_schema = kSchema;
+    r.sampling.max_tokens = 3000;
+    r.sampling.temperature = i == 0 ? 0.0f : 1.0f;
+    r.sampling.seed = static_cast<uint64_t>(i);
+    r.sampling.ignore_eos = i == 5;  // finishes when the value is whole
+    ids.push_back(h.submit(std::move(r)));
+  }
+  h.run();
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const auto& run = h[ids[i]];
+    ASSERT_TRUE(run.finished);
+    EXPECT_EQ(run.last.reason, FinishReason::stop) << "request " << i;  // with the value whole, not with EOS
+    ASSERT_FALSE(run.generated.empty());
+    EXPECT_TRUE(std::find(eos.begin(), eos.end(), run.generated.back()) == eos.end()) << "request " << i;
+    expect_valid(text_of(*o.vocabulary, run.generated));
+  }
+  // A value that may end or go on (a number): EOS ends it where it may be sampled;
+  // with ignore_eos it goes on to the longest number the grammar takes.
+  for (const bool ignore : {false, true}) {
+    Request r;
+    r.prompt = {7, 7, 7};
+    r.sampling.json_schema = R"({"type": "integer"})";
+    r.sampling.max_tokens = 100;
+    r.sampling.temperature = 1.0f;
+    r.sampling.seed = 3;
+    r.sampling.ignore_eos = ignore;
+    const auto id = h.submit(std::move(r));
+    h.run();
+    const auto& run = h[id];
+    EXPECT_EQ(run.last.reason, FinishReason::stop);
+    std::vector<int32_t> answer = run.generated;
+    const bool ended = !answer.empty() && std::find(eos.begin(), eos.end(), answer.back()) != eos.end();
+    EXPECT_EQ(ended, !ignore);
+    if (ended) answer.pop_back();
+    const std::string text = text_of(*o.vocabulary, answer);
+    EXPECT_TRUE(std::regex_match(text, std::regex("-?(0|[1-9][0-9]*)"))) << text;  // past int64 too
+    if (ignore) {
+      EXPECT_EQ(text.size(), 32u) << text;
+    }
+  }
+}
+
+TEST(StructuredOutput, a_resubmitted_answer_goes_on_as_it_would_have) {
+  auto& m = test::shared_model();
+  EngineOptions o;
+  o.vocabulary = test_vocabulary(static_cast<int32_t>(m.model->config().vocab_size));
+  test::Harness h(*m.model, o);
+  Request r;
+  r.prompt = {9, 8, 7, 6, 5};
+  r.sampling.json_schema = kSchema;
+  r.sampling.max_tokens = 3000;
+  r.sampling.temperature = 1.0f;
+  r.sampling.seed = 11;
+  const auto whole = h.submit(r);
+  h.run();
+  const auto full = h[whole].generated;
+  ASSERT_GT(full.size(), 6u);
+  // The first tokens appended to the prompt, the answer still starting where it did.
+  Request again = r;
+  again.prompt.insert(again.prompt.end(), full.begin(), full.begin() + 5);
+  again.sampling.answer_start = static_cast<int64_t>(r.prompt.size());
+  again.sampling.max_tokens = r.sampling.max_tokens - 5;
+  const auto rest = h.submit(again);
+  h.run();
+  EXPECT_EQ(h[rest].generated, std::vector<int32_t>(full.begin() + 5, full.end()));
+}
+
+TEST(StructuredOutput, bad_schemas_and_engines_without_a_vocabulary_refuse) {
+  auto& m = test::shared_model();
+  EngineOptions o;
+  o.vocabulary = test_vocabulary(static_cast<int32_t>(m.model->config().vocab_size));
+  test::Harness h(*m.model, o);
+  Request r;
+  r.prompt = {3, 4};
+  r.sampling.json_schema = R"({"type": "string", "pattern": "^a"})";
+  const auto bad = h.submit(r);
+  r.sampling.json_schema = "{}";
+  r.sampling.answer_prefixes = {{5}};
+  const auto both = h.submit(r);
+  h.run();
+  EXPECT_EQ(h[bad].last.reason, FinishReason::error);
+  EXPECT_EQ(h[bad].last.code, ErrorCode::invalid_argument);
+  EXPECT_NE(h[bad].last.message.find("'pattern'"), std::string::npos) << h[bad].last.message;
+  EXPECT_EQ(h[both].last.reason, FinishReason::error);
+  EXPECT_NE(h[both].last.message.find("cannot be combined"), std::string::npos) << h[both].last.message;
+
+  test::Harness bare(*m.model, EngineOptions{});
+  Request plain;
+  plain.prompt = {3, 4};
+  plain.sampling.json_schema = "{}";
+  const auto none = bare.submit(plain);
+  bare.run();
+  EXPECT_EQ(bare[none].last.reason, FinishReason::error);
+  EXPECT_NE(bare[none].last.message.find("vocabulary"), std::string::npos) << bare[none].last.message;
+  // Both engines still serve: nothing was lost on the way.
+  plain.sampling.json_schema.clear();
+  plain.sampling.max_tokens = 3;
+  const auto ok = bare.submit(plain);
+  bare.run();
+  EXPECT_EQ(bare[ok].generated.size(), 3u);
+}
+
+}  // namespace
+}  // namespace troupe::engine

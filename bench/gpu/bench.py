@@ -213,15 +213,19 @@ class Bench:
             # Each way of finishing a row on the grid kernel (TopkArgs::finish, read from TROUPE_TOPK_FINISH at
             # each call, so at graph capture): 1 = the last CTA's radix rounds, 2 = the counted next digit +
             # rank; then the kernel choice (TROUPE_TOPK_STREAM): "grid" = never the streamed kernel, "stream" =
-            # always (the default never takes it since session 21: the grid kernel measured faster).
-            variants = {"1": ("1", None), "2": ("2", None), "grid": ("2", "0"), "stream": ("2", "1")}
+            # always (the default never takes it since session 21: the grid kernel measured faster); "sampled"
+            # = the sampled path (TROUPE_TOPK_SAMPLED=1: a sample's threshold, a filter, a finish a row; calls of
+            # at least 2 rows of at least 65,536 scores, else the grid kernel again).
+            variants = {"1": ("1", None, None), "2": ("2", None, None), "grid": ("2", "0", None),
+                        "stream": ("2", "1", None), "sampled": ("2", None, "1")}
             t_var, exact = {}, True
-            for name, (fin, stream_env) in variants.items():
+            for name, (fin, stream_env, sampled_env) in variants.items():
                 os.environ["TROUPE_TOPK_FINISH"] = fin
-                if stream_env is None:
-                    os.environ.pop("TROUPE_TOPK_STREAM", None)
-                else:
-                    os.environ["TROUPE_TOPK_STREAM"] = stream_env
+                for var, val in (("TROUPE_TOPK_STREAM", stream_env), ("TROUPE_TOPK_SAMPLED", sampled_env)):
+                    if val is None:
+                        os.environ.pop(var, None)
+                    else:
+                        os.environ[var] = val
                 # check: the chosen values equal torch.topk's values (ties give equal values)
                 self.ok(L.tb_topk(ptr(xs[0]), n, None, rows, n, k, ptr(out), ptr(cnt), ptr(ws), 0, stream()),
                         "topk")
@@ -231,7 +235,7 @@ class Bench:
                     self.failures.append(f"topk {rows}x{n} k={k} variant {name}")
                 exact = exact and ok
                 t_var[name] = graph_time(ours)
-                if rows == 1 or name == "stream":
+                if (rows == 1 and name != "sampled") or name == "stream":  # (the sampled path has no stamps)
                     # where the time goes: CTA 0's phases, then the row's last CTA (%globaltimer); the
                     # streamed kernel then the row's candidates and whether they overflowed
                     # (twice, the second call's stamps printed: its code and the workspace already met once)
@@ -259,13 +263,14 @@ class Bench:
                           " ".join(f"{nm}={d:.2f}" for nm, d in deltas) + extra, flush=True)
             os.environ.pop("TROUPE_TOPK_FINISH", None)
             os.environ.pop("TROUPE_TOPK_STREAM", None)
+            os.environ.pop("TROUPE_TOPK_SAMPLED", None)
             t_ours = t_var["2"]  # the default
             t_torch = graph_time(theirs)
             target = {(262144, 1): 8.0, (262144, 64): 40.0, (1048576, 1): 12.0}.get((n, rows))
             self.add(kernel="topk", shape=f"{rows}x{n} k={k}", ours_us=t_ours, torch_us=t_torch,
                      speedup=t_torch / t_ours, target_us=target if target else "", exact=exact,
                      finish1_us=t_var["1"], finish1_speedup=t_torch / t_var["1"], grid_us=t_var["grid"],
-                     stream_us=t_var["stream"])
+                     stream_us=t_var["stream"], sampled_us=t_var["sampled"])
             del xs, out, ws
 
     # ---- fused compressor ---------------------------------------------------------------
@@ -659,7 +664,7 @@ def self_rope(x, inv_freq, pos):
 
 def table(rows):
     cols = ["kernel", "shape", "ours_us", "torch_us", "torch_bf16_us", "torch_e4m3_us", "speedup", "finish1_us",
-            "finish1_speedup", "grid_us", "stream_us", "scores_us", "scores_pct_copy", "fused_us", "two_kernel_us", "mma_sync_us",
+            "finish1_speedup", "grid_us", "stream_us", "sampled_us", "scores_us", "scores_pct_copy", "fused_us", "two_kernel_us", "mma_sync_us",
             "mma_sync_scores_us", "fp32_us", "fp32_err", "key_copies", "bucket", "target_us", "gbps", "pct_copy", "tflops", "rel_err", "exact",
             "note"]
     used = [c for c in cols if any(c in r for r in rows)]

@@ -39,7 +39,7 @@ python3 - "$out" "${variants[@]%%=*}" <<'PY'
 import json, sys
 out, names = sys.argv[1], sys.argv[2:]
 runs = {n: json.load(open(f"{out}/{n}/bench.json")) for n in names}
-cols = ["ours_us", "finish1_us", "grid_us", "stream_us"]
+cols = ["ours_us", "finish1_us", "grid_us", "stream_us", "sampled_us"]
 keys = []
 for n in names:
     for r in runs[n]["rows"]:

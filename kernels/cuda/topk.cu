@@ -507,7 +507,7 @@ struct GridParams {
   uint32_t* ws;        // [kLaunchRows][kZeroWords]; zero between calls
   uint32_t* scratch;   // [rows of the launch][scratch_words]
   int64_t scratch_words;
-  int64_t cand_cap;    // streamed kernel: candidates a row's list holds
+  int64_t cand_cap;    // streamed and sampled kernels: candidates a row's list holds
   uint32_t* tickets;   // [2]: next ticket, CTAs finished; zero between calls
   long long* profile;  // optional: %globaltimer (ns) at phase ends (row 0)
   bool counted_finish; // TopkArgs::finish == 2: the gathering CTAs also count the bucket's next digit
@@ -521,6 +521,7 @@ struct GSmem {
   uint32_t base_above, base_tie;
   uint32_t ticket, last;
   uint32_t cand_n, overflow;  // streamed kernel's last CTA: the row's candidates, and whether they overflowed
+                              // (the sampled finish: its row's count)
   // radix_select's open ties: more elements equal the k-th value than slots remain.
   uint32_t tie_key, tie_need, tie_base;
 };
@@ -1364,6 +1365,282 @@ __global__ void __launch_bounds__(kThreads, 2) stream_topk_kernel(const GridPara
   if (lprof) lprof[10] = global_ns();
 }
 
+// ---- sampled top-k: a threshold from a sample, a filter at copy bandwidth, a finish a row ----------
+// For calls of many long rows (TopkArgs::sampled; the rule: takes_sampled). The grid kernel's resident
+// CTAs wait at their rows' barriers while its later waves cannot start (64 x 262,144: 43-47 us for a
+// 16 us read); here the one pass over every score waits for nobody. Three kernels, chained by PDL:
+// sample_topk_kernel (a CTA a row) takes from kSample of the row's scores a threshold key that about
+// twice k of the row's keys reach; filter_topk_kernel (kFilterSpan scores a CTA, every row at once)
+// appends each key at or above its row's threshold to the row's list (one global atomic a warp),
+// counting past the list's capacity without writing there; finish_sampled_topk_kernel (a CTA a row)
+// selects among the listed candidates when they are at least k and all in the list (every element at
+// or above the k-th value is then among them, so the chosen set, ties included, is the row's), else
+// from the row's scores. Exact, ties by lower index. Per launch row: the threshold in the first word
+// of the row's scratch, the list from word kListOffset (key, index pairs), its count in the row's
+// zeroed counters (kCand; the finish reads it and zeroes it for the next call). No profile stamps.
+
+constexpr int kSample = 8192;                   // scores in a row's sample
+constexpr int kSampleRuns = kSample / 8;        // runs of 8 (a 32-byte sector), at even steps over the row
+constexpr int kSampleEpt = kSample / kThreads;  // 16 a thread
+constexpr int kFilterEpt = 16;  // a thread: 40 registers, three CTAs an SM (32: 64 registers and spills)
+constexpr int kFilterSpan = kThreads * kFilterEpt;  // 8,192 scores a filter CTA (and a fallback pass's step)
+constexpr int kSampledCap = 16384;  // candidates a row's list holds: the finish's shared memory (128 KB)
+constexpr int kListOffset = 4;      // scratch words before a row's list: the threshold (the pairs 16-byte aligned)
+constexpr int64_t kSampledScratchWords = kListOffset + 2 * static_cast<int64_t>(kSampledCap);
+constexpr int kFinishSmemBytes = kGKeysOffset + 8 * kSampledCap;
+
+// EPT scores from src (n_here of them exist) as keys: element e of this thread at offset elem_offset(e),
+// by 16-byte streaming loads where all exist and src is aligned (load_chunk's layout and hint), every
+// load issued before a key is used. Returns which exist as a mask.
+template <int EPT>
+__device__ __forceinline__ uint32_t load_keys(const float* src, int64_t n_here, bool vec_ok, uint32_t (&key)[EPT]) {
+  static_assert(EPT % 4 == 0 && EPT <= 32, "whole float4s, one mask");
+  if (vec_ok && n_here >= kThreads * EPT) {
+    float4 v[EPT / 4];
+#pragma unroll
+    for (int q = 0; q < EPT / 4; ++q) v[q] = __ldcs(reinterpret_cast<const float4*>(src) + q * kThreads + threadIdx.x);
+#pragma unroll
+    for (int q = 0; q < EPT / 4; ++q) {
+      key[4 * q] = order_key(v[q].x);
+      key[4 * q + 1] = order_key(v[q].y);
+      key[4 * q + 2] = order_key(v[q].z);
+      key[4 * q + 3] = order_key(v[q].w);
+    }
+    return EPT == 32 ? 0xffffffffu : (1u << EPT) - 1u;
+  }
+  float f[EPT];
+#pragma unroll
+  for (int e = 0; e < EPT; ++e) f[e] = elem_offset(e) < n_here ? __ldcs(src + elem_offset(e)) : 0.f;
+  uint32_t vmask = 0;
+#pragma unroll
+  for (int e = 0; e < EPT; ++e) {
+    key[e] = order_key(f[e]);
+    vmask |= static_cast<uint32_t>(elem_offset(e) < n_here) << e;
+  }
+  return vmask;
+}
+
+// The rank in a row's sample (kSample of its len scores) whose key the filter takes as the threshold:
+// twice the sample's expected share m = k * kSample / len of the row's k largest, plus three times the
+// square root of that (a Poisson count's standard deviation) and 4. The row's count at or above it falls
+// short of k only when r or more of the sample are among the row's k largest (for independent scores a
+// Poisson(m) count: at most 6e-8 over k = 1..2,048 and rows of 65,536 to 2.2 M), and passes kSampledCap
+// only when fewer than r are among its kSampledCap largest (below 1e-13 up to 1 M; 1e-5 at 2.2 M with
+// k = 2,048). Expected candidates r * len / kSample: ~1,700 at 262,144 and k = 512, ~6,800 at 1 M and 2,048.
+__device__ __forceinline__ uint32_t sample_rank(int k, int64_t len) {
+  const float m2 = 2.f * static_cast<float>(k) * kSample / static_cast<float>(len);
+  const uint32_t r = static_cast<uint32_t>(ceilf(m2 + 3.f * sqrtf(m2))) + 4u;
+  return r < kSample ? r : kSample;
+}
+
+// A row's threshold for the filter (the first word of the row's scratch): the key of rank sample_rank
+// among kSample of its scores (runs of 8 at even steps over the row: a thread pair's two 16-byte loads are
+// one sector), or of rank k among all of a row of at most kSample, by two radix rounds: the threshold is
+// the lowest key of the rank's 22-bit bucket (11-bit, when the rank is the last of that bucket), so that
+// at least that many of the sample reach it. Rows of at most k scores are the finish's alone. One CTA a row.
+__global__ void __launch_bounds__(kThreads) sample_topk_kernel(const GridParams p) {
+  pdl_entry();  // see launch_kernel
+  __shared__ GSmem sm;
+  const int tid = threadIdx.x, lrow = static_cast<int>(blockIdx.x), row = p.row0 + lrow;
+  const int64_t len = row_length(p, row);
+  if (len <= p.k) return;
+  for (int i = tid; i < kGBins; i += kThreads) sm.hist[i] = 0;
+  __syncthreads();
+  const float* src = p.scores + row * p.row_stride;
+  const bool whole = len <= kSample;
+  const int64_t step = len / 8;  // whole runs of 8 in the row (at least kSampleRuns unless whole)
+  // Element 4 q + c of this thread: sample place s = q * kSample / 4 + 4 tid + c, in run s / 8 at offset s % 8.
+  float f[kSampleEpt];
+#pragma unroll
+  for (int q = 0; q < kSampleEpt / 4; ++q) {
+    const int s = q * (kSample / 4) + 4 * tid;
+    if (whole) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) f[4 * q + c] = s + c < len ? __ldcg(src + s + c) : 0.f;
+    } else {
+      const int64_t at = static_cast<int64_t>(s / 8) * step / kSampleRuns * 8 + (s & 7);
+      if (p.vec_ok) {
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(src + at));
+        f[4 * q] = v.x;
+        f[4 * q + 1] = v.y;
+        f[4 * q + 2] = v.z;
+        f[4 * q + 3] = v.w;
+      } else {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) f[4 * q + c] = __ldcg(src + at + c);
+      }
+    }
+  }
+  uint32_t key[kSampleEpt], vmask = 0;
+#pragma unroll
+  for (int e = 0; e < kSampleEpt; ++e) {
+    key[e] = order_key(f[e]);
+    if (!whole || (e / 4) * (kSample / 4) + 4 * tid + (e % 4) < len) {
+      vmask |= 1u << e;
+      atomicAdd(&sm.hist[key[e] >> digit_shift(0)], 1u);
+    }
+  }
+  uint32_t prefix = 0, need = whole ? static_cast<uint32_t>(p.k) : sample_rank(p.k, len), cnt = 0;
+  int pbits = 0;
+  __syncthreads();  // every thread's counts
+  narrow_to_threshold(sm.hist, digit_bits(0), sm, prefix, pbits, need, cnt);
+  if (cnt != need) {  // the same in every thread
+    radix_round(sm, prefix, pbits, need, cnt, [&](int shift, uint32_t nbins) {
+#pragma unroll
+      for (int e = 0; e < kSampleEpt; ++e) {
+        if (((vmask >> e) & 1u) && (key[e] >> digit_shift(0)) == prefix) {
+          atomicAdd(&sm.hist[(key[e] >> shift) & (nbins - 1)], 1u);
+        }
+      }
+    });
+  }
+  if (tid == 0) p.scratch[lrow * p.scratch_words] = prefix << (32 - pbits);
+}
+
+// Appends the keys at or above the row's threshold among the blockIdx.x-th kFilterSpan scores of the
+// launch's row blockIdx.y to the row's list: one global atomic a warp for the warp's places; places past
+// the list's capacity are counted, not written.
+__global__ void __launch_bounds__(kThreads, 3) filter_topk_kernel(const GridParams p) {
+  pdl_entry();  // see launch_kernel
+  const int lrow = static_cast<int>(blockIdx.y), row = p.row0 + lrow;
+  uint32_t* scratch = p.scratch + lrow * p.scratch_words;
+  const uint32_t thr = __ldcg(scratch);  // requested with the row's length
+  const int64_t len = row_length(p, row);
+  const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kFilterSpan;
+  if (len <= p.k || i0 >= len) return;
+  uint32_t key[kFilterEpt];
+  const uint32_t vmask = load_keys<kFilterEpt>(p.scores + row * p.row_stride + i0, len - i0, p.vec_ok, key);
+  uint32_t hits = 0;
+#pragma unroll
+  for (int e = 0; e < kFilterEpt; ++e) hits |= static_cast<uint32_t>(key[e] >= thr) << e;
+  hits &= vmask;
+  const unsigned lane = threadIdx.x & 31;
+  const uint32_t n = __popc(hits);
+  uint32_t incl = n;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t x = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= static_cast<unsigned>(o)) incl += x;
+  }
+  uint32_t base = 0;
+  if (lane == 31 && incl != 0) base = atomicAdd(&p.ws[lrow * kZeroWords + kGRounds * kGBins + kCand], incl);
+  uint32_t pos = __shfl_sync(0xffffffffu, base, 31) + incl - n;
+  uint2* list = reinterpret_cast<uint2*>(scratch + kListOffset);
+#pragma unroll
+  for (int e = 0; e < kFilterEpt; ++e) {
+    if ((hits >> e) & 1u) {
+      if (pos < p.cand_cap) list[pos] = make_uint2(key[e], static_cast<uint32_t>(i0 + elem_offset(e)));
+      ++pos;
+    }
+  }
+}
+
+// The finish's fallback: the k largest of a row straight from its scores, ties by lower index (one CTA;
+// each pass over the row at one SM's intake): radix rounds until the threshold bucket is taken whole or
+// is one value, one pass writing the elements above it (and the bucket's, when taken whole), then the
+// lowest indices of that value in index order (ties_in_index_order). Every thread of the block calls it.
+__device__ __forceinline__ void select_row_from_scores(const GridParams& p, int row, int64_t len, int32_t* out,
+                                                       GSmem& sm) {
+  const float* src = p.scores + row * p.row_stride;
+  const uint32_t kk = static_cast<uint32_t>(p.k);
+  uint32_t prefix = 0, need = kk, cnt = 0;
+  int pbits = 0;
+#pragma unroll 1
+  for (int round = 0; round < kGRounds && cnt != need; ++round) {
+    radix_round(sm, prefix, pbits, need, cnt, [&](int shift, uint32_t nbins) {
+      for (int64_t b0 = 0; b0 < len; b0 += kFilterSpan) {
+        uint32_t key[kFilterEpt];
+        const uint32_t vmask = load_keys<kFilterEpt>(src + b0, len - b0, p.vec_ok, key);
+        // A run of equal digits takes one shared atomic: massively tied rows, the usual reason to be
+        // here, would send every element to one bin's atomic.
+        uint32_t run_bin = 0, run = 0;
+#pragma unroll
+        for (int e = 0; e < kFilterEpt; ++e) {
+          if (((vmask >> e) & 1u) && (pbits == 0 || (key[e] >> (32 - pbits)) == prefix)) {
+            const uint32_t bin = (key[e] >> shift) & (nbins - 1);
+            if (bin != run_bin && run != 0) {
+              atomicAdd(&sm.hist[run_bin], run);
+              run = 0;
+            }
+            run_bin = bin;
+            ++run;
+          }
+        }
+        if (run != 0) atomicAdd(&sm.hist[run_bin], run);
+      }
+    });
+  }
+  const bool take_all = cnt == need;  // else pbits == 32: the bucket is one value
+  const uint32_t above_total = kk - need;
+  const int drop = 32 - pbits;
+  if (threadIdx.x == 0) sm.above_ctr = sm.tie_ctr = 0;
+  __syncthreads();
+  for (int64_t b0 = 0; b0 < len; b0 += kFilterSpan) {  // uniform trip count: shuffles below
+    uint32_t key[kFilterEpt];
+    const uint32_t vmask = load_keys<kFilterEpt>(src + b0, len - b0, p.vec_ok, key);
+    const Chosen ch = chosen_elements<kFilterEpt>([&](int e) { return key[e]; }, vmask, drop, prefix);
+    const uint2 places = warp_places(ch, &sm.above_ctr, &sm.tie_ctr);
+    uint32_t a = places.x, t = above_total + places.y;
+#pragma unroll
+    for (int e = 0; e < kFilterEpt; ++e) {
+      if ((ch.above_mask >> e) & 1u) out[a++] = translate_g(p, row, b0 + elem_offset(e));
+      if (take_all && ((ch.tie_mask >> e) & 1u)) out[t++] = translate_g(p, row, b0 + elem_offset(e));
+    }
+  }
+  if (take_all) return;
+  __syncthreads();  // sm.scan is ties_in_index_order's
+  ties_in_index_order(p, row, len, prefix, need, out + above_total, sm);
+}
+
+// A row's k: from its list when the filter counted at least k and no more than the list holds (keys and
+// indices into shared memory, then block_select), else (a sample that misjudged the row: scores ordered
+// against the sample's steps, or many equal to the threshold) select_row_from_scores. Rows of at most k
+// scores: all of them. Reads the row's count and zeroes it for the next call. One CTA a row.
+__global__ void __launch_bounds__(kThreads, 1) finish_sampled_topk_kernel(const GridParams p) {
+  pdl_entry();  // see launch_kernel (the filter has finished: its list and count are visible)
+  extern __shared__ __align__(16) uint8_t gsmem[];
+  GSmem& sm = *reinterpret_cast<GSmem*>(gsmem);
+  uint32_t* ck = reinterpret_cast<uint32_t*>(gsmem + kGKeysOffset);  // [kSampledCap] candidate keys
+  int32_t* ci = reinterpret_cast<int32_t*>(ck + kSampledCap);        // and their indices
+  const int tid = threadIdx.x, lrow = static_cast<int>(blockIdx.x), row = p.row0 + lrow;
+  uint32_t* count = p.ws + lrow * kZeroWords + kGRounds * kGBins + kCand;
+  if (tid == 0) {
+    sm.cand_n = __ldcg(count);
+    *count = 0;  // ready for the next call
+  }
+  __syncthreads();
+  const int64_t len = row_length(p, row);
+  int32_t* out = p.out_idx + row * p.out_stride;
+  if (all_chosen(p, row, len, 0, out)) return;
+  const uint32_t n = sm.cand_n, kk = static_cast<uint32_t>(p.k);
+  if (n >= kk && n <= p.cand_cap) [[likely]] {
+    const uint2* list = reinterpret_cast<const uint2*>(p.scratch + lrow * p.scratch_words + kListOffset);
+    for (uint32_t b0 = 0; b0 < n; b0 += kListBatch * kThreads) {  // a batch's loads in flight together
+      uint2 c[kListBatch];
+#pragma unroll
+      for (int j = 0; j < kListBatch; ++j) {
+        const uint32_t i = b0 + j * kThreads + tid;
+        c[j] = i < n ? __ldcg(&list[i]) : make_uint2(0u, 0u);
+      }
+#pragma unroll
+      for (int j = 0; j < kListBatch; ++j) {
+        const uint32_t i = b0 + j * kThreads + tid;
+        if (i < n) {
+          ck[i] = c[j].x;
+          ci[i] = static_cast<int32_t>(c[j].y);
+        }
+      }
+    }
+    __syncthreads();
+    block_select(
+        ck, n, [](uint32_t) { return true; }, [&](uint32_t i) { return static_cast<uint32_t>(ci[i]); }, 0u, 0, kk,
+        sm, [&](uint32_t pos, uint32_t i) { out[pos] = translate_g(p, row, ci[i]); });
+  } else [[unlikely]] {
+    select_row_from_scores(p, row, len, out, sm);
+  }
+  if (p.out_count != nullptr && tid == 0) p.out_count[row] = p.k;
+}
+
 template <int EPT>
 constexpr int grid_smem_bytes() {
   return kGKeysOffset + kThreads * EPT * 4;
@@ -1467,10 +1744,11 @@ GridPlan make_grid_plan(int rows, int64_t max_len, int stream) {
 }
 
 // Enough for a call of any number of rows up to `rows` with this max_len or less, on
-// any path: 256 bytes of tickets, the zeroed rows of one launch, then its scratch.
+// any path: 256 bytes of tickets, the zeroed rows of one launch, then its scratch (as
+// large as the grid kernel's, the streamed kernel's or the sampled path's needs).
 size_t grid_workspace_bytes(int rows, int64_t max_len) {
   if (ceil_div(max_len, kThreads * kSmallEPT) <= 1) return 0;
-  const int64_t per = std::max(scratch_words(true, max_len), scratch_words(false, max_len));
+  const int64_t per = std::max({scratch_words(true, max_len), scratch_words(false, max_len), kSampledScratchWords});
   return 256 + (static_cast<size_t>(kLaunchRows) * kZeroWords + std::min(rows, kLaunchRows) * per) * 4;
 }
 
@@ -1537,6 +1815,46 @@ void launch_grid_topk(const TopkArgs& a, const GridPlan& g, void* workspace, cud
   }
 }
 
+// The sampled path's rule, a first guess for a measured session to move: calls of at least
+// kSampledMinRows rows, the longest at least kSampledMinLen scores, that the grid kernel would run
+// over rows of several chunks (not the cluster kernel, not rows of one chunk, not the streamed
+// kernel when that is asked for), when TopkArgs::sampled (or TROUPE_TOPK_SAMPLED) asks for it.
+constexpr int kSampledMinRows = 2;
+constexpr int64_t kSampledMinLen = 65536;
+
+// TopkArgs::sampled, or TROUPE_TOPK_SAMPLED (read at each call) when it is 0: on only where it is 1.
+bool topk_sampled(const TopkArgs& a) { return (a.sampled != 0 ? a.sampled : env_switch("TROUPE_TOPK_SAMPLED")) == 1; }
+
+bool takes_sampled(const TopkArgs& a, const GridPlan& g) {
+  return g.ok && !g.stream && g.cpr > 1 && a.rows >= kSampledMinRows && a.max_len >= kSampledMinLen &&
+         topk_sampled(a);
+}
+
+// The sampled path's three kernels for each kLaunchRows rows (the launch rows' counters and scratch in
+// the grid kernel's workspace layout).
+void launch_sampled_topk(const TopkArgs& a, void* workspace, cudaStream_t stream) {
+  TROUPE_REQUIRE(workspace != nullptr, "top-k: this row length needs a workspace");
+  static std::once_flag once;
+  std::call_once(once, [] {
+    TROUPE_CUDA(cudaFuncSetAttribute(finish_sampled_topk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     kFinishSmemBytes));
+  });
+  GridParams p{};
+  set_call(a, p);
+  p.ws = static_cast<uint32_t*>(workspace) + 64;  // after the 256 bytes of tickets
+  p.scratch = p.ws + static_cast<int64_t>(kLaunchRows) * kZeroWords;
+  p.scratch_words = kSampledScratchWords;
+  p.cand_cap = kSampledCap;
+  const unsigned spans = static_cast<unsigned>(ceil_div(a.max_len, kFilterSpan));
+  for (int r0 = 0; r0 < a.rows; r0 += kLaunchRows) {
+    p.row0 = r0;
+    const unsigned rows = static_cast<unsigned>(std::min(kLaunchRows, a.rows - r0));
+    launch_kernel(sample_topk_kernel, dim3(rows, 1, 1), kThreads, 0, stream, p);
+    launch_kernel(filter_topk_kernel, dim3(spans, rows, 1), kThreads, 0, stream, p);
+    launch_kernel(finish_sampled_topk_kernel, dim3(rows, 1, 1), kThreads, kFinishSmemBytes, stream, p);
+  }
+}
+
 }  // namespace
 
 // TROUPE_TOPK_CLUSTER=N (1..16, power of two): calls that leave max_cluster at 0 use the
@@ -1578,6 +1896,10 @@ void topk(const TopkArgs& args, void* workspace, cudaStream_t stream) {
   if (a.rows == 0) return;
   if (a.max_cluster == 0) {
     const GridPlan g = make_grid_plan(a.rows, std::max<int64_t>(a.max_len, 1), topk_stream(a));
+    if (takes_sampled(a, g)) {
+      launch_sampled_topk(a, workspace, stream);
+      return;
+    }
     if (g.ok) {
       launch_grid_topk(a, g, workspace, stream);
       return;

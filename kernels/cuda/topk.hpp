@@ -25,6 +25,15 @@
 // row's) to the row's candidate list; the row's last CTA selects among them. Ties as
 // the grid kernel settles them.
 //
+// Sampled path (TopkArgs::sampled; off by default, compiled but not yet measured): for calls of many
+// long rows, where the grid kernel's CTAs wait at their rows' barriers while its later waves cannot
+// start. Three kernels: one CTA a row takes a threshold from a sample of 8,192 of its scores (about
+// twice k of the row above it, with a margin); a filter reads every score once, with no CTA waiting
+// for another, and appends those at or above their row's threshold to the row's candidate list
+// (16,384 at most); one CTA a row selects among the candidates, ties as the grid kernel settles them,
+// or, when the sample misjudged the row (fewer than k or more than the list holds: scores laid out
+// against the sample's steps, many equal values), from the row's scores in that CTA (exact, slow).
+//
 // Cluster kernel (max_cluster != 0, or longer rows): each row (or segment of a
 // long row) is owned by one thread-block cluster whose CTAs reduce their
 // histograms through distributed shared memory; rows longer than one cluster's
@@ -68,11 +77,16 @@ struct TopkArgs {
   int stream = 0;                   // the streamed kernel: 1 = whenever the grid kernel would run; -1 = never;
                                     // 0 = TROUPE_TOPK_STREAM (1 / 0), else never (the grid kernel measured
                                     // faster at every wave count since run 21)
+  int sampled = 0;                  // the sampled path: 1 = where it applies (at least 2 rows of which the
+                                    // longest is at least 65,536 scores, where the grid kernel would run over
+                                    // rows of several chunks; a streamed call stays streamed); -1 = never;
+                                    // 0 = TROUPE_TOPK_SAMPLED (read at each call: 1 = on), else never.
+                                    // Ignores `profile`
 };
 
 // Scratch the call needs (enough for any call with at most `rows` rows and this
 // max_len; may be 0). The workspace must be zeroed once after allocation
-// (topk_workspace_init); grid and streamed calls of any shape within those bounds may
+// (topk_workspace_init); grid, streamed and sampled calls of any shape within those bounds may
 // share it (each leaves the part that must be zero zeroed; the cluster kernel's layout
 // is its own). One call at a time per workspace.
 size_t topk_workspace_bytes(int rows, int64_t max_len, int k, int max_cluster = 0);

@@ -68,7 +68,22 @@ void check_topk_row_stable(const float* row, int64_t len, int k, const int32_t* 
   ASSERT_EQ(got, want) << what << ": not the stable sort's choice at ties";
 }
 
-enum TopkDist { normal, few_values, all_equal, with_infinities, signed_zeros, fine_steps, coarse_steps };
+// ascending, descending: each row's scores sorted (the score is the place); mostly_zeros: all but one in 1,000 zero;
+// periodic_peaks: runs of 8 high scores every 256 places, which hold a quarter (rows of 65,536) or all (262,144,
+// 1 M) of the sampled path's sample (runs of 8 every len / 1,024 places): the sample overrates the row.
+enum TopkDist {
+  normal,
+  few_values,
+  all_equal,
+  with_infinities,
+  signed_zeros,
+  fine_steps,
+  coarse_steps,
+  ascending,
+  descending,
+  mostly_zeros,
+  periodic_peaks
+};
 struct TopkCase {
   int rows;
   int64_t len;
@@ -118,18 +133,14 @@ class CudaKernelsTest : public ::testing::Test {
   void poison(void* p, size_t bytes) { cudaMemsetAsync(p, 0xff, bytes, gpu_->stream()); }  // NaN / -1
   cudaStream_t stream() { return gpu_->stream(); }
 
-  // One top-k case: each way of finishing a row on the grid kernel (TopkArgs::finish), then the streamed
-  // kernel, each twice (the workspace must come back zeroed), checked against a sort.
-  void run_topk_case(const TopkCase& c) {
-    const std::string what = "rows " + std::to_string(c.rows) + " len " + std::to_string(c.len) + " k " +
-                             std::to_string(c.k) + " dist " + std::to_string(c.dist) + " cluster " +
-                             std::to_string(c.max_cluster);
-    SCOPED_TRACE(what);
-    const int64_t stride = c.len + 4;  // rows not multiples of the vector width apart
+  // A case's scores: c.rows rows `stride` apart (the places between rows hold scores too).
+  std::vector<float> topk_scores(const TopkCase& c, int64_t stride) {
     std::vector<float> v(c.rows * stride);
     std::normal_distribution<float> nd;
     std::uniform_int_distribution<int> small(0, 9);
-    for (auto& x : v) {
+    for (size_t at = 0; at < v.size(); ++at) {
+      float& x = v[at];
+      const int64_t place = static_cast<int64_t>(at) % stride;
       switch (c.dist) {
         case normal: x = nd(rng_); break;
         case few_values: x = static_cast<float>(small(rng_)); break;
@@ -144,8 +155,25 @@ class CudaKernelsTest : public ::testing::Test {
           const int r = small(rng_);
           x = r == 0 ? -INFINITY : r == 1 ? INFINITY : nd(rng_);
         } break;
+        case ascending: x = static_cast<float>(place); break;
+        case descending: x = -static_cast<float>(place); break;
+        case mostly_zeros: x = place % 1000 == 7 ? nd(rng_) : 0.f; break;
+        case periodic_peaks: x = place % 256 < 8 ? 100.f + nd(rng_) : nd(rng_); break;
       }
     }
+    return v;
+  }
+
+  // One top-k case: each way of finishing a row on the grid kernel (TopkArgs::finish), the sampled path (the
+  // grid kernel where it does not apply), then the streamed kernel, each twice, checked against a sort. The
+  // runs share one workspace: each must leave it zeroed for the next.
+  void run_topk_case(const TopkCase& c) {
+    const std::string what = "rows " + std::to_string(c.rows) + " len " + std::to_string(c.len) + " k " +
+                             std::to_string(c.k) + " dist " + std::to_string(c.dist) + " cluster " +
+                             std::to_string(c.max_cluster);
+    SCOPED_TRACE(what);
+    const int64_t stride = c.len + 4;  // rows not multiples of the vector width apart
+    const std::vector<float> v = topk_scores(c, stride);
     std::vector<int32_t> lengths(c.rows);
     for (int r = 0; r < c.rows; ++r) lengths[r] = static_cast<int32_t>(c.ragged ? c.len - (r * int64_t{104729}) % (c.len + 1) : c.len);
     float* dv = dev(v);
@@ -155,10 +183,13 @@ class CudaKernelsTest : public ::testing::Test {
     const size_t ws_bytes = cuda::topk_workspace_bytes(c.ws_rows > 0 ? c.ws_rows : c.rows, c.len, c.k, c.max_cluster);
     void* ws = ws_bytes > 0 ? dev<char>(ws_bytes) : nullptr;
     cuda::topk_workspace_init(ws, ws_bytes, stream());
-    // Each way of finishing a row on the grid kernel (TopkArgs::finish), then the streamed kernel, each twice:
-    // the workspace must come back zeroed.
-    for (int run = 0; run < 6; ++run) {
-      const int finish = run < 4 ? 1 + run / 2 : 2, rep = run % 2, streamed = run < 4 ? -1 : 1;
+    struct Variant {
+      int finish, streamed, sampled;
+    };
+    const Variant variants[] = {{1, -1, -1}, {2, -1, 1}, {2, -1, -1}, {2, 1, -1}};
+    for (int run = 0; run < 8; ++run) {
+      const auto [finish, streamed, sampled] = variants[run / 2];
+      const int rep = run % 2;
       poison(out, c.rows * c.k * 4);
       poison(cnt, c.rows * 4);
       cuda::TopkArgs a;
@@ -174,12 +205,14 @@ class CudaKernelsTest : public ::testing::Test {
       a.max_cluster = c.max_cluster;
       a.finish = finish;
       a.stream = streamed;
+      a.sampled = sampled;
       cuda::topk(a, ws, stream());
       const auto ho = host(out, c.rows * c.k);
       const auto hc = host(cnt, c.rows);
       for (int r = 0; r < c.rows; ++r) {
         const std::string row_what = "row " + std::to_string(r) + " finish " + std::to_string(finish) + " stream " +
-                                     std::to_string(streamed) + " rep " + std::to_string(rep);
+                                     std::to_string(streamed) + " sampled " + std::to_string(sampled) + " rep " +
+                                     std::to_string(rep);
         check_topk_row(v.data() + r * stride, lengths[r], c.k, ho.data() + r * c.k, hc[r], row_what);
         if (c.max_cluster == 0) {  // the grid kernel (rows this short): ties by lower index
           check_topk_row_stable(v.data() + r * stride, lengths[r], c.k, ho.data() + r * c.k, hc[r], row_what);
@@ -247,14 +280,16 @@ TEST_F(CudaKernelsTest, topk_calls_of_any_shape_share_a_workspace) {
     int rows;
     int64_t len;
     int streamed;
+    int sampled = -1;
   };
   // 64 rows (large chunks: gathered candidates in the scratch), then 2 rows (small chunks, other row strides),
-  // the streamed kernel's lists, 3 short rows, and back.
-  const Call calls[] = {{64, 262144, -1}, {2, 262144, -1}, {64, 262144, 1}, {3, 20000, -1},
-                        {2, 262144, -1},  {64, 262144, 0},  {8, 100000, -1}, {64, 262144, -1}};
+  // the sampled path's thresholds, lists and counts, the streamed kernel's lists, 3 short rows, and back.
+  const Call calls[] = {{64, 262144, -1},   {2, 262144, -1},    {64, 262144, -1, 1}, {64, 262144, 1},
+                        {3, 20000, -1},     {8, 100000, -1, 1}, {2, 262144, -1},     {2, 262144, -1, 1},
+                        {64, 262144, 0},    {8, 100000, -1},    {64, 262144, -1, 1}, {64, 262144, -1}};
   for (const Call& c : calls) {
-    const std::string what =
-        std::to_string(c.rows) + "x" + std::to_string(c.len) + " stream " + std::to_string(c.streamed);
+    const std::string what = std::to_string(c.rows) + "x" + std::to_string(c.len) + " stream " +
+                             std::to_string(c.streamed) + " sampled " + std::to_string(c.sampled);
     poison(out, max_rows * k * 4);
     poison(cnt, max_rows * 4);
     cuda::TopkArgs a;
@@ -267,6 +302,7 @@ TEST_F(CudaKernelsTest, topk_calls_of_any_shape_share_a_workspace) {
     a.out_stride = k;
     a.out_count = cnt;
     a.stream = c.streamed;
+    a.sampled = c.sampled;
     cuda::topk(a, ws, stream());
     const auto ho = host(out, c.rows * k);
     const auto hc = host(cnt, c.rows);
@@ -316,6 +352,104 @@ TEST_F(CudaKernelsTest, topk_translates_indices_to_pool_pages) {
       }
     }
     check_topk_row(v.data(), len, k, ho.data(), k, "paged, variant " + std::to_string(variant));
+  }
+}
+
+// The sampled path (TopkArgs::sampled = 1) against a stable sort on shapes it takes (2 to 4 rows of 65,536 to
+// 1 M scores, k 1 / 512 / 2,048): scores its sample judges well, rows sorted either way, and rows that go to the
+// finish's fallback over the row's scores: all equal, all but one in 1,000 zero, infinities (more equal to the
+// threshold than the list holds), high runs on the sample's own places (fewer than k reach the threshold).
+// With and without lengths, rows not 16-byte aligned (scalar loads), indices through page tables. Each case:
+// two sampled calls on one workspace, then the grid kernel on it (the sampled path leaves it zeroed).
+TEST_F(CudaKernelsTest, topk_sampled_path_equals_a_stable_sort) {
+  struct SampledCase {
+    TopkCase c;
+    bool with_lengths;
+    int64_t pad;    // floats between rows past the longest (1: rows not 16-byte aligned)
+    int page_bits;  // 0: no page table
+  };
+  const SampledCase cases[] = {
+      {{2, 65536, 512, normal, false, 0}, true, 4, 0},
+      {{3, 262144, 2048, normal, true, 0}, true, 4, 0},
+      {{2, 1048576, 2048, normal, false, 0}, false, 0, 0},
+      {{3, 100000, 1, normal, true, 0}, true, 1, 0},
+      {{2, 262144, 512, fine_steps, false, 0}, false, 4, 6},
+      {{4, 200000, 512, coarse_steps, true, 0}, true, 4, 5},
+      {{2, 262144, 512, ascending, false, 0}, true, 4, 0},
+      {{2, 262144, 2048, descending, true, 0}, true, 4, 0},
+      {{2, 262144, 512, all_equal, false, 0}, true, 4, 0},
+      {{2, 262144, 2048, mostly_zeros, true, 0}, true, 4, 0},
+      {{2, 262144, 512, mostly_zeros, false, 0}, false, 1, 6},
+      {{3, 262144, 512, with_infinities, true, 0}, true, 4, 0},
+      {{2, 65536, 512, periodic_peaks, false, 0}, true, 0, 0},
+      {{2, 262144, 512, periodic_peaks, false, 0}, false, 0, 0},
+      {{2, 1048576, 2048, periodic_peaks, false, 0}, true, 0, 0},
+  };
+  for (const auto& [c, with_lengths, pad, page_bits] : cases) {
+    const std::string what = "rows " + std::to_string(c.rows) + " len " + std::to_string(c.len) + " k " +
+                             std::to_string(c.k) + " dist " + std::to_string(c.dist) + " lengths " +
+                             std::to_string(with_lengths) + " pad " + std::to_string(pad) + " page bits " +
+                             std::to_string(page_bits);
+    SCOPED_TRACE(what);
+    const int64_t stride = c.len + pad;
+    const std::vector<float> v = topk_scores(c, stride);
+    std::vector<int32_t> lengths(c.rows);
+    for (int r = 0; r < c.rows; ++r) {
+      lengths[r] = static_cast<int32_t>(c.ragged ? c.len - (r * int64_t{104729}) % (c.len + 1) : c.len);
+    }
+    // Pages: every row's own pages, numbered from 1,000 in a shuffled order across the rows (inverse: page -> its
+    // place in its row).
+    const int64_t page_stride = page_bits > 0 ? (c.len + (int64_t{1} << page_bits) - 1) >> page_bits : 0;
+    std::vector<int32_t> pages(c.rows * page_stride);
+    std::iota(pages.begin(), pages.end(), 1000);
+    std::shuffle(pages.begin(), pages.end(), rng_);
+    std::vector<int32_t> inverse(1000 + pages.size());
+    for (size_t i = 0; i < pages.size(); ++i) inverse[pages[i]] = static_cast<int32_t>(i % page_stride);
+    float* dv = dev(v);
+    int32_t* dl = dev(lengths);
+    int32_t* dp = dev(pages);
+    int32_t* out = dev<int32_t>(c.rows * c.k);
+    int32_t* cnt = dev<int32_t>(c.rows);
+    const size_t ws_bytes = cuda::topk_workspace_bytes(c.rows, c.len, c.k);
+    void* ws = dev<char>(ws_bytes);
+    cuda::topk_workspace_init(ws, ws_bytes, stream());
+    for (int run = 0; run < 3; ++run) {
+      poison(out, c.rows * c.k * 4);
+      poison(cnt, c.rows * 4);
+      cuda::TopkArgs a;
+      a.scores = dv;
+      a.row_stride = stride;
+      a.lengths = with_lengths ? dl : nullptr;
+      a.rows = c.rows;
+      a.max_len = c.len;
+      a.k = c.k;
+      a.out_idx = out;
+      a.out_stride = c.k;
+      a.out_count = cnt;
+      if (page_bits > 0) {
+        a.page_table = dp;
+        a.page_stride = page_stride;
+        a.page_bits = page_bits;
+      }
+      a.sampled = run < 2 ? 1 : -1;
+      cuda::topk(a, ws, stream());
+      auto ho = host(out, c.rows * c.k);
+      const auto hc = host(cnt, c.rows);
+      if (page_bits > 0) {  // back to row places (a slot left poisoned stays -1: the checks fail)
+        for (auto& i : ho) {
+          if (i >= 0 && (i >> page_bits) < static_cast<int32_t>(inverse.size())) {
+            i = (inverse[i >> page_bits] << page_bits) | (i & ((1 << page_bits) - 1));
+          }
+        }
+      }
+      for (int r = 0; r < c.rows; ++r) {
+        const int64_t len = with_lengths ? lengths[r] : c.len;
+        const std::string row_what = "row " + std::to_string(r) + " sampled " + std::to_string(a.sampled) + " run " +
+                                     std::to_string(run);
+        check_topk_row(v.data() + r * stride, len, c.k, ho.data() + r * c.k, hc[r], row_what);
+        check_topk_row_stable(v.data() + r * stride, len, c.k, ho.data() + r * c.k, hc[r], row_what);
+      }
+    }
   }
 }
 

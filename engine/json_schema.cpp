@@ -4,6 +4,9 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <optional>
 #include <cstring>
 #include <limits>
 
@@ -105,8 +108,14 @@ struct JsonGrammar::Node {
   std::vector<uint32_t> values;
   uint64_t required = 0;
   uint32_t extra = kNone;
-  uint32_t items = kNone;                     // array
+  uint32_t items = kNone;                     // array: items past prefix_items (kNone: none)
+  std::vector<uint32_t> prefix_items;         // array: the first items' own schemas
   int64_t min_count = 0, max_count = -1;      // array items, string characters (-1: no bound)
+  // number / integer: the value's range (JSON Schema's minimum / maximum and their
+  // exclusive forms, as doubles: the value a reader parses from the text is compared).
+  bool bounded = false;
+  double lo = -std::numeric_limits<double>::infinity(), hi = std::numeric_limits<double>::infinity();
+  bool lo_open = false, hi_open = false;
   std::vector<std::string> texts;             // literal: the values as JSON, compact, sorted
   std::vector<uint32_t> options;              // any_of
 };
@@ -123,6 +132,13 @@ enum : uint8_t { kStrText, kStrEscape, kStrHex, kStrUtf8 };
 enum : uint8_t { kNumStart, kNumMinus, kNumZero, kNumInt, kNumDot, kNumFrac, kNumExp, kNumExpSign, kNumExpDigits };
 bool number_whole(uint8_t sub) { return sub == kNumZero || sub == kNumInt || sub == kNumFrac || sub == kNumExpDigits; }
 
+// A value interval [a, b] (an end open where its flag says) meets the node's range.
+bool meets(const JsonGrammar::Node& n, double a, bool a_open, double b, bool b_open);
+// Whether some number that begins with `t` (no exponent) lies in the node's range,
+// and whether `t` itself does.
+bool reachable(const JsonGrammar::Node& n, std::string_view t);
+bool in_range(const JsonGrammar::Node& n, std::string_view t);
+
 struct JsonGrammar::Frame {
   uint32_t node = 0;
   uint8_t kind = kValue;
@@ -134,6 +150,7 @@ struct JsonGrammar::Frame {
   uint32_t a = 0;
   // kLiteral / kKey: one past the last text still possible; kString: in an escape,
   // hex digits read; in a character, continuation bytes still due; kNumber: exponent digits.
+  // A bounded number keeps its text, 4 bits a byte, in c, unused and seen.
   uint32_t b = 0;
   // kLiteral / kKey: bytes matched; kString in a character: the next byte's range.
   uint32_t c = 0;
@@ -141,6 +158,74 @@ struct JsonGrammar::Frame {
   uint64_t seen = 0;    // kObject: the names read
 };
 static_assert(sizeof(JsonGrammar::Frame) == 32);
+
+namespace {
+
+// A bounded number's text in the frame: '0'-'9' as 0-9, '-' as 10, '.' as 11.
+void put_number_byte(JsonGrammar::Frame& f, uint32_t i, uint8_t c) {
+  const uint64_t code = c == '-' ? 10 : c == '.' ? 11 : c - '0';
+  if (i < 8) {
+    f.c |= static_cast<uint32_t>(code) << (4 * i);
+  } else if (i < 16) {
+    f.unused |= static_cast<uint32_t>(code) << (4 * (i - 8));
+  } else {
+    f.seen |= code << (4 * (i - 16));
+  }
+}
+
+std::string number_text(const JsonGrammar::Frame& f) {
+  std::string t;
+  for (uint32_t i = 0; i < f.a; ++i) {
+    const uint64_t code = i < 8 ? f.c >> (4 * i) : i < 16 ? f.unused >> (4 * (i - 8)) : f.seen >> (4 * (i - 16));
+    const auto d = static_cast<uint8_t>(code & 0xF);
+    t.push_back(d == 10 ? '-' : d == 11 ? '.' : static_cast<char>('0' + d));
+  }
+  return t;
+}
+
+}  // namespace
+
+bool meets(const JsonGrammar::Node& n, double a, bool a_open, double b, bool b_open) {
+  double lo = a, hi = b;
+  bool lo_open = a_open, hi_open = b_open;
+  if (n.lo > lo || (n.lo == lo && n.lo_open)) {
+    lo = n.lo;
+    lo_open = n.lo_open || (n.lo == a && a_open);
+  }
+  if (n.hi < hi || (n.hi == hi && n.hi_open)) {
+    hi = n.hi;
+    hi_open = n.hi_open || (n.hi == b && b_open);
+  }
+  return lo < hi || (lo == hi && !lo_open && !hi_open);
+}
+
+bool reachable(const JsonGrammar::Node& n, std::string_view t) {
+  const bool neg = !t.empty() && t[0] == '-';
+  const std::string body(neg ? t.substr(1) : t);
+  const bool integer = n.kind == Kind::integer;
+  // Magnitudes [m0, m1) (closed at m1 for an integer's last value), as signed values.
+  auto span = [&](double m0, double m1, bool closed) {
+    return neg ? meets(n, -m1, !closed, -m0, false) : meets(n, m0, false, m1, !closed);
+  };
+  const double inf = std::numeric_limits<double>::infinity();
+  if (body.empty()) return span(0, inf, false);
+  if (const auto dot = body.find('.'); dot != std::string::npos) {
+    const double m0 = std::strtod(body.c_str(), nullptr);
+    return span(m0, m0 + std::pow(10.0, -static_cast<double>(body.size() - dot - 1)), false);
+  }
+  if (body == "0") return integer ? span(0, 0, true) : span(0, 1, false);
+  const double v = std::strtod(body.c_str(), nullptr);
+  double p = 1;
+  for (size_t more = 0; t.size() + more <= kMaxNumberBytes; ++more, p *= 10) {  // more digits to come
+    if (integer ? span(v * p, (v + 1) * p - 1, true) : span(v * p, (v + 1) * p, false)) return true;
+  }
+  return false;
+}
+
+bool in_range(const JsonGrammar::Node& n, std::string_view t) {
+  const double v = std::strtod(std::string(t).c_str(), nullptr);
+  return meets(n, v, false, v, false);
+}
 
 struct JsonGrammar::State {
   std::vector<Frame> frames;  // the stacks one after another
@@ -192,7 +277,8 @@ using Node = JsonGrammar::Node;
 bool annotation(const std::string& k) {
   static const char* const kAnnotations[] = {"title", "description", "default", "examples", "format", "$schema",
                                              "$id", "$comment", "deprecated", "readOnly", "writeOnly", "strict",
-                                             "contentMediaType", "contentEncoding", "$anchor", "example"};
+                                             "contentMediaType", "contentEncoding", "$anchor", "example",
+                                             "discriminator", "xml", "externalDocs"};
   for (const char* a : kAnnotations) {
     if (k == a) return true;
   }
@@ -270,14 +356,20 @@ class Compiler {
       }
     } else if (s.contains("properties") || s.contains("required") || s.contains("additionalProperties")) {
       types = {"object"};
-    } else if (s.contains("items") || s.contains("minItems") || s.contains("maxItems")) {
+    } else if (s.contains("items") || s.contains("prefixItems") || s.contains("minItems") || s.contains("maxItems")) {
       types = {"array"};
     } else if (s.contains("minLength") || s.contains("maxLength")) {
       types = {"string"};
     }
+    for (const char* k : {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}) {
+      const bool numeric = std::any_of(types.begin(), types.end(), [](const auto& t) { return t == "number" || t == "integer"; });
+      if (s.contains(k) && !numeric) fail(at + "/" + k, fmt::format("'{}' is held only beside type number or integer", k));
+    }
     for (const auto& [k, v] : s.items()) {
       static const char* const kHeld[] = {"type", "properties", "required", "additionalProperties", "items",
-                                          "minItems", "maxItems", "minLength", "maxLength", "$defs", "definitions"};
+                                          "prefixItems", "minItems", "maxItems", "minLength", "maxLength",
+                                          "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "$defs",
+                                          "definitions"};
       bool held = annotation(k);
       for (const char* h : kHeld) held = held || k == h;
       if (!held) fail(at + "/" + k, fmt::format("the keyword '{}' is not supported", k));
@@ -377,7 +469,18 @@ class Compiler {
       n.max_count = count(s, "maxItems", at, -1);
       if (n.max_count >= 0 && n.max_count < n.min_count) fail(at, "maxItems is below minItems");
       const uint32_t self = add(Node{});
-      n.items = s.contains("items") ? compile(s["items"], at + "/items") : 0;
+      if (s.contains("prefixItems")) {
+        const Json& list = s["prefixItems"];
+        if (!list.is_array()) fail(at + "/prefixItems", "must be an array of schemas");
+        for (size_t i = 0; i < list.size(); ++i) n.prefix_items.push_back(compile(list[i], fmt::format("{}/prefixItems/{}", at, i)));
+      }
+      if (!s.contains("items") || s["items"] == true) {
+        n.items = 0;
+      } else if (s["items"] == false) {
+        n.items = kNone;  // nothing past prefixItems
+      } else {
+        n.items = compile(s["items"], at + "/items");
+      }
       nodes_[self] = std::move(n);
       return self;
     }
@@ -390,6 +493,29 @@ class Compiler {
     }
     if (type == "number" || type == "integer") {
       n.kind = type == "number" ? Kind::number : Kind::integer;
+      auto bound = [&](const char* k) -> std::optional<double> {
+        if (!s.contains(k)) return std::nullopt;
+        if (!s[k].is_number()) fail(at + "/" + k, "must be a number");
+        return s[k].get<double>();
+      };
+      for (const char* k : {"exclusiveMinimum", "exclusiveMaximum"}) {  // draft 4's form: a flag on minimum / maximum
+        if (s.contains(k) && s[k].is_boolean()) fail(at + "/" + k, "must be a number (draft 4's boolean form is not held)");
+      }
+      if (auto v = bound("minimum")) n.lo = *v;
+      if (auto v = bound("maximum")) n.hi = *v;
+      if (auto v = bound("exclusiveMinimum"); v && *v >= n.lo) {
+        n.lo = *v;
+        n.lo_open = true;
+      }
+      if (auto v = bound("exclusiveMaximum"); v && *v <= n.hi) {
+        n.hi = *v;
+        n.hi_open = true;
+      }
+      n.bounded = std::isfinite(n.lo) || std::isfinite(n.hi);
+      if (n.lo > n.hi || (n.lo == n.hi && (n.lo_open || n.hi_open))) fail(at, "the range of values is empty");
+      const double first = n.lo_open ? std::floor(n.lo) + 1 : std::ceil(n.lo);
+      const double last = n.hi_open ? std::ceil(n.hi) - 1 : std::floor(n.hi);
+      if (n.kind == Kind::integer && first > last) fail(at, "no integer lies in the range");
       return add(std::move(n));
     }
     if (type == "boolean") return literal({Json(false), Json(true)});
@@ -618,6 +744,11 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
       return;
     }
     case kArray: {
+      // The schema of item i (kNone: no item i), whether maxItems allows it or not.
+      auto item = [&](uint64_t i) -> uint32_t {
+        if (n.max_count >= 0 && i >= static_cast<uint64_t>(n.max_count)) return kNone;
+        return i < n.prefix_items.size() ? n.prefix_items[i] : n.items;
+      };
       switch (f.sub) {
         case kArrOpen:
         case kArrNext:
@@ -626,14 +757,14 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
             finish_child(s);
             return out.push(s);
           }
-          if (n.max_count >= 0 && f.a >= static_cast<uint64_t>(n.max_count)) return;
+          if (item(f.a) == kNone) return;
           f.sub = kArrInValue;
           f.ws = 0;
-          if (!push_value(n.items)) return;
+          if (!push_value(item(f.a))) return;
           return step(s, c, out);
         case kArrAfterValue:
           if (is_ws(c)) return whitespace();
-          if (c == ',' && (n.max_count < 0 || f.a < static_cast<uint64_t>(n.max_count))) {
+          if (c == ',' && item(f.a) != kNone) {
             f.sub = kArrNext;
             f.ws = 0;
             return out.push(s);
@@ -724,14 +855,19 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
         case kNumExpSign: next = is_digit(c) ? kNumExpDigits : 0xFF; break;
         case kNumExpDigits: next = is_digit(c) && f.b < 2 ? kNumExpDigits : 0xFF; break;
       }
+      if (n.bounded && next == kNumExp) next = 0xFF;  // a bounded number is written without an exponent
       if (next != 0xFF) {
         if (f.a + 1 > kMaxNumberBytes) return;
+        if (n.bounded) {
+          if (!reachable(n, number_text(f) + static_cast<char>(c))) return;
+          put_number_byte(f, f.a, c);
+        }
         ++f.a;
         if (next == kNumExpDigits) ++f.b;
         f.sub = next;
         return out.push(s);
       }
-      if (!number_whole(f.sub)) return;
+      if (!number_whole(f.sub) || (n.bounded && !in_range(n, number_text(f)))) return;
       finish_child(s);  // the byte is the parent's
       return step(s, c, out);
     }
@@ -793,7 +929,9 @@ bool JsonGrammar::accepting(const State& s) const {
     if (st.empty()) return true;
     if (st.size() != 1) continue;
     const Frame& f = st[0];
-    if (f.kind == kNumber && number_whole(f.sub)) return true;
+    if (f.kind == kNumber && number_whole(f.sub) && (!nodes_[f.node].bounded || in_range(nodes_[f.node], number_text(f)))) {
+      return true;
+    }
     if (f.kind == kLiteral && f.c > 0 && nodes_[f.node].texts[f.a].size() == f.c) return true;
   }
   return false;

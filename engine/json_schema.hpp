@@ -11,14 +11,17 @@
 // What is held: the JSON syntax (RFC 8259; strings valid UTF-8), and of JSON
 // Schema: type (a name or a list), properties / required (properties given: no
 // others, as OpenAI's strict mode and xgrammar's default), additionalProperties
-// (objects without properties), items, minItems / maxItems, minLength /
-// maxLength, enum, const, anyOf / oneOf (oneOf as anyOf), allOf of one schema,
-// $ref into the document ($defs, definitions, recursion), nullable. Annotations
-// (title, description, default, examples, format, $schema, $id, $comment, ...) are
-// read past. Anything that would narrow the values further (pattern, minimum,
-// multipleOf, uniqueItems, ...) is refused when the schema compiles, naming the
-// keyword and where it is: an answer is never claimed to follow a rule that was
-// not applied. Bounds that keep a runaway answer finite (and every number a
+// (objects without properties), items, prefixItems, minItems / maxItems,
+// minLength / maxLength, minimum / maximum / exclusiveMinimum / exclusiveMaximum
+// (numbers and integers; a bounded number is written without an exponent, and
+// only digits that can still lead into the range are taken), enum, const,
+// anyOf / oneOf (oneOf as anyOf), allOf of one schema, $ref into the document
+// ($defs, definitions, recursion), nullable. Annotations (title, description,
+// default, examples, format, discriminator, $schema, $id, $comment, ...) are read
+// past. Anything that would narrow the values further (pattern, multipleOf,
+// uniqueItems, propertyNames, ...) is refused when the schema compiles, naming
+// the keyword and where it is: an answer is never claimed to follow a rule that
+// was not applied. Bounds that keep a runaway answer finite (and every number a
 // double): at most 64 consecutive whitespace bytes, 32 bytes of one number and two
 // digits of its exponent, 32 levels of nesting, 64 properties an object.
 //

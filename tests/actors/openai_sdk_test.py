@@ -557,8 +557,10 @@ class Forecast(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
     city: str = pydantic.Field(max_length=10)
     unit: Literal["C", "F"]
-    days: int
+    days: int = pydantic.Field(ge=1, le=14)
+    confidence: float = pydantic.Field(gt=0, le=1)
     rain: list[bool] = pydantic.Field(max_length=3)
+    span: tuple[int, int]
     note: Optional[Literal["ok", "warn"]] = None
 
 
@@ -597,7 +599,7 @@ def test_structured_output():
     for rf, words in (({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "a+"}}},
                        "'pattern'"),
                       ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
-                          "a": {"type": "integer", "minimum": 0}}}}}, "#/properties/a/minimum"),
+                          "a": {"type": "integer", "multipleOf": 2}}}}}, "#/properties/a/multipleOf"),
                       ({"type": "yaml"}, "'yaml'"), ({"type": "json_schema"}, "json_schema")):
         status, e = s.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 2, "response_format": rf})
         assert status == 400 and e["error"]["param"] == "response_format" and words in e["error"]["message"], (rf, e)

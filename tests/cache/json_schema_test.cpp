@@ -69,8 +69,9 @@ bool valid(const Json& v, const Json& s, const Json& doc) {
       if (!v.is_array()) return false;
       if (static_cast<int64_t>(v.size()) < s.value("minItems", 0)) return false;
       if (s.contains("maxItems") && static_cast<int64_t>(v.size()) > s["maxItems"].get<int64_t>()) return false;
-      for (const auto& x : v) {
-        if (!valid(x, s.value("items", Json(true)), doc)) return false;
+      const Json prefix = s.value("prefixItems", Json::array());
+      for (size_t i = 0; i < v.size(); ++i) {
+        if (!valid(v[i], i < prefix.size() ? prefix[i] : s.value("items", Json(true)), doc)) return false;
       }
       return true;
     }
@@ -79,8 +80,14 @@ bool valid(const Json& v, const Json& s, const Json& doc) {
       const int64_t n = chars(v.get<std::string>());
       return n >= s.value("minLength", 0) && (!s.contains("maxLength") || n <= s["maxLength"].get<int64_t>());
     }
-    if (t == "integer") return v.is_number_integer();
-    if (t == "number") return v.is_number();
+    if (t == "integer" || t == "number") {
+      if (t == "integer" ? !v.is_number_integer() : !v.is_number()) return false;
+      const double x = v.get<double>();
+      return (!s.contains("minimum") || x >= s["minimum"].get<double>()) &&
+             (!s.contains("maximum") || x <= s["maximum"].get<double>()) &&
+             (!s.contains("exclusiveMinimum") || x > s["exclusiveMinimum"].get<double>()) &&
+             (!s.contains("exclusiveMaximum") || x < s["exclusiveMaximum"].get<double>());
+    }
     if (t == "boolean") return v.is_boolean();
     if (t == "null") return v.is_null();
     return false;
@@ -164,6 +171,34 @@ TEST(JsonSchema, takes_valid_documents_and_nothing_else) {
       {R"({"type": "string", "nullable": true})", "null", true},
       {R"({"type": "integer"})", "123456789012345678901234567890123", false},  // 33 bytes
       {R"({"anyOf": [{"$ref": "#"}, {"$ref": "#"}, {"type": "null"}]})", "null", true},
+      {R"({"type": "integer", "minimum": 3, "maximum": 12})", "3", true},
+      {R"({"type": "integer", "minimum": 3, "maximum": 12})", "12", true},
+      {R"({"type": "integer", "minimum": 3, "maximum": 12})", "1", false},   // could become 10-12, but ends out of range
+      {R"({"type": "integer", "minimum": 3, "maximum": 12})", "13", false},
+      {R"({"type": "integer", "minimum": 3, "maximum": 12})", "-4", false},
+      {R"({"type": "integer", "exclusiveMinimum": 0})", "0", false},
+      {R"({"type": "integer", "exclusiveMinimum": 0})", "-0", false},
+      {R"({"type": "integer", "exclusiveMinimum": 0})", "7", true},
+      {R"({"type": "integer", "maximum": -5})", "-5", true},
+      {R"({"type": "integer", "maximum": -5})", "-4", false},
+      {R"({"type": "number", "minimum": 0, "maximum": 1})", "0.5", true},
+      {R"({"type": "number", "minimum": 0, "maximum": 1})", "1.0", true},
+      {R"({"type": "number", "minimum": 0, "maximum": 1})", "1.01", false},
+      {R"({"type": "number", "minimum": 0, "maximum": 1})", "1e0", false},  // bounded: no exponent
+      {R"({"type": "number", "minimum": 0, "maximum": 1})", "-0.0", true},
+      {R"({"type": "number", "minimum": 0, "maximum": 1})", "-0.1", false},
+      {R"({"type": "number", "exclusiveMaximum": 0.3})", "0.29", true},
+      {R"({"type": "number", "exclusiveMaximum": 0.3})", "0.30", false},
+      {R"({"type": "number", "minimum": 0.3})", "0.3", true},
+      {R"({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "items": false, "minItems": 2})",
+       R"([1, "a"])", true},
+      {R"({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "items": false, "minItems": 2})",
+       "[1]", false},
+      {R"({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "items": false, "minItems": 2})",
+       R"([1, "a", 2])", false},
+      {R"({"type": "array", "prefixItems": [{"type": "integer"}], "items": {"type": "boolean"}})", "[1, true, false]", true},
+      {R"({"type": "array", "prefixItems": [{"type": "integer"}], "items": {"type": "boolean"}})", "[1, 2]", false},
+      {R"({"oneOf": [{"type": "integer"}, {"type": "string"}], "discriminator": {"propertyName": "k"}})", "\"x\"", true},
       {R"({"anyOf": [{"$ref": "#"}, {"type": "null"}]})", "1", false},
   };
   for (const auto& c : cases) EXPECT_EQ(takes(c.schema, c.text), c.ok) << c.schema << "\n" << c.text;
@@ -174,7 +209,10 @@ TEST(JsonSchema, refuses_what_it_does_not_hold) {
       {"not json", "not JSON"},
       {"false", "matches nothing"},
       {R"({"type": "string", "pattern": "a+"})", "'pattern'"},
-      {R"({"type": "integer", "minimum": 0})", "'minimum'"},
+      {R"({"minimum": 0})", "'minimum' is held only beside type number or integer"},
+      {R"({"type": "integer", "minimum": 0.5, "maximum": 0.9})", "no integer lies in the range"},
+      {R"({"type": "number", "minimum": 2, "exclusiveMaximum": 2})", "the range of values is empty"},
+      {R"({"type": "number", "minimum": 1, "exclusiveMinimum": true})", "draft 4"},
       {R"({"properties": {"a": {"type": "string", "format": "date", "maxLength": 3, "multipleOf": 2}}})", "#/properties/a/multipleOf"},
       {R"({"properties": {"a": {}}, "additionalProperties": true})", "additional properties"},
       {R"({"properties": {"a": {}}, "required": ["b"]})", "\"b\" is not one of the properties"},
@@ -228,6 +266,7 @@ TEST(JsonSchema, random_answers_are_valid_json_under_the_schema) {
       R"({"type": "array", "items": {"type": "object", "properties": {"id": {"type": "integer"}, "ok": {"type": "boolean"}}, "required": ["id"]}, "minItems": 1, "maxItems": 4})",
       R"({"anyOf": [{"type": "string", "maxLength": 3}, {"type": "array", "items": {"type": ["integer", "null"]}}]})",
       R"({"type": "object", "additionalProperties": {"enum": ["x", 2, true, {"a": [1]}]}})",
+      R"({"type": "array", "prefixItems": [{"type": "integer", "minimum": -20, "maximum": 300}, {"type": "number", "exclusiveMinimum": 0.5, "maximum": 2.25}], "items": {"type": "integer", "exclusiveMaximum": 0}})",
   };
   std::mt19937_64 rng(7);
   for (const char* schema : schemas) {
@@ -276,6 +315,11 @@ TEST(JsonSchema, token_masks_equal_feeding_each_token) {
                                       "{\"name\": \"Ann\", \"age\": 1", "{\"name\": \"Ann\", \"age\": 12, \"tags\": [1",
                                       "{\"age\": 1, \"name\": \"x\", \"home\": {\"zip\": \"x\\", "{\"age\": 1, \"name\": \"\xC3"});
   expect_masks_exact("{}", vocab, {"", "[", "[\"", "{\"a\": 1.", "[tr", "{\"x\":{\"y\":[1, 2"});
+  const char* bounded = R"({"type": "object", "properties": {"p": {"type": "number", "minimum": 0, "maximum": 1},
+                            "n": {"type": "array", "prefixItems": [{"type": "integer", "minimum": 3, "maximum": 12}],
+                                  "items": false}}})";
+  expect_masks_exact(bounded, vocab, {"{\"p\": ", "{\"p\": 0", "{\"p\": 1", "{\"p\": 0.", "{\"n\": [", "{\"n\": [1",
+                                      "{\"n\": [12"});
 }
 
 TEST(JsonSchema, token_masks_equal_feeding_each_token_of_the_deepseek_vocabulary) {

@@ -191,12 +191,15 @@ void Engine::admit_request(RequestId id, Request r) {
                       c.max_position_embeddings);
   }
   if (why.empty()) why = check(r.sampling);
-  if (why.empty() && !r.sampling.json_schema.empty()) {
+  if (why.empty() && r.sampling.holds_json()) {
     if (!options_.vocabulary) {
       why = "structured output (a json schema) needs the tokenizer's vocabulary, which this engine was not given";
     } else {
       try {
-        grammars_.get(r.sampling.json_schema);
+        if (!r.sampling.json_schema.empty()) grammars_.get(r.sampling.json_schema);
+        for (const auto& x : r.sampling.answer_schemas) {
+          if (!x.empty()) grammars_.get(x);
+        }
       } catch (const Error& e) {
         why = e.what();
       }

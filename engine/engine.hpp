@@ -60,7 +60,7 @@ struct EngineOptions {
   // Model::forward) on others; a larger batch runs through Model::forward.
   int decode_batch = -1;
   int64_t decode_context = 0;                 // longest sequence the decoder's tables hold; 0: min(max positions, 131072)
-  // What each token id writes (the tokenizer's), for SamplingParams::json_schema;
+  // What each token id writes (the tokenizer's), for SamplingParams' json schemas;
   // none: requests with a schema are refused.
   std::shared_ptr<const TokenVocabulary> vocabulary;
 };
@@ -200,10 +200,11 @@ class Engine {
   bool run_decode(Batch& batch);  // false: not a batch for the decoder (the caller runs Model::forward)
   void after_chunk(Seq& s, int64_t n, const float* rows, int64_t row_count, const int32_t* sampled = nullptr);
   void insert_prefix(Seq& s);
-  // SamplingParams::json_schema: brings s.matcher up to the answer (false: a token breaks
-  // the schema; throws what compiling it throws); whether the value is whole; the tokens
-  // that may come next (nullopt), or why none may: empty to finish with `stop`, else an error.
-  bool sync_matcher(Seq& s);
+  // SamplingParams' json schemas: brings s.matcher up to the answer (nullopt: no schema
+  // holds it yet; false: a token breaks it; throws what compiling it throws); whether the
+  // value is whole; the tokens that may come next in `allowed` (left empty while no schema
+  // holds the answer) and nullopt, or why none may: empty to finish with `stop`, else an error.
+  std::optional<bool> sync_matcher(Seq& s);
   bool schema_whole(Seq& s);
   std::optional<std::string> schema_mask(Seq& s, std::span<const int32_t> answer, TokenMask& allowed);
   bool handle_stall();

@@ -425,7 +425,8 @@ class Compiler {
       n.kind = Kind::object;
       const bool has_names = s.contains("properties") && s["properties"].is_object() && !s["properties"].empty();
       if (s.contains("properties") && !s["properties"].is_object()) fail(at + "/properties", "must be an object");
-      const Json extra = s.value("additionalProperties", Json(!has_names));
+      // Properties named (even none, a tool without parameters): no others unless said.
+      const Json extra = s.value("additionalProperties", Json(!s.contains("properties")));
       if (has_names) {
         if (!(extra.is_boolean() && !extra.get<bool>()) && s.contains("additionalProperties")) {
           fail(at + "/additionalProperties", "additional properties beside named ones are not supported");

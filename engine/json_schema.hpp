@@ -9,9 +9,9 @@
 // of every array element, every token inside a long string) pays once.
 //
 // What is held: the JSON syntax (RFC 8259; strings valid UTF-8), and of JSON
-// Schema: type (a name or a list), properties / required (properties given: no
-// others, as OpenAI's strict mode and xgrammar's default), additionalProperties
-// (objects without properties), items, prefixItems, minItems / maxItems,
+// Schema: type (a name or a list), properties / required (properties given, even
+// none: no others, as OpenAI's strict mode and xgrammar's default),
+// additionalProperties (objects without named properties), items, prefixItems, minItems / maxItems,
 // minLength / maxLength, minimum / maximum / exclusiveMinimum / exclusiveMaximum
 // (numbers and integers; a bounded number is written without an exponent, and
 // only digits that can still lead into the range are taken), enum, const,

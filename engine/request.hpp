@@ -2,7 +2,9 @@
 #pragma once
 
 #include <cstdint>
+#include <algorithm>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -56,12 +58,35 @@ struct SamplingParams {
   // whole (min_tokens gives way). Where it could end or go on (a number at the top),
   // an EOS id may end it (unless ignore_eos, or before min_tokens).
   std::string json_schema;
+  // With answer_prefixes: once the answer holds prefix i whole, the rest of it is held to
+  // answer_schemas[i] as json_schema holds a whole answer (empty: free). Empty, or one a
+  // prefix. (The arguments of a call to one of several tools, after its name.)
+  std::vector<std::string> answer_schemas;
+
+  // The schema that holds the answer from which of its tokens on: json_schema from the
+  // first, or the answer_schemas entry of the prefix `answer` already holds whole.
+  struct HeldBy {
+    const std::string* schema = nullptr;
+    size_t from = 0;
+  };
+  std::optional<HeldBy> held_by(std::span<const int32_t> answer) const {
+    if (!json_schema.empty()) return HeldBy{&json_schema, 0};
+    for (size_t i = 0; i < answer_schemas.size() && i < answer_prefixes.size(); ++i) {
+      const auto& q = answer_prefixes[i];
+      if (answer_schemas[i].empty() || q.size() > answer.size()) continue;
+      if (std::equal(q.begin(), q.end(), answer.begin())) return HeldBy{&answer_schemas[i], q.size()};
+    }
+    return std::nullopt;
+  }
+  bool holds_json() const {
+    return !json_schema.empty() || std::any_of(answer_schemas.begin(), answer_schemas.end(), [](const auto& x) { return !x.empty(); });
+  }
 
   // Where the answer starts for a sequence whose request prompt has `prompt_len` tokens.
   int64_t answer_begin(int64_t prompt_len) const { return answer_start >= 0 ? answer_start : prompt_len; }
-  // Whether answer_prefixes or json_schema may still mask the token after `generated` answer tokens.
+  // Whether answer_prefixes or a json schema may still mask the token after `generated` answer tokens.
   bool prefix_bound(int64_t generated) const {
-    if (!json_schema.empty()) return true;
+    if (holds_json()) return true;
     for (const auto& q : answer_prefixes) {
       if (static_cast<int64_t>(q.size()) > generated) return true;
     }

@@ -34,7 +34,12 @@ std::string check(const SamplingParams& p) {
       if (t < 0) return fmt::format("an answer prefix has token {}", t);
     }
   }
-  if (!p.answer_prefixes.empty() && !p.json_schema.empty()) return "answer prefixes and a json schema cannot be combined";
+  if (!p.answer_prefixes.empty() && !p.json_schema.empty()) {
+    return "answer prefixes and a json schema cannot be combined (answer_schemas hold what follows a prefix)";
+  }
+  if (!p.answer_schemas.empty() && p.answer_schemas.size() != p.answer_prefixes.size()) {
+    return fmt::format("{} answer schemas for {} answer prefixes", p.answer_schemas.size(), p.answer_prefixes.size());
+  }
   if (!(p.min_p >= 0.0f && p.min_p <= 1.0f)) return fmt::format("min_p {} must be in [0, 1]", p.min_p);
   if (p.max_tokens < 0) return fmt::format("max_tokens {} must be >= 0", p.max_tokens);
   if (p.min_tokens < 0 || p.min_tokens > p.max_tokens) {

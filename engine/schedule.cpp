@@ -324,7 +324,7 @@ void Engine::after_chunk(Seq& s, int64_t n, const float* rows, int64_t row_count
   const auto answer = std::span(s.tokens).subspan(
       std::min<size_t>(s.tokens.size(), static_cast<size_t>(sp.answer_begin(s.prompt_len))));
   TokenMask allowed;
-  if (!sp.json_schema.empty()) {
+  if (sp.holds_json()) {
     if (auto why = schema_mask(s, answer, allowed)) {
       if (why->empty()) {
         finish(s, FinishReason::stop);  // the value is whole (an imported answer), or nothing may follow
@@ -352,7 +352,7 @@ void Engine::after_chunk(Seq& s, int64_t n, const float* rows, int64_t row_count
   const bool is_stop = std::find(p.stop_ids.begin(), p.stop_ids.end(), token) != p.stop_ids.end();
   if (s.generated >= p.min_tokens && (is_stop || (is_eos && !p.ignore_eos))) {
     finish(s, FinishReason::stop);
-  } else if (!p.json_schema.empty() && schema_whole(s)) {
+  } else if (p.holds_json() && schema_whole(s)) {
     finish(s, FinishReason::stop);  // the value is whole: nothing but its end may follow
   } else if (s.generated >= p.max_tokens || static_cast<int64_t>(s.tokens.size()) >= c.max_position_embeddings) {
     finish(s, FinishReason::length);
@@ -436,16 +436,19 @@ void Engine::enqueue(Seq& s, bool again) {
   waiting_.insert(it, s.id);
 }
 
-bool Engine::sync_matcher(Seq& s) {
+std::optional<bool> Engine::sync_matcher(Seq& s) {
   const auto& p = s.req.sampling;
+  const auto answer = std::span(s.tokens).subspan(
+      std::min<size_t>(s.tokens.size(), static_cast<size_t>(p.answer_begin(s.prompt_len))));
+  const auto held = p.held_by(answer);
+  if (!held) return std::nullopt;
   if (!s.matcher) {
-    s.matcher = std::make_unique<JsonMatcher>(grammars_.get(p.json_schema));
+    s.matcher = std::make_unique<JsonMatcher>(grammars_.get(*held->schema));
     s.matched = 0;
   }
-  const auto begin = static_cast<size_t>(p.answer_begin(s.prompt_len));
   const TokenVocabulary& vocab = *options_.vocabulary;
-  for (; begin + static_cast<size_t>(s.matched) < s.tokens.size(); ++s.matched) {
-    const int32_t id = s.tokens[begin + static_cast<size_t>(s.matched)];
+  for (; held->from + static_cast<size_t>(s.matched) < answer.size(); ++s.matched) {
+    const int32_t id = answer[held->from + static_cast<size_t>(s.matched)];
     if (id < 0 || id >= vocab.size() || vocab.bytes(id).empty() || !s.matcher->feed(vocab.bytes(id))) return false;
   }
   return true;
@@ -453,7 +456,8 @@ bool Engine::sync_matcher(Seq& s) {
 
 bool Engine::schema_whole(Seq& s) {
   try {
-    return sync_matcher(s) && s.matcher->complete();
+    const auto synced = sync_matcher(s);
+    return synced.value_or(false) && s.matcher->complete();
   } catch (const Error&) {
     return false;  // schema_mask reports it at the next sample
   }
@@ -462,9 +466,9 @@ bool Engine::schema_whole(Seq& s) {
 std::optional<std::string> Engine::schema_mask(Seq& s, std::span<const int32_t> answer, TokenMask& allowed) {
   const auto& p = s.req.sampling;
   try {
-    if (!sync_matcher(s)) {
-      return fmt::format("the answer's {} tokens break its json schema", answer.size());
-    }
+    const auto synced = sync_matcher(s);
+    if (!synced) return std::nullopt;  // no schema holds the answer yet (its prefix is still coming)
+    if (!*synced) return fmt::format("the answer's {} tokens break its json schema", answer.size());
   } catch (const Error& e) {
     return std::string(e.what());
   }

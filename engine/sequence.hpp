@@ -60,8 +60,9 @@ struct Engine::Seq {
   bool resume_wanted = false;    // parked: resume when the device tier has room
   std::vector<std::pair<int64_t, cache::PoolKind>> parked_pages;  // what park moved (k = -1: HCA ring)
   TokenCounts counts;            // for the penalties (SamplingParams::adjusts_logits), kept up to date in after_chunk
-  // SamplingParams::json_schema's place after the first `matched` answer tokens (made
-  // at the first sample, so a sequence imported or resubmitted builds it from its tokens).
+  // The answer's place in its json schema (SamplingParams::held_by) after `matched` of the
+  // tokens it holds (made at the first sample it holds, so a sequence imported or
+  // resubmitted builds it from its tokens).
   std::unique_ptr<JsonMatcher> matcher;
   int64_t matched = 0;
   DecodeSlot decode;             // after `state`: released before it

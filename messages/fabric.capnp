@@ -56,6 +56,7 @@ struct Sampling {
   minP @14 :Float32;                    # 0: off
   answerPrefixes @15 :List(List(Int32)); # the answer begins with one of these (engine::SamplingParams)
   jsonSchema @16 :Text;                 # the answer is JSON under this schema; empty: free text
+  answerSchemas @17 :List(Text);        # what follows answer prefix i is JSON under schema i (empty: free)
 }
 
 struct TokenBias {

@@ -533,6 +533,22 @@ std::vector<int32_t> encode_text(const GatewayState& st, const std::string& text
   return st.tok->encode(text, opts);
 }
 
+// The schema a call to `tool` holds its arguments to: its parameters where the
+// structured-output grammar holds them, else any JSON object (a tool's schema is the
+// client's own: a keyword the grammar lacks costs the constraint, not the request).
+std::string arguments_schema(GatewayState& st, const gateway::ToolSpec& tool) {
+  if (tool.function.contains("parameters")) {
+    try {
+      std::string params = tool.function["parameters"].dump();
+      st.grammars.get(params);
+      return params;
+    } catch (const Error& e) {
+      spdlog::debug("tool '{}': arguments held to any object: {}", tool.name, e.what());
+    }
+  }
+  return R"({"type": "object"})";
+}
+
 std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std::string& route, Origin origin) {
   auto& st = self->state;
   if (st.draining) {
@@ -588,18 +604,9 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
       return ApiError{400, e.what(), "invalid_request_error", "response_format", ""};
     }
   } else if (api.uses_tools() && api.tool_choice.mode == gateway::ToolChoice::named) {
-    // The answer is the named call's arguments: held to the tool's parameters where this
-    // grammar holds their schema, else to any JSON object.
-    json_schema = R"({"type": "object"})";
+    // The answer is the named call's arguments.
     for (const auto& t : api.tools) {
-      if (t.name != api.tool_choice.name || !t.function.contains("parameters")) continue;
-      try {
-        const std::string params = t.function["parameters"].dump();
-        st.grammars.get(params);
-        json_schema = params;
-      } catch (const Error& e) {
-        spdlog::debug("tool '{}': arguments held to any object: {}", t.name, e.what());
-      }
+      if (t.name == api.tool_choice.name) json_schema = arguments_schema(st, t);
     }
   }
   const auto plen = static_cast<int64_t>(prompt.size());
@@ -677,7 +684,10 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
   if (api.uses_tools() && api.tool_choice.mode == gateway::ToolChoice::required) {
     // The answer starts inside a call after "function<sep>": it goes on with one of the
     // offered names and the json fence, so the call names a tool the request has.
-    for (const auto& t : api.tools) s.answer_prefixes.push_back(encode_text(st, t.name + "\n```json\n", false));
+    for (const auto& t : api.tools) {
+      s.answer_prefixes.push_back(encode_text(st, t.name + "\n```json\n", false));
+      s.answer_schemas.push_back(arguments_schema(st, t));  // then its arguments
+    }
   }
   requests_counter(st, route, 200).inc();
   if (origin.responder) {

@@ -66,6 +66,8 @@ void sampling_to_wire(const engine::SamplingParams& s, msg::Sampling::Builder ou
   out.setPresencePenalty(s.presence_penalty);
   out.setAnswerStart(s.answer_start);
   out.setJsonSchema(s.json_schema);
+  auto schemas = out.initAnswerSchemas(static_cast<unsigned>(s.answer_schemas.size()));
+  for (size_t i = 0; i < s.answer_schemas.size(); ++i) schemas.set(static_cast<unsigned>(i), s.answer_schemas[i]);
   auto prefixes = out.initAnswerPrefixes(static_cast<unsigned>(s.answer_prefixes.size()));
   for (size_t i = 0; i < s.answer_prefixes.size(); ++i) {
     const auto& q = s.answer_prefixes[i];
@@ -97,6 +99,7 @@ engine::SamplingParams sampling_from_wire(msg::Sampling::Reader in) {
   for (auto b : in.getLogitBias()) s.logit_bias.emplace_back(b.getToken(), b.getBias());
   for (auto q : in.getAnswerPrefixes()) s.answer_prefixes.push_back(ints(q));
   s.json_schema = in.getJsonSchema().cStr();
+  for (auto x : in.getAnswerSchemas()) s.answer_schemas.emplace_back(x.cStr());
   return s;
 }
 

@@ -519,13 +519,16 @@ def test_tool_calls():
     assert prompt_ids[len(ids) - 1:len(ids) + 2] == forced, (prompt_ids[len(ids) - 3:], forced)
     assert tok.decode(prompt_ids[len(ids) + 2:], skip_special_tokens=False) == "function<｜tool▁sep｜>get_weather\n```json\n"
 
-    # "required": the model names one of the offered functions (its answer held to their names), greedy or
-    # sampled; one offered is named for it.
+    # "required": the model names one of the offered functions (its answer held to their names, then to that
+    # function's parameters), greedy or sampled; one offered is named for it.
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
     for seed in range(4):
-        r = client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=1.0, seed=seed,
+        r = client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=200, temperature=1.0, seed=seed,
                                              tools=[WEATHER, CLOCK], tool_choice="required")
         calls = r.choices[0].message.tool_calls
-        assert calls and calls[0].function.name in ("get_weather", "get_time") and r.choices[0].message.content is None, r
+        assert calls and calls[0].function.name in params and r.choices[0].message.content is None, r
+        assert r.choices[0].finish_reason == "tool_calls", r
+        jsonschema.validate(json.loads(calls[0].function.arguments), params[calls[0].function.name])
     r = client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0, tools=[WEATHER],
                                          tool_choice="required")
     assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"], r

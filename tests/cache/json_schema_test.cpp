@@ -52,13 +52,11 @@ bool valid(const Json& v, const Json& s, const Json& doc) {
   auto typed = [&](const std::string& t) {
     if (t == "object") {
       if (!v.is_object()) return false;
-      const bool named = s.contains("properties") && !s["properties"].empty();
+      // Strict (OpenAI's, xgrammar's): properties named, even none, and no others unless said.
+      const Json props = s.value("properties", Json::object());
+      const Json others = s.value("additionalProperties", Json(!s.contains("properties")));
       for (const auto& [k, x] : v.items()) {
-        if (named) {
-          if (!s["properties"].contains(k) || !valid(x, s["properties"][k], doc)) return false;
-        } else if (!valid(x, s.value("additionalProperties", Json(true)), doc)) {
-          return false;
-        }
+        if (!valid(x, props.contains(k) ? props[k] : others, doc)) return false;
       }
       for (const auto& r : s.value("required", Json::array())) {
         if (!v.contains(r.get<std::string>())) return false;
@@ -165,6 +163,9 @@ TEST(JsonSchema, takes_valid_documents_and_nothing_else) {
       {R"({"type": "object", "additionalProperties": {"type": "integer"}})", R"({"a": 1, "b": 2})", true},
       {R"({"type": "object", "additionalProperties": {"type": "integer"}})", R"({"a": "1"})", false},
       {R"({"type": "object", "additionalProperties": false})", "{}", true},
+      {R"({"type": "object", "properties": {}})", "{ }", true},
+      {R"({"type": "object", "properties": {}})", R"({"a": 1})", false},  // named none: no others
+      {R"({"type": "object", "properties": {}, "additionalProperties": {"type": "null"}})", R"({"a": null})", true},
       {R"({"type": "object", "additionalProperties": false})", R"({"a": 1})", false},
       {R"({"$defs": {"t": {"type": "object", "properties": {"k": {"type": "array", "items": {"$ref": "#/$defs/t"}}}}}, "$ref": "#/$defs/t"})",
        R"({"k": [{"k": []}, {}]})", true},

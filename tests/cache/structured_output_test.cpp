@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <regex>
+#include <set>
 
 #include "engine/json_schema.hpp"
 #include "tests/cache/engine_harness.hpp"
@@ -118,6 +119,54 @@ TEST(StructuredOutput, answers_are_json_under_the_schema) {
       EXPECT_EQ(text.size(), 32u) << text;
     }
   }
+}
+
+TEST(StructuredOutput, what_follows_an_answer_prefix_is_held_to_its_schema) {
+  auto& m = test::shared_model();
+  EngineOptions o;
+  o.vocabulary = test_vocabulary(static_cast<int32_t>(m.model->config().vocab_size));
+  test::Harness h(*m.model, o);
+  // Two "tools": names 'a' (ids 67) and 'b!' (68, 3), each followed by its own arguments.
+  const std::vector<std::vector<int32_t>> prefixes = {{67}, {68, 3}};
+  const std::vector<std::string> schemas = {R"({"type": "array", "items": {"type": "boolean"}, "maxItems": 2})",
+                                            R"({"enum": ["x", "yz"]})"};
+  std::set<size_t> named;
+  for (int seed = 0; seed < 8; ++seed) {
+    Request r;
+    r.prompt = {11, 12, static_cast<int32_t>(13 + seed)};
+    r.sampling.answer_prefixes = prefixes;
+    r.sampling.answer_schemas = schemas;
+    r.sampling.max_tokens = 2000;
+    r.sampling.temperature = 1.0f;
+    r.sampling.seed = static_cast<uint64_t>(seed);
+    const auto id = h.submit(std::move(r));
+    h.run();
+    const auto& g = h[id].generated;
+    EXPECT_EQ(h[id].last.reason, FinishReason::stop);
+    size_t which = prefixes.size();
+    for (size_t i = 0; i < prefixes.size(); ++i) {
+      if (g.size() >= prefixes[i].size() && std::equal(prefixes[i].begin(), prefixes[i].end(), g.begin())) which = i;
+    }
+    ASSERT_LT(which, prefixes.size()) << "seed " << seed;
+    named.insert(which);
+    const std::string rest = text_of(*o.vocabulary, std::vector<int32_t>(g.begin() + static_cast<std::ptrdiff_t>(prefixes[which].size()), g.end()));
+    Json v;
+    ASSERT_NO_THROW(v = Json::parse(rest)) << rest;
+    if (which == 0) {
+      EXPECT_TRUE(v.is_array() && v.size() <= 2) << rest;
+    } else {
+      EXPECT_TRUE(v == "x" || v == "yz") << rest;
+    }
+  }
+  EXPECT_EQ(named.size(), 2u);  // both prefixes drawn over the seeds
+  Request bad;
+  bad.prompt = {3, 4};
+  bad.sampling.answer_prefixes = prefixes;
+  bad.sampling.answer_schemas = {"{}"};
+  const auto id = h.submit(std::move(bad));
+  h.run();
+  EXPECT_EQ(h[id].last.reason, FinishReason::error);
+  EXPECT_NE(h[id].last.message.find("1 answer schemas for 2 answer prefixes"), std::string::npos) << h[id].last.message;
 }
 
 TEST(StructuredOutput, a_resubmitted_answer_goes_on_as_it_would_have) {

@@ -138,6 +138,7 @@ TEST_F(NodeFabric, messages_cross_as_the_same_structs_and_handles_become_one_pro
   job.sampling.min_p = 0.25f;
   job.sampling.answer_prefixes = {{4, 5}, {6}};
   job.sampling.json_schema = R"({"type": "object"})";
+  job.sampling.answer_schemas = {"{}", ""};
   job.reply_to = router_;
   job.logprobs = 3;
   job.prompt_logprobs = 2;
@@ -151,6 +152,7 @@ TEST_F(NodeFabric, messages_cross_as_the_same_structs_and_handles_become_one_pro
   EXPECT_EQ(got.sampling.min_p, 0.25f);
   EXPECT_EQ(got.sampling.answer_prefixes, (std::vector<std::vector<int32_t>>{{4, 5}, {6}}));
   EXPECT_EQ(got.sampling.json_schema, job.sampling.json_schema);
+  EXPECT_EQ(got.sampling.answer_schemas, job.sampling.answer_schemas);
   ASSERT_TRUE(got.sampling.seed.has_value());
   EXPECT_EQ(*got.sampling.seed, 77u);
   EXPECT_EQ(got.logprobs, 3);

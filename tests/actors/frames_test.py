@@ -416,6 +416,17 @@ def test_cli_generate():
                         "--model", "nope"], capture_output=True, text=True, timeout=60,
                        preexec_fn=harness._die_with_parent)
     assert p.returncode != 0 and "nope" in p.stderr, (p.returncode, p.stdout, p.stderr)
+    # --json-schema: the answer is JSON under it; a schema troupe cannot hold is named.
+    schema = '{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}'
+    p = subprocess.run([A.troupe, "client", "--connect", f"127.0.0.1:{frame_port}", "generate", "--prompt", "state:",
+                        "--max-tokens", "200", "--temperature", "0", "--json-schema", schema], capture_output=True,
+                       text=True, timeout=120, preexec_fn=harness._die_with_parent)
+    assert p.returncode == 0 and "[finish: stop" in p.stderr, (p.returncode, p.stdout, p.stderr)
+    assert json.loads(p.stdout.strip())["ok"] in (True, False), p.stdout
+    p = subprocess.run([A.troupe, "client", "--connect", f"127.0.0.1:{frame_port}", "generate", "--prompt", "x",
+                        "--json-schema", '{"type": "string", "pattern": "x"}'], capture_output=True, text=True,
+                       timeout=60, preexec_fn=harness._die_with_parent)
+    assert p.returncode != 0 and "'pattern'" in p.stderr, (p.returncode, p.stdout, p.stderr)
     still_serving()
 
 

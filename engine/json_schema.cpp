@@ -6,9 +6,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
-#include <optional>
 #include <cstring>
 #include <limits>
+#include <optional>
 
 #include "base/error.hpp"
 
@@ -133,11 +133,11 @@ enum : uint8_t { kNumStart, kNumMinus, kNumZero, kNumInt, kNumDot, kNumFrac, kNu
 bool number_whole(uint8_t sub) { return sub == kNumZero || sub == kNumInt || sub == kNumFrac || sub == kNumExpDigits; }
 
 // A value interval [a, b] (an end open where its flag says) meets the node's range.
-bool meets(const JsonGrammar::Node& n, double a, bool a_open, double b, bool b_open);
+static bool meets(const JsonGrammar::Node& n, double a, bool a_open, double b, bool b_open);
 // Whether some number that begins with `t` (no exponent) lies in the node's range,
 // and whether `t` itself does.
-bool reachable(const JsonGrammar::Node& n, std::string_view t);
-bool in_range(const JsonGrammar::Node& n, std::string_view t);
+static bool reachable(const JsonGrammar::Node& n, std::string_view t);
+static bool in_range(const JsonGrammar::Node& n, std::string_view t);
 
 struct JsonGrammar::Frame {
   uint32_t node = 0;
@@ -185,7 +185,7 @@ std::string number_text(const JsonGrammar::Frame& f) {
 
 }  // namespace
 
-bool meets(const JsonGrammar::Node& n, double a, bool a_open, double b, bool b_open) {
+static bool meets(const JsonGrammar::Node& n, double a, bool a_open, double b, bool b_open) {
   double lo = a, hi = b;
   bool lo_open = a_open, hi_open = b_open;
   if (n.lo > lo || (n.lo == lo && n.lo_open)) {
@@ -199,7 +199,7 @@ bool meets(const JsonGrammar::Node& n, double a, bool a_open, double b, bool b_o
   return lo < hi || (lo == hi && !lo_open && !hi_open);
 }
 
-bool reachable(const JsonGrammar::Node& n, std::string_view t) {
+static bool reachable(const JsonGrammar::Node& n, std::string_view t) {
   const bool neg = !t.empty() && t[0] == '-';
   const std::string body(neg ? t.substr(1) : t);
   const bool integer = n.kind == Kind::integer;
@@ -222,7 +222,7 @@ bool reachable(const JsonGrammar::Node& n, std::string_view t) {
   return false;
 }
 
-bool in_range(const JsonGrammar::Node& n, std::string_view t) {
+static bool in_range(const JsonGrammar::Node& n, std::string_view t) {
   const double v = std::strtod(std::string(t).c_str(), nullptr);
   return meets(n, v, false, v, false);
 }
@@ -646,15 +646,40 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
       if (is_ws(c)) return whitespace();
       const uint16_t ws = f.ws;
       switch (n.kind) {
-        case Kind::any_of:  // its options are values of other kinds (compile flattens them)
+        case Kind::any_of: {  // its options are values of other kinds (compile flattens them)
+          // Only the options a value can start with c: usually one, stepped in place.
+          auto starts = [&](uint32_t o) {
+            const Node& x = nodes_[o];
+            switch (x.kind) {
+              case Kind::object: return c == '{';
+              case Kind::array: return c == '[';
+              case Kind::string: return c == '"';
+              case Kind::number:
+              case Kind::integer: return c == '-' || is_digit(c);
+              case Kind::literal:
+                return std::any_of(x.texts.begin(), x.texts.end(), [&](const std::string& t) { return static_cast<uint8_t>(t[0]) == c; });
+              case Kind::any_of: return true;
+            }
+            return true;
+          };
+          uint32_t last = kNone;
           for (uint32_t o : n.options) {
-            std::vector<Frame> t = s;
-            t.back() = Frame{};
-            t.back().node = o;
-            t.back().ws = ws;
-            step(t, c, out);
+            if (!starts(o)) continue;
+            if (last != kNone) {
+              std::vector<Frame> t = s;
+              t.back() = Frame{};
+              t.back().node = last;
+              t.back().ws = ws;
+              step(t, c, out);
+            }
+            last = o;
           }
-          return;
+          if (last == kNone) return;
+          f = Frame{};
+          f.node = last;
+          f.ws = ws;
+          return step(s, c, out);
+        }
         case Kind::object:
           if (c != '{') return;
           f.kind = kObject;

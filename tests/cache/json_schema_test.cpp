@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <random>
 #include <string>
 #include <vector>
@@ -79,8 +80,9 @@ bool valid(const Json& v, const Json& s, const Json& doc) {
       return n >= s.value("minLength", 0) && (!s.contains("maxLength") || n <= s["maxLength"].get<int64_t>());
     }
     if (t == "integer" || t == "number") {
-      if (t == "integer" ? !v.is_number_integer() : !v.is_number()) return false;
+      if (!v.is_number()) return false;
       const double x = v.get<double>();
+      if (t == "integer" && std::floor(x) != x) return false;  // (JSON Schema's: 1.0 and 10^21 are integers)
       return (!s.contains("minimum") || x >= s["minimum"].get<double>()) &&
              (!s.contains("maximum") || x <= s["maximum"].get<double>()) &&
              (!s.contains("exclusiveMinimum") || x > s["exclusiveMinimum"].get<double>()) &&
@@ -283,6 +285,94 @@ TEST(JsonSchema, random_answers_are_valid_json_under_the_schema) {
     }
     EXPECT_GT(ended, 20) << schema;
   }
+}
+
+// A random schema of the held keywords, `depth` levels at most.
+Json random_schema(std::mt19937_64& rng, int depth) {
+  auto pick = [&](int n) { return static_cast<int>(rng() % static_cast<uint64_t>(n)); };
+  const int kind = depth <= 0 ? 2 + pick(6) : pick(9);
+  switch (kind) {
+    case 0: {  // object
+      Json s = {{"type", "object"}};
+      if (pick(4) == 0) {
+        s["additionalProperties"] = random_schema(rng, depth - 1);
+        return s;
+      }
+      Json props = Json::object(), req = Json::array();
+      const int n = pick(4);
+      for (int i = 0; i < n; ++i) {
+        const std::string name = std::string(1, static_cast<char>('a' + i)) + (pick(3) == 0 ? "\"q" : "");
+        props[name] = random_schema(rng, depth - 1);
+        if (pick(2) == 0) req.push_back(name);
+      }
+      s["properties"] = props;
+      if (!req.empty()) s["required"] = req;
+      return s;
+    }
+    case 1: {  // array
+      Json s = {{"type", "array"}, {"items", random_schema(rng, depth - 1)}};
+      if (pick(3) == 0) s["prefixItems"] = Json::array({random_schema(rng, depth - 1)});
+      if (pick(2) == 0) s["maxItems"] = pick(4);
+      if (pick(3) == 0) s["minItems"] = pick(2);
+      if (s.contains("minItems") && s.contains("maxItems") && s["maxItems"] < s["minItems"]) s.erase("minItems");
+      return s;
+    }
+    case 2: {
+      Json s = {{"type", "string"}};
+      if (pick(2) == 0) s["maxLength"] = pick(6);
+      if (pick(3) == 0) s["minLength"] = std::min(pick(3), s.value("maxLength", 3));
+      return s;
+    }
+    case 3:
+    case 4: {  // bounded or free numbers
+      Json s = {{"type", pick(2) == 0 ? "integer" : "number"}};
+      if (pick(2) == 0) s[pick(2) == 0 ? "minimum" : "exclusiveMinimum"] = pick(2) == 0 ? -7 : 2.5;
+      if (pick(2) == 0) s[pick(2) == 0 ? "maximum" : "exclusiveMaximum"] = pick(2) == 0 ? 40 : 1234.75;
+      return s;
+    }
+    case 5: return {{"enum", Json::array({"x", 1, 12, nullptr, Json::array({true})})}};
+    case 6: return {{"type", Json::array({"boolean", "null"})}};
+    case 7: return depth > 0 ? Json{{"anyOf", Json::array({random_schema(rng, depth - 1), random_schema(rng, depth - 1)})}}
+                             : Json{{"const", "c"}};
+    default: return Json::object();  // any value
+  }
+}
+
+TEST(JsonSchema, random_answers_under_random_schemas_are_valid) {
+  std::mt19937_64 rng(11);
+  int schemas = 0, answers = 0, mutants = 0;
+  for (int i = 0; i < 150; ++i) {
+    const Json s = random_schema(rng, 3);
+    std::shared_ptr<JsonGrammar> g;
+    try {
+      g = JsonGrammar::compile(s.dump());
+    } catch (const Error& e) {
+      continue;  // e.g. an integer range with no integer in it
+    }
+    ++schemas;
+    for (int w = 0; w < 6; ++w) {
+      const std::string text = walk(s.dump(), rng, 200);
+      if (text.empty()) continue;
+      ++answers;
+      Json v;
+      ASSERT_NO_THROW(v = Json::parse(text)) << s.dump() << "\n" << text;
+      ASSERT_TRUE(valid(v, s, s)) << s.dump() << "\n" << text;
+      // One byte changed: whatever the matcher still takes whole is valid too.
+      const std::string bytes = "{}[],:\"\\-.0159eEtfnu x\x80";
+      for (int m = 0; m < 8; ++m) {
+        std::string t = text;
+        t[rng() % t.size()] = bytes[rng() % bytes.size()];
+        JsonMatcher mt(g);
+        if (!mt.feed(t) || !mt.may_end()) continue;
+        ++mutants;
+        ASSERT_NO_THROW(v = Json::parse(t)) << s.dump() << "\n" << t;
+        ASSERT_TRUE(valid(v, s, s)) << s.dump() << "\n" << t;
+      }
+    }
+  }
+  EXPECT_GT(mutants, 100);
+  EXPECT_GT(schemas, 120);
+  EXPECT_GT(answers, 400);
 }
 
 // The mask at each place equals feeding every token on a copy.

@@ -11,6 +11,8 @@
 #include <optional>
 
 #include "base/error.hpp"
+#include "base/json_depth.hpp"
+#include "engine/request.hpp"
 
 namespace troupe::engine {
 
@@ -20,7 +22,7 @@ constexpr uint16_t kMaxWhitespace = 64;  // consecutive whitespace bytes
 constexpr uint32_t kMaxNumberBytes = 32;
 constexpr size_t kMaxDepth = 32;         // frames on a stack
 constexpr size_t kMaxNames = 64;         // properties of an object (a 64-bit set of those seen)
-constexpr size_t kMaxMasks = 4096;       // cached masks a grammar (16 KB each at a 129K vocabulary)
+constexpr size_t kMaxMasks = 512;        // cached masks a grammar (16 KB each at a 129K vocabulary: 8 MB)
 constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
 
 bool is_ws(uint8_t c) { return c == ' ' || c == '\n' || c == '\t' || c == '\r'; }
@@ -562,6 +564,9 @@ std::shared_ptr<JsonGrammar> JsonGrammar::compile(std::string_view schema) {
   } catch (const std::exception& e) {
     raise(ErrorCode::invalid_argument, "the json schema is not JSON: {}", e.what());
   }
+  if (nests_deeper_than(doc, kMaxSchemaNesting)) {
+    raise(ErrorCode::invalid_argument, "the json schema nests deeper than {} levels", kMaxSchemaNesting);
+  }
   Compiler c(doc);
   const uint32_t root = c.compile(doc, "");
   std::shared_ptr<JsonGrammar> g(new JsonGrammar());
@@ -1064,7 +1069,7 @@ const TokenMask& JsonMatcher::allowed(const TokenVocabulary& vocab) { return gra
 // ---- cache ----------------------------------------------------------------------------
 
 std::shared_ptr<JsonGrammar> GrammarCache::get(const std::string& schema) {
-  constexpr size_t kMaxGrammars = 64;
+  constexpr size_t kMaxGrammars = 32;  // with their masks at most ~256 MB
   if (auto it = grammars_.find(schema); it != grammars_.end()) {
     it->second.first = ++uses_;
     return it->second.second;

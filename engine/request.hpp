@@ -21,6 +21,8 @@ using RequestId = uint64_t;
 inline constexpr float kMaxAbsPenalty = 2.0f;
 inline constexpr float kMaxAbsLogitBias = 100.0f;
 inline constexpr size_t kMaxLogitBiasEntries = 1024;
+// JSON levels of a json schema document (its compiler and serializer recurse).
+inline constexpr size_t kMaxSchemaNesting = 128;
 
 // Per-request sampling, named as OpenAI / vLLM name them.
 struct SamplingParams {

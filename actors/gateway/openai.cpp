@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 
+#include "base/json_depth.hpp"
 #include "engine/request.hpp"
 
 namespace troupe::gateway {
@@ -136,6 +137,9 @@ std::optional<ApiError> parse_tools(const json& j, ApiRequest& r) {
       }
       if (fn.contains("parameters") && !fn["parameters"].is_null() && !fn["parameters"].is_object()) {
         return bad("tools", where + ".function.parameters must be a JSON Schema object");
+      }
+      if (nests_deeper_than(fn, engine::kMaxSchemaNesting)) {  // it is written into the prompt (recursively)
+        return bad("tools", fmt::format("{}.function nests deeper than {} levels", where, engine::kMaxSchemaNesting));
       }
       const std::string name = fn["name"];
       for (const auto& other : r.tools) {
@@ -361,6 +365,9 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
       if (js.contains("schema") && !js["schema"].is_null() && !js["schema"].is_object() && !js["schema"].is_boolean()) {
         return bad("response_format", "'json_schema.schema' must be a JSON Schema (an object)");
       }
+      if (js.contains("schema") && nests_deeper_than(js["schema"], engine::kMaxSchemaNesting)) {
+        return bad("response_format", fmt::format("'json_schema.schema' nests deeper than {} levels", engine::kMaxSchemaNesting));
+      }
       s.json_schema = js.contains("schema") && !js["schema"].is_null() ? js["schema"].dump() : "{}";
     } else if (type != "text") {
       return bad("response_format", "response_format 'type' must be 'text', 'json_object' or 'json_schema', got '" +
@@ -373,6 +380,9 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
     if (g.is_string()) {
       s.json_schema = g.get<std::string>();
     } else if (g.is_object() || g.is_boolean()) {
+      if (nests_deeper_than(g, engine::kMaxSchemaNesting)) {
+        return bad("guided_json", fmt::format("'guided_json' nests deeper than {} levels", engine::kMaxSchemaNesting));
+      }
       s.json_schema = g.dump();
     } else {
       return bad("guided_json", "'guided_json' must be a JSON Schema (an object or its text)");

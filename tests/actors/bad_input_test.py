@@ -62,6 +62,24 @@ def test_malformed_json():
     still_serving()
 
 
+def test_deeply_nested_schemas():
+    """Schemas (and tool definitions) nested 5,000 deep: a 400 naming the parameter, not a stack overflow in
+    the code that walks them (raw bodies: Python's json recurses too)."""
+    deep = '{"items":' * 5000 + '{}' + '}' * 5000
+    head = '{"model": "deepseek-v4-tiny", "max_tokens": 2, '
+    for path, raw, param in [
+            ("/v1/completions", head + '"prompt": "x", "guided_json": ' + deep + '}', "guided_json"),
+            ("/v1/completions", head + '"prompt": "x", "guided_json": ' + json.dumps(deep) + '}', "response_format"),
+            ("/v1/completions", head + '"prompt": "x", "response_format": {"type": "json_schema", "json_schema": '
+                                       '{"schema": ' + deep + '}}}', "response_format"),
+            ("/v1/chat/completions", head + '"messages": [{"role": "user", "content": "x"}], "tools": [{"type": '
+                                            '"function", "function": {"name": "f", "parameters": ' + deep + '}}]}',
+             "tools")]:
+        s, b = post(raw, path=path)
+        expect_error(s, b, 400, param=param, words=("deeper than",))
+    still_serving()
+
+
 def test_bytes_that_are_not_utf8():
     # The parser's message quotes the bytes it stopped at; quoting them back must not end the
     # gateway (it did: an exception serialising the error body took every request with it).
@@ -90,6 +108,7 @@ def test_wrong_types_name_the_parameter():
              ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "x"}}}},
               "response_format"),
              ({"guided_json": 5}, "guided_json"),
+
              ({"response_format": "json"}, "response_format")]
     for patch, param in cases:
         body = {"model": MODEL, "prompt": "hello", "max_tokens": 4}

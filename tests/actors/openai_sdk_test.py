@@ -609,6 +609,11 @@ def test_structured_output():
     status, e = s.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 2, "tools": [WEATHER],
                                                 "tool_choice": "required", "response_format": {"type": "json_object"}})
     assert status == 400 and e["error"]["param"] == "response_format", e
+    # A schema nested 100,000 deep (a raw body: Python's json recurses) is a 400, not a stack overflow.
+    deep = '{"items":' * 100000 + '{}' + '}' * 100000
+    status, _, e = s.request("POST", "/v1/completions", '{"model": "deepseek-v4-tiny", "prompt": "x", "max_tokens": 2, '
+                             '"response_format": {"type": "json_schema", "json_schema": {"schema": ' + deep + '}}}')
+    assert status == 400 and "deeper than" in e["error"]["message"], (status, e)
     assert s.get("/health")[0] == 200
 
 

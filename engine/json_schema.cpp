@@ -12,6 +12,7 @@
 
 #include "base/error.hpp"
 #include "base/json_depth.hpp"
+#include "base/utf8_lead.hpp"
 #include "engine/request.hpp"
 
 namespace troupe::engine {
@@ -30,23 +31,13 @@ bool is_digit(uint8_t c) { return c >= '0' && c <= '9'; }
 bool is_hex(uint8_t c) { return is_digit(c) || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F'); }
 
 // UTF-8: for a lead byte, how many continuation bytes follow and the range of the
-// first of them (the rest are 0x80-0xBF); false for a byte that cannot lead.
+// first of them (the rest are 0x80-0xBF); false for a byte that cannot lead one.
 bool utf8_lead(uint8_t c, uint32_t& more, uint8_t& lo, uint8_t& hi) {
-  lo = 0x80;
-  hi = 0xBF;
-  if (c >= 0xC2 && c <= 0xDF) {
-    more = 1;
-  } else if (c >= 0xE0 && c <= 0xEF) {
-    more = 2;
-    if (c == 0xE0) lo = 0xA0;  // no overlong forms
-    if (c == 0xED) hi = 0x9F;  // no surrogates
-  } else if (c >= 0xF0 && c <= 0xF4) {
-    more = 3;
-    if (c == 0xF0) lo = 0x90;
-    if (c == 0xF4) hi = 0x8F;  // nothing past U+10FFFF
-  } else {
-    return false;
-  }
+  const Utf8Lead lead = troupe::utf8_lead(c);
+  if (lead.length < 2) return false;
+  more = lead.length - 1;
+  lo = lead.second_lo;
+  hi = lead.second_hi;
   return true;
 }
 

@@ -2,6 +2,8 @@
 
 #include <cstdint>
 
+#include "base/utf8_lead.hpp"
+
 namespace troupe::tokenizer {
 namespace {
 
@@ -14,23 +16,11 @@ struct Prefix {
 };
 
 Prefix scan(const unsigned char* s, size_t n) {
-  const unsigned char b0 = s[0];
-  size_t need = 0;
-  unsigned char lo = 0x80, hi = 0xBF;  // allowed range of the second byte
-  if (b0 < 0x80) return {1, 1};
-  if (b0 >= 0xC2 && b0 <= 0xDF) {
-    need = 2;
-  } else if (b0 >= 0xE0 && b0 <= 0xEF) {
-    need = 3;
-    if (b0 == 0xE0) lo = 0xA0;  // no overlong forms
-    if (b0 == 0xED) hi = 0x9F;  // no surrogates
-  } else if (b0 >= 0xF0 && b0 <= 0xF4) {
-    need = 4;
-    if (b0 == 0xF0) lo = 0x90;  // no overlong forms
-    if (b0 == 0xF4) hi = 0x8F;  // nothing above U+10FFFF
-  } else {
-    return {0, 0};
-  }
+  const Utf8Lead lead = utf8_lead(s[0]);
+  const size_t need = lead.length;
+  if (need == 0) return {0, 0};
+  if (need == 1) return {1, 1};
+  const unsigned char lo = lead.second_lo, hi = lead.second_hi;  // allowed range of the second byte
   size_t valid = 1;
   for (size_t i = 1; i < need && i < n; ++i) {
     const unsigned char b = s[i];

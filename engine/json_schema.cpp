@@ -548,7 +548,35 @@ class Compiler {
 JsonGrammar::JsonGrammar() = default;
 JsonGrammar::~JsonGrammar() = default;
 
+namespace {
+constexpr size_t kMaxChoices = 1024;
+}  // namespace
+
 std::shared_ptr<JsonGrammar> JsonGrammar::compile(std::string_view schema) {
+  if (schema.starts_with(kChoiceTag)) {
+    Json list;
+    try {
+      list = Json::parse(schema.substr(kChoiceTag.size()));
+    } catch (const std::exception& e) {
+      raise(ErrorCode::invalid_argument, "the choices are not JSON: {}", e.what());
+    }
+    if (!list.is_array() || list.empty() || list.size() > kMaxChoices) {
+      raise(ErrorCode::invalid_argument, "the choices must be a list of 1 to {} texts", kMaxChoices);
+    }
+    Node n;
+    n.kind = Kind::literal;
+    for (const auto& t : list) {
+      if (!t.is_string() || t.get<std::string>().empty()) raise(ErrorCode::invalid_argument, "every choice must be non-empty text");
+      n.texts.push_back(t.get<std::string>());
+    }
+    std::sort(n.texts.begin(), n.texts.end());
+    n.texts.erase(std::unique(n.texts.begin(), n.texts.end()), n.texts.end());
+    std::shared_ptr<JsonGrammar> g(new JsonGrammar());
+    g->nodes_.push_back(std::move(n));
+    g->raw_ = true;
+    for (auto& s : g->scratch_) s = std::make_unique<State>();
+    return g;
+  }
   Json doc;
   try {
     doc = Json::parse(schema);
@@ -1018,6 +1046,10 @@ JsonMatcher::JsonMatcher(std::shared_ptr<JsonGrammar> grammar)
     : grammar_(std::move(grammar)), state_(std::make_unique<JsonGrammar::State>()), next_(std::make_unique<JsonGrammar::State>()) {
   JsonGrammar::Frame root;
   root.node = grammar_->root_;
+  if (grammar_->raw_) {  // the texts from the first byte
+    root.kind = kLiteral;
+    root.b = static_cast<uint32_t>(grammar_->nodes_[root.node].texts.size());
+  }
   state_->push({root});
 }
 JsonMatcher::~JsonMatcher() = default;

@@ -36,6 +36,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 namespace troupe::engine {
 
 // What each token id writes, as the masks see it.
@@ -62,11 +64,19 @@ class TokenVocabulary {
 // Allowed token ids as bits (bit id % 64 of word id / 64).
 using TokenMask = std::vector<uint64_t>;
 
+// A grammar text for SamplingParams::json_schema whose answer is exactly one of `texts`
+// (raw text, not JSON: vLLM's guided_choice): a tag no JSON text starts with, then the
+// texts as a JSON list. The texts must be non-empty.
+inline constexpr std::string_view kChoiceTag{"\0choice ", 8};
+inline std::string choice_grammar(const std::vector<std::string>& texts) {
+  return std::string(kChoiceTag) + nlohmann::json(texts).dump();
+}
+
 class JsonGrammar {
  public:
-  // Throws troupe::Error(invalid_argument) for text that is not JSON, a schema
-  // that matches nothing, or a keyword this grammar does not hold (the message
-  // names it and its JSON pointer).
+  // `schema`: a JSON Schema, or a choice_grammar(). Throws troupe::Error(invalid_argument)
+  // for text that is not JSON, a schema that matches nothing, or a keyword this grammar
+  // does not hold (the message names it and its JSON pointer).
   static std::shared_ptr<JsonGrammar> compile(std::string_view schema);
   ~JsonGrammar();
 
@@ -85,6 +95,7 @@ class JsonGrammar {
 
   std::vector<Node> nodes_;
   uint32_t root_ = 0;
+  bool raw_ = false;  // a choice_grammar(): the root is its texts from the first byte, no whitespace before
   // Masks by state (the state's frames as bytes), for one vocabulary.
   const TokenVocabulary* mask_vocab_ = nullptr;
   std::unordered_map<std::string, TokenMask> masks_;

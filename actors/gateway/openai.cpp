@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "base/json_depth.hpp"
+#include "engine/json_schema.hpp"
 #include "engine/request.hpp"
 
 namespace troupe::gateway {
@@ -387,6 +388,17 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
     } else {
       return bad("guided_json", "'guided_json' must be a JSON Schema (an object or its text)");
     }
+  }
+  if (j.contains("guided_choice") && !j["guided_choice"].is_null()) {  // vLLM's: the answer is one of these texts
+    if (!s.json_schema.empty()) return bad("guided_choice", "give one of 'guided_choice', 'guided_json' or a json 'response_format'");
+    const auto& g = j["guided_choice"];
+    if (!g.is_array() || g.empty() || g.size() > 1024) return bad("guided_choice", "'guided_choice' must be a list of 1 to 1024 strings");
+    std::vector<std::string> texts;
+    for (const auto& t : g) {
+      if (!t.is_string() || t.get<std::string>().empty()) return bad("guided_choice", "every 'guided_choice' entry must be a non-empty string");
+      texts.push_back(t.get<std::string>());
+    }
+    s.json_schema = engine::choice_grammar(texts);
   }
   if (!s.json_schema.empty() && r.uses_tools() && r.tool_choice.mode == ToolChoice::required) {
     return bad("response_format", "a json response_format cannot be combined with tool_choice 'required' over several tools");

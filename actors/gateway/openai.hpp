@@ -31,8 +31,9 @@ struct SamplingSpec {
   float presence_penalty = 0.0f;      // OpenAI, [-2, 2]
   std::vector<std::pair<int32_t, float>> logit_bias;  // OpenAI: (token, bias in [-100, 100])
   // The answer is JSON under this JSON Schema (engine::SamplingParams::json_schema):
-  // response_format json_object ({"type": "object"}) or json_schema, vLLM's guided_json.
-  // Empty: free text. Compiled (and refused with a 400) at admission.
+  // response_format json_object ({"type": "object"}) or json_schema, vLLM's guided_json;
+  // or one of vLLM's guided_choice texts (engine::choice_grammar). Empty: free text.
+  // Compiled (and refused with a 400) at admission.
   std::string json_schema;
 };
 

@@ -108,6 +108,8 @@ def test_wrong_types_name_the_parameter():
              ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "x"}}}},
               "response_format"),
              ({"guided_json": 5}, "guided_json"),
+             ({"guided_choice": []}, "guided_choice"), ({"guided_choice": ["a", ""]}, "guided_choice"),
+             ({"guided_choice": "a"}, "guided_choice"), ({"guided_choice": ["a"], "guided_json": {}}, "guided_choice"),
 
              ({"response_format": "json"}, "response_format")]
     for patch, param in cases:
@@ -287,7 +289,8 @@ def random_body(rng):
     cut short or followed by bytes that are not UTF-8. The generation length stays small."""
     names = ["model", "messages", "prompt", "temperature", "top_p", "top_k", "n", "stream", "stream_options",
              "stop", "seed", "logprobs", "top_logprobs", "echo", "logit_bias", "presence_penalty",
-             "frequency_penalty", "repetition_penalty", "min_p", "ignore_eos", "user", "response_format", "guided_json", "tools",
+             "frequency_penalty", "repetition_penalty", "min_p", "ignore_eos", "user", "response_format", "guided_json",
+             "guided_choice", "tools",
              "tool_choice", "suffix", "best_of", "add_generation_prompt", "priority", "return_token_ids"]
 
     def value(depth=0):

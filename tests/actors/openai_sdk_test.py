@@ -593,6 +593,15 @@ def test_structured_output():
                                     extra_body=dict(guided_json=schema)).choices[0]
     assert r.finish_reason == "stop", r
     jsonschema.validate(json.loads(r.text), schema)
+    # vLLM's guided_choice: the answer is one of the texts, whole, greedy and sampled.
+    choices = ["sunny", "rain, then sun", "sun", "雪"]
+    seen = set()
+    for seed in range(6):
+        c = client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=1.0 if seed else 0,
+                                        seed=seed, extra_body=dict(guided_choice=choices)).choices[0]
+        assert c.text in choices and c.finish_reason == "stop", c
+        seen.add(c.text)
+    assert len(seen) >= 2, seen
     for seed in range(2):
         r = client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=300, temperature=1.0, seed=seed,
                                              response_format={"type": "json_object"}).choices[0]

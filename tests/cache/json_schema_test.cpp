@@ -100,6 +100,8 @@ bool valid(const Json& v, const Json& s, const Json& doc) {
   return std::any_of(types.begin(), types.end(), typed);
 }
 
+void expect_masks_exact(const std::string& schema, const TokenVocabulary& vocab, const std::vector<std::string>& prefixes);
+
 // Whether the whole of `text` is an answer the matcher takes.
 bool takes(const std::string& schema, const std::string& text) {
   JsonMatcher m(JsonGrammar::compile(schema));
@@ -205,6 +207,23 @@ TEST(JsonSchema, takes_valid_documents_and_nothing_else) {
       {R"({"anyOf": [{"$ref": "#"}, {"type": "null"}]})", "1", false},
   };
   for (const auto& c : cases) EXPECT_EQ(takes(c.schema, c.text), c.ok) << c.schema << "\n" << c.text;
+}
+
+TEST(JsonSchema, a_choice_grammar_takes_exactly_its_texts) {
+  const std::string g = choice_grammar({"yes", "no", "yes, but", "\xC3\xA9t\xC3\xA9", "{\"raw\": not json"});
+  for (const char* t : {"yes", "no", "yes, but", "\xC3\xA9t\xC3\xA9", "{\"raw\": not json"}) EXPECT_TRUE(takes(g, t)) << t;
+  for (const char* t : {"", " yes", "ye", "yes,", "yes, but ", "No", "\"yes\""}) EXPECT_FALSE(takes(g, t)) << t;
+  JsonMatcher m(JsonGrammar::compile(g));
+  ASSERT_TRUE(m.feed("yes"));
+  EXPECT_TRUE(m.may_end() && !m.complete());  // "yes" or "yes, but"
+  ASSERT_TRUE(m.feed(", but"));
+  EXPECT_TRUE(m.complete());
+  for (const auto& bad : {choice_grammar({}), choice_grammar({"a", ""})}) {
+    EXPECT_THROW(JsonGrammar::compile(bad), Error);
+  }
+  std::vector<std::string> bytes = {"y", "ye", "yes", "es", "s", ",", " ", " b", "but", "u", "t", "n", "no", "o", "\xC3", "\xA9t"};
+  const TokenVocabulary vocab(bytes);
+  expect_masks_exact(g, vocab, {"", "y", "yes", "yes, b", "\xC3\xA9"});
 }
 
 TEST(JsonSchema, refuses_what_it_does_not_hold) {

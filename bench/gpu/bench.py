@@ -116,7 +116,8 @@ def decode_case(B, rate, overlap, dim, all_close):
 
 
 class Bench:
-    def __init__(self, lib, quick, gemv_shapes="", gemv_rows=(1, 2, 4, 8), indexer_cases=(), topk_cases=()):
+    def __init__(self, lib, quick, gemv_shapes="", gemv_rows=(1, 2, 4, 8), indexer_cases=(), topk_cases=(),
+                 decode_batches=(64,)):
         self.lib = C.CDLL(lib)
         L = self.lib
         L.tb_topk_ws.restype = lg
@@ -144,6 +145,7 @@ class Bench:
         self.gemv_rows = list(gemv_rows)
         self.indexer_cases = list(indexer_cases)  # [(keys, batch)]: indexer() times these instead of its four
         self.topk_cases = list(topk_cases)  # [(length, rows)]: topk() times these (k 512, 2048 from 1M) instead
+        self.decode_batches = list(decode_batches)  # compressor(): the decode form's batches
         self.rows = []
         self.failures = []
         torch.manual_seed(0)
@@ -342,20 +344,45 @@ class Bench:
                      pct_copy=100 * bw / self.copy_bw, target="80% copy", rel_err=err)
             del kv, sc, out, ring
 
-        # Decode: 64 sequences append one token each; either every one closes a window
-        # (worst case) or, as in steady decoding, one sequence in `rate` does.
+        # Decode: 64 sequences (--decode-batches) append one token each; either every one closes a
+        # window (worst case) or, as in steady decoding, one sequence in `rate` does. decode2_us: the
+        # same call on compress_decode_kernel (TROUPE_COMPRESS_DECODE=2, read at each call, so at graph
+        # capture); decode2_err: its closed entries against the default kernel's from the same rings
+        # (float reassociation only; the rings it writes must be equal).
         for rate, overlap in [(4, True), (128, False)]:
             for mode in ("all close", "1 in rate closes"):
-                B = 64
-                ape, kv, sc, pos, ring_rows, out_rows, keep = decode_case(B, rate, overlap, dim, mode == "all close")
+                for B in self.decode_batches:
+                    ape, kv, sc, pos, ring_rows, out_rows, keep = decode_case(B, rate, overlap, dim,
+                                                                              mode == "all close")
+                    rings, out = keep
 
-                def ours(i):
-                    L.tb_compress_decode(rate, int(overlap), dim, ptr(ape), ptr(norm), fl(1e-6), ptr(inv), rope_dim,
-                                         fl(1.0), ptr(kv), ptr(sc), B, ptr(pos), ptr(ring_rows), ptr(out_rows), 0,
-                                         stream())
+                    def ours(i):
+                        L.tb_compress_decode(rate, int(overlap), dim, ptr(ape), ptr(norm), fl(1e-6), ptr(inv),
+                                             rope_dim, fl(1.0), ptr(kv), ptr(sc), B, ptr(pos), ptr(ring_rows),
+                                             ptr(out_rows), 0, stream())
 
-                t = graph_time(ours)
-                self.add(kernel="compressor decode", shape=f"batch {B} rate {rate}, {mode}", ours_us=t, target_us=5.0)
+                    closing = (pos + 1) % rate == 0
+                    start = rings.clone()
+                    os.environ.pop("TROUPE_COMPRESS_DECODE", None)
+                    out.fill_(float("nan"))
+                    ours(0)
+                    torch.cuda.synchronize()
+                    ref_out, ref_rings = out.clone(), rings.clone()
+                    rings.copy_(start)
+                    out.fill_(float("nan"))
+                    os.environ["TROUPE_COMPRESS_DECODE"] = "2"
+                    ours(0)
+                    torch.cuda.synchronize()
+                    err = rel_err(out[closing], ref_out[closing]) if bool(closing.any()) else 0.0
+                    if not (err < 1e-5 and torch.equal(rings, ref_rings)):
+                        self.failures.append(f"compressor decode batch {B} rate {rate} ({mode}): "
+                                             f"TROUPE_COMPRESS_DECODE=2 rel err {err}, rings equal "
+                                             f"{torch.equal(rings, ref_rings)}")
+                    t2 = graph_time(ours)
+                    os.environ.pop("TROUPE_COMPRESS_DECODE", None)
+                    t = graph_time(ours)
+                    self.add(kernel="compressor decode", shape=f"batch {B} rate {rate}, {mode}", ours_us=t,
+                             decode2_us=t2, decode2_err=err, target_us=5.0 if B == 64 else "")
 
     # ---- lightning indexer -----------------------------------------------------------------
     def indexer(self):
@@ -664,7 +691,7 @@ def self_rope(x, inv_freq, pos):
 
 def table(rows):
     cols = ["kernel", "shape", "ours_us", "torch_us", "torch_bf16_us", "torch_e4m3_us", "speedup", "finish1_us",
-            "finish1_speedup", "grid_us", "stream_us", "sampled_us", "scores_us", "scores_pct_copy", "fused_us", "two_kernel_us", "mma_sync_us",
+            "finish1_speedup", "grid_us", "stream_us", "sampled_us", "decode2_us", "decode2_err", "scores_us", "scores_pct_copy", "fused_us", "two_kernel_us", "mma_sync_us",
             "mma_sync_scores_us", "fp32_us", "fp32_err", "key_copies", "bucket", "target_us", "gbps", "pct_copy", "tflops", "rel_err", "exact",
             "note"]
     used = [c for c in cols if any(c in r for r in rows)]
@@ -687,13 +714,15 @@ def main():
                     help="indexer shapes KEYSxBATCH (keys = context / 4), comma-separated, instead of the default four")
     ap.add_argument("--topk-cases", default="",
                     help="top-k shapes LENGTHxROWS (k 512, 2048 from 1M), comma-separated, instead of the default 15")
+    ap.add_argument("--decode-batches", default="64",
+                    help="batches the compressor's decode form is timed at, comma-separated")
     ap.add_argument("--seed", type=int, default=0,
                     help="each part's random inputs start from this seed (whatever parts ran before it)")
     args = ap.parse_args()
     def pairs(arg):  # "AxB,CxD" -> [(A, B), (C, D)]
         return [tuple(int(x) for x in c.split("x")) for c in arg.split(",") if c]
     b = Bench(args.lib, args.quick, args.gemv_shapes, [int(v) for v in args.gemv_rows.split(",")],
-              pairs(args.indexer_cases), pairs(args.topk_cases))
+              pairs(args.indexer_cases), pairs(args.topk_cases), [int(v) for v in args.decode_batches.split(",")])
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     t0 = time.time()
     b.copy_bandwidth()

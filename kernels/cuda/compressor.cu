@@ -3,6 +3,8 @@
 // slots, loads of several slots in flight; then rmsnorm and RoPE over the entry.
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
+#include <type_traits>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/compressor.hpp"
@@ -212,6 +214,19 @@ struct DecodeSource {
     const RingJob j = ring_job(b);
     store_ring_row(j.dst, j.kv, j.score, j.bias, j.score_out, j.width);
   }
+  // compress_decode_kernel's view: the sequence's first round trip (its position, ring and
+  // entry row), then its rows by ring row r (ring_slots rows of kv then score).
+  struct Sequence {
+    int64_t p;
+    float* ring;
+    void* out;
+  };
+  __device__ Sequence sequence(int64_t b) const { return {positions[b], rings[b], out[b]}; }
+  // (in 32 bits: compress_decode_kernel's rings are at most 4,096 rows of 4,096 floats)
+  __device__ float* ring_row(const Sequence& q, int r) const { return q.ring + r * static_cast<int>(2 * g.width); }
+  __device__ void* entry_row(const Sequence& q, int64_t) const { return q.out; }
+  __device__ const float* bias_row(int rem) const { return g.ape + static_cast<int64_t>(rem) * g.width; }
+  __device__ float* score_out(int64_t) const { return nullptr; }
 };
 
 // The Decoder's form of DecodeSource: rings and entries are per-sequence tables of row
@@ -253,6 +268,19 @@ struct PagedDecodeSource {
     const RingJob j = ring_job(b);
     store_ring_row(j.dst, j.kv, j.score, j.bias, j.score_out, j.width);
   }
+  // compress_decode_kernel's view (see DecodeSource): the table row comes with the position,
+  // each ring row and the entry row are one more load.
+  struct Sequence {
+    int64_t p;
+    int64_t row;
+  };
+  __device__ Sequence sequence(int64_t b) const { return {positions[b], row(b)}; }
+  __device__ float* ring_row(const Sequence& q, int r) const { return ring[q.row * ring_stride + r]; }
+  __device__ void* entry_row(const Sequence& q, int64_t i) const { return entries[q.row * entry_stride + i]; }
+  __device__ const float* bias_row(int rem) const {
+    return bias != nullptr ? bias + static_cast<int64_t>(rem) * g.width : nullptr;
+  }
+  __device__ float* score_out(int64_t b) const { return bias != nullptr ? score + b * g.width : nullptr; }
 };
 
 template <int VEC>
@@ -558,6 +586,311 @@ __global__ void ring_update_kernel(const float* kv, const float* score, WindowGe
   }
 }
 
+// ---- the decode form as a short chain of round trips (TROUPE_COMPRESS_DECODE=2) ----------------
+// compress_kernel's decode launch waits, one after another, on: the position; the ring pointer
+// (loaded behind the branch on the position); the slot table in shared memory and its barrier; the
+// slots' copies in two chunks; the norm's sum (two barriers); the RoPE sin and cos; the ring row's
+// staged copy and a barrier before its store (session 18's stamps: ~5.1 us a CTA at batch 64).
+// compress_decode_kernel, a CTA a sequence as there, waits on:
+//   1. one round trip for the position with the ring and entry pointers (DecodeSource) or the
+//      table row (PagedDecodeSource, whose ring rows' and entry's pointers are one more), the new
+//      token's kv and score, the norm weights and the RoPE frequencies, all issued together;
+//   2. one round trip for CHUNK slots of the window a thread, into registers, with the new token's
+//      position bias: each thread works out the slots' rows itself (no table, no barrier);
+//   3. the online softmax over those registers, one barrier for the norm's sum, the entry's store.
+// The RoPE turns are computed while 2 is in flight, and the threads that loaded the new token's
+// channels store its ring row from registers as soon as the bias is in: no other thread reads
+// those channels, and the row it writes is none of the entry's slots (see PagedDecodeSource).
+
+// 4 floats at p: one 16-byte access where `vec`, else four.
+__device__ __forceinline__ float4 load4(const float* p, bool vec) {
+  if (vec) return *reinterpret_cast<const float4*>(p);
+  return make_float4(p[0], p[1], p[2], p[3]);
+}
+__device__ __forceinline__ void store4(float* p, float4 v, bool vec) {
+  if (vec) {
+    *reinterpret_cast<float4*>(p) = v;
+  } else {
+    p[0] = v.x;
+    p[1] = v.y;
+    p[2] = v.z;
+    p[3] = v.w;
+  }
+}
+__device__ __forceinline__ float4 add4(float4 a, float4 b) {
+  return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+}
+
+// p / rate and p % rate, in 32 bits where p fits: a 64-bit division is a long instruction
+// sequence, and it stands between the position's load and the slots' loads.
+struct WindowOf {
+  int64_t entry;
+  int rem;
+};
+__device__ __forceinline__ WindowOf window_of(int64_t p, int rate) {
+  if (p >= 0 && p <= 0xffffffffll) {
+    const uint32_t q = static_cast<uint32_t>(p) / static_cast<uint32_t>(rate);
+    return {q, static_cast<int>(static_cast<uint32_t>(p) - q * static_cast<uint32_t>(rate))};
+  }
+  const int64_t q = p / rate;
+  return {q, static_cast<int>(p - q * rate)};
+}
+
+// The entry's 4 channels at c0 (a multiple of 4), 16 (f32) or 8 (bf16) bytes at a time where aligned.
+template <class OutT>
+__device__ __forceinline__ void store_entry4(void* out, int c0, const float (&o)[4]) {
+  if constexpr (std::is_same_v<OutT, float>) {
+    float* p = static_cast<float*>(out) + c0;
+    store4(p, make_float4(o[0], o[1], o[2], o[3]), aligned16(p));
+  } else {
+    __nv_bfloat16* p = static_cast<__nv_bfloat16*>(out) + c0;
+    if ((reinterpret_cast<uintptr_t>(p) & 7) == 0) {
+      *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]));
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) p[i] = __float2bfloat16_rn(o[i]);
+    }
+  }
+}
+
+// A CTA of slot_groups x tpg threads a sequence (decode sources; dim % 4 == 0, dim <= 1,024; kv,
+// score, the bias and the norm weights 16-byte aligned: the launch checks). Thread t of a group
+// owns the entry's channels c0 = 4 (t % tpg) .. c0 + 3 and, of the new token's row, those of each
+// half. CHUNK: ring slots a thread has in flight together; ONE_PASS: one group, the window's slots
+// (at most CHUNK + 1 with the new token) in one pass, their indices known at compile time; else
+// each group goes through its share of the slots CHUNK at a time, and group 0 merges the groups'
+// states through shared memory. MAXT: the launch bound (registers: a pass's kv and score are
+// 8 (CHUNK + 1) of them).
+template <class Source, class OutT, int CHUNK, bool ONE_PASS, int MAXT>
+__global__ void __launch_bounds__(MAXT) compress_decode_kernel(const Source src, const NormRope nr) {
+  pdl_entry();  // see launch_kernel
+  __shared__ float warp_ss[32];                  // the norm's sum of squares, a partial a warp
+  extern __shared__ __align__(16) float part[];  // [slot_groups][3][dim]: the groups' m, l, acc
+  const WindowGeometry& g = src.g;
+  const int64_t b = blockIdx.x;
+  const int slots = g.overlap ? 2 * g.rate : g.rate;  // = ring_slots
+  const int dim = static_cast<int>(nr.dim);
+  const int tpg = ONE_PASS ? blockDim.x : blockDim.x / nr.slot_groups;
+  const int sgrp = ONE_PASS ? 0 : threadIdx.x / tpg;
+  const int c0 = (threadIdx.x % tpg) * 4;
+  const bool chans = c0 < dim;
+  const int per_group = ONE_PASS ? CHUNK + 1 : (slots + nr.slot_groups - 1) / nr.slot_groups;
+  const int s_begin = sgrp * per_group, s_end = min(slots, s_begin + per_group);
+  // The group of the window's last slot (the new token) loads the token's row and stores it into
+  // the ring; group 0 writes the entry.
+  const bool owner = chans && s_begin <= slots - 1 && slots - 1 < s_end;
+  const bool emits = chans && sgrp == 0;
+  const int halves = g.overlap ? 2 : 1;  // of the new token's row; the entry pools the last
+
+  // Round trip 1.
+  const auto q = src.sequence(b);
+  float4 kv_new[2] = {}, sc_new[2] = {};
+  if (owner) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (h < halves) {
+        kv_new[h] = load4(src.kv + b * g.width + h * dim + c0, true);
+        sc_new[h] = load4(src.score + b * g.width + h * dim + c0, true);
+      }
+    }
+  }
+  const int rope_begin = dim - static_cast<int>(nr.rope.rope_dim);
+  float4 w = {};
+  float freq[2] = {};
+  if (emits) {
+    w = load4(nr.weight + c0, true);
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      if (c0 + 2 * k >= rope_begin) freq[k] = nr.rope.inv_freq[(c0 + 2 * k - rope_begin) / 2];
+    }
+  }
+  const WindowOf win = window_of(q.p, g.rate);
+  const bool closing = win.rem == g.rate - 1;
+  const int pr = g.overlap && (win.entry & 1) ? win.rem + g.rate : win.rem;  // p % ring_slots
+
+  // The new token's ring row (kv, then score + bias) and, paged, its biased score back into
+  // `score`. The bias comes with round trip 2 (with the ring row's pointer, paged).
+  const float* bias = src.bias_row(win.rem);
+  float4 bias_new[2] = {};
+  if (owner && bias != nullptr) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (h < halves) bias_new[h] = load4(bias + h * dim + c0, true);
+    }
+  }
+  float* const dst = owner ? src.ring_row(q, pr) : nullptr;
+  float* const score_out = owner ? src.score_out(b) : nullptr;
+  float4 biased[2] = {};  // the new token's score + bias, by half
+  auto store_ring = [&] {
+    const bool vec = aligned16(dst);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (h < halves) {
+        biased[h] = bias != nullptr ? add4(sc_new[h], bias_new[h]) : sc_new[h];
+        store4(dst + h * dim + c0, kv_new[h], vec);
+        store4(dst + g.width + h * dim + c0, biased[h], vec);
+        if (score_out != nullptr) store4(score_out + h * dim + c0, biased[h], true);
+      }
+    }
+  };
+  if (!closing) {
+    if (owner) store_ring();
+    return;
+  }
+  void* const out = emits ? src.entry_row(q, win.entry) : nullptr;  // paged: a load, used at the end
+
+  // Slot s < slots - 1 is token p - (slots - 1) + s, none for s below `empty` (the first window),
+  // in ring row (p + 1 + s) % ring_slots, half 1 where overlap && s >= rate; slot slots - 1 is
+  // the new token. A pass's terms: CHUNK ring slots from s0 on, then the new token where the pass
+  // holds it; a term with nothing to read stays 0 and -inf (a zero weight).
+  const int empty = q.p >= slots - 1 ? 0 : static_cast<int>(slots - 1 - q.p);
+  const int r0 = pr + 1 == slots ? 0 : pr + 1;
+  float4 kvs[CHUNK + 1], scs[CHUNK + 1];
+  const float* rows[CHUNK];
+  // Every row pointer is worked out (paged: loaded) without a branch, then dropped where the slot
+  // is none of the group's ring slots; past the window, s stands in for the last ring slot.
+  auto ring_rows = [&](int s0) {
+#pragma unroll
+    for (int u = 0; u < CHUNK; ++u) {
+      const int s = min(s0 + u, slots - 1);
+      const int r = r0 + s < slots ? r0 + s : r0 + s - slots;
+      const float* const row = src.ring_row(q, r) + ((g.overlap && s >= g.rate ? dim : 0) + c0);
+      rows[u] = chans && s0 + u < s_end && s0 + u < slots - 1 && s0 + u >= empty ? row : nullptr;
+    }
+  };
+  auto load_chunk = [&] {
+    uintptr_t bits = 0;
+#pragma unroll
+    for (int u = 0; u < CHUNK; ++u) bits |= reinterpret_cast<uintptr_t>(rows[u]);
+    const bool vec = (bits & 15) == 0;
+#pragma unroll
+    for (int u = 0; u <= CHUNK; ++u) {
+      kvs[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+      scs[u] = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+      if (u < CHUNK && rows[u] != nullptr) {
+        kvs[u] = load4(rows[u], vec);
+        scs[u] = load4(rows[u] + g.width, vec);
+      }
+    }
+  };
+  ring_rows(s_begin);
+  load_chunk();
+  // Round trip 2 is in flight: the RoPE turns of this thread's pairs, then the ring row.
+  const float pos = static_cast<float>(win.entry * g.rate);
+  float rc[2] = {}, rs[2] = {};
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    if (emits && c0 + 2 * k >= rope_begin) {
+      sincosf(freq[k] * pos, &rs[k], &rc[k]);
+      rc[k] *= nr.rope.scale;
+      rs[k] *= nr.rope.scale;
+    }
+  }
+  if (owner) store_ring();
+
+  float m[4], l[4], acc[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    m[i] = -INFINITY;
+    l[i] = 0.f;
+    acc[i] = 0.f;
+  }
+  for (int s0 = s_begin;; s0 += CHUNK) {
+    const bool more = !ONE_PASS && s0 + CHUNK < s_end;
+    if (more) ring_rows(s0 + CHUNK);  // paged: the next chunk's pointers under this chunk's loads
+    if (owner && (ONE_PASS || (s0 <= slots - 1 && slots - 1 < s0 + CHUNK))) {
+      kvs[CHUNK] = g.overlap ? kv_new[1] : kv_new[0];
+      scs[CHUNK] = g.overlap ? biased[1] : biased[0];
+    }
+    // compress_kernel's online softmax step, in the log2 domain
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float kvf[CHUNK + 1], scf[CHUNK + 1];
+#pragma unroll
+      for (int u = 0; u <= CHUNK; ++u) {
+        kvf[u] = Vec<4>::get(kvs[u], i);
+        scf[u] = Vec<4>::get(scs[u], i) * kLog2e;
+      }
+      float mn = m[i];
+#pragma unroll
+      for (int u = 0; u <= CHUNK; ++u) mn = fmaxf(mn, scf[u]);
+      if (mn > -INFINITY) {
+        const float f = fast_exp2(m[i] - mn);  // 0 while m is -inf
+        float a = acc[i] * f, ls = l[i] * f;
+#pragma unroll
+        for (int u = 0; u <= CHUNK; ++u) {
+          const float e = fast_exp2(scf[u] - mn);  // 0 for empty terms
+          a = fmaf(e, kvf[u], a);
+          ls += e;
+        }
+        acc[i] = a;
+        l[i] = ls;
+        m[i] = mn;
+      }
+    }
+    if (!more) break;
+    load_chunk();
+  }
+
+  float v[4] = {};
+  if constexpr (ONE_PASS) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = l[i] > 0.f ? acc[i] / l[i] : 0.f;
+  } else {  // merge the groups' softmax states per channel (compress_kernel's merge)
+    if (chans) {
+      float* const mine = part + sgrp * 3 * dim + c0;
+      store4(mine, make_float4(m[0], m[1], m[2], m[3]), true);
+      store4(mine + dim, make_float4(l[0], l[1], l[2], l[3]), true);
+      store4(mine + 2 * dim, make_float4(acc[0], acc[1], acc[2], acc[3]), true);
+    }
+    __syncthreads();
+    if (emits) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float* const st = part + c0 + i;
+        float mx = -INFINITY;
+        for (int q3 = 0; q3 < nr.slot_groups; ++q3) mx = fmaxf(mx, st[q3 * 3 * dim]);
+        float lsum = 0.f, asum = 0.f;
+        if (mx > -INFINITY) {
+          for (int q3 = 0; q3 < nr.slot_groups; ++q3) {
+            const float f = fast_exp2(st[q3 * 3 * dim] - mx);
+            lsum += st[(q3 * 3 + 1) * dim] * f;
+            asum += st[(q3 * 3 + 2) * dim] * f;
+          }
+        }
+        v[i] = lsum > 0.f ? asum / lsum : 0.f;
+      }
+    }
+  }
+  float ss = 0.f;
+  if (emits) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) ss += v[i] * v[i];
+  }
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) warp_ss[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  if (!emits) return;
+  float total = 0.f;
+  for (int i = 0; i < tpg / 32; ++i) total += warp_ss[i];  // group 0's warps
+  const float inv = 1.0f / sqrtf(total / static_cast<float>(dim) + nr.eps);
+  const float wv[4] = {w.x, w.y, w.z, w.w};
+  float o[4];
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    float x = wv[2 * k] * (v[2 * k] * inv);
+    float y = wv[2 * k + 1] * (v[2 * k + 1] * inv);
+    if (c0 + 2 * k >= rope_begin) {  // rope_pair's turn, with its sin and cos from above
+      const float x0 = x;
+      x = x0 * rc[k] - y * rs[k];
+      y = y * rc[k] + x0 * rs[k];
+    }
+    o[2 * k] = x;
+    o[2 * k + 1] = y;
+  }
+  store_entry4<OutT>(out, c0, o);
+}
+
 int block_for(int64_t dim, int vec) {
   const int64_t groups = dim / vec;
   int threads = static_cast<int>(std::min<int64_t>(256, (groups + 31) / 32 * 32));
@@ -687,6 +1020,42 @@ WindowGeometry geometry(const CompressorShape& s) {
   return g;
 }
 
+// TROUPE_COMPRESS_DECODE=2 (read at each call): the decode sources on compress_decode_kernel
+// where it takes the shape (entries of up to 1,024 channels, a multiple of 4, and the rows the
+// host hands over 16-byte aligned; the ring and entry rows are checked on the device); anything
+// else: compress_kernel.
+bool decode_chain(const CompressorShape& s, const float* kv, const float* score) {
+  const char* e = std::getenv("TROUPE_COMPRESS_DECODE");
+  if (e == nullptr || std::strcmp(e, "2") != 0) return false;
+  const auto a16 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+  return s.dim > 0 && s.dim % 4 == 0 && s.dim <= 1024 && a16(kv) && a16(score) && a16(s.ape) && a16(s.norm_weight);
+}
+
+template <class Source>
+void launch_decode_chain(const Source& src, int64_t batch, const CompressorShape& s, EntryType type,
+                         cudaStream_t stream) {
+  if (batch == 0) return;
+  const int slots = s.overlap ? 2 * s.rate : s.rate;
+  TROUPE_REQUIRE(s.rope.rope_dim <= s.dim, "compressor: bad dim");
+  TROUPE_REQUIRE(batch <= 0x7fffffff, "compressor: too many entries");
+  TROUPE_REQUIRE(slots >= 1 && slots <= 4096, "compressor: 1..4096 slots");
+  const int tpg = static_cast<int>((s.dim / 4 + 31) / 32 * 32);
+  // A short window (CSA) in one pass of its 7 ring slots and the new token, up to 256 threads; a
+  // long one (HCA) over up to 4 groups of threads (512 at most), 4 ring slots a pass at the
+  // kernel's 128 registers.
+  const bool one_pass = slots <= 8;
+  const int groups = one_pass ? 1 : std::max(1, std::min(4, 512 / tpg));
+  const NormRope nr{s.dim, s.norm_weight, s.eps, s.rope, groups};
+  const size_t smem = one_pass ? 0 : static_cast<size_t>(groups) * 3 * s.dim * 4;  // <= 48 KB
+  const bool f32 = type == EntryType::f32;
+  const auto kernel = one_pass ? (f32 ? compress_decode_kernel<Source, float, 7, true, 256>
+                                      : compress_decode_kernel<Source, __nv_bfloat16, 7, true, 256>)
+                               : (f32 ? compress_decode_kernel<Source, float, 4, false, 512>
+                                      : compress_decode_kernel<Source, __nv_bfloat16, 4, false, 512>);
+  launch_kernel(kernel, dim3(static_cast<unsigned>(batch)), tpg * groups, smem, stream, src, nr);
+  TROUPE_LAUNCHED();
+}
+
 }  // namespace
 
 void compress_prefill(const CompressorShape& s, const float* kv, const float* score, int64_t tokens, int64_t start,
@@ -715,6 +1084,10 @@ void compress_decode(const CompressorShape& s, const float* kv, const float* sco
                      cudaStream_t stream) {
   TROUPE_REQUIRE(s.rate >= 1, "compress_decode: bad rate");
   DecodeSource src{geometry(s), kv, score, positions, rings, out_rows};
+  if (decode_chain(s, kv, score)) {
+    launch_decode_chain(src, batch, s, out_type, stream);
+    return;
+  }
   launch(src, batch, s.overlap ? 2 * s.rate : s.rate, NormRope{s.dim, s.norm_weight, s.eps, s.rope, 1}, out_type,
          stream, src.g.width);
 }
@@ -724,6 +1097,10 @@ void compress_decode_paged(const CompressorShape& s, int64_t batch, const int64_
                            float* const* entries, int64_t entry_stride, cudaStream_t stream) {
   TROUPE_REQUIRE(s.rate >= 1, "compress_decode_paged: bad rate");
   PagedDecodeSource src{geometry(s), kv, score, s.ape, positions, table_of, ring, ring_stride, entries, entry_stride};
+  if (decode_chain(s, kv, score)) {
+    launch_decode_chain(src, batch, s, EntryType::f32, stream);
+    return;
+  }
   launch(src, batch, s.overlap ? 2 * s.rate : s.rate, NormRope{s.dim, s.norm_weight, s.eps, s.rope, 1}, EntryType::f32,
          stream, src.g.width);
 }

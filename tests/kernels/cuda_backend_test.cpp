@@ -650,9 +650,10 @@ TEST_F(CudaBackendTest, decode_rows_and_compress_lists_match_cpu) {
   }
 }
 
-// Backend::decode_compress: the CUDA backend's one fused kernel against the CPU
-// backend's composition (decode_compress_rows, compress, copy_rows), over paged rings
-// and entry tables shared by several sequences' rows, windows closing and not.
+// Backend::decode_compress: the CUDA backend's one fused kernel (the default one, then
+// compress_decode_kernel by TROUPE_COMPRESS_DECODE=2) against the CPU backend's composition
+// (decode_compress_rows, compress, copy_rows), over paged rings and entry tables shared by
+// several sequences' rows, windows closing and not.
 TEST_F(CudaBackendTest, fused_decode_compress_matches_cpu_composition) {
   struct Case {
     bool overlap;
@@ -661,78 +662,83 @@ TEST_F(CudaBackendTest, fused_decode_compress_matches_cpu_composition) {
   };
   for (const auto& c : {Case{true, 4, 512, 64, {3, 2402, 95, 7, 6, 0}}, Case{true, 4, 128, 64, {11, 1, 99}},
                         Case{false, 128, 512, 64, {127, 255, 1000, 3}}, Case{false, 8, 6, 2, {7, 2399, 13}}}) {
-    SCOPED_TRACE((c.overlap ? "CSA dim " : "HCA dim ") + std::to_string(c.dim));
-    const int64_t n = static_cast<int64_t>(c.positions.size()), w = c.overlap ? 2 * c.dim : c.dim;
-    const int64_t ring_slots = c.overlap ? 2 * c.rate : c.rate, slots = ring_slots, cap = 700;
-    const int64_t stride = ring_slots + cap;                  // per table row: the ring, then the entries
-    const int64_t rows = 3 * stride + 8, row_floats = 2 * w;  // pool rows fit a ring row (kv, score)
-    Mirror pool(cpu(), gpu(), randn(rows * row_floats, rng_));
-    std::vector<int64_t> row_of(3 * stride);
-    for (int64_t i = 0; i < 3 * stride; ++i) row_of[i] = (i * 37 + 5) % rows;
-    std::sort(row_of.begin(), row_of.end());
-    row_of.erase(std::unique(row_of.begin(), row_of.end()), row_of.end());
-    ASSERT_EQ(static_cast<int64_t>(row_of.size()), 3 * stride);  // distinct rows
-    std::shuffle(row_of.begin(), row_of.end(), rng_);
-    auto table = [&](Backend& b, float* base) {
-      std::vector<float*> v(row_of.size());
-      for (size_t i = 0; i < v.size(); ++i) v[i] = base + row_of[i] * row_floats;
-      return upload(b, v);
-    };
-    float* const* ct = table(cpu(), pool.cpu());
-    float* const* gt = table(gpu(), pool.gpu());
-    const int64_t calls = (n + 2) / 3;
-    Mirror kv(cpu(), gpu(), randn(n * w, rng_)), sc(cpu(), gpu(), randn(n * w, rng_, 2.f)),
-        bias(cpu(), gpu(), randn(c.rate * w, rng_)), nw(cpu(), gpu(), randn(c.dim, rng_));
-    std::vector<float> inv(c.rope_dim / 2);
-    for (size_t i = 0; i < inv.size(); ++i) inv[i] = std::pow(160000.f, -2.f * i / c.rope_dim);
-    Mirror f(cpu(), gpu(), inv);
-    std::set<int64_t> entry_rows;  // pool rows of the entries the calls close
-    // Sequences in calls of at most 3 (each table row once per call).
-    for (int64_t call = 0; call < calls; ++call) {
-      const int64_t b0 = call * 3, m = std::min<int64_t>(3, n - b0);
-      std::vector<int64_t> pos_host(c.positions.begin() + b0, c.positions.begin() + b0 + m);
-      std::vector<int32_t> t_host(m);  // distinct table rows within a call; later calls reuse them
-      for (int64_t i = 0; i < m; ++i) t_host[i] = static_cast<int32_t>((i + 2 * call) % 3);
-      Mirror pos(cpu(), gpu(), pos_host), tof(cpu(), gpu(), t_host);
-      for (int64_t i = 0; i < m; ++i) {
-        if ((pos_host[i] + 1) % c.rate == 0) {
-          entry_rows.insert(row_of[t_host[i] * stride + ring_slots + pos_host[i] / c.rate]);
+    for (const char* form : {static_cast<const char*>(nullptr), "2"}) {
+      SCOPED_TRACE((c.overlap ? "CSA dim " : "HCA dim ") + std::to_string(c.dim) + ", form " +
+                   (form != nullptr ? form : "default"));
+      const int64_t n = static_cast<int64_t>(c.positions.size()), w = c.overlap ? 2 * c.dim : c.dim;
+      const int64_t ring_slots = c.overlap ? 2 * c.rate : c.rate, slots = ring_slots, cap = 700;
+      const int64_t stride = ring_slots + cap;                  // per table row: the ring, then the entries
+      const int64_t rows = 3 * stride + 8, row_floats = 2 * w;  // pool rows fit a ring row (kv, score)
+      Mirror pool(cpu(), gpu(), randn(rows * row_floats, rng_));
+      std::vector<int64_t> row_of(3 * stride);
+      for (int64_t i = 0; i < 3 * stride; ++i) row_of[i] = (i * 37 + 5) % rows;
+      std::sort(row_of.begin(), row_of.end());
+      row_of.erase(std::unique(row_of.begin(), row_of.end()), row_of.end());
+      ASSERT_EQ(static_cast<int64_t>(row_of.size()), 3 * stride);  // distinct rows
+      std::shuffle(row_of.begin(), row_of.end(), rng_);
+      auto table = [&](Backend& b, float* base) {
+        std::vector<float*> v(row_of.size());
+        for (size_t i = 0; i < v.size(); ++i) v[i] = base + row_of[i] * row_floats;
+        return upload(b, v);
+      };
+      float* const* ct = table(cpu(), pool.cpu());
+      float* const* gt = table(gpu(), pool.gpu());
+      const int64_t calls = (n + 2) / 3;
+      Mirror kv(cpu(), gpu(), randn(n * w, rng_)), sc(cpu(), gpu(), randn(n * w, rng_, 2.f)),
+          bias(cpu(), gpu(), randn(c.rate * w, rng_)), nw(cpu(), gpu(), randn(c.dim, rng_));
+      std::vector<float> inv(c.rope_dim / 2);
+      for (size_t i = 0; i < inv.size(); ++i) inv[i] = std::pow(160000.f, -2.f * i / c.rope_dim);
+      Mirror f(cpu(), gpu(), inv);
+      std::set<int64_t> entry_rows;  // pool rows of the entries the calls close
+      // Sequences in calls of at most 3 (each table row once per call).
+      for (int64_t call = 0; call < calls; ++call) {
+        const int64_t b0 = call * 3, m = std::min<int64_t>(3, n - b0);
+        std::vector<int64_t> pos_host(c.positions.begin() + b0, c.positions.begin() + b0 + m);
+        std::vector<int32_t> t_host(m);  // distinct table rows within a call; later calls reuse them
+        for (int64_t i = 0; i < m; ++i) t_host[i] = static_cast<int32_t>((i + 2 * call) % 3);
+        Mirror pos(cpu(), gpu(), pos_host), tof(cpu(), gpu(), t_host);
+        for (int64_t i = 0; i < m; ++i) {
+          if ((pos_host[i] + 1) % c.rate == 0) {
+            entry_rows.insert(row_of[t_host[i] * stride + ring_slots + pos_host[i] / c.rate]);
+          }
+        }
+        Mirror ks(cpu(), gpu(), m * slots * 8), ss(cpu(), gpu(), m * slots * 8), out(cpu(), gpu(), m * 8),
+            epos(cpu(), gpu(), m * 8), rd(cpu(), gpu(), 2 * m * 8), rs(cpu(), gpu(), 2 * m * 8);
+        for (Backend* b : {&cpu(), &gpu()}) {
+          const bool g = b == &gpu();
+          float* const* t = g ? gt : ct;
+          const RopeTable rope{g ? f.gpu() : f.cpu(), c.rope_dim, 1.f};
+          const Backend::DecodeCompressScratch scratch{g ? ks.gpu<const float*>() : ks.cpu<const float*>(),
+                                                       g ? ss.gpu<const float*>() : ss.cpu<const float*>(),
+                                                       g ? out.gpu<float*>() : out.cpu<float*>(),
+                                                       g ? epos.gpu<int64_t>() : epos.cpu<int64_t>(),
+                                                       g ? rd.gpu<float*>() : rd.cpu<float*>(),
+                                                       g ? rs.gpu<const float*>() : rs.cpu<const float*>()};
+          const ScopedEnv env("TROUPE_COMPRESS_DECODE", g ? form : nullptr);
+          b->decode_compress(m, g ? pos.gpu<int64_t>() : pos.cpu<int64_t>(),
+                             g ? tof.gpu<int32_t>() : tof.cpu<int32_t>(), c.rate, c.overlap, c.dim,
+                             (g ? kv.gpu() : kv.cpu()) + b0 * w,
+                             (g ? sc.gpu() : sc.cpu()) + b0 * w, g ? bias.gpu() : bias.cpu(), t, stride, t + ring_slots,
+                             stride, g ? nw.gpu() : nw.cpu(), 1e-6f, rope, scratch);
         }
       }
-      Mirror ks(cpu(), gpu(), m * slots * 8), ss(cpu(), gpu(), m * slots * 8), out(cpu(), gpu(), m * 8),
-          epos(cpu(), gpu(), m * 8), rd(cpu(), gpu(), 2 * m * 8), rs(cpu(), gpu(), 2 * m * 8);
-      for (Backend* b : {&cpu(), &gpu()}) {
-        const bool g = b == &gpu();
-        float* const* t = g ? gt : ct;
-        const RopeTable rope{g ? f.gpu() : f.cpu(), c.rope_dim, 1.f};
-        const Backend::DecodeCompressScratch scratch{g ? ks.gpu<const float*>() : ks.cpu<const float*>(),
-                                                     g ? ss.gpu<const float*>() : ss.cpu<const float*>(),
-                                                     g ? out.gpu<float*>() : out.cpu<float*>(),
-                                                     g ? epos.gpu<int64_t>() : epos.cpu<int64_t>(),
-                                                     g ? rd.gpu<float*>() : rd.cpu<float*>(),
-                                                     g ? rs.gpu<const float*>() : rs.cpu<const float*>()};
-        b->decode_compress(m, g ? pos.gpu<int64_t>() : pos.cpu<int64_t>(), g ? tof.gpu<int32_t>() : tof.cpu<int32_t>(),
-                           c.rate, c.overlap, c.dim, (g ? kv.gpu() : kv.cpu()) + b0 * w,
-                           (g ? sc.gpu() : sc.cpu()) + b0 * w, g ? bias.gpu() : bias.cpu(), t, stride, t + ring_slots,
-                           stride, g ? nw.gpu() : nw.cpu(), 1e-6f, rope, scratch);
+      // The entries within fp32 rounding; every other pool row (the rings' new rows, the
+      // rest untouched) exactly.
+      ASSERT_FALSE(entry_rows.empty());
+      const auto gp = pool.gpu_host(rows * row_floats), cp = pool.cpu_host(rows * row_floats);
+      std::vector<float> ge, ce, grest, crest;
+      for (int64_t r = 0; r < rows; ++r) {
+        const bool entry = entry_rows.count(r) > 0;
+        for (int64_t i = 0; i < row_floats; ++i) {
+          if (entry && i >= c.dim) continue;  // past the entry's dim floats: not written
+          (entry ? ge : grest).push_back(gp[r * row_floats + i]);
+          (entry ? ce : crest).push_back(cp[r * row_floats + i]);
+        }
       }
+      EXPECT_CLOSE(ge, ce, 1e-5);
+      EXPECT_EQ(grest, crest);
+      EXPECT_EQ(sc.gpu_host(n * w), sc.cpu_host(n * w));  // the position bias added in place
     }
-    // The entries within fp32 rounding; every other pool row (the rings' new rows, the
-    // rest untouched) exactly.
-    ASSERT_FALSE(entry_rows.empty());
-    const auto gp = pool.gpu_host(rows * row_floats), cp = pool.cpu_host(rows * row_floats);
-    std::vector<float> ge, ce, grest, crest;
-    for (int64_t r = 0; r < rows; ++r) {
-      const bool entry = entry_rows.count(r) > 0;
-      for (int64_t i = 0; i < row_floats; ++i) {
-        if (entry && i >= c.dim) continue;  // past the entry's dim floats: not written
-        (entry ? ge : grest).push_back(gp[r * row_floats + i]);
-        (entry ? ce : crest).push_back(cp[r * row_floats + i]);
-      }
-    }
-    EXPECT_CLOSE(ge, ce, 1e-5);
-    EXPECT_EQ(grest, crest);
-    EXPECT_EQ(sc.gpu_host(n * w), sc.cpu_host(n * w));  // the position bias added in place
   }
 }
 

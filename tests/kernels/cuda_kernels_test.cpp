@@ -565,7 +565,10 @@ TEST_F(CudaKernelsTest, compressor_prefill_and_decode_match_cpu) {
       }
     }
 
-    // Decode: 64 sequences (copies of the same history) each append token p at different p.
+    // Decode: 64 sequences (copies of the same history) each append token p at different p; the
+    // first 1, 8 and all 64 of them, f32 and bf16 entries, rings and entries 16-byte aligned or one
+    // element off, on the default kernel and on compress_decode_kernel (TROUPE_COMPRESS_DECODE=2),
+    // each run from the same rings with the entries poisoned.
     const int64_t B = 64;
     std::vector<int64_t> positions(B);
     for (int64_t b = 0; b < B; ++b) positions[b] = ring_slots + (b * 37) % (L - ring_slots - 1);
@@ -582,32 +585,67 @@ TEST_F(CudaKernelsTest, compressor_prefill_and_decode_match_cpu) {
       std::copy(kv.begin() + p * width, kv.begin() + (p + 1) * width, kv_new.begin() + b * width);
       std::copy(sc.begin() + p * width, sc.begin() + (p + 1) * width, sc_new.begin() + b * width);
     }
-    float* d_rings = dev(rings);
-    float* d_out = dev<float>(B * c.dim);
-    poison(d_out, B * c.dim * 4);
-    std::vector<float*> ring_ptrs;
-    std::vector<void*> out_ptrs;
-    for (int64_t b = 0; b < B; ++b) {
-      ring_ptrs.push_back(d_rings + b * ring_slots * 2 * width);
-      out_ptrs.push_back(d_out + b * c.dim);
-    }
-    cuda::compress_decode(shape, dev(kv_new), dev(sc_new), B, dev(positions), dev(ring_ptrs), dev(out_ptrs),
-                          cuda::EntryType::f32, stream());
-    const auto got = host(d_out, B * c.dim);
-    const auto r = host(d_rings, rings.size());
-    int closed = 0;
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t p = positions[b];
-      for (int64_t ch = 0; ch < width; ch += 13) {
-        ASSERT_EQ(r[(b * ring_slots + p % ring_slots) * 2 * width + ch], kv[p * width + ch]);
-        ASSERT_NEAR(r[(b * ring_slots + p % ring_slots) * 2 * width + width + ch], biased[p * width + ch], 1e-6);
+    float* d_ring_pool = dev<float>(rings.size() + 1);
+    char* d_out_pool = dev<char>(B * c.dim * 4 + 4);
+    float* d_kv_new = dev(kv_new);
+    float* d_sc_new = dev(sc_new);
+    int64_t* d_positions = dev(positions);
+    for (const char* form : {static_cast<const char*>(nullptr), "2"}) {
+      for (cuda::EntryType type : {cuda::EntryType::f32, cuda::EntryType::bf16}) {
+        for (int shift : {0, 1}) {
+          const size_t esz = type == cuda::EntryType::f32 ? 4 : 2;
+          float* const d_rings = d_ring_pool + shift;
+          char* const d_out = d_out_pool + shift * esz;
+          std::vector<float*> ring_ptrs;
+          std::vector<void*> out_ptrs;
+          for (int64_t b = 0; b < B; ++b) {
+            ring_ptrs.push_back(d_rings + b * ring_slots * 2 * width);
+            out_ptrs.push_back(d_out + b * c.dim * esz);
+          }
+          float** d_ring_ptrs = dev(ring_ptrs);
+          void** d_out_ptrs = dev(out_ptrs);
+          for (int64_t n : {int64_t{1}, int64_t{8}, B}) {
+            SCOPED_TRACE(std::string("decode form ") + (form != nullptr ? form : "default") + ", " +
+                         (esz == 4 ? "f32" : "bf16") + (shift != 0 ? ", rows one element off" : "") + ", batch " +
+                         std::to_string(n));
+            gpu_->to_device(d_rings, rings.data(), rings.size() * 4);
+            poison(d_out, B * c.dim * esz);
+            {
+              const ScopedEnv env("TROUPE_COMPRESS_DECODE", form);
+              cuda::compress_decode(shape, d_kv_new, d_sc_new, n, d_positions, d_ring_ptrs, d_out_ptrs, type,
+                                    stream());
+            }
+            std::vector<float> got(B * c.dim);
+            if (type == cuda::EntryType::f32) {
+              got = host(reinterpret_cast<float*>(d_out), got.size());
+            } else {
+              const auto h = host(reinterpret_cast<uint16_t*>(d_out), got.size());
+              for (size_t i = 0; i < got.size(); ++i) got[i] = from_bf16(h[i]);
+            }
+            const auto r = host(d_rings, rings.size());
+            int closed = 0;
+            for (int64_t b = 0; b < n; ++b) {
+              const int64_t p = positions[b];
+              for (int64_t ch = 0; ch < width; ch += 13) {
+                ASSERT_EQ(r[(b * ring_slots + p % ring_slots) * 2 * width + ch], kv[p * width + ch]);
+                ASSERT_NEAR(r[(b * ring_slots + p % ring_slots) * 2 * width + width + ch], biased[p * width + ch],
+                            1e-6);
+              }
+              if ((p + 1) % c.rate != 0) continue;
+              ++closed;
+              const auto ref = reference_entries(*cpu_, c, kv, biased, p / c.rate, p / c.rate + 1, norm, inv);
+              EXPECT_CLOSE(std::vector<float>(got.begin() + b * c.dim, got.begin() + (b + 1) * c.dim), ref,
+                           type == cuda::EntryType::f32 ? 1e-5 : 5e-3);
+            }
+            EXPECT_GT(closed, 0);
+            // The sequences past the call's batch keep their rings.
+            for (size_t i = static_cast<size_t>(n * ring_slots * 2 * width); i < rings.size(); ++i) {
+              ASSERT_EQ(r[i], rings[i]);
+            }
+          }
+        }
       }
-      if ((p + 1) % c.rate != 0) continue;
-      ++closed;
-      const auto ref = reference_entries(*cpu_, c, kv, biased, p / c.rate, p / c.rate + 1, norm, inv);
-      EXPECT_CLOSE(std::vector<float>(got.begin() + b * c.dim, got.begin() + (b + 1) * c.dim), ref, 1e-5);
     }
-    EXPECT_GT(closed, 0);
   }
 }
 

@@ -1,8 +1,8 @@
 // What callers give the engine (Request) and what it gives back (Event).
 #pragma once
 
-#include <cstdint>
 #include <algorithm>
+#include <cstdint>
 #include <optional>
 #include <span>
 #include <string>

@@ -64,19 +64,40 @@ struct SamplingParams {
   // answer_schemas[i] as json_schema holds a whole answer (empty: free). Empty, or one a
   // prefix. (The arguments of a call to one of several tools, after its name.)
   std::vector<std::string> answer_schemas;
+  // Where answer_prefixes (and their schemas) apply. Empty: at the answer's start, once.
+  // Else after the last occurrence of these tokens in the answer: free before it, a
+  // prefix and its schema's value after it, free again once that value is whole, until
+  // the trigger comes again. (A tool call the model starts itself: the call marker.)
+  std::vector<int32_t> answer_trigger;
+
+  // Where the part answer_prefixes hold starts in `answer` (kUntriggered: the trigger has not come).
+  static constexpr size_t kUntriggered = static_cast<size_t>(-1);
+  size_t held_from(std::span<const int32_t> answer) const {
+    if (answer_trigger.empty()) return 0;
+    const auto t = answer_trigger.size();
+    for (size_t end = answer.size(); end >= t; --end) {
+      if (std::equal(answer_trigger.begin(), answer_trigger.end(), answer.begin() + static_cast<std::ptrdiff_t>(end - t))) {
+        return end;
+      }
+    }
+    return kUntriggered;
+  }
 
   // The schema that holds the answer from which of its tokens on: json_schema from the
-  // first, or the answer_schemas entry of the prefix `answer` already holds whole.
+  // first, or the answer_schemas entry of the prefix the answer (after its trigger) holds whole.
   struct HeldBy {
     const std::string* schema = nullptr;
     size_t from = 0;
   };
   std::optional<HeldBy> held_by(std::span<const int32_t> answer) const {
     if (!json_schema.empty()) return HeldBy{&json_schema, 0};
+    const size_t from = held_from(answer);
+    if (from == kUntriggered) return std::nullopt;
+    const auto tail = answer.subspan(from);
     for (size_t i = 0; i < answer_schemas.size() && i < answer_prefixes.size(); ++i) {
       const auto& q = answer_prefixes[i];
-      if (answer_schemas[i].empty() || q.size() > answer.size()) continue;
-      if (std::equal(q.begin(), q.end(), answer.begin())) return HeldBy{&answer_schemas[i], q.size()};
+      if (answer_schemas[i].empty() || q.size() > tail.size()) continue;
+      if (std::equal(q.begin(), q.end(), tail.begin())) return HeldBy{&answer_schemas[i], from + q.size()};
     }
     return std::nullopt;
   }
@@ -88,7 +109,7 @@ struct SamplingParams {
   int64_t answer_begin(int64_t prompt_len) const { return answer_start >= 0 ? answer_start : prompt_len; }
   // Whether answer_prefixes or a json schema may still mask the token after `generated` answer tokens.
   bool prefix_bound(int64_t generated) const {
-    if (holds_json()) return true;
+    if (holds_json() || !answer_trigger.empty()) return true;
     for (const auto& q : answer_prefixes) {
       if (static_cast<int64_t>(q.size()) > generated) return true;
     }

@@ -37,6 +37,7 @@ std::string check(const SamplingParams& p) {
   if (!p.answer_prefixes.empty() && !p.json_schema.empty()) {
     return "answer prefixes and a json schema cannot be combined (answer_schemas hold what follows a prefix)";
   }
+  if (!p.answer_trigger.empty() && p.answer_prefixes.empty()) return "an answer trigger without answer prefixes";
   if (!p.answer_schemas.empty() && p.answer_schemas.size() != p.answer_prefixes.size()) {
     return fmt::format("{} answer schemas for {} answer prefixes", p.answer_schemas.size(), p.answer_prefixes.size());
   }
@@ -102,7 +103,10 @@ void adjust_logits(std::span<float> l, const SamplingParams& p, const TokenCount
   }
 }
 
-std::vector<int32_t> prefix_choices(const SamplingParams& p, std::span<const int32_t> answer) {
+std::vector<int32_t> prefix_choices(const SamplingParams& p, std::span<const int32_t> whole_answer) {
+  const size_t from = p.held_from(whole_answer);
+  if (from == SamplingParams::kUntriggered) return {};  // the trigger has not come
+  const auto answer = whole_answer.subspan(from);
   std::vector<int32_t> next;
   for (const auto& q : p.answer_prefixes) {
     const size_t n = std::min(q.size(), answer.size());

@@ -352,7 +352,7 @@ void Engine::after_chunk(Seq& s, int64_t n, const float* rows, int64_t row_count
   const bool is_stop = std::find(p.stop_ids.begin(), p.stop_ids.end(), token) != p.stop_ids.end();
   if (s.generated >= p.min_tokens && (is_stop || (is_eos && !p.ignore_eos))) {
     finish(s, FinishReason::stop);
-  } else if (p.holds_json() && schema_whole(s)) {
+  } else if (p.holds_json() && p.answer_trigger.empty() && schema_whole(s)) {
     finish(s, FinishReason::stop);  // the value is whole: nothing but its end may follow
   } else if (s.generated >= p.max_tokens || static_cast<int64_t>(s.tokens.size()) >= c.max_position_embeddings) {
     finish(s, FinishReason::length);
@@ -442,8 +442,9 @@ std::optional<bool> Engine::sync_matcher(Seq& s) {
       std::min<size_t>(s.tokens.size(), static_cast<size_t>(p.answer_begin(s.prompt_len))));
   const auto held = p.held_by(answer);
   if (!held) return std::nullopt;
-  if (!s.matcher) {
+  if (!s.matcher || s.matcher_from != held->from) {
     s.matcher = std::make_unique<JsonMatcher>(grammars_.get(*held->schema));
+    s.matcher_from = held->from;
     s.matched = 0;
   }
   const TokenVocabulary& vocab = *options_.vocabulary;
@@ -472,7 +473,10 @@ std::optional<std::string> Engine::schema_mask(Seq& s, std::span<const int32_t> 
   } catch (const Error& e) {
     return std::string(e.what());
   }
-  if (s.matcher->complete()) return std::string();
+  if (s.matcher->complete()) {
+    if (!p.answer_trigger.empty()) return std::nullopt;  // free again until the trigger comes back
+    return std::string();
+  }
   const auto& eos = model_.config().eos_token_ids;
   allowed = s.matcher->allowed(*options_.vocabulary);
   allowed.resize(std::max(allowed.size(), static_cast<size_t>(model_.config().vocab_size + 63) / 64), 0);

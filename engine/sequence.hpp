@@ -64,6 +64,7 @@ struct Engine::Seq {
   // tokens it holds (made at the first sample it holds, so a sequence imported or
   // resubmitted builds it from its tokens).
   std::unique_ptr<JsonMatcher> matcher;
+  size_t matcher_from = 0;  // the answer token it starts at (a trigger's every occurrence starts another)
   int64_t matched = 0;
   DecodeSlot decode;             // after `state`: released before it
 

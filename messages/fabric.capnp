@@ -57,6 +57,7 @@ struct Sampling {
   answerPrefixes @15 :List(List(Int32)); # the answer begins with one of these (engine::SamplingParams)
   jsonSchema @16 :Text;                 # the answer is JSON under this schema; empty: free text
   answerSchemas @17 :List(Text);        # what follows answer prefix i is JSON under schema i (empty: free)
+  answerTrigger @18 :List(Int32);       # the prefixes apply after each occurrence of these tokens (empty: at the start)
 }
 
 struct TokenBias {

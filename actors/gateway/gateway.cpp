@@ -688,6 +688,28 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
       s.answer_prefixes.push_back(encode_text(st, t.name + "\n```json\n", false));
       s.answer_schemas.push_back(arguments_schema(st, t));  // then its arguments
     }
+  } else if (api.uses_tools() && api.tool_choice.mode == gateway::ToolChoice::auto_ && json_schema.empty()) {
+    // A call the model starts itself: after each call marker, one of the offered names in
+    // either form the parser reads (V3's "function<sep>NAME" and its fence, or "NAME<sep>"),
+    // then that function's arguments; free again once they are whole.
+    const auto begin = st.tok->token_id(tokenizer::marker::tool_call_begin);
+    const auto sep = st.tok->token_id(tokenizer::marker::tool_sep);
+    if (begin && sep) {
+      s.answer_trigger = {*begin};
+      for (const auto& t : api.tools) {
+        const std::string args = arguments_schema(st, t);
+        std::vector<int32_t> v3 = encode_text(st, "function", false);
+        v3.push_back(*sep);
+        const auto name = encode_text(st, t.name + "\n```json\n", false);
+        v3.insert(v3.end(), name.begin(), name.end());
+        s.answer_prefixes.push_back(std::move(v3));
+        s.answer_schemas.push_back(args);
+        std::vector<int32_t> later = encode_text(st, t.name, false);
+        later.push_back(*sep);
+        s.answer_prefixes.push_back(std::move(later));
+        s.answer_schemas.push_back(args);
+      }
+    }
   }
   requests_counter(st, route, 200).inc();
   if (origin.responder) {

@@ -68,6 +68,8 @@ void sampling_to_wire(const engine::SamplingParams& s, msg::Sampling::Builder ou
   out.setJsonSchema(s.json_schema);
   auto schemas = out.initAnswerSchemas(static_cast<unsigned>(s.answer_schemas.size()));
   for (size_t i = 0; i < s.answer_schemas.size(); ++i) schemas.set(static_cast<unsigned>(i), s.answer_schemas[i]);
+  auto trigger = out.initAnswerTrigger(static_cast<unsigned>(s.answer_trigger.size()));
+  for (size_t i = 0; i < s.answer_trigger.size(); ++i) trigger.set(static_cast<unsigned>(i), s.answer_trigger[i]);
   auto prefixes = out.initAnswerPrefixes(static_cast<unsigned>(s.answer_prefixes.size()));
   for (size_t i = 0; i < s.answer_prefixes.size(); ++i) {
     const auto& q = s.answer_prefixes[i];
@@ -100,6 +102,7 @@ engine::SamplingParams sampling_from_wire(msg::Sampling::Reader in) {
   for (auto q : in.getAnswerPrefixes()) s.answer_prefixes.push_back(ints(q));
   s.json_schema = in.getJsonSchema().cStr();
   for (auto x : in.getAnswerSchemas()) s.answer_schemas.emplace_back(x.cStr());
+  s.answer_trigger = ints(in.getAnswerTrigger());
   return s;
 }
 

@@ -8,6 +8,7 @@ and min_tokens).
 """
 import json
 import os
+import re
 import shutil
 import tempfile
 from types import SimpleNamespace
@@ -529,6 +530,23 @@ def test_tool_calls():
         assert calls and calls[0].function.name in params and r.choices[0].message.content is None, r
         assert r.choices[0].finish_reason == "tool_calls", r
         jsonschema.validate(json.loads(calls[0].function.arguments), params[calls[0].function.name])
+    # "auto": a call the model starts itself (its call marker pushed by a bias here, so calls come one after
+    # another) holds an offered name, in either form the parser reads, and arguments valid under its parameters.
+    cb = marker["<｜tool▁call▁begin｜>"]
+    r = client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=150, temperature=1.0, seed=3,
+                                         tools=[WEATHER, CLOCK], logit_bias={str(cb): 30},
+                                         extra_body=dict(return_token_ids=True))
+    gen = extra(r.choices[0], "token_ids")
+    starts = [i for i, t in enumerate(gen) if t == cb]
+    whole = 0
+    for a, b in zip(starts, starts[1:]):  # a call followed by another marker: the answer was free again
+        text = tok.decode(gen[a + 1:b], skip_special_tokens=False)
+        m = (re.fullmatch(r"function<｜tool▁sep｜>(\w+)\n```json\n(.*)", text, re.S) or
+             re.fullmatch(r"(\w+)<｜tool▁sep｜>(.*)", text, re.S))
+        assert m and m.group(1) in params, text
+        jsonschema.validate(json.loads(m.group(2)), params[m.group(1)])
+        whole += 1
+    assert whole >= 2, (whole, tok.decode(gen, skip_special_tokens=False))
     r = client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0, tools=[WEATHER],
                                          tool_choice="required")
     assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"], r

@@ -169,6 +169,58 @@ TEST(StructuredOutput, what_follows_an_answer_prefix_is_held_to_its_schema) {
   EXPECT_NE(h[id].last.message.find("1 answer schemas for 2 answer prefixes"), std::string::npos) << h[id].last.message;
 }
 
+TEST(StructuredOutput, after_each_trigger_a_prefix_and_its_schema_hold_the_answer) {
+  auto& m = test::shared_model();
+  EngineOptions o;
+  o.vocabulary = test_vocabulary(static_cast<int32_t>(m.model->config().vocab_size));
+  test::Harness h(*m.model, o);
+  // Token 0 (it writes nothing: never inside a value) is the trigger, pushed by a bias so that it
+  // comes whenever the answer is free: then a name ('a' or 'b!') and its arguments, again and again.
+  const std::vector<std::vector<int32_t>> prefixes = {{67}, {68, 3}};
+  const std::vector<std::string> schemas = {R"({"type": "array", "items": {"type": "boolean"}, "maxItems": 2})",
+                                            R"({"enum": ["x", "yz"]})"};
+  for (int seed = 0; seed < 4; ++seed) {
+    Request r;
+    r.prompt = {21, 22, static_cast<int32_t>(23 + seed)};
+    r.sampling.answer_prefixes = prefixes;
+    r.sampling.answer_schemas = schemas;
+    r.sampling.answer_trigger = {0};
+    r.sampling.logit_bias = {{0, 30.0f}};
+    r.sampling.max_tokens = 400;
+    r.sampling.temperature = 1.0f;
+    r.sampling.seed = static_cast<uint64_t>(seed);
+    const auto id = h.submit(std::move(r));
+    h.run();
+    const auto& g = h[id].generated;
+    EXPECT_EQ(h[id].last.reason, FinishReason::length) << "seed " << seed;  // a trigger's value never ends the answer
+    // The answer as segments after each trigger: a prefix, then a whole value (the last may be cut).
+    ASSERT_FALSE(g.empty());
+    ASSERT_EQ(g[0], 0) << "seed " << seed;
+    int calls = 0;
+    for (size_t at = 0; at < g.size();) {
+      ASSERT_EQ(g[at], 0);
+      size_t end = at + 1;
+      while (end < g.size() && g[end] != 0) ++end;
+      const std::vector<int32_t> seg(g.begin() + static_cast<std::ptrdiff_t>(at + 1), g.begin() + static_cast<std::ptrdiff_t>(end));
+      size_t which = prefixes.size();
+      for (size_t i = 0; i < prefixes.size(); ++i) {
+        if (seg.size() >= prefixes[i].size() && std::equal(prefixes[i].begin(), prefixes[i].end(), seg.begin())) which = i;
+      }
+      if (end == g.size() && which == prefixes.size()) break;  // cut inside the name
+      ASSERT_LT(which, prefixes.size()) << "seed " << seed;
+      JsonMatcher mt(JsonGrammar::compile(schemas[which]));
+      const std::string rest = text_of(*o.vocabulary, std::vector<int32_t>(seg.begin() + static_cast<std::ptrdiff_t>(prefixes[which].size()), seg.end()));
+      EXPECT_TRUE(mt.feed(rest)) << rest;
+      if (end < g.size()) {  // another trigger came: the value was whole (the answer was free again)
+        EXPECT_TRUE(mt.complete()) << rest;
+        ++calls;
+      }
+      at = end;
+    }
+    EXPECT_GT(calls, 3) << "seed " << seed;
+  }
+}
+
 TEST(StructuredOutput, a_resubmitted_answer_goes_on_as_it_would_have) {
   auto& m = test::shared_model();
   EngineOptions o;

@@ -139,6 +139,7 @@ TEST_F(NodeFabric, messages_cross_as_the_same_structs_and_handles_become_one_pro
   job.sampling.answer_prefixes = {{4, 5}, {6}};
   job.sampling.json_schema = R"({"type": "object"})";
   job.sampling.answer_schemas = {"{}", ""};
+  job.sampling.answer_trigger = {9, 8};
   job.reply_to = router_;
   job.logprobs = 3;
   job.prompt_logprobs = 2;
@@ -153,6 +154,7 @@ TEST_F(NodeFabric, messages_cross_as_the_same_structs_and_handles_become_one_pro
   EXPECT_EQ(got.sampling.answer_prefixes, (std::vector<std::vector<int32_t>>{{4, 5}, {6}}));
   EXPECT_EQ(got.sampling.json_schema, job.sampling.json_schema);
   EXPECT_EQ(got.sampling.answer_schemas, job.sampling.answer_schemas);
+  EXPECT_EQ(got.sampling.answer_trigger, job.sampling.answer_trigger);
   ASSERT_TRUE(got.sampling.seed.has_value());
   EXPECT_EQ(*got.sampling.seed, 77u);
   EXPECT_EQ(got.logprobs, 3);

@@ -121,32 +121,45 @@ TEST(StructuredOutput, answers_are_json_under_the_schema) {
   }
 }
 
+// Two "tools": names 'a' (id 67) and 'b!' (68, 3), each followed by its own arguments.
+const std::vector<std::vector<int32_t>> kNames = {{67}, {68, 3}};
+const std::vector<std::string> kArguments = {R"({"type": "array", "items": {"type": "boolean"}, "maxItems": 2})",
+                                             R"({"enum": ["x", "yz"]})"};
+
+// A sampled request whose answer is held to kNames and kArguments.
+Request named_request(int32_t prompt_tail, uint64_t seed, int32_t max_tokens) {
+  Request r;
+  r.prompt = {11, 12, prompt_tail};
+  r.sampling.answer_prefixes = kNames;
+  r.sampling.answer_schemas = kArguments;
+  r.sampling.max_tokens = max_tokens;
+  r.sampling.temperature = 1.0f;
+  r.sampling.seed = seed;
+  return r;
+}
+
+// Which of kNames `seg` begins with (kNames.size(): none).
+size_t name_of(const std::vector<int32_t>& seg) {
+  for (size_t i = 0; i < kNames.size(); ++i) {
+    if (seg.size() >= kNames[i].size() && std::equal(kNames[i].begin(), kNames[i].end(), seg.begin())) return i;
+  }
+  return kNames.size();
+}
+
 TEST(StructuredOutput, what_follows_an_answer_prefix_is_held_to_its_schema) {
   auto& m = test::shared_model();
   EngineOptions o;
   o.vocabulary = test_vocabulary(static_cast<int32_t>(m.model->config().vocab_size));
   test::Harness h(*m.model, o);
-  // Two "tools": names 'a' (ids 67) and 'b!' (68, 3), each followed by its own arguments.
-  const std::vector<std::vector<int32_t>> prefixes = {{67}, {68, 3}};
-  const std::vector<std::string> schemas = {R"({"type": "array", "items": {"type": "boolean"}, "maxItems": 2})",
-                                            R"({"enum": ["x", "yz"]})"};
+  const auto& prefixes = kNames;
   std::set<size_t> named;
   for (int seed = 0; seed < 8; ++seed) {
-    Request r;
-    r.prompt = {11, 12, static_cast<int32_t>(13 + seed)};
-    r.sampling.answer_prefixes = prefixes;
-    r.sampling.answer_schemas = schemas;
-    r.sampling.max_tokens = 2000;
-    r.sampling.temperature = 1.0f;
-    r.sampling.seed = static_cast<uint64_t>(seed);
+    Request r = named_request(13 + seed, static_cast<uint64_t>(seed), 2000);
     const auto id = h.submit(std::move(r));
     h.run();
     const auto& g = h[id].generated;
     EXPECT_EQ(h[id].last.reason, FinishReason::stop);
-    size_t which = prefixes.size();
-    for (size_t i = 0; i < prefixes.size(); ++i) {
-      if (g.size() >= prefixes[i].size() && std::equal(prefixes[i].begin(), prefixes[i].end(), g.begin())) which = i;
-    }
+    const size_t which = name_of(g);
     ASSERT_LT(which, prefixes.size()) << "seed " << seed;
     named.insert(which);
     const std::string rest = text_of(*o.vocabulary, std::vector<int32_t>(g.begin() + static_cast<std::ptrdiff_t>(prefixes[which].size()), g.end()));
@@ -176,19 +189,12 @@ TEST(StructuredOutput, after_each_trigger_a_prefix_and_its_schema_hold_the_answe
   test::Harness h(*m.model, o);
   // Token 0 (it writes nothing: never inside a value) is the trigger, pushed by a bias so that it
   // comes whenever the answer is free: then a name ('a' or 'b!') and its arguments, again and again.
-  const std::vector<std::vector<int32_t>> prefixes = {{67}, {68, 3}};
-  const std::vector<std::string> schemas = {R"({"type": "array", "items": {"type": "boolean"}, "maxItems": 2})",
-                                            R"({"enum": ["x", "yz"]})"};
+  const auto& prefixes = kNames;
+  const auto& schemas = kArguments;
   for (int seed = 0; seed < 4; ++seed) {
-    Request r;
-    r.prompt = {21, 22, static_cast<int32_t>(23 + seed)};
-    r.sampling.answer_prefixes = prefixes;
-    r.sampling.answer_schemas = schemas;
+    Request r = named_request(23 + seed, static_cast<uint64_t>(seed), 400);
     r.sampling.answer_trigger = {0};
     r.sampling.logit_bias = {{0, 30.0f}};
-    r.sampling.max_tokens = 400;
-    r.sampling.temperature = 1.0f;
-    r.sampling.seed = static_cast<uint64_t>(seed);
     const auto id = h.submit(std::move(r));
     h.run();
     const auto& g = h[id].generated;
@@ -202,10 +208,7 @@ TEST(StructuredOutput, after_each_trigger_a_prefix_and_its_schema_hold_the_answe
       size_t end = at + 1;
       while (end < g.size() && g[end] != 0) ++end;
       const std::vector<int32_t> seg(g.begin() + static_cast<std::ptrdiff_t>(at + 1), g.begin() + static_cast<std::ptrdiff_t>(end));
-      size_t which = prefixes.size();
-      for (size_t i = 0; i < prefixes.size(); ++i) {
-        if (seg.size() >= prefixes[i].size() && std::equal(prefixes[i].begin(), prefixes[i].end(), seg.begin())) which = i;
-      }
+      const size_t which = name_of(seg);
       if (end == g.size() && which == prefixes.size()) break;  // cut inside the name
       ASSERT_LT(which, prefixes.size()) << "seed " << seed;
       JsonMatcher mt(JsonGrammar::compile(schemas[which]));

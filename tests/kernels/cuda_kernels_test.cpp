@@ -29,6 +29,23 @@ using cuda::CudaBackend;
 // ---- top-k ------------------------------------------------------------------------
 // The chosen set is exact up to ties: k_eff distinct indices, every chosen value >= the
 // k-th largest, and every value strictly above the k-th largest chosen.
+// A call over `rows` rows of at most `len` scores, `stride` apart (lengths: optional), k of each into
+// out ([rows, k]) and cnt ([rows]).
+cuda::TopkArgs topk_args(const float* scores, int64_t stride, const int32_t* lengths, int rows, int64_t len, int k,
+                         int32_t* out, int32_t* cnt) {
+  cuda::TopkArgs a;
+  a.scores = scores;
+  a.row_stride = stride;
+  a.lengths = lengths;
+  a.rows = rows;
+  a.max_len = len;
+  a.k = k;
+  a.out_idx = out;
+  a.out_stride = k;
+  a.out_count = cnt;
+  return a;
+}
+
 void check_topk_row(const float* v, int64_t len, int k, const int32_t* out, int32_t count, const std::string& what) {
   SCOPED_TRACE(what);
   const int64_t keff = std::min<int64_t>(k, len);
@@ -192,16 +209,7 @@ class CudaKernelsTest : public ::testing::Test {
       const int rep = run % 2;
       poison(out, c.rows * c.k * 4);
       poison(cnt, c.rows * 4);
-      cuda::TopkArgs a;
-      a.scores = dv;
-      a.row_stride = stride;
-      a.lengths = dl;
-      a.rows = c.rows;
-      a.max_len = c.len;
-      a.k = c.k;
-      a.out_idx = out;
-      a.out_stride = c.k;
-      a.out_count = cnt;
+      cuda::TopkArgs a = topk_args(dv, stride, dl, c.rows, c.len, c.k, out, cnt);
       a.max_cluster = c.max_cluster;
       a.finish = finish;
       a.stream = streamed;
@@ -292,15 +300,7 @@ TEST_F(CudaKernelsTest, topk_calls_of_any_shape_share_a_workspace) {
                              std::to_string(c.streamed) + " sampled " + std::to_string(c.sampled);
     poison(out, max_rows * k * 4);
     poison(cnt, max_rows * 4);
-    cuda::TopkArgs a;
-    a.scores = dv;
-    a.row_stride = max_len;
-    a.rows = c.rows;
-    a.max_len = c.len;
-    a.k = k;
-    a.out_idx = out;
-    a.out_stride = k;
-    a.out_count = cnt;
+    cuda::TopkArgs a = topk_args(dv, max_len, nullptr, c.rows, c.len, k, out, cnt);
     a.stream = c.streamed;
     a.sampled = c.sampled;
     cuda::topk(a, ws, stream());
@@ -326,14 +326,7 @@ TEST_F(CudaKernelsTest, topk_translates_indices_to_pool_pages) {
   float* dv = dev(v);
   int32_t* dp = dev(pages);
   int32_t* out = dev<int32_t>(k);
-  cuda::TopkArgs a;
-  a.scores = dv;
-  a.row_stride = len;
-  a.rows = 1;
-  a.max_len = len;
-  a.k = k;
-  a.out_idx = out;
-  a.out_stride = k;
+  cuda::TopkArgs a = topk_args(dv, len, nullptr, 1, len, k, out, nullptr);
   a.page_table = dp;
   a.page_stride = static_cast<int64_t>(pages.size());
   a.page_bits = bits;
@@ -416,16 +409,7 @@ TEST_F(CudaKernelsTest, topk_sampled_path_equals_a_stable_sort) {
     for (int run = 0; run < 3; ++run) {
       poison(out, c.rows * c.k * 4);
       poison(cnt, c.rows * 4);
-      cuda::TopkArgs a;
-      a.scores = dv;
-      a.row_stride = stride;
-      a.lengths = with_lengths ? dl : nullptr;
-      a.rows = c.rows;
-      a.max_len = c.len;
-      a.k = c.k;
-      a.out_idx = out;
-      a.out_stride = c.k;
-      a.out_count = cnt;
+      cuda::TopkArgs a = topk_args(dv, stride, with_lengths ? dl : nullptr, c.rows, c.len, c.k, out, cnt);
       if (page_bits > 0) {
         a.page_table = dp;
         a.page_stride = page_stride;

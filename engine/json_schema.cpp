@@ -250,7 +250,7 @@ struct JsonGrammar::State {
       bool twin = false;
       for (size_t j = 0; j < out.ends.size() && !twin; ++j) {
         const auto t = out.stack(j);
-        twin = t.size() == s.size() && std::memcmp(t.data(), s.data(), s.size() * sizeof(Frame)) == 0;
+        twin = t.size() == s.size() && (s.empty() || std::memcmp(t.data(), s.data(), s.size() * sizeof(Frame)) == 0);
       }
       if (!twin) {
         out.frames.insert(out.frames.end(), s.begin(), s.end());

@@ -206,7 +206,7 @@ class Engine {
   // holds the answer) and nullopt, or why none may: empty to finish with `stop`, else an error.
   std::optional<bool> sync_matcher(Seq& s);
   bool schema_whole(Seq& s);
-  std::optional<std::string> schema_mask(Seq& s, std::span<const int32_t> answer, TokenMask& allowed);
+  std::optional<std::string> schema_mask(Seq& s, TokenMask& allowed);
   bool handle_stall();
   void preempt(Seq& s);
   // Puts `s` in the waiting queue, by priority (larger first): at the end of its

@@ -321,11 +321,9 @@ void Engine::after_chunk(Seq& s, int64_t n, const float* rows, int64_t row_count
   if (sampled == nullptr && sp.adjusts_logits()) {
     s.counts.update(s.tokens, sp.answer_begin(s.prompt_len));
   }
-  const auto answer = std::span(s.tokens).subspan(
-      std::min<size_t>(s.tokens.size(), static_cast<size_t>(sp.answer_begin(s.prompt_len))));
   TokenMask allowed;
   if (sp.holds_json()) {
-    if (auto why = schema_mask(s, answer, allowed)) {
+    if (auto why = schema_mask(s, allowed)) {
       if (why->empty()) {
         finish(s, FinishReason::stop);  // the value is whole (an imported answer), or nothing may follow
       } else {
@@ -336,7 +334,7 @@ void Engine::after_chunk(Seq& s, int64_t n, const float* rows, int64_t row_count
   }
   const int32_t token = sampled != nullptr ? *sampled  // argmax on the device (greedy_on_device)
                                            : sample(std::span(last, static_cast<size_t>(V)), sp, s.seed, s.length(),
-                                                    s.generated, c.eos_token_ids, s.counts, answer, allowed);
+                                                    s.generated, c.eos_token_ids, s.counts, s.answer(), allowed);
   s.tokens.push_back(token);
   ++s.generated;
   Event e = make_event(s.id, EventKind::token);
@@ -438,8 +436,7 @@ void Engine::enqueue(Seq& s, bool again) {
 
 std::optional<bool> Engine::sync_matcher(Seq& s) {
   const auto& p = s.req.sampling;
-  const auto answer = std::span(s.tokens).subspan(
-      std::min<size_t>(s.tokens.size(), static_cast<size_t>(p.answer_begin(s.prompt_len))));
+  const auto answer = s.answer();
   const auto held = p.held_by(answer);
   if (!held) return std::nullopt;
   if (!s.matcher || s.matcher_from != held->from) {
@@ -464,12 +461,12 @@ bool Engine::schema_whole(Seq& s) {
   }
 }
 
-std::optional<std::string> Engine::schema_mask(Seq& s, std::span<const int32_t> answer, TokenMask& allowed) {
+std::optional<std::string> Engine::schema_mask(Seq& s, TokenMask& allowed) {
   const auto& p = s.req.sampling;
   try {
     const auto synced = sync_matcher(s);
     if (!synced) return std::nullopt;  // no schema holds the answer yet (its prefix is still coming)
-    if (!*synced) return fmt::format("the answer's {} tokens break its json schema", answer.size());
+    if (!*synced) return fmt::format("the answer's {} tokens break its json schema", s.answer().size());
   } catch (const Error& e) {
     return std::string(e.what());
   }

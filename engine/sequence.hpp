@@ -2,7 +2,9 @@
 // threads, one step's batch. Included by engine/*.cpp only.
 #pragma once
 
+#include <algorithm>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "cache/paged_sequence.hpp"
@@ -69,6 +71,10 @@ struct Engine::Seq {
   DecodeSlot decode;             // after `state`: released before it
 
   int64_t length() const { return state ? state->length() : 0; }
+  // The answer's tokens so far (after the prompt, or after SamplingParams::answer_start).
+  std::span<const int32_t> answer() const {
+    return std::span(tokens).subspan(std::min<size_t>(tokens.size(), static_cast<size_t>(req.sampling.answer_begin(prompt_len))));
+  }
   // Tokens to feed before the next sample.
   int64_t pending() const { return static_cast<int64_t>(tokens.size()) - length(); }
   // The logits rows a chunk of the next `n` tokens returns.

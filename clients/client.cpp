@@ -90,7 +90,7 @@ Expected<uint64_t> Client::submit(const GenerateOptions& o) {
   auto r = b.root();
   r.setModel(o.model);
   if (auto* text = std::get_if<std::string>(&o.prompt)) {
-    r.getPrompt().setText(*text);
+    r.getPrompt().setText(messages::wire_text(*text));
   } else if (auto* ids = std::get_if<std::vector<uint32_t>>(&o.prompt)) {
     auto l = r.getPrompt().initTokenIds(ids->size());
     for (size_t i = 0; i < ids->size(); ++i) l.set(i, (*ids)[i]);
@@ -99,7 +99,7 @@ Expected<uint64_t> Client::submit(const GenerateOptions& o) {
     auto l = r.getPrompt().initChat(turns.size());
     for (size_t i = 0; i < turns.size(); ++i) {
       l[i].setRole(turns[i].role);
-      l[i].setContent(turns[i].content);
+      l[i].setContent(messages::wire_text(turns[i].content));
     }
   }
   auto s = r.initSampling();
@@ -107,7 +107,8 @@ Expected<uint64_t> Client::submit(const GenerateOptions& o) {
   s.setTopP(o.top_p);
   s.setTopK(o.top_k);
   s.setMinP(o.min_p);
-  s.setJsonSchema(o.json_schema);
+  s.setJsonSchema(messages::wire_text(o.json_schema));
+  s.setRegex(messages::wire_text(o.regex));
   if (o.seed) s.getSeed().setValue(*o.seed);
   s.setRepetitionPenalty(o.repetition_penalty);
   s.setFrequencyPenalty(o.frequency_penalty);
@@ -155,7 +156,7 @@ Expected<Event> Client::next(uint64_t request_id, std::chrono::milliseconds time
       Chunk c;
       c.index = v->root().getIndex();
       for (auto id : v->root().getTokenIds()) c.token_ids.push_back(id);
-      c.text = v->root().getText().cStr();
+      c.text = messages::text(v->root().getText());
       return Event(std::move(c));
     }
     case msg::Kind::FINISH: {
@@ -169,7 +170,7 @@ Expected<Event> Client::next(uint64_t request_id, std::chrono::milliseconds time
       fin.completion_tokens = r.getCompletionTokens();
       fin.cached_tokens = r.getCachedTokens();
       fin.parks = r.getParks();
-      fin.matched_stop = r.getMatchedStop().cStr();
+      fin.matched_stop = messages::text(r.getMatchedStop());
       return Event(std::move(fin));
     }
     case msg::Kind::ACK: {

@@ -13,6 +13,7 @@
 #include "base/error.hpp"
 #include "base/json_depth.hpp"
 #include "base/utf8_lead.hpp"
+#include "engine/regex.hpp"
 #include "engine/request.hpp"
 
 namespace troupe::engine {
@@ -109,12 +110,14 @@ struct JsonGrammar::Node {
   bool bounded = false;
   double lo = -std::numeric_limits<double>::infinity(), hi = std::numeric_limits<double>::infinity();
   bool lo_open = false, hi_open = false;
+  std::shared_ptr<const ByteDfa> pattern;     // string: what its text must match (pattern, format); a regex_grammar()'s text
   std::vector<std::string> texts;             // literal: the values as JSON, compact, sorted
   std::vector<uint32_t> options;              // any_of
 };
 
 // One open value. Frames are plain bytes so that a state can be a cache key.
-enum FrameKind : uint8_t { kValue, kObject, kArray, kString, kNumber, kLiteral, kKey };
+// kRaw: a regex_grammar()'s text, its bytes straight into the pattern.
+enum FrameKind : uint8_t { kValue, kObject, kArray, kString, kNumber, kLiteral, kKey, kRaw };
 // kObject subs
 enum : uint8_t { kObjOpen, kObjKeyNext, kObjInKey, kObjColon, kObjInValue, kObjAfterValue };
 // kArray subs
@@ -143,11 +146,13 @@ struct JsonGrammar::Frame {
   uint32_t a = 0;
   // kLiteral / kKey: one past the last text still possible; kString: in an escape,
   // hex digits read; in a character, continuation bytes still due; kNumber: exponent digits.
-  // A bounded number keeps its text, 4 bits a byte, in c, unused and seen.
+  // A bounded number keeps its text, 4 bits a byte, in c, d and seen.
   uint32_t b = 0;
-  // kLiteral / kKey: bytes matched; kString in a character: the next byte's range.
+  // kLiteral / kKey: bytes matched; kString in a character: the next byte's range;
+  // in a \u escape of a string with a pattern: the hex digits' value so far.
   uint32_t c = 0;
-  uint32_t unused = 0;  // zero: frames compare as bytes
+  uint32_t d = 0;       // kString with a pattern, kRaw: the pattern's state (else zero: frames compare as bytes)
+
   uint64_t seen = 0;    // kObject: the names read
 };
 static_assert(sizeof(JsonGrammar::Frame) == 32);
@@ -160,7 +165,7 @@ void put_number_byte(JsonGrammar::Frame& f, uint32_t i, uint8_t c) {
   if (i < 8) {
     f.c |= static_cast<uint32_t>(code) << (4 * i);
   } else if (i < 16) {
-    f.unused |= static_cast<uint32_t>(code) << (4 * (i - 8));
+    f.d |= static_cast<uint32_t>(code) << (4 * (i - 8));
   } else {
     f.seen |= code << (4 * (i - 16));
   }
@@ -169,7 +174,7 @@ void put_number_byte(JsonGrammar::Frame& f, uint32_t i, uint8_t c) {
 std::string number_text(const JsonGrammar::Frame& f) {
   std::string t;
   for (uint32_t i = 0; i < f.a; ++i) {
-    const uint64_t code = i < 8 ? f.c >> (4 * i) : i < 16 ? f.unused >> (4 * (i - 8)) : f.seen >> (4 * (i - 16));
+    const uint64_t code = i < 8 ? f.c >> (4 * i) : i < 16 ? f.d >> (4 * (i - 8)) : f.seen >> (4 * (i - 16));
     const auto d = static_cast<uint8_t>(code & 0xF);
     t.push_back(d == 10 ? '-' : d == 11 ? '.' : static_cast<char>('0' + d));
   }
@@ -351,7 +356,7 @@ class Compiler {
       types = {"object"};
     } else if (s.contains("items") || s.contains("prefixItems") || s.contains("minItems") || s.contains("maxItems")) {
       types = {"array"};
-    } else if (s.contains("minLength") || s.contains("maxLength")) {
+    } else if (s.contains("minLength") || s.contains("maxLength") || s.contains("pattern")) {
       types = {"string"};
     }
     for (const char* k : {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}) {
@@ -362,7 +367,7 @@ class Compiler {
       static const char* const kHeld[] = {"type", "properties", "required", "additionalProperties", "items",
                                           "prefixItems", "minItems", "maxItems", "minLength", "maxLength",
                                           "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "$defs",
-                                          "definitions"};
+                                          "definitions", "pattern"};
       bool held = annotation(k);
       for (const char* h : kHeld) held = held || k == h;
       if (!held) fail(at + "/" + k, fmt::format("the keyword '{}' is not supported", k));
@@ -483,6 +488,20 @@ class Compiler {
       n.min_count = count(s, "minLength", at, 0);
       n.max_count = count(s, "maxLength", at, -1);
       if (n.max_count >= 0 && n.max_count < n.min_count) fail(at, "maxLength is below minLength");
+      if (s.contains("pattern")) {  // JSON Schema's pattern: some part of the text matches (^ and $ anchor it)
+        if (!s["pattern"].is_string()) fail(at + "/pattern", "must be a string (a regular expression)");
+        try {
+          n.pattern = ByteDfa::compile(s["pattern"].get<std::string>(), ByteDfa::Mode::search);
+        } catch (const Error& e) {
+          fail(at + "/pattern", e.what());
+        }
+      } else if (s.contains("format") && s["format"].is_string()) {
+        n.pattern = format_pattern(s["format"].get<std::string>());
+      }
+      if (n.pattern && n.max_count >= 0 && n.pattern->min_chars(n.pattern->start()) > static_cast<uint64_t>(n.max_count)) {
+        fail(at, fmt::format("no text of at most {} characters (maxLength) matches its {}", n.max_count,
+                             s.contains("pattern") ? "pattern" : "format"));
+      }
       return add(std::move(n));
     }
     if (type == "number" || type == "integer") {
@@ -515,6 +534,31 @@ class Compiler {
     if (type == "boolean") return literal({Json(false), Json(true)});
     if (type == "null") return literal({Json(nullptr)});
     fail(at + "/type", fmt::format("unknown type '{}'", type));
+  }
+
+  // The formats held (the text is one of them whole); others are annotations. Beside a
+  // pattern, the pattern is held and the format read past.
+  static std::shared_ptr<const ByteDfa> format_pattern(const std::string& format) {
+    // Dates are calendar dates Python's datetime (pydantic) reads: years 0001-9999, the
+    // month's days, 29 February in leap years; no leap second; at most 6 fraction digits.
+    const std::string date =
+        "(([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|"
+        "(0[469]|11)-(0[1-9]|[12][0-9]|30)|02-(0[1-9]|1[0-9]|2[0-8]))|"
+        "([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)-02-29)";
+    const std::string time = "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,6})?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])";
+    const std::pair<const char*, std::string> formats[] = {
+        {"date", date},
+        {"time", time},
+        {"date-time", date + "[Tt]" + time},
+        {"uuid", "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"},
+        {"ipv4", "((25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])\\.){3}(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"},
+        {"email", "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+(\\.[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+)*@"
+                  "([A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?\\.)+[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?"},
+    };
+    for (const auto& [name, re] : formats) {
+      if (format == name) return ByteDfa::compile(re, ByteDfa::Mode::whole);  // tens of microseconds; grammars are cached
+    }
+    return nullptr;
   }
 
   uint32_t ref(const Json& s, const std::string& at) {
@@ -553,6 +597,16 @@ constexpr size_t kMaxChoices = 1024;
 }  // namespace
 
 std::shared_ptr<JsonGrammar> JsonGrammar::compile(std::string_view schema) {
+  if (schema.starts_with(kRegexTag)) {
+    Node n;
+    n.kind = Kind::string;
+    n.pattern = ByteDfa::compile(schema.substr(kRegexTag.size()), ByteDfa::Mode::whole);
+    std::shared_ptr<JsonGrammar> g(new JsonGrammar());
+    g->nodes_.push_back(std::move(n));
+    g->raw_ = true;
+    for (auto& s : g->scratch_) s = std::make_unique<State>();
+    return g;
+  }
   if (schema.starts_with(kChoiceTag)) {
     Json list;
     try {
@@ -722,6 +776,7 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
           f.kind = kString;
           f.sub = kStrText;
           f.ws = 0;
+          if (n.pattern) f.d = n.pattern->start();
           return out.push(s);
         case Kind::number:
         case Kind::integer:
@@ -835,50 +890,92 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
         ++f.a;
         return true;
       };
+      // A byte of the string's value (escapes decoded) into its pattern: false where it
+      // breaks the pattern, or leaves it wanting more characters than maxLength allows.
+      const ByteDfa* dfa = n.pattern.get();
+      auto after = [&](uint8_t b) -> uint32_t {
+        const uint32_t d = dfa->next(f.d, b);
+        if (d == ByteDfa::kDead || (n.max_count >= 0 && f.a + dfa->min_chars(d) > static_cast<uint64_t>(n.max_count))) {
+          return ByteDfa::kDead;
+        }
+        return d;
+      };
+      auto text = [&](uint8_t b) -> bool {
+        if (!dfa) return true;
+        const uint32_t d = after(b);
+        if (d == ByteDfa::kDead) return false;
+        f.d = d;
+        return true;
+      };
+      // Whether one of the characters lo..hi (ASCII) may come next: with a pattern an
+      // escape starts only where one of those it can still stand for does, so that no
+      // answer is left inside an escape the pattern refuses whichever way it ends. (Under
+      // a pattern, \u writes only control characters, which have no other form.)
+      auto some = [&](uint8_t lo, uint8_t hi) {
+        for (uint32_t b = lo; b <= hi; ++b) {
+          if (after(static_cast<uint8_t>(b)) != ByteDfa::kDead) return true;
+        }
+        return false;
+      };
       switch (f.sub) {
         case kStrText:
           if (c == '"') {
-            if (f.a < static_cast<uint64_t>(n.min_count)) return;
+            if (f.a < static_cast<uint64_t>(n.min_count) || (dfa && !dfa->accepting(f.d))) return;
             finish_child(s);
             return out.push(s);
           }
           if (c == '\\') {
             if (!one_char()) return;
+            if (dfa && !some(0x00, 0x1F) && !some('"', '"') && !some('\\', '\\') && !some('/', '/')) return;
             f.sub = kStrEscape;
             return out.push(s);
           }
           if (c < 0x20) return;
           if (c < 0x80) {
-            if (!one_char()) return;
+            if (!one_char() || !text(c)) return;
             return out.push(s);
           }
           {
             uint32_t more = 0;
             uint8_t lo = 0, hi = 0;
-            if (!utf8_lead(c, more, lo, hi) || !one_char()) return;
+            if (!utf8_lead(c, more, lo, hi) || !one_char() || !text(c)) return;
             f.sub = kStrUtf8;
             f.b = more;
             f.c = static_cast<uint32_t>(lo) << 8 | hi;
           }
           return out.push(s);
-        case kStrEscape:
+        case kStrEscape: {
           if (c == 'u') {
+            if (dfa && !some(0x00, 0x1F)) return;
             f.sub = kStrHex;
             f.b = 0;
+            f.c = 0;
             return out.push(s);
           }
+          const uint8_t value = c == 'b' ? '\b' : c == 'f' ? '\f' : c == 'n' ? '\n' : c == 'r' ? '\r' : c == 't' ? '\t' : c;
           if (c != '"' && c != '\\' && c != '/' && c != 'b' && c != 'f' && c != 'n' && c != 'r' && c != 't') return;
+          if (!text(value)) return;
           f.sub = kStrText;
           return out.push(s);
+        }
         case kStrHex:
           if (!is_hex(c)) return;
+          if (dfa) {  // \u00XX, a control character: 0, 0, then 0 or 1 where one of its 16 may come, then one that may
+            const auto v = static_cast<uint32_t>(is_digit(c) ? c - '0' : (c | 0x20) - 'a' + 10);
+            if (f.b < 2 ? v != 0 : f.b == 2 ? v > 1 || !some(static_cast<uint8_t>(v * 16), static_cast<uint8_t>(v * 16 + 15)) : false) {
+              return;
+            }
+            f.c = f.c * 16 + v;
+          }
           if (++f.b == 4) {
+            if (dfa && !text(static_cast<uint8_t>(f.c))) return;
             f.sub = kStrText;
             f.b = 0;
+            f.c = 0;
           }
           return out.push(s);
         case kStrUtf8:
-          if (c < (f.c >> 8) || c > (f.c & 0xFF)) return;
+          if (c < (f.c >> 8) || c > (f.c & 0xFF) || !text(c)) return;
           if (--f.b == 0) {
             f.sub = kStrText;
             f.c = 0;
@@ -920,6 +1017,14 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
       if (!number_whole(f.sub) || (n.bounded && !in_range(n, number_text(f)))) return;
       finish_child(s);  // the byte is the parent's
       return step(s, c, out);
+    }
+    case kRaw: {  // a regex_grammar()'s text: whole once nothing can extend a match
+      const ByteDfa& dfa = *n.pattern;
+      const uint32_t d = dfa.next(f.d, c);
+      if (d == ByteDfa::kDead) return;
+      f.d = d;
+      if (dfa.accepting(d) && !dfa.extends(d)) finish_child(s);
+      return out.push(s);
     }
     case kLiteral:
     case kKey: {
@@ -983,6 +1088,7 @@ bool JsonGrammar::accepting(const State& s) const {
       return true;
     }
     if (f.kind == kLiteral && f.c > 0 && nodes_[f.node].texts[f.a].size() == f.c) return true;
+    if (f.kind == kRaw && nodes_[f.node].pattern->accepting(f.d)) return true;
   }
   return false;
 }
@@ -996,22 +1102,34 @@ const TokenMask& JsonGrammar::mask(const State& state, const TokenVocabulary& vo
   if (auto it = masks_.find(key); it != masks_.end()) return it->second;
   if (masks_.size() >= kMaxMasks) masks_.clear();
   TokenMask bits((static_cast<size_t>(vocab.size()) + 63) / 64, 0);
+  auto allow = [&](int32_t id) { bits[static_cast<size_t>(id) >> 6] |= uint64_t{1} << (id & 63); };
   // Inside a string: plain text leaves the state as it is (but for the characters
-  // maxLength counts), so those tokens are decided without stepping.
+  // maxLength counts, and the pattern's state), so those tokens are decided without
+  // stepping the frames: a pattern runs them through its table.
   bool in_text = false;
-  int64_t room = -1;  // characters left under maxLength (-1: no bound)
   if (state.stacks() == 1 && !state.frames.empty()) {
     const Frame& top = state.frames.back();
+    const Node& n = nodes_[top.node];
+    if (top.kind == kRaw) {  // a regex_grammar(): every token through the pattern alone
+      const ByteDfa& dfa = *n.pattern;
+      for (int32_t id = 0; id < vocab.size(); ++id) {
+        if (!vocab.bytes(id).empty() && dfa.run(top.d, vocab.bytes(id)) != ByteDfa::kDead) allow(id);
+      }
+      return masks_.emplace(std::move(key), std::move(bits)).first->second;
+    }
     if (top.kind == kString && top.sub == kStrText) {
       in_text = true;
-      const Node& n = nodes_[top.node];
-      if (n.max_count >= 0) room = n.max_count - static_cast<int64_t>(top.a);
-    }
-  }
-  if (in_text) {
-    for (int32_t id = 0; id < vocab.size(); ++id) {
-      const int32_t chars = vocab.plain_chars(id);
-      if (chars >= 0 && (room < 0 || chars <= room)) bits[static_cast<size_t>(id) >> 6] |= uint64_t{1} << (id & 63);
+      const int64_t room = n.max_count >= 0 ? n.max_count - static_cast<int64_t>(top.a) : -1;  // characters left
+      const ByteDfa* dfa = n.pattern.get();
+      for (int32_t id = 0; id < vocab.size(); ++id) {
+        const int32_t chars = vocab.plain_chars(id);
+        if (chars < 0 || (room >= 0 && chars > room)) continue;
+        if (dfa) {
+          const uint32_t d = dfa->run(top.d, vocab.bytes(id));
+          if (d == ByteDfa::kDead || (room >= 0 && chars + static_cast<int64_t>(dfa->min_chars(d)) > room)) continue;
+        }
+        allow(id);
+      }
     }
   }
   State& first = *scratch_[0];
@@ -1034,7 +1152,7 @@ const TokenMask& JsonGrammar::mask(const State& state, const TokenVocabulary& vo
           ok = a.stacks() > 0;
         }
       }
-      if (ok) bits[static_cast<size_t>(id) >> 6] |= uint64_t{1} << (id & 63);
+      if (ok) allow(id);
     }
   }
   return masks_.emplace(std::move(key), std::move(bits)).first->second;
@@ -1046,7 +1164,10 @@ JsonMatcher::JsonMatcher(std::shared_ptr<JsonGrammar> grammar)
     : grammar_(std::move(grammar)), state_(std::make_unique<JsonGrammar::State>()), next_(std::make_unique<JsonGrammar::State>()) {
   JsonGrammar::Frame root;
   root.node = grammar_->root_;
-  if (grammar_->raw_) {  // the texts from the first byte
+  if (grammar_->raw_ && grammar_->nodes_[root.node].pattern) {  // a regex_grammar(): its text from the first byte
+    root.kind = kRaw;
+    root.d = grammar_->nodes_[root.node].pattern->start();
+  } else if (grammar_->raw_) {  // a choice_grammar(): the texts from the first byte
     root.kind = kLiteral;
     root.b = static_cast<uint32_t>(grammar_->nodes_[root.node].texts.size());
   }

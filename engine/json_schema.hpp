@@ -14,11 +14,14 @@
 // additionalProperties (objects without named properties), items, prefixItems, minItems / maxItems,
 // minLength / maxLength, minimum / maximum / exclusiveMinimum / exclusiveMaximum
 // (numbers and integers; a bounded number is written without an exponent, and
-// only digits that can still lead into the range are taken), enum, const,
+// only digits that can still lead into the range are taken), pattern (a regular
+// expression some part of the string's value matches, engine/regex.hpp; in such a
+// string no \u escape of a surrogate is written), format date, time, date-time, uuid,
+// ipv4 and email (held where no pattern is given), enum, const,
 // anyOf / oneOf (oneOf as anyOf), allOf of one schema, $ref into the document
 // ($defs, definitions, recursion), nullable. Annotations (title, description,
-// default, examples, format, discriminator, $schema, $id, $comment, ...) are read
-// past. Anything that would narrow the values further (pattern, multipleOf,
+// default, examples, other formats, discriminator, $schema, $id, $comment, ...) are read
+// past. Anything that would narrow the values further (multipleOf,
 // uniqueItems, propertyNames, ...) is refused when the schema compiles, naming
 // the keyword and where it is: an answer is never claimed to follow a rule that
 // was not applied. Bounds that keep a runaway answer finite (and every number a
@@ -72,9 +75,15 @@ inline std::string choice_grammar(const std::vector<std::string>& texts) {
   return std::string(kChoiceTag) + nlohmann::json(texts).dump();
 }
 
+// A grammar text for SamplingParams::json_schema whose answer is a text the regular
+// expression matches whole (raw text, not JSON: vLLM's guided_regex, SGLang's regex;
+// the syntax in engine/regex.hpp).
+inline constexpr std::string_view kRegexTag{"\0regex  ", 8};
+inline std::string regex_grammar(std::string_view pattern) { return std::string(kRegexTag) + std::string(pattern); }
+
 class JsonGrammar {
  public:
-  // `schema`: a JSON Schema, or a choice_grammar(). Throws troupe::Error(invalid_argument)
+  // `schema`: a JSON Schema, a choice_grammar() or a regex_grammar(). Throws troupe::Error(invalid_argument)
   // for text that is not JSON, a schema that matches nothing, or a keyword this grammar
   // does not hold (the message names it and its JSON pointer).
   static std::shared_ptr<JsonGrammar> compile(std::string_view schema);
@@ -95,7 +104,7 @@ class JsonGrammar {
 
   std::vector<Node> nodes_;
   uint32_t root_ = 0;
-  bool raw_ = false;  // a choice_grammar(): the root is its texts from the first byte, no whitespace before
+  bool raw_ = false;  // a choice_grammar() or regex_grammar(): the root is its text from the first byte, no whitespace before
   // Masks by state (the state's frames as bytes), for one vocabulary.
   const TokenVocabulary* mask_vocab_ = nullptr;
   std::unordered_map<std::string, TokenMask> masks_;

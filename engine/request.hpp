@@ -55,7 +55,8 @@ struct SamplingParams {
   // must call one of several tools.)
   std::vector<std::vector<int32_t>> answer_prefixes;
   // The answer is one JSON value valid under this JSON Schema (engine/json_schema.hpp
-  // says which keywords are held; "{}": any value; empty: free text). Only tokens that
+  // says which keywords are held; "{}": any value; empty: free text), or raw text: one of a
+  // choice_grammar()'s texts, or a text a regex_grammar()'s pattern matches. Only tokens that
   // keep it valid are sampled, and the request finishes with `stop` once the value is
   // whole (min_tokens gives way). Where it could end or go on (a number at the top),
   // an EOS id may end it (unless ignore_eos, or before min_tokens).

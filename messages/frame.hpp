@@ -153,6 +153,13 @@ Frame make_error_frame(uint64_t request_id, ErrorCode code, const std::string& m
                        msg::Kind about = msg::Kind::NONE);
 
 // Maps between troupe::ErrorCode and the wire enum.
+// A Cap'n Proto text field as a string, every byte of it (cStr() stops at a NUL, and
+// texts here carry user content and grammar tags that hold one).
+inline std::string text(capnp::Text::Reader t) { return std::string(t.begin(), t.size()); }
+// A string as a Cap'n Proto text, every byte of it (a std::string given to a setter goes
+// through kj::StringPtr's c_str() and stops at a NUL).
+inline capnp::Text::Reader wire_text(const std::string& s) { return capnp::Text::Reader(s.data(), s.size()); }
+
 msg::ErrorCode to_wire(ErrorCode code);
 ErrorCode from_wire(msg::ErrorCode code);
 

@@ -41,6 +41,10 @@ struct SamplingParams {
   # {"type": "object"} = OpenAI's json_object); empty = free text. A schema
   # troupe cannot hold is refused with an Error frame naming the keyword.
   jsonSchema @10 :Text;
+  # Structured output, raw text: the answer is a text this regular expression matches
+  # whole (ECMAScript syntax; what troupe holds: engine/regex.hpp; vLLM's guided_regex).
+  # Empty = none; not together with jsonSchema.
+  regex @11 :Text;
 }
 
 struct LogitBias {

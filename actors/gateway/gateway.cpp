@@ -187,7 +187,7 @@ void send_chunk(const FrameSink& s, uint32_t index, const std::vector<int32_t>& 
     auto l = b.root().initTokenIds(static_cast<unsigned>(ids.size()));
     for (size_t i = 0; i < ids.size(); ++i) l.set(static_cast<unsigned>(i), static_cast<uint32_t>(ids[i]));
   }
-  b.root().setText(text);
+  b.root().setText(messages::wire_text(text));
   (void)s.conn->send(b.finish(s.rid));
 }
 
@@ -601,7 +601,7 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
       st.grammars.get(json_schema);
     } catch (const Error& e) {
       requests_counter(st, route, 400).inc();
-      return ApiError{400, e.what(), "invalid_request_error", "response_format", ""};
+      return ApiError{400, e.what(), "invalid_request_error", api.sampling.grammar_param, ""};
     }
   } else if (api.uses_tools() && api.tool_choice.mode == gateway::ToolChoice::named) {
     // The answer is the named call's arguments.
@@ -794,14 +794,14 @@ std::variant<ApiRequest, ApiError> from_frame(const messages::Frame& frame, cons
     }
     case msg::GenerateRequest::Prompt::TEXT:
       api.kind = ApiKind::completion;
-      api.prompt_text = std::string(prompt.getText().cStr(), prompt.getText().size());
+      api.prompt_text = messages::text(prompt.getText());
       break;
     case msg::GenerateRequest::Prompt::CHAT: {
       api.kind = ApiKind::chat;
       api.messages = json::array();
       for (auto m : prompt.getChat()) {
-        json turn = {{"role", std::string(m.getRole().cStr())}, {"content", std::string(m.getContent().cStr())}};
-        if (m.getName().size() > 0) turn["name"] = std::string(m.getName().cStr());
+        json turn = {{"role", messages::text(m.getRole())}, {"content", messages::text(m.getContent())}};
+        if (m.getName().size() > 0) turn["name"] = messages::text(m.getName());
         api.messages.push_back(std::move(turn));
       }
       if (api.messages.empty()) return bad("prompt", "the chat has no messages");
@@ -833,7 +833,12 @@ std::variant<ApiRequest, ApiError> from_frame(const messages::Frame& frame, cons
   s.top_p = p;
   s.top_k = static_cast<int32_t>(sp.getTopK());
   s.min_p = mp;
-  s.json_schema = sp.getJsonSchema().cStr();
+  s.json_schema = messages::text(sp.getJsonSchema());
+  if (sp.getRegex().size() > 0) {
+    if (!s.json_schema.empty()) return bad("regex", "give either sampling.regex or sampling.jsonSchema, not both");
+    s.json_schema = engine::regex_grammar(messages::text(sp.getRegex()));
+    s.grammar_param = "regex";
+  }
   s.repetition_penalty = rp;
   s.frequency_penalty = fp;
   s.presence_penalty = pp;

@@ -380,11 +380,13 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
     const auto& g = j["guided_json"];
     if (g.is_string()) {
       s.json_schema = g.get<std::string>();
+      s.grammar_param = "guided_json";
     } else if (g.is_object() || g.is_boolean()) {
       if (nests_deeper_than(g, engine::kMaxSchemaNesting)) {
         return bad("guided_json", fmt::format("'guided_json' nests deeper than {} levels", engine::kMaxSchemaNesting));
       }
       s.json_schema = g.dump();
+      s.grammar_param = "guided_json";
     } else {
       return bad("guided_json", "'guided_json' must be a JSON Schema (an object or its text)");
     }
@@ -399,6 +401,16 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
       texts.push_back(t.get<std::string>());
     }
     s.json_schema = engine::choice_grammar(texts);
+    s.grammar_param = "guided_choice";
+  }
+  for (const char* key : {"guided_regex", "regex"}) {  // vLLM's and SGLang's: the answer is a text the pattern matches whole
+    if (!j.contains(key) || j[key].is_null()) continue;
+    if (!s.json_schema.empty()) {
+      return bad(key, "give one of 'guided_regex' (or 'regex'), 'guided_choice', 'guided_json' or a json 'response_format'");
+    }
+    if (!j[key].is_string() || j[key].get<std::string>().empty()) return bad(key, fmt::format("'{}' must be a non-empty string (a regular expression)", key));
+    s.json_schema = engine::regex_grammar(j[key].get<std::string>());
+    s.grammar_param = key;
   }
   if (!s.json_schema.empty() && r.uses_tools() && r.tool_choice.mode == ToolChoice::required) {
     return bad("response_format", "a json response_format cannot be combined with tool_choice 'required' over several tools");

@@ -32,9 +32,11 @@ struct SamplingSpec {
   std::vector<std::pair<int32_t, float>> logit_bias;  // OpenAI: (token, bias in [-100, 100])
   // The answer is JSON under this JSON Schema (engine::SamplingParams::json_schema):
   // response_format json_object ({"type": "object"}) or json_schema, vLLM's guided_json;
-  // or one of vLLM's guided_choice texts (engine::choice_grammar). Empty: free text.
-  // Compiled (and refused with a 400) at admission.
+  // or one of vLLM's guided_choice texts (engine::choice_grammar), or a text vLLM's
+  // guided_regex / SGLang's regex matches (engine::regex_grammar). Empty: free text.
+  // Compiled (and refused with a 400 naming grammar_param) at admission.
   std::string json_schema;
+  std::string grammar_param = "response_format";
 };
 
 enum class ApiKind { completion, chat };

@@ -65,9 +65,9 @@ void sampling_to_wire(const engine::SamplingParams& s, msg::Sampling::Builder ou
   out.setFrequencyPenalty(s.frequency_penalty);
   out.setPresencePenalty(s.presence_penalty);
   out.setAnswerStart(s.answer_start);
-  out.setJsonSchema(s.json_schema);
+  out.setJsonSchema(messages::wire_text(s.json_schema));
   auto schemas = out.initAnswerSchemas(static_cast<unsigned>(s.answer_schemas.size()));
-  for (size_t i = 0; i < s.answer_schemas.size(); ++i) schemas.set(static_cast<unsigned>(i), s.answer_schemas[i]);
+  for (size_t i = 0; i < s.answer_schemas.size(); ++i) schemas.set(static_cast<unsigned>(i), messages::wire_text(s.answer_schemas[i]));
   auto trigger = out.initAnswerTrigger(static_cast<unsigned>(s.answer_trigger.size()));
   for (size_t i = 0; i < s.answer_trigger.size(); ++i) trigger.set(static_cast<unsigned>(i), s.answer_trigger[i]);
   auto prefixes = out.initAnswerPrefixes(static_cast<unsigned>(s.answer_prefixes.size()));
@@ -100,8 +100,8 @@ engine::SamplingParams sampling_from_wire(msg::Sampling::Reader in) {
   s.answer_start = in.getAnswerStart();
   for (auto b : in.getLogitBias()) s.logit_bias.emplace_back(b.getToken(), b.getBias());
   for (auto q : in.getAnswerPrefixes()) s.answer_prefixes.push_back(ints(q));
-  s.json_schema = in.getJsonSchema().cStr();
-  for (auto x : in.getAnswerSchemas()) s.answer_schemas.emplace_back(x.cStr());
+  s.json_schema = messages::text(in.getJsonSchema());
+  for (auto x : in.getAnswerSchemas()) s.answer_schemas.push_back(messages::text(x));
   s.answer_trigger = ints(in.getAnswerTrigger());
   return s;
 }

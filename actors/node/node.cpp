@@ -434,7 +434,7 @@ void Node::send_reply(const std::string& peer, uint64_t corr, const ReplyValue& 
   } else if (auto* flag = std::get_if<bool>(&value)) {
     reply.setFlag(*flag);
   } else if (auto* text = std::get_if<std::string>(&value)) {
-    reply.setText(*text);
+    reply.setText(messages::wire_text(*text));
   } else {
     const auto& err = std::get<Error>(value);
     auto e = reply.initError();

@@ -104,6 +104,8 @@ Command add_client(CLI::App& app) {
   gen->add_option("--json-schema", o->gen.json_schema,
                   "the answer is JSON under this JSON Schema (its text; '{}' any value, '{\"type\": \"object\"}' "
                   "an object)");
+  gen->add_option("--regex", o->gen.regex,
+                  "the answer is a text this regular expression (ECMAScript syntax) matches whole");
   gen->add_option("--seed", o->seed, "sampling seed");
   gen->add_option("--repetition-penalty", o->gen.repetition_penalty, "> 0; 1 = off");
   gen->add_option("--frequency-penalty", o->gen.frequency_penalty, "-2 .. 2; 0 = off");

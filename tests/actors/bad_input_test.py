@@ -69,7 +69,7 @@ def test_deeply_nested_schemas():
     head = '{"model": "deepseek-v4-tiny", "max_tokens": 2, '
     for path, raw, param in [
             ("/v1/completions", head + '"prompt": "x", "guided_json": ' + deep + '}', "guided_json"),
-            ("/v1/completions", head + '"prompt": "x", "guided_json": ' + json.dumps(deep) + '}', "response_format"),
+            ("/v1/completions", head + '"prompt": "x", "guided_json": ' + json.dumps(deep) + '}', "guided_json"),
             ("/v1/completions", head + '"prompt": "x", "response_format": {"type": "json_schema", "json_schema": '
                                        '{"schema": ' + deep + '}}}', "response_format"),
             ("/v1/chat/completions", head + '"messages": [{"role": "user", "content": "x"}], "tools": [{"type": '
@@ -105,11 +105,12 @@ def test_wrong_types_name_the_parameter():
              ({"min_p": 1.5}, "min_p"), ({"min_p": -0.1}, "min_p"), ({"min_p": "x"}, "min_p"),
              ({"suffix": "tail"}, "suffix"), ({"best_of": 3}, "best_of"),
              ({"response_format": {"type": "xml"}}, "response_format"),
-             ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "x"}}}},
+             ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "(?!x)"}}}},
               "response_format"),
              ({"guided_json": 5}, "guided_json"),
              ({"guided_choice": []}, "guided_choice"), ({"guided_choice": ["a", ""]}, "guided_choice"),
              ({"guided_choice": "a"}, "guided_choice"), ({"guided_choice": ["a"], "guided_json": {}}, "guided_choice"),
+             ({"guided_regex": "(a"}, "guided_regex"), ({"guided_regex": 5}, "guided_regex"), ({"regex": "[b-a]"}, "regex"),
 
              ({"response_format": "json"}, "response_format")]
     for patch, param in cases:

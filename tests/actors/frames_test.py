@@ -131,8 +131,17 @@ def test_json_schema_matches_http():
         assert out["text"] == b["choices"][0]["text"], (out, b)
         v = json.loads(out["text"])
         assert set(v) == {"ok", "n", "tag"} and isinstance(v["ok"], bool) and v["tag"] in ("a", "b"), v
-        expect_error(lambda: c.generate(text="x", json_schema={"type": "string", "format": "email", "pattern": "@"},
-                                        max_tokens=2), "invalidArgument", "'pattern'")
+        expect_error(lambda: c.generate(text="x", json_schema={"type": "string", "format": "email", "pattern": "\\1"},
+                                        max_tokens=2), "invalidArgument", "backreferences")
+        # sampling.regex: the same answer as HTTP's guided_regex, matched whole; a bad pattern is named.
+        pattern = r"(on|off) [0-9]{2,3} ?[a-z]{0,4}"
+        s, b = srv().post("/v1/completions", dict(model=MODEL, prompt="state:", max_tokens=30, temperature=0,
+                                                  guided_regex=pattern))
+        assert s == 200 and b["choices"][0]["finish_reason"] == "stop", (s, b)
+        out = c.generate(text="state:", max_tokens=30, temperature=0.0, regex=pattern)
+        assert out["text"] == b["choices"][0]["text"] and re.fullmatch(pattern, out["text"]), (out, b)
+        expect_error(lambda: c.generate(text="x", regex="a{3,1}", max_tokens=2), "invalidArgument", "m below n")
+        expect_error(lambda: c.generate(text="x", regex="a", json_schema={}, max_tokens=2), "invalidArgument", "regex")
 
 
 def test_list_models():
@@ -424,9 +433,14 @@ def test_cli_generate():
     assert p.returncode == 0 and "[finish: stop" in p.stderr, (p.returncode, p.stdout, p.stderr)
     assert json.loads(p.stdout.strip())["ok"] in (True, False), p.stdout
     p = subprocess.run([A.troupe, "client", "--connect", f"127.0.0.1:{frame_port}", "generate", "--prompt", "x",
-                        "--json-schema", '{"type": "string", "pattern": "x"}'], capture_output=True, text=True,
+                        "--json-schema", '{"type": "string", "multipleOf": 2}'], capture_output=True, text=True,
                        timeout=60, preexec_fn=harness._die_with_parent)
-    assert p.returncode != 0 and "'pattern'" in p.stderr, (p.returncode, p.stdout, p.stderr)
+    assert p.returncode != 0 and "'multipleOf'" in p.stderr, (p.returncode, p.stdout, p.stderr)
+    # --regex: a text the pattern matches whole.
+    p = subprocess.run([A.troupe, "client", "--connect", f"127.0.0.1:{frame_port}", "generate", "--prompt", "state:",
+                        "--max-tokens", "30", "--temperature", "0", "--regex", "[a-f]{2,6}!"], capture_output=True,
+                       text=True, timeout=120, preexec_fn=harness._die_with_parent)
+    assert p.returncode == 0 and re.fullmatch("[a-f]{2,6}!", p.stdout.strip()), (p.returncode, p.stdout, p.stderr)
     still_serving()
 
 

@@ -6,6 +6,7 @@ Hugging Face `tokenizers` library (prompt ids), the non-streaming answer (for
 the streaming one), a model whose config names another EOS id (for ignore_eos
 and min_tokens).
 """
+import datetime
 import json
 import os
 import re
@@ -583,6 +584,8 @@ class Forecast(pydantic.BaseModel):
     rain: list[bool] = pydantic.Field(max_length=3)
     span: tuple[int, int]
     note: Optional[Literal["ok", "warn"]] = None
+    station: str = pydantic.Field(pattern=r"^[A-Z]{3}-\d{2}$")  # a pattern
+    issued: datetime.date                                       # format "date": a calendar date
 
 
 def test_structured_output():
@@ -620,14 +623,23 @@ def test_structured_output():
         assert c.text in choices and c.finish_reason == "stop", c
         seen.add(c.text)
     assert len(seen) >= 2, seen
+    # vLLM's guided_regex / SGLang's regex: the answer is a text the pattern matches whole.
+    pattern = r"(sun|rain|snow) [0-9]{1,2}(\.[0-9])?C, wind [A-Z]{1,2}"
+    for seed, key in ((0, "guided_regex"), (1, "regex"), (2, "guided_regex")):
+        c = client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=1.0 if seed else 0,
+                                        seed=seed, extra_body={key: pattern}).choices[0]
+        assert re.fullmatch(pattern, c.text) and c.finish_reason == "stop", c
+    c = client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=1.0, seed=3,
+                                         extra_body=dict(guided_regex=pattern)).choices[0]
+    assert re.fullmatch(pattern, c.message.content) and c.finish_reason == "stop", c
     for seed in range(2):
         r = client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=300, temperature=1.0, seed=seed,
                                              response_format={"type": "json_object"}).choices[0]
         if r.finish_reason == "stop":
             assert isinstance(json.loads(r.message.content), dict), r.message.content
     s = srv()
-    for rf, words in (({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "a+"}}},
-                       "'pattern'"),
+    for rf, words in (({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(?=a)"}}},
+                       "#/pattern': regex '(?=a)' at offset 1: lookahead is not supported"),
                       ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
                           "a": {"type": "integer", "multipleOf": 2}}}}}, "#/properties/a/multipleOf"),
                       ({"type": "yaml"}, "'yaml'"), ({"type": "json_schema"}, "json_schema")):
@@ -636,6 +648,14 @@ def test_structured_output():
     status, e = s.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 2, "tools": [WEATHER],
                                                 "tool_choice": "required", "response_format": {"type": "json_object"}})
     assert status == 400 and e["error"]["param"] == "response_format", e
+    for body, param, words in (({"guided_regex": "(a"}, "guided_regex", "unclosed '('"),
+                               ({"regex": "a\\1"}, "regex", "backreferences"),
+                               ({"guided_regex": ""}, "guided_regex", "non-empty string"),
+                               ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex", "give one of"),
+                               ({"guided_json": {"type": "string", "pattern": "[0-9]{5}", "maxLength": 4}}, "guided_json",
+                                "no text of at most 4 characters")):
+        status, e = s.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, **body})
+        assert status == 400 and e["error"]["param"] == param and words in e["error"]["message"], (body, e)
     # A schema nested 100,000 deep (a raw body: Python's json recurses) is a 400, not a stack overflow.
     deep = '{"items":' * 100000 + '{}' + '}' * 100000
     status, _, e = s.request("POST", "/v1/completions", '{"model": "deepseek-v4-tiny", "prompt": "x", "max_tokens": 2, '

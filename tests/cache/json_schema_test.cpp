@@ -3,10 +3,12 @@
 // masks against feeding each token, and the keywords it refuses.
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <random>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -77,6 +79,8 @@ bool valid(const Json& v, const Json& s, const Json& doc) {
     if (t == "string") {
       if (!v.is_string()) return false;
       const int64_t n = chars(v.get<std::string>());
+      // (the tests' patterns are ASCII: std::regex reads the UTF-8 bytes one by one)
+      if (s.contains("pattern") && !std::regex_search(v.get<std::string>(), std::regex(s["pattern"].get<std::string>()))) return false;
       return n >= s.value("minLength", 0) && (!s.contains("maxLength") || n <= s["maxLength"].get<int64_t>());
     }
     if (t == "integer" || t == "number") {
@@ -205,6 +209,45 @@ TEST(JsonSchema, takes_valid_documents_and_nothing_else) {
       {R"({"type": "array", "prefixItems": [{"type": "integer"}], "items": {"type": "boolean"}})", "[1, 2]", false},
       {R"({"oneOf": [{"type": "integer"}, {"type": "string"}], "discriminator": {"propertyName": "k"}})", "\"x\"", true},
       {R"({"anyOf": [{"$ref": "#"}, {"type": "null"}]})", "1", false},
+      {R"({"type": "string", "pattern": "^[A-Z]{3}$"})", R"("ABC")", true},
+      {R"({"type": "string", "pattern": "^[A-Z]{3}$"})", R"("ABCD")", false},
+      {R"({"type": "string", "pattern": "^[A-Z]{3}$"})", R"("AB")", false},
+      // Escapes are read as what they stand for; under a pattern \u writes control characters alone.
+      {R"({"type": "string", "pattern": "^[A-Z]{3}$"})", R"("A\u0042C")", false},
+      {R"({"type": "string", "pattern": "^a\\tb$"})", R"("a\tb")", true},
+      {R"({"type": "string", "pattern": "^a\\tb$"})", R"("a\u0009b")", true},
+      {R"({"type": "string", "pattern": "^a\\tb$"})", R"("a\u000Ab")", false},
+      {R"({"type": "string", "pattern": "^a\\tb$"})", R"("a\nb")", false},
+      {R"({"type": "string", "pattern": "^a\\nb$"})", R"("a\nb")", true},
+      {R"({"type": "string", "pattern": "^a\\\\b\"$"})", R"("a\\b\"")", true},
+      {R"({"type": "string", "pattern": "^\\u00e9$"})", "\"\xC3\xA9\"", true},
+      {R"({"type": "string", "pattern": "^\\u00e9$"})", R"("\u00e9")", false},
+      {R"({"type": "string", "pattern": "^.$"})", R"("\ud83d\ude00")", false},  // a surrogate escape is not written under a pattern
+      {R"({"type": "string", "pattern": "^.$"})", "\"\xF0\x9F\x98\x80\"", true},
+      {R"({"type": "string", "pattern": "b+"})", R"("abbc")", true},  // unanchored: some part matches
+      {R"({"type": "string", "pattern": "b+"})", R"("ac")", false},
+      {R"({"type": "string", "pattern": "[0-9]", "maxLength": 2})", R"("x1")", true},
+      {R"({"type": "string", "pattern": "[0-9]", "maxLength": 2})", R"("xy")", false},
+      {R"({"type": "string", "pattern": "[0-9]", "maxLength": 2})", R"("x12")", false},
+      {R"({"type": "string", "format": "date"})", R"("2026-12-05")", true},
+      {R"({"type": "string", "format": "date"})", R"("2026-13-05")", false},
+      {R"({"type": "string", "format": "date-time"})", R"("2026-12-05T09:30:00.5+01:00")", true},
+      {R"({"type": "string", "format": "date-time"})", R"("2026-12-05 09:30:00")", false},
+      {R"({"type": "string", "format": "time"})", R"("23:59:59.123456Z")", true},
+      {R"({"type": "string", "format": "time"})", R"("23:59:60Z")", false},  // no leap second (Python's time has none)
+      {R"({"type": "string", "format": "time"})", R"("12:00:00")", false},   // RFC 3339: an offset
+      {R"({"type": "string", "format": "uuid"})", R"("123e4567-e89b-12d3-a456-426614174000")", true},
+      {R"({"type": "string", "format": "uuid"})", R"("123e4567e89b12d3a456426614174000")", false},
+      {R"({"type": "string", "format": "ipv4"})", R"("192.168.0.255")", true},
+      {R"({"type": "string", "format": "ipv4"})", R"("192.168.0.256")", false},
+      {R"({"type": "string", "format": "email"})", R"("ann.lee+x@mail.example.org")", true},
+      {R"({"type": "string", "format": "email"})", R"("ann@")", false},
+      {R"({"type": "string", "format": "uri"})", R"("not checked")", true},  // other formats: annotations
+      {R"({"type": "string", "format": "date", "pattern": "^x$"})", R"("x")", true},  // beside a pattern: the pattern
+      {R"({"type": "object", "properties": {"code": {"pattern": "^[a-z]{2}-[0-9]+$"}}, "required": ["code"]})",
+       R"({"code": "ab-12"})", true},
+      {R"({"type": "object", "properties": {"code": {"pattern": "^[a-z]{2}-[0-9]+$"}}, "required": ["code"]})",
+       R"({"code": "ab-"})", false},
   };
   for (const auto& c : cases) EXPECT_EQ(takes(c.schema, c.text), c.ok) << c.schema << "\n" << c.text;
 }
@@ -226,11 +269,99 @@ TEST(JsonSchema, a_choice_grammar_takes_exactly_its_texts) {
   expect_masks_exact(g, vocab, {"", "y", "yes", "yes, b", "\xC3\xA9"});
 }
 
+TEST(JsonSchema, format_date_takes_calendar_dates_alone) {
+  const auto g = JsonGrammar::compile(R"({"type": "string", "format": "date"})");
+  auto leap = [](int y) { return (y % 4 == 0 && y % 100 != 0) || y % 400 == 0; };
+  int dates = 0;
+  for (int y : {0, 1, 4, 99, 100, 400, 1000, 1899, 1900, 1904, 1999, 2000, 2024, 2025, 2100, 2400, 9996, 9999}) {
+    for (int m = 0; m <= 13; ++m) {
+      for (int d = 0; d <= 32; ++d) {
+        static const int kDays[] = {31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31};
+        const bool real = y >= 1 && m >= 1 && m <= 12 && d >= 1 && d <= kDays[m - 1] + (m == 2 && leap(y));
+        const std::string text = fmt::format("\"{:04}-{:02}-{:02}\"", y, m, d);
+        JsonMatcher t(g);
+        ASSERT_EQ(t.feed(text) && t.may_end(), real) << text;
+        dates += real;
+      }
+    }
+  }
+  EXPECT_EQ(dates, 17 * 365 + 7);  // year 0 is none; 4, 400, 1904, 2000, 2024, 2400 and 9996 are leap years
+}
+
+TEST(JsonSchema, a_pattern_never_strands_an_answer) {
+  // Random bytes the matcher takes, escapes favoured: at every place some byte may
+  // follow or the answer may end, and every answer that ends is valid.
+  const char* const schemas[] = {
+      R"({"type": "string", "pattern": "^[A-Z]{3}-\\d{2}$"})",
+      R"({"type": "string", "pattern": "^[a-z\\t]{2,5}$", "maxLength": 4})",
+      R"({"type": "string", "pattern": "q", "maxLength": 3})",
+      R"({"type": "string", "pattern": "^[ -~]\\u0001?\"?$"})",
+      R"({"type": "array", "items": {"type": "string", "format": "date-time"}, "maxItems": 2})",
+  };
+  std::mt19937_64 rng(3);
+  const std::string favoured = "\\u0123456789abcdefABCDEF\"-T:Z";
+  for (const char* schema : schemas) {
+    const Json js = Json::parse(schema);
+    const auto g = JsonGrammar::compile(schema);
+    int ended = 0;
+    for (int w = 0; w < 150; ++w) {
+      JsonMatcher m(g);
+      std::string text;
+      while (!m.complete() && text.size() < 120) {
+        std::vector<uint8_t> ok, liked;
+        for (int c = 0; c < 256; ++c) {
+          JsonMatcher t = m;
+          if (!t.feed(std::string(1, static_cast<char>(c)))) continue;
+          ok.push_back(static_cast<uint8_t>(c));
+          if (favoured.find(static_cast<char>(c)) != std::string::npos) liked.push_back(static_cast<uint8_t>(c));
+        }
+        if (ok.empty()) {
+          ASSERT_TRUE(m.may_end()) << schema << " stranded after " << text;
+          break;
+        }
+        if (m.may_end() && rng() % 8 == 0) break;
+        const auto& from = !liked.empty() && rng() % 2 == 0 ? liked : ok;
+        text.push_back(static_cast<char>(from[rng() % from.size()]));
+        ASSERT_TRUE(m.feed(text.substr(text.size() - 1)));
+      }
+      if (!m.may_end()) continue;  // ran past 120 bytes
+      ++ended;
+      Json v;
+      ASSERT_NO_THROW(v = Json::parse(text)) << schema << "\n" << text;
+      if (v.is_string()) {
+        ASSERT_TRUE(valid(v, js, js)) << schema << "\n" << text;
+      }
+    }
+    EXPECT_GT(ended, 50) << schema;
+  }
+}
+
+TEST(JsonSchema, a_regex_grammar_takes_the_texts_it_matches_whole) {
+  const std::string g = regex_grammar("[0-9]{3}-[a-z]+( \\(\\w+\\))?");
+  for (const char* t : {"123-abc", "000-z (x_1)"}) EXPECT_TRUE(takes(g, t)) << t;
+  for (const char* t : {"", "123-", "12-ab", " 123-a", "123-abc ", "123-abc (", "\"123-a\""}) EXPECT_FALSE(takes(g, t)) << t;
+  JsonMatcher m(JsonGrammar::compile(regex_grammar("(yes|no)")));
+  ASSERT_TRUE(m.feed("ye"));
+  EXPECT_FALSE(m.may_end());
+  ASSERT_TRUE(m.feed("s"));
+  EXPECT_TRUE(m.complete());  // nothing can extend it: the answer is whole
+  JsonMatcher open(JsonGrammar::compile(regex_grammar("a+")));
+  ASSERT_TRUE(open.feed("aa"));
+  EXPECT_TRUE(open.may_end() && !open.complete());
+  EXPECT_THROW(JsonGrammar::compile(regex_grammar("(a")), Error);
+  std::vector<std::string> bytes = {"1", "12", "123", "-", "3-", "-a", "abc", "a", " (", " ", "(", "x", "x)", ")", "\xC3", "\"", "9-z"};
+  const TokenVocabulary vocab(bytes);
+  expect_masks_exact(g, vocab, {"", "1", "123", "123-", "123-ab", "123-ab (", "123-ab (x"});
+}
+
 TEST(JsonSchema, refuses_what_it_does_not_hold) {
   const std::pair<const char*, const char*> cases[] = {
       {"not json", "not JSON"},
       {"false", "matches nothing"},
-      {R"({"type": "string", "pattern": "a+"})", "'pattern'"},
+      {R"({"properties": {"a": {"type": "string", "pattern": "(?=x)a"}}})", "#/properties/a/pattern': regex '(?=x)a' at offset 1: lookahead"},
+      {R"({"type": "string", "pattern": 7})", "#/pattern': must be a string"},
+      {R"({"type": "string", "pattern": "[0-9]{4}", "maxLength": 3})", "no text of at most 3 characters (maxLength) matches its pattern"},
+      {R"({"type": "string", "format": "date", "maxLength": 9})", "matches its format"},
       {R"({"minimum": 0})", "'minimum' is held only beside type number or integer"},
       {R"({"type": "integer", "minimum": 0.5, "maximum": 0.9})", "no integer lies in the range"},
       {R"({"type": "number", "minimum": 2, "exclusiveMaximum": 2})", "the range of values is empty"},
@@ -340,6 +471,8 @@ Json random_schema(std::mt19937_64& rng, int depth) {
       Json s = {{"type", "string"}};
       if (pick(2) == 0) s["maxLength"] = pick(6);
       if (pick(3) == 0) s["minLength"] = std::min(pick(3), s.value("maxLength", 3));
+      static const char* const kPatterns[] = {"^[a-c]+$", "b", "^\\d{2,3}$", "x|y", "^(ab)*$", "\\\\", "^\"?[0-9a-f]{1,2}$"};
+      if (pick(3) == 0 && s.value("maxLength", 5) >= 3) s["pattern"] = kPatterns[pick(7)];
       return s;
     }
     case 3:
@@ -430,6 +563,12 @@ TEST(JsonSchema, token_masks_equal_feeding_each_token) {
                                   "items": false}}})";
   expect_masks_exact(bounded, vocab, {"{\"p\": ", "{\"p\": 0", "{\"p\": 1", "{\"p\": 0.", "{\"n\": [", "{\"n\": [1",
                                       "{\"n\": [12"});
+  const char* patterned = R"({"type": "array", "items": {"type": "string", "pattern": "^[a-z]+(\\.[a-z]+)*@e\\.\\w{2}$",
+                                                           "maxLength": 12}})";
+  expect_masks_exact(patterned, vocab, {"[\"", "[\"a", "[\"ab.", "[\"a@e", "[\"a@e.", "[\"a@e.x", "[\"a@e.xy",
+                                        "[\"abcdef", "[\"abcdefg"});
+  expect_masks_exact(R"({"type": "string", "pattern": "^[^\\u0003]*\\u0001$"})", vocab,
+                     {"\"", "\"a\\", "\"a\\u", "\"a\\u00", "\"a\\u000", "\"a\\u0001"});
 }
 
 TEST(JsonSchema, token_masks_equal_feeding_each_token_of_the_deepseek_vocabulary) {
@@ -437,6 +576,8 @@ TEST(JsonSchema, token_masks_equal_feeding_each_token_of_the_deepseek_vocabulary
   const TokenVocabulary vocab(tok->vocabulary_bytes());
   expect_masks_exact(kPerson, vocab, {"", "{\"", "{\"name\": \"Jo", "{\"name\": \"Ann\", \"age\": 4",
                                       "{\"name\": \"Ann\", \"age\": 4, \"tags\": [", "{\"age\": 1, \"name\": \"abcdefghij"});
+  expect_masks_exact(R"({"type": "string", "format": "date-time"})", vocab, {"", "\"", "\"2026-1", "\"2026-12-05T1", "\"2026-12-05T10:00:00"});
+  expect_masks_exact(regex_grammar("(Yes|No), because [^.]{1,40}\\."), vocab, {"", "Yes", "No, because", "Yes, because it"});
 }
 
 TEST(JsonSchema, the_cache_compiles_a_schema_once) {

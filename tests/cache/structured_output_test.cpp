@@ -256,7 +256,7 @@ TEST(StructuredOutput, bad_schemas_and_engines_without_a_vocabulary_refuse) {
   test::Harness h(*m.model, o);
   Request r;
   r.prompt = {3, 4};
-  r.sampling.json_schema = R"({"type": "string", "pattern": "^a"})";
+  r.sampling.json_schema = R"({"type": "string", "multipleOf": 3})";
   const auto bad = h.submit(r);
   r.sampling.json_schema = "{}";
   r.sampling.answer_prefixes = {{5}};
@@ -264,7 +264,7 @@ TEST(StructuredOutput, bad_schemas_and_engines_without_a_vocabulary_refuse) {
   h.run();
   EXPECT_EQ(h[bad].last.reason, FinishReason::error);
   EXPECT_EQ(h[bad].last.code, ErrorCode::invalid_argument);
-  EXPECT_NE(h[bad].last.message.find("'pattern'"), std::string::npos) << h[bad].last.message;
+  EXPECT_NE(h[bad].last.message.find("'multipleOf'"), std::string::npos) << h[bad].last.message;
   EXPECT_EQ(h[both].last.reason, FinishReason::error);
   EXPECT_NE(h[both].last.message.find("cannot be combined"), std::string::npos) << h[both].last.message;
 

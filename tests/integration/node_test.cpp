@@ -13,6 +13,7 @@
 
 #include "actors/node/kv_handoff.hpp"
 #include "actors/node/node.hpp"
+#include "engine/json_schema.hpp"
 #include "transport/in_process.hpp"
 #include "tests/support/wait.hpp"
 
@@ -137,8 +138,8 @@ TEST_F(NodeFabric, messages_cross_as_the_same_structs_and_handles_become_one_pro
   job.sampling.seed = 77;
   job.sampling.min_p = 0.25f;
   job.sampling.answer_prefixes = {{4, 5}, {6}};
-  job.sampling.json_schema = R"({"type": "object"})";
-  job.sampling.answer_schemas = {"{}", ""};
+  job.sampling.json_schema = engine::regex_grammar("[a-c]+");  // (its tag holds a NUL byte)
+  job.sampling.answer_schemas = {"{}", "", engine::choice_grammar({"x", "y"})};
   job.sampling.answer_trigger = {9, 8};
   job.reply_to = router_;
   job.logprobs = 3;

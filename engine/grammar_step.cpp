@@ -1,0 +1,613 @@
+// Following an answer through a compiled grammar: a byte at a time over a set of
+// stacks of frames, and token masks per state.
+#include "engine/grammar_parts.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+
+namespace troupe::engine {
+
+using namespace grammar;
+
+namespace grammar {
+
+// A bounded number's text in the frame: '0'-'9' as 0-9, '-' as 10, '.' as 11.
+void put_number_byte(JsonGrammar::Frame& f, uint32_t i, uint8_t c) {
+  const uint64_t code = c == '-' ? 10 : c == '.' ? 11 : c - '0';
+  if (i < 8) {
+    f.c |= static_cast<uint32_t>(code) << (4 * i);
+  } else if (i < 16) {
+    f.d |= static_cast<uint32_t>(code) << (4 * (i - 8));
+  } else {
+    f.seen |= code << (4 * (i - 16));
+  }
+}
+
+std::string number_text(const JsonGrammar::Frame& f) {
+  std::string t;
+  for (uint32_t i = 0; i < f.a; ++i) {
+    const uint64_t code = i < 8 ? f.c >> (4 * i) : i < 16 ? f.d >> (4 * (i - 8)) : f.seen >> (4 * (i - 16));
+    const auto d = static_cast<uint8_t>(code & 0xF);
+    t.push_back(d == 10 ? '-' : d == 11 ? '.' : static_cast<char>('0' + d));
+  }
+  return t;
+}
+
+bool meets(const JsonGrammar::Node& n, double a, bool a_open, double b, bool b_open) {
+  double lo = a, hi = b;
+  bool lo_open = a_open, hi_open = b_open;
+  if (n.lo > lo || (n.lo == lo && n.lo_open)) {
+    lo = n.lo;
+    lo_open = n.lo_open || (n.lo == a && a_open);
+  }
+  if (n.hi < hi || (n.hi == hi && n.hi_open)) {
+    hi = n.hi;
+    hi_open = n.hi_open || (n.hi == b && b_open);
+  }
+  return lo < hi || (lo == hi && !lo_open && !hi_open);
+}
+
+bool reachable(const JsonGrammar::Node& n, std::string_view t) {
+  const bool neg = !t.empty() && t[0] == '-';
+  const std::string body(neg ? t.substr(1) : t);
+  const bool integer = n.kind == Kind::integer;
+  // Magnitudes [m0, m1) (closed at m1 for an integer's last value), as signed values.
+  auto span = [&](double m0, double m1, bool closed) {
+    return neg ? meets(n, -m1, !closed, -m0, false) : meets(n, m0, false, m1, !closed);
+  };
+  const double inf = std::numeric_limits<double>::infinity();
+  if (body.empty()) return span(0, inf, false);
+  if (const auto dot = body.find('.'); dot != std::string::npos) {
+    const double m0 = std::strtod(body.c_str(), nullptr);
+    return span(m0, m0 + std::pow(10.0, -static_cast<double>(body.size() - dot - 1)), false);
+  }
+  if (body == "0") return integer ? span(0, 0, true) : span(0, 1, false);
+  const double v = std::strtod(body.c_str(), nullptr);
+  double p = 1;
+  for (size_t more = 0; t.size() + more <= kMaxNumberBytes; ++more, p *= 10) {  // more digits to come
+    if (integer ? span(v * p, (v + 1) * p - 1, true) : span(v * p, (v + 1) * p, false)) return true;
+  }
+  return false;
+}
+
+bool in_range(const JsonGrammar::Node& n, std::string_view t) {
+  const double v = std::strtod(std::string(t).c_str(), nullptr);
+  return meets(n, v, false, v, false);
+}
+
+}  // namespace grammar
+
+// ---- stepping -------------------------------------------------------------------------
+
+// The top frame is whole: pop it and tell its parent.
+void JsonGrammar::finish_child(std::vector<Frame>& s) const {
+  const Frame child = s.back();
+  s.pop_back();
+  if (s.empty()) return;
+  Frame& p = s.back();
+  p.ws = 0;
+  if (p.kind == kObject) {
+    if (p.sub == kObjInKey) {
+      p.sub = kObjColon;
+      p.a = child.kind == kKey ? child.a : kNone;
+    } else {
+      if (p.a != kNone) p.seen |= uint64_t{1} << p.a;
+      p.sub = kObjAfterValue;
+    }
+  } else if (p.kind == kArray) {
+    ++p.a;
+    p.sub = kArrAfterValue;
+  }
+}
+
+// Applies byte c to stack s (which it may change), adding every stack it leads to.
+void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
+  if (s.empty()) return;  // the value is whole: nothing may follow
+  Frame& f = s.back();
+  const Node& n = nodes_[f.node];
+  auto whitespace = [&]() {
+    if (f.ws < kMaxWhitespace) {
+      ++f.ws;
+      out.push(s);
+    }
+  };
+  auto push_value = [&](uint32_t node) -> bool {
+    if (s.size() >= kMaxDepth) return false;
+    Frame v;
+    v.node = node;
+    s.push_back(v);
+    return true;
+  };
+  switch (f.kind) {
+    case kValue: {
+      if (is_ws(c)) return whitespace();
+      const uint16_t ws = f.ws;
+      switch (n.kind) {
+        case Kind::any_of: {  // its options are values of other kinds (compile flattens them)
+          // Only the options a value can start with c: usually one, stepped in place.
+          auto starts = [&](uint32_t o) {
+            const Node& x = nodes_[o];
+            switch (x.kind) {
+              case Kind::object: return c == '{';
+              case Kind::array: return c == '[';
+              case Kind::string: return c == '"';
+              case Kind::number:
+              case Kind::integer: return c == '-' || is_digit(c);
+              case Kind::literal:
+                return std::any_of(x.texts.begin(), x.texts.end(), [&](const std::string& t) { return static_cast<uint8_t>(t[0]) == c; });
+              case Kind::any_of: return true;
+            }
+            return true;
+          };
+          uint32_t last = kNone;
+          for (uint32_t o : n.options) {
+            if (!starts(o)) continue;
+            if (last != kNone) {
+              std::vector<Frame> t = s;
+              t.back() = Frame{};
+              t.back().node = last;
+              t.back().ws = ws;
+              step(t, c, out);
+            }
+            last = o;
+          }
+          if (last == kNone) return;
+          f = Frame{};
+          f.node = last;
+          f.ws = ws;
+          return step(s, c, out);
+        }
+        case Kind::object:
+          if (c != '{') return;
+          f.kind = kObject;
+          f.sub = kObjOpen;
+          f.ws = 0;
+          f.a = kNone;
+          return out.push(s);
+        case Kind::array:
+          if (c != '[') return;
+          f.kind = kArray;
+          f.sub = kArrOpen;
+          f.ws = 0;
+          return out.push(s);
+        case Kind::string:
+          if (c != '"') return;
+          f.kind = kString;
+          f.sub = kStrText;
+          f.ws = 0;
+          if (n.pattern) f.d = n.pattern->start();
+          return out.push(s);
+        case Kind::number:
+        case Kind::integer:
+          f.kind = kNumber;
+          f.sub = kNumStart;
+          f.ws = 0;
+          return step(s, c, out);
+        case Kind::literal:
+          f.kind = kLiteral;
+          f.a = 0;
+          f.b = static_cast<uint32_t>(n.texts.size());
+          f.c = 0;
+          f.ws = 0;
+          return step(s, c, out);
+      }
+      return;
+    }
+    case kObject: {
+      const bool closed = n.extra == kNone;
+      const bool more_names = closed ? (n.names.size() > static_cast<size_t>(__builtin_popcountll(f.seen))) : true;
+      const bool may_close = (f.seen & n.required) == n.required;
+      switch (f.sub) {
+        case kObjOpen:
+        case kObjKeyNext:
+          if (is_ws(c)) return whitespace();
+          if (c == '}' && f.sub == kObjOpen && may_close) {
+            finish_child(s);
+            return out.push(s);
+          }
+          if (c != '"' || !more_names || s.size() >= kMaxDepth) return;
+          f.sub = kObjInKey;
+          f.ws = 0;
+          {
+            Frame k;
+            k.node = f.node;
+            if (closed) {
+              k.kind = kKey;
+              k.a = 0;
+              k.b = static_cast<uint32_t>(n.names.size());
+              k.c = 0;
+            } else {
+              k.node = 3;  // a free key is any string
+              k.kind = kString;
+              k.sub = kStrText;
+            }
+            s.push_back(k);
+          }
+          return out.push(s);
+        case kObjColon:
+          if (is_ws(c)) return whitespace();
+          if (c != ':') return;
+          f.sub = kObjInValue;
+          f.ws = 0;
+          if (!push_value(f.a != kNone ? n.values[f.a] : n.extra)) return;
+          return out.push(s);
+        case kObjAfterValue:
+          if (is_ws(c)) return whitespace();
+          if (c == ',' && more_names) {
+            f.sub = kObjKeyNext;
+            f.ws = 0;
+            f.a = kNone;
+            return out.push(s);
+          }
+          if (c == '}' && may_close) {
+            finish_child(s);
+            return out.push(s);
+          }
+          return;
+      }
+      return;
+    }
+    case kArray: {
+      // The schema of item i (kNone: no item i), whether maxItems allows it or not.
+      auto item = [&](uint64_t i) -> uint32_t {
+        if (n.max_count >= 0 && i >= static_cast<uint64_t>(n.max_count)) return kNone;
+        return i < n.prefix_items.size() ? n.prefix_items[i] : n.items;
+      };
+      switch (f.sub) {
+        case kArrOpen:
+        case kArrNext:
+          if (is_ws(c)) return whitespace();
+          if (c == ']' && f.sub == kArrOpen && n.min_count == 0) {
+            finish_child(s);
+            return out.push(s);
+          }
+          if (item(f.a) == kNone) return;
+          f.sub = kArrInValue;
+          f.ws = 0;
+          if (!push_value(item(f.a))) return;
+          return step(s, c, out);
+        case kArrAfterValue:
+          if (is_ws(c)) return whitespace();
+          if (c == ',' && item(f.a) != kNone) {
+            f.sub = kArrNext;
+            f.ws = 0;
+            return out.push(s);
+          }
+          if (c == ']' && f.a >= static_cast<uint64_t>(n.min_count)) {
+            finish_child(s);
+            return out.push(s);
+          }
+          return;
+      }
+      return;
+    }
+    case kString: {
+      const bool counted = n.min_count > 0 || n.max_count >= 0;
+      auto one_char = [&]() -> bool {  // a character starts: within maxLength?
+        if (!counted) return true;
+        if (n.max_count >= 0 && f.a >= static_cast<uint64_t>(n.max_count)) return false;
+        ++f.a;
+        return true;
+      };
+      // A byte of the string's value (escapes decoded) into its pattern: false where it
+      // breaks the pattern, or leaves it wanting more characters than maxLength allows.
+      const ByteDfa* dfa = n.pattern.get();
+      auto after = [&](uint8_t b) -> uint32_t {
+        const uint32_t d = dfa->next(f.d, b);
+        if (d == ByteDfa::kDead || (n.max_count >= 0 && f.a + dfa->min_chars(d) > static_cast<uint64_t>(n.max_count))) {
+          return ByteDfa::kDead;
+        }
+        return d;
+      };
+      auto text = [&](uint8_t b) -> bool {
+        if (!dfa) return true;
+        const uint32_t d = after(b);
+        if (d == ByteDfa::kDead) return false;
+        f.d = d;
+        return true;
+      };
+      // Whether one of the characters lo..hi (ASCII) may come next: with a pattern an
+      // escape starts only where one of those it can still stand for does, so that no
+      // answer is left inside an escape the pattern refuses whichever way it ends. (Under
+      // a pattern, \u writes only control characters, which have no other form.)
+      auto some = [&](uint8_t lo, uint8_t hi) {
+        for (uint32_t b = lo; b <= hi; ++b) {
+          if (after(static_cast<uint8_t>(b)) != ByteDfa::kDead) return true;
+        }
+        return false;
+      };
+      switch (f.sub) {
+        case kStrText:
+          if (c == '"') {
+            if (f.a < static_cast<uint64_t>(n.min_count) || (dfa && !dfa->accepting(f.d))) return;
+            finish_child(s);
+            return out.push(s);
+          }
+          if (c == '\\') {
+            if (!one_char()) return;
+            if (dfa && !some(0x00, 0x1F) && !some('"', '"') && !some('\\', '\\') && !some('/', '/')) return;
+            f.sub = kStrEscape;
+            return out.push(s);
+          }
+          if (c < 0x20) return;
+          if (c < 0x80) {
+            if (!one_char() || !text(c)) return;
+            return out.push(s);
+          }
+          {
+            uint32_t more = 0;
+            uint8_t lo = 0, hi = 0;
+            if (!utf8_lead(c, more, lo, hi) || !one_char() || !text(c)) return;
+            f.sub = kStrUtf8;
+            f.b = more;
+            f.c = static_cast<uint32_t>(lo) << 8 | hi;
+          }
+          return out.push(s);
+        case kStrEscape: {
+          if (c == 'u') {
+            if (dfa && !some(0x00, 0x1F)) return;
+            f.sub = kStrHex;
+            f.b = 0;
+            f.c = 0;
+            return out.push(s);
+          }
+          const uint8_t value = c == 'b' ? '\b' : c == 'f' ? '\f' : c == 'n' ? '\n' : c == 'r' ? '\r' : c == 't' ? '\t' : c;
+          if (c != '"' && c != '\\' && c != '/' && c != 'b' && c != 'f' && c != 'n' && c != 'r' && c != 't') return;
+          if (!text(value)) return;
+          f.sub = kStrText;
+          return out.push(s);
+        }
+        case kStrHex:
+          if (!is_hex(c)) return;
+          if (dfa) {  // \u00XX, a control character: 0, 0, then 0 or 1 where one of its 16 may come, then one that may
+            const auto v = static_cast<uint32_t>(is_digit(c) ? c - '0' : (c | 0x20) - 'a' + 10);
+            if (f.b < 2 ? v != 0 : f.b == 2 ? v > 1 || !some(static_cast<uint8_t>(v * 16), static_cast<uint8_t>(v * 16 + 15)) : false) {
+              return;
+            }
+            f.c = f.c * 16 + v;
+          }
+          if (++f.b == 4) {
+            if (dfa && !text(static_cast<uint8_t>(f.c))) return;
+            f.sub = kStrText;
+            f.b = 0;
+            f.c = 0;
+          }
+          return out.push(s);
+        case kStrUtf8:
+          if (c < (f.c >> 8) || c > (f.c & 0xFF) || !text(c)) return;
+          if (--f.b == 0) {
+            f.sub = kStrText;
+            f.c = 0;
+          } else {
+            f.c = 0x80BF;
+          }
+          return out.push(s);
+      }
+      return;
+    }
+    case kNumber: {
+      const bool integer = n.kind == Kind::integer;
+      uint8_t next = 0xFF;
+      switch (f.sub) {
+        case kNumStart: next = c == '-' ? kNumMinus : c == '0' ? kNumZero : is_digit(c) ? kNumInt : 0xFF; break;
+        case kNumMinus: next = c == '0' ? kNumZero : is_digit(c) ? kNumInt : 0xFF; break;
+        case kNumZero: next = integer ? 0xFF : c == '.' ? kNumDot : (c == 'e' || c == 'E') ? kNumExp : 0xFF; break;
+        case kNumInt:
+          next = is_digit(c) ? kNumInt : integer ? 0xFF : c == '.' ? kNumDot : (c == 'e' || c == 'E') ? kNumExp : 0xFF;
+          break;
+        case kNumDot: next = is_digit(c) ? kNumFrac : 0xFF; break;
+        case kNumFrac: next = is_digit(c) ? kNumFrac : (c == 'e' || c == 'E') ? kNumExp : 0xFF; break;
+        case kNumExp: next = (c == '+' || c == '-') ? kNumExpSign : is_digit(c) ? kNumExpDigits : 0xFF; break;
+        case kNumExpSign: next = is_digit(c) ? kNumExpDigits : 0xFF; break;
+        case kNumExpDigits: next = is_digit(c) && f.b < 2 ? kNumExpDigits : 0xFF; break;
+      }
+      if (n.bounded && next == kNumExp) next = 0xFF;  // a bounded number is written without an exponent
+      if (next != 0xFF) {
+        if (f.a + 1 > kMaxNumberBytes) return;
+        if (n.bounded) {
+          if (!reachable(n, number_text(f) + static_cast<char>(c))) return;
+          put_number_byte(f, f.a, c);
+        }
+        ++f.a;
+        if (next == kNumExpDigits) ++f.b;
+        f.sub = next;
+        return out.push(s);
+      }
+      if (!number_whole(f.sub) || (n.bounded && !in_range(n, number_text(f)))) return;
+      finish_child(s);  // the byte is the parent's
+      return step(s, c, out);
+    }
+    case kRaw: {  // a regex_grammar()'s text: whole once nothing can extend a match
+      const ByteDfa& dfa = *n.pattern;
+      const uint32_t d = dfa.next(f.d, c);
+      if (d == ByteDfa::kDead) return;
+      f.d = d;
+      if (dfa.accepting(d) && !dfa.extends(d)) finish_child(s);
+      return out.push(s);
+    }
+    case kLiteral:
+    case kKey: {
+      const auto& texts = f.kind == kKey ? n.names : n.texts;
+      const uint32_t pos = f.c;
+      // The texts in [a, b) share their first pos bytes (sorted: a whole one first);
+      // those with byte c next are a run of them.
+      const bool whole = pos > 0 && texts[f.a].size() == pos;
+      uint32_t lo = f.a;
+      while (lo < f.b && (texts[lo].size() <= pos || static_cast<uint8_t>(texts[lo][pos]) != c)) ++lo;
+      uint32_t hi = lo;
+      while (hi < f.b && texts[hi].size() > pos && static_cast<uint8_t>(texts[hi][pos]) == c) ++hi;
+      if (f.kind == kKey) {
+        // A name is written with its closing quote, so none is a prefix of another;
+        // names already read cannot come again.
+        const uint64_t seen = s[s.size() - 2].seen;
+        uint32_t unseen = lo;
+        while (unseen < hi && (seen >> unseen & 1)) ++unseen;
+        if (unseen == hi) return;
+        f.a = lo;
+        f.b = hi;
+        f.c = pos + 1;
+        if (texts[lo].size() == pos + 1) finish_child(s);  // the closing quote: the key is read
+        return out.push(s);
+      }
+      if (lo < hi) {  // the byte is the literal's
+        std::vector<Frame> t = s;
+        t.back().a = lo;
+        t.back().b = hi;
+        t.back().c = pos + 1;
+        if (hi == lo + 1 && texts[lo].size() == pos + 1) finish_child(t);  // whole, and nothing longer
+        out.push(t);
+      }
+      if (whole) {  // a literal that other ones extend (1 of [1, 10]) ends at a byte none of them has
+        finish_child(s);
+        step(s, c, out);
+      }
+      return;
+    }
+  }
+}
+
+void JsonGrammar::step_all(const State& in, uint8_t c, State& out) const {
+  out.clear();
+  thread_local std::vector<Frame> s;
+  for (size_t i = 0; i < in.stacks(); ++i) {
+    const auto st = in.stack(i);
+    s.assign(st.begin(), st.end());
+    step(s, c, out);
+  }
+  out.dedup();
+}
+
+bool JsonGrammar::accepting(const State& s) const {
+  for (size_t i = 0; i < s.stacks(); ++i) {
+    const auto st = s.stack(i);
+    if (st.empty()) return true;
+    if (st.size() != 1) continue;
+    const Frame& f = st[0];
+    if (f.kind == kNumber && number_whole(f.sub) && (!nodes_[f.node].bounded || in_range(nodes_[f.node], number_text(f)))) {
+      return true;
+    }
+    if (f.kind == kLiteral && f.c > 0 && nodes_[f.node].texts[f.a].size() == f.c) return true;
+    if (f.kind == kRaw && nodes_[f.node].pattern->accepting(f.d)) return true;
+  }
+  return false;
+}
+
+const TokenMask& JsonGrammar::mask(const State& state, const TokenVocabulary& vocab) {
+  if (mask_vocab_ != &vocab) {
+    masks_.clear();
+    mask_vocab_ = &vocab;
+  }
+  std::string key = state.key();
+  if (auto it = masks_.find(key); it != masks_.end()) return it->second;
+  if (masks_.size() >= kMaxMasks) masks_.clear();
+  TokenMask bits((static_cast<size_t>(vocab.size()) + 63) / 64, 0);
+  auto allow = [&](int32_t id) { bits[static_cast<size_t>(id) >> 6] |= uint64_t{1} << (id & 63); };
+  // Inside a string: plain text leaves the state as it is (but for the characters
+  // maxLength counts, and the pattern's state), so those tokens are decided without
+  // stepping the frames: a pattern runs them through its table.
+  bool in_text = false;
+  if (state.stacks() == 1 && !state.frames.empty()) {
+    const Frame& top = state.frames.back();
+    const Node& n = nodes_[top.node];
+    if (top.kind == kRaw) {  // a regex_grammar(): every token through the pattern alone
+      const ByteDfa& dfa = *n.pattern;
+      for (int32_t id = 0; id < vocab.size(); ++id) {
+        if (!vocab.bytes(id).empty() && dfa.run(top.d, vocab.bytes(id)) != ByteDfa::kDead) allow(id);
+      }
+      return masks_.emplace(std::move(key), std::move(bits)).first->second;
+    }
+    if (top.kind == kString && top.sub == kStrText) {
+      in_text = true;
+      const int64_t room = n.max_count >= 0 ? n.max_count - static_cast<int64_t>(top.a) : -1;  // characters left
+      const ByteDfa* dfa = n.pattern.get();
+      for (int32_t id = 0; id < vocab.size(); ++id) {
+        const int32_t chars = vocab.plain_chars(id);
+        if (chars < 0 || (room >= 0 && chars > room)) continue;
+        if (dfa) {
+          const uint32_t d = dfa->run(top.d, vocab.bytes(id));
+          if (d == ByteDfa::kDead || (room >= 0 && chars + static_cast<int64_t>(dfa->min_chars(d)) > room)) continue;
+        }
+        allow(id);
+      }
+    }
+  }
+  State& first = *scratch_[0];
+  State& a = *scratch_[1];
+  State& b = *scratch_[2];
+  for (int c0 = 0; c0 < 256; ++c0) {
+    const auto ids = vocab.starting_with(static_cast<uint8_t>(c0));
+    if (ids.empty()) continue;
+    step_all(state, static_cast<uint8_t>(c0), first);
+    if (first.stacks() == 0) continue;
+    for (int32_t id : ids) {
+      if (in_text && vocab.plain_chars(id) >= 0) continue;  // decided above
+      const std::string_view t = vocab.bytes(id);
+      bool ok = true;
+      if (t.size() > 1) {
+        a = first;
+        for (size_t i = 1; i < t.size() && ok; ++i) {
+          step_all(a, static_cast<uint8_t>(t[i]), b);
+          std::swap(a, b);
+          ok = a.stacks() > 0;
+        }
+      }
+      if (ok) allow(id);
+    }
+  }
+  return masks_.emplace(std::move(key), std::move(bits)).first->second;
+}
+
+// ---- matcher --------------------------------------------------------------------------
+
+JsonMatcher::JsonMatcher(std::shared_ptr<JsonGrammar> grammar)
+    : grammar_(std::move(grammar)), state_(std::make_unique<JsonGrammar::State>()), next_(std::make_unique<JsonGrammar::State>()) {
+  JsonGrammar::Frame root;
+  root.node = grammar_->root_;
+  if (grammar_->raw_ && grammar_->nodes_[root.node].pattern) {  // a regex_grammar(): its text from the first byte
+    root.kind = kRaw;
+    root.d = grammar_->nodes_[root.node].pattern->start();
+  } else if (grammar_->raw_) {  // a choice_grammar(): the texts from the first byte
+    root.kind = kLiteral;
+    root.b = static_cast<uint32_t>(grammar_->nodes_[root.node].texts.size());
+  }
+  state_->push({root});
+}
+JsonMatcher::~JsonMatcher() = default;
+JsonMatcher::JsonMatcher(const JsonMatcher& other)
+    : grammar_(other.grammar_),
+      state_(std::make_unique<JsonGrammar::State>(*other.state_)),
+      next_(std::make_unique<JsonGrammar::State>()) {}
+JsonMatcher& JsonMatcher::operator=(const JsonMatcher& other) {
+  if (this != &other) {
+    grammar_ = other.grammar_;
+    *state_ = *other.state_;
+  }
+  return *this;
+}
+JsonMatcher::JsonMatcher(JsonMatcher&&) noexcept = default;
+JsonMatcher& JsonMatcher::operator=(JsonMatcher&&) noexcept = default;
+
+bool JsonMatcher::feed(std::string_view bytes) {
+  for (char c : bytes) {
+    if (dead()) return false;
+    grammar_->step_all(*state_, static_cast<uint8_t>(c), *next_);
+    std::swap(state_, next_);
+  }
+  return !dead();
+}
+
+bool JsonMatcher::dead() const { return state_->stacks() == 0; }
+
+bool JsonMatcher::may_end() const { return grammar_->accepting(*state_); }
+
+bool JsonMatcher::complete() const {
+  for (size_t i = 0; i < state_->stacks(); ++i) {
+    if (!state_->stack(i).empty()) return false;
+  }
+  return !dead();
+}
+
+const TokenMask& JsonMatcher::allowed(const TokenVocabulary& vocab) { return grammar_->mask(*state_, vocab); }
+
+}  // namespace troupe::engine

@@ -109,6 +109,7 @@ Expected<uint64_t> Client::submit(const GenerateOptions& o) {
   s.setMinP(o.min_p);
   s.setJsonSchema(messages::wire_text(o.json_schema));
   s.setRegex(messages::wire_text(o.regex));
+  s.setEbnf(messages::wire_text(o.ebnf));
   if (o.seed) s.getSeed().setValue(*o.seed);
   s.setRepetitionPenalty(o.repetition_penalty);
   s.setFrequencyPenalty(o.frequency_penalty);

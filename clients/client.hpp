@@ -49,6 +49,7 @@ struct GenerateOptions {
   float min_p = 0.0f;  // 0: off
   std::string json_schema;  // the answer is JSON under this schema; empty: free text
   std::string regex;        // the answer is a text this regular expression matches whole; empty: none
+  std::string ebnf;         // the answer is a text this EBNF grammar derives from `root`; empty: none
   std::optional<uint64_t> seed;
   float repetition_penalty = 1.0f;
   float frequency_penalty = 0.0f;

@@ -10,6 +10,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <unordered_set>
 #include <vector>
 
 #include "base/utf8_lead.hpp"
@@ -22,6 +23,7 @@ namespace grammar {
 inline constexpr uint16_t kMaxWhitespace = 64;  // consecutive whitespace bytes
 inline constexpr uint32_t kMaxNumberBytes = 32;
 inline constexpr size_t kMaxDepth = 32;         // frames on a stack
+inline constexpr size_t kMaxStacks = 1024;      // readings of one answer at once (an ambiguous EBNF grammar's)
 inline constexpr size_t kMaxNames = 64;         // properties of an object (a 64-bit set of those seen)
 inline constexpr size_t kMaxMasks = 512;        // cached masks a grammar (16 KB each at a 129K vocabulary: 8 MB)
 inline constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
@@ -41,7 +43,8 @@ inline bool utf8_lead(uint8_t c, uint32_t& more, uint8_t& lo, uint8_t& hi) {
   return true;
 }
 
-enum class Kind : uint8_t { object, array, string, number, integer, literal, any_of };
+// rule, terminal: an EBNF grammar's (engine/ebnf.cpp).
+enum class Kind : uint8_t { object, array, string, number, integer, literal, any_of, rule, terminal };
 
 }  // namespace grammar
 
@@ -65,13 +68,21 @@ struct JsonGrammar::Node {
   std::shared_ptr<const ByteDfa> pattern;     // string: what its text must match (pattern, format); a regex_grammar()'s text
   std::vector<std::string> texts;             // literal: the values as JSON, compact, sorted
   std::vector<uint32_t> options;              // any_of
+  // rule: its alternatives, each a sequence of rules and terminals (names[0]: the
+  // rule's name); whether it can match no text. A terminal's text is its pattern.
+  std::vector<std::vector<uint32_t>> alts;
+  bool nullable = false;
+  // rule, terminal: the fewest frames a stack needs to read the shortest text this
+  // derives, its own frame included (a repeat's tail takes its rule's place).
+  uint32_t need = 0;
 };
 
 namespace grammar {
 
 // One open value (JsonGrammar::Frame). Frames are plain bytes so that a state can be a cache key.
 // kRaw: a regex_grammar()'s text, its bytes straight into the pattern.
-enum FrameKind : uint8_t { kValue, kObject, kArray, kString, kNumber, kLiteral, kKey, kRaw };
+// kRule: an EBNF rule, in its alternative a at element b; kTerm: a terminal, its pattern in state d.
+enum FrameKind : uint8_t { kValue, kObject, kArray, kString, kNumber, kLiteral, kKey, kRaw, kRule, kTerm };
 // kObject subs
 enum : uint8_t { kObjOpen, kObjKeyNext, kObjInKey, kObjColon, kObjInValue, kObjAfterValue };
 // kArray subs
@@ -138,23 +149,24 @@ struct JsonGrammar::State {
   void dedup() {
     if (ends.size() < 2) return;
     State out;
+    std::unordered_set<std::string_view> kept;
     for (size_t i = 0; i < ends.size(); ++i) {
       const auto s = stack(i);
-      bool twin = false;
-      for (size_t j = 0; j < out.ends.size() && !twin; ++j) {
-        const auto t = out.stack(j);
-        twin = t.size() == s.size() && (s.empty() || std::memcmp(t.data(), s.data(), s.size() * sizeof(Frame)) == 0);
-      }
-      if (!twin) {
-        out.frames.insert(out.frames.end(), s.begin(), s.end());
-        out.ends.push_back(static_cast<uint32_t>(out.frames.size()));
-      }
+      if (!kept.emplace(reinterpret_cast<const char*>(s.data()), s.size() * sizeof(Frame)).second) continue;
+      out.frames.insert(out.frames.end(), s.begin(), s.end());
+      out.ends.push_back(static_cast<uint32_t>(out.frames.size()));
     }
     *this = std::move(out);
   }
 };
 
 namespace grammar {
+// An EBNF grammar's rules and terminals, added to `nodes`; returns its root rule. Throws
+// troupe::Error(invalid_argument) naming what is wrong (engine/ebnf.cpp).
+uint32_t compile_ebnf(std::string_view text, std::vector<JsonGrammar::Node>& nodes);
+// The frames a rule's frame needs (counting itself as 1) to read `elements` (the rest of
+// one of its alternatives): each goes above it, but a last one that is a rule takes its place.
+uint32_t sequence_need(const std::vector<JsonGrammar::Node>& nodes, std::span<const uint32_t> elements);
 // A bounded number's text, kept in its frame.
 void put_number_byte(JsonGrammar::Frame& f, uint32_t i, uint8_t c);
 std::string number_text(const JsonGrammar::Frame& f);

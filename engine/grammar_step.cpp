@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstdlib>
 
+#include "base/error.hpp"
+
 namespace troupe::engine {
 
 using namespace grammar;
@@ -98,7 +100,58 @@ void JsonGrammar::finish_child(std::vector<Frame>& s) const {
   } else if (p.kind == kArray) {
     ++p.a;
     p.sub = kArrAfterValue;
+  } else if (p.kind == kRule) {
+    ++p.b;
   }
+}
+
+// The top frame reads `rule` (the rest of its alternative empty when `tail`: the rule
+// takes its place, so that repeats keep the stack flat): one stack for each of the
+// rule's alternatives, each given byte c.
+void JsonGrammar::expand(std::vector<Frame>& s, uint32_t rule, bool tail, uint8_t c, State& out) const {
+  const auto& alts = nodes_[rule].alts;
+  for (size_t i = 0; i < alts.size(); ++i) {
+    std::vector<Frame> t = i + 1 == alts.size() ? std::move(s) : s;
+    Frame g;
+    g.node = rule;
+    g.kind = kRule;
+    g.a = static_cast<uint32_t>(i);
+    if (tail) {
+      t.back() = g;
+    } else {
+      if (t.size() >= kMaxDepth) continue;
+      t.push_back(g);
+    }
+    step(t, c, out);
+  }
+}
+
+// Whether a stack of EBNF rules can still read a whole text within kMaxDepth frames: a
+// stack that cannot is dropped as soon as it arises, so that no answer is led into
+// nesting it could not close.
+bool JsonGrammar::rules_fit(std::span<const Frame> stack) const {
+  for (size_t k = 0; k < stack.size(); ++k) {
+    const Frame& f = stack[k];
+    if (f.kind != kRule) continue;  // a terminal on top: its own frame
+    const auto& alt = nodes_[f.node].alts[f.a];
+    const size_t from = std::min<size_t>(f.b + (k + 1 < stack.size() ? 1 : 0), alt.size());
+    if (k + sequence_need(nodes_, std::span(alt).subspan(from)) > kMaxDepth) return false;
+  }
+  return true;
+}
+
+// Whether a stack of EBNF rules may end here: every frame's rest (past the element
+// being read, below the top) can be empty.
+bool JsonGrammar::rules_may_end(std::span<const Frame> stack) const {
+  for (size_t k = stack.size(); k-- > 0;) {
+    const Frame& f = stack[k];
+    if (f.kind != kRule) return false;  // inside a terminal
+    const auto& alt = nodes_[f.node].alts[f.a];
+    for (size_t j = f.b + (k + 1 < stack.size() ? 1 : 0); j < alt.size(); ++j) {
+      if (!nodes_[alt[j]].nullable) return false;
+    }
+  }
+  return true;
 }
 
 // Applies byte c to stack s (which it may change), adding every stack it leads to.
@@ -136,7 +189,9 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
               case Kind::integer: return c == '-' || is_digit(c);
               case Kind::literal:
                 return std::any_of(x.texts.begin(), x.texts.end(), [&](const std::string& t) { return static_cast<uint8_t>(t[0]) == c; });
-              case Kind::any_of: return true;
+              case Kind::any_of:
+              case Kind::rule:
+              case Kind::terminal: return true;  // (no JSON value is one)
             }
             return true;
           };
@@ -191,6 +246,8 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
           f.c = 0;
           f.ws = 0;
           return step(s, c, out);
+        case Kind::rule:
+        case Kind::terminal: return;  // only an ebnf_grammar() has them, read by kRule frames
       }
       return;
     }
@@ -426,6 +483,35 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
       if (dfa.accepting(d) && !dfa.extends(d)) finish_child(s);
       return out.push(s);
     }
+    case kRule: {
+      const auto& alt = n.alts[f.a];
+      if (f.b == alt.size()) {  // the rule is whole: the byte is its parent's
+        finish_child(s);
+        return step(s, c, out);
+      }
+      const uint32_t e = alt[f.b];
+      if (nodes_[e].kind == Kind::rule) return expand(s, e, f.b + 1 == alt.size(), c, out);
+      if (s.size() >= kMaxDepth) return;
+      Frame t;
+      t.node = e;
+      t.kind = kTerm;
+      t.d = nodes_[e].pattern->start();
+      s.push_back(t);
+      return step(s, c, out);
+    }
+    case kTerm: {
+      const ByteDfa& dfa = *n.pattern;
+      const uint32_t d = dfa.next(f.d, c);
+      if (d == ByteDfa::kDead) return;
+      f.d = d;
+      if (dfa.accepting(d)) {  // read whole: the parent goes on (and, where it could also go on, so may it)
+        std::vector<Frame> t = s;
+        finish_child(t);
+        out.push(t);
+        if (!dfa.extends(d)) return;
+      }
+      return out.push(s);
+    }
     case kLiteral:
     case kKey: {
       const auto& texts = f.kind == kKey ? n.names : n.texts;
@@ -475,13 +561,28 @@ void JsonGrammar::step_all(const State& in, uint8_t c, State& out) const {
     s.assign(st.begin(), st.end());
     step(s, c, out);
   }
+  if (nodes_[root_].kind == Kind::rule) {  // an ebnf_grammar(): only stacks that can still close
+    State kept;
+    for (size_t i = 0; i < out.stacks(); ++i) {
+      const auto st = out.stack(i);
+      if (st.empty() || rules_fit(st)) kept.push(std::vector<Frame>(st.begin(), st.end()));
+    }
+    out = std::move(kept);
+  }
   out.dedup();
+  if (out.stacks() > kMaxStacks) {
+    raise(ErrorCode::invalid_argument, "the grammar is too ambiguous to follow: over {} readings of the answer at once", kMaxStacks);
+  }
 }
 
 bool JsonGrammar::accepting(const State& s) const {
   for (size_t i = 0; i < s.stacks(); ++i) {
     const auto st = s.stack(i);
     if (st.empty()) return true;
+    if (st.back().kind == kRule || st.back().kind == kTerm) {
+      if (rules_may_end(st)) return true;
+      continue;
+    }
     if (st.size() != 1) continue;
     const Frame& f = st[0];
     if (f.kind == kNumber && number_whole(f.sub) && (!nodes_[f.node].bounded || in_range(nodes_[f.node], number_text(f)))) {
@@ -564,6 +665,14 @@ JsonMatcher::JsonMatcher(std::shared_ptr<JsonGrammar> grammar)
     : grammar_(std::move(grammar)), state_(std::make_unique<JsonGrammar::State>()), next_(std::make_unique<JsonGrammar::State>()) {
   JsonGrammar::Frame root;
   root.node = grammar_->root_;
+  if (grammar_->raw_ && grammar_->nodes_[root.node].kind == Kind::rule) {  // an ebnf_grammar(): root's alternatives
+    for (size_t i = 0; i < grammar_->nodes_[root.node].alts.size(); ++i) {
+      root.kind = kRule;
+      root.a = static_cast<uint32_t>(i);
+      state_->push({root});
+    }
+    return;
+  }
   if (grammar_->raw_ && grammar_->nodes_[root.node].pattern) {  // a regex_grammar(): its text from the first byte
     root.kind = kRaw;
     root.d = grammar_->nodes_[root.node].pattern->start();

@@ -395,6 +395,13 @@ constexpr size_t kMaxChoices = 1024;
 }  // namespace
 
 std::shared_ptr<JsonGrammar> JsonGrammar::compile(std::string_view schema) {
+  if (schema.starts_with(kEbnfTag)) {
+    std::shared_ptr<JsonGrammar> g(new JsonGrammar());
+    g->root_ = compile_ebnf(schema.substr(kEbnfTag.size()), g->nodes_);
+    g->raw_ = true;
+    for (auto& s : g->scratch_) s = std::make_unique<State>();
+    return g;
+  }
   if (schema.starts_with(kRegexTag)) {
     Node n;
     n.kind = Kind::string;

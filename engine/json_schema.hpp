@@ -81,9 +81,15 @@ inline std::string choice_grammar(const std::vector<std::string>& texts) {
 inline constexpr std::string_view kRegexTag{"\0regex  ", 8};
 inline std::string regex_grammar(std::string_view pattern) { return std::string(kRegexTag) + std::string(pattern); }
 
+// A grammar text for SamplingParams::json_schema whose answer is a text an EBNF grammar
+// derives from its rule `root` (vLLM's guided_grammar, SGLang's ebnf; GBNF syntax:
+// engine/ebnf.cpp).
+inline constexpr std::string_view kEbnfTag{"\0ebnf   ", 8};
+inline std::string ebnf_grammar(std::string_view text) { return std::string(kEbnfTag) + std::string(text); }
+
 class JsonGrammar {
  public:
-  // `schema`: a JSON Schema, a choice_grammar() or a regex_grammar(). Throws troupe::Error(invalid_argument)
+  // `schema`: a JSON Schema, a choice_grammar(), regex_grammar() or ebnf_grammar(). Throws troupe::Error(invalid_argument)
   // for text that is not JSON, a schema that matches nothing, or a keyword this grammar
   // does not hold (the message names it and its JSON pointer).
   static std::shared_ptr<JsonGrammar> compile(std::string_view schema);
@@ -99,12 +105,15 @@ class JsonGrammar {
   void step_all(const State& in, uint8_t c, State& out) const;
   void step(std::vector<Frame>& s, uint8_t c, State& out) const;
   void finish_child(std::vector<Frame>& s) const;
+  void expand(std::vector<Frame>& s, uint32_t rule, bool tail, uint8_t c, State& out) const;
+  bool rules_may_end(std::span<const Frame> stack) const;
+  bool rules_fit(std::span<const Frame> stack) const;
   bool accepting(const State& s) const;
   const TokenMask& mask(const State& s, const TokenVocabulary& vocab);
 
   std::vector<Node> nodes_;
   uint32_t root_ = 0;
-  bool raw_ = false;  // a choice_grammar() or regex_grammar(): the root is its text from the first byte, no whitespace before
+  bool raw_ = false;  // a choice_grammar(), regex_grammar() or ebnf_grammar(): the root is its text from the first byte, no whitespace before
   // Masks by state (the state's frames as bytes), for one vocabulary.
   const TokenVocabulary* mask_vocab_ = nullptr;
   std::unordered_map<std::string, TokenMask> masks_;

@@ -475,7 +475,11 @@ std::optional<std::string> Engine::schema_mask(Seq& s, TokenMask& allowed) {
     return std::string();
   }
   const auto& eos = model_.config().eos_token_ids;
-  allowed = s.matcher->allowed(*options_.vocabulary);
+  try {
+    allowed = s.matcher->allowed(*options_.vocabulary);
+  } catch (const Error& e) {  // an EBNF grammar too ambiguous to follow on
+    return std::string(e.what());
+  }
   allowed.resize(std::max(allowed.size(), static_cast<size_t>(model_.config().vocab_size + 63) / 64), 0);
   if (s.matcher->may_end() && !p.ignore_eos && s.generated >= p.min_tokens) {
     for (int64_t e : eos) {

@@ -45,6 +45,10 @@ struct SamplingParams {
   # whole (ECMAScript syntax; what troupe holds: engine/regex.hpp; vLLM's guided_regex).
   # Empty = none; not together with jsonSchema.
   regex @11 :Text;
+  # Structured output, raw text: the answer is a text this EBNF grammar derives from its
+  # rule `root` (GBNF syntax, engine/ebnf.cpp; vLLM's guided_grammar). Empty = none; at
+  # most one of jsonSchema, regex and ebnf.
+  ebnf @12 :Text;
 }
 
 struct LogitBias {

@@ -635,7 +635,7 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
   f.api = api;
   f.responder = origin.responder;
   f.frames = origin.frames;
-  f.decoder = std::make_unique<tokenizer::StreamDecoder>(*st.tok);
+  f.decoder = std::make_unique<tokenizer::StreamDecoder>(*st.tok, tokenizer::DecodeOptions{.skip_special = api.sampling.skip_special_tokens});
   f.stops = std::make_unique<tokenizer::StopStrings>(api.sampling.stop);
   if (api.uses_tools()) {
     std::string forced;
@@ -835,9 +835,14 @@ std::variant<ApiRequest, ApiError> from_frame(const messages::Frame& frame, cons
   s.min_p = mp;
   s.json_schema = messages::text(sp.getJsonSchema());
   if (sp.getRegex().size() > 0) {
-    if (!s.json_schema.empty()) return bad("regex", "give either sampling.regex or sampling.jsonSchema, not both");
+    if (!s.json_schema.empty()) return bad("regex", "give one of sampling.jsonSchema, sampling.regex and sampling.ebnf");
     s.json_schema = engine::regex_grammar(messages::text(sp.getRegex()));
     s.grammar_param = "regex";
+  }
+  if (sp.getEbnf().size() > 0) {
+    if (!s.json_schema.empty()) return bad("ebnf", "give one of sampling.jsonSchema, sampling.regex and sampling.ebnf");
+    s.json_schema = engine::ebnf_grammar(messages::text(sp.getEbnf()));
+    s.grammar_param = "ebnf";
   }
   s.repetition_penalty = rp;
   s.frequency_penalty = fp;

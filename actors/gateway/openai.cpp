@@ -290,6 +290,7 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
   }
   f.integer("min_tokens", [&](int64_t v) { s.min_tokens = v; }, 0, int64_t{1} << 40);
   f.boolean("ignore_eos", s.ignore_eos);
+  f.boolean("skip_special_tokens", s.skip_special_tokens);
   constexpr double kPen = engine::kMaxAbsPenalty, kBias = engine::kMaxAbsLogitBias;
   f.number("frequency_penalty", [&](double v) { s.frequency_penalty = static_cast<float>(v); }, -kPen, kPen);
   f.number("presence_penalty", [&](double v) { s.presence_penalty = static_cast<float>(v); }, -kPen, kPen);
@@ -403,13 +404,19 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
     s.json_schema = engine::choice_grammar(texts);
     s.grammar_param = "guided_choice";
   }
-  for (const char* key : {"guided_regex", "regex"}) {  // vLLM's and SGLang's: the answer is a text the pattern matches whole
+  // vLLM's guided_regex and guided_grammar, SGLang's regex and ebnf: the answer is a text
+  // the pattern matches whole, or that the EBNF grammar derives from its rule root.
+  for (const char* key : {"guided_regex", "regex", "guided_grammar", "ebnf"}) {
     if (!j.contains(key) || j[key].is_null()) continue;
     if (!s.json_schema.empty()) {
-      return bad(key, "give one of 'guided_regex' (or 'regex'), 'guided_choice', 'guided_json' or a json 'response_format'");
+      return bad(key, "give one of 'guided_regex' (or 'regex'), 'guided_grammar' (or 'ebnf'), 'guided_choice', "
+                      "'guided_json' or a json 'response_format'");
     }
-    if (!j[key].is_string() || j[key].get<std::string>().empty()) return bad(key, fmt::format("'{}' must be a non-empty string (a regular expression)", key));
-    s.json_schema = engine::regex_grammar(j[key].get<std::string>());
+    const bool regex = std::string_view(key).ends_with("regex");
+    if (!j[key].is_string() || j[key].get<std::string>().empty()) {
+      return bad(key, fmt::format("'{}' must be a non-empty string ({})", key, regex ? "a regular expression" : "an EBNF grammar"));
+    }
+    s.json_schema = regex ? engine::regex_grammar(j[key].get<std::string>()) : engine::ebnf_grammar(j[key].get<std::string>());
     s.grammar_param = key;
   }
   if (!s.json_schema.empty() && r.uses_tools() && r.tool_choice.mode == ToolChoice::required) {

@@ -26,6 +26,9 @@ struct SamplingSpec {
   std::vector<std::string> stop;      // stop strings (not included in the output)
   std::vector<int32_t> stop_token_ids;
   bool ignore_eos = false;
+  // vLLM's: the answer's text leaves out special tokens (an EOS that ended it, BOS, padding;
+  // not the chat and tool markers, which DeepSeek's tokenizer does not mark special).
+  bool skip_special_tokens = true;
   float repetition_penalty = 1.0f;    // vLLM / SGLang extension; 1: off
   float frequency_penalty = 0.0f;     // OpenAI, [-2, 2]
   float presence_penalty = 0.0f;      // OpenAI, [-2, 2]
@@ -33,7 +36,8 @@ struct SamplingSpec {
   // The answer is JSON under this JSON Schema (engine::SamplingParams::json_schema):
   // response_format json_object ({"type": "object"}) or json_schema, vLLM's guided_json;
   // or one of vLLM's guided_choice texts (engine::choice_grammar), or a text vLLM's
-  // guided_regex / SGLang's regex matches (engine::regex_grammar). Empty: free text.
+  // guided_regex / SGLang's regex matches (engine::regex_grammar), or one vLLM's
+  // guided_grammar / SGLang's ebnf derives (engine::ebnf_grammar). Empty: free text.
   // Compiled (and refused with a 400 naming grammar_param) at admission.
   std::string json_schema;
   std::string grammar_param = "response_format";

@@ -106,6 +106,7 @@ Command add_client(CLI::App& app) {
                   "an object)");
   gen->add_option("--regex", o->gen.regex,
                   "the answer is a text this regular expression (ECMAScript syntax) matches whole");
+  gen->add_option("--ebnf", o->gen.ebnf, "the answer is a text this EBNF grammar (GBNF syntax) derives from its rule root");
   gen->add_option("--seed", o->seed, "sampling seed");
   gen->add_option("--repetition-penalty", o->gen.repetition_penalty, "> 0; 1 = off");
   gen->add_option("--frequency-penalty", o->gen.frequency_penalty, "-2 .. 2; 0 = off");

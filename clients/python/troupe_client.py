@@ -135,7 +135,7 @@ class Client:
     def submit(self, text=None, token_ids=None, chat=None, model="", max_tokens=16, min_tokens=0, temperature=1.0,
                top_p=1.0, top_k=0, seed=None, stop=(), stop_token_ids=(), ignore_eos=False, return_token_ids=False,
                priority=0, deadline_unix_nanos=0, user="", repetition_penalty=1.0, frequency_penalty=0.0,
-               presence_penalty=0.0, logit_bias=None, min_p=0.0, json_schema=None, regex=None) -> int:
+               presence_penalty=0.0, logit_bias=None, min_p=0.0, json_schema=None, regex=None, ebnf=None) -> int:
         g = self.schemas["generate"].GenerateRequest.new_message()
         g.model = model
         if token_ids is not None:
@@ -152,6 +152,8 @@ class Client:
             g.sampling.jsonSchema = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
         if regex is not None:  # the answer is a text this regular expression matches whole
             g.sampling.regex = regex
+        if ebnf is not None:  # the answer is a text this EBNF grammar derives from its rule root
+            g.sampling.ebnf = ebnf
         if seed is not None:
             g.sampling.seed.value = seed
         g.sampling.repetitionPenalty = repetition_penalty

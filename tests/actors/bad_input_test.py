@@ -111,6 +111,8 @@ def test_wrong_types_name_the_parameter():
              ({"guided_choice": []}, "guided_choice"), ({"guided_choice": ["a", ""]}, "guided_choice"),
              ({"guided_choice": "a"}, "guided_choice"), ({"guided_choice": ["a"], "guided_json": {}}, "guided_choice"),
              ({"guided_regex": "(a"}, "guided_regex"), ({"guided_regex": 5}, "guided_regex"), ({"regex": "[b-a]"}, "regex"),
+             ({"guided_grammar": "root ::= ("}, "guided_grammar"), ({"ebnf": ["x"]}, "ebnf"),
+             ({"ebnf": "root ::= \"a\"", "regex": "a"}, "ebnf"),
 
              ({"response_format": "json"}, "response_format")]
     for patch, param in cases:

@@ -142,6 +142,11 @@ def test_json_schema_matches_http():
         assert out["text"] == b["choices"][0]["text"] and re.fullmatch(pattern, out["text"]), (out, b)
         expect_error(lambda: c.generate(text="x", regex="a{3,1}", max_tokens=2), "invalidArgument", "m below n")
         expect_error(lambda: c.generate(text="x", regex="a", json_schema={}, max_tokens=2), "invalidArgument", "regex")
+        # sampling.ebnf: a text the grammar derives; a bad grammar is named.
+        grammar = 'root ::= word (" " word){0,2}\nword ::= [a-z]{1,5}'
+        out = c.generate(text="state:", max_tokens=30, temperature=0.0, ebnf=grammar)
+        assert out["finish_reason"] == "stop" and re.fullmatch(r"[a-z]{1,5}( [a-z]{1,5}){0,2}", out["text"]), out
+        expect_error(lambda: c.generate(text="x", ebnf="root ::= (", max_tokens=2), "invalidArgument", "unclosed")
 
 
 def test_list_models():

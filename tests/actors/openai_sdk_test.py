@@ -632,6 +632,15 @@ def test_structured_output():
     c = client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=1.0, seed=3,
                                          extra_body=dict(guided_regex=pattern)).choices[0]
     assert re.fullmatch(pattern, c.message.content) and c.finish_reason == "stop", c
+    # vLLM's guided_grammar / SGLang's ebnf: a text the grammar derives (here a sum of products,
+    # checked by Python's own reading of it: balanced, digits and operators only).
+    grammar = ('root ::= expr\nexpr ::= term (("+" | "-") term){0,3}\nterm ::= [1-9] ("*" [1-9])? | "(" inner ")"\n'
+               'inner ::= [1-9] (("+" | "-") [1-9]){0,3}  # bounded: the random model would nest for ever')
+    for seed, key in ((0, "guided_grammar"), (1, "ebnf"), (2, "guided_grammar")):
+        c = client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=60, temperature=1.0 if seed else 0,
+                                        seed=seed, extra_body={key: grammar}).choices[0]
+        assert c.finish_reason == "stop" and re.fullmatch(r"[0-9+\-*()]+", c.text), c
+        assert isinstance(eval(c.text, {"__builtins__": {}}), int), c.text  # (a sum of digits: safe to evaluate)
     for seed in range(2):
         r = client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=300, temperature=1.0, seed=seed,
                                              response_format={"type": "json_object"}).choices[0]
@@ -652,6 +661,8 @@ def test_structured_output():
                                ({"regex": "a\\1"}, "regex", "backreferences"),
                                ({"guided_regex": ""}, "guided_regex", "non-empty string"),
                                ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex", "give one of"),
+                               ({"guided_grammar": "root ::= x"}, "guided_grammar", "'x' is used but not defined"),
+                               ({"ebnf": "root ::= root \"a\" | \"b\""}, "ebnf", "left recursion"),
                                ({"guided_json": {"type": "string", "pattern": "[0-9]{5}", "maxLength": 4}}, "guided_json",
                                 "no text of at most 4 characters")):
         status, e = s.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, **body})

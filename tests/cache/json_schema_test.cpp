@@ -354,6 +354,190 @@ TEST(JsonSchema, a_regex_grammar_takes_the_texts_it_matches_whole) {
   expect_masks_exact(g, vocab, {"", "1", "123", "123-", "123-ab", "123-ab (", "123-ab (x"});
 }
 
+TEST(Ebnf, takes_what_the_grammar_derives) {
+  const std::string arith = ebnf_grammar(R"G(
+    # arithmetic, over two lines for the sum
+    root ::= expr
+    expr ::= term ([+-] term)*
+    term ::= factor ("*" factor)*
+    factor ::= [0-9]+ | "(" expr ")" | "-" factor
+  )G");
+  for (const char* t : {"1", "12+3", "2*(3+4)", "-(1)*2-3", "((((7))))"}) EXPECT_TRUE(takes(arith, t)) << t;
+  for (const char* t : {"", "1+", "(1", "1)", "1 + 2", "+1", "2**3"}) EXPECT_FALSE(takes(arith, t)) << t;
+  const std::string list = ebnf_grammar(
+      "root ::= \"[\" (item (\", \" item){0,2})? \"]\"\nitem ::= '\"' [^\"\\\\]{1,3} '\"' | \"caf\\u00e9\" | .\n");
+  for (const char* t : {"[]", "[\"a\"]", "[\"abc\", \"x\", caf\xC3\xA9]", "[\xE2\x82\xAC]", "[\"\xC3\xA9\"]"}) {
+    EXPECT_TRUE(takes(list, t)) << t;
+  }
+  for (const char* t : {"[\"abcd\"]", "[\"\"]", "[\"a\", \"b\", \"c\", \"d\"]", "[ab]", "[\"a\\\"]"}) {
+    EXPECT_FALSE(takes(list, t)) << t;
+  }
+  JsonMatcher m(JsonGrammar::compile(arith));
+  ASSERT_TRUE(m.feed("(1"));
+  EXPECT_FALSE(m.may_end());
+  ASSERT_TRUE(m.feed(")"));
+  EXPECT_TRUE(m.may_end());
+  std::vector<std::string> bytes = {"1", "12", "+", "+(", "(", ")", ")*", "*", "-", "3)", " ", "a", "+1", "1+"};
+  const TokenVocabulary vocab(bytes);
+  expect_masks_exact(arith, vocab, {"", "1", "(", "((", "2*(3+", "-", "(7"});
+}
+
+// The same language written as a regular expression and as EBNF, from one random tree.
+struct TwoWays {
+  std::string regex, ebnf;
+};
+TwoWays random_language(std::mt19937_64& rng, int depth) {
+  auto pick = [&](int n) { return static_cast<int>(rng() % static_cast<uint64_t>(n)); };
+  switch (depth <= 0 ? pick(2) : pick(7)) {
+    case 0: {
+      const char* const lit[] = {"a", "b", "ab", "c"};
+      const std::string t = lit[pick(4)];
+      return {"(?:" + t + ")", "\"" + t + "\""};
+    }
+    case 1: {
+      const char* const cls[] = {"[ab]", "[^a]", "[a-c]"};
+      const std::string t = cls[pick(3)];
+      return {t, t};
+    }
+    case 2: {
+      const auto x = random_language(rng, depth - 1), y = random_language(rng, depth - 1);
+      return {"(?:" + x.regex + "|" + y.regex + ")", "(" + x.ebnf + " | " + y.ebnf + ")"};
+    }
+    case 3: {
+      const auto x = random_language(rng, depth - 1), y = random_language(rng, depth - 1);
+      return {x.regex + y.regex, x.ebnf + " " + y.ebnf};
+    }
+    default: {
+      const char* const q[] = {"*", "+", "?", "{2}", "{0,2}", "{1,}"};
+      const std::string k = q[pick(6)];
+      const auto x = random_language(rng, depth - 1);
+      return {"(?:" + x.regex + ")" + k, "(" + x.ebnf + ")" + k};
+    }
+  }
+}
+
+TEST(Ebnf, agrees_with_the_same_language_as_a_regular_expression) {
+  std::mt19937_64 rng(9);
+  std::vector<std::string> texts = {""};
+  for (size_t from = 0, len = 0; len < 5; ++len) {  // every text of up to 5 bytes over a, b, c, d
+    const size_t to = texts.size();
+    for (size_t i = from; i < to; ++i) {
+      for (char c : std::string("abcd")) texts.push_back(texts[i] + c);
+    }
+    from = to;
+  }
+  int grammars = 0;
+  for (int i = 0; i < 120; ++i) {
+    const auto l = random_language(rng, 3);
+    std::shared_ptr<JsonGrammar> g;
+    try {
+      g = JsonGrammar::compile(ebnf_grammar("root ::= " + l.ebnf));
+    } catch (const Error& e) {
+      // (x?)* and the like: a repeat of something that can be empty
+      ASSERT_NE(std::string(e.what()).find("can be empty"), std::string::npos) << l.ebnf << ": " << e.what();
+      continue;
+    }
+    ++grammars;
+    const std::regex re(l.regex);
+    for (const auto& t : texts) {
+      JsonMatcher m(g);
+      ASSERT_EQ(m.feed(t) && m.may_end(), std::regex_match(t, re)) << l.ebnf << " on '" << t << "'";
+    }
+  }
+  EXPECT_GT(grammars, 80);
+}
+
+TEST(Ebnf, a_grammar_that_no_regular_expression_holds) {
+  const auto g = JsonGrammar::compile(ebnf_grammar("root ::= \"(\" root \")\" root | \"\""));
+  for (int n = 0; n < (1 << 10); ++n) {  // every text of ( and ) up to 10 long
+    for (int len = 0; len <= 10; ++len) {
+      if (n >= (1 << len)) continue;
+      std::string t;
+      int open = 0;
+      bool ok = true;
+      for (int k = 0; k < len; ++k) {
+        t.push_back(n >> k & 1 ? ')' : '(');
+        open += t.back() == '(' ? 1 : -1;
+        ok = ok && open >= 0;
+      }
+      ok = ok && open == 0;
+      JsonMatcher m(g);
+      ASSERT_EQ(m.feed(t) && m.may_end(), ok) << t;
+    }
+  }
+}
+
+TEST(Ebnf, nesting_never_strands_an_answer) {
+  // Walks that favour '(' run into the 32-frame bound: before it, the matcher stops
+  // taking what it could not close; at every place some byte may follow or it may end.
+  const auto g = JsonGrammar::compile(ebnf_grammar(
+      "root ::= expr\nexpr ::= term ((\"+\" | \"-\") term)*\nterm ::= [0-9] | \"(\" expr \")\" | \"[\" expr (\",\" expr)* \"]\""));
+  std::mt19937_64 rng(4);
+  int deep = 0;
+  for (int w = 0; w < 60; ++w) {
+    JsonMatcher m(g);
+    std::string text;
+    int depth = 0, most = 0;
+    while (text.size() < 400) {
+      std::vector<uint8_t> ok;
+      for (int c = 0; c < 256; ++c) {
+        JsonMatcher t = m;
+        if (t.feed(std::string(1, static_cast<char>(c)))) ok.push_back(static_cast<uint8_t>(c));
+      }
+      if (ok.empty()) {
+        ASSERT_TRUE(m.may_end()) << "stranded after " << text;
+        break;
+      }
+      const bool opens = std::find(ok.begin(), ok.end(), '(') != ok.end() && text.size() < 200 && rng() % 4 != 0;
+      const uint8_t c = opens ? '(' : ok[rng() % ok.size()];
+      depth += c == '(' || c == '[' ? 1 : c == ')' || c == ']' ? -1 : 0;
+      most = std::max(most, depth);
+      text.push_back(static_cast<char>(c));
+      ASSERT_TRUE(m.feed(text.substr(text.size() - 1)));
+    }
+    deep += most >= 8;
+  }
+  EXPECT_GT(deep, 30);  // the walks did reach the bound's neighbourhood
+}
+
+TEST(Ebnf, an_answer_with_too_many_readings_is_an_error_not_a_stall) {
+  // After n x's, 2^n ways to close them: past 1,024 at once the matcher says so.
+  JsonMatcher m(JsonGrammar::compile(ebnf_grammar("root ::= s\ns ::= \"x\" s \"y\" | \"x\" s \"z\" | \"\"")));
+  ASSERT_TRUE(m.feed("xxxxxxxxxx"));  // 1,024
+  try {
+    m.feed("x");
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("too ambiguous"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Ebnf, refuses_what_it_cannot_read_naming_it) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"root ::= x", "the rule 'x' is used but not defined"},
+      {"start ::= \"a\"", "no rule 'root'"},
+      {"root ::= root \"a\" | \"a\"", "'root' reaches itself before reading a byte"},
+      {"root ::= a | \"z\"\na ::= b? root\nb ::= \"x\"", "reaches itself"},
+      {"root ::= \"a\" root", "derives no text"},
+      {"b ::= \"x\"\nroot ::= (b?)*", "can be empty"},
+      {"root ::= \"a", "line 1: an unclosed string"},
+      {"root ::= \"a\"\n\nroot ::= \"b\"", "line 3: the rule 'root' is defined twice"},
+      {"root = \"a\"", "'::='"},
+      {"root ::= \"a\"{3,1}", "n below m"},
+      {"root ::= [b-a]", "out of order"},
+      {"root ::= (\"a\"", "unclosed '('"},
+  };
+  for (const auto& [text, why] : cases) {
+    try {
+      JsonGrammar::compile(ebnf_grammar(text));
+      ADD_FAILURE() << text << " compiled";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << text << ": " << e.what();
+    }
+  }
+}
+
 TEST(JsonSchema, refuses_what_it_does_not_hold) {
   const std::pair<const char*, const char*> cases[] = {
       {"not json", "not JSON"},

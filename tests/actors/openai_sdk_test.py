@@ -675,6 +675,18 @@ def test_structured_output():
     assert s.get("/health")[0] == 200
 
 
+def test_special_tokens_are_left_out_of_the_text():
+    """An answer the model ends with EOS (here: once the grammar's one text is written, EOS is all it may
+    sample) has no '<｜end▁of▁sentence｜>' in its text, vLLM's default; skip_special_tokens false keeps it."""
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0)
+    c = client().completions.create(**kw, extra_body=dict(guided_grammar='root ::= "ok"', return_token_ids=True)).choices[0]
+    assert c.text == "ok" and c.finish_reason == "stop" and extra(c, "token_ids")[-1] == 1, c
+    c = client().completions.create(**kw, extra_body=dict(guided_grammar='root ::= "ok"', skip_special_tokens=False)).choices[0]
+    assert c.text == "ok<｜end▁of▁sentence｜>" and c.finish_reason == "stop", c
+    status, e = srv().post("/v1/completions", dict(kw, skip_special_tokens="no"))
+    assert status == 400 and e["error"]["param"] == "skip_special_tokens", e
+
+
 def test_min_tokens_holds_back_stop_ids():
     g = extra(greedy(n=10).choices[0], "token_ids")
     k = next(i for i in range(2, 8) if g[i] not in g[:i])

@@ -13,7 +13,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <functional>
 #include <map>
 #include <set>
 
@@ -26,6 +25,7 @@ namespace {
 
 constexpr size_t kMaxNodes = 20'000;
 constexpr int kMaxRepeat = 256;
+constexpr int kMaxGroupNesting = 128;
 
 using Node = JsonGrammar::Node;
 
@@ -215,7 +215,9 @@ class EbnfParser {
     }
     if (c == '(') {
       ++i_;
+      if (++depth_ > kMaxGroupNesting) fail(at, fmt::format("groups nest deeper than {}", kMaxGroupNesting));
       auto alts = alternatives();
+      --depth_;
       skip();
       if (i_ >= t_.size() || t_[i_] != ')') fail(at, "an unclosed '('");
       ++i_;
@@ -287,6 +289,7 @@ class EbnfParser {
   std::vector<Node>& nodes_;
   std::map<std::string, uint32_t> ids_;
   std::set<std::string> defined_;
+  int depth_ = 0;  // groups open
 };
 
 }  // namespace
@@ -349,24 +352,44 @@ uint32_t compile_ebnf(std::string_view text, std::vector<Node>& nodes) {
     raise(ErrorCode::invalid_argument, "grammar: the shortest text nests deeper than {} levels", kMaxDepth);
   }
   std::vector<uint8_t> mark(nodes.size(), 0);  // 0 unvisited, 1 on the path, 2 done
-  std::function<void(uint32_t)> visit = [&](uint32_t r) {
-    mark[r] = 1;
-    for (const auto& alt : nodes[r].alts) {
-      for (uint32_t e : alt) {
-        if (nodes[e].kind == Kind::rule) {
-          if (mark[e] == 1) {
-            raise(ErrorCode::invalid_argument, "grammar: the rule '{}' reaches itself before reading a byte (left recursion)",
-                  nodes[e].names[0]);
-          }
-          if (mark[e] == 0) visit(e);
-        }
-        if (!nodes[e].nullable) break;
+  struct Visit {
+    uint32_t rule;
+    size_t alt = 0, element = 0;
+  };
+  for (size_t i = first; i < nodes.size(); ++i) {  // depth first, on a stack of its own (grammars can be long)
+    if (nodes[i].kind != Kind::rule || mark[i] != 0) continue;
+    std::vector<Visit> path{{static_cast<uint32_t>(i)}};
+    mark[i] = 1;
+    while (!path.empty()) {
+      Visit& v = path.back();
+      const auto& alts = nodes[v.rule].alts;
+      if (v.alt == alts.size()) {
+        mark[v.rule] = 2;
+        path.pop_back();
+        continue;
+      }
+      if (v.element == alts[v.alt].size()) {
+        ++v.alt;
+        v.element = 0;
+        continue;
+      }
+      const uint32_t e = alts[v.alt][v.element];
+      if (nodes[e].nullable) {  // the rule can start with what follows e too
+        ++v.element;
+      } else {
+        ++v.alt;
+        v.element = 0;
+      }
+      if (nodes[e].kind != Kind::rule) continue;
+      if (mark[e] == 1) {
+        raise(ErrorCode::invalid_argument, "grammar: the rule '{}' reaches itself before reading a byte (left recursion)",
+              nodes[e].names[0]);
+      }
+      if (mark[e] == 0) {
+        mark[e] = 1;
+        path.push_back({e});
       }
     }
-    mark[r] = 2;
-  };
-  for (size_t i = first; i < nodes.size(); ++i) {
-    if (nodes[i].kind == Kind::rule && mark[i] == 0) visit(static_cast<uint32_t>(i));
   }
   return root;
 }

@@ -19,6 +19,7 @@ namespace {
 constexpr uint32_t kMaxCodePoint = 0x10FFFF;
 constexpr size_t kMaxNfaStates = 200'000;
 constexpr int kMaxRepeat = 1000;
+constexpr int kMaxGroupNesting = 128;
 
 // Code point ranges, inclusive.
 using Ranges = std::vector<std::pair<uint32_t, uint32_t>>;
@@ -267,7 +268,9 @@ class Parser {
         } else if (ahead("?")) {
           fail("an unknown group form '(?'");
         }
+        if (++depth_ > kMaxGroupNesting) fail(fmt::format("groups nest deeper than {}", kMaxGroupNesting));
         Re r = alternation();
+        --depth_;
         if (at_end() || peek() != ')') fail("an unclosed '('");
         ++i_;
         return r;
@@ -456,6 +459,7 @@ class Parser {
 
   std::string_view p_;
   size_t i_ = 0;
+  int depth_ = 0;  // groups open
 };
 
 // ---- automata -------------------------------------------------------------------------

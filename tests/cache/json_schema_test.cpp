@@ -513,7 +513,7 @@ TEST(Ebnf, an_answer_with_too_many_readings_is_an_error_not_a_stall) {
 }
 
 TEST(Ebnf, refuses_what_it_cannot_read_naming_it) {
-  const std::pair<const char*, const char*> cases[] = {
+  const std::pair<std::string, const char*> cases[] = {
       {"root ::= x", "the rule 'x' is used but not defined"},
       {"start ::= \"a\"", "no rule 'root'"},
       {"root ::= root \"a\" | \"a\"", "'root' reaches itself before reading a byte"},
@@ -526,6 +526,7 @@ TEST(Ebnf, refuses_what_it_cannot_read_naming_it) {
       {"root ::= \"a\"{3,1}", "n below m"},
       {"root ::= [b-a]", "out of order"},
       {"root ::= (\"a\"", "unclosed '('"},
+      {"root ::= " + std::string(100000, '(') + "\"a\"" + std::string(100000, ')'), "groups nest deeper than 128"},
   };
   for (const auto& [text, why] : cases) {
     try {

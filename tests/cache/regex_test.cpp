@@ -177,6 +177,7 @@ TEST(Regex, refuses_what_it_does_not_hold) {
       {"(?x)", "unknown group"},
       {"(a|b)*a(a|b){16}", "more than 8192"},
       {"((a{1000}){1000}){100}", "too large"},
+      {"(((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((a", "nest deeper than 128"},
   };
   for (const auto& [p, why] : cases) {
     try {
@@ -188,6 +189,7 @@ TEST(Regex, refuses_what_it_does_not_hold) {
     }
   }
   EXPECT_NO_THROW(ByteDfa::compile("a{1000}", ByteDfa::Mode::whole));
+  EXPECT_THROW(ByteDfa::compile(std::string(200000, '(') + "a" + std::string(200000, ')'), ByteDfa::Mode::whole), Error);  // no stack overflow
 }
 
 }  // namespace

@@ -376,9 +376,41 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
                                         escape_for_error(type) + "'");
     }
   }
-  if (j.contains("guided_json") && !j["guided_json"].is_null()) {  // vLLM's
+  // vLLM's structured_outputs {json, regex, choice, grammar, json_object}: its guided_* fields by other names.
+  json merged;
+  const json* gp = &j;
+  if (j.contains("structured_outputs") && !j["structured_outputs"].is_null()) {
+    const auto& so = j["structured_outputs"];
+    if (!so.is_object()) return bad("structured_outputs", "'structured_outputs' must be an object");
+    merged = j;
+    for (const auto& [k, v] : so.items()) {
+      if (v.is_null()) continue;
+      if (k == "json_object") {
+        if (!v.is_boolean()) return bad("structured_outputs", "'structured_outputs.json_object' must be true or false");
+        if (v.get<bool>()) {
+          if (!s.json_schema.empty()) return bad("structured_outputs", "give either structured_outputs or a json 'response_format'");
+          s.json_schema = R"({"type": "object"})";
+        }
+        continue;
+      }
+      static const std::pair<const char*, const char*> kNames[] = {
+          {"json", "guided_json"}, {"regex", "guided_regex"}, {"choice", "guided_choice"}, {"grammar", "guided_grammar"}};
+      const auto* name = std::find_if(std::begin(kNames), std::end(kNames), [&](const auto& n) { return k == n.first; });
+      if (name == std::end(kNames)) {
+        return bad("structured_outputs", "'structured_outputs." + escape_for_error(k) +
+                                             "' is not supported (json, regex, choice, grammar and json_object are)");
+      }
+      if (j.contains(name->second) && !j[name->second].is_null()) {
+        return bad("structured_outputs", fmt::format("give either structured_outputs.{} or {}, not both", k, name->second));
+      }
+      merged[name->second] = v;
+    }
+    gp = &merged;
+  }
+  const json& src = *gp;
+  if (src.contains("guided_json") && !src["guided_json"].is_null()) {  // vLLM's
     if (!s.json_schema.empty()) return bad("guided_json", "give either 'guided_json' or a json 'response_format', not both");
-    const auto& g = j["guided_json"];
+    const auto& g = src["guided_json"];
     if (g.is_string()) {
       s.json_schema = g.get<std::string>();
       s.grammar_param = "guided_json";
@@ -392,9 +424,9 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
       return bad("guided_json", "'guided_json' must be a JSON Schema (an object or its text)");
     }
   }
-  if (j.contains("guided_choice") && !j["guided_choice"].is_null()) {  // vLLM's: the answer is one of these texts
+  if (src.contains("guided_choice") && !src["guided_choice"].is_null()) {  // vLLM's: the answer is one of these texts
     if (!s.json_schema.empty()) return bad("guided_choice", "give one of 'guided_choice', 'guided_json' or a json 'response_format'");
-    const auto& g = j["guided_choice"];
+    const auto& g = src["guided_choice"];
     if (!g.is_array() || g.empty() || g.size() > 1024) return bad("guided_choice", "'guided_choice' must be a list of 1 to 1024 strings");
     std::vector<std::string> texts;
     for (const auto& t : g) {
@@ -407,18 +439,19 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
   // vLLM's guided_regex and guided_grammar, SGLang's regex and ebnf: the answer is a text
   // the pattern matches whole, or that the EBNF grammar derives from its rule root.
   for (const char* key : {"guided_regex", "regex", "guided_grammar", "ebnf"}) {
-    if (!j.contains(key) || j[key].is_null()) continue;
+    if (!src.contains(key) || src[key].is_null()) continue;
     if (!s.json_schema.empty()) {
       return bad(key, "give one of 'guided_regex' (or 'regex'), 'guided_grammar' (or 'ebnf'), 'guided_choice', "
                       "'guided_json' or a json 'response_format'");
     }
     const bool regex = std::string_view(key).ends_with("regex");
-    if (!j[key].is_string() || j[key].get<std::string>().empty()) {
+    if (!src[key].is_string() || src[key].get<std::string>().empty()) {
       return bad(key, fmt::format("'{}' must be a non-empty string ({})", key, regex ? "a regular expression" : "an EBNF grammar"));
     }
-    s.json_schema = regex ? engine::regex_grammar(j[key].get<std::string>()) : engine::ebnf_grammar(j[key].get<std::string>());
+    s.json_schema = regex ? engine::regex_grammar(src[key].get<std::string>()) : engine::ebnf_grammar(src[key].get<std::string>());
     s.grammar_param = key;
   }
+  if (gp == &merged && !j.contains(s.grammar_param)) s.grammar_param = "structured_outputs";  // (compile errors name it)
   if (!s.json_schema.empty() && r.uses_tools() && r.tool_choice.mode == ToolChoice::required) {
     return bad("response_format", "a json response_format cannot be combined with tool_choice 'required' over several tools");
   }

@@ -632,6 +632,14 @@ def test_structured_output():
     c = client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=1.0, seed=3,
                                          extra_body=dict(guided_regex=pattern)).choices[0]
     assert re.fullmatch(pattern, c.message.content) and c.finish_reason == "stop", c
+    # vLLM's newer spelling, structured_outputs: the same answers as its guided_* fields.
+    for so, key in (({"regex": pattern}, "guided_regex"), ({"choice": choices}, "guided_choice"),
+                    ({"json": {"type": "array", "items": {"type": "integer"}, "maxItems": 3}}, "guided_json")):
+        a = client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0,
+                                        extra_body=dict(structured_outputs=so)).choices[0]
+        b = client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0,
+                                        extra_body={key: next(iter(so.values()))}).choices[0]
+        assert a.text == b.text and a.finish_reason == b.finish_reason == "stop", (so, a, b)
     # vLLM's guided_grammar / SGLang's ebnf: a text the grammar derives (here a sum of products,
     # checked by Python's own reading of it: balanced, digits and operators only).
     grammar = ('root ::= expr\nexpr ::= term (("+" | "-") term){0,3}\nterm ::= [1-9] ("*" [1-9])? | "(" inner ")"\n'
@@ -663,6 +671,10 @@ def test_structured_output():
                                ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex", "give one of"),
                                ({"guided_grammar": "root ::= x"}, "guided_grammar", "'x' is used but not defined"),
                                ({"ebnf": "root ::= root \"a\" | \"b\""}, "ebnf", "left recursion"),
+                               ({"structured_outputs": {"regex": "(?=a)"}}, "structured_outputs", "lookahead"),
+                               ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "not supported"),
+                               ({"structured_outputs": {"regex": "a"}, "guided_regex": "a"}, "structured_outputs", "not both"),
+                               ({"structured_outputs": "a"}, "structured_outputs", "an object"),
                                ({"guided_json": {"type": "string", "pattern": "[0-9]{5}", "maxLength": 4}}, "guided_json",
                                 "no text of at most 4 characters")):
         status, e = s.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, **body})

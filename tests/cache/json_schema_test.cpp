@@ -112,6 +112,18 @@ bool takes(const std::string& schema, const std::string& text) {
   return m.feed(text) && m.may_end();
 }
 
+// The bytes the matcher takes next, and of them those in `among`.
+std::pair<std::vector<uint8_t>, std::vector<uint8_t>> next_bytes(const JsonMatcher& m, std::string_view among) {
+  std::vector<uint8_t> ok, liked;
+  for (int c = 0; c < 256; ++c) {
+    JsonMatcher t = m;
+    if (!t.feed(std::string(1, static_cast<char>(c)))) continue;
+    ok.push_back(static_cast<uint8_t>(c));
+    if (among.find(static_cast<char>(c)) != std::string_view::npos) liked.push_back(static_cast<uint8_t>(c));
+  }
+  return {ok, liked};
+}
+
 const char* const kPerson = R"({
   "type": "object",
   "properties": {
@@ -308,13 +320,7 @@ TEST(JsonSchema, a_pattern_never_strands_an_answer) {
       JsonMatcher m(g);
       std::string text;
       while (!m.complete() && text.size() < 120) {
-        std::vector<uint8_t> ok, liked;
-        for (int c = 0; c < 256; ++c) {
-          JsonMatcher t = m;
-          if (!t.feed(std::string(1, static_cast<char>(c)))) continue;
-          ok.push_back(static_cast<uint8_t>(c));
-          if (favoured.find(static_cast<char>(c)) != std::string::npos) liked.push_back(static_cast<uint8_t>(c));
-        }
+        const auto [ok, liked] = next_bytes(m, favoured);
         if (ok.empty()) {
           ASSERT_TRUE(m.may_end()) << schema << " stranded after " << text;
           break;
@@ -479,16 +485,12 @@ TEST(Ebnf, nesting_never_strands_an_answer) {
     std::string text;
     int depth = 0, most = 0;
     while (text.size() < 400) {
-      std::vector<uint8_t> ok;
-      for (int c = 0; c < 256; ++c) {
-        JsonMatcher t = m;
-        if (t.feed(std::string(1, static_cast<char>(c)))) ok.push_back(static_cast<uint8_t>(c));
-      }
+      const auto [ok, opening] = next_bytes(m, "(");
       if (ok.empty()) {
         ASSERT_TRUE(m.may_end()) << "stranded after " << text;
         break;
       }
-      const bool opens = std::find(ok.begin(), ok.end(), '(') != ok.end() && text.size() < 200 && rng() % 4 != 0;
+      const bool opens = !opening.empty() && text.size() < 200 && rng() % 4 != 0;
       const uint8_t c = opens ? '(' : ok[rng() % ok.size()];
       depth += c == '(' || c == '[' ? 1 : c == ')' || c == ']' ? -1 : 0;
       most = std::max(most, depth);
@@ -581,13 +583,7 @@ std::string walk(const std::string& schema, std::mt19937_64& rng, size_t cap) {
   const std::string closers = "\"}],:0123456789tfn{[ ";
   while (text.size() < cap) {
     if (m.may_end() && (m.complete() || rng() % 4 == 0)) return text;
-    std::vector<uint8_t> ok, closing;
-    for (int c = 0; c < 256; ++c) {
-      JsonMatcher t = m;
-      if (!t.feed(std::string(1, static_cast<char>(c)))) continue;
-      ok.push_back(static_cast<uint8_t>(c));
-      if (closers.find(static_cast<char>(c)) != std::string::npos) closing.push_back(static_cast<uint8_t>(c));
-    }
+    const auto [ok, closing] = next_bytes(m, closers);
     if (ok.empty()) return {};  // stuck: fails below
     const auto& from = !closing.empty() && rng() % 3 != 0 ? closing : ok;
     const uint8_t c = from[rng() % from.size()];

@@ -59,6 +59,7 @@ struct JsonGrammar::Node {
   uint32_t extra = grammar::kNone;
   uint32_t items = grammar::kNone;                     // array: items past prefix_items (kNone: none)
   std::vector<uint32_t> prefix_items;         // array: the first items' own schemas
+  bool unique = false;                        // array: uniqueItems (its items one literal node; the frame's seen: those used)
   int64_t min_count = 0, max_count = -1;      // array items, string characters (-1: no bound)
   // number / integer: the value's range (JSON Schema's minimum / maximum and their
   // exclusive forms, as doubles: the value a reader parses from the text is compared).

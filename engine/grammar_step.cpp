@@ -100,6 +100,7 @@ void JsonGrammar::finish_child(std::vector<Frame>& s) const {
   } else if (p.kind == kArray) {
     ++p.a;
     p.sub = kArrAfterValue;
+    if (nodes_[p.node].unique && child.kind == kLiteral) p.seen |= uint64_t{1} << child.a;
   } else if (p.kind == kRule) {
     ++p.b;
   }
@@ -326,7 +327,9 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
           return step(s, c, out);
         case kArrAfterValue:
           if (is_ws(c)) return whitespace();
-          if (c == ',' && item(f.a) != kNone) {
+          const bool spent = n.unique && n.items != kNone &&
+                             static_cast<size_t>(__builtin_popcountll(f.seen)) >= nodes_[n.items].texts.size();
+          if (c == ',' && item(f.a) != kNone && !spent) {  // (uniqueItems: while a value is left)
             f.sub = kArrNext;
             f.ws = 0;
             return out.push(s);
@@ -536,7 +539,16 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
         if (texts[lo].size() == pos + 1) finish_child(s);  // the closing quote: the key is read
         return out.push(s);
       }
-      if (lo < hi) {  // the byte is the literal's
+      // An item of a uniqueItems array: only values not used yet.
+      uint64_t used = 0;
+      if (s.size() >= 2 && s[s.size() - 2].kind == kArray && nodes_[s[s.size() - 2].node].unique) used = s[s.size() - 2].seen;
+      auto fresh = [&](uint32_t from, uint32_t to) {
+        for (uint32_t i = from; i < to; ++i) {
+          if (!(used >> i & 1)) return true;
+        }
+        return false;
+      };
+      if (lo < hi && fresh(lo, hi)) {  // the byte is the literal's
         std::vector<Frame> t = s;
         t.back().a = lo;
         t.back().b = hi;
@@ -544,7 +556,7 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
         if (hi == lo + 1 && texts[lo].size() == pos + 1) finish_child(t);  // whole, and nothing longer
         out.push(t);
       }
-      if (whole) {  // a literal that other ones extend (1 of [1, 10]) ends at a byte none of them has
+      if (whole && !(used >> f.a & 1)) {  // a literal that other ones extend (1 of [1, 10]) ends at a byte none of them has
         finish_child(s);
         step(s, c, out);
       }

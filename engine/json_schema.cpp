@@ -99,6 +99,8 @@ class Compiler {
     nodes_[5].texts = {"false", "null", "true"};
   }
   std::vector<Node> take() { return std::move(nodes_); }
+  // Arrays with uniqueItems, and where: their items are checked once references resolve.
+  const std::vector<std::pair<uint32_t, std::string>>& unique_arrays() const { return unique_arrays_; }
 
   uint32_t compile(const Json& s, const std::string& at) {
     if (s.is_boolean()) {
@@ -152,7 +154,8 @@ class Compiler {
       }
     } else if (s.contains("properties") || s.contains("required") || s.contains("additionalProperties")) {
       types = {"object"};
-    } else if (s.contains("items") || s.contains("prefixItems") || s.contains("minItems") || s.contains("maxItems")) {
+    } else if (s.contains("items") || s.contains("prefixItems") || s.contains("minItems") || s.contains("maxItems") ||
+               s.contains("uniqueItems")) {
       types = {"array"};
     } else if (s.contains("minLength") || s.contains("maxLength") || s.contains("pattern")) {
       types = {"string"};
@@ -165,7 +168,7 @@ class Compiler {
       static const char* const kHeld[] = {"type", "properties", "required", "additionalProperties", "items",
                                           "prefixItems", "minItems", "maxItems", "minLength", "maxLength",
                                           "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "$defs",
-                                          "definitions", "pattern"};
+                                          "definitions", "pattern", "uniqueItems"};
       bool held = annotation(k);
       for (const char* h : kHeld) held = held || k == h;
       if (!held) fail(at + "/" + k, fmt::format("the keyword '{}' is not supported", k));
@@ -266,6 +269,14 @@ class Compiler {
       n.max_count = count(s, "maxItems", at, -1);
       if (n.max_count >= 0 && n.max_count < n.min_count) fail(at, "maxItems is below minItems");
       const uint32_t self = add(Node{});
+      if (s.contains("uniqueItems")) {
+        if (!s["uniqueItems"].is_boolean()) fail(at + "/uniqueItems", "must be true or false");
+        if (s["uniqueItems"].get<bool>()) {
+          if (s.contains("prefixItems")) fail(at + "/uniqueItems", "uniqueItems beside prefixItems is not supported");
+          n.unique = true;
+          unique_arrays_.emplace_back(self, at + "/uniqueItems");
+        }
+      }
       if (s.contains("prefixItems")) {
         const Json& list = s["prefixItems"];
         if (!list.is_array()) fail(at + "/prefixItems", "must be an array of schemas");
@@ -383,6 +394,7 @@ class Compiler {
   const Json& doc_;
   std::vector<Node> nodes_;
   std::unordered_map<std::string, uint32_t> refs_;
+  std::vector<std::pair<uint32_t, std::string>> unique_arrays_;
 };
 
 }  // namespace
@@ -475,6 +487,21 @@ std::shared_ptr<JsonGrammar> JsonGrammar::compile(std::string_view schema) {
   }
   for (size_t i = 0; i < nodes.size(); ++i) {
     if (nodes[i].kind == Kind::any_of) nodes[i].options = std::move(flat[i]);
+  }
+  // uniqueItems is held where an item is one of at most 64 values (enum, const, boolean):
+  // the array's frame keeps a bit for each one used.
+  for (const auto& [id, at] : c.unique_arrays()) {
+    uint32_t& items = nodes[id].items;
+    if (items != kNone && nodes[items].kind == Kind::any_of && nodes[items].options.size() == 1) items = nodes[items].options[0];
+    if (items == kNone) continue;
+    if (nodes[items].kind != Kind::literal || nodes[items].texts.size() > kMaxNames) {
+      raise(ErrorCode::invalid_argument, "json schema at '#{}': uniqueItems is held only for items that are one of at most {} "
+                                         "values (enum, const, boolean)", at, kMaxNames);
+    }
+    if (nodes[id].min_count > static_cast<int64_t>(nodes[items].texts.size())) {
+      raise(ErrorCode::invalid_argument, "json schema at '#{}': minItems is above the {} distinct values the items may take", at,
+            nodes[items].texts.size());
+    }
   }
   if (nodes[root].kind == Kind::any_of && nodes[root].options.empty()) {
     raise(ErrorCode::invalid_argument, "json schema at '#': matches nothing (it refers to itself without a value between)");

@@ -17,12 +17,13 @@
 // only digits that can still lead into the range are taken), pattern (a regular
 // expression some part of the string's value matches, engine/regex.hpp; in such a
 // string no \u escape of a surrogate is written), format date, time, date-time, uuid,
-// ipv4 and email (held where no pattern is given), enum, const,
+// ipv4 and email (held where no pattern is given), uniqueItems (items of at most 64
+// values: enum, const, boolean), enum, const,
 // anyOf / oneOf (oneOf as anyOf), allOf of one schema, $ref into the document
 // ($defs, definitions, recursion), nullable. Annotations (title, description,
 // default, examples, other formats, discriminator, $schema, $id, $comment, ...) are read
 // past. Anything that would narrow the values further (multipleOf,
-// uniqueItems, propertyNames, ...) is refused when the schema compiles, naming
+// uniqueItems over other items, propertyNames, ...) is refused when the schema compiles, naming
 // the keyword and where it is: an answer is never claimed to follow a rule that
 // was not applied. Bounds that keep a runaway answer finite (and every number a
 // double): at most 64 consecutive whitespace bytes, 32 bytes of one number and two

@@ -586,6 +586,7 @@ class Forecast(pydantic.BaseModel):
     note: Optional[Literal["ok", "warn"]] = None
     station: str = pydantic.Field(pattern=r"^[A-Z]{3}-\d{2}$")  # a pattern
     issued: datetime.date                                       # format "date": a calendar date
+    winds: set[Literal["N", "E", "S", "W"]] = pydantic.Field(max_length=2)  # uniqueItems
 
 
 def test_structured_output():

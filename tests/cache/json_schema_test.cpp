@@ -70,6 +70,13 @@ bool valid(const Json& v, const Json& s, const Json& doc) {
       if (!v.is_array()) return false;
       if (static_cast<int64_t>(v.size()) < s.value("minItems", 0)) return false;
       if (s.contains("maxItems") && static_cast<int64_t>(v.size()) > s["maxItems"].get<int64_t>()) return false;
+      if (s.value("uniqueItems", false)) {
+        for (size_t i = 0; i < v.size(); ++i) {
+          for (size_t k = 0; k < i; ++k) {
+            if (v[i] == v[k]) return false;
+          }
+        }
+      }
       const Json prefix = s.value("prefixItems", Json::array());
       for (size_t i = 0; i < v.size(); ++i) {
         if (!valid(v[i], i < prefix.size() ? prefix[i] : s.value("items", Json(true)), doc)) return false;
@@ -260,6 +267,17 @@ TEST(JsonSchema, takes_valid_documents_and_nothing_else) {
        R"({"code": "ab-12"})", true},
       {R"({"type": "object", "properties": {"code": {"pattern": "^[a-z]{2}-[0-9]+$"}}, "required": ["code"]})",
        R"({"code": "ab-"})", false},
+      // uniqueItems over items of a few values (pydantic's set[Literal[...]], set[Enum])
+      {R"({"type": "array", "items": {"enum": ["a", "b", 1, 10]}, "uniqueItems": true})", R"(["a", "b", 10, 1])", true},
+      {R"({"type": "array", "items": {"enum": ["a", "b", 1, 10]}, "uniqueItems": true})", R"(["a", "a"])", false},
+      {R"({"type": "array", "items": {"enum": ["a", "b", 1, 10]}, "uniqueItems": true})", R"([1, 10, 1])", false},
+      {R"({"type": "array", "items": {"enum": ["a", "b", 1, 10]}, "uniqueItems": true})", R"([10, 1])", true},
+      {R"({"type": "array", "items": {"type": "boolean"}, "uniqueItems": true})", "[true, false]", true},
+      {R"({"type": "array", "items": {"type": "boolean"}, "uniqueItems": true})", "[false, false]", false},
+      {R"({"type": "array", "items": {"type": "boolean"}, "uniqueItems": true})", "[true, false,", false},  // nothing is left
+      {R"({"$defs": {"e": {"enum": ["x", "y"]}}, "type": "array", "items": {"$ref": "#/$defs/e"}, "uniqueItems": true})",
+       R"(["y", "x"])", true},
+      {R"({"type": "array", "items": {"type": "string"}, "uniqueItems": false})", R"(["a", "a"])", true},
   };
   for (const auto& c : cases) EXPECT_EQ(takes(c.schema, c.text), c.ok) << c.schema << "\n" << c.text;
 }
@@ -549,6 +567,9 @@ TEST(JsonSchema, refuses_what_it_does_not_hold) {
       {R"({"type": "string", "pattern": 7})", "#/pattern': must be a string"},
       {R"({"type": "string", "pattern": "[0-9]{4}", "maxLength": 3})", "no text of at most 3 characters (maxLength) matches its pattern"},
       {R"({"type": "string", "format": "date", "maxLength": 9})", "matches its format"},
+      {R"({"type": "array", "items": {"type": "string"}, "uniqueItems": true})", "#/uniqueItems': uniqueItems is held only for items"},
+      {R"({"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": true, "minItems": 3})", "minItems is above the 2 distinct"},
+      {R"({"type": "array", "prefixItems": [{}], "uniqueItems": true})", "beside prefixItems"},
       {R"({"minimum": 0})", "'minimum' is held only beside type number or integer"},
       {R"({"type": "integer", "minimum": 0.5, "maximum": 0.9})", "no integer lies in the range"},
       {R"({"type": "number", "minimum": 2, "exclusiveMaximum": 2})", "the range of values is empty"},
@@ -646,6 +667,10 @@ Json random_schema(std::mt19937_64& rng, int depth) {
       if (pick(2) == 0) s["maxItems"] = pick(4);
       if (pick(3) == 0) s["minItems"] = pick(2);
       if (s.contains("minItems") && s.contains("maxItems") && s["maxItems"] < s["minItems"]) s.erase("minItems");
+      if (s["items"].contains("enum") && pick(2) == 0) {  // a set of those values
+        s.erase("prefixItems");
+        s["uniqueItems"] = true;
+      }
       return s;
     }
     case 2: {
@@ -748,6 +773,8 @@ TEST(JsonSchema, token_masks_equal_feeding_each_token) {
                                                            "maxLength": 12}})";
   expect_masks_exact(patterned, vocab, {"[\"", "[\"a", "[\"ab.", "[\"a@e", "[\"a@e.", "[\"a@e.x", "[\"a@e.xy",
                                         "[\"abcdef", "[\"abcdefg"});
+  expect_masks_exact(R"({"type": "array", "items": {"enum": ["a", "ab", 1, 10]}, "uniqueItems": true})", vocab,
+                     {"[", "[\"a\", ", "[1, ", "[10, 1", "[\"ab\", \"a", "[\"a\", 1, 10"});
   expect_masks_exact(R"({"type": "string", "pattern": "^[^\\u0003]*\\u0001$"})", vocab,
                      {"\"", "\"a\\", "\"a\\u", "\"a\\u00", "\"a\\u000", "\"a\\u0001"});
 }

@@ -69,11 +69,20 @@ void expect_valid(const std::string& text) {
   }
 }
 
-TEST(StructuredOutput, answers_are_json_under_the_schema) {
-  auto& m = test::shared_model();
-  EngineOptions o;
-  o.vocabulary = test_vocabulary(static_cast<int32_t>(m.model->config().vocab_size));
-  test::Harness h(*m.model, o);
+// Every test: the shared model, an engine that knows its vocabulary's bytes.
+class StructuredOutput : public ::testing::Test {
+ protected:
+  static EngineOptions with_vocabulary(const test::TestModel& model) {
+    EngineOptions o;
+    o.vocabulary = test_vocabulary(static_cast<int32_t>(model.model->config().vocab_size));
+    return o;
+  }
+  test::TestModel& m = test::shared_model();
+  EngineOptions o = with_vocabulary(m);
+  test::Harness h{*m.model, o};
+};
+
+TEST_F(StructuredOutput, answers_are_json_under_the_schema) {
   const auto& eos = m.model->config().eos_token_ids;
   std::vector<RequestId> ids;
   for (int i = 0; i < 6; ++i) {
@@ -146,11 +155,7 @@ size_t name_of(const std::vector<int32_t>& seg) {
   return kNames.size();
 }
 
-TEST(StructuredOutput, what_follows_an_answer_prefix_is_held_to_its_schema) {
-  auto& m = test::shared_model();
-  EngineOptions o;
-  o.vocabulary = test_vocabulary(static_cast<int32_t>(m.model->config().vocab_size));
-  test::Harness h(*m.model, o);
+TEST_F(StructuredOutput, what_follows_an_answer_prefix_is_held_to_its_schema) {
   const auto& prefixes = kNames;
   std::set<size_t> named;
   for (int seed = 0; seed < 8; ++seed) {
@@ -182,11 +187,7 @@ TEST(StructuredOutput, what_follows_an_answer_prefix_is_held_to_its_schema) {
   EXPECT_NE(h[id].last.message.find("1 answer schemas for 2 answer prefixes"), std::string::npos) << h[id].last.message;
 }
 
-TEST(StructuredOutput, after_each_trigger_a_prefix_and_its_schema_hold_the_answer) {
-  auto& m = test::shared_model();
-  EngineOptions o;
-  o.vocabulary = test_vocabulary(static_cast<int32_t>(m.model->config().vocab_size));
-  test::Harness h(*m.model, o);
+TEST_F(StructuredOutput, after_each_trigger_a_prefix_and_its_schema_hold_the_answer) {
   // Token 0 (it writes nothing: never inside a value) is the trigger, pushed by a bias so that it
   // comes whenever the answer is free: then a name ('a' or 'b!') and its arguments, again and again.
   const auto& prefixes = kNames;
@@ -224,11 +225,7 @@ TEST(StructuredOutput, after_each_trigger_a_prefix_and_its_schema_hold_the_answe
   }
 }
 
-TEST(StructuredOutput, a_resubmitted_answer_goes_on_as_it_would_have) {
-  auto& m = test::shared_model();
-  EngineOptions o;
-  o.vocabulary = test_vocabulary(static_cast<int32_t>(m.model->config().vocab_size));
-  test::Harness h(*m.model, o);
+TEST_F(StructuredOutput, a_resubmitted_answer_goes_on_as_it_would_have) {
   Request r;
   r.prompt = {9, 8, 7, 6, 5};
   r.sampling.json_schema = kSchema;
@@ -249,11 +246,7 @@ TEST(StructuredOutput, a_resubmitted_answer_goes_on_as_it_would_have) {
   EXPECT_EQ(h[rest].generated, std::vector<int32_t>(full.begin() + 5, full.end()));
 }
 
-TEST(StructuredOutput, bad_schemas_and_engines_without_a_vocabulary_refuse) {
-  auto& m = test::shared_model();
-  EngineOptions o;
-  o.vocabulary = test_vocabulary(static_cast<int32_t>(m.model->config().vocab_size));
-  test::Harness h(*m.model, o);
+TEST_F(StructuredOutput, bad_schemas_and_engines_without_a_vocabulary_refuse) {
   Request r;
   r.prompt = {3, 4};
   r.sampling.json_schema = R"({"type": "string", "multipleOf": 3})";

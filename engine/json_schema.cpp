@@ -399,7 +399,9 @@ class Compiler {
 
 }  // namespace
 
-JsonGrammar::JsonGrammar() = default;
+JsonGrammar::JsonGrammar() {
+  for (auto& s : scratch_) s = std::make_unique<State>();
+}
 JsonGrammar::~JsonGrammar() = default;
 
 namespace {
@@ -411,7 +413,6 @@ std::shared_ptr<JsonGrammar> JsonGrammar::compile(std::string_view schema) {
     std::shared_ptr<JsonGrammar> g(new JsonGrammar());
     g->root_ = compile_ebnf(schema.substr(kEbnfTag.size()), g->nodes_);
     g->raw_ = true;
-    for (auto& s : g->scratch_) s = std::make_unique<State>();
     return g;
   }
   if (schema.starts_with(kRegexTag)) {
@@ -421,7 +422,6 @@ std::shared_ptr<JsonGrammar> JsonGrammar::compile(std::string_view schema) {
     std::shared_ptr<JsonGrammar> g(new JsonGrammar());
     g->nodes_.push_back(std::move(n));
     g->raw_ = true;
-    for (auto& s : g->scratch_) s = std::make_unique<State>();
     return g;
   }
   if (schema.starts_with(kChoiceTag)) {
@@ -445,7 +445,6 @@ std::shared_ptr<JsonGrammar> JsonGrammar::compile(std::string_view schema) {
     std::shared_ptr<JsonGrammar> g(new JsonGrammar());
     g->nodes_.push_back(std::move(n));
     g->raw_ = true;
-    for (auto& s : g->scratch_) s = std::make_unique<State>();
     return g;
   }
   Json doc;
@@ -506,7 +505,6 @@ std::shared_ptr<JsonGrammar> JsonGrammar::compile(std::string_view schema) {
   if (nodes[root].kind == Kind::any_of && nodes[root].options.empty()) {
     raise(ErrorCode::invalid_argument, "json schema at '#': matches nothing (it refers to itself without a value between)");
   }
-  for (auto& s : g->scratch_) s = std::make_unique<State>();
   return g;
 }
 

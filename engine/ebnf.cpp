@@ -148,12 +148,9 @@ class EbnfParser {
     if (i_ >= t_.size()) fail(at, "an unclosed string");
     const auto b = static_cast<uint8_t>(t_[i_]);
     if (b != '\\') {
-      const Utf8Lead lead = troupe::utf8_lead(b);
-      if (lead.length == 0 || i_ + lead.length > t_.size()) fail(i_, "the grammar is not valid UTF-8");
-      uint32_t cp = lead.length == 1 ? b : b & (0x7F >> lead.length);
-      for (uint32_t k = 1; k < lead.length; ++k) cp = cp << 6 | (static_cast<uint8_t>(t_[i_ + k]) & 0x3F);
-      i_ += lead.length;
-      return cp;
+      const auto cp = next_code_point(t_, i_);
+      if (!cp) fail(i_, "the grammar is not valid UTF-8");
+      return *cp;
     }
     if (++i_ >= t_.size()) fail(at, "a trailing backslash");
     const char c = t_[i_++];

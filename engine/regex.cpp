@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "base/error.hpp"
+#include "base/utf8_lead.hpp"
 
 namespace troupe::engine {
 
@@ -154,19 +155,9 @@ class Parser {
 
   // One code point of the pattern's UTF-8 text.
   uint32_t code_point() {
-    const auto b = static_cast<uint8_t>(p_[i_]);
-    const int n = b < 0x80 ? 1 : b >= 0xC2 && b <= 0xDF ? 2 : b >= 0xE0 && b <= 0xEF ? 3 : b >= 0xF0 && b <= 0xF4 ? 4 : 0;
-    if (n == 0 || i_ + static_cast<size_t>(n) > p_.size()) fail("the pattern is not valid UTF-8");
-    uint32_t cp = n == 1 ? b : n == 2 ? (b & 0x1F) : n == 3 ? (b & 0x0F) : (b & 0x07);
-    for (int k = 1; k < n; ++k) {
-      const auto c = static_cast<uint8_t>(p_[i_ + static_cast<size_t>(k)]);
-      if ((c & 0xC0) != 0x80) fail("the pattern is not valid UTF-8");
-      cp = cp << 6 | (c & 0x3F);
-    }
-    const uint32_t least = n == 2 ? 0x80 : n == 3 ? 0x800 : n == 4 ? 0x10000 : 0;
-    if (cp < least || cp > kMaxCodePoint || (cp >= 0xD800 && cp <= 0xDFFF)) fail("the pattern is not valid UTF-8");
-    i_ += static_cast<size_t>(n);
-    return cp;
+    const auto cp = next_code_point(p_, i_);
+    if (!cp) fail("the pattern is not valid UTF-8");
+    return *cp;
   }
 
   static Re one_of(Ranges r) {

@@ -546,6 +546,7 @@ TEST(Ebnf, refuses_what_it_cannot_read_naming_it) {
       {"root ::= \"a\"{3,1}", "n below m"},
       {"root ::= [b-a]", "out of order"},
       {"root ::= (\"a\"", "unclosed '('"},
+      {"root ::= \"\xC3(\"", "not valid UTF-8"},  // a lead byte without its continuation
       {"root ::= " + std::string(100000, '(') + "\"a\"" + std::string(100000, ')'), "groups nest deeper than 128"},
   };
   for (const auto& [text, why] : cases) {

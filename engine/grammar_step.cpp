@@ -111,7 +111,9 @@ void JsonGrammar::finish_child(std::vector<Frame>& s) const {
 // rule's alternatives, each given byte c.
 void JsonGrammar::expand(std::vector<Frame>& s, uint32_t rule, bool tail, uint8_t c, State& out) const {
   const auto& alts = nodes_[rule].alts;
+  const size_t below = tail ? s.size() - 1 : s.size();
   for (size_t i = 0; i < alts.size(); ++i) {
+    if (!rule_fits(below, rule, static_cast<uint32_t>(i))) continue;
     std::vector<Frame> t = i + 1 == alts.size() ? std::move(s) : s;
     Frame g;
     g.node = rule;
@@ -120,25 +122,19 @@ void JsonGrammar::expand(std::vector<Frame>& s, uint32_t rule, bool tail, uint8_
     if (tail) {
       t.back() = g;
     } else {
-      if (t.size() >= kMaxDepth) continue;
       t.push_back(g);
     }
     step(t, c, out);
   }
 }
 
-// Whether a stack of EBNF rules can still read a whole text within kMaxDepth frames: a
-// stack that cannot is dropped as soon as it arises, so that no answer is led into
-// nesting it could not close.
-bool JsonGrammar::rules_fit(std::span<const Frame> stack) const {
-  for (size_t k = 0; k < stack.size(); ++k) {
-    const Frame& f = stack[k];
-    if (f.kind != kRule) continue;  // a terminal on top: its own frame
-    const auto& alt = nodes_[f.node].alts[f.a];
-    const size_t from = std::min<size_t>(f.b + (k + 1 < stack.size() ? 1 : 0), alt.size());
-    if (k + sequence_need(nodes_, std::span(alt).subspan(from)) > kMaxDepth) return false;
-  }
-  return true;
+// Whether a rule's alternative, begun in a frame with `below` frames under it, can be
+// read whole within kMaxDepth frames. Only a new rule frame can make a stack need more
+// (reading on, a frame's rest only shrinks; a terminal pushed needs its own frame alone),
+// so checking each one as it is made keeps every stack able to close: no answer is led
+// into nesting it could not close.
+bool JsonGrammar::rule_fits(size_t below, uint32_t rule, uint32_t alt) const {
+  return below + sequence_need(nodes_, nodes_[rule].alts[alt]) <= kMaxDepth;
 }
 
 // Whether a stack of EBNF rules may end here: every frame's rest (past the element
@@ -573,14 +569,6 @@ void JsonGrammar::step_all(const State& in, uint8_t c, State& out) const {
     s.assign(st.begin(), st.end());
     step(s, c, out);
   }
-  if (nodes_[root_].kind == Kind::rule) {  // an ebnf_grammar(): only stacks that can still close
-    State kept;
-    for (size_t i = 0; i < out.stacks(); ++i) {
-      const auto st = out.stack(i);
-      if (st.empty() || rules_fit(st)) kept.push(std::vector<Frame>(st.begin(), st.end()));
-    }
-    out = std::move(kept);
-  }
   out.dedup();
   if (out.stacks() > kMaxStacks) {
     raise(ErrorCode::invalid_argument, "the grammar is too ambiguous to follow: over {} readings of the answer at once", kMaxStacks);
@@ -681,7 +669,7 @@ JsonMatcher::JsonMatcher(std::shared_ptr<JsonGrammar> grammar)
     for (size_t i = 0; i < grammar_->nodes_[root.node].alts.size(); ++i) {
       root.kind = kRule;
       root.a = static_cast<uint32_t>(i);
-      state_->push({root});
+      if (grammar_->rule_fits(0, root.node, root.a)) state_->push({root});
     }
     return;
   }

@@ -108,7 +108,7 @@ class JsonGrammar {
   void finish_child(std::vector<Frame>& s) const;
   void expand(std::vector<Frame>& s, uint32_t rule, bool tail, uint8_t c, State& out) const;
   bool rules_may_end(std::span<const Frame> stack) const;
-  bool rules_fit(std::span<const Frame> stack) const;
+  bool rule_fits(size_t below, uint32_t rule, uint32_t alt) const;
   bool accepting(const State& s) const;
   const TokenMask& mask(const State& s, const TokenVocabulary& vocab);
 

@@ -463,23 +463,19 @@ bool Engine::schema_whole(Seq& s) {
 
 std::optional<std::string> Engine::schema_mask(Seq& s, TokenMask& allowed) {
   const auto& p = s.req.sampling;
-  try {
+  try {  // (a bad schema; an EBNF grammar too ambiguous to follow on)
     const auto synced = sync_matcher(s);
     if (!synced) return std::nullopt;  // no schema holds the answer yet (its prefix is still coming)
     if (!*synced) return fmt::format("the answer's {} tokens break its json schema", s.answer().size());
+    if (s.matcher->complete()) {
+      if (!p.answer_trigger.empty()) return std::nullopt;  // free again until the trigger comes back
+      return std::string();
+    }
+    allowed = s.matcher->allowed(*options_.vocabulary);
   } catch (const Error& e) {
     return std::string(e.what());
   }
-  if (s.matcher->complete()) {
-    if (!p.answer_trigger.empty()) return std::nullopt;  // free again until the trigger comes back
-    return std::string();
-  }
   const auto& eos = model_.config().eos_token_ids;
-  try {
-    allowed = s.matcher->allowed(*options_.vocabulary);
-  } catch (const Error& e) {  // an EBNF grammar too ambiguous to follow on
-    return std::string(e.what());
-  }
   allowed.resize(std::max(allowed.size(), static_cast<size_t>(model_.config().vocab_size + 63) / 64), 0);
   if (s.matcher->may_end() && !p.ignore_eos && s.generated >= p.min_tokens) {
     for (int64_t e : eos) {

@@ -635,7 +635,8 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
   f.api = api;
   f.responder = origin.responder;
   f.frames = origin.frames;
-  f.decoder = std::make_unique<tokenizer::StreamDecoder>(*st.tok, tokenizer::DecodeOptions{.skip_special = api.sampling.skip_special_tokens});
+  f.decoder =
+      std::make_unique<tokenizer::StreamDecoder>(*st.tok, tokenizer::DecodeOptions{.skip_special = api.sampling.skip_special_tokens});
   f.stops = std::make_unique<tokenizer::StopStrings>(api.sampling.stop);
   if (api.uses_tools()) {
     std::string forced;

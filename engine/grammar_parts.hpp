@@ -3,6 +3,7 @@
 // follows an answer through it (grammar_step.cpp). Not a public header.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -146,18 +147,33 @@ struct JsonGrammar::State {
     k.append(reinterpret_cast<const char*>(ends.data()), ends.size() * sizeof(uint32_t));
     return k;
   }
-  // Drops stacks equal to an earlier one.
+  // Drops stacks equal to an earlier one, in place (the kept ones move down).
   void dedup() {
     if (ends.size() < 2) return;
-    State out;
-    std::unordered_set<std::string_view> kept;
+    thread_local std::unordered_set<std::string_view> kept;
+    kept.clear();
+    const bool hashed = ends.size() > 8;  // else each stack is compared with the kept ones
+    uint32_t w = 0, r = 0, n = 0;         // frames written, frames read, stacks kept
     for (size_t i = 0; i < ends.size(); ++i) {
-      const auto s = stack(i);
-      if (!kept.emplace(reinterpret_cast<const char*>(s.data()), s.size() * sizeof(Frame)).second) continue;
-      out.frames.insert(out.frames.end(), s.begin(), s.end());
-      out.ends.push_back(static_cast<uint32_t>(out.frames.size()));
+      const uint32_t len = ends[i] - r;
+      const std::string_view bytes(reinterpret_cast<const char*>(frames.data() + r), len * sizeof(Frame));
+      bool seen = false;
+      if (hashed) {
+        seen = kept.contains(bytes);
+      } else {
+        for (uint32_t j = 0, b = 0; j < n && !seen; b = ends[j++]) {
+          seen = ends[j] - b == len && std::memcmp(frames.data() + b, frames.data() + r, len * sizeof(Frame)) == 0;
+        }
+      }
+      r = ends[i];
+      if (seen) continue;
+      std::copy(frames.begin() + (r - len), frames.begin() + r, frames.begin() + w);  // w <= r - len: a forward copy is safe
+      if (hashed) kept.emplace(reinterpret_cast<const char*>(frames.data() + w), len * sizeof(Frame));
+      w += len;
+      ends[n++] = w;
     }
-    *this = std::move(out);
+    frames.resize(w);
+    ends.resize(n);
   }
 };
 

@@ -5,12 +5,45 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <memory>
+#include <optional>
 
 #include "base/error.hpp"
 
 namespace troupe::engine {
 
 using namespace grammar;
+
+namespace {
+
+// A copy of a stack, in a vector from a per-thread pool used last-in first-out (steps
+// recurse, and each copy lives within one call): once warm, copying allocates nothing.
+class StackCopy {
+ public:
+  explicit StackCopy(const std::vector<JsonGrammar::Frame>& s) {
+    auto& pool = vectors();
+    if (used() == pool.size()) pool.push_back(std::make_unique<std::vector<JsonGrammar::Frame>>());
+    v_ = pool[used()++].get();
+    v_->assign(s.begin(), s.end());
+  }
+  ~StackCopy() { --used(); }
+  StackCopy(const StackCopy&) = delete;
+  StackCopy& operator=(const StackCopy&) = delete;
+  std::vector<JsonGrammar::Frame>& get() { return *v_; }
+
+ private:
+  static std::vector<std::unique_ptr<std::vector<JsonGrammar::Frame>>>& vectors() {
+    thread_local std::vector<std::unique_ptr<std::vector<JsonGrammar::Frame>>> pool;
+    return pool;
+  }
+  static size_t& used() {
+    thread_local size_t n = 0;
+    return n;
+  }
+  std::vector<JsonGrammar::Frame>* v_;
+};
+
+}  // namespace
 
 namespace grammar {
 
@@ -114,7 +147,10 @@ void JsonGrammar::expand(std::vector<Frame>& s, uint32_t rule, bool tail, uint8_
   const size_t below = tail ? s.size() - 1 : s.size();
   for (size_t i = 0; i < alts.size(); ++i) {
     if (!rule_fits(below, rule, static_cast<uint32_t>(i))) continue;
-    std::vector<Frame> t = i + 1 == alts.size() ? std::move(s) : s;
+    const bool last = i + 1 == alts.size();
+    std::optional<StackCopy> copy;
+    if (!last) copy.emplace(s);
+    std::vector<Frame>& t = last ? s : copy->get();
     Frame g;
     g.node = rule;
     g.kind = kRule;
@@ -196,7 +232,8 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
           for (uint32_t o : n.options) {
             if (!starts(o)) continue;
             if (last != kNone) {
-              std::vector<Frame> t = s;
+              StackCopy copy(s);
+              std::vector<Frame>& t = copy.get();
               t.back() = Frame{};
               t.back().node = last;
               t.back().ws = ws;
@@ -504,7 +541,8 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
       if (d == ByteDfa::kDead) return;
       f.d = d;
       if (dfa.accepting(d)) {  // read whole: the parent goes on (and, where it could also go on, so may it)
-        std::vector<Frame> t = s;
+        StackCopy copy(s);
+        std::vector<Frame>& t = copy.get();
         finish_child(t);
         out.push(t);
         if (!dfa.extends(d)) return;
@@ -545,7 +583,8 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
         return false;
       };
       if (lo < hi && fresh(lo, hi)) {  // the byte is the literal's
-        std::vector<Frame> t = s;
+        StackCopy copy(s);
+        std::vector<Frame>& t = copy.get();
         t.back().a = lo;
         t.back().b = hi;
         t.back().c = pos + 1;
@@ -633,28 +672,28 @@ const TokenMask& JsonGrammar::mask(const State& state, const TokenVocabulary& vo
       }
     }
   }
-  State& first = *scratch_[0];
-  State& a = *scratch_[1];
-  State& b = *scratch_[2];
-  for (int c0 = 0; c0 < 256; ++c0) {
-    const auto ids = vocab.starting_with(static_cast<uint8_t>(c0));
-    if (ids.empty()) continue;
-    step_all(state, static_cast<uint8_t>(c0), first);
-    if (first.stacks() == 0) continue;
-    for (int32_t id : ids) {
-      if (in_text && vocab.plain_chars(id) >= 0) continue;  // decided above
-      const std::string_view t = vocab.bytes(id);
-      bool ok = true;
-      if (t.size() > 1) {
-        a = first;
-        for (size_t i = 1; i < t.size() && ok; ++i) {
-          step_all(a, static_cast<uint8_t>(t[i]), b);
-          std::swap(a, b);
-          ok = a.stacks() > 0;
-        }
-      }
-      if (ok) allow(id);
+  // Tokens in byte order, each stepped from the longest prefix it shares with the last
+  // one stepped (the states after each byte of that path are kept): a prefix's bytes
+  // are stepped once for every token that starts with it, and once a prefix leaves no
+  // reading, every token that extends it is passed over unstepped.
+  std::string path;        // the bytes stepped, the state after byte i in scratch_[i]
+  bool path_dead = false;  // the state after the whole path has no reading
+  auto after = [&](size_t bytes) -> const State& { return bytes == 0 ? state : *scratch_[bytes - 1]; };
+  for (int32_t id : vocab.sorted()) {
+    if (in_text && vocab.plain_chars(id) >= 0) continue;  // decided above
+    const std::string_view t = vocab.bytes(id);
+    size_t l = 0;
+    while (l < path.size() && l < t.size() && path[l] == t[l]) ++l;
+    if (path_dead && l == path.size()) continue;  // extends a prefix that leaves no reading
+    path.resize(l);
+    path_dead = false;
+    for (size_t i = l; i < t.size() && !path_dead; ++i) {
+      if (scratch_.size() <= i) scratch_.push_back(std::make_unique<State>());
+      step_all(after(i), static_cast<uint8_t>(t[i]), *scratch_[i]);
+      path.push_back(t[i]);
+      path_dead = scratch_[i]->stacks() == 0;
     }
+    if (!path_dead) allow(id);
   }
   return masks_.emplace(std::move(key), std::move(bits)).first->second;
 }

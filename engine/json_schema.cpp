@@ -51,11 +51,13 @@ TokenVocabulary::TokenVocabulary(std::vector<std::string> bytes) : bytes_(std::m
   }
   first_begin_.assign(257, 0);
   for (size_t b = 1; b <= 256; ++b) first_begin_[b] = first_begin_[b - 1] + count[b];
-  by_first_.assign(first_begin_[256], 0);
-  std::vector<uint32_t> at(first_begin_.begin(), first_begin_.end() - 1);
+  by_first_.clear();
+  by_first_.reserve(first_begin_[256]);
   for (size_t id = 0; id < n; ++id) {
-    if (!bytes_[id].empty()) by_first_[at[static_cast<uint8_t>(bytes_[id][0])]++] = static_cast<int32_t>(id);
+    if (!bytes_[id].empty()) by_first_.push_back(static_cast<int32_t>(id));
   }
+  // std::string compares its chars as unsigned, so each first byte's ids stay one run.
+  std::stable_sort(by_first_.begin(), by_first_.end(), [&](int32_t x, int32_t y) { return bytes_[x] < bytes_[y]; });
 }
 
 std::span<const int32_t> TokenVocabulary::starting_with(uint8_t b) const {
@@ -399,9 +401,7 @@ class Compiler {
 
 }  // namespace
 
-JsonGrammar::JsonGrammar() {
-  for (auto& s : scratch_) s = std::make_unique<State>();
-}
+JsonGrammar::JsonGrammar() = default;
 JsonGrammar::~JsonGrammar() = default;
 
 namespace {

@@ -787,6 +787,10 @@ TEST(JsonSchema, token_masks_equal_feeding_each_token_of_the_deepseek_vocabulary
                                       "{\"name\": \"Ann\", \"age\": 4, \"tags\": [", "{\"age\": 1, \"name\": \"abcdefghij"});
   expect_masks_exact(R"({"type": "string", "format": "date-time"})", vocab, {"", "\"", "\"2026-1", "\"2026-12-05T1", "\"2026-12-05T10:00:00"});
   expect_masks_exact(regex_grammar("(Yes|No), because [^.]{1,40}\\."), vocab, {"", "Yes", "No, because", "Yes, because it"});
+  // EBNF: most tokens step many bytes through several readings at once.
+  expect_masks_exact(ebnf_grammar("root ::= word (\" \" word)*\nword ::= [a-z]+"), vocab, {"", "ab", "ab cd "});
+  expect_masks_exact(ebnf_grammar("root ::= expr\nexpr ::= term ((\"+\" | \"-\") term)*\nterm ::= [0-9]+ | \"(\" expr \")\""),
+                     vocab, {"", "(1+", "((2"});
 }
 
 TEST(JsonSchema, the_cache_compiles_a_schema_once) {

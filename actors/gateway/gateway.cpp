@@ -574,8 +574,7 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
       prompt = encode_text(st, *api.prompt_text);
     }
   } catch (const Error& e) {
-    auto ae = gateway::to_api_error(e);
-    if (ae.status >= 500) ae.status = 400;
+    const auto ae = gateway::to_request_error(e, kind == ApiKind::chat ? "messages" : "prompt");
     requests_counter(st, route, ae.status).inc();
     return ae;
   }
@@ -1218,9 +1217,7 @@ void handle_tokenize(Self self, const HttpCall& call, bool detokenize) {
     json out = {{"tokens", ids}, {"count", ids.size()}, {"max_model_len", st.config.max_model_len}};
     call.responder->respond(200, "application/json", gateway::dump_json(out));
   } catch (const Error& e) {
-    auto ae = gateway::to_api_error(e);
-    if (ae.status >= 500) ae.status = 400;
-    respond_error(*call.responder, ae);
+    respond_error(*call.responder, gateway::to_request_error(e, j.contains("messages") ? "messages" : "prompt"));
   }
 }
 

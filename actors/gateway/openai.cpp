@@ -111,6 +111,16 @@ ApiError to_api_error(const Error& e) {
   }
 }
 
+ApiError to_request_error(const Error& e, std::string param) {
+  ApiError ae = to_api_error(e);
+  if (ae.status >= 500) {
+    ae.status = 400;
+    ae.type = "invalid_request_error";
+  }
+  if (ae.status == 400 && ae.param.empty()) ae.param = std::move(param);
+  return ae;
+}
+
 // "tools", "tool_choice" and "parallel_tool_calls" of a chat request. The legacy
 // "functions" / "function_call" are refused (their answers have another shape).
 std::optional<ApiError> parse_tools(const json& j, ApiRequest& r) {

@@ -112,6 +112,9 @@ std::string error_body(const ApiError& e);
 // instead of an exception.
 std::string dump_json(const nlohmann::json& j);
 ApiError to_api_error(const Error& e);
+// The same for an error in reading the request's parameter `param` (its messages, its
+// prompt): every one is the request's, a 400 of type invalid_request_error naming it.
+ApiError to_request_error(const Error& e, std::string param);
 
 // Parses and validates a /v1/completions or /v1/chat/completions body.
 // Never throws; malformed JSON, wrong types and out-of-range values give a 400

@@ -124,6 +124,10 @@ def test_wrong_types_name_the_parameter():
     expect_error(s, b, 400, param="messages")
     s, b = post({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, path="/v1/chat/completions")
     expect_error(s, b, 400, param="messages", words=("wizard",))
+    image = [{"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]
+    for path in ("/v1/chat/completions", "/tokenize"):
+        s, b = post({"model": MODEL, "messages": [{"role": "user", "content": image}]}, path=path)
+        expect_error(s, b, 400, param="messages", words=("image_url",))
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     # Bad values, and features this server does not have, are refused by name, not dropped.
     tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}

@@ -676,23 +676,28 @@ const TokenMask& JsonGrammar::mask(const State& state, const TokenVocabulary& vo
   // one stepped (the states after each byte of that path are kept): a prefix's bytes
   // are stepped once for every token that starts with it, and once a prefix leaves no
   // reading, every token that extends it is passed over unstepped.
-  std::string path;        // the bytes stepped, the state after byte i in scratch_[i]
+  std::string path;        // the bytes stepped, the state after byte i in scratch[i]
   bool path_dead = false;  // the state after the whole path has no reading
-  auto after = [&](size_t bytes) -> const State& { return bytes == 0 ? state : *scratch_[bytes - 1]; };
-  for (int32_t id : vocab.sorted()) {
-    if (in_text && vocab.plain_chars(id) >= 0) continue;  // decided above
-    const std::string_view t = vocab.bytes(id);
-    size_t l = 0;
-    while (l < path.size() && l < t.size() && path[l] == t[l]) ++l;
+  // The states after each byte of the path, kept across calls (and grammars) for their capacity.
+  thread_local std::vector<std::unique_ptr<State>> scratch;
+  auto after = [&](size_t bytes) -> const State& { return bytes == 0 ? state : *scratch[bytes - 1]; };
+  const TokenVocabulary::Sorted& order = in_text ? vocab.sorted_not_plain() : vocab.sorted();  // plain ones decided above
+  uint32_t shared = 0;  // the bytes this token shares with every token since the path's own
+  for (size_t k = 0; k < order.ids.size(); ++k) {
+    shared = std::min(shared, order.lcp[k]);
+    const int32_t id = order.ids[k];
+    const size_t l = std::min<size_t>(shared, path.size());
     if (path_dead && l == path.size()) continue;  // extends a prefix that leaves no reading
+    const std::string_view t = vocab.bytes(id);
     path.resize(l);
     path_dead = false;
     for (size_t i = l; i < t.size() && !path_dead; ++i) {
-      if (scratch_.size() <= i) scratch_.push_back(std::make_unique<State>());
-      step_all(after(i), static_cast<uint8_t>(t[i]), *scratch_[i]);
+      if (scratch.size() <= i) scratch.push_back(std::make_unique<State>());
+      step_all(after(i), static_cast<uint8_t>(t[i]), *scratch[i]);
       path.push_back(t[i]);
-      path_dead = scratch_[i]->stacks() == 0;
+      path_dead = scratch[i]->stacks() == 0;
     }
+    shared = UINT32_MAX;  // the path is a prefix of this token
     if (!path_dead) allow(id);
   }
   return masks_.emplace(std::move(key), std::move(bits)).first->second;

@@ -22,11 +22,9 @@ using namespace grammar;
 TokenVocabulary::TokenVocabulary(std::vector<std::string> bytes) : bytes_(std::move(bytes)) {
   const auto n = bytes_.size();
   plain_chars_.assign(n, -1);
-  std::vector<uint32_t> count(257, 0);
   for (size_t id = 0; id < n; ++id) {
     const std::string& b = bytes_[id];
     if (b.empty()) continue;
-    ++count[static_cast<uint8_t>(b[0]) + 1];
     int32_t chars = 0;
     bool plain = true;
     for (size_t i = 0; i < b.size() && plain;) {
@@ -49,19 +47,25 @@ TokenVocabulary::TokenVocabulary(std::vector<std::string> bytes) : bytes_(std::m
     }
     if (plain) plain_chars_[id] = chars;
   }
-  first_begin_.assign(257, 0);
-  for (size_t b = 1; b <= 256; ++b) first_begin_[b] = first_begin_[b - 1] + count[b];
-  by_first_.clear();
-  by_first_.reserve(first_begin_[256]);
+  std::vector<int32_t> ids;
   for (size_t id = 0; id < n; ++id) {
-    if (!bytes_[id].empty()) by_first_.push_back(static_cast<int32_t>(id));
+    if (!bytes_[id].empty()) ids.push_back(static_cast<int32_t>(id));
   }
-  // std::string compares its chars as unsigned, so each first byte's ids stay one run.
-  std::stable_sort(by_first_.begin(), by_first_.end(), [&](int32_t x, int32_t y) { return bytes_[x] < bytes_[y]; });
-}
-
-std::span<const int32_t> TokenVocabulary::starting_with(uint8_t b) const {
-  return std::span(by_first_).subspan(first_begin_[b], first_begin_[b + 1u] - first_begin_[b]);
+  std::stable_sort(ids.begin(), ids.end(), [&](int32_t x, int32_t y) { return bytes_[x] < bytes_[y]; });
+  auto add = [&](Sorted& to, int32_t id) {
+    uint32_t l = 0;
+    if (!to.ids.empty()) {
+      const std::string& a = bytes_[to.ids.back()];
+      const std::string& b = bytes_[id];
+      while (l < a.size() && l < b.size() && a[l] == b[l]) ++l;
+    }
+    to.ids.push_back(id);
+    to.lcp.push_back(l);
+  };
+  for (int32_t id : ids) {
+    add(sorted_, id);
+    if (plain_chars_[id] < 0) add(not_plain_, id);
+  }
 }
 
 // ---- compiling ------------------------------------------------------------------------

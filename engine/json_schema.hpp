@@ -52,19 +52,24 @@ class TokenVocabulary {
   explicit TokenVocabulary(std::vector<std::string> bytes);
   int32_t size() const { return static_cast<int32_t>(bytes_.size()); }
   std::string_view bytes(int32_t id) const { return bytes_[static_cast<size_t>(id)]; }
-  // Ids whose first byte is b, in the order of sorted().
-  std::span<const int32_t> starting_with(uint8_t b) const;
-  // Every id with bytes, in the bytes' order (unsigned; a prefix before what extends it):
-  // tokens that share a prefix are neighbours.
-  std::span<const int32_t> sorted() const { return by_first_; }
+  // Ids in their bytes' order (unsigned; a prefix before what extends it), so that tokens
+  // sharing a prefix are neighbours; lcp[i]: how many first bytes ids[i] shares with
+  // ids[i - 1] (0 at 0).
+  struct Sorted {
+    std::vector<int32_t> ids;
+    std::vector<uint32_t> lcp;
+  };
+  // Every id with bytes.
+  const Sorted& sorted() const { return sorted_; }
+  // The ids with bytes that are not plain_chars() text.
+  const Sorted& sorted_not_plain() const { return not_plain_; }
   // How many characters the token writes when it is text a JSON string takes as it is
   // (no quote, backslash or control byte; whole UTF-8 characters), else -1.
   int32_t plain_chars(int32_t id) const { return plain_chars_[static_cast<size_t>(id)]; }
 
  private:
   std::vector<std::string> bytes_;
-  std::vector<int32_t> by_first_;        // ids sorted by bytes
-  std::vector<uint32_t> first_begin_;    // 257 offsets into by_first_
+  Sorted sorted_, not_plain_;
   std::vector<int32_t> plain_chars_;
 };
 
@@ -121,8 +126,6 @@ class JsonGrammar {
   // Masks by state (the state's frames as bytes), for one vocabulary.
   const TokenVocabulary* mask_vocab_ = nullptr;
   std::unordered_map<std::string, TokenMask> masks_;
-  // Scratch of mask(), kept for its capacity: the states after each byte of a token.
-  std::vector<std::unique_ptr<State>> scratch_;
 };
 
 // One answer's place in a grammar.

@@ -58,6 +58,7 @@ struct JsonGrammar::Node {
   std::vector<uint32_t> values;
   uint64_t required = 0;
   uint32_t extra = grammar::kNone;
+  uint32_t keys = grammar::kNone;             // object: the string node other keys follow (kNone: any string)
   uint32_t items = grammar::kNone;                     // array: items past prefix_items (kNone: none)
   std::vector<uint32_t> prefix_items;         // array: the first items' own schemas
   bool unique = false;                        // array: uniqueItems (its items one literal node; the frame's seen: those used)

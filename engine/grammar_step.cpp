@@ -301,19 +301,30 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
           f.sub = kObjInKey;
           f.ws = 0;
           {
-            Frame k;
-            k.node = f.node;
+            // A named key (a literal over the names), and where other keys may come one of
+            // those: a string (of keys' node: every text but the names, or propertyNames).
+            Frame named;
+            named.node = f.node;
+            named.kind = kKey;
+            named.a = 0;
+            named.b = static_cast<uint32_t>(n.names.size());
+            named.c = 0;
+            const bool some_named = n.names.size() > static_cast<size_t>(__builtin_popcountll(f.seen));
             if (closed) {
-              k.kind = kKey;
-              k.a = 0;
-              k.b = static_cast<uint32_t>(n.names.size());
-              k.c = 0;
-            } else {
-              k.node = 3;  // a free key is any string
-              k.kind = kString;
-              k.sub = kStrText;
+              s.push_back(named);
+              return out.push(s);
             }
-            s.push_back(k);
+            if (some_named) {
+              StackCopy copy(s);
+              copy.get().push_back(named);
+              out.push(copy.get());
+            }
+            Frame other;
+            other.node = n.keys != kNone ? n.keys : 3;  // node 3: any string
+            other.kind = kString;
+            other.sub = kStrText;
+            if (nodes_[other.node].pattern) other.d = nodes_[other.node].pattern->start();
+            s.push_back(other);
           }
           return out.push(s);
         case kObjColon:

@@ -87,6 +87,37 @@ bool annotation(const std::string& k) {
   return false;
 }
 
+// A regular expression (engine/regex.hpp, matched whole) for every text but `names`.
+// Over names[lo, hi), which share their first d characters (the prefix): the rests r
+// for which prefix + r is none of them. Sorted, so a name that is the prefix comes first.
+std::string every_text_but(const std::vector<std::u32string>& names, size_t lo, size_t hi, size_t d) {
+  auto esc = [](char32_t c) { return fmt::format("\\u{{{:X}}}", static_cast<uint32_t>(c)); };
+  std::string out = "(?:";
+  std::string others;  // the characters no name has next
+  size_t i = lo;
+  if (names[lo].size() == d) {
+    ++i;  // the prefix is a name: the empty rest is not taken
+  } else {
+    out += "|";  // the empty rest
+  }
+  while (i < hi) {
+    const char32_t c = names[i][d];
+    size_t j = i;
+    while (j < hi && names[j][d] == c) ++j;
+    out += esc(c) + every_text_but(names, i, j, d + 1) + "|";
+    others += esc(c);
+    i = j;
+  }
+  out += others.empty() ? "[\\s\\S]+)" : "[^" + others + "][\\s\\S]*)";
+  return out;
+}
+
+std::string every_text_but(std::vector<std::u32string> names) {
+  std::sort(names.begin(), names.end());
+  names.erase(std::unique(names.begin(), names.end()), names.end());
+  return names.empty() ? "[\\s\\S]*" : every_text_but(names, 0, names.size(), 0);
+}
+
 // Compiles schema documents into nodes. Node 0 is any value.
 class Compiler {
  public:
@@ -158,7 +189,8 @@ class Compiler {
       } else {
         fail(at + "/type", "must be a type name or a list of them");
       }
-    } else if (s.contains("properties") || s.contains("required") || s.contains("additionalProperties")) {
+    } else if (s.contains("properties") || s.contains("required") || s.contains("additionalProperties") ||
+               s.contains("propertyNames")) {
       types = {"object"};
     } else if (s.contains("items") || s.contains("prefixItems") || s.contains("minItems") || s.contains("maxItems") ||
                s.contains("uniqueItems")) {
@@ -174,7 +206,7 @@ class Compiler {
       static const char* const kHeld[] = {"type", "properties", "required", "additionalProperties", "items",
                                           "prefixItems", "minItems", "maxItems", "minLength", "maxLength",
                                           "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "$defs",
-                                          "definitions", "pattern", "uniqueItems"};
+                                          "definitions", "pattern", "uniqueItems", "propertyNames"};
       bool held = annotation(k);
       for (const char* h : kHeld) held = held || k == h;
       if (!held) fail(at + "/" + k, fmt::format("the keyword '{}' is not supported", k));
@@ -224,6 +256,42 @@ class Compiler {
     return add(std::move(n));
   }
 
+  // An object whose keys follow propertyNames (no properties named): a string schema, or
+  // an enum / const of names (each then a property whose value follows `extra`).
+  uint32_t property_names(const Json& s, const Json& extra, const std::string& at) {
+    if (extra.is_boolean() && !extra.get<bool>()) return add(Node{.kind = Kind::object});  // no keys at all
+    Node n;
+    n.kind = Kind::object;
+    const uint32_t self = add(Node{});
+    n.extra = extra.is_boolean() ? 0 : compile(extra, at + "/additionalProperties");
+    const uint32_t keys = compile(s["propertyNames"], at + "/propertyNames");
+    const Node& k = nodes_[keys];
+    if (k.kind == Kind::string) {
+      n.keys = keys;
+    } else if (k.kind == Kind::literal && k.texts.size() <= kMaxNames &&
+               std::all_of(k.texts.begin(), k.texts.end(), [](const std::string& t) { return t[0] == '"'; })) {
+      for (const std::string& t : k.texts) {  // compact JSON strings, sorted: as properties' written forms
+        n.names.push_back(t.substr(1));
+        n.values.push_back(n.extra);
+      }
+      n.extra = kNone;
+    } else {
+      fail(at + "/propertyNames", fmt::format("must be a string schema, or an enum of at most {} names", kMaxNames));
+    }
+    nodes_[self] = std::move(n);
+    return self;
+  }
+
+  static std::u32string code_points(const std::string& text, const std::string& at) {
+    std::u32string out;
+    for (size_t i = 0; i < text.size();) {
+      const auto c = next_code_point(text, i);
+      if (!c) fail(at, "a name is not UTF-8");
+      out.push_back(*c);
+    }
+    return out;
+  }
+
   uint32_t typed(const Json& s, const std::string& type, const std::string& at) {
     Node n;
     if (type == "object") {
@@ -232,10 +300,10 @@ class Compiler {
       if (s.contains("properties") && !s["properties"].is_object()) fail(at + "/properties", "must be an object");
       // Properties named (even none, a tool without parameters): no others unless said.
       const Json extra = s.value("additionalProperties", Json(!s.contains("properties")));
+      if (s.contains("propertyNames") && has_names) {
+        fail(at + "/propertyNames", "propertyNames beside properties is not supported");
+      }
       if (has_names) {
-        if (!(extra.is_boolean() && !extra.get<bool>()) && s.contains("additionalProperties")) {
-          fail(at + "/additionalProperties", "additional properties beside named ones are not supported");
-        }
         const Json& props = s["properties"];
         if (props.size() > kMaxNames) fail(at + "/properties", fmt::format("more than {} properties", kMaxNames));
         std::vector<std::pair<std::string, std::string>> names;  // (written form, name)
@@ -255,10 +323,20 @@ class Compiler {
             n.required |= uint64_t{1} << (it - names.begin());
           }
         }
+        if (!(extra.is_boolean() && !extra.get<bool>())) {  // other keys: any text but the names
+          n.extra = extra.is_boolean() ? 0 : compile(extra, at + "/additionalProperties");
+          std::vector<std::u32string> texts;
+          for (const auto& [written, name] : names) texts.push_back(code_points(name, at + "/properties"));
+          Node keys;
+          keys.kind = Kind::string;
+          keys.pattern = ByteDfa::compile(every_text_but(texts), ByteDfa::Mode::whole);
+          n.keys = add(std::move(keys));
+        }
         nodes_[self] = std::move(n);
         return self;
       }
       if (s.contains("required") && !s["required"].empty()) fail(at + "/required", "names properties the schema does not define");
+      if (s.contains("propertyNames")) return property_names(s, extra, at);
       if (extra.is_boolean()) {
         n.extra = extra.get<bool>() ? 0 : kNone;
       } else {

@@ -60,6 +60,7 @@ bool valid(const Json& v, const Json& s, const Json& doc) {
       const Json others = s.value("additionalProperties", Json(!s.contains("properties")));
       for (const auto& [k, x] : v.items()) {
         if (!valid(x, props.contains(k) ? props[k] : others, doc)) return false;
+        if (s.contains("propertyNames") && !valid(Json(k), s["propertyNames"], doc)) return false;
       }
       for (const auto& r : s.value("required", Json::array())) {
         if (!v.contains(r.get<std::string>())) return false;
@@ -104,7 +105,7 @@ bool valid(const Json& v, const Json& s, const Json& doc) {
     return false;
   };
   if (types.empty()) {
-    if (s.contains("properties")) return typed("object");
+    if (s.contains("properties") || s.contains("additionalProperties") || s.contains("propertyNames")) return typed("object");
     if (s.contains("items")) return typed("array");
     return true;
   }
@@ -280,6 +281,35 @@ TEST(JsonSchema, takes_valid_documents_and_nothing_else) {
       {R"({"type": "array", "items": {"type": "string"}, "uniqueItems": false})", R"(["a", "a"])", true},
   };
   for (const auto& c : cases) EXPECT_EQ(takes(c.schema, c.text), c.ok) << c.schema << "\n" << c.text;
+}
+
+TEST(JsonSchema, other_keys_beside_named_ones_and_property_names) {
+  // Named keys follow their own schemas, every other key additionalProperties'.
+  const char* mixed = R"({"properties": {"a": {"type": "integer"}, "ab": {"type": "string"}},
+                          "required": ["a"], "additionalProperties": {"type": "boolean"}})";
+  for (const char* t : {R"({"a": 1})", R"({"a": 1, "ab": "x", "b": true, "abc": false, "": true, "é": false})",
+                        R"({"x\"": true, "a": 2})", R"({"a": 1, "\n": true})"}) {
+    EXPECT_TRUE(takes(mixed, t)) << t;
+  }
+  // (Other keys are written as a pattern's strings are: \u only for a control character,
+  // so no escaped form of a name can pass for another key.)
+  for (const char* t : {R"({"a": true})", R"({"abc": 1, "a": 1})", R"({"a": 1, "a": 2})", R"({"ab": "x"})",
+                        R"({"a": 1, "\u0061b": true})", R"({"a": 1, "\u0061": true})", R"({"a": 1, "\u00e9": true})"}) {
+    EXPECT_FALSE(takes(mixed, t)) << t;
+  }
+  EXPECT_TRUE(takes(R"({"properties": {"a": {}}, "additionalProperties": true})", R"({"b": [1, {"c": null}], "a": 0})"));
+  // propertyNames: a string schema for every key, or an enum of the names.
+  const char* pattern = R"({"propertyNames": {"pattern": "^[a-c]+$"}, "additionalProperties": {"type": "integer"}})";
+  EXPECT_TRUE(takes(pattern, R"({"abc": 1, "b": 2})"));
+  EXPECT_FALSE(takes(pattern, R"({"abd": 1})"));
+  EXPECT_FALSE(takes(pattern, R"({"": 1})"));
+  const char* names = R"({"type": "object", "propertyNames": {"enum": ["a", "ab"]}, "additionalProperties": {"type": "integer"}})";
+  EXPECT_TRUE(takes(names, R"({"ab": 2, "a": 1})"));
+  EXPECT_TRUE(takes(names, "{}"));
+  for (const char* t : {R"({"a": 1, "a": 2})", R"({"b": 1})", R"({"a": "x"})"}) EXPECT_FALSE(takes(names, t)) << t;
+  EXPECT_TRUE(takes(R"({"propertyNames": {"maxLength": 1}, "additionalProperties": false})", "{}"));
+  EXPECT_FALSE(takes(R"({"propertyNames": {"maxLength": 1}, "additionalProperties": false})", R"({"a": 1})"));
+  EXPECT_FALSE(takes(R"({"propertyNames": {"maxLength": 1}})", R"({"ab": 1})"));
 }
 
 TEST(JsonSchema, a_choice_grammar_takes_exactly_its_texts) {
@@ -576,7 +606,9 @@ TEST(JsonSchema, refuses_what_it_does_not_hold) {
       {R"({"type": "number", "minimum": 2, "exclusiveMaximum": 2})", "the range of values is empty"},
       {R"({"type": "number", "minimum": 1, "exclusiveMinimum": true})", "draft 4"},
       {R"({"properties": {"a": {"type": "string", "format": "date", "maxLength": 3, "multipleOf": 2}}})", "#/properties/a/multipleOf"},
-      {R"({"properties": {"a": {}}, "additionalProperties": true})", "additional properties"},
+      {R"({"properties": {"a": {}}, "propertyNames": {"maxLength": 3}})", "propertyNames beside properties"},
+      {R"({"propertyNames": {"type": "integer"}})", "#/propertyNames': must be a string schema"},
+      {R"({"patternProperties": {"^a": {}}})", "'patternProperties' is not supported"},
       {R"({"properties": {"a": {}}, "required": ["b"]})", "\"b\" is not one of the properties"},
       {R"({"$ref": "http://example.com/s.json"})", "only references into this document"},
       {R"({"$ref": "#/$defs/none"})", "names nothing"},
@@ -649,17 +681,24 @@ Json random_schema(std::mt19937_64& rng, int depth) {
       Json s = {{"type", "object"}};
       if (pick(4) == 0) {
         s["additionalProperties"] = random_schema(rng, depth - 1);
+        static const char* const kNames[] = {R"({"pattern": "^[a-c]+$"})", R"({"maxLength": 2})",
+                                             R"({"enum": ["a", "ab", "b\"q"]})", R"({"type": "string", "pattern": "b"})"};
+        if (pick(2) == 0) s["propertyNames"] = Json::parse(kNames[pick(4)]);
         return s;
       }
       Json props = Json::object(), req = Json::array();
       const int n = pick(4);
       for (int i = 0; i < n; ++i) {
-        const std::string name = std::string(1, static_cast<char>('a' + i)) + (pick(3) == 0 ? "\"q" : "");
+        // Names that are prefixes of others ("a", "ab"), quoted ones, one that is not ASCII.
+        static const char* const kNames[] = {"a", "ab", "b\"q", "abc", "\u00e9", ""};
+        const std::string name = pick(2) == 0 ? std::string(1, static_cast<char>('a' + i)) + (pick(3) == 0 ? "\"q" : "")
+                                              : Json::parse(std::string("\"") + kNames[pick(6)] + "\"").get<std::string>();
         props[name] = random_schema(rng, depth - 1);
         if (pick(2) == 0) req.push_back(name);
       }
       s["properties"] = props;
       if (!req.empty()) s["required"] = req;
+      if (pick(3) == 0) s["additionalProperties"] = pick(2) == 0 ? Json(true) : random_schema(rng, depth - 1);
       return s;
     }
     case 1: {  // array
@@ -786,6 +825,8 @@ TEST(JsonSchema, token_masks_equal_feeding_each_token_of_the_deepseek_vocabulary
   expect_masks_exact(kPerson, vocab, {"", "{\"", "{\"name\": \"Jo", "{\"name\": \"Ann\", \"age\": 4",
                                       "{\"name\": \"Ann\", \"age\": 4, \"tags\": [", "{\"age\": 1, \"name\": \"abcdefghij"});
   expect_masks_exact(R"({"type": "string", "format": "date-time"})", vocab, {"", "\"", "\"2026-1", "\"2026-12-05T1", "\"2026-12-05T10:00:00"});
+  expect_masks_exact(R"({"properties": {"name": {"type": "string"}, "n": {"type": "integer"}}, "additionalProperties": {"type": "boolean"}})",
+                     vocab, {"{", "{\"", "{\"n", "{\"na", "{\"name", "{\"name\"", "{\"nam\"", "{\"n\": 1, \"", "{\"x"});
   expect_masks_exact(regex_grammar("(Yes|No), because [^.]{1,40}\\."), vocab, {"", "Yes", "No, because", "Yes, because it"});
   // EBNF: most tokens step many bytes through several readings at once.
   expect_masks_exact(ebnf_grammar("root ::= word (\" \" word)*\nword ::= [a-z]+"), vocab, {"", "ab", "ab cd "});

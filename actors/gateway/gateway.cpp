@@ -14,6 +14,7 @@
 
 #include "actors/gateway/fanout.hpp"
 #include "actors/gateway/openai.hpp"
+#include "actors/gateway/responses.hpp"
 #include "engine/json_schema.hpp"
 #include "messages/kinds.hpp"
 #include "model/tokenizer/openai_messages.hpp"
@@ -124,6 +125,7 @@ struct InFlight {
   bool prompt_pending = false;
   std::string echo;  // the echoed prompt (echo: true), streamed as the first event
   std::unique_ptr<gateway::ToolCallParser> tools;  // chat with tools: splits the answer into content and calls
+  std::unique_ptr<gateway::ResponseStream> responses;  // a streamed /v1/responses request: its events' state
 };
 
 struct GatewayState {
@@ -234,6 +236,12 @@ void finish(Self self, RequestId id, const std::string& reason) {
     send_finish(*f.frames, f, finish_reason == "length"  ? msg::FinishReason::LENGTH
                               : finish_reason == "abort" ? msg::FinishReason::ABORTED
                                                          : msg::FinishReason::STOP);
+  } else if (f.responses) {
+    std::string events = f.responses->text(f.result, tail);  // (in this order: each event is numbered)
+    events += f.responses->tool_calls(f.result, deltas);
+    events += f.responses->finish(f.api, f.result);
+    f.responder->send(events);
+    f.responder->end();
   } else if (f.api.stream) {
     if (!tail.empty()) {
       f.responder->send(gateway::stream_delta(f.api, f.result, tail, {}, f.first));
@@ -242,6 +250,8 @@ void finish(Self self, RequestId id, const std::string& reason) {
     if (!deltas.empty()) f.responder->send(gateway::stream_tool_calls(f.result, deltas, f.first));
     f.responder->send(gateway::stream_finish(f.api, f.result));
     f.responder->end();
+  } else if (f.api.kind == ApiKind::responses) {
+    f.responder->respond(200, "application/json", gateway::response_body_of(f.api, f.result));
   } else {
     f.responder->respond(200, "application/json", gateway::response_body(f.api, f.result));
   }
@@ -260,7 +270,7 @@ void fail(Self self, RequestId id, const ApiError& e) {
   if (f.frames) {
     send_frame_error(f.frames->conn, f.frames->rid, code_of(e), e.message, msg::Kind::GENERATE_REQUEST);
   } else if (f.api.stream) {
-    f.responder->send(gateway::stream_error(e));
+    f.responder->send(f.responses ? f.responses->error(e) : gateway::stream_error(e));
     f.responder->end();
   } else {
     respond_error(*f.responder, e);
@@ -381,6 +391,11 @@ bool stream_batch(Self self, InFlight& f, const TokenBatch& b) {
   f.result.text += delta;
   if (f.frames) {
     send_chunk(*f.frames, static_cast<uint32_t>(f.result.token_ids.size() - ids.size()), ids, delta);
+  } else if (f.responses) {
+    std::string events = f.responses->text(f.result, delta);  // (in this order: each event is numbered)
+    events += f.responses->tool_calls(f.result, deltas);
+    if (!events.empty()) f.responder->send(events);
+    deltas.clear();
   } else if (f.api.stream && (!delta.empty() || f.api.return_token_ids || f.api.logprobs >= 0)) {
     std::vector<gateway::LogprobEntry> lps;
     if (f.api.logprobs >= 0) lps.assign(f.result.logprobs.end() - static_cast<std::ptrdiff_t>(ids.size()), f.result.logprobs.end());
@@ -561,7 +576,7 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
   }
   std::vector<int32_t> prompt;
   try {
-    if (kind == ApiKind::chat) {
+    if (gateway::chat_like(kind)) {
       if (!api.add_generation_prompt && api.tool_choice.forces_call()) {
         requests_counter(st, route, 400).inc();
         return ApiError{400, "'tool_choice' that forces a call needs 'add_generation_prompt'", "invalid_request_error",
@@ -574,7 +589,7 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
       prompt = encode_text(st, *api.prompt_text);
     }
   } catch (const Error& e) {
-    const auto ae = gateway::to_request_error(e, kind == ApiKind::chat ? "messages" : "prompt");
+    const auto ae = gateway::to_request_error(e, kind == ApiKind::chat ? "messages" : kind == ApiKind::responses ? "input" : "prompt");
     requests_counter(st, route, ae.status).inc();
     return ae;
   }
@@ -613,7 +628,7 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
     requests_counter(st, route, 400).inc();
     return ApiError{400, "the prompt is empty", "invalid_request_error", "prompt", ""};
   }
-  int64_t max_tokens = api.sampling.max_tokens.value_or(kind == ApiKind::chat ? st.config.max_model_len - plen : 16);
+  int64_t max_tokens = api.sampling.max_tokens.value_or(gateway::chat_like(kind) ? st.config.max_model_len - plen : 16);
   if (plen + std::max<int64_t>(max_tokens, 1) > st.config.max_model_len || max_tokens < (api.echo ? 0 : 1)) {
     ApiError e{400,
                "This model's maximum context length is " + std::to_string(st.config.max_model_len) +
@@ -642,7 +657,8 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
     for (const auto& part : gateway::forced_call_start(api.tool_choice)) forced += part.text;
     f.tools = std::make_unique<gateway::ToolCallParser>(std::move(forced), api.parallel_tool_calls);
   }
-  f.result.id = (kind == ApiKind::chat ? "chatcmpl-" : "cmpl-") + std::to_string(id);
+  f.result.id = (kind == ApiKind::chat ? "chatcmpl-" : kind == ApiKind::responses ? "resp_" : "cmpl-") + std::to_string(id);
+  if (kind == ApiKind::responses && api.stream) f.responses = std::make_unique<gateway::ResponseStream>();
   f.result.created = now_unix();
   f.result.model = st.config.model_name;
   f.result.prompt_ids = prompt;
@@ -714,6 +730,7 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
   requests_counter(st, route, 200).inc();
   if (origin.responder) {
     if (api.stream) origin.responder->start_stream(200, "text/event-stream");
+    if (f.responses) origin.responder->send(f.responses->start(f.api, f.result));
     if (!f.prompt_pending) send_echo(f);
     const auto me = caf::actor_cast<caf::actor>(self);
     origin.responder->on_close([me, id] { caf::anon_send(me, gone_atom::value, id); });
@@ -730,14 +747,17 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
 
 void handle_generate(Self self, HttpCall call, ApiKind kind) {
   auto& st = self->state;
-  const std::string route = kind == ApiKind::chat ? "/v1/chat/completions" : "/v1/completions";
+  const std::string route = kind == ApiKind::chat        ? "/v1/chat/completions"
+                            : kind == ApiKind::responses ? "/v1/responses"
+                                                         : "/v1/completions";
   if (st.draining) {
     requests_counter(st, route, 503).inc();
     respond_error(*call.responder, ApiError{503, "the server is shutting down; retry on another replica",
                                             "service_unavailable", "", ""});
     return;
   }
-  auto parsed = gateway::parse_request(call.request.body, kind);
+  auto parsed = kind == ApiKind::responses ? gateway::parse_response_request(call.request.body)
+                                           : gateway::parse_request(call.request.body, kind);
   if (auto* e = std::get_if<ApiError>(&parsed)) {
     requests_counter(st, route, e->status).inc();
     respond_error(*call.responder, *e);
@@ -1294,13 +1314,15 @@ void handle(Self self, HttpCall call) {
     call.responder->respond(200, "application/json", gateway::dump_json(j));
     return;
   }
-  if (path == "/v1/completions" || path == "/v1/chat/completions") {
+  if (path == "/v1/completions" || path == "/v1/chat/completions" || path == "/v1/responses") {
     if (req.method != "POST") {
       respond_error(*call.responder, ApiError{405, "use POST for " + path, "invalid_request_error", "", ""},
                     {{"allow", "POST"}});
       return;
     }
-    handle_generate(self, std::move(call), path == "/v1/chat/completions" ? ApiKind::chat : ApiKind::completion);
+    handle_generate(self, std::move(call), path == "/v1/chat/completions" ? ApiKind::chat
+                                           : path == "/v1/responses"      ? ApiKind::responses
+                                                                          : ApiKind::completion);
     return;
   }
   respond_error(*call.responder, ApiError{404, "no route " + req.method + " " + path, "invalid_request_error", "", ""});

@@ -557,7 +557,7 @@ json tool_calls_json(const ApiResult& r) {
 
 std::string tool_call_id(const ApiResult& r, size_t index) {
   // Unique per request and call: the response id's number and the call's index.
-  const auto dash = r.id.rfind('-');
+  const auto dash = r.id.find_last_of("-_");
   return fmt::format("call_{}_{}", dash == std::string::npos ? r.id : r.id.substr(dash + 1), index);
 }
 

@@ -43,7 +43,9 @@ struct SamplingSpec {
   std::string grammar_param = "response_format";
 };
 
-enum class ApiKind { completion, chat };
+// responses: OpenAI's Responses API (gateway/responses.hpp), a chat underneath.
+enum class ApiKind { completion, chat, responses };
+inline bool chat_like(ApiKind k) { return k != ApiKind::completion; }
 
 struct ApiRequest {
   ApiKind kind = ApiKind::completion;
@@ -77,6 +79,8 @@ struct ApiRequest {
   std::vector<ToolSpec> tools;
   ToolChoice tool_choice;
   bool parallel_tool_calls = true;
+  // Responses API: the request's fields its response object repeats (instructions, tools, ...).
+  nlohmann::json response_echo;
   // Whether the answer is parsed for tool calls (tools offered and not tool_choice none).
   bool uses_tools() const { return !tools.empty() && tool_choice.mode != ToolChoice::none; }
 };

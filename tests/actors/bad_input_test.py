@@ -334,6 +334,53 @@ def random_body(rng):
     return raw
 
 
+def random_response_body(rng):
+    """A /v1/responses body from a seeded generator: input as text or items of every type (some
+    malformed), and the Responses API's own fields with values of any type."""
+    names = ["instructions", "max_output_tokens", "text", "tools", "tool_choice", "temperature", "top_p", "stream",
+             "previous_response_id", "store", "metadata", "reasoning", "top_logprobs", "background", "include",
+             "truncation", "parallel_tool_calls", "seed", "n", "messages"]
+    values = [None, True, 0, -1, 2 ** 64, 0.5, float("nan"), "", "x", "a" * 300, [], {}, [1, "x"], {"type": "x"},
+              {"format": {"type": rng.choice(["json_schema", "json_object", "text", "xml"]), "schema": {"type": "string"}}}]
+    item_types = ["message", "function_call", "function_call_output", "reasoning", "item_reference", "bogus", 3, None]
+
+    def item():
+        it = {"type": rng.choice(item_types)}
+        for k in rng.sample(["role", "content", "call_id", "name", "arguments", "output", "id"], rng.randint(0, 5)):
+            it[k] = rng.choice(values + ["user", "assistant", "tool", [{"type": "input_text", "text": "hi"}],
+                                         [{"type": "input_image"}]])
+        if rng.random() < 0.3:
+            del it["type"]
+        return it
+
+    b = {"model": MODEL if rng.random() < 0.8 else rng.choice(values)}
+    r = rng.random()
+    b["input"] = "hello" if r < 0.3 else [item() for _ in range(rng.randint(0, 4))] if r < 0.9 else rng.choice(values)
+    for _ in range(rng.randint(0, 5)):
+        b[rng.choice(names)] = rng.choice(values)
+    b["max_output_tokens"] = rng.choice([1, 2, 3, 0, -1, "2", None])
+    if rng.random() < 0.5:
+        b.pop("stream", None)
+    return json.dumps(b).encode()
+
+
+def test_random_response_bodies():
+    """200 seeded random /v1/responses bodies: each answered (2xx, or 4xx in the error format), none ends the server."""
+    import random
+    rng = random.Random(20261205)
+    seen = {}
+    for _ in range(200):
+        raw = random_response_body(rng)
+        body = json.loads(raw)
+        s, b = post(raw, path="/v1/responses")
+        seen[s] = seen.get(s, 0) + 1
+        assert s in (200, 400, 404), (s, b, body)
+        if s != 200:
+            expect_error(s, b, s)
+    assert seen.get(400, 0) > 100 and seen.get(200, 0) > 0, seen
+    still_serving()
+
+
 def test_random_bodies():
     """400 seeded random bodies: each answered (2xx, or 4xx in the error format), none ends the server."""
     import random

@@ -774,5 +774,92 @@ def test_tokenize_and_detokenize():
     assert srv().request("GET", "/tokenize")[0] == 405
 
 
+def test_responses_api():
+    """OpenAI's Responses API (/v1/responses) through the SDK's responses.create / stream / parse: the
+    same greedy answer as the chat with its instructions as the system message, its typed stream events
+    numbered in order and adding up to the answer, function tools (forced, streamed, and a conversation
+    with a call and its output as input items), text.format json_schema; what needs stored responses or
+    hosted tools, and chat-only parameters, are 400s naming the parameter."""
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three actors."}]
+    chat = client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
+    inp = [{"role": "user", "content": [{"type": "input_text", "text": "Name three actors."}]}]
+    r = client().responses.create(model=MODEL, instructions="You are terse.", input=inp, max_output_tokens=8,
+                                  temperature=0)
+    assert r.object == "response" and r.id.startswith("resp_"), r
+    assert r.output_text == chat.choices[0].message.content, (r.output_text, chat.choices[0].message.content)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens", r
+    assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == 8, r.usage
+    assert r.instructions == "You are terse." and r.max_output_tokens == 8, r
+    assert [o.type for o in r.output] == ["message"] and r.output[0].role == "assistant", r.output
+    # The same as a stream: every event numbered from 0 in order; the deltas add up to the answer.
+    events = list(client().responses.create(model=MODEL, instructions="You are terse.", input=inp,
+                                            max_output_tokens=8, temperature=0, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events))), [e.type for e in events]
+    types = [e.type for e in events]
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"], types
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"], types
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[-1].response.output_text == r.output_text and events[-1].response.usage.output_tokens == 8
+    # The SDK's stream helper reads the events (an answer cut short ends with response.incomplete, as OpenAI's do).
+    with client().responses.stream(model=MODEL, input="Hello there", max_output_tokens=6, temperature=0) as st:
+        last = list(st)[-1]
+    again = client().responses.create(model=MODEL, input="Hello there", max_output_tokens=6, temperature=0)
+    assert last.type == "response.incomplete" and last.response.output_text == again.output_text, (last, again)
+
+    # Function tools (the flat Responses form): a forced call, whole and streamed.
+    weather = {"type": "function", **WEATHER["function"]}
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    for stream in (False, True):
+        kw = dict(model=MODEL, input=ask, tools=[weather], max_output_tokens=200, temperature=0,
+                  tool_choice={"type": "function", "name": "get_weather"})
+        if not stream:
+            r = client().responses.create(**kw)
+            calls = [o for o in r.output if o.type == "function_call"]
+        else:  # through the SDK's stream helper: its final response is the last event's
+            with client().responses.stream(**kw) as st:
+                events = list(st)
+                r = st.get_final_response()
+            calls = [o for o in r.output if o.type == "function_call"]
+            assert events[-1].type == "response.completed" and events[-1].response.output == r.output, events[-1]
+            args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+            assert args == calls[0].arguments, (args, calls)
+            assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert r.status == "completed" and len(calls) == 1 and calls[0].name == "get_weather", r
+        assert calls[0].call_id.startswith("call_") and calls[0].status == "completed", calls
+        jsonschema.validate(json.loads(calls[0].arguments), WEATHER["function"]["parameters"])
+    # A conversation with the call and its output, as input items: the chat's prompt with tool_calls and tool messages.
+    history = ask + [{"type": "function_call", "call_id": "call_9", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+                     {"type": "function_call_output", "call_id": "call_9", "output": "18 C, sunny"}]
+    r = client().responses.create(model=MODEL, input=history, tools=[weather], max_output_tokens=3, temperature=0)
+    chat = client().chat.completions.create(
+        model=MODEL, tools=[WEATHER], max_tokens=3, temperature=0,
+        messages=ask + [{"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_9", "content": "18 C, sunny"}])
+    assert r.usage.input_tokens == chat.usage.prompt_tokens and r.output_text == chat.choices[0].message.content, (r, chat)
+
+    # text.format json_schema through the SDK's parse() and a pydantic model.
+    for seed in range(2):
+        r = client().responses.parse(model=MODEL, input="Forecast for Oslo as JSON.", text_format=Forecast,
+                                     max_output_tokens=400, temperature=1.0, extra_body=dict(seed=seed))
+        assert r.status == "completed" and isinstance(r.output_parsed, Forecast), r
+        jsonschema.validate(json.loads(r.output_text), Forecast.model_json_schema())
+
+    s = srv()
+    for body, param in ((dict(previous_response_id="resp_1"), "previous_response_id"), (dict(input=None), "input"),
+                        (dict(input=[]), "input"), (dict(tools=[{"type": "web_search"}]), "tools"),
+                        (dict(messages=ask), "messages"), (dict(max_tokens=3), "max_tokens"),
+                        (dict(text={"format": {"type": "xml"}}), "text.format"),
+                        (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]), "input"),
+                        (dict(input=[{"type": "item_reference", "id": "msg_1"}]), "input"),
+                        (dict(max_output_tokens=0), "max_output_tokens"), (dict(temperature="hot"), "temperature"),
+                        (dict(background=True), "background"), (dict(top_logprobs=2), "top_logprobs")):
+        status, e = s.post("/v1/responses", {"model": MODEL, "input": "hi", **body})
+        assert status == 400 and e["error"]["param"] == param and e["error"]["message"], (body, status, e)
+    assert s.get("/health")[0] == 200
+
+
 if __name__ == "__main__":
     raise SystemExit(harness.run(globals(), A.only))

@@ -24,6 +24,8 @@ namespace grammar {
 inline constexpr uint16_t kMaxWhitespace = 64;  // consecutive whitespace bytes
 inline constexpr uint32_t kMaxNumberBytes = 32;
 inline constexpr size_t kMaxDepth = 32;         // frames on a stack
+inline constexpr uint32_t kNoFit = 1u << 20;    // Node::depth of a value no stack can hold
+inline uint64_t low_bits(size_t n) { return n >= 64 ? ~uint64_t{0} : (uint64_t{1} << n) - 1; }
 inline constexpr size_t kMaxStacks = 1024;      // readings of one answer at once (an ambiguous EBNF grammar's)
 inline constexpr size_t kMaxNames = 64;         // properties of an object (a 64-bit set of those seen)
 inline constexpr size_t kMaxMasks = 512;        // cached masks a grammar (16 KB each at a 129K vocabulary: 8 MB)
@@ -78,6 +80,12 @@ struct JsonGrammar::Node {
   // rule, terminal: the fewest frames a stack needs to read the shortest text this
   // derives, its own frame included (a repeat's tail takes its rule's place).
   uint32_t need = 0;
+  // JSON nodes: the fewest frames a value needs to be written whole, its own included (its
+  // required properties' and minItems' values nested in it; kNoFit: none can be within
+  // kMaxDepth); object: the most any named value needs. A value, key or item is begun only
+  // where it fits, so no answer is led into nesting it could not close.
+  uint32_t depth = 1;
+  uint32_t deepest = 0;
 };
 
 namespace grammar {

@@ -173,6 +173,17 @@ bool JsonGrammar::rule_fits(size_t below, uint32_t rule, uint32_t alt) const {
   return below + sequence_need(nodes_, nodes_[rule].alts[alt]) <= kMaxDepth;
 }
 
+bool JsonGrammar::fits(size_t below, uint32_t node) const { return below + nodes_[node].depth <= kMaxDepth; }
+
+uint64_t JsonGrammar::unfit_names(const Node& n, size_t below) const {
+  if (below + n.deepest <= kMaxDepth) return 0;  // (far from the bound: every one fits)
+  uint64_t unfit = 0;
+  for (size_t i = 0; i < n.values.size(); ++i) {
+    if (!fits(below, n.values[i])) unfit |= uint64_t{1} << i;
+  }
+  return unfit;
+}
+
 // Whether a stack of EBNF rules may end here: every frame's rest (past the element
 // being read, below the top) can be empty.
 bool JsonGrammar::rules_may_end(std::span<const Frame> stack) const {
@@ -199,7 +210,7 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
     }
   };
   auto push_value = [&](uint32_t node) -> bool {
-    if (s.size() >= kMaxDepth) return false;
+    if (!fits(s.size(), node)) return false;
     Frame v;
     v.node = node;
     s.push_back(v);
@@ -230,7 +241,7 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
           };
           uint32_t last = kNone;
           for (uint32_t o : n.options) {
-            if (!starts(o)) continue;
+            if (!starts(o) || !fits(s.size() - 1, o)) continue;
             if (last != kNone) {
               StackCopy copy(s);
               std::vector<Frame>& t = copy.get();
@@ -286,8 +297,12 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
       return;
     }
     case kObject: {
+      // A key's value goes where the key's frame goes (s.size()): the names not read yet
+      // whose values fit there, and other keys where additionalProperties' value fits.
       const bool closed = n.extra == kNone;
-      const bool more_names = closed ? (n.names.size() > static_cast<size_t>(__builtin_popcountll(f.seen))) : true;
+      const uint64_t open_names = ~(f.seen | unfit_names(n, s.size())) & low_bits(n.names.size());
+      const bool others = !closed && fits(s.size(), n.extra);
+      const bool more_names = open_names != 0 || others;
       const bool may_close = (f.seen & n.required) == n.required;
       switch (f.sub) {
         case kObjOpen:
@@ -297,7 +312,7 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
             finish_child(s);
             return out.push(s);
           }
-          if (c != '"' || !more_names || s.size() >= kMaxDepth) return;
+          if (c != '"' || !more_names) return;
           f.sub = kObjInKey;
           f.ws = 0;
           {
@@ -309,8 +324,8 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
             named.a = 0;
             named.b = static_cast<uint32_t>(n.names.size());
             named.c = 0;
-            const bool some_named = n.names.size() > static_cast<size_t>(__builtin_popcountll(f.seen));
-            if (closed) {
+            const bool some_named = open_names != 0;
+            if (!others) {
               s.push_back(named);
               return out.push(s);
             }
@@ -373,7 +388,7 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
           if (is_ws(c)) return whitespace();
           const bool spent = n.unique && n.items != kNone &&
                              static_cast<size_t>(__builtin_popcountll(f.seen)) >= nodes_[n.items].texts.size();
-          if (c == ',' && item(f.a) != kNone && !spent) {  // (uniqueItems: while a value is left)
+          if (c == ',' && item(f.a) != kNone && !spent && fits(s.size(), item(f.a))) {  // (uniqueItems: while a value is left)
             f.sub = kArrNext;
             f.ws = 0;
             return out.push(s);
@@ -574,7 +589,7 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
       if (f.kind == kKey) {
         // A name is written with its closing quote, so none is a prefix of another;
         // names already read cannot come again.
-        const uint64_t seen = s[s.size() - 2].seen;
+        const uint64_t seen = s[s.size() - 2].seen | unfit_names(nodes_[s[s.size() - 2].node], s.size() - 1);
         uint32_t unseen = lo;
         while (unseen < hi && (seen >> unseen & 1)) ++unseen;
         if (unseen == hi) return;

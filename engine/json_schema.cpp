@@ -490,6 +490,48 @@ namespace {
 constexpr size_t kMaxChoices = 1024;
 }  // namespace
 
+namespace {
+
+// Node::depth and Node::deepest of every JSON node: the least fixed point from kNoFit down
+// (references make the nodes a graph; a value that needs itself inside never fits).
+void set_depths(std::vector<Node>& nodes) {
+  for (auto& n : nodes) n.depth = n.kind == Kind::object || n.kind == Kind::array || n.kind == Kind::any_of ? kNoFit : 1;
+  auto inside = [](uint32_t d) { return std::min(kNoFit, d + 1); };
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (auto& n : nodes) {
+      uint32_t d = n.depth;
+      if (n.kind == Kind::object) {
+        d = 1;
+        for (size_t i = 0; i < n.names.size(); ++i) {
+          if (n.required >> i & 1) d = std::max(d, inside(nodes[n.values[i]].depth));
+        }
+      } else if (n.kind == Kind::array) {
+        d = 1;
+        for (int64_t i = 0; i < n.min_count; ++i) {
+          const uint32_t item = static_cast<size_t>(i) < n.prefix_items.size() ? n.prefix_items[static_cast<size_t>(i)] : n.items;
+          if (item != kNone) d = std::max(d, inside(nodes[item].depth));
+          if (static_cast<size_t>(i) >= n.prefix_items.size()) break;  // the rest are the same items
+        }
+      } else if (n.kind == Kind::any_of) {
+        d = kNoFit;
+        for (uint32_t o : n.options) d = std::min(d, nodes[o].depth);
+      }
+      if (d < n.depth) {
+        n.depth = d;
+        changed = true;
+      }
+    }
+  }
+  for (auto& n : nodes) {
+    if (n.kind != Kind::object) continue;
+    n.deepest = 0;
+    for (uint32_t v : n.values) n.deepest = std::max(n.deepest, nodes[v].depth);
+  }
+}
+
+}  // namespace
+
 std::shared_ptr<JsonGrammar> JsonGrammar::compile(std::string_view schema) {
   if (schema.starts_with(kEbnfTag)) {
     std::shared_ptr<JsonGrammar> g(new JsonGrammar());
@@ -586,6 +628,11 @@ std::shared_ptr<JsonGrammar> JsonGrammar::compile(std::string_view schema) {
   }
   if (nodes[root].kind == Kind::any_of && nodes[root].options.empty()) {
     raise(ErrorCode::invalid_argument, "json schema at '#': matches nothing (it refers to itself without a value between)");
+  }
+  set_depths(nodes);
+  if (nodes[root].depth > kMaxDepth) {
+    raise(ErrorCode::invalid_argument, "json schema at '#': no value of it nests within {} levels (required properties or "
+                                       "minItems that refer back to themselves?)", kMaxDepth);
   }
   return g;
 }

@@ -118,6 +118,10 @@ class JsonGrammar {
   bool rules_may_end(std::span<const Frame> stack) const;
   bool rule_fits(size_t below, uint32_t rule, uint32_t alt) const;
   bool accepting(const State& s) const;
+  // Whether a value of `node` begun with `below` frames under it can close within kMaxDepth.
+  bool fits(size_t below, uint32_t node) const;
+  // The names of object `n` whose values would not fit with `below` frames under them.
+  uint64_t unfit_names(const Node& n, size_t below) const;
   const TokenMask& mask(const State& s, const TokenVocabulary& vocab);
 
   std::vector<Node> nodes_;

@@ -521,6 +521,67 @@ TEST(Ebnf, a_grammar_that_no_regular_expression_holds) {
   }
 }
 
+TEST(JsonSchema, nesting_never_strands_an_answer) {
+  // Walks that favour opening ('{', '[', keys) run into the 32-frame bound: there the matcher
+  // takes no key, item or option whose value could not close within it (each node below
+  // needs three levels for its required "v"); at every place some byte may follow or it may end.
+  const char* const schemas[] = {
+      R"({"$defs": {"n": {"type": "object", "required": ["v"], "properties": {
+           "next": {"$ref": "#/$defs/n"}, "list": {"type": "array", "items": {"$ref": "#/$defs/n"}},
+           "v": {"type": "object", "required": ["w"], "properties": {"w": {"type": "array", "minItems": 1,
+                 "items": {"type": "integer"}}}}}}}, "$ref": "#/$defs/n"})",
+      R"({"$defs": {"t": {"anyOf": [{"type": "array", "minItems": 2, "prefixItems": [{"type": "integer"}], "items": {"$ref": "#/$defs/t"}},
+                                     {"type": "object", "additionalProperties": {"$ref": "#/$defs/t"}}]}},
+          "$ref": "#/$defs/t"})",
+      "{}",
+  };
+  std::mt19937_64 rng(5);
+  for (const char* schema : schemas) {
+    std::shared_ptr<JsonGrammar> g;
+    try {
+      g = JsonGrammar::compile(schema);
+    } catch (const Error& e) {
+      FAIL() << schema << ": " << e.what();
+    }
+    int deep = 0;
+    for (int w = 0; w < 30; ++w) {
+      JsonMatcher m(g);
+      std::string text;
+      int depth = 0, most = 0;
+      while (!m.complete() && text.size() < 3000) {
+        // Opening for the first 600 bytes, then closing (and writing what is required).
+        const bool opening_phase = text.size() < 600;
+        const auto [ok, liked] = next_bytes(m, opening_phase ? "{[n\"" : "}]\"vw:1");
+        if (ok.empty()) {
+          ASSERT_TRUE(m.may_end()) << schema << " stranded after " << text;
+          break;
+        }
+        const bool favoured = !liked.empty() && rng() % 5 != 0;
+        const auto& from = favoured ? liked : ok;
+        const uint8_t c = from[rng() % from.size()];
+        depth += c == '{' || c == '[' ? 1 : c == '}' || c == ']' ? -1 : 0;
+        most = std::max(most, depth);
+        text.push_back(static_cast<char>(c));
+        ASSERT_TRUE(m.feed(std::string(1, static_cast<char>(c))));
+      }
+      if (!m.complete()) continue;  // (cut at 3,000 bytes)
+      deep += most >= 15;
+      Json v;
+      ASSERT_NO_THROW(v = Json::parse(text)) << text;
+      const Json s = Json::parse(schema);
+      ASSERT_TRUE(valid(v, s, s)) << text;
+    }
+    EXPECT_GE(deep, 3) << schema;  // the walks did reach the bound
+  }
+  // A value that must hold itself has none within the bound (or at all).
+  try {
+    JsonGrammar::compile(R"({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]})");
+    ADD_FAILURE() << "compiled";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no value of it nests within 32 levels"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Ebnf, nesting_never_strands_an_answer) {
   // Walks that favour '(' run into the 32-frame bound: before it, the matcher stops
   // taking what it could not close; at every place some byte may follow or it may end.

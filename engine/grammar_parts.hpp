@@ -64,7 +64,7 @@ struct JsonGrammar::Node {
   uint32_t items = grammar::kNone;                     // array: items past prefix_items (kNone: none)
   std::vector<uint32_t> prefix_items;         // array: the first items' own schemas
   bool unique = false;                        // array: uniqueItems (its items one literal node; the frame's seen: those used)
-  int64_t min_count = 0, max_count = -1;      // array items, string characters (-1: no bound)
+  int64_t min_count = 0, max_count = -1;      // array items, object properties, string characters (-1: no bound)
   // number / integer: the value's range (JSON Schema's minimum / maximum and their
   // exclusive forms, as doubles: the value a reader parses from the text is compared).
   bool bounded = false;
@@ -122,7 +122,7 @@ struct JsonGrammar::Frame {
   // far; kString: characters so far (only where the node bounds them); kNumber:
   // bytes so far; kLiteral / kKey: the first text still possible.
   uint32_t a = 0;
-  // kLiteral / kKey: one past the last text still possible; kString: in an escape,
+  // kObject: the keys read; kLiteral / kKey: one past the last text still possible; kString: in an escape,
   // hex digits read; in a character, continuation bytes still due; kNumber: exponent digits.
   // A bounded number keeps its text, 4 bits a byte, in c, d and seen.
   uint32_t b = 0;

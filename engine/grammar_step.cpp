@@ -302,8 +302,9 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
       const bool closed = n.extra == kNone;
       const uint64_t open_names = ~(f.seen | unfit_names(n, s.size())) & low_bits(n.names.size());
       const bool others = !closed && fits(s.size(), n.extra);
-      const bool more_names = open_names != 0 || others;
-      const bool may_close = (f.seen & n.required) == n.required;
+      const bool room = n.max_count < 0 || f.b < static_cast<uint64_t>(n.max_count);  // maxProperties
+      const bool more_names = room && (open_names != 0 || others);
+      const bool may_close = (f.seen & n.required) == n.required && f.b >= static_cast<uint64_t>(n.min_count);
       switch (f.sub) {
         case kObjOpen:
         case kObjKeyNext:
@@ -345,6 +346,7 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
         case kObjColon:
           if (is_ws(c)) return whitespace();
           if (c != ':') return;
+          ++f.b;  // a key more
           f.sub = kObjInValue;
           f.ws = 0;
           if (!push_value(f.a != kNone ? n.values[f.a] : n.extra)) return;

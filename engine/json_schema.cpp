@@ -190,7 +190,7 @@ class Compiler {
         fail(at + "/type", "must be a type name or a list of them");
       }
     } else if (s.contains("properties") || s.contains("required") || s.contains("additionalProperties") ||
-               s.contains("propertyNames")) {
+               s.contains("propertyNames") || s.contains("minProperties") || s.contains("maxProperties")) {
       types = {"object"};
     } else if (s.contains("items") || s.contains("prefixItems") || s.contains("minItems") || s.contains("maxItems") ||
                s.contains("uniqueItems")) {
@@ -206,7 +206,8 @@ class Compiler {
       static const char* const kHeld[] = {"type", "properties", "required", "additionalProperties", "items",
                                           "prefixItems", "minItems", "maxItems", "minLength", "maxLength",
                                           "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "$defs",
-                                          "definitions", "pattern", "uniqueItems", "propertyNames"};
+                                          "definitions", "pattern", "uniqueItems", "propertyNames", "minProperties",
+                                          "maxProperties"};
       bool held = annotation(k);
       for (const char* h : kHeld) held = held || k == h;
       if (!held) fail(at + "/" + k, fmt::format("the keyword '{}' is not supported", k));
@@ -292,61 +293,79 @@ class Compiler {
     return out;
   }
 
-  uint32_t typed(const Json& s, const std::string& type, const std::string& at) {
+  // An object node (its keys and their values; minProperties and maxProperties are typed()'s).
+  uint32_t object(const Json& s, const std::string& at) {
     Node n;
-    if (type == "object") {
-      n.kind = Kind::object;
-      const bool has_names = s.contains("properties") && s["properties"].is_object() && !s["properties"].empty();
-      if (s.contains("properties") && !s["properties"].is_object()) fail(at + "/properties", "must be an object");
-      // Properties named (even none, a tool without parameters): no others unless said.
-      const Json extra = s.value("additionalProperties", Json(!s.contains("properties")));
-      if (s.contains("propertyNames") && has_names) {
-        fail(at + "/propertyNames", "propertyNames beside properties is not supported");
-      }
-      if (has_names) {
-        const Json& props = s["properties"];
-        if (props.size() > kMaxNames) fail(at + "/properties", fmt::format("more than {} properties", kMaxNames));
-        std::vector<std::pair<std::string, std::string>> names;  // (written form, name)
-        for (const auto& [name, v] : props.items()) names.emplace_back(Json(name).dump().substr(1), name);
-        std::sort(names.begin(), names.end());
-        const uint32_t self = add(Node{});  // reserved: the values may refer back through $ref
-        for (size_t i = 0; i < names.size(); ++i) {
-          n.names.push_back(names[i].first);
-          n.values.push_back(compile(props[names[i].second], at + "/properties/" + names[i].second));
-        }
-        if (s.contains("required")) {
-          const Json& req = s["required"];
-          if (!req.is_array()) fail(at + "/required", "must be an array of property names");
-          for (const auto& r : req) {
-            const auto it = std::find_if(names.begin(), names.end(), [&](const auto& p) { return r.is_string() && p.second == r; });
-            if (it == names.end()) fail(at + "/required", fmt::format("{} is not one of the properties", r.dump()));
-            n.required |= uint64_t{1} << (it - names.begin());
-          }
-        }
-        if (!(extra.is_boolean() && !extra.get<bool>())) {  // other keys: any text but the names
-          n.extra = extra.is_boolean() ? 0 : compile(extra, at + "/additionalProperties");
-          std::vector<std::u32string> texts;
-          for (const auto& [written, name] : names) texts.push_back(code_points(name, at + "/properties"));
-          Node keys;
-          keys.kind = Kind::string;
-          keys.pattern = ByteDfa::compile(every_text_but(texts), ByteDfa::Mode::whole);
-          n.keys = add(std::move(keys));
-        }
-        nodes_[self] = std::move(n);
-        return self;
-      }
-      if (s.contains("required") && !s["required"].empty()) fail(at + "/required", "names properties the schema does not define");
-      if (s.contains("propertyNames")) return property_names(s, extra, at);
-      if (extra.is_boolean()) {
-        n.extra = extra.get<bool>() ? 0 : kNone;
-      } else {
-        const uint32_t self = add(Node{});
-        n.extra = compile(extra, at + "/additionalProperties");
-        nodes_[self] = std::move(n);
-        return self;
-      }
-      return add(std::move(n));
+    n.kind = Kind::object;
+    const bool has_names = s.contains("properties") && s["properties"].is_object() && !s["properties"].empty();
+    if (s.contains("properties") && !s["properties"].is_object()) fail(at + "/properties", "must be an object");
+    // Properties named (even none, a tool without parameters): no others unless said.
+    const Json extra = s.value("additionalProperties", Json(!s.contains("properties")));
+    if (s.contains("propertyNames") && has_names) {
+      fail(at + "/propertyNames", "propertyNames beside properties is not supported");
     }
+    if (has_names) {
+      const Json& props = s["properties"];
+      if (props.size() > kMaxNames) fail(at + "/properties", fmt::format("more than {} properties", kMaxNames));
+      std::vector<std::pair<std::string, std::string>> names;  // (written form, name)
+      for (const auto& [name, v] : props.items()) names.emplace_back(Json(name).dump().substr(1), name);
+      std::sort(names.begin(), names.end());
+      const uint32_t self = add(Node{});  // reserved: the values may refer back through $ref
+      for (size_t i = 0; i < names.size(); ++i) {
+        n.names.push_back(names[i].first);
+        n.values.push_back(compile(props[names[i].second], at + "/properties/" + names[i].second));
+      }
+      if (s.contains("required")) {
+        const Json& req = s["required"];
+        if (!req.is_array()) fail(at + "/required", "must be an array of property names");
+        for (const auto& r : req) {
+          const auto it = std::find_if(names.begin(), names.end(), [&](const auto& p) { return r.is_string() && p.second == r; });
+          if (it == names.end()) fail(at + "/required", fmt::format("{} is not one of the properties", r.dump()));
+          n.required |= uint64_t{1} << (it - names.begin());
+        }
+      }
+      if (!(extra.is_boolean() && !extra.get<bool>())) {  // other keys: any text but the names
+        n.extra = extra.is_boolean() ? 0 : compile(extra, at + "/additionalProperties");
+        std::vector<std::u32string> texts;
+        for (const auto& [written, name] : names) texts.push_back(code_points(name, at + "/properties"));
+        Node keys;
+        keys.kind = Kind::string;
+        keys.pattern = ByteDfa::compile(every_text_but(texts), ByteDfa::Mode::whole);
+        n.keys = add(std::move(keys));
+      }
+      nodes_[self] = std::move(n);
+      return self;
+    }
+    if (s.contains("required") && !s["required"].empty()) fail(at + "/required", "names properties the schema does not define");
+    if (s.contains("propertyNames")) return property_names(s, extra, at);
+    if (extra.is_boolean()) {
+      n.extra = extra.get<bool>() ? 0 : kNone;
+    } else {
+      const uint32_t self = add(Node{});
+      n.extra = compile(extra, at + "/additionalProperties");
+      nodes_[self] = std::move(n);
+      return self;
+    }
+    return add(std::move(n));
+  }
+
+  uint32_t typed(const Json& s, const std::string& type, const std::string& at) {
+    if (type == "object") {
+      const uint32_t id = object(s, at);
+      Node& o = nodes_[id];
+      o.min_count = count(s, "minProperties", at, 0);
+      o.max_count = count(s, "maxProperties", at, -1);
+      const auto required = static_cast<int64_t>(__builtin_popcountll(o.required));
+      if (o.max_count >= 0 && o.max_count < std::max(o.min_count, required)) {
+        fail(at, o.max_count < o.min_count ? "maxProperties is below minProperties"
+                                           : fmt::format("maxProperties is below the {} required properties", required));
+      }
+      if (o.extra == kNone && static_cast<int64_t>(o.names.size()) < o.min_count) {
+        fail(at, fmt::format("minProperties is above the {} properties the object may have", o.names.size()));
+      }
+      return id;
+    }
+    Node n;
     if (type == "array") {
       n.kind = Kind::array;
       n.min_count = count(s, "minItems", at, 0);
@@ -503,8 +522,20 @@ void set_depths(std::vector<Node>& nodes) {
       uint32_t d = n.depth;
       if (n.kind == Kind::object) {
         d = 1;
+        std::vector<uint32_t> optional;  // the others' depths, for minProperties past the required ones
         for (size_t i = 0; i < n.names.size(); ++i) {
-          if (n.required >> i & 1) d = std::max(d, inside(nodes[n.values[i]].depth));
+          if (n.required >> i & 1) {
+            d = std::max(d, inside(nodes[n.values[i]].depth));
+          } else {
+            optional.push_back(nodes[n.values[i]].depth);
+          }
+        }
+        const auto more = n.min_count - static_cast<int64_t>(n.names.size() - optional.size());
+        if (more > 0) {  // the cheapest `more` of the optional ones, or other keys' values (any number of them)
+          const uint32_t other = n.extra != kNone ? nodes[n.extra].depth : kNoFit;
+          std::sort(optional.begin(), optional.end());
+          const uint32_t kth = static_cast<size_t>(more) <= optional.size() ? optional[static_cast<size_t>(more) - 1] : kNoFit;
+          d = std::max(d, inside(std::min(kth, other)));
         }
       } else if (n.kind == Kind::array) {
         d = 1;

@@ -65,7 +65,8 @@ bool valid(const Json& v, const Json& s, const Json& doc) {
       for (const auto& r : s.value("required", Json::array())) {
         if (!v.contains(r.get<std::string>())) return false;
       }
-      return true;
+      if (static_cast<int64_t>(v.size()) < s.value("minProperties", 0)) return false;
+      return !s.contains("maxProperties") || static_cast<int64_t>(v.size()) <= s["maxProperties"].get<int64_t>();
     }
     if (t == "array") {
       if (!v.is_array()) return false;
@@ -105,7 +106,10 @@ bool valid(const Json& v, const Json& s, const Json& doc) {
     return false;
   };
   if (types.empty()) {
-    if (s.contains("properties") || s.contains("additionalProperties") || s.contains("propertyNames")) return typed("object");
+    if (s.contains("properties") || s.contains("additionalProperties") || s.contains("propertyNames") ||
+        s.contains("minProperties") || s.contains("maxProperties")) {
+      return typed("object");
+    }
     if (s.contains("items")) return typed("array");
     return true;
   }
@@ -310,6 +314,10 @@ TEST(JsonSchema, other_keys_beside_named_ones_and_property_names) {
   EXPECT_TRUE(takes(R"({"propertyNames": {"maxLength": 1}, "additionalProperties": false})", "{}"));
   EXPECT_FALSE(takes(R"({"propertyNames": {"maxLength": 1}, "additionalProperties": false})", R"({"a": 1})"));
   EXPECT_FALSE(takes(R"({"propertyNames": {"maxLength": 1}})", R"({"ab": 1})"));
+  // minProperties / maxProperties: keys of every kind counted.
+  const char* counted = R"({"properties": {"a": {}, "b": {}}, "additionalProperties": true, "minProperties": 2, "maxProperties": 3})";
+  for (const char* t : {R"({"a": 1, "x": 2})", R"({"x": 1, "y": 2, "b": 3})", R"({"b": 1, "a": 2})"}) EXPECT_TRUE(takes(counted, t)) << t;
+  for (const char* t : {"{}", R"({"a": 1})", R"({"x": 1})", R"({"a": 1, "b": 2, "x": 3, "y": 4})"}) EXPECT_FALSE(takes(counted, t)) << t;
 }
 
 TEST(JsonSchema, a_choice_grammar_takes_exactly_its_texts) {
@@ -670,6 +678,9 @@ TEST(JsonSchema, refuses_what_it_does_not_hold) {
       {R"({"properties": {"a": {}}, "propertyNames": {"maxLength": 3}})", "propertyNames beside properties"},
       {R"({"propertyNames": {"type": "integer"}})", "#/propertyNames': must be a string schema"},
       {R"({"patternProperties": {"^a": {}}})", "'patternProperties' is not supported"},
+      {R"({"properties": {"a": {}}, "minProperties": 2})", "minProperties is above the 1 properties"},
+      {R"({"properties": {"a": {}, "b": {}}, "required": ["a", "b"], "maxProperties": 1})", "below the 2 required"},
+      {R"({"type": "object", "minProperties": 3, "maxProperties": 2})", "maxProperties is below minProperties"},
       {R"({"properties": {"a": {}}, "required": ["b"]})", "\"b\" is not one of the properties"},
       {R"({"$ref": "http://example.com/s.json"})", "only references into this document"},
       {R"({"$ref": "#/$defs/none"})", "names nothing"},
@@ -745,13 +756,15 @@ Json random_schema(std::mt19937_64& rng, int depth) {
         static const char* const kNames[] = {R"({"pattern": "^[a-c]+$"})", R"({"maxLength": 2})",
                                              R"({"enum": ["a", "ab", "b\"q"]})", R"({"type": "string", "pattern": "b"})"};
         if (pick(2) == 0) s["propertyNames"] = Json::parse(kNames[pick(4)]);
+        if (pick(3) == 0) s["minProperties"] = pick(3);
+        if (pick(3) == 0) s["maxProperties"] = s.value("minProperties", 0) + pick(3);
         return s;
       }
       Json props = Json::object(), req = Json::array();
       const int n = pick(4);
       for (int i = 0; i < n; ++i) {
         // Names that are prefixes of others ("a", "ab"), quoted ones, one that is not ASCII.
-        static const char* const kNames[] = {"a", "ab", "b\"q", "abc", "\u00e9", ""};
+        static const char* const kNames[] = {"a", "ab", "b\\\"q", "abc", "\\u00e9", ""};
         const std::string name = pick(2) == 0 ? std::string(1, static_cast<char>('a' + i)) + (pick(3) == 0 ? "\"q" : "")
                                               : Json::parse(std::string("\"") + kNames[pick(6)] + "\"").get<std::string>();
         props[name] = random_schema(rng, depth - 1);
@@ -760,6 +773,9 @@ Json random_schema(std::mt19937_64& rng, int depth) {
       s["properties"] = props;
       if (!req.empty()) s["required"] = req;
       if (pick(3) == 0) s["additionalProperties"] = pick(2) == 0 ? Json(true) : random_schema(rng, depth - 1);
+      const int64_t most = s.contains("additionalProperties") ? 4 : static_cast<int64_t>(props.size());
+      if (pick(3) == 0) s["minProperties"] = std::min<int64_t>(pick(3), most);
+      if (pick(3) == 0) s["maxProperties"] = std::max<int64_t>(s.value("minProperties", 0), static_cast<int64_t>(req.size())) + pick(2);
       return s;
     }
     case 1: {  // array

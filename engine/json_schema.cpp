@@ -261,13 +261,16 @@ class Compiler {
   // an enum / const of names (each then a property whose value follows `extra`).
   uint32_t property_names(const Json& s, const Json& extra, const std::string& at) {
     if (extra.is_boolean() && !extra.get<bool>()) return add(Node{.kind = Kind::object});  // no keys at all
+    const Json& names = s["propertyNames"];
+    if (names == false) return add(Node{.kind = Kind::object});                         // no key is valid
     Node n;
     n.kind = Kind::object;
     const uint32_t self = add(Node{});
     n.extra = extra.is_boolean() ? 0 : compile(extra, at + "/additionalProperties");
-    const uint32_t keys = compile(s["propertyNames"], at + "/propertyNames");
+    const uint32_t keys = compile(names, at + "/propertyNames");
     const Node& k = nodes_[keys];
-    if (k.kind == Kind::string) {
+    if (keys == 0) {  // true, {}: any key
+    } else if (k.kind == Kind::string) {
       n.keys = keys;
     } else if (k.kind == Kind::literal && k.texts.size() <= kMaxNames &&
                std::all_of(k.texts.begin(), k.texts.end(), [](const std::string& t) { return t[0] == '"'; })) {

@@ -314,6 +314,10 @@ TEST(JsonSchema, other_keys_beside_named_ones_and_property_names) {
   EXPECT_TRUE(takes(R"({"propertyNames": {"maxLength": 1}, "additionalProperties": false})", "{}"));
   EXPECT_FALSE(takes(R"({"propertyNames": {"maxLength": 1}, "additionalProperties": false})", R"({"a": 1})"));
   EXPECT_FALSE(takes(R"({"propertyNames": {"maxLength": 1}})", R"({"ab": 1})"));
+  EXPECT_TRUE(takes(R"({"propertyNames": true, "additionalProperties": {"type": "integer"}})", R"({"ab": 1})"));
+  EXPECT_TRUE(takes(R"({"propertyNames": {}})", R"({"ab": [1]})"));
+  EXPECT_TRUE(takes(R"({"propertyNames": false})", "{}"));
+  EXPECT_FALSE(takes(R"({"propertyNames": false})", R"({"a": 1})"));
   // minProperties / maxProperties: keys of every kind counted.
   const char* counted = R"({"properties": {"a": {}, "b": {}}, "additionalProperties": true, "minProperties": 2, "maxProperties": 3})";
   for (const char* t : {R"({"a": 1, "x": 2})", R"({"x": 1, "y": 2, "b": 3})", R"({"b": 1, "a": 2})"}) EXPECT_TRUE(takes(counted, t)) << t;

@@ -659,12 +659,25 @@ class DfaBuilder {
     return false;
   }
 
-  // Steps into states that cannot reach a match go to the dead state; then each state's
-  // fewest characters to a match.
   void prune() {
-    const uint32_t states = static_cast<uint32_t>(sets_.size());
-    const uint32_t classes = dfa_.classes_;
-    auto& table = dfa_.table_;
+    if (!dfa_.prune(rep_)) raise(ErrorCode::invalid_argument, "regex: the pattern matches no text");
+  }
+
+  const Nfa& n_;
+  ByteDfa dfa_;
+  std::vector<uint8_t> rep_;  // a byte of each class
+  std::vector<std::vector<uint32_t>> sets_;
+  std::map<std::pair<std::vector<uint32_t>, bool>, uint32_t> ids_;
+  std::vector<uint32_t> mark_;
+  uint32_t generation_ = 0;
+};
+
+// Steps into states that cannot reach a match go to the dead state; then each state's
+// fewest characters to a match.
+bool ByteDfa::prune(const std::vector<uint8_t>& rep) {
+    const uint32_t states = static_cast<uint32_t>(accepting_.size());
+    const uint32_t classes = classes_;
+    auto& table = table_;
     std::vector<std::vector<std::pair<uint32_t, uint32_t>>> from(states);  // (state, class) into each state
     for (uint32_t s = 1; s < states; ++s) {
       for (uint32_t k = 0; k < classes; ++k) {
@@ -676,7 +689,7 @@ class DfaBuilder {
     std::vector<uint32_t> dist(states, kFar);
     std::deque<uint32_t> todo;
     for (uint32_t s = 1; s < states; ++s) {
-      if (dfa_.accepting_[s]) {
+      if (accepting_[s]) {
         dist[s] = 0;
         todo.push_back(s);
       }
@@ -685,7 +698,7 @@ class DfaBuilder {
       const uint32_t t = todo.front();
       todo.pop_front();
       for (const auto& [s, k] : from[t]) {
-        const uint8_t b = rep_[k];
+        const uint8_t b = rep[k];
         const uint32_t w = b < 0x80 || b >= 0xC0 ? 1 : 0;
         if (dist[t] + w < dist[s]) {
           dist[s] = dist[t] + w;
@@ -697,26 +710,69 @@ class DfaBuilder {
         }
       }
     }
-    if (dist[1] == kFar) raise(ErrorCode::invalid_argument, "regex: the pattern matches no text");
-    dfa_.extends_.assign(states, 0);
+    if (dist[1] == kFar) return false;
+    extends_.assign(states, 0);
     for (uint32_t s = 1; s < states; ++s) {
       for (uint32_t k = 0; k < classes; ++k) {
         uint32_t& t = table[static_cast<size_t>(s) * classes + k];
         if (dist[t] == kFar) t = ByteDfa::kDead;
-        if (t != ByteDfa::kDead) dfa_.extends_[s] = 1;
+        if (t != ByteDfa::kDead) extends_[s] = 1;
       }
     }
-    dfa_.min_chars_ = std::move(dist);
+    min_chars_ = std::move(dist);
+  return true;
   }
 
-  const Nfa& n_;
-  ByteDfa dfa_;
-  std::vector<uint8_t> rep_;  // a byte of each class
-  std::vector<std::vector<uint32_t>> sets_;
-  std::map<std::pair<std::vector<uint32_t>, bool>, uint32_t> ids_;
-  std::vector<uint32_t> mark_;
-  uint32_t generation_ = 0;
-};
+std::shared_ptr<const ByteDfa> ByteDfa::combine(const std::vector<const ByteDfa*>& parts,
+                                                const std::function<bool(const std::vector<bool>&)>& accept) {
+  // Byte classes: bytes every part treats alike share one (lead and continuation bytes never do).
+  ByteDfa out;
+  std::map<std::vector<uint8_t>, uint8_t> class_ids;
+  std::vector<uint8_t> rep;
+  for (int b = 0; b < 256; ++b) {
+    std::vector<uint8_t> key;
+    for (const ByteDfa* p : parts) key.push_back(p->class_of_[b]);
+    key.push_back(b < 0x80 ? 0 : b < 0xC0 ? 1 : 2);
+    auto [it, fresh] = class_ids.emplace(std::move(key), static_cast<uint8_t>(class_ids.size()));
+    if (fresh) rep.push_back(static_cast<uint8_t>(b));
+    out.class_of_[b] = it->second;
+  }
+  out.classes_ = static_cast<uint32_t>(class_ids.size());
+  // States: tuples of the parts' states, from the starts; 0 is the dead state (every part dead).
+  std::map<std::vector<uint32_t>, uint32_t> ids;
+  std::vector<std::vector<uint32_t>> tuples;
+  auto add = [&](std::vector<uint32_t> t) -> uint32_t {
+    if (std::all_of(t.begin(), t.end(), [](uint32_t x) { return x == kDead; })) return kDead;
+    if (auto it = ids.find(t); it != ids.end()) return it->second;
+    const auto id = static_cast<uint32_t>(tuples.size());
+    if (id >= kMaxStates) {
+      raise(ErrorCode::invalid_argument, "regex: the combined patterns need more than {} automaton states", kMaxStates);
+    }
+    std::vector<bool> acc;
+    for (size_t i = 0; i < parts.size(); ++i) acc.push_back(parts[i]->accepting(t[i]));
+    out.accepting_.push_back(accept(acc) ? 1 : 0);
+    out.table_.resize(out.table_.size() + out.classes_, kDead);
+    ids.emplace(t, id);
+    tuples.push_back(std::move(t));
+    return id;
+  };
+  tuples.emplace_back();  // 0: dead
+  out.accepting_.push_back(0);
+  out.table_.assign(out.classes_, kDead);
+  std::vector<uint32_t> start;
+  for (const ByteDfa* p : parts) start.push_back(p->start());
+  if (add(start) != 1) return nullptr;  // (every part dead at the start: none is)
+  for (uint32_t id = 1; id < tuples.size(); ++id) {
+    for (uint32_t k = 0; k < out.classes_; ++k) {
+      std::vector<uint32_t> next;
+      for (size_t i = 0; i < parts.size(); ++i) next.push_back(parts[i]->next(tuples[id][i], rep[k]));
+      const uint32_t to = add(std::move(next));
+      out.table_[static_cast<size_t>(id) * out.classes_ + k] = to;
+    }
+  }
+  if (!out.prune(rep)) return nullptr;
+  return std::shared_ptr<const ByteDfa>(new ByteDfa(std::move(out)));
+}
 
 std::shared_ptr<const ByteDfa> ByteDfa::compile(std::string_view pattern, Mode mode) {
   const Re re = Parser(pattern).parse();

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string_view>
 #include <vector>
@@ -32,6 +33,12 @@ class ByteDfa {
   // Throws troupe::Error(invalid_argument) naming what is wrong, or that the pattern
   // needs more than kMaxStates states.
   static std::shared_ptr<const ByteDfa> compile(std::string_view pattern, Mode mode);
+
+  // The product of `parts`: a text is taken where `accept` holds of the parts' acceptance
+  // of it (accept[i]: parts[i] accepts). Pruned as compile's are; nullptr where no text is
+  // taken. Throws where the product needs more than kMaxStates states.
+  static std::shared_ptr<const ByteDfa> combine(const std::vector<const ByteDfa*>& parts,
+                                                const std::function<bool(const std::vector<bool>&)>& accept);
 
   static constexpr uint32_t kDead = 0;
   static constexpr uint32_t kMaxStates = 8192;
@@ -56,6 +63,9 @@ class ByteDfa {
  private:
   friend class DfaBuilder;
   ByteDfa() = default;
+  // Steps into states that cannot reach a match go to kDead; extends_ and min_chars_ from
+  // the table and accepting_ (rep: a byte of each class). False where state 1 reaches no match.
+  bool prune(const std::vector<uint8_t>& rep);
   uint32_t classes_ = 1;
   uint8_t class_of_[256] = {};
   std::vector<uint32_t> table_;  // states x classes

@@ -4,6 +4,8 @@
 // reach a match; min_chars counts the characters to the nearest one).
 #include <gtest/gtest.h>
 
+#include <functional>
+
 #include <random>
 #include <regex>
 #include <set>
@@ -149,6 +151,55 @@ TEST(Regex, every_live_state_reaches_a_match_and_counts_its_characters) {
   const auto d = ByteDfa::compile("^[a-c]{2,4}x$", ByteDfa::Mode::search);
   EXPECT_EQ(d->min_chars(d->start()), 3u);
   EXPECT_EQ(d->min_chars(d->run(d->start(), "ab")), 1u);
+}
+
+TEST(Regex, combined_patterns_take_what_their_rule_says) {
+  // Random patterns two at a time: A and not B, either but not both, neither (of valid UTF-8 text),
+  // each against its parts on random texts; the products keep compile's invariants.
+  std::mt19937_64 rng(9);
+  const auto any = ByteDfa::compile("[\\s\\S]*", ByteDfa::Mode::whole);
+  const std::string alphabet = "abc1- \xC3\xA9";
+  using Rule = std::function<bool(const std::vector<bool>&)>;
+  const Rule rules[] = {[](const std::vector<bool>& v) { return v[0] && v[1] && !v[2]; },
+                        [](const std::vector<bool>& v) { return v[0] && v[1] != v[2]; },
+                        [](const std::vector<bool>& v) { return v[0] && !v[1] && !v[2]; }};
+  int products = 0, taken = 0;
+  for (int i = 0; i < 120; ++i) {
+    std::shared_ptr<const ByteDfa> a, b;
+    try {
+      a = ByteDfa::compile(random_pattern(rng, 3), ByteDfa::Mode::search);
+      b = ByteDfa::compile(random_pattern(rng, 3), ByteDfa::Mode::search);
+    } catch (const Error&) {
+      continue;
+    }
+    for (const auto& rule : rules) {
+      const auto c = ByteDfa::combine({any.get(), a.get(), b.get()}, rule);
+      for (int t = 0; t < 80; ++t) {
+        std::string text;
+        const int n = static_cast<int>(rng() % 6);
+        for (int k = 0; k < n; ++k) text += alphabet[rng() % alphabet.size()];
+        const bool want = rule({dfa_takes(*any, text), dfa_takes(*a, text), dfa_takes(*b, text)});
+        const bool got = c && dfa_takes(*c, text);
+        ASSERT_EQ(got, want) << "text '" << text << "'";
+        taken += got;
+      }
+      if (!c) continue;
+      ++products;
+      std::vector<uint32_t> todo{c->start()};  // every state a text reaches can still end in a match
+      std::set<uint32_t> seen{c->start()};
+      while (!todo.empty()) {
+        const uint32_t s = todo.back();
+        todo.pop_back();
+        ASSERT_TRUE(c->accepting(s) || c->extends(s));
+        for (int x = 0; x < 256; ++x) {
+          const uint32_t t = c->next(s, static_cast<uint8_t>(x));
+          if (t != ByteDfa::kDead && seen.insert(t).second) todo.push_back(t);
+        }
+      }
+    }
+  }
+  EXPECT_GT(products, 200);
+  EXPECT_GT(taken, 2000);
 }
 
 TEST(Regex, refuses_what_it_does_not_hold) {

@@ -54,13 +54,14 @@ enum class Kind : uint8_t { object, array, string, number, integer, literal, any
 struct JsonGrammar::Node {
   grammar::Kind kind = grammar::Kind::any_of;
   // object: property names as they are written after the opening quote (closing
-  // quote included), sorted, and each one's value; names required; the value of
-  // any key when there are no names (kNone: no keys at all).
+  // quote included), sorted, and each one's value; names required.
   std::vector<std::string> names;
   std::vector<uint32_t> values;
   uint64_t required = 0;
-  uint32_t extra = grammar::kNone;
-  uint32_t keys = grammar::kNone;             // object: the string node other keys follow (kNone: any string)
+  // object: the string nodes other keys (not names) follow, each with the value its keys
+  // take; string: as such a key, that value (kNone: not a key).
+  std::vector<uint32_t> keys;
+  uint32_t value = grammar::kNone;
   uint32_t items = grammar::kNone;                     // array: items past prefix_items (kNone: none)
   std::vector<uint32_t> prefix_items;         // array: the first items' own schemas
   bool unique = false;                        // array: uniqueItems (its items one literal node; the frame's seen: those used)

@@ -126,6 +126,7 @@ void JsonGrammar::finish_child(std::vector<Frame>& s) const {
     if (p.sub == kObjInKey) {
       p.sub = kObjColon;
       p.a = child.kind == kKey ? child.a : kNone;
+      p.c = child.kind == kKey ? 0 : child.node;  // another key: its node names its value
     } else {
       if (p.a != kNone) p.seen |= uint64_t{1} << p.a;
       p.sub = kObjAfterValue;
@@ -298,10 +299,9 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
     }
     case kObject: {
       // A key's value goes where the key's frame goes (s.size()): the names not read yet
-      // whose values fit there, and other keys where additionalProperties' value fits.
-      const bool closed = n.extra == kNone;
+      // whose values fit there, and other keys whose values fit.
       const uint64_t open_names = ~(f.seen | unfit_names(n, s.size())) & low_bits(n.names.size());
-      const bool others = !closed && fits(s.size(), n.extra);
+      const bool others = std::any_of(n.keys.begin(), n.keys.end(), [&](uint32_t k) { return fits(s.size(), nodes_[k].value); });
       const bool room = n.max_count < 0 || f.b < static_cast<uint64_t>(n.max_count);  // maxProperties
       const bool more_names = room && (open_names != 0 || others);
       const bool may_close = (f.seen & n.required) == n.required && f.b >= static_cast<uint64_t>(n.min_count);
@@ -317,8 +317,8 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
           f.sub = kObjInKey;
           f.ws = 0;
           {
-            // A named key (a literal over the names), and where other keys may come one of
-            // those: a string (of keys' node: every text but the names, or propertyNames).
+            // A named key (a literal over the names), and each kind of other key whose
+            // value fits: a string of its key node.
             Frame named;
             named.node = f.node;
             named.kind = kKey;
@@ -335,21 +335,26 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
               copy.get().push_back(named);
               out.push(copy.get());
             }
-            Frame other;
-            other.node = n.keys != kNone ? n.keys : 3;  // node 3: any string
-            other.kind = kString;
-            other.sub = kStrText;
-            if (nodes_[other.node].pattern) other.d = nodes_[other.node].pattern->start();
-            s.push_back(other);
+            for (uint32_t k : n.keys) {
+              if (!fits(s.size(), nodes_[k].value)) continue;
+              Frame other;
+              other.node = k;
+              other.kind = kString;
+              other.sub = kStrText;
+              if (nodes_[k].pattern) other.d = nodes_[k].pattern->start();
+              StackCopy copy(s);
+              copy.get().push_back(other);
+              out.push(copy.get());
+            }
           }
-          return out.push(s);
+          return;
         case kObjColon:
           if (is_ws(c)) return whitespace();
           if (c != ':') return;
           ++f.b;  // a key more
           f.sub = kObjInValue;
           f.ws = 0;
-          if (!push_value(f.a != kNone ? n.values[f.a] : n.extra)) return;
+          if (!push_value(f.a != kNone ? n.values[f.a] : nodes_[f.c].value)) return;
           return out.push(s);
         case kObjAfterValue:
           if (is_ws(c)) return whitespace();

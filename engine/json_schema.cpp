@@ -87,47 +87,39 @@ bool annotation(const std::string& k) {
   return false;
 }
 
-// A regular expression (engine/regex.hpp, matched whole) for every text but `names`.
-// Over names[lo, hi), which share their first d characters (the prefix): the rests r
-// for which prefix + r is none of them. Sorted, so a name that is the prefix comes first.
-std::string every_text_but(const std::vector<std::u32string>& names, size_t lo, size_t hi, size_t d) {
-  auto esc = [](char32_t c) { return fmt::format("\\u{{{:X}}}", static_cast<uint32_t>(c)); };
+// A regular expression (engine/regex.hpp, matched whole) for exactly the texts `names`
+// (UTF-8), every character escaped; nullopt where one is not UTF-8.
+std::optional<std::string> names_regex(const std::vector<std::string>& names) {
   std::string out = "(?:";
-  std::string others;  // the characters no name has next
-  size_t i = lo;
-  if (names[lo].size() == d) {
-    ++i;  // the prefix is a name: the empty rest is not taken
-  } else {
-    out += "|";  // the empty rest
+  for (size_t k = 0; k < names.size(); ++k) {
+    if (k > 0) out += "|";
+    for (size_t i = 0; i < names[k].size();) {
+      const auto c = next_code_point(names[k], i);
+      if (!c) return std::nullopt;
+      out += fmt::format("\\u{{{:X}}}", *c);
+    }
   }
-  while (i < hi) {
-    const char32_t c = names[i][d];
-    size_t j = i;
-    while (j < hi && names[j][d] == c) ++j;
-    out += esc(c) + every_text_but(names, i, j, d + 1) + "|";
-    others += esc(c);
-    i = j;
-  }
-  out += others.empty() ? "[\\s\\S]+)" : "[^" + others + "][\\s\\S]*)";
-  return out;
+  return out + ")";
 }
 
-std::string every_text_but(std::vector<std::u32string> names) {
-  std::sort(names.begin(), names.end());
-  names.erase(std::unique(names.begin(), names.end()), names.end());
-  return names.empty() ? "[\\s\\S]*" : every_text_but(names, 0, names.size(), 0);
+// Every text (valid UTF-8).
+const ByteDfa& any_text() {
+  static const auto dfa = ByteDfa::compile("[\\s\\S]*", ByteDfa::Mode::whole);
+  return *dfa;
 }
 
 // Compiles schema documents into nodes. Node 0 is any value.
 class Compiler {
  public:
   explicit Compiler(const Json& doc) : doc_(doc) {
-    nodes_.resize(6);
+    nodes_.resize(7);
     // 0 any value: one of 1-5
     nodes_[0].kind = Kind::any_of;
     nodes_[0].options = {1, 2, 3, 4, 5};
-    nodes_[1].kind = Kind::object;  // any object
-    nodes_[1].extra = 0;
+    nodes_[1].kind = Kind::object;  // any object: any key (6), any value
+    nodes_[1].keys = {6};
+    nodes_[6].kind = Kind::string;
+    nodes_[6].value = 0;
     nodes_[2].kind = Kind::array;   // any array
     nodes_[2].items = 0;
     nodes_[3].kind = Kind::string;
@@ -190,7 +182,8 @@ class Compiler {
         fail(at + "/type", "must be a type name or a list of them");
       }
     } else if (s.contains("properties") || s.contains("required") || s.contains("additionalProperties") ||
-               s.contains("propertyNames") || s.contains("minProperties") || s.contains("maxProperties")) {
+               s.contains("propertyNames") || s.contains("minProperties") || s.contains("maxProperties") ||
+               s.contains("patternProperties")) {
       types = {"object"};
     } else if (s.contains("items") || s.contains("prefixItems") || s.contains("minItems") || s.contains("maxItems") ||
                s.contains("uniqueItems")) {
@@ -207,7 +200,7 @@ class Compiler {
                                           "prefixItems", "minItems", "maxItems", "minLength", "maxLength",
                                           "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "$defs",
                                           "definitions", "pattern", "uniqueItems", "propertyNames", "minProperties",
-                                          "maxProperties"};
+                                          "maxProperties", "patternProperties"};
       bool held = annotation(k);
       for (const char* h : kHeld) held = held || k == h;
       if (!held) fail(at + "/" + k, fmt::format("the keyword '{}' is not supported", k));
@@ -257,99 +250,136 @@ class Compiler {
     return add(std::move(n));
   }
 
-  // An object whose keys follow propertyNames (no properties named): a string schema, or
-  // an enum / const of names (each then a property whose value follows `extra`).
-  uint32_t property_names(const Json& s, const Json& extra, const std::string& at) {
-    if (extra.is_boolean() && !extra.get<bool>()) return add(Node{.kind = Kind::object});  // no keys at all
-    const Json& names = s["propertyNames"];
-    if (names == false) return add(Node{.kind = Kind::object});                         // no key is valid
+  // An object node: its named properties (sorted by their written form, each with its value
+  // and whether it is required) and its other keys, as string nodes whose Node::value is
+  // the value their keys take: for each patternProperties pattern the keys it alone
+  // matches, and where additionalProperties allows, the keys no pattern matches; a key
+  // that is a name is never an other key. propertyNames (without names or patterns): a
+  // string schema for the other keys, or an enum of names. minProperties and
+  // maxProperties are typed()'s.
+  uint32_t object(const Json& s, const std::string& at) {
     Node n;
     n.kind = Kind::object;
-    const uint32_t self = add(Node{});
-    n.extra = extra.is_boolean() ? 0 : compile(extra, at + "/additionalProperties");
-    const uint32_t keys = compile(names, at + "/propertyNames");
-    const Node& k = nodes_[keys];
-    if (keys == 0) {  // true, {}: any key
-    } else if (k.kind == Kind::string) {
-      n.keys = keys;
-    } else if (k.kind == Kind::literal && k.texts.size() <= kMaxNames &&
-               std::all_of(k.texts.begin(), k.texts.end(), [](const std::string& t) { return t[0] == '"'; })) {
-      for (const std::string& t : k.texts) {  // compact JSON strings, sorted: as properties' written forms
-        n.names.push_back(t.substr(1));
-        n.values.push_back(n.extra);
+    if (s.contains("properties") && !s["properties"].is_object()) fail(at + "/properties", "must be an object");
+    const Json props = s.value("properties", Json::object());
+    const Json patterns = s.value("patternProperties", Json::object());
+    if (!patterns.is_object()) fail(at + "/patternProperties", "must be an object of patterns and schemas");
+    // Properties named (even none, a tool without parameters): no others unless said.
+    const Json extra = s.value("additionalProperties", Json(!s.contains("properties")));
+    if (props.size() > kMaxNames) fail(at + "/properties", fmt::format("more than {} properties", kMaxNames));
+    std::vector<std::pair<std::string, std::string>> names;  // (written form, name)
+    for (const auto& [name, v] : props.items()) names.emplace_back(Json(name).dump().substr(1), name);
+    std::sort(names.begin(), names.end());
+    const uint32_t self = add(Node{});  // reserved: the values may refer back through $ref
+    for (size_t i = 0; i < names.size(); ++i) {
+      n.names.push_back(names[i].first);
+      n.values.push_back(compile(props[names[i].second], at + "/properties/" + names[i].second));
+    }
+    if (s.contains("required")) {
+      const Json& req = s["required"];
+      if (!req.is_array()) fail(at + "/required", "must be an array of property names");
+      for (const auto& r : req) {
+        const auto it = std::find_if(names.begin(), names.end(), [&](const auto& p) { return r.is_string() && p.second == r; });
+        if (it == names.end()) fail(at + "/required", fmt::format("{} is not one of the properties", r.dump()));
+        n.required |= uint64_t{1} << (it - names.begin());
       }
-      n.extra = kNone;
-    } else {
-      fail(at + "/propertyNames", fmt::format("must be a string schema, or an enum of at most {} names", kMaxNames));
+    }
+    const bool others_allowed = !(extra.is_boolean() && !extra.get<bool>());
+    const uint32_t other_value = !others_allowed ? kNone : extra.is_boolean() ? 0 : compile(extra, at + "/additionalProperties");
+    if (s.contains("propertyNames")) {
+      if (!names.empty() || !patterns.empty()) {
+        fail(at + "/propertyNames", "propertyNames beside properties or patternProperties is not supported");
+      }
+      property_names(n, s["propertyNames"], other_value, at + "/propertyNames");
+      nodes_[self] = std::move(n);
+      return self;
+    }
+    // The parts every other key's automaton is made of: any text, the names, the patterns.
+    std::vector<std::string> plain;
+    for (const auto& [written, name] : names) plain.push_back(name);
+    std::shared_ptr<const ByteDfa> named;
+    if (!plain.empty()) {
+      const auto re = names_regex(plain);
+      if (!re) fail(at + "/properties", "a name is not UTF-8");
+      named = ByteDfa::compile(*re, ByteDfa::Mode::whole);
+    }
+    std::vector<std::shared_ptr<const ByteDfa>> dfas;
+    std::vector<uint32_t> pattern_values;
+    for (const auto& [p, v] : patterns.items()) {
+      const std::string where = at + "/patternProperties/" + p;
+      try {
+        dfas.push_back(ByteDfa::compile(p, ByteDfa::Mode::search));
+      } catch (const Error& e) {
+        fail(where, e.what());
+      }
+      for (const auto& name : plain) {
+        const uint32_t st = dfas.back()->run(dfas.back()->start(), name);
+        if (st != ByteDfa::kDead && dfas.back()->accepting(st)) {
+          fail(where, fmt::format("the property '{}' matches it too: a value under both schemas is not supported", name));
+        }
+      }
+      pattern_values.push_back(compile(v, where));
+    }
+    std::vector<const ByteDfa*> parts = {&any_text()};
+    if (named) parts.push_back(named.get());
+    const size_t first = parts.size();  // the patterns' parts from here
+    for (const auto& d : dfas) parts.push_back(d.get());
+    // A key's automaton: any text, not a name, matched by pattern `only` alone (kNone: by none).
+    auto keys_of = [&](uint32_t only) {
+      return ByteDfa::combine(parts, [&](const std::vector<bool>& acc) {
+        if (!acc[0] || (named && acc[1])) return false;
+        for (size_t i = first; i < acc.size(); ++i) {
+          if (acc[i] != (i - first == only)) return false;
+        }
+        return true;
+      });
+    };
+    auto add_keys = [&](std::shared_ptr<const ByteDfa> dfa, uint32_t value) {
+      Node k;
+      k.kind = Kind::string;
+      k.pattern = std::move(dfa);
+      k.value = value;
+      n.keys.push_back(add(std::move(k)));
+    };
+    for (size_t i = 0; i < dfas.size(); ++i) {
+      if (auto d = keys_of(static_cast<uint32_t>(i))) add_keys(std::move(d), pattern_values[i]);  // (none: always with another)
+    }
+    if (others_allowed) {
+      if (!named && dfas.empty()) {
+        add_keys(nullptr, other_value);  // any key
+      } else if (auto d = keys_of(kNone)) {
+        add_keys(std::move(d), other_value);
+      }
     }
     nodes_[self] = std::move(n);
     return self;
   }
 
-  static std::u32string code_points(const std::string& text, const std::string& at) {
-    std::u32string out;
-    for (size_t i = 0; i < text.size();) {
-      const auto c = next_code_point(text, i);
-      if (!c) fail(at, "a name is not UTF-8");
-      out.push_back(*c);
+  // propertyNames (no names or patterns beside it) into object `n` whose other keys' value
+  // is `value` (kNone: no other key): a string schema for the keys, or an enum of names.
+  void property_names(Node& n, const Json& schema, uint32_t value, const std::string& at) {
+    if (schema == false || value == kNone) return;  // no key at all
+    const uint32_t keys = compile(schema, at);
+    if (keys == 0) {  // true, {}: any key
+      Node k;
+      k.kind = Kind::string;
+      k.value = value;
+      n.keys.push_back(add(std::move(k)));
+      return;
     }
-    return out;
-  }
-
-  // An object node (its keys and their values; minProperties and maxProperties are typed()'s).
-  uint32_t object(const Json& s, const std::string& at) {
-    Node n;
-    n.kind = Kind::object;
-    const bool has_names = s.contains("properties") && s["properties"].is_object() && !s["properties"].empty();
-    if (s.contains("properties") && !s["properties"].is_object()) fail(at + "/properties", "must be an object");
-    // Properties named (even none, a tool without parameters): no others unless said.
-    const Json extra = s.value("additionalProperties", Json(!s.contains("properties")));
-    if (s.contains("propertyNames") && has_names) {
-      fail(at + "/propertyNames", "propertyNames beside properties is not supported");
-    }
-    if (has_names) {
-      const Json& props = s["properties"];
-      if (props.size() > kMaxNames) fail(at + "/properties", fmt::format("more than {} properties", kMaxNames));
-      std::vector<std::pair<std::string, std::string>> names;  // (written form, name)
-      for (const auto& [name, v] : props.items()) names.emplace_back(Json(name).dump().substr(1), name);
-      std::sort(names.begin(), names.end());
-      const uint32_t self = add(Node{});  // reserved: the values may refer back through $ref
-      for (size_t i = 0; i < names.size(); ++i) {
-        n.names.push_back(names[i].first);
-        n.values.push_back(compile(props[names[i].second], at + "/properties/" + names[i].second));
+    Node k = nodes_[keys];  // (a copy: the node may be shared)
+    if (k.kind == Kind::string) {
+      k.value = value;
+      n.keys.push_back(add(std::move(k)));
+    } else if (k.kind == Kind::literal && k.texts.size() <= kMaxNames &&
+               std::all_of(k.texts.begin(), k.texts.end(), [](const std::string& t) { return t[0] == '"'; })) {
+      for (const std::string& t : k.texts) {  // compact JSON strings, sorted: as properties' written forms
+        n.names.push_back(t.substr(1));
+        n.values.push_back(value);
       }
-      if (s.contains("required")) {
-        const Json& req = s["required"];
-        if (!req.is_array()) fail(at + "/required", "must be an array of property names");
-        for (const auto& r : req) {
-          const auto it = std::find_if(names.begin(), names.end(), [&](const auto& p) { return r.is_string() && p.second == r; });
-          if (it == names.end()) fail(at + "/required", fmt::format("{} is not one of the properties", r.dump()));
-          n.required |= uint64_t{1} << (it - names.begin());
-        }
-      }
-      if (!(extra.is_boolean() && !extra.get<bool>())) {  // other keys: any text but the names
-        n.extra = extra.is_boolean() ? 0 : compile(extra, at + "/additionalProperties");
-        std::vector<std::u32string> texts;
-        for (const auto& [written, name] : names) texts.push_back(code_points(name, at + "/properties"));
-        Node keys;
-        keys.kind = Kind::string;
-        keys.pattern = ByteDfa::compile(every_text_but(texts), ByteDfa::Mode::whole);
-        n.keys = add(std::move(keys));
-      }
-      nodes_[self] = std::move(n);
-      return self;
-    }
-    if (s.contains("required") && !s["required"].empty()) fail(at + "/required", "names properties the schema does not define");
-    if (s.contains("propertyNames")) return property_names(s, extra, at);
-    if (extra.is_boolean()) {
-      n.extra = extra.get<bool>() ? 0 : kNone;
     } else {
-      const uint32_t self = add(Node{});
-      n.extra = compile(extra, at + "/additionalProperties");
-      nodes_[self] = std::move(n);
-      return self;
+      fail(at, fmt::format("must be a string schema, or an enum of at most {} names", kMaxNames));
     }
-    return add(std::move(n));
   }
 
   uint32_t typed(const Json& s, const std::string& type, const std::string& at) {
@@ -363,7 +393,7 @@ class Compiler {
         fail(at, o.max_count < o.min_count ? "maxProperties is below minProperties"
                                            : fmt::format("maxProperties is below the {} required properties", required));
       }
-      if (o.extra == kNone && static_cast<int64_t>(o.names.size()) < o.min_count) {
+      if (o.keys.empty() && static_cast<int64_t>(o.names.size()) < o.min_count) {
         fail(at, fmt::format("minProperties is above the {} properties the object may have", o.names.size()));
       }
       return id;
@@ -535,7 +565,8 @@ void set_depths(std::vector<Node>& nodes) {
         }
         const auto more = n.min_count - static_cast<int64_t>(n.names.size() - optional.size());
         if (more > 0) {  // the cheapest `more` of the optional ones, or other keys' values (any number of them)
-          const uint32_t other = n.extra != kNone ? nodes[n.extra].depth : kNoFit;
+          uint32_t other = kNoFit;
+          for (uint32_t k : n.keys) other = std::min(other, nodes[nodes[k].value].depth);
           std::sort(optional.begin(), optional.end());
           const uint32_t kth = static_cast<size_t>(more) <= optional.size() ? optional[static_cast<size_t>(more) - 1] : kNoFit;
           d = std::max(d, inside(std::min(kth, other)));
@@ -561,6 +592,7 @@ void set_depths(std::vector<Node>& nodes) {
     if (n.kind != Kind::object) continue;
     n.deepest = 0;
     for (uint32_t v : n.values) n.deepest = std::max(n.deepest, nodes[v].depth);
+    for (uint32_t k : n.keys) n.deepest = std::max(n.deepest, nodes[nodes[k].value].depth);
   }
 }
 

@@ -59,6 +59,13 @@ bool valid(const Json& v, const Json& s, const Json& doc) {
       const Json props = s.value("properties", Json::object());
       const Json others = s.value("additionalProperties", Json(!s.contains("properties")));
       for (const auto& [k, x] : v.items()) {
+        bool matched = false;  // patternProperties: every pattern the key matches holds its value
+        for (const auto& [p, ps] : s.value("patternProperties", Json::object()).items()) {
+          if (!std::regex_search(k, std::regex(p))) continue;
+          matched = true;
+          if (!valid(x, ps, doc)) return false;
+        }
+        if (!props.contains(k) && matched) continue;
         if (!valid(x, props.contains(k) ? props[k] : others, doc)) return false;
         if (s.contains("propertyNames") && !valid(Json(k), s["propertyNames"], doc)) return false;
       }
@@ -107,7 +114,7 @@ bool valid(const Json& v, const Json& s, const Json& doc) {
   };
   if (types.empty()) {
     if (s.contains("properties") || s.contains("additionalProperties") || s.contains("propertyNames") ||
-        s.contains("minProperties") || s.contains("maxProperties")) {
+        s.contains("minProperties") || s.contains("maxProperties") || s.contains("patternProperties")) {
       return typed("object");
     }
     if (s.contains("items")) return typed("array");
@@ -318,6 +325,18 @@ TEST(JsonSchema, other_keys_beside_named_ones_and_property_names) {
   EXPECT_TRUE(takes(R"({"propertyNames": {}})", R"({"ab": [1]})"));
   EXPECT_TRUE(takes(R"({"propertyNames": false})", "{}"));
   EXPECT_FALSE(takes(R"({"propertyNames": false})", R"({"a": 1})"));
+  // patternProperties: a key one pattern alone matches takes its schema's value; one that two
+  // match is not written (a value under both schemas is not held); others additionalProperties'.
+  const char* patterned = R"({"patternProperties": {"^x_": {"type": "integer"}, "^y_": {"type": "string"}, "b": {"type": "integer"}},
+                             "additionalProperties": false})";
+  for (const char* t : {R"({"x_a": 1, "y_c": "s"})", R"({"x_y_": 2, "ab": 3})", "{}"}) EXPECT_TRUE(takes(patterned, t)) << t;
+  for (const char* t : {R"({"x_a": "s"})", R"({"z": 1})", R"({"x_b": 1})", R"({"y_b": "s"})", R"({"y_": 1})"}) EXPECT_FALSE(takes(patterned, t)) << t;
+  const char* beside = R"({"properties": {"id": {"type": "integer"}}, "patternProperties": {"^m_": {"type": "string"}}, "required": ["id"]})";
+  EXPECT_TRUE(takes(beside, R"({"m_a": "x", "id": 3, "m_": ""})"));
+  for (const char* t : {R"({"id": 3, "n": "x"})", R"({"id": 3, "m_a": 1})", R"({"m_a": "x"})"}) EXPECT_FALSE(takes(beside, t)) << t;
+  const char* open = R"({"patternProperties": {"^n": {"type": "null"}}})";  // other keys: any value (no properties)
+  EXPECT_TRUE(takes(open, R"({"n1": null, "other": [1]})"));
+  EXPECT_FALSE(takes(open, R"({"n1": 1})"));
   // minProperties / maxProperties: keys of every kind counted.
   const char* counted = R"({"properties": {"a": {}, "b": {}}, "additionalProperties": true, "minProperties": 2, "maxProperties": 3})";
   for (const char* t : {R"({"a": 1, "x": 2})", R"({"x": 1, "y": 2, "b": 3})", R"({"b": 1, "a": 2})"}) EXPECT_TRUE(takes(counted, t)) << t;
@@ -681,7 +700,8 @@ TEST(JsonSchema, refuses_what_it_does_not_hold) {
       {R"({"properties": {"a": {"type": "string", "format": "date", "maxLength": 3, "multipleOf": 2}}})", "#/properties/a/multipleOf"},
       {R"({"properties": {"a": {}}, "propertyNames": {"maxLength": 3}})", "propertyNames beside properties"},
       {R"({"propertyNames": {"type": "integer"}})", "#/propertyNames': must be a string schema"},
-      {R"({"patternProperties": {"^a": {}}})", "'patternProperties' is not supported"},
+      {R"({"properties": {"m_x": {}}, "patternProperties": {"^m_": {}}})", "the property 'm_x' matches it too"},
+      {R"j({"patternProperties": {"(?=a)": {}}})j", "#/patternProperties/(?=a)': regex"},
       {R"({"properties": {"a": {}}, "minProperties": 2})", "minProperties is above the 1 properties"},
       {R"({"properties": {"a": {}, "b": {}}, "required": ["a", "b"], "maxProperties": 1})", "below the 2 required"},
       {R"({"type": "object", "minProperties": 3, "maxProperties": 2})", "maxProperties is below minProperties"},
@@ -777,6 +797,11 @@ Json random_schema(std::mt19937_64& rng, int depth) {
       s["properties"] = props;
       if (!req.empty()) s["required"] = req;
       if (pick(3) == 0) s["additionalProperties"] = pick(2) == 0 ? Json(true) : random_schema(rng, depth - 1);
+      if (pick(3) == 0) {  // (a pattern a name matches is refused: such a schema is skipped)
+        static const char* const kPatterns[] = {"^x", "y$", "^z\\d?$", "q"};
+        s["patternProperties"] = Json::object();
+        for (int k = pick(3); k >= 0; --k) s["patternProperties"][kPatterns[pick(4)]] = random_schema(rng, depth - 1);
+      }
       const int64_t most = s.contains("additionalProperties") ? 4 : static_cast<int64_t>(props.size());
       if (pick(3) == 0) s["minProperties"] = std::min<int64_t>(pick(3), most);
       if (pick(3) == 0) s["maxProperties"] = std::max<int64_t>(s.value("minProperties", 0), static_cast<int64_t>(req.size())) + pick(2);
@@ -908,6 +933,8 @@ TEST(JsonSchema, token_masks_equal_feeding_each_token_of_the_deepseek_vocabulary
   expect_masks_exact(R"({"type": "string", "format": "date-time"})", vocab, {"", "\"", "\"2026-1", "\"2026-12-05T1", "\"2026-12-05T10:00:00"});
   expect_masks_exact(R"({"properties": {"name": {"type": "string"}, "n": {"type": "integer"}}, "additionalProperties": {"type": "boolean"}})",
                      vocab, {"{", "{\"", "{\"n", "{\"na", "{\"name", "{\"name\"", "{\"nam\"", "{\"n\": 1, \"", "{\"x"});
+  expect_masks_exact(R"({"properties": {"id": {"type": "integer"}}, "patternProperties": {"^m_": {"type": "string"}, "_z$": {}}})",
+                     vocab, {"{", "{\"", "{\"m", "{\"m_", "{\"m_a", "{\"i", "{\"a_z"});
   expect_masks_exact(regex_grammar("(Yes|No), because [^.]{1,40}\\."), vocab, {"", "Yes", "No, because", "Yes, because it"});
   // EBNF: most tokens step many bytes through several readings at once.
   expect_masks_exact(ebnf_grammar("root ::= word (\" \" word)*\nword ::= [a-z]+"), vocab, {"", "ab", "ab cd "});

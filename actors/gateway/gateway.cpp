@@ -392,7 +392,9 @@ bool stream_batch(Self self, InFlight& f, const TokenBatch& b) {
   if (f.frames) {
     send_chunk(*f.frames, static_cast<uint32_t>(f.result.token_ids.size() - ids.size()), ids, delta);
   } else if (f.responses) {
-    std::string events = f.responses->text(f.result, delta);  // (in this order: each event is numbered)
+    std::vector<gateway::LogprobEntry> lps;
+    if (f.api.logprobs >= 0) lps.assign(f.result.logprobs.end() - static_cast<std::ptrdiff_t>(ids.size()), f.result.logprobs.end());
+    std::string events = f.responses->text(f.result, delta, lps);  // (in this order: each event is numbered)
     events += f.responses->tool_calls(f.result, deltas);
     if (!events.empty()) f.responder->send(events);
     deltas.clear();

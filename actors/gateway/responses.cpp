@@ -111,9 +111,27 @@ std::string number_of(const std::string& id) {
   return at == std::string::npos ? id : id.substr(at + 1);
 }
 
+// Logprob entries as an output_text part lists them.
+json logprobs_of(const std::vector<LogprobEntry>& entries) {
+  auto bytes = [](const std::string& b) {
+    json out = json::array();
+    for (unsigned char c : b) out.push_back(static_cast<int>(c));
+    return out;
+  };
+  json out = json::array();
+  for (const auto& e : entries) {
+    json top = json::array();
+    for (const auto& [b, lp] : e.top) top.push_back({{"token", b}, {"logprob", lp}, {"bytes", bytes(b)}});
+    out.push_back({{"token", e.bytes}, {"logprob", e.logprob}, {"bytes", bytes(e.bytes)}, {"top_logprobs", std::move(top)}});
+  }
+  return out;
+}
+
 json message_item(const ApiResult& r, const std::string& text, bool done) {
   json content = json::array();
-  if (done) content.push_back({{"type", "output_text"}, {"text", text}, {"annotations", json::array()}, {"logprobs", json::array()}});
+  if (done) {
+    content.push_back({{"type", "output_text"}, {"text", text}, {"annotations", json::array()}, {"logprobs", logprobs_of(r.logprobs)}});
+  }
   // (a message cut at max_output_tokens is incomplete, as its response is)
   const char* status = !done ? "in_progress" : r.finish_reason == "length" ? "incomplete" : "completed";
   return {{"type", "message"}, {"id", "msg_" + number_of(r.id)}, {"status", status},
@@ -153,9 +171,14 @@ std::variant<json, ApiError> chat_body_of_response(const std::string& body) {
     return bad(chat, *ours ? fmt::format("'{}' is a chat completions parameter; the Responses API takes '{}'", chat, ours)
                            : fmt::format("'{}' is a chat completions parameter, not the Responses API's", chat));
   }
-  if (j.contains("top_logprobs") && !(j["top_logprobs"].is_number_integer() && j["top_logprobs"] == 0) &&
-      !j["top_logprobs"].is_null()) {
-    return bad("top_logprobs", "'top_logprobs' is not supported on /v1/responses (chat completions have it)");
+  // Logprobs: asked with include's "message.output_text.logprobs" (alternatives: top_logprobs).
+  bool logprobs = false;
+  if (j.contains("include") && !j["include"].is_null()) {
+    if (!j["include"].is_array()) return bad("include", "'include' must be a list of strings");
+    for (const auto& x : j["include"]) {
+      if (!x.is_string()) return bad("include", "'include' must be a list of strings");
+      logprobs = logprobs || x == "message.output_text.logprobs";
+    }
   }
   if (!j.contains("input")) return bad("input", "'input' is required");
   auto messages = messages_of(j["input"]);
@@ -177,6 +200,14 @@ std::variant<json, ApiError> chat_body_of_response(const std::string& body) {
   }
   chat["messages"] = std::move(msgs);
   if (j.contains("max_output_tokens") && !j["max_output_tokens"].is_null()) chat["max_tokens"] = j["max_output_tokens"];
+  if (j.contains("top_logprobs") && !j["top_logprobs"].is_null()) {
+    chat["top_logprobs"] = j["top_logprobs"];  // (the chat checks it: 0 to 20)
+    logprobs = logprobs || !(j["top_logprobs"].is_number_integer() && j["top_logprobs"] == 0);
+  }
+  if (logprobs) {
+    chat["logprobs"] = true;
+    if (!chat.contains("top_logprobs")) chat["top_logprobs"] = 0;
+  }
   if (j.contains("tools") && !j["tools"].is_null()) {
     if (!j["tools"].is_array()) return bad("tools", "'tools' must be a list");
     json tools = json::array();
@@ -309,7 +340,7 @@ std::string ResponseStream::start(const ApiRequest& req, const ApiResult& r) {
   return out;
 }
 
-std::string ResponseStream::text(const ApiResult& r, const std::string& delta) {
+std::string ResponseStream::text(const ApiResult& r, const std::string& delta, const std::vector<LogprobEntry>& logprobs) {
   if (delta.empty()) return "";
   std::string out;
   const std::string item_id = "msg_" + number_of(r.id);
@@ -328,7 +359,7 @@ std::string ResponseStream::text(const ApiResult& r, const std::string& delta) {
                 {"output_index", message_index_},
                 {"content_index", 0},
                 {"delta", delta},
-                {"logprobs", json::array()}});
+                {"logprobs", logprobs_of(logprobs)}});
   return out;
 }
 
@@ -360,12 +391,12 @@ std::string ResponseStream::finish(const ApiRequest& req, const ApiResult& r) {
                   {"output_index", message_index_},
                   {"content_index", 0},
                   {"text", text_},
-                  {"logprobs", json::array()}});
+                  {"logprobs", logprobs_of(r.logprobs)}});
     out += event({{"type", "response.content_part.done"},
                   {"item_id", item_id},
                   {"output_index", message_index_},
                   {"content_index", 0},
-                  {"part", {{"type", "output_text"}, {"text", text_}, {"annotations", json::array()}, {"logprobs", json::array()}}}});
+                  {"part", {{"type", "output_text"}, {"text", text_}, {"annotations", json::array()}, {"logprobs", logprobs_of(r.logprobs)}}}});
     out += event({{"type", "response.output_item.done"}, {"output_index", message_index_}, {"item", message_item(r, text_, true)}});
   }
   for (size_t i = 0; i < r.tool_calls.size(); ++i) {

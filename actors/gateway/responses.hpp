@@ -32,7 +32,8 @@ std::string response_body_of(const ApiRequest& req, const ApiResult& r);
 class ResponseStream {
  public:
   std::string start(const ApiRequest& req, const ApiResult& r);
-  std::string text(const ApiResult& r, const std::string& delta);
+  // `logprobs`: the entries of the delta's tokens (when the request asked).
+  std::string text(const ApiResult& r, const std::string& delta, const std::vector<LogprobEntry>& logprobs = {});
   std::string tool_calls(const ApiResult& r, const std::vector<ToolCallDelta>& deltas);
   std::string finish(const ApiRequest& req, const ApiResult& r);
   std::string error(const ApiError& e);

@@ -808,6 +808,17 @@ def test_responses_api():
     again = client().responses.create(model=MODEL, input="Hello there", max_output_tokens=6, temperature=0)
     assert last.type == "response.incomplete" and last.response.output_text == again.output_text, (last, again)
 
+    # Logprobs (include + top_logprobs): the chat's, on the output_text part and on each delta.
+    kw = dict(model=MODEL, instructions="You are terse.", input=inp, max_output_tokens=4, temperature=0,
+              top_logprobs=2, include=["message.output_text.logprobs"])
+    lp = client().responses.create(**kw).output[0].content[0].logprobs
+    ref = client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0, logprobs=True,
+                                           top_logprobs=2).choices[0].logprobs.content
+    assert [(e.token, round(e.logprob, 4), len(e.top_logprobs)) for e in lp] == \
+        [(e.token, round(e.logprob, 4), 2) for e in ref], (lp, ref)
+    deltas = [e for e in client().responses.create(stream=True, **kw) if e.type == "response.output_text.delta"]
+    assert [x.token for e in deltas for x in e.logprobs] == [e.token for e in lp], deltas
+
     # Function tools (the flat Responses form): a forced call, whole and streamed.
     weather = {"type": "function", **WEATHER["function"]}
     ask = [{"role": "user", "content": "Weather in Paris?"}]
@@ -855,7 +866,8 @@ def test_responses_api():
                         (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]), "input"),
                         (dict(input=[{"type": "item_reference", "id": "msg_1"}]), "input"),
                         (dict(max_output_tokens=0), "max_output_tokens"), (dict(temperature="hot"), "temperature"),
-                        (dict(background=True), "background"), (dict(top_logprobs=2), "top_logprobs")):
+                        (dict(background=True), "background"), (dict(top_logprobs=21), "top_logprobs"),
+                        (dict(include="message.output_text.logprobs"), "include")):
         status, e = s.post("/v1/responses", {"model": MODEL, "input": "hi", **body})
         assert status == 400 and e["error"]["param"] == param and e["error"]["message"], (body, status, e)
     assert s.get("/health")[0] == 200

@@ -71,6 +71,7 @@ struct JsonGrammar::Node {
   bool bounded = false;
   double lo = -std::numeric_limits<double>::infinity(), hi = std::numeric_limits<double>::infinity();
   bool lo_open = false, hi_open = false;
+  uint64_t multiple = 0;  // integer: multipleOf (0: none); bounded then, its text kept
   std::shared_ptr<const ByteDfa> pattern;     // string: what its text must match (pattern, format); a regex_grammar()'s text
   std::vector<std::string> texts;             // literal: the values as JSON, compact, sorted
   std::vector<uint32_t> options;              // any_of

@@ -83,7 +83,55 @@ bool meets(const JsonGrammar::Node& n, double a, bool a_open, double b, bool b_o
   return lo < hi || (lo == hi && !lo_open && !hi_open);
 }
 
+namespace {
+
+using Wide = __int128;
+constexpr Wide kWideFar = static_cast<Wide>(1) << 120;  // past any 32-byte number
+
+// The integers of the node's range, as a closed interval of wide integers.
+std::pair<Wide, Wide> integer_range(const JsonGrammar::Node& n) {
+  auto clamp = [](double x) { return x >= 1e36 ? kWideFar : x <= -1e36 ? -kWideFar : static_cast<Wide>(x); };
+  const double first = n.lo_open ? std::floor(n.lo) + 1 : std::ceil(n.lo);
+  const double last = n.hi_open ? std::ceil(n.hi) - 1 : std::floor(n.hi);
+  return {clamp(first), clamp(last)};
+}
+
+// Whether [a, b] (a <= b, a >= 0) holds a multiple of m.
+bool holds_multiple(Wide a, Wide b, uint64_t m) {
+  if (a > b) return false;
+  const Wide mm = static_cast<Wide>(m);
+  return (b / mm) * mm >= a;
+}
+
+// multipleOf: whether an integer that begins with t (its digits so far, within the byte
+// bound) is a multiple in the range; `whole`: t itself, no digit more.
+bool multiple_reachable(const JsonGrammar::Node& n, std::string_view t, bool whole) {
+  const bool neg = !t.empty() && t[0] == '-';
+  const std::string_view body = neg ? t.substr(1) : t;
+  auto [lo, hi] = integer_range(n);
+  // Magnitudes the sign allows: the value is -magnitude for a negative number.
+  Wide mlo = neg ? -hi : lo, mhi = neg ? -lo : hi;
+  mlo = std::max<Wide>(mlo, 0);
+  if (body.empty()) {
+    if (whole) return false;
+    Wide most = 1;
+    for (size_t i = t.size(); i < kMaxNumberBytes; ++i) most *= 10;
+    return holds_multiple(mlo, std::min(mhi, most - 1), n.multiple);
+  }
+  Wide v = 0;
+  for (char c : body) v = v * 10 + (c - '0');
+  if (whole || body == "0") return holds_multiple(std::max(mlo, v), std::min(mhi, v), n.multiple);
+  Wide p = 1;
+  for (size_t more = 0; t.size() + more <= kMaxNumberBytes; ++more, p *= 10) {
+    if (holds_multiple(std::max(mlo, v * p), std::min(mhi, v * p + p - 1), n.multiple)) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
 bool reachable(const JsonGrammar::Node& n, std::string_view t) {
+  if (n.multiple > 0) return multiple_reachable(n, t, false);
   const bool neg = !t.empty() && t[0] == '-';
   const std::string body(neg ? t.substr(1) : t);
   const bool integer = n.kind == Kind::integer;
@@ -107,6 +155,7 @@ bool reachable(const JsonGrammar::Node& n, std::string_view t) {
 }
 
 bool in_range(const JsonGrammar::Node& n, std::string_view t) {
+  if (n.multiple > 0) return multiple_reachable(n, t, true);
   const double v = std::strtod(std::string(t).c_str(), nullptr);
   return meets(n, v, false, v, false);
 }

@@ -200,7 +200,7 @@ class Compiler {
                                           "prefixItems", "minItems", "maxItems", "minLength", "maxLength",
                                           "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "$defs",
                                           "definitions", "pattern", "uniqueItems", "propertyNames", "minProperties",
-                                          "maxProperties", "patternProperties"};
+                                          "maxProperties", "patternProperties", "multipleOf"};
       bool held = annotation(k);
       for (const char* h : kHeld) held = held || k == h;
       if (!held) fail(at + "/" + k, fmt::format("the keyword '{}' is not supported", k));
@@ -471,6 +471,18 @@ class Compiler {
       }
       n.bounded = std::isfinite(n.lo) || std::isfinite(n.hi);
       if (n.lo > n.hi || (n.lo == n.hi && (n.lo_open || n.hi_open))) fail(at, "the range of values is empty");
+      if (s.contains("multipleOf")) {  // whole numbers: an integer's digits, its remainder checked as they come
+        const Json& m = s["multipleOf"];
+        if (!m.is_number() || m.get<double>() <= 0) fail(at + "/multipleOf", "must be a number above 0");
+        const double v = m.get<double>();
+        if (v != std::floor(v) || v > 1e9) {
+          fail(at + "/multipleOf", fmt::format("multipleOf {} is held only as a whole number up to 10^9", m.dump()));
+        }
+        n.multiple = static_cast<uint64_t>(v);
+        n.kind = Kind::integer;  // (a number's multiples of a whole number, written as integers)
+        n.bounded = true;
+        if (!reachable(n, "")) fail(at + "/multipleOf", fmt::format("no multiple of {} lies in the range", n.multiple));
+      }
       const double first = n.lo_open ? std::floor(n.lo) + 1 : std::ceil(n.lo);
       const double last = n.hi_open ? std::ceil(n.hi) - 1 : std::floor(n.hi);
       if (n.kind == Kind::integer && first > last) fail(at, "no integer lies in the range");

@@ -58,9 +58,10 @@ bool valid(const Json& v, const Json& s, const Json& doc) {
       // Strict (OpenAI's, xgrammar's): properties named, even none, and no others unless said.
       const Json props = s.value("properties", Json::object());
       const Json others = s.value("additionalProperties", Json(!s.contains("properties")));
+      const Json patterns = s.value("patternProperties", Json::object());
       for (const auto& [k, x] : v.items()) {
         bool matched = false;  // patternProperties: every pattern the key matches holds its value
-        for (const auto& [p, ps] : s.value("patternProperties", Json::object()).items()) {
+        for (const auto& [p, ps] : patterns.items()) {
           if (!std::regex_search(k, std::regex(p))) continue;
           matched = true;
           if (!valid(x, ps, doc)) return false;
@@ -103,6 +104,8 @@ bool valid(const Json& v, const Json& s, const Json& doc) {
       if (!v.is_number()) return false;
       const double x = v.get<double>();
       if (t == "integer" && std::floor(x) != x) return false;  // (JSON Schema's: 1.0 and 10^21 are integers)
+      // (past 2^53 a double no longer holds the digits: the matcher's exactness there is tested on its own)
+      if (s.contains("multipleOf") && std::fabs(x) < 9e15 && std::fmod(x, s["multipleOf"].get<double>()) != 0) return false;
       return (!s.contains("minimum") || x >= s["minimum"].get<double>()) &&
              (!s.contains("maximum") || x <= s["maximum"].get<double>()) &&
              (!s.contains("exclusiveMinimum") || x > s["exclusiveMinimum"].get<double>()) &&
@@ -337,6 +340,15 @@ TEST(JsonSchema, other_keys_beside_named_ones_and_property_names) {
   const char* open = R"({"patternProperties": {"^n": {"type": "null"}}})";  // other keys: any value (no properties)
   EXPECT_TRUE(takes(open, R"({"n1": null, "other": [1]})"));
   EXPECT_FALSE(takes(open, R"({"n1": 1})"));
+  // multipleOf (a whole number): the integer's remainder as its digits come, within the range.
+  for (const char* t : {"0", "5", "-15", "100", "-0"}) EXPECT_TRUE(takes(R"({"type": "integer", "multipleOf": 5})", t)) << t;
+  for (const char* t : {"3", "-7", "51", "5.0"}) EXPECT_FALSE(takes(R"({"type": "integer", "multipleOf": 5})", t)) << t;
+  const char* sevens = R"({"type": "integer", "multipleOf": 7, "minimum": 10, "exclusiveMaximum": 35})";
+  for (const char* t : {"14", "21", "28"}) EXPECT_TRUE(takes(sevens, t)) << t;
+  for (const char* t : {"7", "35", "15", "0", "-14"}) EXPECT_FALSE(takes(sevens, t)) << t;
+  EXPECT_TRUE(takes(R"({"type": "number", "multipleOf": 2, "maximum": 1e40})", "12345678901234567890123456789012"));
+  EXPECT_FALSE(takes(R"({"type": "number", "multipleOf": 2, "maximum": 1e40})", "12345678901234567890123456789013"));
+  EXPECT_TRUE(takes(R"({"type": "integer", "multipleOf": 999999937})", "-9999999370000000000000000000000"));  // (32 bytes, the bound)
   // minProperties / maxProperties: keys of every kind counted.
   const char* counted = R"({"properties": {"a": {}, "b": {}}, "additionalProperties": true, "minProperties": 2, "maxProperties": 3})";
   for (const char* t : {R"({"a": 1, "x": 2})", R"({"x": 1, "y": 2, "b": 3})", R"({"b": 1, "a": 2})"}) EXPECT_TRUE(takes(counted, t)) << t;
@@ -697,7 +709,8 @@ TEST(JsonSchema, refuses_what_it_does_not_hold) {
       {R"({"type": "integer", "minimum": 0.5, "maximum": 0.9})", "no integer lies in the range"},
       {R"({"type": "number", "minimum": 2, "exclusiveMaximum": 2})", "the range of values is empty"},
       {R"({"type": "number", "minimum": 1, "exclusiveMinimum": true})", "draft 4"},
-      {R"({"properties": {"a": {"type": "string", "format": "date", "maxLength": 3, "multipleOf": 2}}})", "#/properties/a/multipleOf"},
+      {R"({"properties": {"a": {"type": "number", "multipleOf": 0.5}}})", "#/properties/a/multipleOf': multipleOf 0.5 is held only as a whole number"},
+      {R"({"type": "integer", "multipleOf": 7, "minimum": 1, "maximum": 6})", "no multiple of 7 lies in the range"},
       {R"({"properties": {"a": {}}, "propertyNames": {"maxLength": 3}})", "propertyNames beside properties"},
       {R"({"propertyNames": {"type": "integer"}})", "#/propertyNames': must be a string schema"},
       {R"({"properties": {"m_x": {}}, "patternProperties": {"^m_": {}}})", "the property 'm_x' matches it too"},
@@ -832,6 +845,7 @@ Json random_schema(std::mt19937_64& rng, int depth) {
       Json s = {{"type", pick(2) == 0 ? "integer" : "number"}};
       if (pick(2) == 0) s[pick(2) == 0 ? "minimum" : "exclusiveMinimum"] = pick(2) == 0 ? -7 : 2.5;
       if (pick(2) == 0) s[pick(2) == 0 ? "maximum" : "exclusiveMaximum"] = pick(2) == 0 ? 40 : 1234.75;
+      if (pick(3) == 0) s["multipleOf"] = pick(2) == 0 ? 3 : 25;  // (a range without a multiple is refused: skipped)
       return s;
     }
     case 5: return {{"enum", Json::array({"x", 1, 12, nullptr, Json::array({true})})}};

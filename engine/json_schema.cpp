@@ -191,7 +191,7 @@ class Compiler {
     } else if (s.contains("minLength") || s.contains("maxLength") || s.contains("pattern")) {
       types = {"string"};
     }
-    for (const char* k : {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}) {
+    for (const char* k : {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}) {
       const bool numeric = std::any_of(types.begin(), types.end(), [](const auto& t) { return t == "number" || t == "integer"; });
       if (s.contains(k) && !numeric) fail(at + "/" + k, fmt::format("'{}' is held only beside type number or integer", k));
     }

@@ -194,7 +194,7 @@ std::optional<ApiError> parse_tools(const json& j, ApiRequest& r) {
   return std::nullopt;
 }
 
-std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKind kind) {
+std::variant<json, ApiError> parse_object(const std::string& body) {
   json j;
   try {
     j = json::parse(body);
@@ -202,6 +202,13 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
     return bad("", std::string("request body is not valid JSON: ") + e.what());
   }
   if (!j.is_object()) return bad("", "request body must be a JSON object");
+  return j;
+}
+
+std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKind kind) {
+  auto parsed = parse_object(body);
+  if (auto* e = std::get_if<ApiError>(&parsed)) return *e;
+  const json& j = std::get<json>(parsed);
   ApiRequest r;
   r.kind = kind;
   if (!j.contains("model") || !j["model"].is_string()) return bad("model", "'model' is required and must be a string");

@@ -120,6 +120,8 @@ ApiError to_api_error(const Error& e);
 // prompt): every one is the request's, a 400 of type invalid_request_error naming it.
 ApiError to_request_error(const Error& e, std::string param);
 
+// A request body as a JSON object, or the 400 that says why it is not one.
+std::variant<nlohmann::json, ApiError> parse_object(const std::string& body);
 // Parses and validates a /v1/completions or /v1/chat/completions body.
 // Never throws; malformed JSON, wrong types and out-of-range values give a 400
 // that names the parameter.

@@ -146,14 +146,7 @@ json call_item(const ApiResult& r, size_t index, const std::string& name, const 
 
 }  // namespace
 
-std::variant<json, ApiError> chat_body_of_response(const std::string& body) {
-  json j;
-  try {
-    j = json::parse(body);
-  } catch (const json::parse_error& e) {
-    return bad("", std::string("request body is not valid JSON: ") + e.what());
-  }
-  if (!j.is_object()) return bad("", "request body must be a JSON object");
+std::variant<json, ApiError> chat_body_of_response(const json& j) {
   // What a stored response or a hosted tool would need.
   for (const char* k : {"previous_response_id", "conversation", "prompt"}) {
     if (j.contains(k) && !j[k].is_null()) {
@@ -258,7 +251,10 @@ std::variant<json, ApiError> chat_body_of_response(const std::string& body) {
 }
 
 std::variant<ApiRequest, ApiError> parse_response_request(const std::string& body) {
-  auto chat = chat_body_of_response(body);
+  auto object = parse_object(body);
+  if (auto* e = std::get_if<ApiError>(&object)) return *e;
+  const json& j = std::get<json>(object);
+  auto chat = chat_body_of_response(j);
   if (auto* e = std::get_if<ApiError>(&chat)) return *e;
   auto parsed = parse_request(dump_json(std::get<json>(chat)), ApiKind::chat);
   if (auto* e = std::get_if<ApiError>(&parsed)) {
@@ -268,7 +264,6 @@ std::variant<ApiRequest, ApiError> parse_response_request(const std::string& bod
   ApiRequest r = std::move(std::get<ApiRequest>(parsed));
   r.kind = ApiKind::responses;
   // What a response object repeats of its request.
-  const json j = json::parse(body);
   json echo = json::object();
   echo["instructions"] = j.contains("instructions") ? j["instructions"] : json(nullptr);
   echo["max_output_tokens"] = j.contains("max_output_tokens") ? j["max_output_tokens"] : json(nullptr);

@@ -17,8 +17,8 @@
 
 namespace troupe::gateway {
 
-// The chat completions body a Responses body means, or the 400 naming its parameter.
-std::variant<nlohmann::json, ApiError> chat_body_of_response(const std::string& body);
+// The chat completions body a Responses body (a JSON object) means, or the 400 naming its parameter.
+std::variant<nlohmann::json, ApiError> chat_body_of_response(const nlohmann::json& body);
 // A /v1/responses body as a chat ApiRequest (kind responses): chat_body_of_response,
 // then parse_request, its errors naming the Responses parameters.
 std::variant<ApiRequest, ApiError> parse_response_request(const std::string& body);

@@ -168,7 +168,7 @@ std::optional<ApiError> parse_tools(const json& j, ApiRequest& r) {
       choice.mode = ToolChoice::auto_;
     } else if (c == "required") {
       choice.mode = ToolChoice::required;
-    } else if (c.is_object() && c.value("type", "") == "function" && c.contains("function") &&
+    } else if (c.is_object() && c.contains("type") && c["type"] == "function" && c.contains("function") &&
                c["function"].is_object() && c["function"].contains("name") && c["function"]["name"].is_string()) {
       choice.mode = ToolChoice::named;
       choice.name = c["function"]["name"];

@@ -15,6 +15,11 @@ ApiError bad(const std::string& param, const std::string& message) {
   return ApiError{400, message, "invalid_request_error", param, ""};
 }
 
+// o[key] where it is a string (o an object), else `otherwise`.
+std::string string_at(const json& o, const char* key, const std::string& otherwise = "") {
+  return o.is_object() && o.contains(key) && o[key].is_string() ? o[key].get<std::string>() : otherwise;
+}
+
 // The text of a message's content: a string, or a list of text parts.
 std::variant<std::string, ApiError> content_text(const json& content, const std::string& at) {
   if (content.is_string()) return content.get<std::string>();
@@ -206,7 +211,7 @@ std::variant<json, ApiError> chat_body_of_response(const json& j) {
     json tools = json::array();
     for (size_t i = 0; i < j["tools"].size(); ++i) {
       const json& t = j["tools"][i];
-      if (!t.is_object() || t.value("type", "") != "function") {
+      if (string_at(t, "type") != "function") {
         return bad("tools", fmt::format("'tools[{}]' is not a function tool; hosted tools (web search, files, "
                                         "computer use) are not supported", i));
       }
@@ -220,7 +225,7 @@ std::variant<json, ApiError> chat_body_of_response(const json& j) {
   }
   if (j.contains("tool_choice") && !j["tool_choice"].is_null()) {
     const json& c = j["tool_choice"];
-    if (c.is_object() && c.value("type", "") == "function" && c.contains("name")) {
+    if (string_at(c, "type") == "function" && c.contains("name")) {
       chat["tool_choice"] = {{"type", "function"}, {"function", {{"name", c["name"]}}}};
     } else {
       chat["tool_choice"] = c;  // "auto", "none", "required"; the chat refuses the rest by name
@@ -239,7 +244,7 @@ std::variant<json, ApiError> chat_body_of_response(const json& j) {
         chat["response_format"] = {{"type", "json_object"}};
       } else if (type == "json_schema") {
         if (!f.contains("schema")) return bad("text.format", "'text.format.schema' is required");
-        json js = {{"name", f.value("name", "response")}, {"schema", f["schema"]}};
+        json js = {{"name", string_at(f, "name", "response")}, {"schema", f["schema"]}};
         if (f.contains("strict")) js["strict"] = f["strict"];
         chat["response_format"] = {{"type", "json_schema"}, {"json_schema", std::move(js)}};
       } else if (type != "text") {

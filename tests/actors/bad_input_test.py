@@ -135,6 +135,7 @@ def test_wrong_types_name_the_parameter():
                          ({"top_logprobs": 2}, "top_logprobs"), ({"tools": [{**tool, "type": "code"}]}, "tools"),
                          ({"tools": tool}, "tools"), ({"tools": [tool], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
                          ({"tool_choice": "required"}, "tool_choice"), ({"functions": [tool["function"]]}, "functions"),
+                         ({"tools": [tool], "tool_choice": {"type": 5}}, "tool_choice"),
                          ({"tools": [tool], "tool_choice": "required", "add_generation_prompt": False}, "tool_choice"),
                          ({"response_format": {"type": "json_schema", "json_schema": "x"}}, "response_format")]:
         s, b = post({**chat, **patch}, path="/v1/chat/completions")
@@ -341,6 +342,8 @@ def random_response_body(rng):
              "previous_response_id", "store", "metadata", "reasoning", "top_logprobs", "background", "include",
              "truncation", "parallel_tool_calls", "seed", "n", "messages"]
     values = [None, True, 0, -1, 2 ** 64, 0.5, float("nan"), "", "x", "a" * 300, [], {}, [1, "x"], {"type": "x"},
+              {"type": 5}, [{"type": 5}], [{"type": "function", "name": 7}], {"type": "function", "name": []},
+              {"format": {"type": "json_schema", "name": 5, "schema": {}}},
               {"format": {"type": rng.choice(["json_schema", "json_object", "text", "xml"]), "schema": {"type": "string"}}}]
     item_types = ["message", "function_call", "function_call_output", "reasoning", "item_reference", "bogus", 3, None]
 

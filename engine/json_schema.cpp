@@ -587,7 +587,7 @@ void set_depths(std::vector<Node>& nodes) {
         d = 1;
         for (int64_t i = 0; i < n.min_count; ++i) {
           const uint32_t item = static_cast<size_t>(i) < n.prefix_items.size() ? n.prefix_items[static_cast<size_t>(i)] : n.items;
-          if (item != kNone) d = std::max(d, inside(nodes[item].depth));
+          d = std::max(d, item != kNone ? inside(nodes[item].depth) : kNoFit);  // (no item i: no such array)
           if (static_cast<size_t>(i) >= n.prefix_items.size()) break;  // the rest are the same items
         }
       } else if (n.kind == Kind::any_of) {
@@ -710,7 +710,7 @@ std::shared_ptr<JsonGrammar> JsonGrammar::compile(std::string_view schema) {
   set_depths(nodes);
   if (nodes[root].depth > kMaxDepth) {
     raise(ErrorCode::invalid_argument, "json schema at '#': no value of it nests within {} levels (required properties or "
-                                       "minItems that refer back to themselves?)", kMaxDepth);
+                                       "minItems that need themselves inside, or more items than it allows?)", kMaxDepth);
   }
   return g;
 }

@@ -725,6 +725,7 @@ TEST(JsonSchema, refuses_what_it_does_not_hold) {
       {R"({"allOf": [{}, {}]})", "allOf of one"},
       {R"({"$ref": "#"})", "refers to itself"},
       {R"({"type": "array", "minItems": 3, "maxItems": 2})", "maxItems is below minItems"},
+      {R"({"type": "array", "prefixItems": [{}], "items": false, "minItems": 2})", "no value of it nests within"},
       {R"({"type": "string", "maxLength": -1})", "non-negative integer"},
   };
   for (const auto& [schema, why] : cases) {

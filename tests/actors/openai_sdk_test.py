@@ -659,7 +659,7 @@ def test_structured_output():
     for rf, words in (({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(?=a)"}}},
                        "#/pattern': regex '(?=a)' at offset 1: lookahead is not supported"),
                       ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
-                          "a": {"type": "integer", "multipleOf": 2}}}}}, "#/properties/a/multipleOf"),
+                          "a": {"type": "number", "multipleOf": 0.25}}}}}, "#/properties/a/multipleOf"),
                       ({"type": "yaml"}, "'yaml'"), ({"type": "json_schema"}, "json_schema")):
         status, e = s.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 2, "response_format": rf})
         assert status == 400 and e["error"]["param"] == "response_format" and words in e["error"]["message"], (rf, e)

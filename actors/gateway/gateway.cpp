@@ -389,22 +389,22 @@ bool stream_batch(Self self, InFlight& f, const TokenBatch& b) {
   }
   f.last_token = now;
   f.result.text += delta;
+  auto batch_logprobs = [&] {  // the batch's entries (when asked), for a streamed delta
+    std::vector<gateway::LogprobEntry> lps;
+    if (f.api.logprobs >= 0) lps.assign(f.result.logprobs.end() - static_cast<std::ptrdiff_t>(ids.size()), f.result.logprobs.end());
+    return lps;
+  };
   if (f.frames) {
     send_chunk(*f.frames, static_cast<uint32_t>(f.result.token_ids.size() - ids.size()), ids, delta);
   } else if (f.responses) {
-    std::vector<gateway::LogprobEntry> lps;
-    if (f.api.logprobs >= 0) lps.assign(f.result.logprobs.end() - static_cast<std::ptrdiff_t>(ids.size()), f.result.logprobs.end());
-    std::string events = f.responses->text(f.result, delta, lps);  // (in this order: each event is numbered)
+    std::string events = f.responses->text(f.result, delta, batch_logprobs());  // (in this order: each event is numbered)
     events += f.responses->tool_calls(f.result, deltas);
     if (!events.empty()) f.responder->send(events);
-    deltas.clear();
   } else if (f.api.stream && (!delta.empty() || f.api.return_token_ids || f.api.logprobs >= 0)) {
-    std::vector<gateway::LogprobEntry> lps;
-    if (f.api.logprobs >= 0) lps.assign(f.result.logprobs.end() - static_cast<std::ptrdiff_t>(ids.size()), f.result.logprobs.end());
-    f.responder->send(gateway::stream_delta(f.api, f.result, delta, ids, f.first, lps));
+    f.responder->send(gateway::stream_delta(f.api, f.result, delta, ids, f.first, batch_logprobs()));
     f.first = false;
   }
-  if (f.api.stream && f.responder && !deltas.empty()) {
+  if (f.api.stream && f.responder && !f.responses && !deltas.empty()) {
     f.responder->send(gateway::stream_tool_calls(f.result, deltas, f.first));
     f.first = false;
   }
@@ -749,9 +749,7 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
 
 void handle_generate(Self self, HttpCall call, ApiKind kind) {
   auto& st = self->state;
-  const std::string route = kind == ApiKind::chat        ? "/v1/chat/completions"
-                            : kind == ApiKind::responses ? "/v1/responses"
-                                                         : "/v1/completions";
+  const std::string route = gateway::route_of(kind);
   if (st.draining) {
     requests_counter(st, route, 503).inc();
     respond_error(*call.responder, ApiError{503, "the server is shutting down; retry on another replica",
@@ -1316,15 +1314,14 @@ void handle(Self self, HttpCall call) {
     call.responder->respond(200, "application/json", gateway::dump_json(j));
     return;
   }
-  if (path == "/v1/completions" || path == "/v1/chat/completions" || path == "/v1/responses") {
+  for (const ApiKind kind : {ApiKind::completion, ApiKind::chat, ApiKind::responses}) {
+    if (path != gateway::route_of(kind)) continue;
     if (req.method != "POST") {
       respond_error(*call.responder, ApiError{405, "use POST for " + path, "invalid_request_error", "", ""},
                     {{"allow", "POST"}});
       return;
     }
-    handle_generate(self, std::move(call), path == "/v1/chat/completions" ? ApiKind::chat
-                                           : path == "/v1/responses"      ? ApiKind::responses
-                                                                          : ApiKind::completion);
+    handle_generate(self, std::move(call), kind);
     return;
   }
   respond_error(*call.responder, ApiError{404, "no route " + req.method + " " + path, "invalid_request_error", "", ""});

@@ -14,10 +14,6 @@ namespace {
 
 using json = nlohmann::json;
 
-ApiError bad(const std::string& param, const std::string& message) {
-  return ApiError{400, message, "invalid_request_error", param, ""};
-}
-
 // Reads optional typed fields, recording the first error.
 class Fields {
  public:
@@ -31,12 +27,12 @@ class Fields {
     if (error || !has(k)) return;
     const auto& v = j_.at(k);
     if (!v.is_number() || v.is_boolean()) {
-      error = bad(k, std::string("'") + k + "' must be a number");
+      error = bad_request(k, std::string("'") + k + "' must be a number");
       return;
     }
     const double d = v.get<double>();
     if (!(d >= lo && d <= hi)) {
-      error = bad(k, fmt::format("'{}' must be between {} and {}, got {}", k, lo, hi, d));
+      error = bad_request(k, fmt::format("'{}' must be between {} and {}, got {}", k, lo, hi, d));
       return;
     }
     set(d);
@@ -46,12 +42,12 @@ class Fields {
     if (error || !has(k)) return;
     const auto& v = j_.at(k);
     if (!v.is_number_integer()) {
-      error = bad(k, std::string("'") + k + "' must be an integer");
+      error = bad_request(k, std::string("'") + k + "' must be an integer");
       return;
     }
     const auto d = v.get<int64_t>();
     if (d < lo || d > hi) {
-      error = bad(k, fmt::format("'{}' must be between {} and {}, got {}", k, lo, hi, d));
+      error = bad_request(k, fmt::format("'{}' must be between {} and {}, got {}", k, lo, hi, d));
       return;
     }
     set(d);
@@ -59,7 +55,7 @@ class Fields {
   void boolean(const char* k, bool& out) {
     if (error || !has(k)) return;
     if (!j_.at(k).is_boolean()) {
-      error = bad(k, std::string("'") + k + "' must be true or false");
+      error = bad_request(k, std::string("'") + k + "' must be true or false");
       return;
     }
     out = j_.at(k).get<bool>();
@@ -68,12 +64,12 @@ class Fields {
     if (error || !has(k)) return;
     const auto& v = j_.at(k);
     if (!v.is_array()) {
-      error = bad(k, std::string("'") + k + "' must be a list of token ids");
+      error = bad_request(k, std::string("'") + k + "' must be a list of token ids");
       return;
     }
     for (const auto& e : v) {
       if (!e.is_number_integer() || e.get<int64_t>() < 0 || e.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
-        error = bad(k, std::string("'") + k + "' must hold non-negative integer token ids");
+        error = bad_request(k, std::string("'") + k + "' must hold non-negative integer token ids");
         return;
       }
       out.push_back(static_cast<int32_t>(e.get<int64_t>()));
@@ -111,6 +107,10 @@ ApiError to_api_error(const Error& e) {
   }
 }
 
+ApiError bad_request(const std::string& param, const std::string& message) {
+  return ApiError{400, message, "invalid_request_error", param, ""};
+}
+
 ApiError to_request_error(const Error& e, std::string param) {
   ApiError ae = to_api_error(e);
   if (ae.status >= 500) {
@@ -126,35 +126,35 @@ ApiError to_request_error(const Error& e, std::string param) {
 std::optional<ApiError> parse_tools(const json& j, ApiRequest& r) {
   for (const char* k : {"functions", "function_call"}) {
     if (j.contains(k) && !j[k].is_null()) {
-      return bad(k, fmt::format("'{}' (the legacy function calling) is not supported; use 'tools' and 'tool_choice'", k));
+      return bad_request(k, fmt::format("'{}' (the legacy function calling) is not supported; use 'tools' and 'tool_choice'", k));
     }
   }
   if (j.contains("tools") && !j["tools"].is_null()) {
     const auto& tools = j["tools"];
-    if (!tools.is_array()) return bad("tools", "'tools' must be a list of tools");
+    if (!tools.is_array()) return bad_request("tools", "'tools' must be a list of tools");
     for (size_t i = 0; i < tools.size(); ++i) {
       const auto& t = tools[i];
       const std::string where = fmt::format("tools[{}]", i);
       if (!t.is_object() || !t.contains("type") || t["type"] != "function") {
-        return bad("tools", where + " must be an object with \"type\": \"function\" (the only kind served)");
+        return bad_request("tools", where + " must be an object with \"type\": \"function\" (the only kind served)");
       }
-      if (!t.contains("function") || !t["function"].is_object()) return bad("tools", where + ".function must be an object");
+      if (!t.contains("function") || !t["function"].is_object()) return bad_request("tools", where + ".function must be an object");
       const auto& fn = t["function"];
       if (!fn.contains("name") || !fn["name"].is_string() || fn["name"].get<std::string>().empty()) {
-        return bad("tools", where + ".function.name must be a non-empty string");
+        return bad_request("tools", where + ".function.name must be a non-empty string");
       }
       if (fn.contains("description") && !fn["description"].is_null() && !fn["description"].is_string()) {
-        return bad("tools", where + ".function.description must be a string");
+        return bad_request("tools", where + ".function.description must be a string");
       }
       if (fn.contains("parameters") && !fn["parameters"].is_null() && !fn["parameters"].is_object()) {
-        return bad("tools", where + ".function.parameters must be a JSON Schema object");
+        return bad_request("tools", where + ".function.parameters must be a JSON Schema object");
       }
       if (nests_deeper_than(fn, engine::kMaxSchemaNesting)) {  // it is written into the prompt (recursively)
-        return bad("tools", fmt::format("{}.function nests deeper than {} levels", where, engine::kMaxSchemaNesting));
+        return bad_request("tools", fmt::format("{}.function nests deeper than {} levels", where, engine::kMaxSchemaNesting));
       }
       const std::string name = fn["name"];
       for (const auto& other : r.tools) {
-        if (other.name == name) return bad("tools", "two tools are named '" + escape_for_error(name) + "'");
+        if (other.name == name) return bad_request("tools", "two tools are named '" + escape_for_error(name) + "'");
       }
       r.tools.push_back(ToolSpec{name, fn});
     }
@@ -173,22 +173,22 @@ std::optional<ApiError> parse_tools(const json& j, ApiRequest& r) {
       choice.mode = ToolChoice::named;
       choice.name = c["function"]["name"];
     } else {
-      return bad("tool_choice", "'tool_choice' must be \"none\", \"auto\", \"required\" or "
+      return bad_request("tool_choice", "'tool_choice' must be \"none\", \"auto\", \"required\" or "
                                 "{\"type\": \"function\", \"function\": {\"name\": ...}}");
     }
     if (r.tools.empty() && choice.forces_call()) {
-      return bad("tool_choice", "'tool_choice' asks for a tool call but the request offers no 'tools'");
+      return bad_request("tool_choice", "'tool_choice' asks for a tool call but the request offers no 'tools'");
     }
     if (choice.mode == ToolChoice::named &&
         std::none_of(r.tools.begin(), r.tools.end(), [&](const ToolSpec& t) { return t.name == choice.name; })) {
-      return bad("tool_choice", "'tool_choice' names '" + escape_for_error(choice.name) + "', which is not in 'tools'");
+      return bad_request("tool_choice", "'tool_choice' names '" + escape_for_error(choice.name) + "', which is not in 'tools'");
     }
     if (choice.mode == ToolChoice::required && r.tools.size() == 1) {  // the one function it may call, named
       choice = ToolChoice{ToolChoice::named, r.tools.front().name};
     }
   }
   if (j.contains("parallel_tool_calls") && !j["parallel_tool_calls"].is_null()) {
-    if (!j["parallel_tool_calls"].is_boolean()) return bad("parallel_tool_calls", "'parallel_tool_calls' must be true or false");
+    if (!j["parallel_tool_calls"].is_boolean()) return bad_request("parallel_tool_calls", "'parallel_tool_calls' must be true or false");
     r.parallel_tool_calls = j["parallel_tool_calls"].get<bool>();
   }
   return std::nullopt;
@@ -199,24 +199,27 @@ std::variant<json, ApiError> parse_object(const std::string& body) {
   try {
     j = json::parse(body);
   } catch (const json::parse_error& e) {
-    return bad("", std::string("request body is not valid JSON: ") + e.what());
+    return bad_request("", std::string("request body is not valid JSON: ") + e.what());
   }
-  if (!j.is_object()) return bad("", "request body must be a JSON object");
+  if (!j.is_object()) return bad_request("", "request body must be a JSON object");
   return j;
 }
 
 std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKind kind) {
   auto parsed = parse_object(body);
   if (auto* e = std::get_if<ApiError>(&parsed)) return *e;
-  const json& j = std::get<json>(parsed);
+  return parse_request(std::get<json>(parsed), kind);
+}
+
+std::variant<ApiRequest, ApiError> parse_request(const json& j, ApiKind kind) {
   ApiRequest r;
   r.kind = kind;
-  if (!j.contains("model") || !j["model"].is_string()) return bad("model", "'model' is required and must be a string");
+  if (!j.contains("model") || !j["model"].is_string()) return bad_request("model", "'model' is required and must be a string");
   r.model = j["model"].get<std::string>();
 
   Fields f(j);
   if (kind == ApiKind::completion) {
-    if (!j.contains("prompt")) return bad("prompt", "'prompt' is required");
+    if (!j.contains("prompt")) return bad_request("prompt", "'prompt' is required");
     const auto& p = j["prompt"];
     if (p.is_string()) {
       r.prompt_text = p.get<std::string>();
@@ -245,10 +248,10 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
           std::vector<int32_t> ids;
           fi.token_ids("prompt", ids);
           if (fi.error) return *fi.error;
-          if (ids.empty()) return bad("prompt", "'prompt' must not hold an empty list of token ids");
+          if (ids.empty()) return bad_request("prompt", "'prompt' must not hold an empty list of token ids");
           one.ids = std::move(ids);
         } else {
-          return bad("prompt", "a batch of prompts must be all strings or all lists of token ids");
+          return bad_request("prompt", "a batch of prompts must be all strings or all lists of token ids");
         }
         if (i == 0) {
           r.prompt_text = one.text;
@@ -258,32 +261,32 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
         }
       }
     } else {
-      return bad("prompt", "'prompt' must be a string or a list of token ids");
+      return bad_request("prompt", "'prompt' must be a string or a list of token ids");
     }
-    if (r.prompt_ids && r.prompt_ids->empty()) return bad("prompt", "'prompt' must not be empty");
+    if (r.prompt_ids && r.prompt_ids->empty()) return bad_request("prompt", "'prompt' must not be empty");
     f.boolean("echo", r.echo);
     const bool no_suffix =
         !j.contains("suffix") || j["suffix"].is_null() || (j["suffix"].is_string() && j["suffix"].get<std::string>().empty());
     if (!no_suffix) {
-      return bad("suffix", "'suffix' (fill in the middle) is not supported");
+      return bad_request("suffix", "'suffix' (fill in the middle) is not supported");
     }
     if (j.contains("best_of") && !j["best_of"].is_null() && j["best_of"] != 1) {
-      return bad("best_of", "only best_of = 1 is supported");
+      return bad_request("best_of", "only best_of = 1 is supported");
     }
   } else {
     if (!j.contains("messages") || !j["messages"].is_array() || j["messages"].empty()) {
-      return bad("messages", "'messages' is required and must be a non-empty list");
+      return bad_request("messages", "'messages' is required and must be a non-empty list");
     }
     for (const auto& m : j["messages"]) {
       if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) {
-        return bad("messages", "each message must be an object with a string 'role'");
+        return bad_request("messages", "each message must be an object with a string 'role'");
       }
       const std::string role = m["role"];
       if (role != "system" && role != "user" && role != "assistant" && role != "tool" && role != "developer") {
-        return bad("messages", "unknown message role '" + escape_for_error(role) + "'");
+        return bad_request("messages", "unknown message role '" + escape_for_error(role) + "'");
       }
       if (m.contains("content") && !m["content"].is_null() && !m["content"].is_string() && !m["content"].is_array()) {
-        return bad("messages", "message 'content' must be a string or a list of content parts");
+        return bad_request("messages", "message 'content' must be a string or a list of content parts");
       }
     }
     r.messages = j["messages"];
@@ -294,7 +297,7 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
   auto& s = r.sampling;
   f.number("temperature", [&](double v) { s.temperature = static_cast<float>(v); }, 0.0, 2.0);
   f.number("top_p", [&](double v) { s.top_p = static_cast<float>(v); }, 0.0, 1.0);
-  if (!f.error && s.top_p <= 0.0f && f.has("top_p")) f.error = bad("top_p", "'top_p' must be greater than 0");
+  if (!f.error && s.top_p <= 0.0f && f.has("top_p")) f.error = bad_request("top_p", "'top_p' must be greater than 0");
   f.integer("top_k", [&](int64_t v) { s.top_k = static_cast<int32_t>(v); }, -1, 1 << 20);
   f.number("min_p", [&](double v) { s.min_p = static_cast<float>(v); }, 0.0, 1.0);
   f.integer("seed", [&](int64_t v) { s.seed = static_cast<uint64_t>(v); }, std::numeric_limits<int64_t>::min(),
@@ -302,7 +305,7 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
   const char* max_key = f.has("max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
   f.integer(max_key, [&](int64_t v) { s.max_tokens = v; }, 0, int64_t{1} << 40);
   if (!f.error && s.max_tokens == 0 && !r.echo) {
-    return bad(max_key, fmt::format("'{}' must be at least 1{}", max_key,
+    return bad_request(max_key, fmt::format("'{}' must be at least 1{}", max_key,
                                     kind == ApiKind::completion ? " (0 only with 'echo': the prompt and its logprobs alone)" : ""));
   }
   f.integer("min_tokens", [&](int64_t v) { s.min_tokens = v; }, 0, int64_t{1} << 40);
@@ -313,27 +316,27 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
   f.number("presence_penalty", [&](double v) { s.presence_penalty = static_cast<float>(v); }, -kPen, kPen);
   f.number("repetition_penalty", [&](double v) { s.repetition_penalty = static_cast<float>(v); }, 0.0, 1e6);
   if (!f.error && f.has("repetition_penalty") && !(s.repetition_penalty > 0.0f)) {
-    f.error = bad("repetition_penalty", "'repetition_penalty' must be greater than 0");
+    f.error = bad_request("repetition_penalty", "'repetition_penalty' must be greater than 0");
   }
   if (f.error) return *f.error;
   if (j.contains("logit_bias") && !j["logit_bias"].is_null()) {
     // OpenAI's form: {"token id": bias}; the token's range is checked against the vocabulary at admission.
     const auto& lb = j["logit_bias"];
-    if (!lb.is_object()) return bad("logit_bias", "'logit_bias' must be an object of token ids to biases");
+    if (!lb.is_object()) return bad_request("logit_bias", "'logit_bias' must be an object of token ids to biases");
     if (lb.size() > engine::kMaxLogitBiasEntries) {
-      return bad("logit_bias",
+      return bad_request("logit_bias",
                  fmt::format("'logit_bias' has {} entries, at most {}", lb.size(), engine::kMaxLogitBiasEntries));
     }
     for (const auto& [key, v] : lb.items()) {
       int64_t id = -1;
       const auto [end, ec] = std::from_chars(key.data(), key.data() + key.size(), id);
       if (ec != std::errc{} || end != key.data() + key.size() || id < 0 || id > std::numeric_limits<int32_t>::max()) {
-        return bad("logit_bias", "'logit_bias' keys must be token ids, got '" + escape_for_error(key) + "'");
+        return bad_request("logit_bias", "'logit_bias' keys must be token ids, got '" + escape_for_error(key) + "'");
       }
-      if (!v.is_number()) return bad("logit_bias", "'logit_bias' values must be numbers");
+      if (!v.is_number()) return bad_request("logit_bias", "'logit_bias' values must be numbers");
       const double b = v.get<double>();
       if (!(std::fabs(b) <= kBias)) {
-        return bad("logit_bias", fmt::format("'logit_bias' values must be between -{} and {}", kBias, kBias));
+        return bad_request("logit_bias", fmt::format("'logit_bias' values must be between -{} and {}", kBias, kBias));
       }
       s.logit_bias.emplace_back(static_cast<int32_t>(id), static_cast<float>(b));
     }
@@ -346,50 +349,50 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
   f.integer("n", [&](int64_t v) { r.n = static_cast<int32_t>(v); }, 1, kMaxChoices);
   if (f.error) return *f.error;
   if (static_cast<int64_t>(r.n) * static_cast<int64_t>(1 + r.more_prompts.size()) > kMaxChoices) {
-    return bad(r.more_prompts.empty() ? "n" : "prompt",
+    return bad_request(r.more_prompts.empty() ? "n" : "prompt",
                fmt::format("a request may ask for at most {} choices (n x prompts), got {} x {}", kMaxChoices, r.n,
                            1 + r.more_prompts.size()));
   }
-  if (s.max_tokens && s.min_tokens > *s.max_tokens) return bad("min_tokens", "'min_tokens' must not exceed 'max_tokens'");
+  if (s.max_tokens && s.min_tokens > *s.max_tokens) return bad_request("min_tokens", "'min_tokens' must not exceed 'max_tokens'");
   if (j.contains("stop") && !j["stop"].is_null()) {
     const auto& st = j["stop"];
     if (st.is_string()) {
       s.stop.push_back(st.get<std::string>());
     } else if (st.is_array()) {
       for (const auto& e : st) {
-        if (!e.is_string()) return bad("stop", "'stop' must be a string or a list of strings");
+        if (!e.is_string()) return bad_request("stop", "'stop' must be a string or a list of strings");
         s.stop.push_back(e.get<std::string>());
       }
-      if (s.stop.size() > 16) return bad("stop", "at most 16 stop strings");
+      if (s.stop.size() > 16) return bad_request("stop", "at most 16 stop strings");
     } else {
-      return bad("stop", "'stop' must be a string or a list of strings");
+      return bad_request("stop", "'stop' must be a string or a list of strings");
     }
     for (const auto& x : s.stop) {
-      if (x.empty()) return bad("stop", "stop strings must not be empty");
+      if (x.empty()) return bad_request("stop", "stop strings must not be empty");
     }
   }
   if (j.contains("response_format") && !j["response_format"].is_null()) {
     const auto& rf = j["response_format"];
     if (!rf.is_object() || !rf.contains("type") || !rf["type"].is_string()) {
-      return bad("response_format", "'response_format' must be an object with a string 'type'");
+      return bad_request("response_format", "'response_format' must be an object with a string 'type'");
     }
     const std::string type = rf["type"];
     if (type == "json_object") {
       s.json_schema = R"({"type": "object"})";
     } else if (type == "json_schema") {
       if (!rf.contains("json_schema") || !rf["json_schema"].is_object()) {
-        return bad("response_format", "response_format type 'json_schema' needs a 'json_schema' object");
+        return bad_request("response_format", "response_format type 'json_schema' needs a 'json_schema' object");
       }
       const auto& js = rf["json_schema"];
       if (js.contains("schema") && !js["schema"].is_null() && !js["schema"].is_object() && !js["schema"].is_boolean()) {
-        return bad("response_format", "'json_schema.schema' must be a JSON Schema (an object)");
+        return bad_request("response_format", "'json_schema.schema' must be a JSON Schema (an object)");
       }
       if (js.contains("schema") && nests_deeper_than(js["schema"], engine::kMaxSchemaNesting)) {
-        return bad("response_format", fmt::format("'json_schema.schema' nests deeper than {} levels", engine::kMaxSchemaNesting));
+        return bad_request("response_format", fmt::format("'json_schema.schema' nests deeper than {} levels", engine::kMaxSchemaNesting));
       }
       s.json_schema = js.contains("schema") && !js["schema"].is_null() ? js["schema"].dump() : "{}";
     } else if (type != "text") {
-      return bad("response_format", "response_format 'type' must be 'text', 'json_object' or 'json_schema', got '" +
+      return bad_request("response_format", "response_format 'type' must be 'text', 'json_object' or 'json_schema', got '" +
                                         escape_for_error(type) + "'");
     }
   }
@@ -398,14 +401,14 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
   const json* gp = &j;
   if (j.contains("structured_outputs") && !j["structured_outputs"].is_null()) {
     const auto& so = j["structured_outputs"];
-    if (!so.is_object()) return bad("structured_outputs", "'structured_outputs' must be an object");
+    if (!so.is_object()) return bad_request("structured_outputs", "'structured_outputs' must be an object");
     merged = j;
     for (const auto& [k, v] : so.items()) {
       if (v.is_null()) continue;
       if (k == "json_object") {
-        if (!v.is_boolean()) return bad("structured_outputs", "'structured_outputs.json_object' must be true or false");
+        if (!v.is_boolean()) return bad_request("structured_outputs", "'structured_outputs.json_object' must be true or false");
         if (v.get<bool>()) {
-          if (!s.json_schema.empty()) return bad("structured_outputs", "give either structured_outputs or a json 'response_format'");
+          if (!s.json_schema.empty()) return bad_request("structured_outputs", "give either structured_outputs or a json 'response_format'");
           s.json_schema = R"({"type": "object"})";
         }
         continue;
@@ -414,11 +417,11 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
           {"json", "guided_json"}, {"regex", "guided_regex"}, {"choice", "guided_choice"}, {"grammar", "guided_grammar"}};
       const auto* name = std::find_if(std::begin(kNames), std::end(kNames), [&](const auto& n) { return k == n.first; });
       if (name == std::end(kNames)) {
-        return bad("structured_outputs", "'structured_outputs." + escape_for_error(k) +
+        return bad_request("structured_outputs", "'structured_outputs." + escape_for_error(k) +
                                              "' is not supported (json, regex, choice, grammar and json_object are)");
       }
       if (j.contains(name->second) && !j[name->second].is_null()) {
-        return bad("structured_outputs", fmt::format("give either structured_outputs.{} or {}, not both", k, name->second));
+        return bad_request("structured_outputs", fmt::format("give either structured_outputs.{} or {}, not both", k, name->second));
       }
       merged[name->second] = v;
     }
@@ -426,28 +429,28 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
   }
   const json& src = *gp;
   if (src.contains("guided_json") && !src["guided_json"].is_null()) {  // vLLM's
-    if (!s.json_schema.empty()) return bad("guided_json", "give either 'guided_json' or a json 'response_format', not both");
+    if (!s.json_schema.empty()) return bad_request("guided_json", "give either 'guided_json' or a json 'response_format', not both");
     const auto& g = src["guided_json"];
     if (g.is_string()) {
       s.json_schema = g.get<std::string>();
       s.grammar_param = "guided_json";
     } else if (g.is_object() || g.is_boolean()) {
       if (nests_deeper_than(g, engine::kMaxSchemaNesting)) {
-        return bad("guided_json", fmt::format("'guided_json' nests deeper than {} levels", engine::kMaxSchemaNesting));
+        return bad_request("guided_json", fmt::format("'guided_json' nests deeper than {} levels", engine::kMaxSchemaNesting));
       }
       s.json_schema = g.dump();
       s.grammar_param = "guided_json";
     } else {
-      return bad("guided_json", "'guided_json' must be a JSON Schema (an object or its text)");
+      return bad_request("guided_json", "'guided_json' must be a JSON Schema (an object or its text)");
     }
   }
   if (src.contains("guided_choice") && !src["guided_choice"].is_null()) {  // vLLM's: the answer is one of these texts
-    if (!s.json_schema.empty()) return bad("guided_choice", "give one of 'guided_choice', 'guided_json' or a json 'response_format'");
+    if (!s.json_schema.empty()) return bad_request("guided_choice", "give one of 'guided_choice', 'guided_json' or a json 'response_format'");
     const auto& g = src["guided_choice"];
-    if (!g.is_array() || g.empty() || g.size() > 1024) return bad("guided_choice", "'guided_choice' must be a list of 1 to 1024 strings");
+    if (!g.is_array() || g.empty() || g.size() > 1024) return bad_request("guided_choice", "'guided_choice' must be a list of 1 to 1024 strings");
     std::vector<std::string> texts;
     for (const auto& t : g) {
-      if (!t.is_string() || t.get<std::string>().empty()) return bad("guided_choice", "every 'guided_choice' entry must be a non-empty string");
+      if (!t.is_string() || t.get<std::string>().empty()) return bad_request("guided_choice", "every 'guided_choice' entry must be a non-empty string");
       texts.push_back(t.get<std::string>());
     }
     s.json_schema = engine::choice_grammar(texts);
@@ -458,35 +461,35 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
   for (const char* key : {"guided_regex", "regex", "guided_grammar", "ebnf"}) {
     if (!src.contains(key) || src[key].is_null()) continue;
     if (!s.json_schema.empty()) {
-      return bad(key, "give one of 'guided_regex' (or 'regex'), 'guided_grammar' (or 'ebnf'), 'guided_choice', "
+      return bad_request(key, "give one of 'guided_regex' (or 'regex'), 'guided_grammar' (or 'ebnf'), 'guided_choice', "
                       "'guided_json' or a json 'response_format'");
     }
     const bool regex = std::string_view(key).ends_with("regex");
     if (!src[key].is_string() || src[key].get<std::string>().empty()) {
-      return bad(key, fmt::format("'{}' must be a non-empty string ({})", key, regex ? "a regular expression" : "an EBNF grammar"));
+      return bad_request(key, fmt::format("'{}' must be a non-empty string ({})", key, regex ? "a regular expression" : "an EBNF grammar"));
     }
     s.json_schema = regex ? engine::regex_grammar(src[key].get<std::string>()) : engine::ebnf_grammar(src[key].get<std::string>());
     s.grammar_param = key;
   }
   if (gp == &merged && !j.contains(s.grammar_param)) s.grammar_param = "structured_outputs";  // (compile errors name it)
   if (!s.json_schema.empty() && r.uses_tools() && r.tool_choice.mode == ToolChoice::required) {
-    return bad("response_format", "a json response_format cannot be combined with tool_choice 'required' over several tools");
+    return bad_request("response_format", "a json response_format cannot be combined with tool_choice 'required' over several tools");
   }
   if (!s.json_schema.empty() && r.uses_tools() && r.tool_choice.mode == ToolChoice::named) {
-    return bad("response_format", "a json response_format cannot be combined with a named tool_choice (the call's "
+    return bad_request("response_format", "a json response_format cannot be combined with a named tool_choice (the call's "
                                   "arguments already follow the tool's parameters)");
   }
   if (j.contains("stream_options") && j["stream_options"].is_object()) {
     const auto& so = j["stream_options"];
     if (so.contains("include_usage")) {
-      if (!so["include_usage"].is_boolean()) return bad("stream_options", "'include_usage' must be true or false");
+      if (!so["include_usage"].is_boolean()) return bad_request("stream_options", "'include_usage' must be true or false");
       r.include_usage = so["include_usage"].get<bool>();
     }
   }
   if (kind == ApiKind::completion) {
     // "logprobs": N alternatives (0..20), null: none.
     if (j.contains("logprobs") && !j["logprobs"].is_null()) {
-      if (j["logprobs"].is_boolean()) return bad("logprobs", "'logprobs' must be an integer from 0 to 20 (alternatives per token)");
+      if (j["logprobs"].is_boolean()) return bad_request("logprobs", "'logprobs' must be an integer from 0 to 20 (alternatives per token)");
       f.integer("logprobs", [&](int64_t v) { r.logprobs = static_cast<int32_t>(v); }, 0, 20);
     }
   } else {
@@ -495,7 +498,7 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
     int64_t top = 0;
     f.integer("top_logprobs", [&](int64_t v) { top = v; }, 0, 20);
     if (!f.error && f.has("top_logprobs") && !j["top_logprobs"].is_null() && !want) {
-      return bad("top_logprobs", "'top_logprobs' needs 'logprobs': true");
+      return bad_request("top_logprobs", "'top_logprobs' needs 'logprobs': true");
     }
     if (want) r.logprobs = static_cast<int32_t>(top);
   }
@@ -516,15 +519,7 @@ json byte_list(const std::string& b) {
 // answer (`offset`: the text offset of that token, completions only).
 json logprobs_json(const ApiRequest& req, const std::vector<LogprobEntry>& entries, size_t offset) {
   if (req.logprobs < 0) return nullptr;
-  if (req.kind == ApiKind::chat) {
-    json content = json::array();
-    for (const auto& e : entries) {
-      json top = json::array();
-      for (const auto& [b, lp] : e.top) top.push_back({{"token", b}, {"logprob", lp}, {"bytes", byte_list(b)}});
-      content.push_back({{"token", e.bytes}, {"logprob", e.logprob}, {"bytes", byte_list(e.bytes)}, {"top_logprobs", top}});
-    }
-    return {{"content", content}};
-  }
+  if (req.kind == ApiKind::chat) return {{"content", logprob_entries_json(entries)}};
   json tokens = json::array(), lps = json::array(), tops = json::array(), offsets = json::array();
   for (const auto& e : entries) {
     tokens.push_back(e.bytes);
@@ -562,10 +557,24 @@ json tool_calls_json(const ApiResult& r) {
 
 }  // namespace
 
+std::string id_number(const std::string& id) {
+  const auto at = id.find_last_of("-_");
+  return at == std::string::npos ? id : id.substr(at + 1);
+}
+
+json logprob_entries_json(const std::vector<LogprobEntry>& entries) {
+  json out = json::array();
+  for (const auto& e : entries) {
+    json top = json::array();
+    for (const auto& [b, lp] : e.top) top.push_back({{"token", b}, {"logprob", lp}, {"bytes", byte_list(b)}});
+    out.push_back({{"token", e.bytes}, {"logprob", e.logprob}, {"bytes", byte_list(e.bytes)}, {"top_logprobs", std::move(top)}});
+  }
+  return out;
+}
+
 std::string tool_call_id(const ApiResult& r, size_t index) {
   // Unique per request and call: the response id's number and the call's index.
-  const auto dash = r.id.find_last_of("-_");
-  return fmt::format("call_{}_{}", dash == std::string::npos ? r.id : r.id.substr(dash + 1), index);
+  return fmt::format("call_{}_{}", id_number(r.id), index);
 }
 
 std::string stream_tool_calls(const ApiResult& r, const std::vector<ToolCallDelta>& deltas, bool first_event) {

@@ -46,6 +46,10 @@ struct SamplingSpec {
 // responses: OpenAI's Responses API (gateway/responses.hpp), a chat underneath.
 enum class ApiKind { completion, chat, responses };
 inline bool chat_like(ApiKind k) { return k != ApiKind::completion; }
+// The route each kind is served on.
+inline const char* route_of(ApiKind k) {
+  return k == ApiKind::chat ? "/v1/chat/completions" : k == ApiKind::responses ? "/v1/responses" : "/v1/completions";
+}
 
 struct ApiRequest {
   ApiKind kind = ApiKind::completion;
@@ -116,16 +120,19 @@ std::string error_body(const ApiError& e);
 // instead of an exception.
 std::string dump_json(const nlohmann::json& j);
 ApiError to_api_error(const Error& e);
+// A 400 of type invalid_request_error naming `param` (empty: none).
+ApiError bad_request(const std::string& param, const std::string& message);
 // The same for an error in reading the request's parameter `param` (its messages, its
 // prompt): every one is the request's, a 400 of type invalid_request_error naming it.
 ApiError to_request_error(const Error& e, std::string param);
 
 // A request body as a JSON object, or the 400 that says why it is not one.
 std::variant<nlohmann::json, ApiError> parse_object(const std::string& body);
-// Parses and validates a /v1/completions or /v1/chat/completions body.
-// Never throws; malformed JSON, wrong types and out-of-range values give a 400
-// that names the parameter.
+// Parses and validates a /v1/completions or /v1/chat/completions body (text, or the
+// JSON object already read from it). Never throws; malformed JSON, wrong types and
+// out-of-range values give a 400 that names the parameter.
 std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKind kind);
+std::variant<ApiRequest, ApiError> parse_request(const nlohmann::json& body, ApiKind kind);
 // A chat body's "tools", "tool_choice" and "parallel_tool_calls" into `r` (parse_request's; /tokenize's too).
 std::optional<ApiError> parse_tools(const nlohmann::json& j, ApiRequest& r);
 
@@ -163,6 +170,10 @@ std::string stream_delta(const ApiRequest& req, const ApiResult& r, const std::s
 // A chat stream's event with tool-call pieces (delta.tool_calls: a call's first piece
 // has its id, type and name; every piece adds to its arguments).
 std::string stream_tool_calls(const ApiResult& r, const std::vector<ToolCallDelta>& deltas, bool first_event);
+// The number of a response id ("chatcmpl-7", "resp_7": "7").
+std::string id_number(const std::string& id);
+// Logprob entries as chat's logprobs.content (and a Responses output_text part) list them.
+nlohmann::json logprob_entries_json(const std::vector<LogprobEntry>& entries);
 // The id of the request's `index`-th tool call.
 std::string tool_call_id(const ApiResult& r, size_t index);
 // The closing events: finish reason, optional usage, then "data: [DONE]".

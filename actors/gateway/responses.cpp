@@ -11,10 +11,6 @@ using json = nlohmann::json;
 
 namespace {
 
-ApiError bad(const std::string& param, const std::string& message) {
-  return ApiError{400, message, "invalid_request_error", param, ""};
-}
-
 // o[key] where it is a string (o an object), else `otherwise`.
 std::string string_at(const json& o, const char* key, const std::string& otherwise = "") {
   return o.is_object() && o.contains(key) && o[key].is_string() ? o[key].get<std::string>() : otherwise;
@@ -23,20 +19,20 @@ std::string string_at(const json& o, const char* key, const std::string& otherwi
 // The text of a message's content: a string, or a list of text parts.
 std::variant<std::string, ApiError> content_text(const json& content, const std::string& at) {
   if (content.is_string()) return content.get<std::string>();
-  if (!content.is_array()) return bad(at, "'" + at + "' must be a string or a list of content parts");
+  if (!content.is_array()) return bad_request(at, "'" + at + "' must be a string or a list of content parts");
   std::string text;
   for (size_t i = 0; i < content.size(); ++i) {
     const json& part = content[i];
     const std::string where = fmt::format("{}[{}]", at, i);
     if (!part.is_object() || !part.contains("type") || !part["type"].is_string()) {
-      return bad(at, "'" + where + "' must be a content part with a 'type'");
+      return bad_request(at, "'" + where + "' must be a content part with a 'type'");
     }
     const std::string type = part["type"];
     if (type == "refusal") continue;
     if (type != "input_text" && type != "output_text" && type != "text") {
-      return bad(at, "'" + where + "' has type '" + type + "'; only text parts are supported");
+      return bad_request(at, "'" + where + "' has type '" + type + "'; only text parts are supported");
     }
-    if (!part.contains("text") || !part["text"].is_string()) return bad(at, "'" + where + ".text' must be a string");
+    if (!part.contains("text") || !part["text"].is_string()) return bad_request(at, "'" + where + ".text' must be a string");
     text += part["text"].get<std::string>();
   }
   return text;
@@ -49,19 +45,19 @@ std::variant<json, ApiError> messages_of(const json& input) {
     messages.push_back({{"role", "user"}, {"content", input}});
     return messages;
   }
-  if (!input.is_array() || input.empty()) return bad("input", "'input' must be a string or a non-empty list of items");
+  if (!input.is_array() || input.empty()) return bad_request("input", "'input' must be a string or a non-empty list of items");
   for (size_t i = 0; i < input.size(); ++i) {
     const json& item = input[i];
     const std::string at = fmt::format("input[{}]", i);
-    if (!item.is_object()) return bad("input", "'" + at + "' must be an object");
+    if (!item.is_object()) return bad_request("input", "'" + at + "' must be an object");
     const std::string type = item.contains("type") && item["type"].is_string() ? item["type"].get<std::string>() : "message";
     if (type == "message") {
-      if (!item.contains("role") || !item["role"].is_string()) return bad("input", "'" + at + ".role' must be a string");
+      if (!item.contains("role") || !item["role"].is_string()) return bad_request("input", "'" + at + ".role' must be a string");
       const std::string role = item["role"];
       if (role != "user" && role != "assistant" && role != "system" && role != "developer") {
-        return bad("input", "'" + at + ".role' is '" + role + "'; it must be user, assistant, system or developer");
+        return bad_request("input", "'" + at + ".role' is '" + role + "'; it must be user, assistant, system or developer");
       }
-      if (!item.contains("content")) return bad("input", "'" + at + ".content' is required");
+      if (!item.contains("content")) return bad_request("input", "'" + at + ".content' is required");
       auto text = content_text(item["content"], at + ".content");
       if (auto* e = std::get_if<ApiError>(&text)) {
         e->param = "input";
@@ -70,7 +66,7 @@ std::variant<json, ApiError> messages_of(const json& input) {
       messages.push_back({{"role", role}, {"content", std::get<std::string>(text)}});
     } else if (type == "function_call") {
       for (const char* k : {"call_id", "name", "arguments"}) {
-        if (!item.contains(k) || !item[k].is_string()) return bad("input", fmt::format("'{}.{}' must be a string", at, k));
+        if (!item.contains(k) || !item[k].is_string()) return bad_request("input", fmt::format("'{}.{}' must be a string", at, k));
       }
       json call = {{"id", item["call_id"]}, {"type", "function"},
                    {"function", {{"name", item["name"]}, {"arguments", item["arguments"]}}}};
@@ -81,8 +77,8 @@ std::variant<json, ApiError> messages_of(const json& input) {
       if (!messages.back().contains("tool_calls")) messages.back()["tool_calls"] = json::array();
       messages.back()["tool_calls"].push_back(std::move(call));
     } else if (type == "function_call_output") {
-      if (!item.contains("call_id") || !item["call_id"].is_string()) return bad("input", "'" + at + ".call_id' must be a string");
-      if (!item.contains("output")) return bad("input", "'" + at + ".output' is required");
+      if (!item.contains("call_id") || !item["call_id"].is_string()) return bad_request("input", "'" + at + ".call_id' must be a string");
+      if (!item.contains("output")) return bad_request("input", "'" + at + ".output' is required");
       auto text = content_text(item["output"], at + ".output");
       if (auto* e = std::get_if<ApiError>(&text)) {
         e->param = "input";
@@ -92,13 +88,13 @@ std::variant<json, ApiError> messages_of(const json& input) {
     } else if (type == "reasoning") {
       continue;  // a reasoning model's summary of an earlier turn: not part of the prompt
     } else if (type == "item_reference") {
-      return bad("input", "'" + at + "' refers to a stored item; this server stores none: send the item itself");
+      return bad_request("input", "'" + at + "' refers to a stored item; this server stores none: send the item itself");
     } else {
-      return bad("input", "'" + at + "' has type '" + type + "'; the items read are message, function_call, "
+      return bad_request("input", "'" + at + "' has type '" + type + "'; the items read are message, function_call, "
                           "function_call_output and reasoning");
     }
   }
-  if (messages.empty()) return bad("input", "'input' has no message");
+  if (messages.empty()) return bad_request("input", "'input' has no message");
   return messages;
 }
 
@@ -107,44 +103,28 @@ std::string response_param(const std::string& p) {
   if (p == "max_tokens") return "max_output_tokens";
   if (p == "response_format") return "text.format";
   if (p == "messages") return "input";
-  if (p == "top_logprobs") return "top_logprobs";
   return p;
 }
 
-std::string number_of(const std::string& id) {
-  const auto at = id.find_last_of("-_");
-  return at == std::string::npos ? id : id.substr(at + 1);
+std::string message_id(const ApiResult& r) { return "msg_" + id_number(r.id); }
+std::string call_item_id(const ApiResult& r, size_t index) { return fmt::format("fc_{}_{}", id_number(r.id), index); }
+
+// A message's output_text part.
+json text_part(const std::string& text, json logprobs) {
+  return {{"type", "output_text"}, {"text", text}, {"annotations", json::array()}, {"logprobs", std::move(logprobs)}};
 }
 
-// Logprob entries as an output_text part lists them.
-json logprobs_of(const std::vector<LogprobEntry>& entries) {
-  auto bytes = [](const std::string& b) {
-    json out = json::array();
-    for (unsigned char c : b) out.push_back(static_cast<int>(c));
-    return out;
-  };
-  json out = json::array();
-  for (const auto& e : entries) {
-    json top = json::array();
-    for (const auto& [b, lp] : e.top) top.push_back({{"token", b}, {"logprob", lp}, {"bytes", bytes(b)}});
-    out.push_back({{"token", e.bytes}, {"logprob", e.logprob}, {"bytes", bytes(e.bytes)}, {"top_logprobs", std::move(top)}});
-  }
-  return out;
-}
-
-json message_item(const ApiResult& r, const std::string& text, bool done) {
+// The message item: begun (no content yet), or done (its text, r.text, and logprobs).
+json message_item(const ApiResult& r, bool done) {
   json content = json::array();
-  if (done) {
-    content.push_back({{"type", "output_text"}, {"text", text}, {"annotations", json::array()}, {"logprobs", logprobs_of(r.logprobs)}});
-  }
+  if (done) content.push_back(text_part(r.text, logprob_entries_json(r.logprobs)));
   // (a message cut at max_output_tokens is incomplete, as its response is)
   const char* status = !done ? "in_progress" : r.finish_reason == "length" ? "incomplete" : "completed";
-  return {{"type", "message"}, {"id", "msg_" + number_of(r.id)}, {"status", status},
-          {"role", "assistant"}, {"content", std::move(content)}};
+  return {{"type", "message"}, {"id", message_id(r)}, {"status", status}, {"role", "assistant"}, {"content", std::move(content)}};
 }
 
 json call_item(const ApiResult& r, size_t index, const std::string& name, const std::string& arguments, bool done) {
-  return {{"type", "function_call"}, {"id", fmt::format("fc_{}_{}", number_of(r.id), index)},
+  return {{"type", "function_call"}, {"id", call_item_id(r, index)},
           {"call_id", tool_call_id(r, index)}, {"name", name}, {"arguments", arguments},
           {"status", done ? "completed" : "in_progress"}};
 }
@@ -155,30 +135,30 @@ std::variant<json, ApiError> chat_body_of_response(const json& j) {
   // What a stored response or a hosted tool would need.
   for (const char* k : {"previous_response_id", "conversation", "prompt"}) {
     if (j.contains(k) && !j[k].is_null()) {
-      return bad(k, fmt::format("'{}' needs a stored response or prompt; this server stores none: send the whole "
+      return bad_request(k, fmt::format("'{}' needs a stored response or prompt; this server stores none: send the whole "
                                 "conversation in 'input'", k));
     }
   }
-  if (j.contains("background") && j["background"] == true) return bad("background", "background responses are not supported");
+  if (j.contains("background") && j["background"] == true) return bad_request("background", "background responses are not supported");
   // Chat completions' own names, which the Responses API spells otherwise.
   static const std::pair<const char*, const char*> kChatNames[] = {
       {"messages", "input"}, {"max_tokens", "max_output_tokens"}, {"max_completion_tokens", "max_output_tokens"},
       {"response_format", "text.format"}, {"n", ""}, {"logprobs", "top_logprobs"}, {"functions", "tools"}};
   for (const auto& [chat, ours] : kChatNames) {
     if (!j.contains(chat)) continue;
-    return bad(chat, *ours ? fmt::format("'{}' is a chat completions parameter; the Responses API takes '{}'", chat, ours)
+    return bad_request(chat, *ours ? fmt::format("'{}' is a chat completions parameter; the Responses API takes '{}'", chat, ours)
                            : fmt::format("'{}' is a chat completions parameter, not the Responses API's", chat));
   }
   // Logprobs: asked with include's "message.output_text.logprobs" (alternatives: top_logprobs).
   bool logprobs = false;
   if (j.contains("include") && !j["include"].is_null()) {
-    if (!j["include"].is_array()) return bad("include", "'include' must be a list of strings");
+    if (!j["include"].is_array()) return bad_request("include", "'include' must be a list of strings");
     for (const auto& x : j["include"]) {
-      if (!x.is_string()) return bad("include", "'include' must be a list of strings");
+      if (!x.is_string()) return bad_request("include", "'include' must be a list of strings");
       logprobs = logprobs || x == "message.output_text.logprobs";
     }
   }
-  if (!j.contains("input")) return bad("input", "'input' is required");
+  if (!j.contains("input")) return bad_request("input", "'input' is required");
   auto messages = messages_of(j["input"]);
   if (auto* e = std::get_if<ApiError>(&messages)) return *e;
   json chat = json::object();
@@ -193,7 +173,7 @@ std::variant<json, ApiError> chat_body_of_response(const json& j) {
   }
   json& msgs = std::get<json>(messages);
   if (j.contains("instructions") && !j["instructions"].is_null()) {
-    if (!j["instructions"].is_string()) return bad("instructions", "'instructions' must be a string");
+    if (!j["instructions"].is_string()) return bad_request("instructions", "'instructions' must be a string");
     msgs.insert(msgs.begin(), json{{"role", "system"}, {"content", j["instructions"]}});
   }
   chat["messages"] = std::move(msgs);
@@ -207,12 +187,12 @@ std::variant<json, ApiError> chat_body_of_response(const json& j) {
     if (!chat.contains("top_logprobs")) chat["top_logprobs"] = 0;
   }
   if (j.contains("tools") && !j["tools"].is_null()) {
-    if (!j["tools"].is_array()) return bad("tools", "'tools' must be a list");
+    if (!j["tools"].is_array()) return bad_request("tools", "'tools' must be a list");
     json tools = json::array();
     for (size_t i = 0; i < j["tools"].size(); ++i) {
       const json& t = j["tools"][i];
       if (string_at(t, "type") != "function") {
-        return bad("tools", fmt::format("'tools[{}]' is not a function tool; hosted tools (web search, files, "
+        return bad_request("tools", fmt::format("'tools[{}]' is not a function tool; hosted tools (web search, files, "
                                         "computer use) are not supported", i));
       }
       json fn = json::object();
@@ -233,22 +213,22 @@ std::variant<json, ApiError> chat_body_of_response(const json& j) {
   }
   if (j.contains("text") && !j["text"].is_null()) {
     const json& t = j["text"];
-    if (!t.is_object()) return bad("text", "'text' must be an object");
+    if (!t.is_object()) return bad_request("text", "'text' must be an object");
     if (t.contains("format") && !t["format"].is_null()) {
       const json& f = t["format"];
       if (!f.is_object() || !f.contains("type") || !f["type"].is_string()) {
-        return bad("text.format", "'text.format' must be an object with a 'type'");
+        return bad_request("text.format", "'text.format' must be an object with a 'type'");
       }
       const std::string type = f["type"];
       if (type == "json_object") {
         chat["response_format"] = {{"type", "json_object"}};
       } else if (type == "json_schema") {
-        if (!f.contains("schema")) return bad("text.format", "'text.format.schema' is required");
+        if (!f.contains("schema")) return bad_request("text.format", "'text.format.schema' is required");
         json js = {{"name", string_at(f, "name", "response")}, {"schema", f["schema"]}};
         if (f.contains("strict")) js["strict"] = f["strict"];
         chat["response_format"] = {{"type", "json_schema"}, {"json_schema", std::move(js)}};
       } else if (type != "text") {
-        return bad("text.format", "'text.format.type' is '" + type + "'; it must be text, json_object or json_schema");
+        return bad_request("text.format", "'text.format.type' is '" + type + "'; it must be text, json_object or json_schema");
       }
     }
   }
@@ -261,7 +241,7 @@ std::variant<ApiRequest, ApiError> parse_response_request(const std::string& bod
   const json& j = std::get<json>(object);
   auto chat = chat_body_of_response(j);
   if (auto* e = std::get_if<ApiError>(&chat)) return *e;
-  auto parsed = parse_request(dump_json(std::get<json>(chat)), ApiKind::chat);
+  auto parsed = parse_request(std::get<json>(chat), ApiKind::chat);
   if (auto* e = std::get_if<ApiError>(&parsed)) {
     e->param = response_param(e->param);
     return *e;
@@ -290,7 +270,7 @@ std::variant<ApiRequest, ApiError> parse_response_request(const std::string& bod
 json response_object(const ApiRequest& req, const ApiResult& r, bool finished) {
   json output = json::array();
   if (finished) {
-    if (!r.text.empty() || r.tool_calls.empty()) output.push_back(message_item(r, r.text, true));
+    if (!r.text.empty() || r.tool_calls.empty()) output.push_back(message_item(r, true));
     for (size_t i = 0; i < r.tool_calls.size(); ++i) {
       output.push_back(call_item(r, i, r.tool_calls[i].name, r.tool_calls[i].arguments, true));
     }
@@ -343,23 +323,21 @@ std::string ResponseStream::start(const ApiRequest& req, const ApiResult& r) {
 std::string ResponseStream::text(const ApiResult& r, const std::string& delta, const std::vector<LogprobEntry>& logprobs) {
   if (delta.empty()) return "";
   std::string out;
-  const std::string item_id = "msg_" + number_of(r.id);
   if (message_index_ < 0) {
     message_index_ = next_index_++;
-    out += event({{"type", "response.output_item.added"}, {"output_index", message_index_}, {"item", message_item(r, "", false)}});
+    out += event({{"type", "response.output_item.added"}, {"output_index", message_index_}, {"item", message_item(r, false)}});
     out += event({{"type", "response.content_part.added"},
-                  {"item_id", item_id},
+                  {"item_id", message_id(r)},
                   {"output_index", message_index_},
                   {"content_index", 0},
-                  {"part", {{"type", "output_text"}, {"text", ""}, {"annotations", json::array()}, {"logprobs", json::array()}}}});
+                  {"part", text_part("", json::array())}});
   }
-  text_ += delta;
   out += event({{"type", "response.output_text.delta"},
-                {"item_id", item_id},
+                {"item_id", message_id(r)},
                 {"output_index", message_index_},
                 {"content_index", 0},
                 {"delta", delta},
-                {"logprobs", logprobs_of(logprobs)}});
+                {"logprobs", logprob_entries_json(logprobs)}});
   return out;
 }
 
@@ -373,9 +351,8 @@ std::string ResponseStream::tool_calls(const ApiResult& r, const std::vector<Too
                     {"item", call_item(r, d.index, d.name, "", false)}});
     }
     if (d.arguments.empty()) continue;
-    arguments_[d.index] += d.arguments;
     out += event({{"type", "response.function_call_arguments.delta"},
-                  {"item_id", fmt::format("fc_{}_{}", number_of(r.id), d.index)},
+                  {"item_id", call_item_id(r, d.index)},
                   {"output_index", call_index_[d.index]},
                   {"delta", d.arguments}});
   }
@@ -384,39 +361,37 @@ std::string ResponseStream::tool_calls(const ApiResult& r, const std::vector<Too
 
 std::string ResponseStream::finish(const ApiRequest& req, const ApiResult& r) {
   std::string out;
-  if (message_index_ >= 0) {
-    const std::string item_id = "msg_" + number_of(r.id);
+  std::map<int, json> done;  // the finished items by output index: the final response lists them so
+  if (message_index_ >= 0) {  // (r.text is what the deltas added up to)
+    const json logprobs = logprob_entries_json(r.logprobs);
     out += event({{"type", "response.output_text.done"},
-                  {"item_id", item_id},
+                  {"item_id", message_id(r)},
                   {"output_index", message_index_},
                   {"content_index", 0},
-                  {"text", text_},
-                  {"logprobs", logprobs_of(r.logprobs)}});
+                  {"text", r.text},
+                  {"logprobs", logprobs}});
     out += event({{"type", "response.content_part.done"},
-                  {"item_id", item_id},
+                  {"item_id", message_id(r)},
                   {"output_index", message_index_},
                   {"content_index", 0},
-                  {"part", {{"type", "output_text"}, {"text", text_}, {"annotations", json::array()}, {"logprobs", logprobs_of(r.logprobs)}}}});
-    out += event({{"type", "response.output_item.done"}, {"output_index", message_index_}, {"item", message_item(r, text_, true)}});
+                  {"part", text_part(r.text, logprobs)}});
+    done[message_index_] = message_item(r, true);
+    out += event({{"type", "response.output_item.done"}, {"output_index", message_index_}, {"item", done[message_index_]}});
   }
   for (size_t i = 0; i < r.tool_calls.size(); ++i) {
     const auto& c = r.tool_calls[i];
     if (!call_index_.contains(i)) call_index_[i] = next_index_++;  // (every call streams its opening; a guard)
     const int at = call_index_[i];
     out += event({{"type", "response.function_call_arguments.done"},
-                  {"item_id", fmt::format("fc_{}_{}", number_of(r.id), i)},
+                  {"item_id", call_item_id(r, i)},
                   {"output_index", at},
                   {"arguments", c.arguments}});
-    out += event({{"type", "response.output_item.done"}, {"output_index", at}, {"item", call_item(r, i, c.name, c.arguments, true)}});
+    done[at] = call_item(r, i, c.name, c.arguments, true);
+    out += event({{"type", "response.output_item.done"}, {"output_index", at}, {"item", done[at]}});
   }
-  // The finished response lists the items as the stream numbered them.
   json full = response_object(req, r, true);
-  json output = json::array();
-  std::map<int, json> by_index;
-  if (message_index_ >= 0) by_index[message_index_] = message_item(r, text_, true);
-  for (size_t i = 0; i < r.tool_calls.size(); ++i) by_index[call_index_[i]] = call_item(r, i, r.tool_calls[i].name, r.tool_calls[i].arguments, true);
-  for (auto& [i, item] : by_index) output.push_back(std::move(item));
-  full["output"] = std::move(output);
+  full["output"] = json::array();
+  for (auto& [at, item] : done) full["output"].push_back(std::move(item));
   const std::string type = full["status"] == "completed" ? "response.completed"
                            : full["status"] == "incomplete" ? "response.incomplete"
                                                             : "response.failed";

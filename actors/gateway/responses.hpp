@@ -42,9 +42,7 @@ class ResponseStream {
   std::string event(nlohmann::json j);
   int64_t sequence_ = 0;
   int message_index_ = -1;            // the message item's output index once it opened
-  std::string text_;                  // the message's text so far
   std::map<size_t, int> call_index_;  // a tool call's index -> its item's output index
-  std::map<size_t, std::string> arguments_;
   int next_index_ = 0;
 };
 

@@ -84,7 +84,7 @@ struct JsonGrammar::Node {
   uint32_t need = 0;
   // JSON nodes: the fewest frames a value needs to be written whole, its own included (its
   // required properties' and minItems' values nested in it; kNoFit: none can be within
-  // kMaxDepth); object: the most any named value needs. A value, key or item is begun only
+  // kMaxDepth); object: the most any of its values (named or other keys') needs. A value, key or item is begun only
   // where it fits, so no answer is led into nesting it could not close.
   uint32_t depth = 1;
   uint32_t deepest = 0;

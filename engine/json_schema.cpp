@@ -334,25 +334,27 @@ class Compiler {
         return true;
       });
     };
-    auto add_keys = [&](std::shared_ptr<const ByteDfa> dfa, uint32_t value) {
-      Node k;
-      k.kind = Kind::string;
-      k.pattern = std::move(dfa);
-      k.value = value;
-      n.keys.push_back(add(std::move(k)));
-    };
     for (size_t i = 0; i < dfas.size(); ++i) {
-      if (auto d = keys_of(static_cast<uint32_t>(i))) add_keys(std::move(d), pattern_values[i]);  // (none: always with another)
+      if (auto d = keys_of(static_cast<uint32_t>(i))) n.keys.push_back(key_node(std::move(d), pattern_values[i]));  // (none: always with another)
     }
     if (others_allowed) {
       if (!named && dfas.empty()) {
-        add_keys(nullptr, other_value);  // any key
+        n.keys.push_back(key_node(nullptr, other_value));  // any key
       } else if (auto d = keys_of(kNone)) {
-        add_keys(std::move(d), other_value);
+        n.keys.push_back(key_node(std::move(d), other_value));
       }
     }
     nodes_[self] = std::move(n);
     return self;
+  }
+
+  // A string node for other keys of an object: texts `keys` takes (null: any), each one's value `value`.
+  uint32_t key_node(std::shared_ptr<const ByteDfa> keys, uint32_t value) {
+    Node k;
+    k.kind = Kind::string;
+    k.pattern = std::move(keys);
+    k.value = value;
+    return add(std::move(k));
   }
 
   // propertyNames (no names or patterns beside it) into object `n` whose other keys' value
@@ -360,17 +362,13 @@ class Compiler {
   void property_names(Node& n, const Json& schema, uint32_t value, const std::string& at) {
     if (schema == false || value == kNone) return;  // no key at all
     const uint32_t keys = compile(schema, at);
+    const Node& k = nodes_[keys];
     if (keys == 0) {  // true, {}: any key
-      Node k;
-      k.kind = Kind::string;
-      k.value = value;
-      n.keys.push_back(add(std::move(k)));
-      return;
-    }
-    Node k = nodes_[keys];  // (a copy: the node may be shared)
-    if (k.kind == Kind::string) {
-      k.value = value;
-      n.keys.push_back(add(std::move(k)));
+      n.keys.push_back(key_node(nullptr, value));
+    } else if (k.kind == Kind::string) {
+      Node copy = k;  // (the node may be shared)
+      copy.value = value;
+      n.keys.push_back(add(std::move(copy)));
     } else if (k.kind == Kind::literal && k.texts.size() <= kMaxNames &&
                std::all_of(k.texts.begin(), k.texts.end(), [](const std::string& t) { return t[0] == '"'; })) {
       for (const std::string& t : k.texts) {  // compact JSON strings, sorted: as properties' written forms
@@ -551,10 +549,8 @@ JsonGrammar::JsonGrammar() = default;
 JsonGrammar::~JsonGrammar() = default;
 
 namespace {
-constexpr size_t kMaxChoices = 1024;
-}  // namespace
 
-namespace {
+constexpr size_t kMaxChoices = 1024;
 
 // Node::depth and Node::deepest of every JSON node: the least fixed point from kNoFit down
 // (references make the nodes a graph; a value that needs itself inside never fits).

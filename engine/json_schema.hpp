@@ -10,11 +10,14 @@
 //
 // What is held: the JSON syntax (RFC 8259; strings valid UTF-8), and of JSON
 // Schema: type (a name or a list), properties / required (properties given, even
-// none: no others, as OpenAI's strict mode and xgrammar's default),
-// additionalProperties (objects without named properties), items, prefixItems, minItems / maxItems,
+// none: no others, as OpenAI's strict mode and xgrammar's default, unless
+// additionalProperties says), additionalProperties, patternProperties (a key one
+// pattern alone matches), propertyNames (a string schema, or an enum of names),
+// minProperties / maxProperties, items, prefixItems, minItems / maxItems,
 // minLength / maxLength, minimum / maximum / exclusiveMinimum / exclusiveMaximum
 // (numbers and integers; a bounded number is written without an exponent, and
-// only digits that can still lead into the range are taken), pattern (a regular
+// only digits that can still lead into the range are taken), multipleOf (a whole
+// number up to 10^9: integers, digits that can still lead to a multiple), pattern (a regular
 // expression some part of the string's value matches, engine/regex.hpp; in such a
 // string no \u escape of a surrogate is written), format date, time, date-time, uuid,
 // ipv4 and email (held where no pattern is given), uniqueItems (items of at most 64
@@ -22,12 +25,14 @@
 // anyOf / oneOf (oneOf as anyOf), allOf of one schema, $ref into the document
 // ($defs, definitions, recursion), nullable. Annotations (title, description,
 // default, examples, other formats, discriminator, $schema, $id, $comment, ...) are read
-// past. Anything that would narrow the values further (multipleOf,
-// uniqueItems over other items, propertyNames, ...) is refused when the schema compiles, naming
+// past. Anything that would narrow the values further (multipleOf by a fraction,
+// uniqueItems over other items, propertyNames beside properties, a key two
+// patternProperties match, ...) is refused when the schema compiles, naming
 // the keyword and where it is: an answer is never claimed to follow a rule that
 // was not applied. Bounds that keep a runaway answer finite (and every number a
 // double): at most 64 consecutive whitespace bytes, 32 bytes of one number and two
-// digits of its exponent, 32 levels of nesting, 64 properties an object.
+// digits of its exponent, 32 levels of nesting (no key, item or option is begun
+// whose value could not close within them), 64 properties an object.
 //
 // Not thread-safe: a grammar and its matchers belong to one engine thread.
 #pragma once

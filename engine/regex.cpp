@@ -675,53 +675,53 @@ class DfaBuilder {
 // Steps into states that cannot reach a match go to the dead state; then each state's
 // fewest characters to a match.
 bool ByteDfa::prune(const std::vector<uint8_t>& rep) {
-    const uint32_t states = static_cast<uint32_t>(accepting_.size());
-    const uint32_t classes = classes_;
-    auto& table = table_;
-    std::vector<std::vector<std::pair<uint32_t, uint32_t>>> from(states);  // (state, class) into each state
-    for (uint32_t s = 1; s < states; ++s) {
-      for (uint32_t k = 0; k < classes; ++k) {
-        const uint32_t t = table[static_cast<size_t>(s) * classes + k];
-        if (t != ByteDfa::kDead) from[t].emplace_back(s, k);
-      }
+  const uint32_t states = static_cast<uint32_t>(accepting_.size());
+  const uint32_t classes = classes_;
+  auto& table = table_;
+  std::vector<std::vector<std::pair<uint32_t, uint32_t>>> from(states);  // (state, class) into each state
+  for (uint32_t s = 1; s < states; ++s) {
+    for (uint32_t k = 0; k < classes; ++k) {
+      const uint32_t t = table[static_cast<size_t>(s) * classes + k];
+      if (t != ByteDfa::kDead) from[t].emplace_back(s, k);
     }
-    constexpr uint32_t kFar = std::numeric_limits<uint32_t>::max();
-    std::vector<uint32_t> dist(states, kFar);
-    std::deque<uint32_t> todo;
-    for (uint32_t s = 1; s < states; ++s) {
-      if (accepting_[s]) {
-        dist[s] = 0;
-        todo.push_back(s);
-      }
+  }
+  constexpr uint32_t kFar = std::numeric_limits<uint32_t>::max();
+  std::vector<uint32_t> dist(states, kFar);
+  std::deque<uint32_t> todo;
+  for (uint32_t s = 1; s < states; ++s) {
+    if (accepting_[s]) {
+      dist[s] = 0;
+      todo.push_back(s);
     }
-    while (!todo.empty()) {  // 0-1 breadth first: a lead byte's step costs a character
-      const uint32_t t = todo.front();
-      todo.pop_front();
-      for (const auto& [s, k] : from[t]) {
-        const uint8_t b = rep[k];
-        const uint32_t w = b < 0x80 || b >= 0xC0 ? 1 : 0;
-        if (dist[t] + w < dist[s]) {
-          dist[s] = dist[t] + w;
-          if (w == 0) {
-            todo.push_front(s);
-          } else {
-            todo.push_back(s);
-          }
+  }
+  while (!todo.empty()) {  // 0-1 breadth first: a lead byte's step costs a character
+    const uint32_t t = todo.front();
+    todo.pop_front();
+    for (const auto& [s, k] : from[t]) {
+      const uint8_t b = rep[k];
+      const uint32_t w = b < 0x80 || b >= 0xC0 ? 1 : 0;
+      if (dist[t] + w < dist[s]) {
+        dist[s] = dist[t] + w;
+        if (w == 0) {
+          todo.push_front(s);
+        } else {
+          todo.push_back(s);
         }
       }
     }
-    if (dist[1] == kFar) return false;
-    extends_.assign(states, 0);
-    for (uint32_t s = 1; s < states; ++s) {
-      for (uint32_t k = 0; k < classes; ++k) {
-        uint32_t& t = table[static_cast<size_t>(s) * classes + k];
-        if (dist[t] == kFar) t = ByteDfa::kDead;
-        if (t != ByteDfa::kDead) extends_[s] = 1;
-      }
-    }
-    min_chars_ = std::move(dist);
-  return true;
   }
+  if (dist[1] == kFar) return false;
+  extends_.assign(states, 0);
+  for (uint32_t s = 1; s < states; ++s) {
+    for (uint32_t k = 0; k < classes; ++k) {
+      uint32_t& t = table[static_cast<size_t>(s) * classes + k];
+      if (dist[t] == kFar) t = ByteDfa::kDead;
+      if (t != ByteDfa::kDead) extends_[s] = 1;
+    }
+  }
+  min_chars_ = std::move(dist);
+  return true;
+}
 
 std::shared_ptr<const ByteDfa> ByteDfa::combine(const std::vector<const ByteDfa*>& parts,
                                                 const std::function<bool(const std::vector<bool>&)>& accept) {

@@ -35,8 +35,10 @@ class ByteDfa {
   static std::shared_ptr<const ByteDfa> compile(std::string_view pattern, Mode mode);
 
   // The product of `parts`: a text is taken where `accept` holds of the parts' acceptance
-  // of it (accept[i]: parts[i] accepts). Pruned as compile's are; nullptr where no text is
-  // taken. Throws where the product needs more than kMaxStates states.
+  // of it (accept[i]: parts[i] accepts). `accept` must not hold where no part accepts: a
+  // text every part has left (all dead) is in the product's dead state. Pruned as
+  // compile's are; nullptr where no text is taken. Throws where the product needs more
+  // than kMaxStates states.
   static std::shared_ptr<const ByteDfa> combine(const std::vector<const ByteDfa*>& parts,
                                                 const std::function<bool(const std::vector<bool>&)>& accept);
 

@@ -348,11 +348,15 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
     }
     case kObject: {
       // A key's value goes where the key's frame goes (s.size()): the names not read yet
-      // whose values fit there, and other keys whose values fit.
-      const uint64_t open_names = ~(f.seen | unfit_names(n, s.size())) & low_bits(n.names.size());
-      const bool others = std::any_of(n.keys.begin(), n.keys.end(), [&](uint32_t k) { return fits(s.size(), nodes_[k].value); });
-      const bool room = n.max_count < 0 || f.b < static_cast<uint64_t>(n.max_count);  // maxProperties
-      const bool more_names = room && (open_names != 0 || others);
+      // whose values fit there, and other keys whose values fit; none past maxProperties.
+      // (Asked only at a quote or a comma: every other byte of the object's own leaves them.)
+      auto open_names = [&] { return ~(f.seen | unfit_names(n, s.size())) & low_bits(n.names.size()); };
+      auto other_fits = [&](uint32_t k) { return fits(s.size(), nodes_[k].value); };
+      auto others = [&] { return std::any_of(n.keys.begin(), n.keys.end(), other_fits); };
+      auto more_keys = [&] {
+        const bool room = n.max_count < 0 || f.b < static_cast<uint64_t>(n.max_count);
+        return room && (open_names() != 0 || others());
+      };
       const bool may_close = (f.seen & n.required) == n.required && f.b >= static_cast<uint64_t>(n.min_count);
       switch (f.sub) {
         case kObjOpen:
@@ -362,7 +366,7 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
             finish_child(s);
             return out.push(s);
           }
-          if (c != '"' || !more_names) return;
+          if (c != '"' || !more_keys()) return;
           f.sub = kObjInKey;
           f.ws = 0;
           {
@@ -374,8 +378,8 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
             named.a = 0;
             named.b = static_cast<uint32_t>(n.names.size());
             named.c = 0;
-            const bool some_named = open_names != 0;
-            if (!others) {
+            const bool some_named = open_names() != 0;
+            if (!others()) {
               s.push_back(named);
               return out.push(s);
             }
@@ -385,7 +389,7 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
               out.push(copy.get());
             }
             for (uint32_t k : n.keys) {
-              if (!fits(s.size(), nodes_[k].value)) continue;
+              if (!other_fits(k)) continue;
               Frame other;
               other.node = k;
               other.kind = kString;
@@ -407,7 +411,7 @@ void JsonGrammar::step(std::vector<Frame>& s, uint8_t c, State& out) const {
           return out.push(s);
         case kObjAfterValue:
           if (is_ws(c)) return whitespace();
-          if (c == ',' && more_names) {
+          if (c == ',' && more_keys()) {
             f.sub = kObjKeyNext;
             f.ws = 0;
             f.a = kNone;

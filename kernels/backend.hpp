@@ -4,7 +4,8 @@
 // backend, device memory for CUDA), except where an argument says "host".
 // Ops are asynchronous on backends that have a stream; `synchronize()` waits.
 // Shapes are row-major; "rows" are tokens unless stated. All activations are
-// fp32; weights may be fp32, bf16 or fp16 (`Weight::dtype`), accumulation fp32.
+// fp32; weights may be fp32, bf16 or fp16 (`Weight::type`), on backends that say
+// so also FP8 / FP4 codes with block scales; accumulation fp32.
 //
 // This header includes nothing of troupe's but itself, so both nvcc and g++
 // compile it (Cap'n Proto and CAF headers never reach a .cu file).
@@ -17,16 +18,49 @@
 
 namespace troupe::kernels {
 
-enum class WeightType : uint8_t { f32, bf16, f16 };
+// e4m3: one FP8 (e4m3fn) code a byte. e2m1: FP4 codes, two a byte (the even column
+// in the low nibble), rows of cols / 2 bytes. Both carry block scales (Weight::scale).
+enum class WeightType : uint8_t { f32, bf16, f16, e4m3, e2m1 };
+
+inline bool is_quantized(WeightType t) { return t == WeightType::e4m3 || t == WeightType::e2m1; }
 
 // A matrix [rows, cols] in backend memory, row-major (torch Linear layout:
 // rows = output features, cols = input features).
+//
+// Quantized types (e4m3, e2m1) are the checkpoint's codes with fp32 block scales:
+// element (r, c) is code(r, c) * scale[((r + scale_row) / block_rows) * scale_stride
+// + c / block_cols], the scale grid row-major with scale_stride columns. A view of
+// rows [r0, r1) of a quantized matrix starts its data at row r0, its scale at grid row
+// r0 / block_rows, with scale_row = r0 % block_rows. Only backends whose
+// takes_quantized() is true accept them (in every op that takes a Weight).
 struct Weight {
   const void* data = nullptr;
   WeightType type = WeightType::f32;
   int64_t rows = 0;
   int64_t cols = 0;
+  const float* scale = nullptr;  // backend memory; quantized types only
+  int64_t scale_stride = 0;
+  int32_t block_rows = 0;
+  int32_t block_cols = 0;
+  int32_t scale_row = 0;
 };
+
+// Rows [r0, r0 + n) of w, any type.
+inline Weight weight_rows(const Weight& w, int64_t r0, int64_t n) {
+  Weight v = w;
+  v.rows = n;
+  if (!is_quantized(w.type)) {
+    const int64_t size = w.type == WeightType::f32 ? 4 : 2;
+    v.data = static_cast<const char*>(w.data) + r0 * w.cols * size;
+    return v;
+  }
+  const int64_t row_bytes = w.type == WeightType::e4m3 ? w.cols : w.cols / 2;
+  const int64_t first = r0 + w.scale_row;
+  v.data = static_cast<const uint8_t*>(w.data) + r0 * row_bytes;
+  v.scale = w.scale + (first / w.block_rows) * w.scale_stride;
+  v.scale_row = static_cast<int32_t>(first % w.block_rows);
+  return v;
+}
 
 enum class ScoreFn : uint8_t { sqrtsoftplus, sigmoid, softmax };
 
@@ -61,6 +95,9 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
+  // Whether the ops that take a Weight take e4m3 / e2m1 ones (else a caller
+  // dequantizes them into f32 / bf16 / f16 first).
+  virtual bool takes_quantized() const { return false; }
 
   // ---- memory ---------------------------------------------------------------
   virtual void* alloc(size_t bytes) = 0;     // 256-byte aligned; throws std::bad_alloc

@@ -146,7 +146,7 @@ std::unique_ptr<Model> Model::load(const std::string& dir, kernels::Backend& bac
   const auto type = matrix_type ? *matrix_type
                     : backend.name() == "cpu" ? kernels::WeightType::f32
                                               : kernels::WeightType::bf16;
-  auto weights = Weights::load(config, ckpt, backend, type);
+  auto weights = Weights::load(config, ckpt, backend, type, !matrix_type.has_value());
   return std::make_unique<Model>(std::move(config), std::move(weights), backend);
 }
 

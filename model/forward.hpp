@@ -37,7 +37,9 @@ class Model {
   // Throws troupe::Error with a one-line reason.
   // Matrices become fp32 on the CPU backend and bf16 elsewhere unless
   // `matrix_type` says otherwise (e.g. fp32 on CUDA, to separate kernel error
-  // from weight rounding).
+  // from weight rounding). Without `matrix_type`, FP8 / FP4 matrices of a
+  // quantized checkpoint stay quantized on backends that take them (the CPU
+  // backend; the same values); with it, every matrix is that type.
   static std::unique_ptr<Model> load(const std::string& dir, kernels::Backend& backend,
                                      std::optional<kernels::WeightType> matrix_type = std::nullopt);
   Model(ModelConfig config, std::unique_ptr<Weights> weights, kernels::Backend& backend);

@@ -73,8 +73,9 @@ std::string canonical_tensor_name(const std::string& name) {
 // Looks tensors up by canonical name, checks shapes and moves them to the backend.
 class WeightLoader {
  public:
-  WeightLoader(const ModelConfig& c, const Checkpoint& ck, kernels::Backend& b, kernels::WeightType mt, Weights& w)
-      : c_(c), ck_(ck), backend_(b), matrix_type_(mt), w_(w) {
+  WeightLoader(const ModelConfig& c, const Checkpoint& ck, kernels::Backend& b, kernels::WeightType mt,
+               bool keep_quantized, Weights& w)
+      : c_(c), ck_(ck), backend_(b), matrix_type_(mt), keep_quantized_(keep_quantized && b.takes_quantized()), w_(w) {
     for (const auto& [name, view] : ck.tensors()) {
       std::string canon = canonical_tensor_name(name);
       if (by_name_.count(canon)) {
@@ -140,23 +141,35 @@ class WeightLoader {
   }
 
   Weight matrix(const std::string& canon, int64_t rows, int64_t cols) {
+    if (keep_quantized_) {
+      if (auto q = quantized(canon, rows, cols, 0)) return upload_quantized(*q, rows, cols, 1)[0];
+    }
     auto f = matrix_f32(canon, rows, cols, 0);
     return matrix_from_host(f.data(), rows, cols);
   }
 
-  // A matrix [rows, cols] (stacked = 0) or a stack of them [stacked, rows, cols] as fp32: a float
-  // tensor converted, or an FP8 / packed FP4 one dequantized with its scale tensor.
-  std::vector<float> matrix_f32(const std::string& canon, int64_t rows, int64_t cols, int64_t stacked) {
-    std::vector<int64_t> shape = {rows, cols};
-    if (stacked > 0) shape.insert(shape.begin(), stacked);
-    const int64_t count = stacked > 0 ? stacked : 1;
+  // A quantized checkpoint tensor (FP8 e4m3 or packed FP4 e2m1) with its scales as fp32,
+  // checked against the shape config.json gives: [rows, cols] or [stacked, rows, cols].
+  struct Quantized {
+    const TensorView* codes = nullptr;
+    bool fp4 = false;
+    std::vector<float> scales;  // [count, sr, sc]
+    int64_t sr = 0, sc = 0, bm = 0, bn = 0;
+  };
+
+  // Null when the tensor is not stored quantized (a float tensor, or missing).
+  std::optional<Quantized> quantized(const std::string& canon, int64_t rows, int64_t cols, int64_t stacked) {
     auto it = by_name_.find(canon);
-    if (it == by_name_.end() || !is_quantized(it->second->dtype)) return host_f32(find(canon, shape));
+    if (it == by_name_.end() || !is_quantized(it->second->dtype)) return std::nullopt;
+    const int64_t count = stacked > 0 ? stacked : 1;
     const TensorView& w = *it->second;
     used_.insert(canon);
-    const bool fp4 = w.dtype != DType::f8_e4m3;  // i8 / u8: two e2m1 codes a byte
-    std::vector<int64_t> stored = shape;
-    if (fp4) {
+    Quantized q;
+    q.codes = &w;
+    q.fp4 = w.dtype != DType::f8_e4m3;  // i8 / u8: two e2m1 codes a byte
+    std::vector<int64_t> stored = {rows, cols};
+    if (stacked > 0) stored.insert(stored.begin(), stacked);
+    if (q.fp4) {
       if (cols % 2 != 0) raise(ErrorCode::invalid_file, "{}: tensor '{}' is packed FP4 but {} inputs are odd", ck_.dir(), w.name, cols);
       stored.back() = cols / 2;
     }
@@ -172,50 +185,85 @@ class WeightLoader {
       raise(ErrorCode::invalid_file, "{}: scale tensor '{}' has shape {}, expected {}[scale rows, scale columns]", ck_.dir(),
             s.name, s.shape_string(), lead ? std::to_string(count) + " x " : "");
     }
-    const int64_t sr = s.shape[static_cast<size_t>(lead)], sc = s.shape[static_cast<size_t>(lead + 1)];
-    int64_t bm, bn;
-    const Quantization& q = c_.quantization;
-    if (!fp4 && q.block_rows > 0) {  // DeepSeek's blocks: the last ones may be partial
-      bm = q.block_rows;
-      bn = q.block_cols;
-      if (sr != (rows + bm - 1) / bm || sc != (cols + bn - 1) / bn) {
+    q.sr = s.shape[static_cast<size_t>(lead)];
+    q.sc = s.shape[static_cast<size_t>(lead + 1)];
+    const Quantization& cq = c_.quantization;
+    if (!q.fp4 && cq.block_rows > 0) {  // DeepSeek's blocks: the last ones may be partial
+      q.bm = cq.block_rows;
+      q.bn = cq.block_cols;
+      if (q.sr != (rows + q.bm - 1) / q.bm || q.sc != (cols + q.bn - 1) / q.bn) {
         raise(ErrorCode::invalid_file, "{}: scale tensor '{}' has a {} x {} grid; blocks of {} x {} over [{}, {}] need {} x {}",
-              ck_.dir(), s.name, sr, sc, bm, bn, rows, cols, (rows + bm - 1) / bm, (cols + bn - 1) / bn);
+              ck_.dir(), s.name, q.sr, q.sc, q.bm, q.bn, rows, cols, (rows + q.bm - 1) / q.bm, (cols + q.bn - 1) / q.bn);
       }
     } else {
-      if (sr <= 0 || sc <= 0 || rows % sr != 0 || cols % sc != 0) {
+      if (q.sr <= 0 || q.sc <= 0 || rows % q.sr != 0 || cols % q.sc != 0) {
         raise(ErrorCode::invalid_file, "{}: scale tensor '{}' has a {} x {} grid, which does not divide [{}, {}]", ck_.dir(),
-              s.name, sr, sc, rows, cols);
+              s.name, q.sr, q.sc, rows, cols);
       }
-      bm = rows / sr;
-      bn = cols / sc;
+      q.bm = rows / q.sr;
+      q.bn = cols / q.sc;
     }
-    std::vector<float> scales(static_cast<size_t>(s.numel()));
+    q.scales.resize(static_cast<size_t>(s.numel()));
     if (s.dtype == DType::u8) {  // e8m0 exponents stored as bytes
-      convert_to_f32(DType::f8_e8m0, s.data, scales.data(), scales.size());
+      convert_to_f32(DType::f8_e8m0, s.data, q.scales.data(), q.scales.size());
     } else if (s.dtype == DType::f32 || s.dtype == DType::bf16 || s.dtype == DType::f16 || s.dtype == DType::f8_e8m0) {
-      convert_to_f32(s.dtype, s.data, scales.data(), scales.size());
+      convert_to_f32(s.dtype, s.data, q.scales.data(), q.scales.size());
     } else {
       raise(ErrorCode::invalid_file, "{}: scale tensor '{}' has dtype {}, expected F32, BF16, F16, F8_E8M0 or U8", ck_.dir(),
             s.name, dtype_name(s.dtype));
     }
+    return q;
+  }
+
+  // A matrix [rows, cols] (stacked = 0) or a stack of them [stacked, rows, cols] as fp32: a float
+  // tensor converted, or an FP8 / packed FP4 one dequantized with its scale tensor.
+  std::vector<float> matrix_f32(const std::string& canon, int64_t rows, int64_t cols, int64_t stacked) {
+    auto q = quantized(canon, rows, cols, stacked);
+    if (!q) {
+      std::vector<int64_t> shape = {rows, cols};
+      if (stacked > 0) shape.insert(shape.begin(), stacked);
+      return host_f32(find(canon, shape));
+    }
+    const int64_t count = stacked > 0 ? stacked : 1;
     std::vector<float> out(static_cast<size_t>(count * rows * cols));
-    const auto* bytes = static_cast<const uint8_t*>(w.data);
+    const auto* bytes = static_cast<const uint8_t*>(q->codes->data);
     for (int64_t e = 0; e < count; ++e) {
       for (int64_t r = 0; r < rows; ++r) {
-        const float* srow = scales.data() + (e * sr + r / bm) * sc;
+        const float* srow = q->scales.data() + (e * q->sr + r / q->bm) * q->sc;
         float* orow = out.data() + (e * rows + r) * cols;
-        if (fp4) {
+        if (q->fp4) {
           const uint8_t* in = bytes + (e * rows + r) * (cols / 2);
           for (int64_t c = 0; c < cols; ++c) {
             const uint8_t code = (c & 1) ? static_cast<uint8_t>(in[c / 2] >> 4) : static_cast<uint8_t>(in[c / 2] & 0xf);
-            orow[c] = e2m1_to_f32(code) * srow[c / bn];
+            orow[c] = e2m1_to_f32(code) * srow[c / q->bn];
           }
         } else {
           const uint8_t* in = bytes + (e * rows + r) * cols;
-          for (int64_t c = 0; c < cols; ++c) orow[c] = e4m3_to_f32(in[c]) * srow[c / bn];
+          for (int64_t c = 0; c < cols; ++c) orow[c] = e4m3_to_f32(in[c]) * srow[c / q->bn];
         }
       }
+    }
+    return out;
+  }
+
+  // The codes and scales of a quantized tensor in backend memory, as the matrices of its
+  // stack (one for an unstacked tensor): what backends that take quantized weights use.
+  std::vector<Weight> upload_quantized(const Quantized& q, int64_t rows, int64_t cols, int64_t count) {
+    const int64_t row_bytes = q.fp4 ? cols / 2 : cols;
+    const auto* codes = static_cast<const uint8_t*>(upload(q.codes->data, static_cast<size_t>(count * rows * row_bytes)));
+    const auto* scales = static_cast<const float*>(upload(q.scales.data(), q.scales.size() * 4));
+    std::vector<Weight> out;
+    for (int64_t e = 0; e < count; ++e) {
+      Weight w;
+      w.type = q.fp4 ? kernels::WeightType::e2m1 : kernels::WeightType::e4m3;
+      w.rows = rows;
+      w.cols = cols;
+      w.data = codes + e * rows * row_bytes;
+      w.scale = scales + e * q.sr * q.sc;
+      w.scale_stride = q.sc;
+      w.block_rows = static_cast<int32_t>(q.bm);
+      w.block_cols = static_cast<int32_t>(q.bn);
+      out.push_back(w);
     }
     return out;
   }
@@ -269,6 +317,19 @@ class WeightLoader {
 
   void load_experts(const std::string& p, MoeWeights& m) {
     const int64_t E = c_.n_routed_experts, I = c_.moe_intermediate_size, D = c_.hidden_size;
+    if (has(p + "experts.gate_up_proj") && keep_quantized_) {
+      auto gu = quantized(p + "experts.gate_up_proj", 2 * I, D, E);
+      auto dn = quantized(p + "experts.down_proj", D, I, E);
+      if (gu && dn) {
+        const auto gate_up = upload_quantized(*gu, 2 * I, D, E);
+        m.down = upload_quantized(*dn, D, I, E);
+        for (const Weight& w : gate_up) {
+          m.gate.push_back(kernels::weight_rows(w, 0, I));
+          m.up.push_back(kernels::weight_rows(w, I, I));
+        }
+        return;
+      }
+    }
     if (has(p + "experts.gate_up_proj")) {
       auto gu = matrix_f32(p + "experts.gate_up_proj", 2 * I, D, E);
       auto dn = matrix_f32(p + "experts.down_proj", D, I, E);
@@ -370,15 +431,16 @@ class WeightLoader {
   const Checkpoint& ck_;
   kernels::Backend& backend_;
   kernels::WeightType matrix_type_;
+  bool keep_quantized_;
   Weights& w_;
   std::map<std::string, const TensorView*> by_name_;
   std::set<std::string> used_;
 };
 
 std::unique_ptr<Weights> Weights::load(const ModelConfig& config, const Checkpoint& ckpt, kernels::Backend& backend,
-                                       kernels::WeightType matrix_type) {
+                                       kernels::WeightType matrix_type, bool keep_quantized) {
   std::unique_ptr<Weights> w(new Weights(backend));
-  WeightLoader loader(config, ckpt, backend, matrix_type, *w);
+  WeightLoader loader(config, ckpt, backend, matrix_type, keep_quantized, *w);
   loader.load_all();
   return w;
 }

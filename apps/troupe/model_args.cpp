@@ -31,7 +31,7 @@ std::vector<int32_t> parse_token_ids(const std::string& text) {
 
 void add_backend_options(CLI::App* cmd, BackendArgs& args) {
   cmd->add_option("--backend", args.backend, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
-  cmd->add_option("--weights", args.weights, "matrix type: auto (f32 on cpu, bf16 on cuda), f32 or bf16")
+  cmd->add_option("--weights", args.weights, "matrix type: auto (f32 on cpu, bf16 on cuda; a checkpoint's FP8 / FP4 matrices kept as they are where the backend takes them: cpu), f32 or bf16 (every matrix)")
       ->check(CLI::IsMember({"auto", "f32", "bf16"}));
 }
 

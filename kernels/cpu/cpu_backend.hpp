@@ -10,6 +10,7 @@ namespace troupe::kernels::cpu {
 class CpuBackend final : public Backend {
  public:
   std::string name() const override { return "cpu"; }
+  bool takes_quantized() const override { return true; }
 
   void* alloc(size_t bytes) override;
   void free(void* p) override;

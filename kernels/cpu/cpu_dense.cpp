@@ -42,15 +42,23 @@ void CpuBackend::to_host(void* dst, const void* src, size_t bytes) { std::memcpy
 void CpuBackend::copy(void* dst, const void* src, size_t bytes) { std::memmove(dst, src, bytes); }
 
 void CpuBackend::linear(const float* x, int64_t m, const Weight& w, float* y, float beta) {
+  if (is_quantized(w.type)) {
+    gemm_xwt_quantized(x, m, w.cols, w, y, w.rows, beta != 0.0f);
+    return;
+  }
   gemm_xwt(x, m, w.cols, f32_data(w), w.rows, w.cols, w.cols, y, w.rows, beta != 0.0f);
 }
 
 void CpuBackend::linear_grouped(const float* x, int64_t m, const Weight& w, int groups, float* y) {
-  const float* wd = f32_data(w);
   const int64_t out = w.rows / groups;
   for (int g = 0; g < groups; ++g) {
-    gemm_xwt(x + g * w.cols, m, groups * w.cols, wd + g * out * w.cols, out, w.cols, w.cols, y + g * out,
-             groups * out, false);
+    if (is_quantized(w.type)) {
+      gemm_xwt_quantized(x + g * w.cols, m, groups * w.cols, weight_rows(w, g * out, out), y + g * out, groups * out,
+                         false);
+    } else {
+      gemm_xwt(x + g * w.cols, m, groups * w.cols, f32_data(w) + g * out * w.cols, out, w.cols, w.cols, y + g * out,
+               groups * out, false);
+    }
   }
 }
 
@@ -106,6 +114,14 @@ void CpuBackend::copy_rows(float* const* dst_rows, const float* const* src_rows,
 }
 
 void CpuBackend::embed(const Weight& table, const int32_t* ids, int64_t rows, int copies, float* out) {
+  if (is_quantized(table.type)) {
+    for (int64_t r = 0; r < rows; ++r) {
+      float* first = out + r * copies * table.cols;
+      dequantize_rows(table, ids[r], ids[r] + 1, first);
+      for (int c = 1; c < copies; ++c) std::memcpy(first + c * table.cols, first, static_cast<size_t>(table.cols) * 4);
+    }
+    return;
+  }
   const float* t = f32_data(table);
   for (int64_t r = 0; r < rows; ++r) {
     for (int c = 0; c < copies; ++c) {

@@ -17,6 +17,7 @@
 #include <mutex>
 #include <thread>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 namespace troupe::kernels::cpu {
@@ -291,27 +292,102 @@ class Pool {
   std::vector<std::thread> workers_;
 };
 
+// The values of the 256 e4m3fn codes and the 16 e2m1 codes (as base/dtype.cpp
+// converts them: the same floats, -0 for the negative zero codes).
+struct CodeTables {
+  float e4m3[256];
+  float e2m1[16];
+  CodeTables() {
+    for (int v = 0; v < 256; ++v) {
+      const int exp = (v >> 3) & 0xf, mant = v & 0x7;
+      const float sign = (v & 0x80) ? -1.0f : 1.0f;
+      if (exp == 0xf && mant == 0x7) {
+        e4m3[v] = std::numeric_limits<float>::quiet_NaN();
+      } else if (exp == 0) {
+        e4m3[v] = sign * std::ldexp(static_cast<float>(mant), -9);
+      } else {
+        e4m3[v] = sign * std::ldexp(static_cast<float>(8 + mant), exp - 10);
+      }
+    }
+    static constexpr float kMagnitude[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    for (int v = 0; v < 16; ++v) e2m1[v] = (v & 0x8) ? -kMagnitude[v & 7] : kMagnitude[v & 7];
+  }
+};
+
+const CodeTables kCodes;
+
+// Weight blocks of gemm_xwt's products: about 128 KiB of a k-pass stay in L2 while
+// every row tile passes over them.
+int64_t weight_block_rows(int64_t k) {
+  return std::clamp<int64_t>((32768 / std::min(std::max<int64_t>(k, 1), kBlockK)) / 4 * 4, 4, 512);
+}
+
+// fn(b) for the blocks [0, blocks), on helper threads where the product
+// (about m * n * k multiply-adds) is worth waking them for (about a millisecond).
+void run_blocks(double work, int64_t blocks, const std::function<void(int64_t)>& fn) {
+  if (work < 4.0e6 || blocks < 2) {
+    for (int64_t b = 0; b < blocks; ++b) fn(b);
+    return;
+  }
+  Pool::get().run(blocks, fn);
+}
+
 }  // namespace
+
+void dequantize_rows(const Weight& w, int64_t r0, int64_t r1, float* out) {
+  const int64_t k = w.cols, bc = w.block_cols;
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* srow = w.scale + ((r + w.scale_row) / w.block_rows) * w.scale_stride;
+    float* o = out + (r - r0) * k;
+    if (w.type == WeightType::e4m3) {
+      const uint8_t* in = static_cast<const uint8_t*>(w.data) + r * k;
+      for (int64_t c0 = 0; c0 < k; c0 += bc) {
+        const float s = srow[c0 / bc];
+        const int64_t c1 = std::min(k, c0 + bc);
+        for (int64_t c = c0; c < c1; ++c) o[c] = kCodes.e4m3[in[c]] * s;
+      }
+    } else {
+      const uint8_t* in = static_cast<const uint8_t*>(w.data) + r * (k / 2);
+      for (int64_t c0 = 0; c0 < k; c0 += bc) {
+        const float s = srow[c0 / bc];
+        const int64_t c1 = std::min(k, c0 + bc);
+        for (int64_t c = c0; c < c1; ++c) {
+          const uint8_t code = (c & 1) ? static_cast<uint8_t>(in[c / 2] >> 4) : static_cast<uint8_t>(in[c / 2] & 0xf);
+          o[c] = kCodes.e2m1[code] * s;
+        }
+      }
+    }
+  }
+}
+
+void gemm_xwt_quantized(const float* x, int64_t m, int64_t ldx, const Weight& w, float* y, int64_t ldy,
+                        bool accumulate) {
+  const int64_t n = w.rows, k = w.cols;
+  if (m <= 0 || n <= 0) return;
+  // A block's dequantized rows (nb x k floats, at most ~256 KiB) are made once a call and
+  // read by every row tile.
+  const int64_t nb = std::clamp<int64_t>(65536 / std::max<int64_t>(k, 1) / 4 * 4, 4, weight_block_rows(k));
+  const int64_t blocks = (n + nb - 1) / nb;
+  run_blocks(static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k), blocks, [&](int64_t b) {
+    thread_local std::vector<float> state, rows;
+    const int64_t j0 = b * nb, j1 = std::min(n, j0 + nb);
+    rows.resize(static_cast<size_t>((j1 - j0) * k));
+    dequantize_rows(w, j0, j1, rows.data());
+    block(x, m, ldx, rows.data(), 0, j1 - j0, k, k, y + j0, ldy, accumulate, state);
+  });
+}
 
 const char* gemm_isa() { return kIsa == Isa::avx512 ? "avx512" : kIsa == Isa::avx2 ? "avx2" : "scalar"; }
 
 void gemm_xwt(const float* x, int64_t m, int64_t ldx, const float* w, int64_t n, int64_t ldw, int64_t k, float* y,
               int64_t ldy, bool accumulate) {
   if (m <= 0 || n <= 0) return;
-  // Weight blocks of about 128 KiB stay in L2 while every row tile passes over them.
-  const int64_t nb = std::clamp<int64_t>((32768 / std::min(std::max<int64_t>(k, 1), kBlockK)) / 4 * 4, 4, 512);
+  const int64_t nb = weight_block_rows(k);
   const int64_t blocks = (n + nb - 1) / nb;
-  // Helpers only where a product is worth waking them for (about a millisecond of work).
-  const double work = static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
-  auto one_block = [&](int64_t b) {
+  run_blocks(static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k), blocks, [&](int64_t b) {
     thread_local std::vector<float> state;
     block(x, m, ldx, w, b * nb, std::min(n, (b + 1) * nb), ldw, k, y, ldy, accumulate, state);
-  };
-  if (work < 4.0e6 || blocks < 2) {
-    for (int64_t b = 0; b < blocks; ++b) one_block(b);
-    return;
-  }
-  Pool::get().run(blocks, one_block);
+  });
 }
 
 }  // namespace troupe::kernels::cpu

@@ -16,12 +16,24 @@
 
 #include <cstdint>
 
+#include "kernels/backend.hpp"
+
 namespace troupe::kernels::cpu {
 
 // y[m, n] (row stride ldy) = x[m, k] (ldx) @ w[n, k]^T (ldw); with accumulate,
 // y += that product (the product first, then one add per element).
 void gemm_xwt(const float* x, int64_t m, int64_t ldx, const float* w, int64_t n, int64_t ldw, int64_t k, float* y,
               int64_t ldy, bool accumulate);
+
+// The same product with w a quantized matrix (e4m3 / e2m1 codes and block scales,
+// kernels/backend.hpp): each block of weight rows is dequantized into fp32 (code *
+// scale, one fp32 multiply) and multiplied as gemm_xwt would multiply that fp32
+// matrix, so y has the same bits as gemm_xwt over the dequantized weights.
+void gemm_xwt_quantized(const float* x, int64_t m, int64_t ldx, const Weight& w, float* y, int64_t ldy,
+                        bool accumulate);
+
+// Rows [r0, r1) of a quantized matrix in fp32, (r1 - r0) * w.cols floats at out.
+void dequantize_rows(const Weight& w, int64_t r0, int64_t r1, float* out);
 
 // Which kernel gemm_xwt uses here: "avx512", "avx2" or "scalar".
 const char* gemm_isa();

@@ -23,7 +23,11 @@ std::vector<float> hc_mix(const float* X, int64_t rows, const Weight& fn, const 
     for (int64_t i = 0; i < width; ++i) flat[r * width + i] = xr[i] * inv;
   }
   std::vector<float> mix(static_cast<size_t>(rows * fn.rows));
-  gemm_xwt(flat.data(), rows, width, w, fn.rows, width, width, mix.data(), fn.rows, false);
+  if (is_quantized(fn.type)) {
+    gemm_xwt_quantized(flat.data(), rows, width, fn, mix.data(), fn.rows, false);
+  } else {
+    gemm_xwt(flat.data(), rows, width, w, fn.rows, width, width, mix.data(), fn.rows, false);
+  }
   return mix;
 }
 

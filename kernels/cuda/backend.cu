@@ -164,6 +164,9 @@ cudaDataType_t cuda_type(WeightType t) {
     case WeightType::f32: return CUDA_R_32F;
     case WeightType::bf16: return CUDA_R_16BF;
     case WeightType::f16: return CUDA_R_16F;
+    case WeightType::e4m3:
+    case WeightType::e2m1:
+      TROUPE_REQUIRE(false, "FP8 / FP4 weights are dequantized before they reach this backend");
   }
   return CUDA_R_32F;
 }

@@ -1422,6 +1422,9 @@ void gemv(const float* x, int64_t ldx, int64_t m, const Weight& w, float* y, int
                         group_rows, s);
     case WeightType::f16:
       return gemv_typed(x, ldx, m, static_cast<const __half*>(w.data), w.rows, w.cols, y, ldy, beta, group_rows, s);
+    case WeightType::e4m3:
+    case WeightType::e2m1:
+      TROUPE_REQUIRE(false, "FP8 / FP4 weights are dequantized before they reach this backend");
   }
 }
 
@@ -1464,6 +1467,9 @@ bool gemv_multi(const float* x, int64_t m, const Weight* w, float* const* y, int
     case WeightType::f32: gemv_multi_typed<float>(x, m, k, seg, s); break;
     case WeightType::bf16: gemv_multi_typed<__nv_bfloat16>(x, m, k, seg, s); break;
     case WeightType::f16: gemv_multi_typed<__half>(x, m, k, seg, s); break;
+    case WeightType::e4m3:
+    case WeightType::e2m1:
+      TROUPE_REQUIRE(false, "FP8 / FP4 weights are dequantized before they reach this backend");
   }
   return true;
 }
@@ -1514,6 +1520,9 @@ void embed(const Weight& table, const int32_t* ids, int64_t rows, int copies, fl
       launch_kernel(embed_kernel<__half>, grid, threads, 0, s, static_cast<const __half*>(table.data), table.cols, ids,
                     copies, out);
       break;
+    case WeightType::e4m3:
+    case WeightType::e2m1:
+      TROUPE_REQUIRE(false, "FP8 / FP4 weights are dequantized before they reach this backend");
   }
   TROUPE_LAUNCHED();
 }
@@ -1635,6 +1644,9 @@ bool mhc_fused(const float* X, int64_t rows, const Weight& fn, const float* base
       mhc_mix_typed(X, rows, static_cast<const __nv_bfloat16*>(fn.data), n_mix, width, workspace, s);
       break;
     case WeightType::f16: mhc_mix_typed(X, rows, static_cast<const __half*>(fn.data), n_mix, width, workspace, s); break;
+    case WeightType::e4m3:
+    case WeightType::e2m1:
+      TROUPE_REQUIRE(false, "FP8 / FP4 weights are dequantized before they reach this backend");
   }
   const int slices = static_cast<int>(ceil_div(width, kMixSlice));
   if (head) {
@@ -1681,6 +1693,9 @@ void moe_pairs(const float* x, int64_t rows, int64_t dim, const int32_t* idx, co
       TROUPE_LAUNCHED();
       launch_kernel(moe_down_kernel<__half>, g2, kGemvThreads, 0, s, h, dim, idx, t, ys);
       break;
+    case WeightType::e4m3:
+    case WeightType::e2m1:
+      TROUPE_REQUIRE(false, "FP8 / FP4 weights are dequantized before they reach this backend");
   }
   TROUPE_LAUNCHED();
   moe_combine(ys, nullptr, weight, rows, k, dim, out, s);
@@ -1717,6 +1732,9 @@ void moe_grouped(const float* x, int64_t rows, int64_t dim, const int32_t* idx, 
       TROUPE_LAUNCHED();
       launch_kernel(moe_grouped_down_kernel<__half>, g2, kGemvThreads, 0, s, h, dim, counts, offsets, t, ys);
       break;
+    case WeightType::e4m3:
+    case WeightType::e2m1:
+      TROUPE_REQUIRE(false, "FP8 / FP4 weights are dequantized before they reach this backend");
   }
   TROUPE_LAUNCHED();
   moe_combine(ys, inv, weight, rows, k, dim, out, s);

@@ -1,11 +1,16 @@
 // The CPU forward pass against transformers' logits, stateless and fed in pieces.
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <filesystem>
+#include <map>
 #include <random>
 
 #include "kernels/backend.hpp"
 #include "model/forward.hpp"
+#include "model/safetensors.hpp"
 #include "tests/model/fixtures.hpp"
+#include "tests/support/process.hpp"
 
 namespace troupe::testing {
 namespace {
@@ -84,6 +89,84 @@ TEST(Bf16Checkpoint, matches_rounded_oracle_and_fp32_twin_within_bf16_tolerance)
   std::cout << "[ bf16     ] relative error vs fp32 twin: troupe " << rel << ", transformers " << hf_rel << "\n";
   EXPECT_LT(rel, 0.2);
   EXPECT_NEAR(rel, hf_rel, 0.01 * hf_rel + 1e-6);
+}
+
+// The FP8 / FP4 checkpoint held as its codes and block scales (the CPU backend's
+// default) gives the same bits as the same checkpoint dequantized to fp32 as it
+// loads, at every chunking, in a fraction of the memory.
+void expect_quantized_same_as_dequantized(const std::string& dir, const Fixture& f) {
+  auto backend = kernels::make_cpu_backend();
+  auto kept = model::Model::load(dir, *backend);
+  auto dense = model::Model::load(dir, *backend, kernels::WeightType::f32);
+  const auto T = static_cast<int64_t>(f.ids.size());
+  const int64_t p = f.meta.at("prefill").get<int64_t>();
+  std::vector<int64_t> prefill_then_decode{p};
+  for (int64_t t = p; t < T; ++t) prefill_then_decode.push_back(1);
+  for (const auto& sizes : {std::vector<int64_t>{T}, prefill_then_decode, std::vector<int64_t>{7, 30, T - 37}}) {
+    auto a = run_chunked(*kept, f.ids, sizes), b = run_chunked(*dense, f.ids, sizes);
+    ASSERT_EQ(a.size(), b.size());
+    EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * 4)) << dir << ": " << sizes.size() << " chunks";
+    EXPECT_LE(max_abs_diff(a.data(), f.logits.data(), a.size()), kTolerance);
+  }
+  std::cout << "[ fp8/fp4  ] " << dir << ": weights " << kept->weights_bytes() << " bytes as codes, "
+            << dense->weights_bytes() << " dequantized\n";
+  EXPECT_LT(kept->weights_bytes() * 2, dense->weights_bytes());
+  EXPECT_EQ(kept->weights().layers[0].attn.q_a_proj.type, kernels::WeightType::e4m3);
+  EXPECT_EQ(kept->weights().layers[0].moe.gate[0].type, kernels::WeightType::e2m1);
+  EXPECT_EQ(dense->weights().layers[0].attn.q_a_proj.type, kernels::WeightType::f32);
+}
+
+TEST(QuantizedWeights, kept_as_codes_give_the_bits_of_the_dequantized_load) {
+  const Fixture f = load_fixture("fp8_fp4");
+  expect_quantized_same_as_dequantized(f.dir, f);
+}
+
+// transformers' layout of the same experts: one gate_up_proj [E, 2I, D] and one down_proj
+// [E, D, I] a layer, with stacked scales; `up` is rows [I, 2I) of each expert's matrix.
+TEST(QuantizedWeights, stacked_experts_as_transformers_saves_them) {
+  const Fixture f = load_fixture("fp8_fp4");
+  TempDir d;
+  std::filesystem::copy_file(f.dir + "/config.json", d.path() + "/config.json");
+  auto ck = model::Checkpoint::open(f.dir);
+  std::vector<model::TensorToWrite> out;
+  std::map<std::string, std::vector<uint8_t>> stacked;  // name -> bytes, in expert order
+  std::map<std::string, std::pair<DType, std::vector<int64_t>>> meta;
+  int experts = 0;
+  for (const auto& [name, v] : ck.tensors()) {
+    const auto at = name.find(".ffn.experts.");
+    if (at == std::string::npos) {
+      out.push_back({name, v.dtype, v.shape, v.data});
+      continue;
+    }
+    experts = std::max(experts, std::stoi(name.substr(at + 13)) + 1);
+  }
+  ASSERT_GT(experts, 0);
+  for (int layer = 0;; ++layer) {
+    const std::string p = "model.layers." + std::to_string(layer) + ".ffn.experts.";
+    if (ck.tensors().count(p + "0.w1.weight") == 0) break;
+    const std::string q = "model.layers." + std::to_string(layer) + ".mlp.experts.";
+    for (int e = 0; e < experts; ++e) {
+      const std::string x = p + std::to_string(e) + ".";
+      for (const auto& [to, parts] : std::vector<std::pair<std::string, std::vector<std::string>>>{
+               {"gate_up_proj", {"w1.weight", "w3.weight"}},
+               {"gate_up_proj_scale_inv", {"w1.scale", "w3.scale"}},
+               {"down_proj", {"w2.weight"}},
+               {"down_proj_scale_inv", {"w2.scale"}}}) {
+        int64_t rows = 0;
+        for (const auto& part : parts) {
+          const auto& v = ck.tensors().at(x + part);
+          const auto* b = static_cast<const uint8_t*>(v.data);
+          auto& bytes = stacked[q + to];
+          bytes.insert(bytes.end(), b, b + v.bytes);
+          rows += v.shape[0];
+          meta[q + to] = {v.dtype, {experts, rows, v.shape[1]}};
+        }
+      }
+    }
+  }
+  for (const auto& [name, bytes] : stacked) out.push_back({name, meta[name].first, meta[name].second, bytes.data()});
+  model::write_safetensors(d.path() + "/model.safetensors", out);
+  expect_quantized_same_as_dequantized(d.path(), f);
 }
 
 }  // namespace

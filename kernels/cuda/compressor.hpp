@@ -42,9 +42,9 @@ void compress_prefill(const CompressorShape& s, const float* kv, const float* sc
 // Decode: sequence b appends one token at positions[b] (device) with raw kv/score
 // rows b of [batch, width]; rings[b] is its ring (device array of pointers). When the
 // token closes a window ((p + 1) % rate == 0) entry p / rate goes to out_rows[b].
-// TROUPE_COMPRESS_DECODE=2 (read at each call; for compress_decode_paged too): a kernel
-// with fewer dependent round trips where the shape allows (compiled, not yet measured;
-// see compress_decode_kernel in compressor.cu); anything else: the default kernel.
+// Where the shape allows, a kernel with few dependent round trips (compress_decode_kernel
+// in compressor.cu); TROUPE_COMPRESS_DECODE=1 (read at each call; for compress_decode_paged
+// too) or any other shape: the one-wave kernel.
 void compress_decode(const CompressorShape& s, const float* kv, const float* score, int64_t batch,
                      const int64_t* positions, float* const* rings, void* const* out_rows, EntryType out_type,
                      cudaStream_t stream);

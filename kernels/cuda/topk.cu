@@ -1815,15 +1815,28 @@ void launch_grid_topk(const TopkArgs& a, const GridPlan& g, void* workspace, cud
   }
 }
 
-// The sampled path's rule, a first guess for a measured session to move: calls of at least
-// kSampledMinRows rows, the longest at least kSampledMinLen scores, that the grid kernel would run
-// over rows of several chunks (not the cluster kernel, not rows of one chunk, not the streamed
-// kernel when that is asked for), when TopkArgs::sampled (or TROUPE_TOPK_SAMPLED) asks for it.
+// The sampled path's rule: calls the grid kernel would run over rows of several chunks (not the
+// cluster kernel, not rows of one chunk, not the streamed kernel when that is asked for) of at least
+// kSampledMinRows rows, the longest at least kSampledMinLen scores. By default it takes those of at
+// least kSampledAutoRows rows and kSampledAutoScores scores in all (rows x longest): where the grid
+// kernel needs more than about one wave of its CTAs. Measured on an H100 (session 36, run 36), grid
+// against sampled: 24 / 32 / 48 / 64 x 262,144 25.2 / 28.6 / 38.6 / 46.1 -> 22.4 / 25.5 / 31.0 / 36.5 us,
+// 64 x 131,072 28.8 -> 25.6, 16 x 524,288 27.8 -> 25.9, 16 / 64 x 1 M 49.5 / 148 -> 44.2 / 113; but
+// 16 x 262,144 15.2 against 19.9, 8 x 1 M 30.6 against 32.4, 8 x 2 M 46.7 against 47.1, 64 x 65,536 16.1
+// against 20.2 (the sample and the finish are latency around a short read).
 constexpr int kSampledMinRows = 2;
 constexpr int64_t kSampledMinLen = 65536;
+constexpr int kSampledAutoRows = 16;
+constexpr int64_t kSampledAutoScores = 6 << 20;
 
-// TopkArgs::sampled, or TROUPE_TOPK_SAMPLED (read at each call) when it is 0: on only where it is 1.
-bool topk_sampled(const TopkArgs& a) { return (a.sampled != 0 ? a.sampled : env_switch("TROUPE_TOPK_SAMPLED")) == 1; }
+// TopkArgs::sampled, or TROUPE_TOPK_SAMPLED (read at each call) when it is 0: 1 = wherever the path
+// applies, -1 (or the variable 0) = never; else the measured rule above.
+bool topk_sampled(const TopkArgs& a) {
+  const int ask = a.sampled != 0 ? a.sampled : env_switch("TROUPE_TOPK_SAMPLED");
+  if (ask != 0) return ask == 1;
+  return a.rows >= kSampledAutoRows && static_cast<double>(a.rows) * static_cast<double>(a.max_len) >=
+                                           static_cast<double>(kSampledAutoScores);
+}
 
 bool takes_sampled(const TopkArgs& a, const GridPlan& g) {
   return g.ok && !g.stream && g.cpr > 1 && a.rows >= kSampledMinRows && a.max_len >= kSampledMinLen &&

@@ -80,8 +80,9 @@ struct TopkArgs {
   int sampled = 0;                  // the sampled path: 1 = where it applies (at least 2 rows of which the
                                     // longest is at least 65,536 scores, where the grid kernel would run over
                                     // rows of several chunks; a streamed call stays streamed); -1 = never;
-                                    // 0 = TROUPE_TOPK_SAMPLED (read at each call: 1 = on), else never.
-                                    // Ignores `profile`
+                                    // 0 = TROUPE_TOPK_SAMPLED (read at each call: 1 = on, 0 = never), else
+                                    // calls of at least 16 rows and 6 M scores (rows x longest) where it
+                                    // applies (measured faster there, topk.cu). Ignores `profile`
 };
 
 // Scratch the call needs (enough for any call with at most `rows` rows and this

@@ -551,7 +551,7 @@ TEST_F(CudaKernelsTest, compressor_prefill_and_decode_match_cpu) {
 
     // Decode: 64 sequences (copies of the same history) each append token p at different p; the
     // first 1, 8 and all 64 of them, f32 and bf16 entries, rings and entries 16-byte aligned or one
-    // element off, on the default kernel and on compress_decode_kernel (TROUPE_COMPRESS_DECODE=2),
+    // element off, on the one-wave kernel (TROUPE_COMPRESS_DECODE=1) and on compress_decode_kernel (the default),
     // each run from the same rings with the entries poisoned.
     const int64_t B = 64;
     std::vector<int64_t> positions(B);
@@ -574,7 +574,7 @@ TEST_F(CudaKernelsTest, compressor_prefill_and_decode_match_cpu) {
     float* d_kv_new = dev(kv_new);
     float* d_sc_new = dev(sc_new);
     int64_t* d_positions = dev(positions);
-    for (const char* form : {static_cast<const char*>(nullptr), "2"}) {
+    for (const char* form : {"1", static_cast<const char*>(nullptr)}) {
       for (cuda::EntryType type : {cuda::EntryType::f32, cuda::EntryType::bf16}) {
         for (int shift : {0, 1}) {
           const size_t esz = type == cuda::EntryType::f32 ? 4 : 2;

@@ -38,8 +38,9 @@ struct RopeConfig {
 // A quantized checkpoint (config.json's quantization_config, quant_method "fp8", as DeepSeek ships
 // V4): matrices in FP8 e4m3 with a scale per block (`<name>.scale` or `<name>.weight_scale_inv`:
 // float32, bf16 or e8m0 values), routed experts optionally in FP4 e2m1 (two a byte, element 2j in the
-// low nibble) with a scale per 1 x 32 inputs. troupe dequantizes them as it loads (the products are
-// those of transformers' dequantizing load); activations are not quantized.
+// low nibble) with a scale per 1 x 32 inputs. The products are those of transformers' dequantizing
+// load (backends that take quantized weights keep the codes, others dequantize them as they load);
+// activations are not quantized.
 struct Quantization {
   bool fp8 = false;
   int64_t block_rows = 0;  // weight_block_size; 0: derived from each scale grid (which must divide the matrix)

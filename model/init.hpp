@@ -15,6 +15,11 @@ struct InitOptions {
   std::string preset = "tiny";  // tiny | flash-shaped
   uint64_t seed = 0;
   DType dtype = DType::f32;     // f32 or bf16 for matrices
+  // "fp8": the linear layers' matrices (attention, compressor, indexer, experts) in FP8 e4m3 with a
+  // power-of-two scale per 128 x 128 block, as DeepSeek ships V4 (quantization_config, ue8m0);
+  // "fp4": the same with the routed experts in FP4 e2m1, a power-of-two scale per 32 inputs
+  // (expert_dtype fp4); "": none. Embeddings, lm_head, mHC and router matrices stay `dtype`.
+  std::string quantize;
   int64_t layers = -1;          // override num_hidden_layers (layer types cycle the preset's)
   std::vector<std::string> layer_types;  // override: sliding|csa|hca per layer (sets the layer count)
   int64_t experts = -1;         // override n_routed_experts

@@ -1,4 +1,4 @@
-// troupe init-model --preset tiny|flash-shaped --out DIR [--seed N] [--dtype f32|bf16]
+// troupe init-model --preset tiny|flash-shaped --out DIR [--seed N] [--dtype f32|bf16] [--quantize fp8|fp4]
 #include "apps/troupe/commands.hpp"
 #include "model/init.hpp"
 
@@ -15,6 +15,10 @@ Command add_init_model(CLI::App& app) {
   cmd->add_option("--out", o->out, "output directory")->required();
   cmd->add_option("--seed", o->init.seed, "random seed");
   cmd->add_option("--dtype", o->dtype, "f32 or bf16 matrices")->check(CLI::IsMember({"f32", "bf16"}));
+  cmd->add_option("--quantize", o->init.quantize,
+                  "fp8: linear layers in FP8 e4m3 with 128 x 128 block scales (DeepSeek's V4 checkpoints); fp4: also "
+                  "the routed experts in FP4 e2m1 with a scale per 32 inputs")
+      ->check(CLI::IsMember({"fp8", "fp4"}));
   cmd->add_option("--layers", o->init.layers, "number of layers (types cycle the preset's)");
   cmd->add_option("--layer-types", o->init.layer_types, "layer types, e.g. csa,hca,sliding (sets the layer count)")
       ->delimiter(',');

@@ -334,27 +334,101 @@ void run_blocks(double work, int64_t blocks, const std::function<void(int64_t)>&
 
 }  // namespace
 
+namespace {
+
+// out[i] = value(code i) * s for n codes from `in` (e4m3: a byte each; e2m1: two a byte from code
+// `first`, which is even), as kCodes' tables give them: the vector forms build the same floats (e4m3:
+// the exponent and mantissa bits moved into place, subnormals as mant * 2^-9, NaN for S.1111.111; e2m1:
+// a 16-entry table) and multiply by s once, so every element has the bits of the scalar form.
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+// GCC 12's AVX-512 conversions trip -Wmaybe-uninitialized inside its own header (as in tile512).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+int64_t e4m3_run512(const uint8_t* in, int64_t n, float s, float* out) {
+  const __m512i k7 = _mm512_set1_epi32(7), k15 = _mm512_set1_epi32(15), k127 = _mm512_set1_epi32(0x7f),
+                k128 = _mm512_set1_epi32(0x80), k120 = _mm512_set1_epi32(120), zero = _mm512_setzero_si512();
+  const __m512 sub_unit = _mm512_set1_ps(1.0f / 512.0f), nan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()),
+               scale = _mm512_set1_ps(s);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i)));
+    const __m512i e = _mm512_and_si512(_mm512_srli_epi32(v, 3), k15), m = _mm512_and_si512(v, k7);
+    const __m512i normal = _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(e, k120), 23), _mm512_slli_epi32(m, 20));
+    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(m), sub_unit);
+    __m512 mag = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(e, zero), _mm512_castsi512_ps(normal), sub);
+    mag = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), _mm512_slli_epi32(_mm512_and_si512(v, k128), 24)));
+    mag = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(_mm512_and_si512(v, k127), k127), mag, nan);
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(mag, scale));
+  }
+  return i;
+}
+
+int64_t e2m1_run512(const uint8_t* in, int64_t n, float s, float* out, const float* table) {
+  const __m512 lut = _mm512_loadu_ps(table), scale = _mm512_set1_ps(s);
+  const __m512i shifts = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0), k15 = _mm512_set1_epi32(15);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {  // 16 codes from 8 bytes: each byte twice, low nibble first
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(in + i / 2));
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
+    const __m512i idx = _mm512_and_si512(_mm512_srlv_epi32(v, shifts), k15);
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_permutexvar_ps(idx, lut), scale));
+  }
+  return i;
+}
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+int64_t e4m3_run256(const uint8_t* in, int64_t n, float s, float* out) {
+  const __m256i k7 = _mm256_set1_epi32(7), k15 = _mm256_set1_epi32(15), k127 = _mm256_set1_epi32(0x7f),
+                k128 = _mm256_set1_epi32(0x80), k120 = _mm256_set1_epi32(120), zero = _mm256_setzero_si256();
+  const __m256 sub_unit = _mm256_set1_ps(1.0f / 512.0f), nan = _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
+               scale = _mm256_set1_ps(s);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in + i)));
+    const __m256i e = _mm256_and_si256(_mm256_srli_epi32(v, 3), k15), m = _mm256_and_si256(v, k7);
+    const __m256i normal = _mm256_or_si256(_mm256_slli_epi32(_mm256_add_epi32(e, k120), 23), _mm256_slli_epi32(m, 20));
+    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(m), sub_unit);
+    __m256 mag = _mm256_blendv_ps(_mm256_castsi256_ps(normal), sub, _mm256_castsi256_ps(_mm256_cmpeq_epi32(e, zero)));
+    mag = _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(mag), _mm256_slli_epi32(_mm256_and_si256(v, k128), 24)));
+    mag = _mm256_blendv_ps(mag, nan, _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(v, k127), k127)));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(mag, scale));
+  }
+  return i;
+}
+#pragma GCC pop_options
+
+void e4m3_run(const uint8_t* in, int64_t n, float s, float* out) {
+  int64_t i = kIsa == Isa::avx512 ? e4m3_run512(in, n, s, out) : kIsa == Isa::avx2 ? e4m3_run256(in, n, s, out) : 0;
+  for (; i < n; ++i) out[i] = kCodes.e4m3[in[i]] * s;
+}
+
+void e2m1_run(const uint8_t* in, int64_t first, int64_t n, float s, float* out) {
+  int64_t i = kIsa == Isa::avx512 && first % 2 == 0 ? e2m1_run512(in + first / 2, n, s, out, kCodes.e2m1) : 0;
+  for (; i < n; ++i) {
+    const int64_t c = first + i;
+    const uint8_t code = (c & 1) ? static_cast<uint8_t>(in[c / 2] >> 4) : static_cast<uint8_t>(in[c / 2] & 0xf);
+    out[i] = kCodes.e2m1[code] * s;
+  }
+}
+
+}  // namespace
+
 void dequantize_rows(const Weight& w, int64_t r0, int64_t r1, float* out) {
   const int64_t k = w.cols, bc = w.block_cols;
+  const auto* codes = static_cast<const uint8_t*>(w.data);
   for (int64_t r = r0; r < r1; ++r) {
     const float* srow = w.scale + ((r + w.scale_row) / w.block_rows) * w.scale_stride;
     float* o = out + (r - r0) * k;
-    if (w.type == WeightType::e4m3) {
-      const uint8_t* in = static_cast<const uint8_t*>(w.data) + r * k;
-      for (int64_t c0 = 0; c0 < k; c0 += bc) {
-        const float s = srow[c0 / bc];
-        const int64_t c1 = std::min(k, c0 + bc);
-        for (int64_t c = c0; c < c1; ++c) o[c] = kCodes.e4m3[in[c]] * s;
-      }
-    } else {
-      const uint8_t* in = static_cast<const uint8_t*>(w.data) + r * (k / 2);
-      for (int64_t c0 = 0; c0 < k; c0 += bc) {
-        const float s = srow[c0 / bc];
-        const int64_t c1 = std::min(k, c0 + bc);
-        for (int64_t c = c0; c < c1; ++c) {
-          const uint8_t code = (c & 1) ? static_cast<uint8_t>(in[c / 2] >> 4) : static_cast<uint8_t>(in[c / 2] & 0xf);
-          o[c] = kCodes.e2m1[code] * s;
-        }
+    for (int64_t c0 = 0; c0 < k; c0 += bc) {
+      const int64_t n = std::min(k, c0 + bc) - c0;
+      if (w.type == WeightType::e4m3) {
+        e4m3_run(codes + r * k + c0, n, srow[c0 / bc], o + c0);
+      } else {
+        e2m1_run(codes + r * (k / 2), c0, n, srow[c0 / bc], o + c0);
       }
     }
   }

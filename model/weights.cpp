@@ -2,8 +2,11 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+#include <array>
 #include <cstring>
 #include <map>
+#include <thread>
 #include <regex>
 #include <set>
 
@@ -227,21 +230,42 @@ class WeightLoader {
     const int64_t count = stacked > 0 ? stacked : 1;
     std::vector<float> out(static_cast<size_t>(count * rows * cols));
     const auto* bytes = static_cast<const uint8_t*>(q->codes->data);
-    for (int64_t e = 0; e < count; ++e) {
-      for (int64_t r = 0; r < rows; ++r) {
+    static const auto tables = [] {  // the code values, as e4m3_to_f32 / e2m1_to_f32 give them
+      std::array<float, 256 + 16> t{};
+      for (int v = 0; v < 256; ++v) t[static_cast<size_t>(v)] = e4m3_to_f32(static_cast<uint8_t>(v));
+      for (int v = 0; v < 16; ++v) t[static_cast<size_t>(256 + v)] = e2m1_to_f32(static_cast<uint8_t>(v));
+      return t;
+    }();
+    const float* e4m3 = tables.data();
+    const float* e2m1 = tables.data() + 256;
+    // Rows [first, last) of the whole stack; a real checkpoint's matrices (gigabytes) on every core.
+    auto dequantize = [&](int64_t first, int64_t last) {
+      for (int64_t row = first; row < last; ++row) {
+        const int64_t e = row / rows, r = row % rows;
         const float* srow = q->scales.data() + (e * q->sr + r / q->bm) * q->sc;
-        float* orow = out.data() + (e * rows + r) * cols;
+        float* orow = out.data() + row * cols;
         if (q->fp4) {
-          const uint8_t* in = bytes + (e * rows + r) * (cols / 2);
+          const uint8_t* in = bytes + row * (cols / 2);
           for (int64_t c = 0; c < cols; ++c) {
             const uint8_t code = (c & 1) ? static_cast<uint8_t>(in[c / 2] >> 4) : static_cast<uint8_t>(in[c / 2] & 0xf);
-            orow[c] = e2m1_to_f32(code) * srow[c / q->bn];
+            orow[c] = e2m1[code] * srow[c / q->bn];
           }
         } else {
-          const uint8_t* in = bytes + (e * rows + r) * cols;
-          for (int64_t c = 0; c < cols; ++c) orow[c] = e4m3_to_f32(in[c]) * srow[c / q->bn];
+          const uint8_t* in = bytes + row * cols;
+          for (int64_t c = 0; c < cols; ++c) orow[c] = e4m3[in[c]] * srow[c / q->bn];
         }
       }
+    };
+    const int64_t all_rows = count * rows;
+    const int64_t threads = std::clamp<int64_t>(all_rows * cols / (int64_t{1} << 22), 1,
+                                                std::max<unsigned>(1, std::thread::hardware_concurrency()));
+    if (threads == 1) {
+      dequantize(0, all_rows);
+    } else {
+      std::vector<std::thread> pool;
+      const int64_t per = (all_rows + threads - 1) / threads;
+      for (int64_t t = 0; t < threads; ++t) pool.emplace_back(dequantize, t * per, std::min(all_rows, (t + 1) * per));
+      for (auto& th : pool) th.join();
     }
     return out;
   }

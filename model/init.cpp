@@ -6,10 +6,10 @@
 #include <nlohmann/json.hpp>
 #include <algorithm>
 #include <numeric>
-#include <thread>
 #include <vector>
 
 #include "base/error.hpp"
+#include "base/parallel.hpp"
 #include "model/safetensors.hpp"
 #include "model/tokenizer/default_tokenizer.hpp"
 
@@ -53,21 +53,11 @@ class Rng {
 template <class Store>
 void fill_normals(Rng& rng, int64_t n, Store store) {
   const uint64_t s0 = rng.state();
-  const int64_t most = std::max<int64_t>(1, std::thread::hardware_concurrency());
-  const int64_t threads = std::clamp<int64_t>(n / (int64_t{1} << 20), 1, most);
-  auto run = [&](int64_t begin, int64_t end) {
+  parallel_ranges(n, std::clamp<int64_t>(n / (int64_t{1} << 20), 1, hardware_threads()), [&](int64_t begin, int64_t end) {
     Rng r = Rng::at_state(s0);
     r.skip(2 * static_cast<uint64_t>(begin));
     for (int64_t i = begin; i < end; ++i) store(i, r.normal());
-  };
-  if (threads == 1) {
-    run(0, n);
-  } else {
-    std::vector<std::thread> pool;
-    const int64_t per = (n + threads - 1) / threads;
-    for (int64_t t = 0; t < threads; ++t) pool.emplace_back(run, t * per, std::min(n, (t + 1) * per));
-    for (auto& th : pool) th.join();
-  }
+  });
   rng.skip(2 * static_cast<uint64_t>(n));
 }
 

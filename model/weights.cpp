@@ -6,11 +6,11 @@
 #include <array>
 #include <cstring>
 #include <map>
-#include <thread>
 #include <regex>
 #include <set>
 
 #include "base/error.hpp"
+#include "base/parallel.hpp"
 
 namespace troupe::model {
 namespace {
@@ -257,16 +257,8 @@ class WeightLoader {
       }
     };
     const int64_t all_rows = count * rows;
-    const int64_t threads = std::clamp<int64_t>(all_rows * cols / (int64_t{1} << 22), 1,
-                                                std::max<unsigned>(1, std::thread::hardware_concurrency()));
-    if (threads == 1) {
-      dequantize(0, all_rows);
-    } else {
-      std::vector<std::thread> pool;
-      const int64_t per = (all_rows + threads - 1) / threads;
-      for (int64_t t = 0; t < threads; ++t) pool.emplace_back(dequantize, t * per, std::min(all_rows, (t + 1) * per));
-      for (auto& th : pool) th.join();
-    }
+    parallel_ranges(all_rows, std::clamp<int64_t>(all_rows * cols / (int64_t{1} << 22), 1, hardware_threads()),
+                    dequantize);
     return out;
   }
 

@@ -6,6 +6,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 #include <thread>
 
 #include "actors/gateway/gateway.hpp"
@@ -61,7 +62,13 @@ Graph::Graph(ServeOptions options) : options_(std::move(options)), owned_(std::m
   const std::string dir = options_.model_dir.empty() ? ensure_default_model() : options_.model_dir;
   owned_->backend = options_.backend == "cuda" ? kernels::make_cuda_backend() : kernels::make_cpu_backend();
   if (!owned_->backend) raise(ErrorCode::unavailable, "the CUDA backend is not available (no GPU or not compiled)");
-  owned_->model = std::shared_ptr<model::Model>(model::Model::load(dir, *owned_->backend));
+  if (options_.weights == "bf16" && options_.backend != "cuda") {
+    raise(ErrorCode::invalid_argument, "--weights bf16 needs --backend cuda (the CPU backend computes in fp32)");
+  }
+  std::optional<kernels::WeightType> type;
+  if (options_.weights == "f32") type = kernels::WeightType::f32;
+  if (options_.weights == "bf16") type = kernels::WeightType::bf16;
+  owned_->model = std::shared_ptr<model::Model>(model::Model::load(dir, *owned_->backend, type));
   owned_->tokenizer = std::shared_ptr<const tokenizer::Tokenizer>(tokenizer::Tokenizer::load(tokenizer::tokenizer_dir_for(dir)));
   const auto& mc = owned_->model->config();
   if (owned_->tokenizer->vocab_size() > mc.vocab_size) {

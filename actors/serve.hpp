@@ -39,6 +39,7 @@ struct ServeOptions {
   std::optional<ScaleRule> scale;
   RestartPolicy restart;
   std::string backend = "cpu";
+  std::string weights = "auto";     // matrix type: auto, f32 or bf16 (as `troupe forward --weights`)
   double drain_timeout_s = 30;      // SIGTERM: how long requests in flight may take to finish
   bool test_hooks = false;          // POST /admin/crash (fault injection for tests)
 };

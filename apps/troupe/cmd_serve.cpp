@@ -40,6 +40,10 @@ Command add_serve(CLI::App& app) {
   cmd->add_option("--max-model-len", o->max_model_len, "prompt + completion token limit");
   cmd->add_option("--step-tokens", o->step_tokens, "tokens per engine step");
   cmd->add_option("--backend", o->backend, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  cmd->add_option("--weights", o->weights,
+                  "matrix type: auto (f32 on cpu, bf16 on cuda; a checkpoint's FP8 / FP4 matrices kept as they are "
+                  "where the backend takes them: cpu), f32 or bf16 (every matrix; bf16 needs --backend cuda)")
+      ->check(CLI::IsMember({"auto", "f32", "bf16"}));
   cmd->add_option("--read-timeout", o->read_timeout_s, "seconds a client has to send a whole request");
   cmd->add_option("--max-body-mib", *body_mib, "largest request body, MiB (larger ones get 413)");
   cmd->add_option("--drain-timeout", o->drain_timeout_s,

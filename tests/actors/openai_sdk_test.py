@@ -738,6 +738,32 @@ def test_ignore_eos_and_min_tokens_with_the_models_eos():
         shutil.rmtree(d, ignore_errors=True)
 
 
+def test_quantized_checkpoint_kept_and_dequantized_serve_the_same_tokens():
+    """An FP8 checkpoint with FP4 experts (init-model --quantize fp4, DeepSeek's layout): served with its codes
+    kept (the CPU backend's default) and with --weights f32 (dequantized as it loads), the same greedy tokens
+    and the same logprobs, since the logits have the same bits; --weights bf16 on the CPU backend is refused."""
+    d = tempfile.mkdtemp(prefix="troupe-fp4-")
+    try:
+        import subprocess
+        subprocess.run([A.troupe, "init-model", "--preset", "tiny", "--quantize", "fp4", "--seed", "3", "--out", d],
+                       check=True, capture_output=True)
+        got = {}
+        for weights in ("auto", "f32"):
+            with harness.Server(A.troupe, A.home, ["--model", d, "--served-model-name", MODEL, "--weights", weights],
+                                name="fp4-" + weights) as s:
+                r = client(s).completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=2,
+                                                 extra_body=dict(return_token_ids=True))
+                c = r.choices[0]
+                got[weights] = (extra(c, "token_ids"), c.logprobs.token_logprobs, c.logprobs.top_logprobs)
+        assert got["auto"] == got["f32"], got
+        assert len(got["auto"][0]) == 12
+        bad = subprocess.run([A.troupe, "serve", "--model", d, "--weights", "bf16", "--port", "0"],
+                             capture_output=True, text=True, timeout=120)
+        assert bad.returncode != 0 and "--weights bf16 needs --backend cuda" in bad.stderr, bad.stderr
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def test_models_and_health():
     models = client().models.list()
     assert [m.id for m in models.data] == [MODEL]

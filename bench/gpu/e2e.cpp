@@ -191,8 +191,13 @@ int logits(const std::string& dir, const std::string& ids_path, int64_t p, const
 double step_weight_bytes(const model::Model& m, double experts) {
   const auto& w = m.weights();
   auto bytes = [](const kernels::Weight& x) {
-    const double e = x.type == kernels::WeightType::f32 ? 4 : 2;
-    return static_cast<double>(x.rows) * static_cast<double>(x.cols) * e;
+    const double n = static_cast<double>(x.rows) * static_cast<double>(x.cols);
+    if (kernels::is_quantized(x.type)) {  // codes and the fp32 scales of the blocks they cover
+      const double scales = std::ceil(static_cast<double>(x.rows) / x.block_rows) *
+                            std::ceil(static_cast<double>(x.cols) / x.block_cols) * 4;
+      return n * (x.type == kernels::WeightType::e4m3 ? 1.0 : 0.5) + scales;
+    }
+    return n * (x.type == kernels::WeightType::f32 ? 4 : 2);
   };
   double total = bytes(w.lm_head) + bytes(w.hc_head.fn) + static_cast<double>(w.embed.cols) * 2;
   for (const auto& l : w.layers) {

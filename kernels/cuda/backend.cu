@@ -228,9 +228,25 @@ struct CudaBackend::Impl {
 
   cudaStream_t s() const { return stream.get(); }
 
+  // A quantized weight's values in bf16, in the arena (taken after the op's arena.begin()).
+  Weight dequantized(const Weight& w) {
+    auto* p = arena.take<uint16_t>(w.rows * w.cols);
+    dequantize_bf16(w, p, s());
+    Weight d;
+    d.data = p;
+    d.type = WeightType::bf16;
+    d.rows = w.rows;
+    d.cols = w.cols;
+    return d;
+  }
+
   // y[m, w.rows] = x[m, ldx.. w.cols] @ w^T (+ beta y), any m.
   void linear(const float* x, int64_t m, const Weight& w, float* y, float beta) {
     if (m == 0 || w.rows == 0) return;
+    if (is_quantized(w.type) && !gemv_takes(w, m, w.cols, x)) {
+      linear(x, m, dequantized(w), y, beta);
+      return;
+    }
     if (m <= kGemvBatchRows || w.rows <= 64) {
       gemv(x, w.cols, m, w, y, w.rows, beta, 0, s());
       return;
@@ -293,12 +309,19 @@ struct CudaBackend::Impl {
   }
 
   // Device tables of the experts' weight pointers, uploaded once per expert set.
+  // Quantized experts: their scale grids' pointers follow, 3 * experts more.
   ExpertTables tables(const Weight* gate, const Weight* up, const Weight* down, int experts) {
-    std::vector<const void*> host(static_cast<size_t>(3 * experts));
+    const bool quantized = is_quantized(gate[0].type);
+    std::vector<const void*> host(static_cast<size_t>((quantized ? 6 : 3) * experts));
     for (int e = 0; e < experts; ++e) {
       host[e] = gate[e].data;
       host[experts + e] = up[e].data;
       host[2 * experts + e] = down[e].data;
+      if (quantized) {
+        host[3 * experts + e] = gate[e].scale;
+        host[4 * experts + e] = up[e].scale;
+        host[5 * experts + e] = down[e].scale;
+      }
     }
     auto it = expert_tables.find(host);
     if (it == expert_tables.end()) {
@@ -310,12 +333,25 @@ struct CudaBackend::Impl {
       it = expert_tables.emplace(std::move(host), std::move(buf)).first;
     }
     auto* base = static_cast<const void* const*>(it->second->get());
-    ExpertTables t;
+    ExpertTables t = expert_shape(gate, up, down, experts);
     t.gate = base;
     t.up = base + experts;
     t.down = base + 2 * experts;
+    if (quantized) t.scales = reinterpret_cast<const float* const*>(base + 3 * experts);
+    return t;
+  }
+
+  // The experts' type, width and (quantized) scale layouts, without the device tables.
+  static ExpertTables expert_shape(const Weight* gate, const Weight* up, const Weight* down, int experts) {
+    ExpertTables t;
     t.type = gate[0].type;
     t.inter = gate[0].rows;
+    t.experts = experts;
+    if (is_quantized(t.type)) {
+      t.gate_q = quant_layout(gate[0]);
+      t.up_q = quant_layout(up[0]);
+      t.down_q = quant_layout(down[0]);
+    }
     return t;
   }
 };
@@ -420,6 +456,11 @@ void CudaBackend::copy(void* dst, const void* src, size_t bytes) {
 }
 void CudaBackend::synchronize() { TROUPE_CUDA(cudaStreamSynchronize(impl_->s())); }
 
+bool CudaBackend::takes_quantized() const {
+  const char* e = std::getenv("TROUPE_CUDA_QUANTIZED");
+  return e != nullptr && std::strcmp(e, "1") == 0;
+}
+
 void CudaBackend::linear(const float* x, int64_t m, const Weight& w, float* y, float beta) {
   impl_->arena.begin();
   impl_->linear(x, m, w, y, beta);
@@ -434,14 +475,19 @@ void CudaBackend::linear_multi(const float* x, int64_t m, const Weight* w, float
   for (int i = 0; i < count; ++i) linear(x, m, w[i], y[i], 0.f);
 }
 
-void CudaBackend::linear_grouped(const float* x, int64_t m, const Weight& w, int groups, float* y) {
+void CudaBackend::linear_grouped(const float* x, int64_t m, const Weight& wq, int groups, float* y) {
   if (m == 0) return;
-  const int64_t out = w.rows / groups;
+  const int64_t out = wq.rows / groups;
+  if (m <= kGemvBatchRows && gemv_takes(wq, m, groups * wq.cols, x)) {
+    gemv(x, groups * wq.cols, m, wq, y, wq.rows, 0.f, out, impl_->s());
+    return;
+  }
+  impl_->arena.begin();
+  const Weight w = is_quantized(wq.type) ? impl_->dequantized(wq) : wq;
   if (m <= kGemvBatchRows) {
     gemv(x, groups * w.cols, m, w, y, w.rows, 0.f, out, impl_->s());
     return;
   }
-  impl_->arena.begin();
   const float one = 1.f, zero = 0.f;
   const int N = static_cast<int>(out), K = static_cast<int>(w.cols), M = static_cast<int>(m);
   if (w.type == WeightType::f32) {
@@ -650,21 +696,31 @@ void CudaBackend::moe(const float* x, int64_t rows, int64_t dim, const int32_t* 
   if (pairs == 0) return;
   impl_->arena.begin();
   const int64_t inter = gate[0].rows;
+  // Quantized experts share one scale layout a kind (checkpoints give every expert the same shapes).
+  const auto same_grid = [](const Weight& a, const Weight& b) {
+    return a.scale_stride == b.scale_stride && a.block_rows == b.block_rows && a.block_cols == b.block_cols &&
+           a.scale_row == b.scale_row && reinterpret_cast<uintptr_t>(a.data) % 16 == 0;
+  };
   bool uniform = true;
   for (int e = 0; e < experts; ++e) {
     uniform &= gate[e].type == gate[0].type && up[e].type == gate[0].type && down[e].type == gate[0].type &&
                gate[e].rows == inter && up[e].rows == inter && down[e].cols == inter && gate[e].cols == dim &&
                down[e].rows == dim;
+    if (is_quantized(gate[0].type)) {
+      uniform &= same_grid(gate[e], gate[0]) && same_grid(up[e], up[0]) && same_grid(down[e], down[0]) &&
+                 reinterpret_cast<uintptr_t>(up[e].data) % 16 == 0 &&
+                 reinterpret_cast<uintptr_t>(down[e].data) % 16 == 0;
+    }
   }
-  const int vec = gate[0].type == WeightType::f32 ? 4 : 8;
-  if (uniform && rows == 1 && pairs <= kPairsWithoutSync && dim % vec == 0 && inter % vec == 0) {
+  const bool fits = moe_widths_fit(Impl::expert_shape(gate, up, down, experts), dim);
+  if (uniform && rows == 1 && pairs <= kPairsWithoutSync && fits) {
     const ExpertTables t = impl_->tables(gate, up, down, experts);
     float* h = impl_->arena.take<float>(pairs * inter);
     float* ys = impl_->arena.take<float>(pairs * dim);
     moe_pairs(x, rows, dim, idx, weight, k, t, limit, h, ys, out, impl_->s());
     return;
   }
-  if (uniform && rows <= kRowsWithoutSync && dim % vec == 0 && inter % vec == 0) {
+  if (uniform && rows <= kRowsWithoutSync && fits) {
     // Each expert's rows through its weights once, sorted on the device.
     const ExpertTables t = impl_->tables(gate, up, down, experts);
     auto* counts = impl_->arena.take<int32_t>(experts);

@@ -31,6 +31,10 @@ class CudaBackend final : public Backend {
   CudaBackend& operator=(const CudaBackend&) = delete;
 
   std::string name() const override { return "cuda"; }
+  // FP8 / FP4 weights kept as codes (GEMVs and MoE convert them in registers; larger products
+  // dequantize into bf16 first) only with TROUPE_CUDA_QUANTIZED=1 until measured (docs/kernels-notes.md
+  // session 36); otherwise the loader dequantizes them into bf16.
+  bool takes_quantized() const override;
   cudaStream_t stream() const;
   int device() const;
 

@@ -2,6 +2,8 @@
 #include <algorithm>
 #include <type_traits>
 
+#include <cuda_fp8.h>
+
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/dense.hpp"
 
@@ -10,12 +12,22 @@ namespace {
 
 constexpr int kGemvThreads = 256;
 
-// 16 bytes of weights -> VEC floats.
+// FP8 e4m3 / FP4 e2m1 codes (kernels/backend.hpp) as gemv_core's weight types: a byte holds one / two.
+struct E4m3Codes {
+  uint8_t v;
+};
+struct E2m1Codes {
+  uint8_t v;
+};
+
+// 16 bytes of weights -> VEC floats. kPer: values a stored element holds; kQuant: the values still
+// take their block's scale (QuantLayout).
 template <class WT>
 struct WLoad;
 template <>
 struct WLoad<float> {
-  static constexpr int kVec = 4;
+  static constexpr int kVec = 4, kPer = 1;
+  static constexpr bool kQuant = false;
   __device__ static void cvt(const uint4& v, float (&f)[4]) {
     f[0] = __uint_as_float(v.x);
     f[1] = __uint_as_float(v.y);
@@ -25,7 +37,8 @@ struct WLoad<float> {
 };
 template <>
 struct WLoad<__nv_bfloat16> {
-  static constexpr int kVec = 8;
+  static constexpr int kVec = 8, kPer = 1;
+  static constexpr bool kQuant = false;
   __device__ static void cvt(const uint4& v, float (&f)[8]) {
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -38,7 +51,8 @@ struct WLoad<__nv_bfloat16> {
 };
 template <>
 struct WLoad<__half> {
-  static constexpr int kVec = 8;
+  static constexpr int kVec = 8, kPer = 1;
+  static constexpr bool kQuant = false;
   __device__ static void cvt(const uint4& v, float (&f)[8]) {
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -50,15 +64,61 @@ struct WLoad<__half> {
   }
 };
 
+template <>
+struct WLoad<E4m3Codes> {  // exact: every e4m3 value is a half
+  static constexpr int kVec = 16, kPer = 1;
+  static constexpr bool kQuant = true;
+  __device__ static void cvt(const uint4& v, float (&f)[16]) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const __half2_raw r =
+            __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>((w[i] >> (16 * h)) & 0xffffu), __NV_E4M3);
+        const float2 t = __half22float2(__half2(r));
+        f[4 * i + 2 * h] = t.x;
+        f[4 * i + 2 * h + 1] = t.y;
+      }
+    }
+  }
+};
+
+// One e2m1 code (the low 4 bits): sign, two exponent bits, one mantissa bit; -0 for code 8, as the CPU's table.
+__device__ __forceinline__ float e2m1_value(uint32_t c) {
+  const uint32_t e = (c >> 1) & 3u, m = c & 1u;
+  const uint32_t mag = e != 0 ? ((e + 126u) << 23) | (m << 22) : (m != 0 ? 0x3f000000u : 0u);
+  return __uint_as_float(mag | ((c & 8u) << 28));
+}
+
+template <>
+struct WLoad<E2m1Codes> {  // element 2j in the low nibble
+  static constexpr int kVec = 32, kPer = 2;
+  static constexpr bool kQuant = true;
+  __device__ static void cvt(const uint4& v, float (&f)[32]) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) f[8 * i + j] = e2m1_value(w[i] >> (4 * j));
+  }
+};
+
+// The scale of weight row `row`, columns [col, col + VEC) (one block: block_cols % VEC == 0).
+__device__ __forceinline__ float quant_scale(const QuantLayout& q, int64_t row, int64_t col) {
+  return q.scale[((row + q.scale_row) / q.block_rows) * q.stride + col / q.block_cols];
+}
+
 // Accumulates acc[r][mm] = w[row0 + r, :] . x[mm, :] over this thread's share of k,
 // then reduces over the block; returns true on threads t < G*M holding the sum of
 // (r = t / M, mm = t % M) in `out`. PREFETCH: the kernel has not called pdl_entry()
 // yet; this thread's first weights are requested before it does (weights are never
 // written by a kernel), so they stream in while the previous kernel finishes.
+// Quantized WT (FP8 / FP4 codes): each chunk's values times its block's scale from `q`.
 template <class WT, int M, int G, bool PREFETCH = false>
 __device__ __forceinline__ bool gemv_core(const float* x, int64_t ldx, int mh, const WT* __restrict__ w, int64_t n,
-                                          int64_t k, int64_t row0, float& out) {
-  constexpr int VEC = WLoad<WT>::kVec;
+                                          int64_t k, int64_t row0, float& out, const QuantLayout q = {}) {
+  constexpr int VEC = WLoad<WT>::kVec, PER = WLoad<WT>::kPer;
   __shared__ float red[kGemvThreads / 32][G * M];
   float acc[G][M];
 #pragma unroll
@@ -69,14 +129,16 @@ __device__ __forceinline__ bool gemv_core(const float* x, int64_t ldx, int mh, c
   bool waited = !PREFETCH;
   for (int64_t ci = threadIdx.x; ci < chunks; ci += 2 * kGemvThreads) {
     uint4 raw[2][G];
+    float qs[2][G];
     const bool second = ci + kGemvThreads < chunks;
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
 #pragma unroll
       for (int r = 0; r < G; ++r) {
         const int64_t c = ci + u * kGemvThreads;
-        raw[u][r] = (row0 + r < n && (u == 0 || second)) ? ld_stream(w + (row0 + r) * k + c * VEC)
-                                                         : make_uint4(0u, 0u, 0u, 0u);
+        const bool live = row0 + r < n && (u == 0 || second);
+        raw[u][r] = live ? ld_stream(w + ((row0 + r) * k + c * VEC) / PER) : make_uint4(0u, 0u, 0u, 0u);
+        if constexpr (WLoad<WT>::kQuant) qs[u][r] = live ? quant_scale(q, row0 + r, c * VEC) : 0.f;
       }
     }
     if (!waited) {
@@ -89,7 +151,13 @@ __device__ __forceinline__ bool gemv_core(const float* x, int64_t ldx, int mh, c
       const int64_t c = ci + u * kGemvThreads;
       float wf[G][VEC];
 #pragma unroll
-      for (int r = 0; r < G; ++r) WLoad<WT>::cvt(raw[u][r], wf[r]);
+      for (int r = 0; r < G; ++r) {
+        WLoad<WT>::cvt(raw[u][r], wf[r]);
+        if constexpr (WLoad<WT>::kQuant) {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) wf[r][i] *= qs[u][r];
+        }
+      }
 #pragma unroll
       for (int mm = 0; mm < M; ++mm) {
         if (mm < mh) {
@@ -134,7 +202,7 @@ __device__ __forceinline__ bool gemv_core(const float* x, int64_t ldx, int mh, c
 template <class WT, int M, int G>
 __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const float* x, int64_t ldx, int64_t m, const WT* w,
                                                             int64_t n, int64_t k, float* y, int64_t ldy, float beta,
-                                                            int64_t group_rows) {
+                                                            int64_t group_rows, QuantLayout q) {
   // pdl_entry() inside gemv_core, after this thread's first weight loads
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * G;
   const int64_t m0 = static_cast<int64_t>(blockIdx.y) * M;
@@ -142,7 +210,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const float* x, int6
   const int mh = left < M ? static_cast<int>(left) : M;
   const int64_t xoff = group_rows > 0 ? (row0 / group_rows) * k : 0;
   float s;
-  if (gemv_core<WT, M, G, true>(x + m0 * ldx + xoff, ldx, mh, w, n, k, row0, s)) {
+  if (gemv_core<WT, M, G, true>(x + m0 * ldx + xoff, ldx, mh, w, n, k, row0, s, q)) {
     const int r = threadIdx.x / M, mm = threadIdx.x % M;
     if (row0 + r < n && mm < mh) {
       float* yy = y + (m0 + mm) * ldy + row0 + r;
@@ -657,11 +725,14 @@ void gemv_mma_persist(const float* x, int64_t ldx, int64_t m, const __nv_bfloat1
 
 template <class WT>
 void gemv_typed(const float* x, int64_t ldx, int64_t m, const WT* w, int64_t n, int64_t k, float* y, int64_t ldy,
-                float beta, int64_t group_rows, cudaStream_t s) {
+                float beta, int64_t group_rows, cudaStream_t s, const QuantLayout q = {}) {
   constexpr int VEC = WLoad<WT>::kVec;
   const bool aligned = k % VEC == 0 && ldx % 4 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(x) % 16 == 0 && (k * sizeof(WT)) % 16 == 0;
-  if (!aligned) {
+                       reinterpret_cast<uintptr_t>(x) % 16 == 0 && (k / WLoad<WT>::kPer * sizeof(WT)) % 16 == 0;
+  if constexpr (WLoad<WT>::kQuant) {
+    TROUPE_REQUIRE(aligned && q.block_cols % VEC == 0 && m <= kGemvBatchRows,
+                   "gemv: quantized weights need 16-byte rows of whole chunks a scale block (gemv_takes)");
+  } else if (!aligned) {
     TROUPE_REQUIRE(m <= 65535, "gemv: too many rows");
     launch_kernel(gemv_scalar_kernel<WT>, dim3(static_cast<unsigned>(n), static_cast<unsigned>(m)), 128, 0, s, x, ldx,
                   w, k, y, ldy, beta, group_rows);
@@ -734,26 +805,26 @@ void gemv_typed(const float* x, int64_t ldx, int64_t m, const WT* w, int64_t n, 
   const dim3 grid(static_cast<unsigned>(ceil_div(n, G)), static_cast<unsigned>(mtiles));
   if (wide && g4) {
     launch_kernel(gemv_kernel<WT, kGemvBatchRows, 4>, grid, kGemvThreads, 0, s, x, ldx, m, w, n, k, y, ldy, beta,
-                  group_rows);
+                  group_rows, q);
   } else if (wide) {
     launch_kernel(gemv_kernel<WT, kGemvBatchRows, 1>, grid, kGemvThreads, 0, s, x, ldx, m, w, n, k, y, ldy, beta,
-                  group_rows);
+                  group_rows, q);
   } else if (one && g4) {
-    launch_kernel(gemv_kernel<WT, 1, 4>, grid, kGemvThreads, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);
+    launch_kernel(gemv_kernel<WT, 1, 4>, grid, kGemvThreads, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows, q);
   } else if (one) {
-    launch_kernel(gemv_kernel<WT, 1, 1>, grid, kGemvThreads, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);
+    launch_kernel(gemv_kernel<WT, 1, 1>, grid, kGemvThreads, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows, q);
   } else if (m == 2 || m == 3) {
     // Exactly m rows: gemv_core's loops over M with no runtime bound inside them (2 rows on the 4-row
     // kernel: lm_head 261 -> 232 us, expert 2048 x 4096 7.9 -> 6.1).
     auto* kernel = g4 ? (m == 2 ? gemv_kernel<WT, 2, 4> : gemv_kernel<WT, 3, 4>)
                       : (m == 2 ? gemv_kernel<WT, 2, 1> : gemv_kernel<WT, 3, 1>);
-    launch_kernel(kernel, grid, kGemvThreads, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows);
+    launch_kernel(kernel, grid, kGemvThreads, 0, s, x, ldx, m, w, n, k, y, ldy, beta, group_rows, q);
   } else if (g4) {
     launch_kernel(gemv_kernel<WT, kGemvMaxRows, 4>, grid, kGemvThreads, 0, s, x, ldx, m, w, n, k, y, ldy, beta,
-                  group_rows);
+                  group_rows, q);
   } else {
     launch_kernel(gemv_kernel<WT, kGemvMaxRows, 1>, grid, kGemvThreads, 0, s, x, ldx, m, w, n, k, y, ldy, beta,
-                  group_rows);
+                  group_rows, q);
   }
   TROUPE_LAUNCHED();
 }
@@ -1282,6 +1353,12 @@ __global__ void route_kernel(const float* logits, int experts, ScoreFn fn, const
 }
 
 // ---- MoE ------------------------------------------------------------------------------------
+// Expert e's scale layout of gate (0), up (1) or down (2); unused for plain weight types.
+__device__ __forceinline__ QuantLayout expert_quant(const ExpertTables& t, int which, int e) {
+  QuantLayout q = which == 0 ? t.gate_q : which == 1 ? t.up_q : t.down_q;
+  if (t.scales != nullptr) q.scale = t.scales[which * t.experts + e];
+  return q;
+}
 template <class WT>
 __global__ void __launch_bounds__(kGemvThreads) moe_gate_up_kernel(const float* x, int64_t dim, const int32_t* idx,
                                                                    int k, ExpertTables t, float limit, float* h) {
@@ -1291,9 +1368,11 @@ __global__ void __launch_bounds__(kGemvThreads) moe_gate_up_kernel(const float* 
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * 4;
   const float* xr = x + (p / k) * dim;
   float g, u;
-  const bool has_g = gemv_core<WT, 1, 4>(xr, dim, 1, static_cast<const WT*>(t.gate[e]), t.inter, dim, row0, g);
+  const bool has_g = gemv_core<WT, 1, 4>(xr, dim, 1, static_cast<const WT*>(t.gate[e]), t.inter, dim, row0, g,
+                                         expert_quant(t, 0, e));
   __syncthreads();  // red[] is reused
-  const bool has_u = gemv_core<WT, 1, 4>(xr, dim, 1, static_cast<const WT*>(t.up[e]), t.inter, dim, row0, u);
+  const bool has_u = gemv_core<WT, 1, 4>(xr, dim, 1, static_cast<const WT*>(t.up[e]), t.inter, dim, row0, u,
+                                         expert_quant(t, 1, e));
   if (has_g && has_u && row0 + threadIdx.x < t.inter) h[p * t.inter + row0 + threadIdx.x] = swiglu1(g, u, limit);
 }
 
@@ -1305,7 +1384,8 @@ __global__ void __launch_bounds__(kGemvThreads) moe_down_kernel(const float* h, 
   const int e = idx[p];
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * 4;
   float v;
-  if (gemv_core<WT, 1, 4>(h + p * t.inter, t.inter, 1, static_cast<const WT*>(t.down[e]), dim, t.inter, row0, v)) {
+  if (gemv_core<WT, 1, 4>(h + p * t.inter, t.inter, 1, static_cast<const WT*>(t.down[e]), dim, t.inter, row0, v,
+                          expert_quant(t, 2, e))) {
     if (row0 + threadIdx.x < dim) ys[p * dim + row0 + threadIdx.x] = v;
   }
 }
@@ -1326,10 +1406,10 @@ __global__ void __launch_bounds__(kGemvThreads) moe_grouped_gate_up_kernel(const
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * 4;
   float g = 0.f, u = 0.f;
   const bool has_g = gemv_core<WT, kGemvBatchRows, 4>(xs + r0 * dim, dim, mh, static_cast<const WT*>(t.gate[e]),
-                                                      t.inter, dim, row0, g);
+                                                      t.inter, dim, row0, g, expert_quant(t, 0, e));
   __syncthreads();  // red[] is reused
   const bool has_u = gemv_core<WT, kGemvBatchRows, 4>(xs + r0 * dim, dim, mh, static_cast<const WT*>(t.up[e]),
-                                                      t.inter, dim, row0, u);
+                                                      t.inter, dim, row0, u, expert_quant(t, 1, e));
   if (has_g && has_u) {
     const int r = threadIdx.x / kGemvBatchRows, mm = threadIdx.x % kGemvBatchRows;
     if (row0 + r < t.inter && mm < mh) h[(r0 + mm) * t.inter + row0 + r] = swiglu1(g, u, limit);
@@ -1351,7 +1431,7 @@ __global__ void __launch_bounds__(kGemvThreads) moe_grouped_down_kernel(const fl
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * 4;
   float v = 0.f;
   if (gemv_core<WT, kGemvBatchRows, 4>(h + r0 * t.inter, t.inter, mh, static_cast<const WT*>(t.down[e]), dim,
-                                       t.inter, row0, v)) {
+                                       t.inter, row0, v, expert_quant(t, 2, e))) {
     const int r = threadIdx.x / kGemvBatchRows, mm = threadIdx.x % kGemvBatchRows;
     if (row0 + r < dim && mm < mh) ys[(r0 + mm) * dim + row0 + r] = v;
   }
@@ -1423,9 +1503,49 @@ void gemv(const float* x, int64_t ldx, int64_t m, const Weight& w, float* y, int
     case WeightType::f16:
       return gemv_typed(x, ldx, m, static_cast<const __half*>(w.data), w.rows, w.cols, y, ldy, beta, group_rows, s);
     case WeightType::e4m3:
+      return gemv_typed(x, ldx, m, static_cast<const E4m3Codes*>(w.data), w.rows, w.cols, y, ldy, beta, group_rows, s,
+                        quant_layout(w));
     case WeightType::e2m1:
-      TROUPE_REQUIRE(false, "FP8 / FP4 weights are dequantized before they reach this backend");
+      return gemv_typed(x, ldx, m, static_cast<const E2m1Codes*>(w.data), w.rows, w.cols, y, ldy, beta, group_rows, s,
+                        quant_layout(w));
   }
+}
+
+bool gemv_takes(const Weight& w, int64_t m, int64_t ldx, const float* x) {
+  if (!is_quantized(w.type)) return true;
+  const int vec = w.type == WeightType::e4m3 ? 16 : 32;
+  const int64_t row_bytes = w.type == WeightType::e4m3 ? w.cols : w.cols / 2;
+  return m >= 1 && m <= kGemvBatchRows && w.cols % vec == 0 && row_bytes % 16 == 0 && w.block_cols % vec == 0 &&
+         ldx % 4 == 0 && reinterpret_cast<uintptr_t>(w.data) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+}
+
+__global__ void dequantize_bf16_kernel(const uint8_t* codes, bool fp4, int64_t rows, int64_t cols, QuantLayout q,
+                                       __nv_bfloat16* out) {
+  pdl_entry();  // see launch_kernel
+  const int64_t n = rows * cols;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / cols, c = i % cols;
+    float v;
+    if (fp4) {
+      const uint32_t byte = codes[r * (cols / 2) + c / 2];
+      v = e2m1_value((c & 1) ? byte >> 4 : byte);
+    } else {
+      const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(codes[i]), __NV_E4M3);
+      v = __half2float(__half(h));
+    }
+    out[i] = __float2bfloat16(v * q.scale[((r + q.scale_row) / q.block_rows) * q.stride + c / q.block_cols]);
+  }
+}
+
+void dequantize_bf16(const Weight& w, void* out, cudaStream_t s) {
+  TROUPE_REQUIRE(is_quantized(w.type), "dequantize_bf16: not a quantized weight");
+  const int64_t n = w.rows * w.cols;
+  if (n == 0) return;
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(n, 256), 4096));
+  launch_kernel(dequantize_bf16_kernel, blocks, 256, 0, s, static_cast<const uint8_t*>(w.data),
+                w.type == WeightType::e2m1, w.rows, w.cols, quant_layout(w), static_cast<__nv_bfloat16*>(out));
+  TROUPE_LAUNCHED();
 }
 
 template <class WT>
@@ -1446,6 +1566,9 @@ void gemv_multi_typed(const float* x, int64_t m, int64_t k, const MultiSegments&
 
 bool gemv_multi(const float* x, int64_t m, const Weight* w, float* const* y, int count, cudaStream_t s) {
   if (count < 1 || count > kMultiMax || m < 1 || m > kGemvBatchRows) return false;
+  for (int i = 0; i < count; ++i) {
+    if (is_quantized(w[i].type)) return false;  // one launch per weight (gemv), not this form
+  }
   const int64_t k = w[0].cols;
   const int vec = w[0].type == WeightType::f32 ? 4 : 8;
   if (k % vec != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0) return false;
@@ -1668,13 +1791,19 @@ void route(const float* logits, int64_t rows, int experts, ScoreFn fn, const flo
   TROUPE_LAUNCHED();
 }
 
+bool moe_widths_fit(const ExpertTables& t, int64_t dim) {
+  const int vec = t.type == WeightType::f32 ? 4 : t.type == WeightType::e4m3 ? 16 : t.type == WeightType::e2m1 ? 32 : 8;
+  const bool blocks = !is_quantized(t.type) || (t.gate_q.block_cols % vec == 0 && t.up_q.block_cols % vec == 0 &&
+                                                t.down_q.block_cols % vec == 0);
+  return dim % vec == 0 && t.inter % vec == 0 && blocks;
+}
+
 void moe_pairs(const float* x, int64_t rows, int64_t dim, const int32_t* idx, const float* weight, int k,
                const ExpertTables& t, float limit, float* h, float* ys, float* out, cudaStream_t s) {
   const int64_t pairs = rows * k;
   if (pairs == 0) return;
   TROUPE_REQUIRE(pairs <= 65535, "moe_pairs: too many pairs");
-  const int vec = t.type == WeightType::f32 ? 4 : 8;
-  TROUPE_REQUIRE(dim % vec == 0 && t.inter % vec == 0, "moe_pairs: widths must be multiples of 8");
+  TROUPE_REQUIRE(moe_widths_fit(t, dim), "moe_pairs: widths must be multiples of 8 (FP8: 16, FP4: 32)");
   const dim3 g1(static_cast<unsigned>(ceil_div(t.inter, 4)), static_cast<unsigned>(pairs));
   const dim3 g2(static_cast<unsigned>(ceil_div(dim, 4)), static_cast<unsigned>(pairs));
   switch (t.type) {
@@ -1694,8 +1823,15 @@ void moe_pairs(const float* x, int64_t rows, int64_t dim, const int32_t* idx, co
       launch_kernel(moe_down_kernel<__half>, g2, kGemvThreads, 0, s, h, dim, idx, t, ys);
       break;
     case WeightType::e4m3:
+      launch_kernel(moe_gate_up_kernel<E4m3Codes>, g1, kGemvThreads, 0, s, x, dim, idx, k, t, limit, h);
+      TROUPE_LAUNCHED();
+      launch_kernel(moe_down_kernel<E4m3Codes>, g2, kGemvThreads, 0, s, h, dim, idx, t, ys);
+      break;
     case WeightType::e2m1:
-      TROUPE_REQUIRE(false, "FP8 / FP4 weights are dequantized before they reach this backend");
+      launch_kernel(moe_gate_up_kernel<E2m1Codes>, g1, kGemvThreads, 0, s, x, dim, idx, k, t, limit, h);
+      TROUPE_LAUNCHED();
+      launch_kernel(moe_down_kernel<E2m1Codes>, g2, kGemvThreads, 0, s, h, dim, idx, t, ys);
+      break;
   }
   TROUPE_LAUNCHED();
   moe_combine(ys, nullptr, weight, rows, k, dim, out, s);
@@ -1707,8 +1843,7 @@ void moe_grouped(const float* x, int64_t rows, int64_t dim, const int32_t* idx, 
   const int64_t pairs = rows * k;
   if (pairs == 0) return;
   TROUPE_REQUIRE(experts <= 65535, "moe_grouped: too many experts");
-  const int vec = t.type == WeightType::f32 ? 4 : 8;
-  TROUPE_REQUIRE(dim % vec == 0 && t.inter % vec == 0, "moe_grouped: widths must be multiples of 8");
+  TROUPE_REQUIRE(moe_widths_fit(t, dim), "moe_grouped: widths must be multiples of 8 (FP8: 16, FP4: 32)");
   moe_sort(idx, pairs, experts, counts, offsets, perm, inv, s);
   moe_gather(x, dim, perm, pairs, k, xs, s);
   // An expert serves each row at most once (route picks distinct experts), so at most `rows` rows.
@@ -1733,8 +1868,17 @@ void moe_grouped(const float* x, int64_t rows, int64_t dim, const int32_t* idx, 
       launch_kernel(moe_grouped_down_kernel<__half>, g2, kGemvThreads, 0, s, h, dim, counts, offsets, t, ys);
       break;
     case WeightType::e4m3:
+      launch_kernel(moe_grouped_gate_up_kernel<E4m3Codes>, g1, kGemvThreads, 0, s, xs, dim, counts, offsets, t,
+                    limit, h);
+      TROUPE_LAUNCHED();
+      launch_kernel(moe_grouped_down_kernel<E4m3Codes>, g2, kGemvThreads, 0, s, h, dim, counts, offsets, t, ys);
+      break;
     case WeightType::e2m1:
-      TROUPE_REQUIRE(false, "FP8 / FP4 weights are dequantized before they reach this backend");
+      launch_kernel(moe_grouped_gate_up_kernel<E2m1Codes>, g1, kGemvThreads, 0, s, xs, dim, counts, offsets, t,
+                    limit, h);
+      TROUPE_LAUNCHED();
+      launch_kernel(moe_grouped_down_kernel<E2m1Codes>, g2, kGemvThreads, 0, s, h, dim, counts, offsets, t, ys);
+      break;
   }
   TROUPE_LAUNCHED();
   moe_combine(ys, inv, weight, rows, k, dim, out, s);

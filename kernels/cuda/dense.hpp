@@ -15,6 +15,26 @@ namespace troupe::kernels::cuda {
 constexpr int kGemvMaxRows = 4;    // rows of x one GEMV pass serves in the tiled form
 constexpr int kGemvBatchRows = 8;  // up to this many rows run as one pass (weights read once; more: cuBLAS)
 
+// The scale grid of a quantized weight (kernels/backend.hpp: element (r, c) of the matrix takes
+// scale[((r + scale_row) / block_rows) * stride + c / block_cols]).
+struct QuantLayout {
+  const float* scale = nullptr;
+  int64_t stride = 0;
+  int32_t block_rows = 1;
+  int32_t block_cols = 1;
+  int32_t scale_row = 0;
+};
+inline QuantLayout quant_layout(const Weight& w) {
+  return {w.scale, w.scale_stride, w.block_rows, w.block_cols, w.scale_row};
+}
+// Whether gemv() takes a quantized weight as it is (at most kGemvBatchRows rows of x, rows of whole
+// 16-byte chunks, each chunk inside one scale block, x and w 16-byte aligned); else the caller
+// dequantizes it first (dequantize_bf16).
+bool gemv_takes(const Weight& w, int64_t m, int64_t ldx, const float* x);
+// out [w.rows, w.cols] bf16 = a quantized weight's values (code * scale, rounded to bf16: exact for
+// power-of-two scales).
+void dequantize_bf16(const Weight& w, void* out, cudaStream_t stream);
+
 // y[m, n] (+)= x[m, k] @ w[n, k]^T for any m (x rows are served 4 at a time, each
 // pass streams w once). `group_rows` > 0 makes it block-diagonal: output row j reads
 // x columns [(j / group_rows) * k, +k) (x has ldx >= groups * k). beta 0: y is not read.
@@ -72,7 +92,15 @@ struct ExpertTables {
   const void* const* down = nullptr;
   WeightType type = WeightType::bf16;
   int64_t inter = 0;  // rows of gate/up
+  // Quantized types: each expert's scale grids ([3 * experts] device pointers: gate, up, down) and
+  // their layouts (the same for every expert; their `scale` fields unused).
+  const float* const* scales = nullptr;
+  int experts = 0;
+  QuantLayout gate_q, up_q, down_q;
 };
+// Whether moe_pairs / moe_grouped take these experts (widths whole chunks of the weight type, and
+// for quantized types each chunk inside one scale block).
+bool moe_widths_fit(const ExpertTables& t, int64_t dim);
 // h: [rows*k, inter] scratch, ys: [rows*k, dim] scratch.
 void moe_pairs(const float* x, int64_t rows, int64_t dim, const int32_t* idx, const float* weight, int k,
                const ExpertTables& t, float limit, float* h, float* ys, float* out, cudaStream_t s);

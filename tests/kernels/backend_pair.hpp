@@ -255,4 +255,43 @@ class MirrorWeight {
   void* g_ = nullptr;
 };
 
+// A random FP8 (e4m3) or FP4 (e2m1) matrix with power-of-two block scales (DeepSeek's ue8m0; so
+// every value is exact in bf16) in both backends' memory: cw / gw over the same codes and scales.
+class MirrorQuantized {
+ public:
+  MirrorQuantized(Backend& cpu, Backend& gpu, int64_t rows, int64_t cols, WeightType type, int block_rows,
+                  int block_cols, std::mt19937& rng)
+      : codes_(cpu, gpu, static_cast<size_t>(rows * (type == WeightType::e2m1 ? cols / 2 : cols))),
+        scales_(cpu, gpu, static_cast<size_t>(((rows + block_rows - 1) / block_rows) *
+                                              ((cols + block_cols - 1) / block_cols) * 4)) {
+    std::vector<uint8_t> c(static_cast<size_t>(rows * (type == WeightType::e2m1 ? cols / 2 : cols)));
+    for (auto& b : c) {
+      do {
+        b = static_cast<uint8_t>(rng());
+      } while (type == WeightType::e4m3 && (b & 0x7f) == 0x7f);  // e4m3fn's NaN codes
+    }
+    const int64_t sr = (rows + block_rows - 1) / block_rows, sc = (cols + block_cols - 1) / block_cols;
+    std::vector<float> s(static_cast<size_t>(sr * sc));
+    std::uniform_int_distribution<int> exp(type == WeightType::e4m3 ? -13 : -6, type == WeightType::e4m3 ? -10 : -3);
+    for (auto& v : s) v = std::ldexp(1.0f, exp(rng));
+    codes_.set(c);
+    scales_.set(s);
+    for (Weight* w : {&cw, &gw}) {
+      const bool g = w == &gw;
+      w->data = g ? codes_.gpu<uint8_t>() : codes_.cpu<uint8_t>();
+      w->type = type;
+      w->rows = rows;
+      w->cols = cols;
+      w->scale = g ? scales_.gpu() : scales_.cpu();
+      w->scale_stride = sc;
+      w->block_rows = block_rows;
+      w->block_cols = block_cols;
+    }
+  }
+  Weight cw, gw;
+
+ private:
+  Mirror codes_, scales_;
+};
+
 }  // namespace troupe::kernels::testing

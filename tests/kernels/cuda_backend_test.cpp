@@ -519,6 +519,88 @@ TEST_F(CudaBackendTest, moe_matches_cpu_on_the_pair_and_sorted_paths) {
   }
 }
 
+// FP8 / FP4 weights (TROUPE_CUDA_QUANTIZED's path): the GEMVs and MoE kernels that convert the codes in
+// registers (exact fp32 products, as the CPU backend's), and the products that dequantize into bf16 first
+// (more than 8 rows of x, or shapes whose chunks cross a scale block: cuBLAS on bf16-rounded activations).
+TEST_F(CudaBackendTest, quantized_weights_match_cpu) {
+  struct Shape {
+    int64_t m, n, k;
+    WeightType type;
+    int bm, bn;
+    int64_t r0;  // a row view from r0 (0: the whole matrix)
+  };
+  const Shape shapes[] = {
+      {1, 4096, 4096, WeightType::e4m3, 128, 128, 0}, {3, 1000, 512, WeightType::e4m3, 128, 128, 0},
+      {8, 2048, 1024, WeightType::e4m3, 128, 128, 0}, {5, 300, 384, WeightType::e4m3, 128, 128, 37},
+      {2, 600, 96, WeightType::e4m3, 64, 32, 70},     {1, 100, 40, WeightType::e4m3, 128, 128, 0},
+      {17, 1024, 4096, WeightType::e4m3, 128, 128, 0}, {1, 2048, 4096, WeightType::e2m1, 1, 32, 0},
+      {4, 700, 256, WeightType::e2m1, 1, 32, 3},      {8, 300, 96, WeightType::e2m1, 1, 32, 0},
+      {40, 512, 1024, WeightType::e2m1, 1, 32, 0},    {3, 64, 48, WeightType::e2m1, 1, 16, 0}};
+  for (const auto& s : shapes) {
+    const int64_t rows = s.n + s.r0;
+    SCOPED_TRACE("type " + std::to_string(static_cast<int>(s.type)) + " m " + std::to_string(s.m) + " n " +
+                 std::to_string(s.n) + " k " + std::to_string(s.k) + " from row " + std::to_string(s.r0));
+    MirrorQuantized w(cpu(), gpu(), rows, s.k, s.type, s.bm, s.bn, rng_);
+    const Weight cw = weight_rows(w.cw, s.r0, s.n), gw = weight_rows(w.gw, s.r0, s.n);
+    Mirror x(cpu(), gpu(), randn(s.m * s.k, rng_));
+    for (float beta : {0.f, 1.f}) {
+      Mirror y(cpu(), gpu(), randn(s.m * s.n, rng_));
+      cpu().linear(x.cpu(), s.m, cw, y.cpu(), beta);
+      gpu().linear(x.gpu(), s.m, gw, y.gpu(), beta);
+      // Up to 8 rows: fp32 products (codes converted in registers, or dequantized into bf16, exact for
+      // power-of-two scales, then the bf16 GEMV); more: cuBLAS on bf16-rounded activations.
+      EXPECT_CLOSE(y.gpu_host(s.m * s.n), y.cpu_host(s.m * s.n), s.m <= 8 ? 2e-5 : 1e-2);
+    }
+  }
+  // linear_grouped (the grouped output projection): 8 groups of 64 outputs
+  for (int64_t m : {3, 20}) {
+    MirrorQuantized w(cpu(), gpu(), 512, 128, WeightType::e4m3, 128, 128, rng_);
+    Mirror x(cpu(), gpu(), randn(m * 8 * 128, rng_));
+    Mirror y(cpu(), gpu(), m * 512 * 4);
+    y.poison();
+    cpu().linear_grouped(x.cpu(), m, w.cw, 8, y.cpu());
+    gpu().linear_grouped(x.gpu(), m, w.gw, 8, y.gpu());
+    EXPECT_CLOSE(y.gpu_host(m * 512), y.cpu_host(m * 512), m <= 8 ? 2e-5 : 1e-2);
+  }
+  // MoE: gate and up as rows [0, I) and [I, 2I) of one stacked matrix (up starts inside a 64-row block)
+  const int experts = 8, k = 3;
+  const int64_t dim = 256, inter = 96;
+  for (WeightType type : {WeightType::e4m3, WeightType::e2m1}) {
+    const int bm = type == WeightType::e4m3 ? 64 : 1, bn = type == WeightType::e4m3 ? 128 : 32;
+    std::vector<std::unique_ptr<MirrorQuantized>> gate_up, down;
+    std::vector<Weight> cg, cu, cd, gg, gu, gd;
+    for (int e = 0; e < experts; ++e) {
+      gate_up.push_back(std::make_unique<MirrorQuantized>(cpu(), gpu(), 2 * inter, dim, type, bm, bn, rng_));
+      down.push_back(std::make_unique<MirrorQuantized>(cpu(), gpu(), dim, inter, type, bm, bn, rng_));
+      cg.push_back(weight_rows(gate_up.back()->cw, 0, inter));
+      cu.push_back(weight_rows(gate_up.back()->cw, inter, inter));
+      cd.push_back(down.back()->cw);
+      gg.push_back(weight_rows(gate_up.back()->gw, 0, inter));
+      gu.push_back(weight_rows(gate_up.back()->gw, inter, inter));
+      gd.push_back(down.back()->gw);
+    }
+    for (int64_t rows : {1, 3, 8, 40, 100}) {
+      SCOPED_TRACE(std::string(type == WeightType::e4m3 ? "e4m3" : "e2m1") + " moe rows " + std::to_string(rows));
+      Mirror x(cpu(), gpu(), randn(rows * dim, rng_));
+      std::vector<int32_t> idx_host(rows * k);
+      for (int64_t r = 0; r < rows; ++r) {
+        std::vector<int32_t> perm(experts);
+        std::iota(perm.begin(), perm.end(), 0);
+        std::shuffle(perm.begin(), perm.end(), rng_);
+        for (int j = 0; j < k; ++j) idx_host[r * k + j] = perm[j];
+      }
+      Mirror idx(cpu(), gpu(), idx_host);
+      Mirror wt(cpu(), gpu(), randn(rows * k, rng_, 0.5f));
+      Mirror out(cpu(), gpu(), randn(rows * dim, rng_));
+      cpu().moe(x.cpu(), rows, dim, idx.cpu<int32_t>(), wt.cpu(), k, experts, cg.data(), cu.data(), cd.data(), 10.f,
+                out.cpu());
+      gpu().moe(x.gpu(), rows, dim, idx.gpu<int32_t>(), wt.gpu(), k, experts, gg.data(), gu.data(), gd.data(), 10.f,
+                out.gpu());
+      EXPECT_CLOSE(out.gpu_host(rows * dim), out.cpu_host(rows * dim), rows <= 64 ? 2e-5 : 1e-2);
+    }
+  }
+}
+
 TEST_F(CudaBackendTest, swiglu_and_add_match_cpu) {
   const int64_t n = 100003;
   Mirror g(cpu(), gpu(), randn(n, rng_, 8.f)), u(cpu(), gpu(), randn(n, rng_, 8.f));

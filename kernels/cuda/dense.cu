@@ -1791,6 +1791,18 @@ void route(const float* logits, int64_t rows, int experts, ScoreFn fn, const flo
   TROUPE_LAUNCHED();
 }
 
+// fn(T{}) for the storage type T of weights of type `type` (the MoE kernels' instantiations).
+template <class Fn>
+void by_weight_type(WeightType type, Fn&& fn) {
+  switch (type) {
+    case WeightType::f32: return fn(float{});
+    case WeightType::bf16: return fn(__nv_bfloat16{});
+    case WeightType::f16: return fn(__half{});
+    case WeightType::e4m3: return fn(E4m3Codes{});
+    case WeightType::e2m1: return fn(E2m1Codes{});
+  }
+}
+
 bool moe_widths_fit(const ExpertTables& t, int64_t dim) {
   const int vec = t.type == WeightType::f32 ? 4 : t.type == WeightType::e4m3 ? 16 : t.type == WeightType::e2m1 ? 32 : 8;
   const bool blocks = !is_quantized(t.type) || (t.gate_q.block_cols % vec == 0 && t.up_q.block_cols % vec == 0 &&
@@ -1806,33 +1818,12 @@ void moe_pairs(const float* x, int64_t rows, int64_t dim, const int32_t* idx, co
   TROUPE_REQUIRE(moe_widths_fit(t, dim), "moe_pairs: widths must be multiples of 8 (FP8: 16, FP4: 32)");
   const dim3 g1(static_cast<unsigned>(ceil_div(t.inter, 4)), static_cast<unsigned>(pairs));
   const dim3 g2(static_cast<unsigned>(ceil_div(dim, 4)), static_cast<unsigned>(pairs));
-  switch (t.type) {
-    case WeightType::f32:
-      launch_kernel(moe_gate_up_kernel<float>, g1, kGemvThreads, 0, s, x, dim, idx, k, t, limit, h);
-      TROUPE_LAUNCHED();
-      launch_kernel(moe_down_kernel<float>, g2, kGemvThreads, 0, s, h, dim, idx, t, ys);
-      break;
-    case WeightType::bf16:
-      launch_kernel(moe_gate_up_kernel<__nv_bfloat16>, g1, kGemvThreads, 0, s, x, dim, idx, k, t, limit, h);
-      TROUPE_LAUNCHED();
-      launch_kernel(moe_down_kernel<__nv_bfloat16>, g2, kGemvThreads, 0, s, h, dim, idx, t, ys);
-      break;
-    case WeightType::f16:
-      launch_kernel(moe_gate_up_kernel<__half>, g1, kGemvThreads, 0, s, x, dim, idx, k, t, limit, h);
-      TROUPE_LAUNCHED();
-      launch_kernel(moe_down_kernel<__half>, g2, kGemvThreads, 0, s, h, dim, idx, t, ys);
-      break;
-    case WeightType::e4m3:
-      launch_kernel(moe_gate_up_kernel<E4m3Codes>, g1, kGemvThreads, 0, s, x, dim, idx, k, t, limit, h);
-      TROUPE_LAUNCHED();
-      launch_kernel(moe_down_kernel<E4m3Codes>, g2, kGemvThreads, 0, s, h, dim, idx, t, ys);
-      break;
-    case WeightType::e2m1:
-      launch_kernel(moe_gate_up_kernel<E2m1Codes>, g1, kGemvThreads, 0, s, x, dim, idx, k, t, limit, h);
-      TROUPE_LAUNCHED();
-      launch_kernel(moe_down_kernel<E2m1Codes>, g2, kGemvThreads, 0, s, h, dim, idx, t, ys);
-      break;
-  }
+  by_weight_type(t.type, [&](auto tag) {
+    using WT = decltype(tag);
+    launch_kernel(moe_gate_up_kernel<WT>, g1, kGemvThreads, 0, s, x, dim, idx, k, t, limit, h);
+    TROUPE_LAUNCHED();
+    launch_kernel(moe_down_kernel<WT>, g2, kGemvThreads, 0, s, h, dim, idx, t, ys);
+  });
   TROUPE_LAUNCHED();
   moe_combine(ys, nullptr, weight, rows, k, dim, out, s);
 }
@@ -1850,36 +1841,12 @@ void moe_grouped(const float* x, int64_t rows, int64_t dim, const int32_t* idx, 
   const unsigned ztiles = static_cast<unsigned>(ceil_div(rows, kGemvBatchRows));
   const dim3 g1(static_cast<unsigned>(ceil_div(t.inter, 4)), static_cast<unsigned>(experts), ztiles);
   const dim3 g2(static_cast<unsigned>(ceil_div(dim, 4)), static_cast<unsigned>(experts), ztiles);
-  switch (t.type) {
-    case WeightType::f32:
-      launch_kernel(moe_grouped_gate_up_kernel<float>, g1, kGemvThreads, 0, s, xs, dim, counts, offsets, t, limit, h);
-      TROUPE_LAUNCHED();
-      launch_kernel(moe_grouped_down_kernel<float>, g2, kGemvThreads, 0, s, h, dim, counts, offsets, t, ys);
-      break;
-    case WeightType::bf16:
-      launch_kernel(moe_grouped_gate_up_kernel<__nv_bfloat16>, g1, kGemvThreads, 0, s, xs, dim, counts, offsets, t,
-                    limit, h);
-      TROUPE_LAUNCHED();
-      launch_kernel(moe_grouped_down_kernel<__nv_bfloat16>, g2, kGemvThreads, 0, s, h, dim, counts, offsets, t, ys);
-      break;
-    case WeightType::f16:
-      launch_kernel(moe_grouped_gate_up_kernel<__half>, g1, kGemvThreads, 0, s, xs, dim, counts, offsets, t, limit, h);
-      TROUPE_LAUNCHED();
-      launch_kernel(moe_grouped_down_kernel<__half>, g2, kGemvThreads, 0, s, h, dim, counts, offsets, t, ys);
-      break;
-    case WeightType::e4m3:
-      launch_kernel(moe_grouped_gate_up_kernel<E4m3Codes>, g1, kGemvThreads, 0, s, xs, dim, counts, offsets, t,
-                    limit, h);
-      TROUPE_LAUNCHED();
-      launch_kernel(moe_grouped_down_kernel<E4m3Codes>, g2, kGemvThreads, 0, s, h, dim, counts, offsets, t, ys);
-      break;
-    case WeightType::e2m1:
-      launch_kernel(moe_grouped_gate_up_kernel<E2m1Codes>, g1, kGemvThreads, 0, s, xs, dim, counts, offsets, t,
-                    limit, h);
-      TROUPE_LAUNCHED();
-      launch_kernel(moe_grouped_down_kernel<E2m1Codes>, g2, kGemvThreads, 0, s, h, dim, counts, offsets, t, ys);
-      break;
-  }
+  by_weight_type(t.type, [&](auto tag) {
+    using WT = decltype(tag);
+    launch_kernel(moe_grouped_gate_up_kernel<WT>, g1, kGemvThreads, 0, s, xs, dim, counts, offsets, t, limit, h);
+    TROUPE_LAUNCHED();
+    launch_kernel(moe_grouped_down_kernel<WT>, g2, kGemvThreads, 0, s, h, dim, counts, offsets, t, ys);
+  });
   TROUPE_LAUNCHED();
   moe_combine(ys, inv, weight, rows, k, dim, out, s);
 }

@@ -475,45 +475,61 @@ TEST_F(CudaBackendTest, route_matches_cpu_for_every_score_function) {
   }
 }
 
+// k distinct random experts for each of `rows` rows ([rows, k]).
+std::vector<int32_t> random_routes(int64_t rows, int k, int experts, std::mt19937& rng) {
+  std::vector<int32_t> idx(static_cast<size_t>(rows * k));
+  for (int64_t r = 0; r < rows; ++r) {
+    std::vector<int32_t> perm(experts);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int j = 0; j < k; ++j) idx[static_cast<size_t>(r * k + j)] = perm[static_cast<size_t>(j)];
+  }
+  return idx;
+}
+
+// One MoE call on both backends over the same experts ([experts] weights each side), its output
+// within `tol` of the CPU's.
+struct ExpertSet {
+  std::vector<Weight> cg, cu, cd, gg, gu, gd;
+};
+void expect_moe_like_cpu(Backend& cpu, Backend& gpu, std::mt19937& rng, const ExpertSet& e, int64_t rows, int64_t dim,
+                         int k, double tol) {
+  const int experts = static_cast<int>(e.cg.size());
+  Mirror x(cpu, gpu, randn(rows * dim, rng));
+  Mirror idx(cpu, gpu, random_routes(rows, k, experts, rng));
+  Mirror wt(cpu, gpu, randn(rows * k, rng, 0.5f));
+  Mirror out(cpu, gpu, randn(rows * dim, rng));
+  cpu.moe(x.cpu(), rows, dim, idx.cpu<int32_t>(), wt.cpu(), k, experts, e.cg.data(), e.cu.data(), e.cd.data(), 10.f,
+          out.cpu());
+  gpu.moe(x.gpu(), rows, dim, idx.gpu<int32_t>(), wt.gpu(), k, experts, e.gg.data(), e.gu.data(), e.gd.data(), 10.f,
+          out.gpu());
+  EXPECT_CLOSE(out.gpu_host(rows * dim), out.cpu_host(rows * dim), tol);
+}
+
 TEST_F(CudaBackendTest, moe_matches_cpu_on_the_pair_and_sorted_paths) {
   const int experts = 16, k = 6;
   for (WeightType type : {WeightType::bf16, WeightType::f32}) {
     for (int64_t dim : {1024, 256}) {
       const int64_t inter = dim / 2;
       std::vector<std::unique_ptr<MirrorWeight>> g, u, d;
-      std::vector<Weight> cg, cu, cd, gg, gu, gd;
+      ExpertSet set;
       for (int e = 0; e < experts; ++e) {
         g.push_back(std::make_unique<MirrorWeight>(cpu(), gpu(), inter, dim, type, rng_));
         u.push_back(std::make_unique<MirrorWeight>(cpu(), gpu(), inter, dim, type, rng_));
         d.push_back(std::make_unique<MirrorWeight>(cpu(), gpu(), dim, inter, type, rng_));
-        cg.push_back(g.back()->cw);
-        cu.push_back(u.back()->cw);
-        cd.push_back(d.back()->cw);
-        gg.push_back(g.back()->gw);
-        gu.push_back(u.back()->gw);
-        gd.push_back(d.back()->gw);
+        set.cg.push_back(g.back()->cw);
+        set.cu.push_back(u.back()->cw);
+        set.cd.push_back(d.back()->cw);
+        set.gg.push_back(g.back()->gw);
+        set.gu.push_back(u.back()->gw);
+        set.gd.push_back(d.back()->gw);
       }
       for (int64_t rows : {1, 3, 8, 40, 100}) {
         SCOPED_TRACE("rows " + std::to_string(rows) + " dim " + std::to_string(dim));
-        Mirror x(cpu(), gpu(), randn(rows * dim, rng_));
-        std::vector<int32_t> idx_host(rows * k);
-        for (int64_t r = 0; r < rows; ++r) {
-          std::vector<int32_t> perm(experts);
-          std::iota(perm.begin(), perm.end(), 0);
-          std::shuffle(perm.begin(), perm.end(), rng_);
-          for (int j = 0; j < k; ++j) idx_host[r * k + j] = perm[j];
-        }
-        Mirror idx(cpu(), gpu(), idx_host);
-        Mirror wt(cpu(), gpu(), randn(rows * k, rng_, 0.5f));
-        Mirror out(cpu(), gpu(), randn(rows * dim, rng_));
-        cpu().moe(x.cpu(), rows, dim, idx.cpu<int32_t>(), wt.cpu(), k, experts, cg.data(), cu.data(), cd.data(), 10.f,
-                  out.cpu());
-        gpu().moe(x.gpu(), rows, dim, idx.gpu<int32_t>(), wt.gpu(), k, experts, gg.data(), gu.data(), gd.data(), 10.f,
-                  out.gpu());
         // Up to 64 rows: GEMVs on fp32 activations (pair path for one row, grouped by expert
         // on the device otherwise); beyond, cuBLAS on bf16-rounded activations.
         const bool exact = rows <= 64 || type == WeightType::f32;
-        EXPECT_CLOSE(out.gpu_host(rows * dim), out.cpu_host(rows * dim), exact ? 2e-5 : 1e-2);
+        expect_moe_like_cpu(cpu(), gpu(), rng_, set, rows, dim, k, exact ? 2e-5 : 1e-2);
       }
     }
   }
@@ -568,35 +584,20 @@ TEST_F(CudaBackendTest, quantized_weights_match_cpu) {
   for (WeightType type : {WeightType::e4m3, WeightType::e2m1}) {
     const int bm = type == WeightType::e4m3 ? 64 : 1, bn = type == WeightType::e4m3 ? 128 : 32;
     std::vector<std::unique_ptr<MirrorQuantized>> gate_up, down;
-    std::vector<Weight> cg, cu, cd, gg, gu, gd;
+    ExpertSet set;
     for (int e = 0; e < experts; ++e) {
       gate_up.push_back(std::make_unique<MirrorQuantized>(cpu(), gpu(), 2 * inter, dim, type, bm, bn, rng_));
       down.push_back(std::make_unique<MirrorQuantized>(cpu(), gpu(), dim, inter, type, bm, bn, rng_));
-      cg.push_back(weight_rows(gate_up.back()->cw, 0, inter));
-      cu.push_back(weight_rows(gate_up.back()->cw, inter, inter));
-      cd.push_back(down.back()->cw);
-      gg.push_back(weight_rows(gate_up.back()->gw, 0, inter));
-      gu.push_back(weight_rows(gate_up.back()->gw, inter, inter));
-      gd.push_back(down.back()->gw);
+      set.cg.push_back(weight_rows(gate_up.back()->cw, 0, inter));
+      set.cu.push_back(weight_rows(gate_up.back()->cw, inter, inter));
+      set.cd.push_back(down.back()->cw);
+      set.gg.push_back(weight_rows(gate_up.back()->gw, 0, inter));
+      set.gu.push_back(weight_rows(gate_up.back()->gw, inter, inter));
+      set.gd.push_back(down.back()->gw);
     }
     for (int64_t rows : {1, 3, 8, 40, 100}) {
       SCOPED_TRACE(std::string(type == WeightType::e4m3 ? "e4m3" : "e2m1") + " moe rows " + std::to_string(rows));
-      Mirror x(cpu(), gpu(), randn(rows * dim, rng_));
-      std::vector<int32_t> idx_host(rows * k);
-      for (int64_t r = 0; r < rows; ++r) {
-        std::vector<int32_t> perm(experts);
-        std::iota(perm.begin(), perm.end(), 0);
-        std::shuffle(perm.begin(), perm.end(), rng_);
-        for (int j = 0; j < k; ++j) idx_host[r * k + j] = perm[j];
-      }
-      Mirror idx(cpu(), gpu(), idx_host);
-      Mirror wt(cpu(), gpu(), randn(rows * k, rng_, 0.5f));
-      Mirror out(cpu(), gpu(), randn(rows * dim, rng_));
-      cpu().moe(x.cpu(), rows, dim, idx.cpu<int32_t>(), wt.cpu(), k, experts, cg.data(), cu.data(), cd.data(), 10.f,
-                out.cpu());
-      gpu().moe(x.gpu(), rows, dim, idx.gpu<int32_t>(), wt.gpu(), k, experts, gg.data(), gu.data(), gd.data(), 10.f,
-                out.gpu());
-      EXPECT_CLOSE(out.gpu_host(rows * dim), out.cpu_host(rows * dim), rows <= 64 ? 2e-5 : 1e-2);
+      expect_moe_like_cpu(cpu(), gpu(), rng_, set, rows, dim, k, rows <= 64 ? 2e-5 : 1e-2);
     }
   }
 }

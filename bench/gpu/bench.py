@@ -139,6 +139,7 @@ class Bench:
         L.tb_attention_ws.argtypes = [lg, it, lg, it, lg, it]
         L.tb_attention.argtypes = [vp, lg, it, lg, it, vp, vp, lg, vp, fl, vp, it, vp, vp]
         L.tb_gemv.argtypes = [vp, lg, vp, lg, lg, it, vp, vp]
+        L.tb_gemv_quantized.argtypes = [vp, lg, vp, vp, lg, lg, it, it, it, vp, vp]
         L.tb_indexer_ragged.argtypes = [vp, vp, lg, it, lg, fl, fl, vp, vp, lg, vp, lg, it, vp]
         self.quick = quick
         self.gemv_shapes = gemv_shapes  # "NxK,...": gemv() times these instead of its table's
@@ -681,6 +682,49 @@ class Bench:
                 self.add(kernel=f"gemv bf16 m={m}", shape=what, ours_us=t_ours, torch_us=t_torch,
                          speedup=t_torch / t_ours, gbps=bw / 1e9, pct_copy=100 * bw / self.copy_bw, rel_err=err)
                 del ws
+                self.gemv_quantized(n, k, m, what)
+
+    # FP8 e4m3 (128 x 128 blocks) and FP4 e2m1 (1 x 32) weights with power-of-two scales, as DeepSeek ships V4,
+    # on gemv_core's code path (TROUPE_CUDA_QUANTIZED's GEMV, session 36); peer: torch on the same weights
+    # dequantized into bf16 (exact for these scales), as the backend runs them without the switch.
+    def gemv_quantized(self, n, k, m, what):
+        L = self.lib
+        e2m1 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], device="cuda")
+        for wtype, name, bm, bn in ((3, "e4m3", 128, 128), (4, "e2m1", 1, 32)):
+            row_bytes = k if wtype == 3 else k // 2
+            nbuf = max(2, min(8, (1 << 30) // (n * row_bytes)))
+            codes = [torch.randint(0, 256, (n, row_bytes), dtype=torch.uint8, device="cuda") for _ in range(nbuf)]
+            if wtype == 3:
+                for c in codes:
+                    c[(c & 0x7f) == 0x7f] = 0  # no NaN codes
+            grid = ((n + bm - 1) // bm, (k + bn - 1) // bn)
+            scales = [torch.exp2(torch.randint(-12, -8, grid, device="cuda").float()) for _ in range(nbuf)]
+
+            def dequantized(i):
+                c = codes[i]
+                if wtype == 3:
+                    vals = c.view(torch.float8_e4m3fn).float()
+                else:
+                    vals = torch.stack([e2m1[(c & 0xf).long()], e2m1[(c >> 4).long()]], dim=2).reshape(n, k)
+                return vals * scales[i].repeat_interleave(bm, 0)[:n].repeat_interleave(bn, 1)[:, :k]
+
+            dense = dequantized(0)
+            x = torch.randn(m, k, device="cuda")
+            y = torch.empty(m, n, device="cuda")
+            self.ok(L.tb_gemv_quantized(ptr(x), m, ptr(codes[0]), ptr(scales[0]), n, k, wtype, bm, bn, ptr(y),
+                                        stream()), "gemv quantized")
+            torch.cuda.synchronize()
+            err = rel_err(y, x.double() @ dense.double().T)
+            t_ours = graph_time(lambda i: L.tb_gemv_quantized(ptr(x), m, ptr(codes[i % nbuf]), ptr(scales[i % nbuf]),
+                                                              n, k, wtype, bm, bn, ptr(y), stream()))
+            wbs = [dequantized(i).bfloat16() for i in range(nbuf)]
+            xb = x.bfloat16()
+            t_torch = graph_time(lambda i: torch.matmul(xb, wbs[i % nbuf].T))
+            bw = n * row_bytes / (t_ours * 1e-6)
+            self.add(kernel=f"gemv {name} m={m}", shape=what, ours_us=t_ours, torch_bf16_us=t_torch,
+                     speedup=t_torch / t_ours, gbps=bw / 1e9, pct_copy=100 * bw / self.copy_bw, rel_err=err,
+                     note="torch: bf16 dequantized")
+            del codes, scales, dense, wbs
 
 
 def topk_values_match(x, idx, k):

@@ -3,6 +3,7 @@
 // printing the exception.
 #include <cstdio>
 #include <exception>
+#include <stdexcept>
 
 #include "kernels/cuda/attention.hpp"
 #include "kernels/cuda/compressor.hpp"
@@ -219,6 +220,20 @@ int tb_attention(const float* q, long n, int heads, long dim, int bf16_keys, con
 int tb_gemv(const float* x, long m, const void* w, long n, long k, int wtype, float* y, void* stream) {
   return guarded([&] {
     Weight wt{w, static_cast<WeightType>(wtype), n, k};
+    gemv(x, k, m, wt, y, n, 0.f, 0, static_cast<cudaStream_t>(stream));
+  });
+}
+
+// wtype 3: e4m3 codes, 4: e2m1 codes (two a byte), with fp32 scales per block_rows x block_cols.
+int tb_gemv_quantized(const float* x, long m, const void* codes, const float* scales, long n, long k, int wtype,
+                      int block_rows, int block_cols, float* y, void* stream) {
+  return guarded([&] {
+    Weight wt{codes, static_cast<WeightType>(wtype), n, k};
+    wt.scale = scales;
+    wt.scale_stride = (k + block_cols - 1) / block_cols;
+    wt.block_rows = block_rows;
+    wt.block_cols = block_cols;
+    if (!gemv_takes(wt, m, k, x)) throw std::invalid_argument("tb_gemv_quantized: a shape the GEMV does not take");
     gemv(x, k, m, wt, y, n, 0.f, 0, static_cast<cudaStream_t>(stream));
   });
 }

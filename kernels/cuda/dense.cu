@@ -114,6 +114,20 @@ __device__ __forceinline__ float quant_scale(const QuantLayout& q, int64_t row, 
 // (r = t / M, mm = t % M) in `out`. PREFETCH: the kernel has not called pdl_entry()
 // yet; this thread's first weights are requested before it does (weights are never
 // written by a kernel), so they stream in while the previous kernel finishes.
+// Element (row, col) of a quantized matrix of `cols` columns: its code's value times its block's scale.
+__device__ __forceinline__ float quantized_value(const uint8_t* codes, bool fp4, int64_t row, int64_t col, int64_t cols,
+                                                 const QuantLayout& q) {
+  float v;
+  if (fp4) {
+    const uint32_t byte = codes[row * (cols / 2) + col / 2];
+    v = e2m1_value((col & 1) ? byte >> 4 : byte);
+  } else {
+    const auto code = static_cast<__nv_fp8_storage_t>(codes[row * cols + col]);
+    v = __half2float(__half(__nv_cvt_fp8_to_halfraw(code, __NV_E4M3)));
+  }
+  return v * q.scale[((row + q.scale_row) / q.block_rows) * q.stride + col / q.block_cols];
+}
+
 // Quantized WT (FP8 / FP4 codes): each chunk's values times its block's scale from `q`.
 template <class WT, int M, int G, bool PREFETCH = false>
 __device__ __forceinline__ bool gemv_core(const float* x, int64_t ldx, int mh, const WT* __restrict__ w, int64_t n,
@@ -884,6 +898,17 @@ __global__ void embed_kernel(const WT* table, int64_t cols, const int32_t* ids, 
   }
 }
 
+// Rows of an FP8 / FP4 table (code * scale).
+__global__ void embed_quantized_kernel(const uint8_t* codes, bool fp4, int64_t cols, QuantLayout q, const int32_t* ids,
+                                       int copies, float* out) {
+  pdl_entry();  // see launch_kernel
+  const int64_t r = blockIdx.x, row = ids[r];
+  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
+    const float v = quantized_value(codes, fp4, row, i, cols, q);
+    for (int c = 0; c < copies; ++c) out[(r * copies + c) * cols + i] = v;
+  }
+}
+
 __global__ void gather_rows_kernel(const float* x, int64_t dim, const int64_t* index, float* out) {
   pdl_entry();  // see launch_kernel
   const float* s = x + index[blockIdx.x] * dim;
@@ -1526,15 +1551,7 @@ __global__ void dequantize_bf16_kernel(const uint8_t* codes, bool fp4, int64_t r
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = i / cols, c = i % cols;
-    float v;
-    if (fp4) {
-      const uint32_t byte = codes[r * (cols / 2) + c / 2];
-      v = e2m1_value((c & 1) ? byte >> 4 : byte);
-    } else {
-      const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(codes[i]), __NV_E4M3);
-      v = __half2float(__half(h));
-    }
-    out[i] = __float2bfloat16(v * q.scale[((r + q.scale_row) / q.block_rows) * q.stride + c / q.block_cols]);
+    out[i] = __float2bfloat16(quantized_value(codes, fp4, r, c, cols, q));
   }
 }
 
@@ -1645,7 +1662,9 @@ void embed(const Weight& table, const int32_t* ids, int64_t rows, int copies, fl
       break;
     case WeightType::e4m3:
     case WeightType::e2m1:
-      TROUPE_REQUIRE(false, "FP8 / FP4 weights are dequantized before they reach this backend");
+      launch_kernel(embed_quantized_kernel, grid, threads, 0, s, static_cast<const uint8_t*>(table.data),
+                    table.type == WeightType::e2m1, table.cols, quant_layout(table), ids, copies, out);
+      break;
   }
   TROUPE_LAUNCHED();
 }

@@ -568,6 +568,18 @@ TEST_F(CudaBackendTest, quantized_weights_match_cpu) {
       EXPECT_CLOSE(y.gpu_host(s.m * s.n), y.cpu_host(s.m * s.n), s.m <= 8 ? 2e-5 : 1e-2);
     }
   }
+  // embedding rows of a quantized table (the same floats: code * scale)
+  for (WeightType type : {WeightType::e4m3, WeightType::e2m1}) {
+    const bool fp8 = type == WeightType::e4m3;
+    MirrorQuantized t(cpu(), gpu(), 300, 256, type, fp8 ? 128 : 1, fp8 ? 128 : 32, rng_);
+    const std::vector<int32_t> ids_host = {0, 5, 299, 128, 5};
+    Mirror ids(cpu(), gpu(), ids_host);
+    Mirror out(cpu(), gpu(), ids_host.size() * 2 * 256 * 4);
+    out.poison();
+    cpu().embed(t.cw, ids.cpu<int32_t>(), 5, 2, out.cpu());
+    gpu().embed(t.gw, ids.gpu<int32_t>(), 5, 2, out.gpu());
+    EXPECT_CLOSE(out.gpu_host(5 * 2 * 256), out.cpu_host(5 * 2 * 256), 1e-7);
+  }
   // linear_grouped (the grouped output projection): 8 groups of 64 outputs
   for (int64_t m : {3, 20}) {
     MirrorQuantized w(cpu(), gpu(), 512, 128, WeightType::e4m3, 128, 128, rng_);

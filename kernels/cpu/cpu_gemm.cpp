@@ -17,6 +17,7 @@
 #include <mutex>
 #include <thread>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -345,36 +346,82 @@ namespace {
 // GCC 12's AVX-512 conversions trip -Wmaybe-uninitialized inside its own header (as in tile512).
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// The values of 16 e4m3 codes (the low 16 bytes of b).
+inline __m512 e4m3x16(__m128i b) {
+  const __m512i v = _mm512_cvtepu8_epi32(b);
+  const __m512i e = _mm512_and_si512(_mm512_srli_epi32(v, 3), _mm512_set1_epi32(15));
+  const __m512i m = _mm512_and_si512(v, _mm512_set1_epi32(7));
+  const __m512i normal = _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(120)), 23),
+                                         _mm512_slli_epi32(m, 20));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(1.0f / 512.0f));
+  __m512 mag = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()), _mm512_castsi512_ps(normal), sub);
+  mag = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag),
+                                            _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24)));
+  const __m512i k127 = _mm512_set1_epi32(0x7f);
+  return _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(_mm512_and_si512(v, k127), k127), mag,
+                              _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+}
+
+// The values of 16 e2m1 codes from the low 8 bytes of b (low nibble first), by the 16-entry table.
+inline __m512 e2m1x16(__m128i b, __m512 lut) {
+  const __m512i shifts = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
+  return _mm512_permutexvar_ps(_mm512_and_si512(_mm512_srlv_epi32(v, shifts), _mm512_set1_epi32(15)), lut);
+}
+
 int64_t e4m3_run512(const uint8_t* in, int64_t n, float s, float* out) {
-  const __m512i k7 = _mm512_set1_epi32(7), k15 = _mm512_set1_epi32(15), k127 = _mm512_set1_epi32(0x7f),
-                k128 = _mm512_set1_epi32(0x80), k120 = _mm512_set1_epi32(120), zero = _mm512_setzero_si512();
-  const __m512 sub_unit = _mm512_set1_ps(1.0f / 512.0f), nan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()),
-               scale = _mm512_set1_ps(s);
+  const __m512 scale = _mm512_set1_ps(s);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i)));
-    const __m512i e = _mm512_and_si512(_mm512_srli_epi32(v, 3), k15), m = _mm512_and_si512(v, k7);
-    const __m512i normal = _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(e, k120), 23), _mm512_slli_epi32(m, 20));
-    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(m), sub_unit);
-    __m512 mag = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(e, zero), _mm512_castsi512_ps(normal), sub);
-    mag = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), _mm512_slli_epi32(_mm512_and_si512(v, k128), 24)));
-    mag = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(_mm512_and_si512(v, k127), k127), mag, nan);
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(mag, scale));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(e4m3x16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))), scale));
   }
   return i;
 }
 
 int64_t e2m1_run512(const uint8_t* in, int64_t n, float s, float* out, const float* table) {
   const __m512 lut = _mm512_loadu_ps(table), scale = _mm512_set1_ps(s);
-  const __m512i shifts = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0), k15 = _mm512_set1_epi32(15);
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {  // 16 codes from 8 bytes: each byte twice, low nibble first
+  for (; i + 16 <= n; i += 16) {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(in + i / 2));
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
-    const __m512i idx = _mm512_and_si512(_mm512_srlv_epi32(v, shifts), k15);
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_permutexvar_ps(idx, lut), scale));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(e2m1x16(b, lut), scale));
   }
   return i;
+}
+
+// y[r, j] (r < RM) for weight rows [j0, j1) of a quantized w whose scale blocks are whole 16-column
+// chunks: each chunk's codes converted in registers (the values dequantize_rows stores) and multiplied
+// into the rows of x by tile512<RM, 1>'s chain (fused multiply-adds over k in order, the tail masked to
+// zeros, then the lane reduction), so y has gemm_xwt's bits over the dequantized matrix.
+template <int RM>
+void gemv_quantized512(const float* x, int64_t ldx, const Weight& w, int64_t j0, int64_t j1, float* y, int64_t ldy,
+                       bool accumulate) {
+  const int64_t k = w.cols, bc = w.block_cols;
+  const bool fp4 = w.type == WeightType::e2m1;
+  const int64_t row_bytes = fp4 ? k / 2 : k;
+  const __m512 lut = _mm512_loadu_ps(kCodes.e2m1);
+  for (int64_t j = j0; j < j1; ++j) {
+    const uint8_t* codes = static_cast<const uint8_t*>(w.data) + j * row_bytes;
+    const float* srow = w.scale + ((j + w.scale_row) / w.block_rows) * w.scale_stride;
+    __m512 acc[RM];
+    for (int r = 0; r < RM; ++r) acc[r] = _mm512_setzero_ps();
+    int64_t kk = 0;
+    for (; kk + 16 <= k; kk += 16) {
+      const __m128i b = fp4 ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + kk / 2))
+                            : _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + kk));
+      const __m512 wv = _mm512_mul_ps(fp4 ? e2m1x16(b, lut) : e4m3x16(b), _mm512_set1_ps(srow[kk / bc]));
+      for (int r = 0; r < RM; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * ldx + kk), wv, acc[r]);
+    }
+    if (kk < k) {  // the last codes from a zeroed copy; lanes past k zero, as tile512's masked loads
+      alignas(16) uint8_t tail[16] = {};
+      std::memcpy(tail, codes + (fp4 ? kk / 2 : kk), static_cast<size_t>(fp4 ? (k - kk + 1) / 2 : k - kk));
+      const __m128i b = _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
+      const __mmask16 mask = static_cast<__mmask16>((1u << (k - kk)) - 1u);
+      const __m512 wv =
+          _mm512_maskz_mov_ps(mask, _mm512_mul_ps(fp4 ? e2m1x16(b, lut) : e4m3x16(b), _mm512_set1_ps(srow[kk / bc])));
+      for (int r = 0; r < RM; ++r) acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + r * ldx + kk), wv, acc[r]);
+    }
+    for (int r = 0; r < RM; ++r) store(y + r * ldy + j, _mm512_reduce_add_ps(acc[r]), accumulate);
+  }
 }
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
@@ -438,6 +485,21 @@ void gemm_xwt_quantized(const float* x, int64_t m, int64_t ldx, const Weight& w,
                         bool accumulate) {
   const int64_t n = w.rows, k = w.cols;
   if (m <= 0 || n <= 0) return;
+  // Few rows of x (decode): the codes converted in registers, never stored (the same bits).
+  if (kIsa == Isa::avx512 && m <= 4 && w.block_cols % 16 == 0) {
+    const int64_t nb = 64;
+    run_blocks(static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k), (n + nb - 1) / nb,
+               [&](int64_t b) {
+                 const int64_t j0 = b * nb, j1 = std::min(n, j0 + nb);
+                 switch (m) {
+                   case 1: return gemv_quantized512<1>(x, ldx, w, j0, j1, y, ldy, accumulate);
+                   case 2: return gemv_quantized512<2>(x, ldx, w, j0, j1, y, ldy, accumulate);
+                   case 3: return gemv_quantized512<3>(x, ldx, w, j0, j1, y, ldy, accumulate);
+                   default: return gemv_quantized512<4>(x, ldx, w, j0, j1, y, ldy, accumulate);
+                 }
+               });
+    return;
+  }
   // A block's dequantized rows (nb x k floats, at most ~256 KiB) are made once a call and
   // read by every row tile.
   const int64_t nb = std::clamp<int64_t>(65536 / std::max<int64_t>(k, 1) / 4 * 4, 4, weight_block_rows(k));

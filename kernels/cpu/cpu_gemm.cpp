@@ -333,10 +333,6 @@ void run_blocks(double work, int64_t blocks, const std::function<void(int64_t)>&
   Pool::get().run(blocks, fn);
 }
 
-}  // namespace
-
-namespace {
-
 // out[i] = value(code i) * s for n codes from `in` (e4m3: a byte each; e2m1: two a byte from code
 // `first`, which is even), as kCodes' tables give them: the vector forms build the same floats (e4m3:
 // the exponent and mantissa bits moved into place, subnormals as mant * 2^-9, NaN for S.1111.111; e2m1:

@@ -306,6 +306,10 @@ class Backend {
 };
 
 std::unique_ptr<Backend> make_cpu_backend();
+// Rows [r0, r1) of a quantized matrix in host memory as fp32, (r1 - r0) * w.cols floats at out:
+// each element code * scale, the values the CPU backend's products use (a dequantizing load
+// gives the same bits).
+void dequantize_rows_host(const Weight& w, int64_t r0, int64_t r1, float* out);
 // Null when the build has no CUDA backend or no device is present.
 std::unique_ptr<Backend> make_cuda_backend(int device = 0);
 bool cuda_backend_compiled();

@@ -3,7 +3,6 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
-#include <array>
 #include <cstring>
 #include <map>
 #include <regex>
@@ -229,37 +228,37 @@ class WeightLoader {
     }
     const int64_t count = stacked > 0 ? stacked : 1;
     std::vector<float> out(static_cast<size_t>(count * rows * cols));
-    const auto* bytes = static_cast<const uint8_t*>(q->codes->data);
-    static const auto tables = [] {  // the code values, as e4m3_to_f32 / e2m1_to_f32 give them
-      std::array<float, 256 + 16> t{};
-      for (int v = 0; v < 256; ++v) t[static_cast<size_t>(v)] = e4m3_to_f32(static_cast<uint8_t>(v));
-      for (int v = 0; v < 16; ++v) t[static_cast<size_t>(256 + v)] = e2m1_to_f32(static_cast<uint8_t>(v));
-      return t;
-    }();
-    const float* e4m3 = tables.data();
-    const float* e2m1 = tables.data() + 256;
-    // Rows [first, last) of the whole stack; a real checkpoint's matrices (gigabytes) on every core.
+    const auto* codes = static_cast<const uint8_t*>(q->codes->data);
+    // Rows [first, last) of the whole stack, a matrix's rows at a time; a real checkpoint's matrices
+    // (gigabytes) on every core.
     auto dequantize = [&](int64_t first, int64_t last) {
-      for (int64_t row = first; row < last; ++row) {
-        const int64_t e = row / rows, r = row % rows;
-        const float* srow = q->scales.data() + (e * q->sr + r / q->bm) * q->sc;
-        float* orow = out.data() + row * cols;
-        if (q->fp4) {
-          const uint8_t* in = bytes + row * (cols / 2);
-          for (int64_t c = 0; c < cols; ++c) {
-            const uint8_t code = (c & 1) ? static_cast<uint8_t>(in[c / 2] >> 4) : static_cast<uint8_t>(in[c / 2] & 0xf);
-            orow[c] = e2m1[code] * srow[c / q->bn];
-          }
-        } else {
-          const uint8_t* in = bytes + row * cols;
-          for (int64_t c = 0; c < cols; ++c) orow[c] = e4m3[in[c]] * srow[c / q->bn];
-        }
+      for (int64_t row = first; row < last;) {
+        const int64_t e = row / rows, end = std::min(last, (e + 1) * rows);
+        kernels::dequantize_rows_host(quantized_weight(*q, rows, cols, e, codes, q->scales.data()), row - e * rows,
+                                      end - e * rows, out.data() + row * cols);
+        row = end;
       }
     };
     const int64_t all_rows = count * rows;
     parallel_ranges(all_rows, std::clamp<int64_t>(all_rows * cols / (int64_t{1} << 22), 1, hardware_threads()),
                     dequantize);
     return out;
+  }
+
+  // Matrix e of a quantized stack (0 for an unstacked tensor) over `codes` and `scales`, the whole
+  // stack's in host or backend memory.
+  static Weight quantized_weight(const Quantized& q, int64_t rows, int64_t cols, int64_t e, const uint8_t* codes,
+                                 const float* scales) {
+    Weight w;
+    w.type = q.fp4 ? kernels::WeightType::e2m1 : kernels::WeightType::e4m3;
+    w.rows = rows;
+    w.cols = cols;
+    w.data = codes + e * rows * (q.fp4 ? cols / 2 : cols);
+    w.scale = scales + e * q.sr * q.sc;
+    w.scale_stride = q.sc;
+    w.block_rows = static_cast<int32_t>(q.bm);
+    w.block_cols = static_cast<int32_t>(q.bn);
+    return w;
   }
 
   // The codes and scales of a quantized tensor in backend memory, as the matrices of its
@@ -269,18 +268,7 @@ class WeightLoader {
     const auto* codes = static_cast<const uint8_t*>(upload(q.codes->data, static_cast<size_t>(count * rows * row_bytes)));
     const auto* scales = static_cast<const float*>(upload(q.scales.data(), q.scales.size() * 4));
     std::vector<Weight> out;
-    for (int64_t e = 0; e < count; ++e) {
-      Weight w;
-      w.type = q.fp4 ? kernels::WeightType::e2m1 : kernels::WeightType::e4m3;
-      w.rows = rows;
-      w.cols = cols;
-      w.data = codes + e * rows * row_bytes;
-      w.scale = scales + e * q.sr * q.sc;
-      w.scale_stride = q.sc;
-      w.block_rows = static_cast<int32_t>(q.bm);
-      w.block_cols = static_cast<int32_t>(q.bn);
-      out.push_back(w);
-    }
+    for (int64_t e = 0; e < count; ++e) out.push_back(quantized_weight(q, rows, cols, e, codes, scales));
     return out;
   }
 

@@ -42,23 +42,13 @@ void CpuBackend::to_host(void* dst, const void* src, size_t bytes) { std::memcpy
 void CpuBackend::copy(void* dst, const void* src, size_t bytes) { std::memmove(dst, src, bytes); }
 
 void CpuBackend::linear(const float* x, int64_t m, const Weight& w, float* y, float beta) {
-  if (is_quantized(w.type)) {
-    gemm_xwt_quantized(x, m, w.cols, w, y, w.rows, beta != 0.0f);
-    return;
-  }
-  gemm_xwt(x, m, w.cols, f32_data(w), w.rows, w.cols, w.cols, y, w.rows, beta != 0.0f);
+  gemm_weight(x, m, w.cols, w, y, w.rows, beta != 0.0f);
 }
 
 void CpuBackend::linear_grouped(const float* x, int64_t m, const Weight& w, int groups, float* y) {
   const int64_t out = w.rows / groups;
   for (int g = 0; g < groups; ++g) {
-    if (is_quantized(w.type)) {
-      gemm_xwt_quantized(x + g * w.cols, m, groups * w.cols, weight_rows(w, g * out, out), y + g * out, groups * out,
-                         false);
-    } else {
-      gemm_xwt(x + g * w.cols, m, groups * w.cols, f32_data(w) + g * out * w.cols, out, w.cols, w.cols, y + g * out,
-               groups * out, false);
-    }
+    gemm_weight(x + g * w.cols, m, groups * w.cols, weight_rows(w, g * out, out), y + g * out, groups * out, false);
   }
 }
 
@@ -151,4 +141,5 @@ void CpuBackend::add(float* y, const float* x, int64_t n) {
 
 namespace troupe::kernels {
 std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<cpu::CpuBackend>(); }
+void dequantize_rows_host(const Weight& w, int64_t r0, int64_t r1, float* out) { cpu::dequantize_rows(w, r0, r1, out); }
 }  // namespace troupe::kernels

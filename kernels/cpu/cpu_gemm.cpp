@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <functional>
 #include <mutex>
+#include <stdexcept>
 #include <thread>
 #include <cmath>
 #include <cstring>
@@ -507,6 +508,15 @@ void gemm_xwt_quantized(const float* x, int64_t m, int64_t ldx, const Weight& w,
     dequantize_rows(w, j0, j1, rows.data());
     block(x, m, ldx, rows.data(), 0, j1 - j0, k, k, y + j0, ldy, accumulate, state);
   });
+}
+
+void gemm_weight(const float* x, int64_t m, int64_t ldx, const Weight& w, float* y, int64_t ldy, bool accumulate) {
+  if (is_quantized(w.type)) {
+    gemm_xwt_quantized(x, m, ldx, w, y, ldy, accumulate);
+    return;
+  }
+  if (w.type != WeightType::f32) throw std::invalid_argument("cpu backend: weights must be fp32 or FP8 / FP4 codes");
+  gemm_xwt(x, m, ldx, static_cast<const float*>(w.data), w.rows, w.cols, w.cols, y, ldy, accumulate);
 }
 
 const char* gemm_isa() { return kIsa == Isa::avx512 ? "avx512" : kIsa == Isa::avx2 ? "avx2" : "scalar"; }

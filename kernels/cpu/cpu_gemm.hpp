@@ -32,6 +32,10 @@ void gemm_xwt(const float* x, int64_t m, int64_t ldx, const float* w, int64_t n,
 void gemm_xwt_quantized(const float* x, int64_t m, int64_t ldx, const Weight& w, float* y, int64_t ldy,
                         bool accumulate);
 
+// y[m, w.rows] (ldy) = x[m, w.cols] (ldx) @ w^T for a backend weight: fp32 (gemm_xwt) or
+// quantized (gemm_xwt_quantized); any other type is refused (std::invalid_argument).
+void gemm_weight(const float* x, int64_t m, int64_t ldx, const Weight& w, float* y, int64_t ldy, bool accumulate);
+
 // Rows [r0, r1) of a quantized matrix in fp32, (r1 - r0) * w.cols floats at out.
 void dequantize_rows(const Weight& w, int64_t r0, int64_t r1, float* out);
 

@@ -13,7 +13,6 @@ float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 // mix[rows, n_mix] = rmsnorm_unweighted(X.flat) @ fn^T
 std::vector<float> hc_mix(const float* X, int64_t rows, const Weight& fn, const MhcParams& p) {
   const int64_t width = p.hc * p.dim;
-  const auto* w = static_cast<const float*>(fn.data);
   std::vector<float> flat(static_cast<size_t>(rows * width));
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = X + r * width;
@@ -23,11 +22,7 @@ std::vector<float> hc_mix(const float* X, int64_t rows, const Weight& fn, const 
     for (int64_t i = 0; i < width; ++i) flat[r * width + i] = xr[i] * inv;
   }
   std::vector<float> mix(static_cast<size_t>(rows * fn.rows));
-  if (is_quantized(fn.type)) {
-    gemm_xwt_quantized(flat.data(), rows, width, fn, mix.data(), fn.rows, false);
-  } else {
-    gemm_xwt(flat.data(), rows, width, w, fn.rows, width, width, mix.data(), fn.rows, false);
-  }
+  gemm_weight(flat.data(), rows, width, fn, mix.data(), fn.rows, false);
   return mix;
 }
 

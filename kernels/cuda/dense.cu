@@ -104,6 +104,24 @@ struct WLoad<E2m1Codes> {  // element 2j in the low nibble
   }
 };
 
+// fn(T{}) for the storage type T of weights of type `type` (gemv_core's and the MoE kernels' WT).
+template <class Fn>
+auto by_weight_type(WeightType type, Fn&& fn) -> decltype(fn(float{})) {
+  switch (type) {
+    case WeightType::f32: return fn(float{});
+    case WeightType::bf16: return fn(__nv_bfloat16{});
+    case WeightType::f16: return fn(__half{});
+    case WeightType::e4m3: return fn(E4m3Codes{});
+    case WeightType::e2m1: return fn(E2m1Codes{});
+  }
+  return fn(float{});
+}
+
+// Values of weights of type t that 16 bytes hold (WLoad's kVec): the chunk gemv_core reads.
+int chunk_values(WeightType t) {
+  return by_weight_type(t, [](auto tag) { return WLoad<decltype(tag)>::kVec; });
+}
+
 // The scale of weight row `row`, columns [col, col + VEC) (one block: block_cols % VEC == 0).
 __device__ __forceinline__ float quant_scale(const QuantLayout& q, int64_t row, int64_t col) {
   return q.scale[((row + q.scale_row) / q.block_rows) * q.stride + col / q.block_cols];
@@ -1538,7 +1556,7 @@ void gemv(const float* x, int64_t ldx, int64_t m, const Weight& w, float* y, int
 
 bool gemv_takes(const Weight& w, int64_t m, int64_t ldx, const float* x) {
   if (!is_quantized(w.type)) return true;
-  const int vec = w.type == WeightType::e4m3 ? 16 : 32;
+  const int vec = chunk_values(w.type);
   const int64_t row_bytes = w.type == WeightType::e4m3 ? w.cols : w.cols / 2;
   return m >= 1 && m <= kGemvBatchRows && w.cols % vec == 0 && row_bytes % 16 == 0 && w.block_cols % vec == 0 &&
          ldx % 4 == 0 && reinterpret_cast<uintptr_t>(w.data) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
@@ -1587,7 +1605,7 @@ bool gemv_multi(const float* x, int64_t m, const Weight* w, float* const* y, int
     if (is_quantized(w[i].type)) return false;  // one launch per weight (gemv), not this form
   }
   const int64_t k = w[0].cols;
-  const int vec = w[0].type == WeightType::f32 ? 4 : 8;
+  const int vec = chunk_values(w[0].type);
   if (k % vec != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0) return false;
   MultiSegments seg{};
   seg.count = count;
@@ -1760,7 +1778,7 @@ void mhc_fused_finish(const float* X, const float* partial, int64_t rows, int sl
 }  // namespace
 
 int64_t mhc_fused_workspace(int64_t rows, const Weight& fn, const MhcParams& p) {
-  const int vec = fn.type == WeightType::f32 ? 4 : 8;
+  const int vec = chunk_values(fn.type);
   const int64_t width = static_cast<int64_t>(p.hc) * p.dim;
   if (p.hc < 1 || p.hc > kMaxHc || fn.cols != width || width % vec != 0 ||
       reinterpret_cast<uintptr_t>(fn.data) % 16 != 0 || rows < 1 || rows > 65535) {
@@ -1810,20 +1828,8 @@ void route(const float* logits, int64_t rows, int experts, ScoreFn fn, const flo
   TROUPE_LAUNCHED();
 }
 
-// fn(T{}) for the storage type T of weights of type `type` (the MoE kernels' instantiations).
-template <class Fn>
-void by_weight_type(WeightType type, Fn&& fn) {
-  switch (type) {
-    case WeightType::f32: return fn(float{});
-    case WeightType::bf16: return fn(__nv_bfloat16{});
-    case WeightType::f16: return fn(__half{});
-    case WeightType::e4m3: return fn(E4m3Codes{});
-    case WeightType::e2m1: return fn(E2m1Codes{});
-  }
-}
-
 bool moe_widths_fit(const ExpertTables& t, int64_t dim) {
-  const int vec = t.type == WeightType::f32 ? 4 : t.type == WeightType::e4m3 ? 16 : t.type == WeightType::e2m1 ? 32 : 8;
+  const int vec = chunk_values(t.type);
   const bool blocks = !is_quantized(t.type) || (t.gate_q.block_cols % vec == 0 && t.up_q.block_cols % vec == 0 &&
                                                 t.down_q.block_cols % vec == 0);
   return dim % vec == 0 && t.inter % vec == 0 && blocks;

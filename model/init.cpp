@@ -202,7 +202,7 @@ void init_model(const std::string& dir, const InitOptions& o) {
     std::vector<uint8_t> b;
   };
   std::vector<Owned> tensors;
-  const bool fp8 = !o.quantize.empty();
+  const bool quantized_layers = !o.quantize.empty();  // linear layers in FP8 (experts FP8 or FP4)
   auto matrix = [&](const std::string& name, std::vector<int64_t> shape, float std) {
     Owned t{name, o.dtype, shape, {}, {}, {}, {}};
     const int64_t n = std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
@@ -260,7 +260,7 @@ void init_model(const std::string& dir, const InitOptions& o) {
   // A linear layer's matrix `X.weight` [rows, cols]: quantized (scale `X.weight_scale_inv`,
   // transformers' name) when asked, else `matrix`. The same normals either way.
   auto linear = [&](const std::string& name, std::vector<int64_t> shape, float std) {
-    if (!fp8) return matrix(name, shape, std);
+    if (!quantized_layers) return matrix(name, shape, std);
     std::vector<float> v(static_cast<size_t>(shape[0] * shape[1]));
     fill_normals(rng, static_cast<int64_t>(v.size()), [&](int64_t i, float x) { v[static_cast<size_t>(i)] = x * std; });
     quantized(name, name + "_scale_inv", v.data(), shape[0], shape[1], false);
@@ -270,7 +270,7 @@ void init_model(const std::string& dir, const InitOptions& o) {
   // with `.scale` tensors, the layout its FP8 / FP4 checkpoints have (from the same normals).
   auto experts = [&](int64_t l, int64_t E, int64_t I, int64_t D, float std_in, float std_out, bool fp4) {
     const std::string m = "model.layers." + std::to_string(l) + ".mlp.";
-    if (!fp8) {
+    if (!quantized_layers) {
       matrix(m + "experts.gate_up_proj", {E, 2 * I, D}, std_in);
       matrix(m + "experts.down_proj", {E, D, I}, std_out);
       return;
@@ -373,7 +373,7 @@ void init_model(const std::string& dir, const InitOptions& o) {
   write_safetensors((fs::path(dir) / "model.safetensors").string(), out);
   json cfg = c;
   cfg["dtype"] = o.dtype == DType::f32 ? "float32" : "bfloat16";
-  if (fp8) {
+  if (quantized_layers) {
     cfg["quantization_config"] = {{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"activation_scheme", "dynamic"},
                                   {"weight_block_size", {128, 128}}, {"scale_fmt", "ue8m0"}};
     cfg["expert_dtype"] = fp4_experts ? "fp4" : "fp8";

@@ -2,7 +2,8 @@
 // transformers on the same card). One JSON object per line on stdout.
 //
 //   troupe_gpu_e2e fixtures --dir tests/fixtures/model
-//       every committed fixture through the CUDA backend (bf16 and fp32 weights):
+//       every committed fixture through the CUDA backend (bf16 and fp32 weights; with
+//       TROUPE_CUDA_QUANTIZED=1 also "auto": a quantized fixture's FP8 / FP4 codes kept):
 //       one call over all tokens, and a prefill then Decoder steps (graphs), against
 //       transformers' logits and the CPU backend's
 //   troupe_gpu_e2e logits --model DIR --ids IDS.npy --prefill P --out OUT.npy
@@ -10,7 +11,8 @@
 //       step each (replayed graphs)
 //   troupe_gpu_e2e logits ... --weights f32
 //       the same with fp32 matrices (TROUPE_ATTENTION_FP32=1 in the environment: fp32
-//       attention too), against transformers' fp32 oracle
+//       attention too), against transformers' fp32 oracle; --weights auto: a quantized
+//       checkpoint's codes kept (TROUPE_CUDA_QUANTIZED=1)
 //   troupe_gpu_e2e profile-steps --model DIR --prompt N --steps S
 //       S eager batch-1 decode steps between cudaProfilerStart/Stop (for ncu)
 //   troupe_gpu_e2e bench --model DIR --batch B --prompt N --new M
@@ -34,6 +36,7 @@
 #include <iostream>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <sstream>
 
@@ -116,6 +119,15 @@ std::vector<float> one_call(model::Model& m, const std::vector<int32_t>& ids) {
   return m.forward(std::span(&c, 1));
 }
 
+// --weights: bf16 / f32 (every matrix that type), or auto (Model::load's default: a quantized checkpoint's FP8 / FP4
+// matrices kept as codes where the backend takes them, TROUPE_CUDA_QUANTIZED=1; the rest bf16).
+std::optional<kernels::WeightType> weight_type(const std::string& name) {
+  if (name == "bf16") return kernels::WeightType::bf16;
+  if (name == "f32") return kernels::WeightType::f32;
+  if (name == "auto") return std::nullopt;
+  throw std::invalid_argument("--weights must be bf16, f32 or auto, not '" + name + "'");
+}
+
 int fixtures(const std::string& dir) {
   auto gpu = cuda();
   auto cpu = kernels::make_cpu_backend();
@@ -139,9 +151,10 @@ int fixtures(const std::string& dir) {
     const Compare cc = compare(cpu_logits, ref, V);
     emit({{"kind", "fixture"}, {"fixture", name}, {"backend", "cpu"}, {"weights", "f32"}, {"mode", "one call"},
           {"max_abs", cc.max_abs}, {"rel_l2", cc.rel_l2}, {"top1", cc.top1}});
-    for (auto type : {kernels::WeightType::bf16, kernels::WeightType::f32}) {
-      auto m = model::Model::load(d, *gpu, type);
-      const std::string w = type == kernels::WeightType::bf16 ? "bf16" : "f32";
+    std::vector<std::string> types = {"bf16", "f32"};
+    if (gpu->takes_quantized()) types.push_back("auto");  // a quantized fixture's codes kept
+    for (const auto& w : types) {
+      auto m = model::Model::load(d, *gpu, weight_type(w));
       int64_t replays = 0;
       const double t0 = now();
       const auto a = one_call(*m, ids);
@@ -160,12 +173,6 @@ int fixtures(const std::string& dir) {
     }
   }
   return 0;
-}
-
-kernels::WeightType weight_type(const std::string& name) {
-  if (name == "bf16") return kernels::WeightType::bf16;
-  if (name == "f32") return kernels::WeightType::f32;
-  throw std::invalid_argument("--weights must be bf16 or f32, not '" + name + "'");
 }
 
 int logits(const std::string& dir, const std::string& ids_path, int64_t p, const std::string& out_path,
@@ -592,7 +599,7 @@ int main(int argc, char** argv) {
   lg->add_option("--prefill", prefill)->required();
   lg->add_option("--out", out)->required();
   std::string weights = "bf16";
-  lg->add_option("--weights", weights, "matrix type on the device: bf16 (as served) or f32");
+  lg->add_option("--weights", weights, "matrix type on the device: bf16, f32 or auto (as served)");
   auto* ps = app.add_subcommand("profile-steps", "eager decode steps inside cudaProfilerStart/Stop (ncu)");
   ps->add_option("--model", model_dir)->required();
   ps->add_option("--prompt", prompt);

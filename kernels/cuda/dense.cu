@@ -64,8 +64,20 @@ struct WLoad<__half> {
   }
 };
 
+// Codes to floats without conversion instructions (Hopper issues F2F at a quarter of the integer rate, and one
+// 16-byte chunk of FP4 holds 32 values): a code's bits placed into an fp32 word read as the value times a power of
+// two, whatever the code (a format's subnormals land on fp32's, whose exponent field is zero too), then one multiply
+// by its inverse. Exact: both steps are powers of two away from the value. Measured in docs/kernels-notes.md
+// (session 37) against the conversion instructions the first form used.
+
+// Half h (the low 16 bits) as fp32: sign to bit 31, exponent and mantissa to bits 27..13; the word is h's value
+// times 2^-112 (normal and subnormal halves alike).
+__device__ __forceinline__ float half_bits_to_f32(uint32_t h) {
+  return __uint_as_float(((h & 0x7fffu) << 13) | ((h & 0x8000u) << 16)) * 0x1p112f;
+}
+
 template <>
-struct WLoad<E4m3Codes> {  // exact: every e4m3 value is a half
+struct WLoad<E4m3Codes> {  // exact: every e4m3 value is a half (NaN codes, 0x7f / 0xff, read as finite)
   static constexpr int kVec = 16, kPer = 1;
   static constexpr bool kQuant = true;
   __device__ static void cvt(const uint4& v, float (&f)[16]) {
@@ -76,20 +88,21 @@ struct WLoad<E4m3Codes> {  // exact: every e4m3 value is a half
       for (int h = 0; h < 2; ++h) {
         const __half2_raw r =
             __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>((w[i] >> (16 * h)) & 0xffffu), __NV_E4M3);
-        const float2 t = __half22float2(__half2(r));
-        f[4 * i + 2 * h] = t.x;
-        f[4 * i + 2 * h + 1] = t.y;
+        f[4 * i + 2 * h] = half_bits_to_f32(r.x);
+        f[4 * i + 2 * h + 1] = half_bits_to_f32(r.y);
       }
     }
   }
 };
 
-// One e2m1 code (the low 4 bits): sign, two exponent bits, one mantissa bit; -0 for code 8, as the CPU's table.
-__device__ __forceinline__ float e2m1_value(uint32_t c) {
-  const uint32_t e = (c >> 1) & 3u, m = c & 1u;
-  const uint32_t mag = e != 0 ? ((e + 126u) << 23) | (m << 22) : (m != 0 ? 0x3f000000u : 0u);
-  return __uint_as_float(mag | ((c & 8u) << 28));
+// Code j (bits 4j .. 4j + 3) of w: sign, two exponent bits, one mantissa bit (-0 for code 8, as the CPU's table).
+// Exponent and mantissa bits to bits 24..22 and the sign to bit 31: the value times 2^-126 (exponent 0: m 2^-127).
+__device__ __forceinline__ float e2m1_at(uint32_t w, int j) {
+  const uint32_t em = (j <= 5 ? w << (22 - 4 * j) : w >> (4 * j - 22)) & 0x01c00000u;
+  const uint32_t sign = (w << (28 - 4 * j)) & 0x80000000u;
+  return __uint_as_float(em | sign) * 0x1p126f;
 }
+__device__ __forceinline__ float e2m1_value(uint32_t c) { return e2m1_at(c, 0); }
 
 template <>
 struct WLoad<E2m1Codes> {  // element 2j in the low nibble
@@ -100,7 +113,7 @@ struct WLoad<E2m1Codes> {  // element 2j in the low nibble
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
-      for (int j = 0; j < 8; ++j) f[8 * i + j] = e2m1_value(w[i] >> (4 * j));
+      for (int j = 0; j < 8; ++j) f[8 * i + j] = e2m1_at(w[i], j);
   }
 };
 

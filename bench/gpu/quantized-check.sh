@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# On the GPU machine, one call: the CUDA backend's path over FP8 / FP4 codes (TROUPE_CUDA_QUANTIZED=1)
+# checked and timed against the default, which dequantizes a quantized checkpoint into bf16 as it loads.
+#   bench/gpu/quantized-check.sh BUNDLE OUT
+# BUNDLE: a device-bundle of troupe, troupe_gpu_e2e and kernels_cuda_backend_test (model_tests optional).
+# Stages (each with a time limit; a failed stage does not stop the others):
+#   1. kernels_cuda_backend_test's quantized cases (every op over codes against the CPU backend's quantized
+#      ops), and compute-sanitizer memcheck over them
+#   2. the committed fixtures through troupe_gpu_e2e fixtures with codes kept (the fp8_fp4 fixture holds a
+#      DeepSeek-layout checkpoint: FP8 linears, FP4 experts), against transformers' logits and the CPU's
+#   3. a Flash-shaped 4-layer model quantized as DeepSeek ships V4 (init-model --quantize fp4: FP8 linears,
+#      FP4 experts): teacher-forced logits with codes kept against the dequantized load (top-1 agreement,
+#      relative L2), then the steady decode step of both at BATCHES (step-ab.sh)
+# STEP_SETTINGS: the step A/B's settings, space-separated ("as-built TROUPE_CUDA_QUANTIZED=1"; as-built: none;
+# E2E_BIN=NAME in one runs that binary of the bundle, as step-ab.sh).
+# PROFILE=1: before the step A/B, a batch-1 step of each split into groups of ops (troupe_gpu_e2e bench's
+# "profile" line) and into kernels (ncu over two eager steps, bench/gpu/ncu_steps.py).
+# STEP_ONLY=1 skips stages 1 and 2, SKIP_TESTS=1 stage 1; FIX_Q ("0 1"): the settings stage 2 runs. Budgets: TEST_S (120), FIX_S (150), STEP_S (300). BATCHES (1,8,64).
+set -uo pipefail
+here=$(cd "$(dirname "$0")/../.." && pwd)
+bundle=$(cd "$1" && pwd) out=$2
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0
+export TROUPE_TOKENIZER_DIR=${TROUPE_TOKENIZER_DIR:-$here/model/tokenizer/data/deepseek-v4}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/smi.txt"
+if [ "${STEP_ONLY:-0}" != 1 ] && [ "${SKIP_TESTS:-0}" != 1 ]; then
+  TROUPE_CUDA_QUANTIZED=1 timeout "${TEST_S:-120}" "$bundle/run.sh" kernels_cuda_backend_test \
+    --gtest_filter='*quantized*' > "$out/test.log" 2>&1
+  echo "quantized backend test: exit $? ($(grep -c '^\[       OK' "$out/test.log") ok, $(grep -c '^\[  FAILED' "$out/test.log") failed lines)"
+  grep -E "Failure|Expected|max|error" "$out/test.log" | head -12
+  LD_LIBRARY_PATH="$bundle/lib:${LD_LIBRARY_PATH:-}" timeout "${TEST_S:-120}" compute-sanitizer --tool memcheck \
+    --error-exitcode 9 "$bundle/kernels_cuda_backend_test" --gtest_filter='*quantized*' > "$out/sanitizer.log" 2>&1
+  echo "memcheck (quantized cases): exit $? ($(grep -m1 'ERROR SUMMARY' "$out/sanitizer.log"))"
+fi
+if [ "${STEP_ONLY:-0}" != 1 ]; then
+  src=${BUILD_SOURCE_DIR:-/work/main}  # the fixtures the binary was built to find
+  if [ ! -e "$src/tests/fixtures/model" ]; then
+    mkdir -p "$src/tests/fixtures" && ln -s "$here/tests/fixtures/model" "$src/tests/fixtures/model"
+  fi
+  for q in ${FIX_Q:-0 1}; do
+    TROUPE_CUDA_QUANTIZED=$q timeout "${FIX_S:-150}" "$bundle/run.sh" troupe_gpu_e2e fixtures \
+      --dir "$here/tests/fixtures/model" > "$out/fixtures_q$q.jsonl" 2> "$out/fixtures_q$q.err"
+    echo "fixtures, TROUPE_CUDA_QUANTIZED=$q: exit $?"
+    python3 - "$out/fixtures_q$q.jsonl" << 'EOF'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r.get("kind") == "fixture" and r.get("backend") == "cuda" and r["fixture"] in ("fp8_fp4", "basic") and r["weights"] != "f32":
+        print(f"  {r['fixture']:9s} {r['weights']:4s} {r['mode'][:28]:28s} top1 {r['top1']:.4f} rel_l2 {r['rel_l2']:.2e} "
+              f"vs cpu top1 {r['vs_cpu_top1']:.4f} rel_l2 {r['vs_cpu_rel_l2']:.2e} finite {r['finite']}")
+EOF
+  done
+fi
+model=/dev/shm/flash-fp4
+if [ ! -e "$model/config.json" ]; then
+  timeout 200 "$bundle/run.sh" troupe init-model --preset flash-shaped --quantize fp4 --seed 0 --out "$model" \
+    > "$out/init.log" 2>&1 || { echo "init-model failed"; tail -5 "$out/init.log"; }
+fi
+du -sh "$model" | tee -a "$out/smi.txt"
+python3 -c "
+import numpy as np; np.random.seed(5)
+np.save('$out/ids.npy', np.random.randint(0, 120000, size=(${POSITIONS:-1024},)).astype(np.int64))"
+for q in 0 1; do
+  TROUPE_CUDA_QUANTIZED=$q timeout 150 "$bundle/run.sh" troupe_gpu_e2e logits --model "$model" --ids "$out/ids.npy" \
+    --prefill "${PREFILL:-256}" --weights auto --out "$out/logits_q$q.npy" > "$out/logits_q$q.json" 2> "$out/logits_q$q.err"
+  echo "logits, TROUPE_CUDA_QUANTIZED=$q: exit $? $(cut -c1-300 "$out/logits_q$q.json")"
+done
+python3 - "$out" << 'EOF'
+import numpy as np, sys
+o = sys.argv[1]
+try:
+    a, b = np.load(f"{o}/logits_q0.npy"), np.load(f"{o}/logits_q1.npy")
+except Exception as e:
+    print("logits compare: missing", e); sys.exit(0)
+a = a.reshape(-1, a.shape[-1]); b = b.reshape(-1, b.shape[-1])
+top = (a.argmax(-1) == b.argmax(-1)).mean()
+rel = np.linalg.norm(a - b) / np.linalg.norm(a)
+print(f"codes kept against the dequantized load: top-1 agreement {top:.4f} over {a.shape[0]} positions, "
+      f"rel L2 {rel:.2e}, max abs {np.abs(a - b).max():.3e}, finite {np.isfinite(b).all()}")
+EOF
+if [ "${PROFILE:-0}" = 1 ]; then  # where a batch-1 step's time goes, codes kept and not
+  for q in 1 0; do
+    TROUPE_CUDA_QUANTIZED=$q timeout 100 "$bundle/run.sh" troupe_gpu_e2e bench --model "$model" --batch 1 --prompt 512 \
+      --new 8 > "$out/bench_b1_q$q.jsonl" 2>&1
+    python3 -c "
+import json, sys
+for l in open('$out/bench_b1_q$q.jsonl'):
+    if l.startswith('{') and '\"profile\"' in l:
+        r = json.loads(l); print('profile q$q', r['replayed_step_us'], {k: round(v, 1) for k, v in r['us_per_step'].items()})"
+    TROUPE_CUDA_QUANTIZED=$q timeout 150 ncu --profile-from-start off --clock-control none --cache-control none --metrics gpu__time_duration.sum \
+      --csv "$bundle/run.sh" troupe_gpu_e2e profile-steps --model "$model" --prompt 512 --steps 2 > "$out/ncu_q$q.csv" 2>&1
+    python3 "$here/bench/gpu/ncu_steps.py" "$out/ncu_q$q.csv" 2 > "$out/ncu_q$q.md"; head -30 "$out/ncu_q$q.md"
+  done
+fi
+settings=()
+for st in ${STEP_SETTINGS:-as-built TROUPE_CUDA_QUANTIZED=1}; do settings+=("${st#as-built}"); done
+ROUNDS=${ROUNDS:-2} SMI=1 timeout "${STEP_S:-300}" "$here/bench/gpu/step-ab.sh" "$bundle" "$model" "${BATCHES:-1,8,64}" \
+  "${settings[@]}" 2>&1 | tee "$out/step-ab.txt"

@@ -98,6 +98,12 @@ class Backend {
   // Whether the ops that take a Weight take e4m3 / e2m1 ones (else a caller
   // dequantizes them into f32 / bf16 / f16 first).
   virtual bool takes_quantized() const { return false; }
+  // Which matrices of a quantized checkpoint a model loader keeps as codes on this
+  // backend (the others it dequantizes): routed experts' (routed_expert) or the rest.
+  virtual bool keeps_quantized(bool routed_expert) const {
+    (void)routed_expert;
+    return takes_quantized();
+  }
 
   // ---- memory ---------------------------------------------------------------
   virtual void* alloc(size_t bytes) = 0;     // 256-byte aligned; throws std::bad_alloc

@@ -77,7 +77,8 @@ class WeightLoader {
  public:
   WeightLoader(const ModelConfig& c, const Checkpoint& ck, kernels::Backend& b, kernels::WeightType mt,
                bool keep_quantized, Weights& w)
-      : c_(c), ck_(ck), backend_(b), matrix_type_(mt), keep_quantized_(keep_quantized && b.takes_quantized()), w_(w) {
+      : c_(c), ck_(ck), backend_(b), matrix_type_(mt), keep_quantized_(keep_quantized && b.keeps_quantized(false)),
+        keep_quantized_experts_(keep_quantized && b.keeps_quantized(true)), w_(w) {
     for (const auto& [name, view] : ck.tensors()) {
       std::string canon = canonical_tensor_name(name);
       if (by_name_.count(canon)) {
@@ -142,8 +143,8 @@ class WeightLoader {
     return w;
   }
 
-  Weight matrix(const std::string& canon, int64_t rows, int64_t cols) {
-    if (keep_quantized_) {
+  Weight matrix(const std::string& canon, int64_t rows, int64_t cols, bool routed_expert = false) {
+    if (routed_expert ? keep_quantized_experts_ : keep_quantized_) {
       if (auto q = quantized(canon, rows, cols, 0)) return upload_quantized(*q, rows, cols, 1)[0];
     }
     auto f = matrix_f32(canon, rows, cols, 0);
@@ -321,7 +322,7 @@ class WeightLoader {
 
   void load_experts(const std::string& p, MoeWeights& m) {
     const int64_t E = c_.n_routed_experts, I = c_.moe_intermediate_size, D = c_.hidden_size;
-    if (has(p + "experts.gate_up_proj") && keep_quantized_) {
+    if (has(p + "experts.gate_up_proj") && keep_quantized_experts_) {
       auto gu = quantized(p + "experts.gate_up_proj", 2 * I, D, E);
       auto dn = quantized(p + "experts.down_proj", D, I, E);
       if (gu && dn) {
@@ -346,9 +347,9 @@ class WeightLoader {
     }
     for (int64_t e = 0; e < E; ++e) {
       const std::string q = p + "experts." + std::to_string(e) + ".";
-      m.gate.push_back(matrix(q + "w1.weight", I, D));
-      m.up.push_back(matrix(q + "w3.weight", I, D));
-      m.down.push_back(matrix(q + "w2.weight", D, I));
+      m.gate.push_back(matrix(q + "w1.weight", I, D, true));
+      m.up.push_back(matrix(q + "w3.weight", I, D, true));
+      m.down.push_back(matrix(q + "w2.weight", D, I, true));
     }
   }
 
@@ -435,7 +436,8 @@ class WeightLoader {
   const Checkpoint& ck_;
   kernels::Backend& backend_;
   kernels::WeightType matrix_type_;
-  bool keep_quantized_;
+  bool keep_quantized_;          // matrices other than the routed experts'
+  bool keep_quantized_experts_;
   Weights& w_;
   std::map<std::string, const TensorView*> by_name_;
   std::set<std::string> used_;

@@ -13,8 +13,9 @@
 #      relative L2), then the steady decode step of both at BATCHES (step-ab.sh)
 # STEP_SETTINGS: the step A/B's settings, space-separated ("as-built TROUPE_CUDA_QUANTIZED=1"; as-built: none;
 # E2E_BIN=NAME in one runs that binary of the bundle, as step-ab.sh).
-# PROFILE=1: before the step A/B, a batch-1 step of each split into groups of ops (troupe_gpu_e2e bench's
-# "profile" line) and into kernels (ncu over two eager steps, bench/gpu/ncu_steps.py).
+# NCU=1: before the step A/B, a batch-1 step of each split into groups of ops (troupe_gpu_e2e bench's
+# "profile" line) and into kernels (ncu over two eager steps, bench/gpu/ncu_steps.py). The step A/B's runs'
+# JSON lines (with their "profile" lines) go to OUT/step-runs.jsonl.
 # STEP_ONLY=1 skips stages 1 and 2, SKIP_TESTS=1 stage 1; FIX_Q ("0 1"): the settings stage 2 runs. Budgets: TEST_S (120), FIX_S (150), STEP_S (300). BATCHES (1,8,64).
 set -uo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
@@ -78,7 +79,7 @@ rel = np.linalg.norm(a - b) / np.linalg.norm(a)
 print(f"codes kept against the dequantized load: top-1 agreement {top:.4f} over {a.shape[0]} positions, "
       f"rel L2 {rel:.2e}, max abs {np.abs(a - b).max():.3e}, finite {np.isfinite(b).all()}")
 EOF
-if [ "${PROFILE:-0}" = 1 ]; then  # where a batch-1 step's time goes, codes kept and not
+if [ "${NCU:-0}" = 1 ]; then  # where a batch-1 step's time goes, codes kept and not
   for q in 1 0; do
     TROUPE_CUDA_QUANTIZED=$q timeout 100 "$bundle/run.sh" troupe_gpu_e2e bench --model "$model" --batch 1 --prompt 512 \
       --new 8 > "$out/bench_b1_q$q.jsonl" 2>&1
@@ -94,5 +95,17 @@ for l in open('$out/bench_b1_q$q.jsonl'):
 fi
 settings=()
 for st in ${STEP_SETTINGS:-as-built TROUPE_CUDA_QUANTIZED=1}; do settings+=("${st#as-built}"); done
-ROUNDS=${ROUNDS:-2} SMI=1 timeout "${STEP_S:-300}" "$here/bench/gpu/step-ab.sh" "$bundle" "$model" "${BATCHES:-1,8,64}" \
+STEP_LOG=$out/step-runs.jsonl ROUNDS=${ROUNDS:-2} SMI=1 timeout "${STEP_S:-300}" "$here/bench/gpu/step-ab.sh" "$bundle" "$model" "${BATCHES:-1,8,64}" \
   "${settings[@]}" 2>&1 | tee "$out/step-ab.txt"
+python3 - "$out/step-runs.jsonl" << 'EOF'
+import json, sys
+try:
+    lines = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+except OSError:
+    sys.exit(0)
+for r in lines:
+    if r.get("kind") == "profile":
+        top = sorted(r["us_per_step"].items(), key=lambda kv: -kv[1])[:8]
+        print(f"profile {r['setting'] or 'as built'} batch {r['batch_run']}: eager {r['total_us']:.0f} us:",
+              ", ".join(f"{k} {v:.0f}" for k, v in top))
+EOF

@@ -7,7 +7,8 @@
 # built) or NAME=VALUE[,NAME=VALUE...]; E2E_BIN=FILE in a setting runs that binary of the bundle instead of
 # troupe_gpu_e2e (a variant built from a patched tree). Prints each run's steady step, experts touched a layer (runs
 # compare only where these agree) and fraction of the roofline; with SMI=1 also the mean SM clock and
-# power drawn over the run (nvidia-smi every 100 ms). ROUNDS (2), PROMPT (512), NEW (32).
+# power drawn over the run (nvidia-smi every 100 ms); STEP_LOG=FILE appends every run's JSON lines there (the
+# bench's "profile" line splits a step into groups of ops), each with its setting. ROUNDS (2), PROMPT (512), NEW (32).
 set -uo pipefail
 bundle=$1 model=$2 batches=$3
 shift 3
@@ -38,6 +39,7 @@ for b in ${batches//,/ }; do
         extra=$(awk -F', ' '{c += $1; p += $2; n++} END {if (n) printf " sm %.0f MHz, %.0f W (%d samples)", c / n, p / n, n}' \
           "$tmp/smi.csv")
       fi
+      [ -n "${STEP_LOG:-}" ] && sed "s/^{/{\"setting\":\"${setting}\",\"batch_run\":$b,/" "$tmp/run.json" >> "$STEP_LOG"
       if [ "$rc" != 0 ]; then
         echo "batch $b ${setting:-as built}: exit $rc: $(tail -n 2 "$tmp/err.txt" | tr '\n' ' ')"
         continue

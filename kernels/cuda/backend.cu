@@ -228,6 +228,16 @@ struct CudaBackend::Impl {
 
   cudaStream_t s() const { return stream.get(); }
 
+  // Whether m rows of x (row stride w.cols) past one GEMV pass read fewer bytes as passes of kGemvBatchRows rows
+  // over the codes (each reads them once) than through dequantized(w): its kernel reads the codes and writes 2
+  // bytes a value, which cuBLAS reads again: FP4 up to 64 rows, FP8 up to 32.
+  static bool codes_in_passes(const Weight& w, int64_t m, const float* x) {
+    const double code_bytes = w.type == WeightType::e4m3 ? 1.0 : 0.5;
+    const int64_t passes = (m + kGemvBatchRows - 1) / kGemvBatchRows;
+    return m > kGemvBatchRows && w.cols % 4 == 0 && gemv_takes(w, kGemvBatchRows, w.cols, x) &&
+           static_cast<double>(passes) * code_bytes < code_bytes + 4.0;
+  }
+
   // A quantized weight's values in bf16, in the arena (taken after the op's arena.begin()).
   Weight dequantized(const Weight& w) {
     auto* p = arena.take<uint16_t>(w.rows * w.cols);
@@ -244,6 +254,12 @@ struct CudaBackend::Impl {
   void linear(const float* x, int64_t m, const Weight& w, float* y, float beta) {
     if (m == 0 || w.rows == 0) return;
     if (is_quantized(w.type) && !gemv_takes(w, m, w.cols, x)) {
+      if (codes_in_passes(w, m, x)) {  // passes of kGemvBatchRows rows over the codes
+        for (int64_t m0 = 0; m0 < m; m0 += kGemvBatchRows) {
+          linear(x + m0 * w.cols, std::min<int64_t>(kGemvBatchRows, m - m0), w, y + m0 * w.rows, beta);
+        }
+        return;
+      }
       linear(x, m, dequantized(w), y, beta);
       return;
     }
@@ -456,9 +472,21 @@ void CudaBackend::copy(void* dst, const void* src, size_t bytes) {
 }
 void CudaBackend::synchronize() { TROUPE_CUDA(cudaStreamSynchronize(impl_->s())); }
 
-bool CudaBackend::takes_quantized() const {
+namespace {
+// TROUPE_CUDA_QUANTIZED: 0 (unset), 1 / all, experts.
+std::string quantized_setting() {
   const char* e = std::getenv("TROUPE_CUDA_QUANTIZED");
-  return e != nullptr && std::strcmp(e, "1") == 0;
+  const std::string v = e != nullptr ? e : "0";
+  TROUPE_REQUIRE(v == "0" || v == "1" || v == "all" || v == "experts",
+                 "TROUPE_CUDA_QUANTIZED must be 0, 1, all or experts, not '" + v + "'");
+  return v;
+}
+}  // namespace
+
+bool CudaBackend::takes_quantized() const { return quantized_setting() != "0"; }
+bool CudaBackend::keeps_quantized(bool routed_expert) const {
+  const std::string v = quantized_setting();
+  return v == "1" || v == "all" || (v == "experts" && routed_expert);
 }
 
 void CudaBackend::linear(const float* x, int64_t m, const Weight& w, float* y, float beta) {

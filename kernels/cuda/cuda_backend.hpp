@@ -35,6 +35,9 @@ class CudaBackend final : public Backend {
   // dequantize into bf16 first) only with TROUPE_CUDA_QUANTIZED=1 until measured (docs/kernels-notes.md
   // session 36); otherwise the loader dequantizes them into bf16.
   bool takes_quantized() const override;
+  // TROUPE_CUDA_QUANTIZED=1 (or all): every quantized matrix kept as codes; =experts: the routed experts' only
+  // (the rest bf16, for cuBLAS past 8 rows of x).
+  bool keeps_quantized(bool routed_expert) const override;
   cudaStream_t stream() const;
   int device() const;
 

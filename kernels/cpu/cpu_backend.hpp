@@ -7,7 +7,7 @@
 
 namespace troupe::kernels::cpu {
 
-class CpuBackend final : public Backend {
+class CpuBackend : public Backend {
  public:
   std::string name() const override { return "cpu"; }
   bool takes_quantized() const override { return true; }

@@ -4,6 +4,7 @@
 
 #include <cuda_fp8.h>
 
+#include "kernels/cuda/codes.hpp"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/dense.hpp"
 
@@ -64,17 +65,7 @@ struct WLoad<__half> {
   }
 };
 
-// Codes to floats without conversion instructions (Hopper issues F2F at a quarter of the integer rate, and one
-// 16-byte chunk of FP4 holds 32 values): a code's bits placed into an fp32 word read as the value times a power of
-// two, whatever the code (a format's subnormals land on fp32's, whose exponent field is zero too), then one multiply
-// by its inverse. Exact: both steps are powers of two away from the value. Measured in docs/kernels-notes.md
-// (session 37) against the conversion instructions the first form used.
-
-// Half h (the low 16 bits) as fp32: sign to bit 31, exponent and mantissa to bits 27..13; the word is h's value
-// times 2^-112 (normal and subnormal halves alike).
-__device__ __forceinline__ float half_bits_to_f32(uint32_t h) {
-  return __uint_as_float(((h & 0x7fffu) << 13) | ((h & 0x8000u) << 16)) * 0x1p112f;
-}
+// Chunks of codes as floats, converted as kernels/cuda/codes.hpp says.
 
 template <>
 struct WLoad<E4m3Codes> {  // exact: every e4m3 value is a half (NaN codes, 0x7f / 0xff, read as finite)
@@ -95,13 +86,7 @@ struct WLoad<E4m3Codes> {  // exact: every e4m3 value is a half (NaN codes, 0x7f
   }
 };
 
-// Code j (bits 4j .. 4j + 3) of w: sign, two exponent bits, one mantissa bit (-0 for code 8, as the CPU's table).
-// Exponent and mantissa bits to bits 24..22 and the sign to bit 31: the value times 2^-126 (exponent 0: m 2^-127).
-__device__ __forceinline__ float e2m1_at(uint32_t w, int j) {
-  const uint32_t em = (j <= 5 ? w << (22 - 4 * j) : w >> (4 * j - 22)) & 0x01c00000u;
-  const uint32_t sign = (w << (28 - 4 * j)) & 0x80000000u;
-  return __uint_as_float(em | sign) * 0x1p126f;
-}
+// One e2m1 code, the low 4 bits of c.
 __device__ __forceinline__ float e2m1_value(uint32_t c) { return e2m1_at(c, 0); }
 
 template <>

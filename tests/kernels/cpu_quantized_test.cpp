@@ -2,7 +2,8 @@
 // that takes a Weight gives the same bits as it gives over the dequantized fp32
 // matrix (each element code * scale, converted by base/dtype, the loader's
 // converter), for whole matrices, row views that start inside a scale block,
-// grouped products, experts and embedding rows.
+// grouped products, experts and embedding rows. And the CUDA kernels' conversions of
+// codes (kernels/cuda/codes.hpp, host and device alike) against base/dtype on every code.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -12,6 +13,7 @@
 
 #include "base/dtype.hpp"
 #include "kernels/backend.hpp"
+#include "kernels/cuda/codes.hpp"
 
 namespace troupe::kernels {
 namespace {
@@ -230,6 +232,35 @@ TEST(CpuQuantized, experts_from_one_stacked_gate_up_tensor) {
             got.data());
     expect_same_bits(got, want, type == WeightType::e4m3 ? "moe e4m3" : "moe e2m1");
   }
+}
+
+// The CUDA kernels read e2m1 codes and the halves e4m3 codes become by placing bits and multiplying by a power of
+// two; those very functions, here on the host, give base/dtype's values for every code at every position of a
+// word (-0 for e2m1 code 8 included) and for every finite half (e4m3's values are all halves).
+TEST(CudaCodes, bit_placement_gives_every_code_its_value) {
+  uint32_t checked = 0;
+  for (uint32_t c = 0; c < 16; ++c) {
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t word = (c << (4 * j)) | (((c + 5u) & 15u) << (4 * ((j + 3) % 8)) & ~(15u << (4 * j)));
+      const float got = cuda::e2m1_at(word, j), want = e2m1_to_f32(static_cast<uint8_t>(c));
+      ASSERT_EQ(got, want) << "e2m1 code " << c << " at nibble " << j;
+      ASSERT_EQ(std::signbit(got), std::signbit(want)) << "e2m1 code " << c << " at nibble " << j;
+      ++checked;
+    }
+  }
+  for (uint32_t h = 0; h < 65536; ++h) {
+    if (((h >> 10) & 31u) == 31u) continue;  // infinities and NaNs: not values of e4m3fn codes
+    const float got = cuda::half_bits_to_f32(h | 0xabcd0000u), want = f16_to_f32(static_cast<uint16_t>(h));
+    ASSERT_EQ(got, want) << "half 0x" << std::hex << h;
+    ASSERT_EQ(std::signbit(got), std::signbit(want)) << "half 0x" << std::hex << h;
+    ++checked;
+  }
+  for (uint32_t v = 0; v < 256; ++v) {  // every finite e4m3 value is the half it converts to
+    if ((v & 0x7fu) == 0x7fu) continue;
+    const float f = e4m3_to_f32(static_cast<uint8_t>(v));
+    ASSERT_EQ(f16_to_f32(f32_to_f16(f)), f) << "e4m3 code " << v;
+  }
+  EXPECT_EQ(checked, 16u * 8u + 63488u);
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <random>
 
 #include "kernels/backend.hpp"
+#include "kernels/cpu/cpu_backend.hpp"
 #include "model/forward.hpp"
 #include "model/safetensors.hpp"
 #include "tests/model/fixtures.hpp"
@@ -119,6 +120,36 @@ void expect_quantized_same_as_dequantized(const std::string& dir, const Fixture&
 TEST(QuantizedWeights, kept_as_codes_give_the_bits_of_the_dequantized_load) {
   const Fixture f = load_fixture("fp8_fp4");
   expect_quantized_same_as_dequantized(f.dir, f);
+}
+
+// A backend may keep some matrices' codes and have the rest dequantized (the CUDA backend's
+// TROUPE_CUDA_QUANTIZED=experts): here the CPU backend keeping only the routed experts'. The logits keep
+// the dequantized load's bits, and the weights' bytes fall between the two loads'.
+class RoutedExpertCodesOnly : public kernels::cpu::CpuBackend {
+ public:
+  bool keeps_quantized(bool routed_expert) const override { return routed_expert; }
+};
+
+TEST(QuantizedWeights, a_backend_may_keep_only_the_routed_experts_codes) {
+  const Fixture f = load_fixture("fp8_fp4");
+  RoutedExpertCodesOnly experts_only;
+  auto cpu = kernels::make_cpu_backend();
+  auto mixed = model::Model::load(f.dir, experts_only);
+  auto kept = model::Model::load(f.dir, *cpu);
+  auto dense = model::Model::load(f.dir, *cpu, kernels::WeightType::f32);
+  const auto& l0 = mixed->weights().layers[0];
+  EXPECT_EQ(l0.attn.q_a_proj.type, kernels::WeightType::f32);
+  EXPECT_EQ(l0.moe.shared_gate.type, kernels::WeightType::f32);
+  for (const auto* w : {&l0.moe.gate, &l0.moe.up, &l0.moe.down}) {
+    ASSERT_FALSE(w->empty());
+    for (const auto& e : *w) EXPECT_EQ(e.type, kernels::WeightType::e2m1);
+  }
+  EXPECT_LT(kept->weights_bytes(), mixed->weights_bytes());
+  EXPECT_LT(mixed->weights_bytes(), dense->weights_bytes());
+  const auto T = static_cast<int64_t>(f.ids.size());
+  const auto a = run_chunked(*mixed, f.ids, {T}), b = run_chunked(*dense, f.ids, {T});
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * 4));
 }
 
 // transformers' layout of the same experts: one gate_up_proj [E, 2I, D] and one down_proj

@@ -31,12 +31,13 @@ class CudaBackend final : public Backend {
   CudaBackend& operator=(const CudaBackend&) = delete;
 
   std::string name() const override { return "cuda"; }
-  // FP8 / FP4 weights kept as codes (GEMVs and MoE convert them in registers; larger products
-  // dequantize into bf16 first) only with TROUPE_CUDA_QUANTIZED=1 until measured (docs/kernels-notes.md
-  // session 36); otherwise the loader dequantizes them into bf16.
+  // FP8 / FP4 weights kept as codes only where TROUPE_CUDA_QUANTIZED asks (GEMVs and MoE convert them in
+  // registers, products of more rows run as 8-row passes over them or dequantize into bf16 first); by
+  // default the loader dequantizes them into bf16. Off until measured faster: the first run (session 37,
+  // docs/kernels-notes.md) was slower, the forms since have not run on a GPU.
   bool takes_quantized() const override;
   // TROUPE_CUDA_QUANTIZED=1 (or all): every quantized matrix kept as codes; =experts: the routed experts' only
-  // (the rest bf16, for cuBLAS past 8 rows of x).
+  // (the rest bf16, for cuBLAS past 8 rows of x); 0 or unset: none. Other values throw.
   bool keeps_quantized(bool routed_expert) const override;
   cudaStream_t stream() const;
   int device() const;

@@ -68,21 +68,15 @@ struct WLoad<__half> {
 // Chunks of codes as floats, converted as kernels/cuda/codes.hpp says.
 
 template <>
-struct WLoad<E4m3Codes> {  // exact: every e4m3 value is a half (NaN codes, 0x7f / 0xff, read as finite)
+struct WLoad<E4m3Codes> {  // NaN codes (0x7f / 0xff) read as finite
   static constexpr int kVec = 16, kPer = 1;
   static constexpr bool kQuant = true;
   __device__ static void cvt(const uint4& v, float (&f)[16]) {
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < 4; ++i)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const __half2_raw r =
-            __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>((w[i] >> (16 * h)) & 0xffffu), __NV_E4M3);
-        f[4 * i + 2 * h] = half_bits_to_f32(r.x);
-        f[4 * i + 2 * h + 1] = half_bits_to_f32(r.y);
-      }
-    }
+      for (int j = 0; j < 4; ++j) f[4 * i + j] = e4m3_at(w[i], j);
   }
 };
 

@@ -228,13 +228,13 @@ struct CudaBackend::Impl {
 
   cudaStream_t s() const { return stream.get(); }
 
-  // Whether m rows of x (row stride w.cols) past one GEMV pass read fewer bytes as passes of kGemvBatchRows rows
+  // Whether m rows of x (row stride ldx) past one GEMV pass read fewer bytes as passes of kGemvBatchRows rows
   // over the codes (each reads them once) than through dequantized(w): its kernel reads the codes and writes 2
   // bytes a value, which cuBLAS reads again: FP4 up to 64 rows, FP8 up to 32.
-  static bool codes_in_passes(const Weight& w, int64_t m, const float* x) {
+  static bool codes_in_passes(const Weight& w, int64_t m, int64_t ldx, const float* x) {
     const double code_bytes = w.type == WeightType::e4m3 ? 1.0 : 0.5;
     const int64_t passes = (m + kGemvBatchRows - 1) / kGemvBatchRows;
-    return m > kGemvBatchRows && w.cols % 4 == 0 && gemv_takes(w, kGemvBatchRows, w.cols, x) &&
+    return m > kGemvBatchRows && ldx % 4 == 0 && gemv_takes(w, kGemvBatchRows, ldx, x) &&
            static_cast<double>(passes) * code_bytes < code_bytes + 4.0;
   }
 
@@ -254,7 +254,7 @@ struct CudaBackend::Impl {
   void linear(const float* x, int64_t m, const Weight& w, float* y, float beta) {
     if (m == 0 || w.rows == 0) return;
     if (is_quantized(w.type) && !gemv_takes(w, m, w.cols, x)) {
-      if (codes_in_passes(w, m, x)) {  // passes of kGemvBatchRows rows over the codes
+      if (codes_in_passes(w, m, w.cols, x)) {  // passes of kGemvBatchRows rows over the codes
         for (int64_t m0 = 0; m0 < m; m0 += kGemvBatchRows) {
           linear(x + m0 * w.cols, std::min<int64_t>(kGemvBatchRows, m - m0), w, y + m0 * w.rows, beta);
         }
@@ -508,6 +508,13 @@ void CudaBackend::linear_grouped(const float* x, int64_t m, const Weight& wq, in
   const int64_t out = wq.rows / groups;
   if (m <= kGemvBatchRows && gemv_takes(wq, m, groups * wq.cols, x)) {
     gemv(x, groups * wq.cols, m, wq, y, wq.rows, 0.f, out, impl_->s());
+    return;
+  }
+  if (is_quantized(wq.type) && Impl::codes_in_passes(wq, m, groups * wq.cols, x)) {
+    for (int64_t m0 = 0; m0 < m; m0 += kGemvBatchRows) {
+      gemv(x + m0 * groups * wq.cols, groups * wq.cols, std::min<int64_t>(kGemvBatchRows, m - m0), wq,
+           y + m0 * wq.rows, wq.rows, 0.f, out, impl_->s());
+    }
     return;
   }
   impl_->arena.begin();

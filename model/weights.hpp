@@ -71,8 +71,9 @@ class Weights {
  public:
   // Loads and checks every tensor the config needs. Matrices become `matrix_type`
   // (fp32 for the CPU backend); vectors and tables stay fp32 / int64. With
-  // keep_quantized, on a backend that takes_quantized(), a matrix the checkpoint
-  // stores as FP8 / FP4 stays in its codes with fp32 block scales (the same values
+  // keep_quantized, a matrix the checkpoint stores as FP8 / FP4 that the backend
+  // keeps_quantized() (routed experts' and the rest asked apart) stays in its codes
+  // with fp32 block scales (the same values
   // as dequantizing it, at a quarter / an eighth of the fp32 bytes); otherwise it is
   // dequantized into `matrix_type`. Throws troupe::Error naming the tensor and the
   // directory.

@@ -152,7 +152,8 @@ int fixtures(const std::string& dir) {
     emit({{"kind", "fixture"}, {"fixture", name}, {"backend", "cpu"}, {"weights", "f32"}, {"mode", "one call"},
           {"max_abs", cc.max_abs}, {"rel_l2", cc.rel_l2}, {"top1", cc.top1}});
     std::vector<std::string> types = {"bf16", "f32"};
-    if (gpu->takes_quantized()) types.push_back("auto");  // a quantized fixture's codes kept
+    // a quantized fixture's codes kept (for the others, auto is the bf16 load again)
+    if (gpu->takes_quantized() && mc->config().quantization.fp8) types.push_back("auto");
     for (const auto& w : types) {
       auto m = model::Model::load(d, *gpu, weight_type(w));
       int64_t replays = 0;

@@ -2,7 +2,7 @@
 # On the GPU machine, one call: the CUDA backend's path over FP8 / FP4 codes (TROUPE_CUDA_QUANTIZED=1)
 # checked and timed against the default, which dequantizes a quantized checkpoint into bf16 as it loads.
 #   bench/gpu/quantized-check.sh BUNDLE OUT
-# BUNDLE: a device-bundle of troupe, troupe_gpu_e2e and kernels_cuda_backend_test (model_tests optional).
+# BUNDLE: a device-bundle of troupe, troupe_gpu_e2e and kernels_cuda_backend_test.
 # Stages (each with a time limit; a failed stage does not stop the others):
 #   1. kernels_cuda_backend_test's quantized cases (every op over codes against the CPU backend's quantized
 #      ops), and compute-sanitizer memcheck over them
@@ -13,9 +13,9 @@
 #      relative L2), then the steady decode step of both at BATCHES (step-ab.sh)
 # STEP_SETTINGS: the step A/B's settings, space-separated ("as-built TROUPE_CUDA_QUANTIZED=1"; as-built: none;
 # E2E_BIN=NAME in one runs that binary of the bundle, as step-ab.sh).
-# NCU=1: before the step A/B, a batch-1 step of each split into groups of ops (troupe_gpu_e2e bench's
-# "profile" line) and into kernels (ncu over two eager steps, bench/gpu/ncu_steps.py). The step A/B's runs'
-# JSON lines (with their "profile" lines) go to OUT/step-runs.jsonl.
+# NCU=1: before the step A/B, a batch-1 step with codes kept and without split into kernels (ncu over two eager
+# steps, bench/gpu/ncu_steps.py). The step A/B's runs' JSON lines go to OUT/step-runs.jsonl; their "profile"
+# lines (a step split into groups of ops) are printed last.
 # LOGITS_Q ("0 1"): the settings stage 3's logits run, each compared with the first. SKIP_SAN=1: no memcheck.
 # STEP_ONLY=1 skips stages 1 and 2, SKIP_TESTS=1 stage 1; FIX_Q ("0 1"): the settings stage 2 runs. Budgets: TEST_S (120), FIX_S (150), STEP_S (300). BATCHES (1,8,64).
 set -uo pipefail
@@ -37,10 +37,6 @@ if [ "${STEP_ONLY:-0}" != 1 ] && [ "${SKIP_TESTS:-0}" != 1 ]; then
   fi
 fi
 if [ "${STEP_ONLY:-0}" != 1 ]; then
-  src=${BUILD_SOURCE_DIR:-/work/main}  # the fixtures the binary was built to find
-  if [ ! -e "$src/tests/fixtures/model" ]; then
-    mkdir -p "$src/tests/fixtures" && ln -s "$here/tests/fixtures/model" "$src/tests/fixtures/model"
-  fi
   for q in ${FIX_Q:-0 1}; do
     TROUPE_CUDA_QUANTIZED=$q timeout "${FIX_S:-150}" "$bundle/run.sh" troupe_gpu_e2e fixtures \
       --dir "$here/tests/fixtures/model" > "$out/fixtures_q$q.jsonl" 2> "$out/fixtures_q$q.err"
@@ -88,15 +84,8 @@ for q in settings[1:]:
     print(f"TROUPE_CUDA_QUANTIZED={q} against ={settings[0]}: top-1 agreement {top:.4f} over {b.shape[0]} positions, "
           f"rel L2 {rel:.2e}, max abs {np.abs(base - b).max():.3e}, finite {np.isfinite(b).all()}")
 EOF
-if [ "${NCU:-0}" = 1 ]; then  # where a batch-1 step's time goes, codes kept and not
+if [ "${NCU:-0}" = 1 ]; then  # a batch-1 step by kernel, codes kept and not
   for q in 1 0; do
-    TROUPE_CUDA_QUANTIZED=$q timeout 100 "$bundle/run.sh" troupe_gpu_e2e bench --model "$model" --batch 1 --prompt 512 \
-      --new 8 > "$out/bench_b1_q$q.jsonl" 2>&1
-    python3 -c "
-import json, sys
-for l in open('$out/bench_b1_q$q.jsonl'):
-    if l.startswith('{') and '\"profile\"' in l:
-        r = json.loads(l); print('profile q$q', r['replayed_step_us'], {k: round(v, 1) for k, v in r['us_per_step'].items()})"
     TROUPE_CUDA_QUANTIZED=$q timeout 150 ncu --profile-from-start off --clock-control none --cache-control none --metrics gpu__time_duration.sum \
       --csv "$bundle/run.sh" troupe_gpu_e2e profile-steps --model "$model" --prompt 512 --steps 2 > "$out/ncu_q$q.csv" 2>&1
     python3 "$here/bench/gpu/ncu_steps.py" "$out/ncu_q$q.csv" 2 > "$out/ncu_q$q.md"; head -30 "$out/ncu_q$q.md"

@@ -513,8 +513,14 @@ struct GridParams {
   bool counted_finish; // TopkArgs::finish == 2: the gathering CTAs also count the bucket's next digit
 };
 
+// A one-chunk row's second digit (select_one_chunk): 8 bits under round 0's 11, counted into
+// GSmem::hist1 (zeroed with the round-0 histogram) and its threshold found by one warp.
+constexpr int kDigit1Bits = 8;
+constexpr int kDigit1Bins = 1 << kDigit1Bits;
+
 struct GSmem {
   uint32_t hist[kGBins];
+  alignas(16) uint32_t hist1[kDigit1Bins];
   uint32_t scan[32];
   uint32_t thr_bin, thr_above, thr_cnt, thr_old;  // thr_old: scan_places'
   uint32_t above_ctr, tie_ctr, local_above, local_tie;
@@ -791,6 +797,7 @@ __device__ __forceinline__ uint32_t load_row_chunk(const GridParams& p, int row,
                                                    GSmem& sm) {
   constexpr int kChunk = kThreads * EPT;
   for (int i = threadIdx.x; i < kGBins; i += kThreads) sm.hist[i] = 0;
+  if (threadIdx.x < kDigit1Bins) sm.hist1[threadIdx.x] = 0;
   __syncthreads();
   const int64_t c0 = static_cast<int64_t>(chunk) * kChunk;
   const int64_t n_here = len - c0 < kChunk ? len - c0 : kChunk;
@@ -831,6 +838,42 @@ __device__ __forceinline__ int64_t chunk_index(int64_t c0, uint32_t flat) {
   return c0 + (e >> 2) * (kThreads * 4) + th * 4 + (e & 3);
 }
 
+// find_threshold over sm.hist1 (kDigit1Bins bins) by warp 0 alone: each lane sums 8 bins
+// (from the top), one warp scan, and the lane where the count reaches `need` writes
+// sm.thr_*. Ends with a barrier. Against find_threshold's block scan: no barriers but the last.
+__device__ __forceinline__ void find_threshold_digit1(uint32_t need, GSmem& sm) {
+  static_assert(kDigit1Bins == 8 * 32, "8 bins a lane");
+  if (threadIdx.x < 32) {
+    const int lane = static_cast<int>(threadIdx.x);
+    const int b0 = kDigit1Bins - 8 * (lane + 1);  // lane 0 the highest bins
+    const uint4 lo = *reinterpret_cast<const uint4*>(sm.hist1 + b0);
+    const uint4 hi = *reinterpret_cast<const uint4*>(sm.hist1 + b0 + 4);
+    const uint32_t c[8] = {hi.w, hi.z, hi.y, hi.x, lo.w, lo.z, lo.y, lo.x};  // bin b0 + 7 - j
+    uint32_t local = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) local += c[j];
+    uint32_t incl = local;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const uint32_t t = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += t;
+    }
+    uint32_t run = incl - local;
+    if (run < need && need <= incl) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (run < need && need <= run + c[j]) {
+          sm.thr_bin = static_cast<uint32_t>(b0 + 7 - j);
+          sm.thr_above = run;
+          sm.thr_cnt = c[j];
+        }
+        run += c[j];
+      }
+    }
+  }
+  __syncthreads();
+}
+
 // A row that is one chunk (at sk, from c0 = 0; vmask: this thread's valid keys; its
 // round-0 digits counted into sm.hist by load_row_chunk): selected in this CTA, ties by
 // lower index. The threshold bucket of that count; unless the bucket is taken whole, the
@@ -845,21 +888,19 @@ __device__ __forceinline__ void select_one_chunk(const GridParams& p, int row, i
   const int tid = threadIdx.x;
   const uint32_t kk = static_cast<uint32_t>(p.k);
   auto key = [&](int e) { return sk[e * kThreads + tid]; };
+  if (tid == 0) sm.local_above = sm.local_tie = 0;  // warp_places' counters, for the emission below
   __syncthreads();  // every thread's round-0 counts
   find_threshold<kThreads>(sm.hist, kGBins, kk, sm);
   if (prof) prof[3] = global_ns();
   const uint32_t t0 = sm.thr_bin;
   uint32_t above = sm.thr_above, on = sm.thr_cnt, prefix = t0;
   int drop = digit_shift(0);
-  if (on != kk - above) {  // the bucket's next digit
-    constexpr int kShift1 = digit_shift(1);
-    constexpr uint32_t kBins1 = 1u << digit_bits(1);
-    for (uint32_t i = tid; i < kBins1; i += kThreads) sm.hist[i] = 0;  // find_threshold's reads are done
-    __syncthreads();
-    count_bucket_digit<EPT>(sk, vmask, drop, t0, kShift1, kBins1, sm.hist);
+  if (on != kk - above) {  // the bucket's next 8 bits (zeroed by load_row_chunk): 2 barriers, not 6
+    constexpr int kShift1 = digit_shift(0) - kDigit1Bits;
+    count_bucket_digit<EPT>(sk, vmask, drop, t0, kShift1, kDigit1Bins, sm.hist1);
     __syncthreads();  // and every thread has read sm.thr_*
-    find_threshold<kThreads>(sm.hist, kBins1, kk - above, sm);
-    prefix = (t0 << digit_bits(1)) | sm.thr_bin;
+    find_threshold_digit1(kk - above, sm);
+    prefix = (t0 << kDigit1Bits) | sm.thr_bin;
     drop = kShift1;
     above += sm.thr_above;
     on = sm.thr_cnt;
@@ -867,15 +908,15 @@ __device__ __forceinline__ void select_one_chunk(const GridParams& p, int row, i
   if (prof) prof[4] = global_ns();
   const uint32_t need_on = kk - above;
   const bool all_on = on == need_on;
-  __syncthreads();  // every thread has read sm.thr_*
+  // From here no barrier before the emission: sm.thr_* is not written again (but by block_select), the
+  // counters were zeroed above, and sm.hist (the on-list's space) was last read inside find_threshold.
   if (!all_on && on > kRankMax) [[unlikely]] {  // the same in every thread
+    __syncthreads();  // every thread has read sm.thr_*
     block_select(
         sk, kThreads * EPT, [&](uint32_t i) { return chunk_index(0, i) < len; },
         [&](uint32_t i) { return static_cast<uint32_t>(chunk_index(0, i)); }, 0u, 0, kk, sm,
         [&](uint32_t pos, uint32_t i) { out[pos] = translate_g(p, row, chunk_index(0, i)); });
   } else {
-    if (tid == 0) sm.local_above = sm.local_tie = 0;
-    __syncthreads();
     // The elements on the threshold, as key << 32 | ~index (distinct), in the spent
     // histogram's space (kRankMax 64-bit entries fit in it).
     uint64_t* on_list = reinterpret_cast<uint64_t*>(sm.hist);

@@ -1522,6 +1522,56 @@ __global__ void moe_gather_kernel(const float* x, int64_t dim, const int32_t* pe
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) xs[blockIdx.x * dim + i] = s[i];
 }
 
+// ---- the batched MoE's pieces (see dense.hpp) ----
+template <class HT>
+__global__ void moe_pad_gather_kernel(const float* x, int64_t dim, const int32_t* idx, const int32_t* perm,
+                                      const int32_t* offsets, int k, int64_t cap, HT* xh, HT* xl, int32_t* slot) {
+  pdl_entry();  // see launch_kernel
+  const int64_t pos = blockIdx.x;  // sorted place
+  const int32_t p = perm[pos];
+  const int32_t e = idx[p];
+  const int64_t row = static_cast<int64_t>(e) * cap + (pos - offsets[e]);
+  if (threadIdx.x == 0) slot[p] = static_cast<int32_t>(row);
+  const float* src = x + static_cast<int64_t>(p / k) * dim;
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+    const float v = src[i];
+    const HT h = round_half<HT>(v);
+    xh[row * dim + i] = h;
+    if (xl != nullptr) xl[row * dim + i] = round_half<HT>(v - static_cast<float>(h));
+  }
+}
+
+template <class HT>
+__global__ void moe_pad_swiglu_kernel(const float* gu, int64_t up_base, int64_t inter, const int32_t* slot,
+                                      float limit, HT* hh, HT* hl) {
+  pdl_entry();  // see launch_kernel
+  const int64_t row = slot[blockIdx.x];
+  for (int64_t i = threadIdx.x; i < inter; i += blockDim.x) {
+    const float v = swiglu1(gu[row * inter + i], gu[(up_base + row) * inter + i], limit);
+    const HT h = round_half<HT>(v);
+    hh[row * inter + i] = h;
+    if (hl != nullptr) hl[row * inter + i] = round_half<HT>(v - static_cast<float>(h));
+  }
+}
+
+__global__ void moe_batch_pointers_kernel(int experts, int64_t cap, int64_t dim, int64_t inter, const char* xh,
+                                          const char* xl, float* gu, const char* hh, const char* hl, float* ys,
+                                          void** ptrs) {
+  pdl_entry();  // see launch_kernel
+  const int64_t half = 2;  // bytes of a bf16 / f16 value
+  for (int i = static_cast<int>(threadIdx.x); i < 2 * experts; i += static_cast<int>(blockDim.x)) {
+    const int64_t e = i % experts;
+    ptrs[i] = const_cast<char*>(xh) + e * cap * dim * half;
+    ptrs[2 * experts + i] = xl != nullptr ? const_cast<char*>(xl) + e * cap * dim * half : nullptr;
+    ptrs[4 * experts + i] = gu + static_cast<int64_t>(i) * cap * inter;
+  }
+  for (int e = static_cast<int>(threadIdx.x); e < experts; e += static_cast<int>(blockDim.x)) {
+    ptrs[6 * experts + e] = const_cast<char*>(hh) + e * cap * inter * half;
+    ptrs[7 * experts + e] = hl != nullptr ? const_cast<char*>(hl) + e * cap * inter * half : nullptr;
+    ptrs[8 * experts + e] = ys + e * cap * dim;
+  }
+}
+
 int threads_for(int64_t n) { return static_cast<int>(std::clamp<int64_t>((n + 31) / 32 * 32, 32, 256)); }
 
 }  // namespace
@@ -1878,6 +1928,44 @@ void moe_sort(const int32_t* idx, int64_t pairs, int experts, int32_t* counts, i
 void moe_gather(const float* x, int64_t dim, const int32_t* perm, int64_t pairs, int k, float* xs, cudaStream_t s) {
   if (pairs == 0) return;
   launch_kernel(moe_gather_kernel, static_cast<unsigned>(pairs), threads_for(dim), 0, s, x, dim, perm, k, xs);
+  TROUPE_LAUNCHED();
+}
+
+void moe_pad_gather(const float* x, int64_t dim, const int32_t* idx, const int32_t* perm, const int32_t* offsets,
+                    int64_t pairs, int k, int64_t cap, WeightType type, void* xh, void* xl, int32_t* slot,
+                    cudaStream_t s) {
+  if (pairs == 0) return;
+  TROUPE_REQUIRE(pairs <= 2147483647, "moe_pad_gather: too many pairs");
+  const auto grid = static_cast<unsigned>(pairs);
+  if (type == WeightType::f16) {
+    launch_kernel(moe_pad_gather_kernel<__half>, grid, threads_for(dim), 0, s, x, dim, idx, perm, offsets, k, cap,
+                  static_cast<__half*>(xh), static_cast<__half*>(xl), slot);
+  } else {
+    launch_kernel(moe_pad_gather_kernel<__nv_bfloat16>, grid, threads_for(dim), 0, s, x, dim, idx, perm, offsets, k,
+                  cap, static_cast<__nv_bfloat16*>(xh), static_cast<__nv_bfloat16*>(xl), slot);
+  }
+  TROUPE_LAUNCHED();
+}
+
+void moe_pad_swiglu(const float* gu, int experts, int64_t cap, int64_t inter, const int32_t* slot, int64_t pairs,
+                    float limit, WeightType type, void* hh, void* hl, cudaStream_t s) {
+  if (pairs == 0) return;
+  const auto grid = static_cast<unsigned>(pairs);
+  const int64_t up_base = static_cast<int64_t>(experts) * cap;
+  if (type == WeightType::f16) {
+    launch_kernel(moe_pad_swiglu_kernel<__half>, grid, threads_for(inter), 0, s, gu, up_base, inter, slot, limit,
+                  static_cast<__half*>(hh), static_cast<__half*>(hl));
+  } else {
+    launch_kernel(moe_pad_swiglu_kernel<__nv_bfloat16>, grid, threads_for(inter), 0, s, gu, up_base, inter, slot,
+                  limit, static_cast<__nv_bfloat16*>(hh), static_cast<__nv_bfloat16*>(hl));
+  }
+  TROUPE_LAUNCHED();
+}
+
+void moe_batch_pointers(int experts, int64_t cap, int64_t dim, int64_t inter, const void* xh, const void* xl,
+                        float* gu, const void* hh, const void* hl, float* ys, void** ptrs, cudaStream_t s) {
+  launch_kernel(moe_batch_pointers_kernel, 1, 256, 0, s, experts, cap, dim, inter, static_cast<const char*>(xh),
+                static_cast<const char*>(xl), gu, static_cast<const char*>(hh), static_cast<const char*>(hl), ys, ptrs);
   TROUPE_LAUNCHED();
 }
 

@@ -116,6 +116,24 @@ void moe_grouped(const float* x, int64_t rows, int64_t dim, const int32_t* idx, 
 void moe_sort(const int32_t* idx, int64_t pairs, int experts, int32_t* counts, int32_t* offsets, int32_t* perm,
               int32_t* inv, cudaStream_t s);
 void moe_gather(const float* x, int64_t dim, const int32_t* perm, int64_t pairs, int k, float* xs, cudaStream_t s);
+// The batched MoE's pieces (CudaBackend::moe: every expert's rows as one batched GEMM on the tensor
+// cores, for calls whose experts average several rows each). Each expert's rows sit in a block of
+// `cap` rows (cap >= its count; rows past the count are never written nor read back):
+// moe_pad_gather: the sorted pairs' rows of x into xh (and their split's second term into xl, when
+// given) as half (bf16 or f16, `type`): pair p's row at slot[p] = idx[p] * cap + its place in the
+// expert's rows.
+void moe_pad_gather(const float* x, int64_t dim, const int32_t* idx, const int32_t* perm, const int32_t* offsets,
+                    int64_t pairs, int k, int64_t cap, WeightType type, void* xh, void* xl, int32_t* slot,
+                    cudaStream_t s);
+// moe_pad_swiglu: h = swiglu(gate, up) at the pairs' rows (gu: [2 * experts * cap, inter], gate blocks
+// then up blocks), as half into hh (and the split's second term into hl, when given).
+void moe_pad_swiglu(const float* gu, int experts, int64_t cap, int64_t inter, const int32_t* slot, int64_t pairs,
+                    float limit, WeightType type, void* hh, void* hl, cudaStream_t s);
+// The batched GEMMs' pointer arrays, 9 * experts of them: [0, 2E) gate/up inputs (xh blocks, twice),
+// [2E, 4E) the same of xl, [4E, 6E) gate/up outputs (gu blocks), [6E, 7E) down inputs (hh blocks),
+// [7E, 8E) the same of hl, [8E, 9E) down outputs (ys blocks). Null bases give null pointers.
+void moe_batch_pointers(int experts, int64_t cap, int64_t dim, int64_t inter, const void* xh, const void* xl,
+                        float* gu, const void* hh, const void* hl, float* ys, void** ptrs, cudaStream_t s);
 // out[r] += sum_j weight[r*k+j] * ys[inv[r*k+j]]
 void moe_combine(const float* ys, const int32_t* inv, const float* weight, int64_t rows, int k, int64_t dim, float* out,
                  cudaStream_t s);

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstdio>
 #include <limits>
 #include <numeric>
@@ -506,6 +507,12 @@ void expect_moe_like_cpu(Backend& cpu, Backend& gpu, std::mt19937& rng, const Ex
   EXPECT_CLOSE(out.gpu_host(rows * dim), out.cpu_host(rows * dim), tol);
 }
 
+// TROUPE_MOE_BATCHED=1: CudaBackend::moe's batched GEMMs (read once, as the backend reads it).
+bool moe_batched_on() {
+  const char* e = std::getenv("TROUPE_MOE_BATCHED");
+  return e != nullptr && e[0] == '1';
+}
+
 TEST_F(CudaBackendTest, moe_matches_cpu_on_the_pair_and_sorted_paths) {
   const int experts = 16, k = 6;
   for (WeightType type : {WeightType::bf16, WeightType::f32}) {
@@ -524,11 +531,15 @@ TEST_F(CudaBackendTest, moe_matches_cpu_on_the_pair_and_sorted_paths) {
         set.gu.push_back(u.back()->gw);
         set.gd.push_back(d.back()->gw);
       }
-      for (int64_t rows : {1, 3, 8, 40, 100}) {
+      for (int64_t rows : {1, 3, 8, 10, 40, 64, 100}) {
         SCOPED_TRACE("rows " + std::to_string(rows) + " dim " + std::to_string(dim));
-        // Up to 64 rows: GEMVs on fp32 activations (pair path for one row, grouped by expert
-        // on the device otherwise); beyond, cuBLAS on bf16-rounded activations.
-        const bool exact = rows <= 64 || type == WeightType::f32;
+        // GEMVs on fp32 activations up to 64 rows (pair path for one row, grouped by expert on the
+        // device otherwise); past that, cuBLAS on bf16-rounded activations (one GEMM chain an expert).
+        // With TROUPE_MOE_BATCHED=1 (ctest's kernels_cuda_moe_batched), rows past 8
+        // whose experts average 4 or more (40 and 64 rows; 10 rows: 60 pairs over 16 experts, not)
+        // run as batched GEMMs over every expert's rows, also on bf16-rounded activations.
+        const bool batched = moe_batched_on() && rows > 8 && rows <= 64 && rows * k >= 4 * experts;
+        const bool exact = type == WeightType::f32 || (rows <= 64 && !batched);
         expect_moe_like_cpu(cpu(), gpu(), rng_, set, rows, dim, k, exact ? 2e-5 : 1e-2);
       }
     }

@@ -11,13 +11,7 @@
 #      both settings at BATCHES (step-ab.sh), then a table: step, routed experts' share of it (the bench's profile
 #      line), and how many of the last run's generated tokens (first and last a sequence) the two settings share
 # BATCHES (8,16,64), ROUNDS (1), SKIP_TESTS=1, SKIP_SAN=1; budgets TEST_S (120), STEP_S (300).
-set -uo pipefail
-here=$(cd "$(dirname "$0")/../.." && pwd)
-bundle=$(cd "$1" && pwd) out=$2
-mkdir -p "$out"
-export NCCL_NVLS_ENABLE=0
-export TROUPE_TOKENIZER_DIR=${TROUPE_TOKENIZER_DIR:-$here/model/tokenizer/data/deepseek-v4}
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/smi.txt"
+source "$(dirname "$0")/check-env.sh" "$@"  # here, bundle, out; NCCL_NVLS_ENABLE=0, the tokenizer, OUT/smi.txt
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   for on in 0 1; do
     TROUPE_MOE_BATCHED=$on timeout "${TEST_S:-120}" "$bundle/run.sh" kernels_cuda_backend_test --gtest_filter='*moe*' \

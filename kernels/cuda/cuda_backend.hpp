@@ -33,8 +33,8 @@ class CudaBackend final : public Backend {
   std::string name() const override { return "cuda"; }
   // FP8 / FP4 weights kept as codes only where TROUPE_CUDA_QUANTIZED asks (GEMVs and MoE convert them in
   // registers, products of more rows run as 8-row passes over them or dequantize into bf16 first); by
-  // default the loader dequantizes them into bf16. Off until measured faster: the first run (session 37,
-  // docs/kernels-notes.md) was slower, the forms since have not run on a GPU.
+  // default the loader dequantizes them into bf16. Off until measured faster: slower than the dequantized
+  // load at batch 1 and 64 in sessions 37 and 38 (docs/kernel-runs/run38-quantized.md).
   bool takes_quantized() const override;
   // TROUPE_CUDA_QUANTIZED=1 (or all): every quantized matrix kept as codes; =experts: the routed experts' only
   // (the rest bf16, for cuBLAS past 8 rows of x); 0 or unset: none. Other values throw.

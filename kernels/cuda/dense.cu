@@ -80,9 +80,6 @@ struct WLoad<E4m3Codes> {  // NaN codes (0x7f / 0xff) read as finite
   }
 };
 
-// One e2m1 code, the low 4 bits of c.
-__device__ __forceinline__ float e2m1_value(uint32_t c) { return e2m1_at(c, 0); }
-
 template <>
 struct WLoad<E2m1Codes> {  // element 2j in the low nibble
   static constexpr int kVec = 32, kPer = 2;
@@ -109,6 +106,17 @@ auto by_weight_type(WeightType type, Fn&& fn) -> decltype(fn(float{})) {
   return fn(float{});
 }
 
+// fn(HT{}) for the half type HT that activations take before products with weights of type `type` in
+// cuBLAS (to_half, the batched MoE): __half for f16 weights, else __nv_bfloat16.
+template <class Fn>
+void by_half_type(WeightType type, Fn&& fn) {
+  if (type == WeightType::f16) {
+    fn(__half{});
+  } else {
+    fn(__nv_bfloat16{});
+  }
+}
+
 // Values of weights of type t that 16 bytes hold (WLoad's kVec): the chunk gemv_core reads.
 int chunk_values(WeightType t) {
   return by_weight_type(t, [](auto tag) { return WLoad<decltype(tag)>::kVec; });
@@ -130,7 +138,7 @@ __device__ __forceinline__ float quantized_value(const uint8_t* codes, bool fp4,
   float v;
   if (fp4) {
     const uint32_t byte = codes[row * (cols / 2) + col / 2];
-    v = e2m1_value((col & 1) ? byte >> 4 : byte);
+    v = e2m1_at((col & 1) ? byte >> 4 : byte, 0);
   } else {
     const auto code = static_cast<__nv_fp8_storage_t>(codes[row * cols + col]);
     v = __half2float(__half(__nv_cvt_fp8_to_halfraw(code, __NV_E4M3)));
@@ -1554,20 +1562,19 @@ __global__ void moe_pad_swiglu_kernel(const float* gu, int64_t up_base, int64_t 
   }
 }
 
-__global__ void moe_batch_pointers_kernel(int experts, int64_t cap, int64_t dim, int64_t inter, const char* xh,
-                                          const char* xl, float* gu, const char* hh, const char* hl, float* ys,
-                                          void** ptrs) {
+__global__ void moe_batch_pointers_kernel(int experts, int64_t cap, int64_t dim, int64_t inter, char* xh, char* xl,
+                                          float* gu, char* hh, char* hl, float* ys, void** ptrs) {
   pdl_entry();  // see launch_kernel
   const int64_t half = 2;  // bytes of a bf16 / f16 value
   for (int i = static_cast<int>(threadIdx.x); i < 2 * experts; i += static_cast<int>(blockDim.x)) {
     const int64_t e = i % experts;
-    ptrs[i] = const_cast<char*>(xh) + e * cap * dim * half;
-    ptrs[2 * experts + i] = xl != nullptr ? const_cast<char*>(xl) + e * cap * dim * half : nullptr;
+    ptrs[i] = xh + e * cap * dim * half;
+    ptrs[2 * experts + i] = xl != nullptr ? xl + e * cap * dim * half : nullptr;
     ptrs[4 * experts + i] = gu + static_cast<int64_t>(i) * cap * inter;
   }
   for (int e = static_cast<int>(threadIdx.x); e < experts; e += static_cast<int>(blockDim.x)) {
-    ptrs[6 * experts + e] = const_cast<char*>(hh) + e * cap * inter * half;
-    ptrs[7 * experts + e] = hl != nullptr ? const_cast<char*>(hl) + e * cap * inter * half : nullptr;
+    ptrs[6 * experts + e] = hh + e * cap * inter * half;
+    ptrs[7 * experts + e] = hl != nullptr ? hl + e * cap * inter * half : nullptr;
     ptrs[8 * experts + e] = ys + e * cap * dim;
   }
 }
@@ -1749,13 +1756,10 @@ void add(float* y, const float* x, int64_t n, cudaStream_t s) {
 
 void to_half(const float* x, int64_t n, void* out, WeightType type, cudaStream_t s, void* lo) {
   if (n == 0) return;
-  if (type == WeightType::f16) {
-    launch_kernel(to_half_kernel<__half>, grid_for(n), 256, 0, s, x, n, static_cast<__half*>(out),
-                  static_cast<__half*>(lo));
-  } else {
-    launch_kernel(to_half_kernel<__nv_bfloat16>, grid_for(n), 256, 0, s, x, n, static_cast<__nv_bfloat16*>(out),
-                  static_cast<__nv_bfloat16*>(lo));
-  }
+  by_half_type(type, [&](auto tag) {
+    using HT = decltype(tag);
+    launch_kernel(to_half_kernel<HT>, grid_for(n), 256, 0, s, x, n, static_cast<HT*>(out), static_cast<HT*>(lo));
+  });
   TROUPE_LAUNCHED();
 }
 
@@ -1936,36 +1940,30 @@ void moe_pad_gather(const float* x, int64_t dim, const int32_t* idx, const int32
                     cudaStream_t s) {
   if (pairs == 0) return;
   TROUPE_REQUIRE(pairs <= 2147483647, "moe_pad_gather: too many pairs");
-  const auto grid = static_cast<unsigned>(pairs);
-  if (type == WeightType::f16) {
-    launch_kernel(moe_pad_gather_kernel<__half>, grid, threads_for(dim), 0, s, x, dim, idx, perm, offsets, k, cap,
-                  static_cast<__half*>(xh), static_cast<__half*>(xl), slot);
-  } else {
-    launch_kernel(moe_pad_gather_kernel<__nv_bfloat16>, grid, threads_for(dim), 0, s, x, dim, idx, perm, offsets, k,
-                  cap, static_cast<__nv_bfloat16*>(xh), static_cast<__nv_bfloat16*>(xl), slot);
-  }
+  by_half_type(type, [&](auto tag) {
+    using HT = decltype(tag);
+    launch_kernel(moe_pad_gather_kernel<HT>, static_cast<unsigned>(pairs), threads_for(dim), 0, s, x, dim, idx, perm,
+                  offsets, k, cap, static_cast<HT*>(xh), static_cast<HT*>(xl), slot);
+  });
   TROUPE_LAUNCHED();
 }
 
 void moe_pad_swiglu(const float* gu, int experts, int64_t cap, int64_t inter, const int32_t* slot, int64_t pairs,
                     float limit, WeightType type, void* hh, void* hl, cudaStream_t s) {
   if (pairs == 0) return;
-  const auto grid = static_cast<unsigned>(pairs);
   const int64_t up_base = static_cast<int64_t>(experts) * cap;
-  if (type == WeightType::f16) {
-    launch_kernel(moe_pad_swiglu_kernel<__half>, grid, threads_for(inter), 0, s, gu, up_base, inter, slot, limit,
-                  static_cast<__half*>(hh), static_cast<__half*>(hl));
-  } else {
-    launch_kernel(moe_pad_swiglu_kernel<__nv_bfloat16>, grid, threads_for(inter), 0, s, gu, up_base, inter, slot,
-                  limit, static_cast<__nv_bfloat16*>(hh), static_cast<__nv_bfloat16*>(hl));
-  }
+  by_half_type(type, [&](auto tag) {
+    using HT = decltype(tag);
+    launch_kernel(moe_pad_swiglu_kernel<HT>, static_cast<unsigned>(pairs), threads_for(inter), 0, s, gu, up_base,
+                  inter, slot, limit, static_cast<HT*>(hh), static_cast<HT*>(hl));
+  });
   TROUPE_LAUNCHED();
 }
 
-void moe_batch_pointers(int experts, int64_t cap, int64_t dim, int64_t inter, const void* xh, const void* xl,
-                        float* gu, const void* hh, const void* hl, float* ys, void** ptrs, cudaStream_t s) {
-  launch_kernel(moe_batch_pointers_kernel, 1, 256, 0, s, experts, cap, dim, inter, static_cast<const char*>(xh),
-                static_cast<const char*>(xl), gu, static_cast<const char*>(hh), static_cast<const char*>(hl), ys, ptrs);
+void moe_batch_pointers(int experts, int64_t cap, int64_t dim, int64_t inter, void* xh, void* xl, float* gu, void* hh,
+                        void* hl, float* ys, void** ptrs, cudaStream_t s) {
+  launch_kernel(moe_batch_pointers_kernel, 1, 256, 0, s, experts, cap, dim, inter, static_cast<char*>(xh),
+                static_cast<char*>(xl), gu, static_cast<char*>(hh), static_cast<char*>(hl), ys, ptrs);
   TROUPE_LAUNCHED();
 }
 

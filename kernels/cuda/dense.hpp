@@ -132,8 +132,8 @@ void moe_pad_swiglu(const float* gu, int experts, int64_t cap, int64_t inter, co
 // The batched GEMMs' pointer arrays, 9 * experts of them: [0, 2E) gate/up inputs (xh blocks, twice),
 // [2E, 4E) the same of xl, [4E, 6E) gate/up outputs (gu blocks), [6E, 7E) down inputs (hh blocks),
 // [7E, 8E) the same of hl, [8E, 9E) down outputs (ys blocks). Null bases give null pointers.
-void moe_batch_pointers(int experts, int64_t cap, int64_t dim, int64_t inter, const void* xh, const void* xl,
-                        float* gu, const void* hh, const void* hl, float* ys, void** ptrs, cudaStream_t s);
+void moe_batch_pointers(int experts, int64_t cap, int64_t dim, int64_t inter, void* xh, void* xl, float* gu, void* hh,
+                        void* hl, float* ys, void** ptrs, cudaStream_t s);
 // out[r] += sum_j weight[r*k+j] * ys[inv[r*k+j]]
 void moe_combine(const float* ys, const int32_t* inv, const float* weight, int64_t rows, int k, int64_t dim, float* out,
                  cudaStream_t s);

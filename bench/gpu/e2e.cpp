@@ -24,6 +24,10 @@
 //       engine::Engine on the CUDA backend (paged pools in device memory, decode
 //       steps through the Decoder, a host tier on the copy stream): tok/s, and a
 //       parked-and-resumed request against an unparked one
+//   troupe_gpu_e2e moe --experts 256 --k 6 --dim 4096 --inter 2048 --rows 8,16,64
+//       Backend::moe alone on random bf16 experts and routes (k distinct experts a row):
+//       microseconds a call and the touched experts' weight bytes over it; --dump DIR
+//       writes each call's output (moe_rows<R>.npy) to compare two settings' results
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -46,6 +50,7 @@
 #include <cuda_profiler_api.h>
 #endif
 
+#include "base/dtype.hpp"
 #include "base/npy.hpp"
 #include "engine/engine.hpp"
 #include "kernels/backend.hpp"
@@ -575,6 +580,91 @@ int run_engine(const std::string& dir, int batch, int64_t prompt, int64_t fresh,
   return 0;
 }
 
+// Backend::moe alone: E experts of random bf16 (gate, up: inter x dim; down: dim x inter) in
+// one allocation, random x and routes of k distinct experts a row; each rows count timed over
+// `calls` calls after 3 warm-up calls (the environment's TROUPE_MOE_BATCHED picks the path).
+int moe_bench(int experts, int k, int64_t dim, int64_t inter, const std::vector<int64_t>& rows_list, int calls,
+              uint64_t seed, const std::string& dump) {
+  if (experts < 1 || k < 1 || k > experts || dim < 1 || inter < 1 || calls < 1) {
+    throw std::invalid_argument("moe: need 1 <= k <= experts and positive dim, inter, calls");
+  }
+  auto be = cuda();
+  const int64_t per_matrix = (inter * dim + 127) / 128 * 128, per_expert = 3 * per_matrix;  // 256-byte aligned
+  auto* weights = static_cast<uint16_t*>(be->alloc(static_cast<size_t>(experts * per_expert) * 2));
+  // A random block, uploaded once and copied across the experts at shifting offsets.
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  const int64_t block = std::min<int64_t>(int64_t{16} << 20, experts * per_expert);
+  std::vector<uint16_t> host(static_cast<size_t>(block + 4096));
+  const float wscale = 1.f / std::sqrt(static_cast<float>(dim));
+  for (auto& h : host) h = f32_to_bf16(normal(rng) * wscale);
+  void* staging = be->alloc(host.size() * 2);
+  be->to_device(staging, host.data(), host.size() * 2);
+  for (int64_t at = 0, i = 0; at < experts * per_expert; at += block, ++i) {
+    const int64_t n = std::min(block, experts * per_expert - at);
+    be->copy(weights + at, static_cast<uint16_t*>(staging) + (i * 97) % 4096, static_cast<size_t>(n) * 2);
+  }
+  std::vector<kernels::Weight> gate(experts), up(experts), down(experts);
+  for (int e = 0; e < experts; ++e) {
+    const uint16_t* base = weights + e * per_expert;
+    gate[e] = {base, kernels::WeightType::bf16, inter, dim};
+    up[e] = {base + per_matrix, kernels::WeightType::bf16, inter, dim};
+    down[e] = {base + 2 * per_matrix, kernels::WeightType::bf16, dim, inter};
+  }
+  for (int64_t rows : rows_list) {
+    std::vector<float> x(static_cast<size_t>(rows * dim)), wt(static_cast<size_t>(rows * k));
+    for (auto& v : x) v = normal(rng);
+    for (auto& v : wt) v = 0.5f + 0.1f * normal(rng);
+    std::vector<int32_t> idx(static_cast<size_t>(rows * k)), order(static_cast<size_t>(experts));
+    std::vector<char> touched(static_cast<size_t>(experts), 0);
+    for (int64_t r = 0; r < rows; ++r) {
+      std::iota(order.begin(), order.end(), 0);
+      std::shuffle(order.begin(), order.end(), rng);
+      for (int j = 0; j < k; ++j) {
+        idx[static_cast<size_t>(r * k + j)] = order[static_cast<size_t>(j)];
+        touched[static_cast<size_t>(order[static_cast<size_t>(j)])] = 1;
+      }
+    }
+    auto* dx = static_cast<float*>(be->alloc(x.size() * 4));
+    auto* dw = static_cast<float*>(be->alloc(wt.size() * 4));
+    auto* di = static_cast<int32_t*>(be->alloc(idx.size() * 4));
+    auto* dout = static_cast<float*>(be->alloc(x.size() * 4));
+    be->to_device(dx, x.data(), x.size() * 4);
+    be->to_device(dw, wt.data(), wt.size() * 4);
+    be->to_device(di, idx.data(), idx.size() * 4);
+    const std::vector<float> zeros(x.size(), 0.f);
+    be->to_device(dout, zeros.data(), zeros.size() * 4);
+    be->moe(dx, rows, dim, di, dw, k, experts, gate.data(), up.data(), down.data(), 10.f, dout);
+    be->synchronize();
+    std::vector<float> first(x.size());
+    be->to_host(first.data(), dout, first.size() * 4);  // one call's output (out starts at zero)
+    for (int i = 0; i < 2; ++i) be->moe(dx, rows, dim, di, dw, k, experts, gate.data(), up.data(), down.data(), 10.f, dout);
+    be->synchronize();
+    const double t0 = now();
+    for (int i = 0; i < calls; ++i) {
+      be->moe(dx, rows, dim, di, dw, k, experts, gate.data(), up.data(), down.data(), 10.f, dout);
+    }
+    be->synchronize();
+    const double us = (now() - t0) / calls * 1e6;
+    const auto n_touched = std::count(touched.begin(), touched.end(), 1);
+    const double bytes = static_cast<double>(n_touched) * static_cast<double>(per_expert) * 2;
+    const char* setting = std::getenv("TROUPE_MOE_BATCHED");
+    emit({{"kind", "moe"}, {"setting", setting != nullptr ? setting : ""}, {"experts", experts}, {"k", k},
+          {"dim", dim}, {"inter", inter}, {"rows", rows}, {"touched", n_touched}, {"us", us},
+          {"touched_weight_gbs", bytes / us * 1e-3}});
+    if (!dump.empty()) {
+      std::filesystem::create_directories(dump);
+      write_npy_f32(dump + "/moe_rows" + std::to_string(rows) + ".npy", first.data(), {rows, dim});
+    }
+    for (void* p : {static_cast<void*>(dx), static_cast<void*>(dw), static_cast<void*>(di), static_cast<void*>(dout)}) {
+      be->free(p);
+    }
+  }
+  be->free(staging);
+  be->free(weights);
+  return 0;
+}
+
 std::vector<int64_t> parse_list(const std::string& s) {
   std::vector<int64_t> v;
   std::stringstream ss(s);
@@ -619,6 +709,18 @@ int main(int argc, char** argv) {
   bn->add_option("--repeats", repeats);
   cx->add_option("--contexts", contexts);
   cx->add_option("--steps", steps);
+  auto* mo = app.add_subcommand("moe", "Backend::moe alone on random bf16 experts");
+  int experts = 256, top_k = 6, calls = 20;
+  int64_t dim = 4096, inter = 2048;
+  std::string rows_list = "8,16,64", dump;
+  mo->add_option("--experts", experts);
+  mo->add_option("--k", top_k);
+  mo->add_option("--dim", dim);
+  mo->add_option("--inter", inter);
+  mo->add_option("--rows", rows_list);
+  mo->add_option("--calls", calls);
+  mo->add_option("--seed", seed);
+  mo->add_option("--dump", dump, "write each rows count's output here (moe_rows<R>.npy)");
   CLI11_PARSE(app, argc, argv);
   try {
     if (fx->parsed()) return fixtures(dir);
@@ -627,6 +729,7 @@ int main(int argc, char** argv) {
     if (bn->parsed()) return bench(model_dir, batch, prompt, fresh, repeats, seed);
     if (cx->parsed()) return context(model_dir, parse_list(contexts), steps);
     if (en->parsed()) return run_engine(model_dir, batch, prompt, fresh, seed);
+    if (mo->parsed()) return moe_bench(experts, top_k, dim, inter, parse_list(rows_list), calls, seed, dump);
   } catch (const std::exception& e) {
     std::cerr << "troupe_gpu_e2e: " << e.what() << "\n";
     emit({{"kind", "error"}, {"what", e.what()}});

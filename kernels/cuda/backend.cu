@@ -199,12 +199,13 @@ constexpr int64_t kAttentionF32Queries = kGemvBatchRows;  // attention calls thi
 constexpr int64_t kAttentionF32MaxKeys = 2048;
 constexpr int64_t kPairsWithoutSync = 64;  // MoE pairs of one row handled pair by pair
 constexpr int64_t kRowsWithoutSync = 64;   // MoE rows handled without a host round trip
-// With TROUPE_MOE_BATCHED=1 (off by default: written in session 38 and not yet run on a GPU), MoE
-// calls of more than kGemvBatchRows rows whose experts average at least this many rows each (pairs >=
-// kBatchedRowsPerExpert * experts; then nearly every expert is touched) run as batched GEMMs on the
-// tensor cores over bf16 / f16 experts: each expert's weights read once, where the grouped GEMVs read
-// them once per 8 rows and spend 4-8 FMA instructions a weight (H100, run 38: the Flash-shaped model at
-// batch 64, 24 rows an expert, spends 9.9 of its 11.7 ms step in the routed experts, ~1 TB/s).
+// MoE calls of more than kGemvBatchRows rows whose experts average at least this many rows each
+// (pairs >= kBatchedRowsPerExpert * experts; then nearly every expert is touched) run as batched GEMMs
+// on the tensor cores over bf16 / f16 experts: each expert's weights read once, where the grouped GEMVs
+// read them once per 8 rows and spend 4-8 FMA instructions a weight. H100, run 39 (the Flash-shaped
+// model, 16 experts, top-6): batch 64 step 11.76 -> 3.29 ms (routed experts 9.9 -> 1.4 ms), batch 16
+// 4.59 -> 2.81 ms. TROUPE_MOE_BATCHED=0 turns it off; =2 takes it at any rows count past one (for
+// measuring where it starts to win).
 constexpr int64_t kBatchedRowsPerExpert = 4;
 
 }  // namespace
@@ -295,9 +296,12 @@ struct CudaBackend::Impl {
 
   // Whether moe() takes moe_batched for these experts and rows (see kBatchedRowsPerExpert).
   static bool moe_batched_takes(WeightType type, int64_t rows, int64_t pairs, int experts) {
-    static const bool on = env_switch("TROUPE_MOE_BATCHED") > 0;
-    return on && (type == WeightType::bf16 || type == WeightType::f16) && rows > kGemvBatchRows &&
-           pairs >= kBatchedRowsPerExpert * experts;
+    static const int mode = [] {
+      const char* e = std::getenv("TROUPE_MOE_BATCHED");
+      return e == nullptr ? 1 : e[0] == '0' ? 0 : e[0] == '2' ? 2 : 1;
+    }();
+    if (mode == 0 || (type != WeightType::bf16 && type != WeightType::f16)) return false;
+    return mode == 2 ? rows > 1 : rows > kGemvBatchRows && pairs >= kBatchedRowsPerExpert * experts;
   }
 
   // MoE as batched GEMMs: the pairs sorted by expert on the device, each expert's rows gathered

@@ -507,10 +507,13 @@ void expect_moe_like_cpu(Backend& cpu, Backend& gpu, std::mt19937& rng, const Ex
   EXPECT_CLOSE(out.gpu_host(rows * dim), out.cpu_host(rows * dim), tol);
 }
 
-// TROUPE_MOE_BATCHED=1: CudaBackend::moe's batched GEMMs (read once, as the backend reads it).
-bool moe_batched_on() {
+// Whether CudaBackend::moe takes its batched GEMMs (bf16-rounded activations) for this call:
+// TROUPE_MOE_BATCHED unset or 1, past 8 rows whose experts average 4 rows or more; 0 never; 2 past one row.
+bool moe_batched(int64_t rows, int64_t pairs, int experts) {
   const char* e = std::getenv("TROUPE_MOE_BATCHED");
-  return e != nullptr && e[0] == '1';
+  const char mode = e == nullptr ? '1' : e[0];
+  if (mode == '0' || rows > 64) return false;
+  return mode == '2' ? rows > 1 : rows > 8 && pairs >= 4 * experts;
 }
 
 TEST_F(CudaBackendTest, moe_matches_cpu_on_the_pair_and_sorted_paths) {
@@ -535,11 +538,10 @@ TEST_F(CudaBackendTest, moe_matches_cpu_on_the_pair_and_sorted_paths) {
         SCOPED_TRACE("rows " + std::to_string(rows) + " dim " + std::to_string(dim));
         // GEMVs on fp32 activations up to 64 rows (pair path for one row, grouped by expert on the
         // device otherwise); past that, cuBLAS on bf16-rounded activations (one GEMM chain an expert).
-        // With TROUPE_MOE_BATCHED=1 (ctest's kernels_cuda_moe_batched), rows past 8
-        // whose experts average 4 or more (40 and 64 rows; 10 rows: 60 pairs over 16 experts, not)
-        // run as batched GEMMs over every expert's rows, also on bf16-rounded activations.
-        const bool batched = moe_batched_on() && rows > 8 && rows <= 64 && rows * k >= 4 * experts;
-        const bool exact = type == WeightType::f32 || (rows <= 64 && !batched);
+        // bf16 calls past 8 rows whose experts average 4 or more (40 and 64 rows; 10 rows: 60 pairs over
+        // 16 experts, not) run as batched GEMMs over every expert's rows, also on bf16-rounded activations
+        // (ctest's kernels_cuda_moe_grouped turns that off, kernels_cuda_moe_batched_always takes it past one row).
+        const bool exact = type == WeightType::f32 || (rows <= 64 && !moe_batched(rows, rows * k, experts));
         expect_moe_like_cpu(cpu(), gpu(), rng_, set, rows, dim, k, exact ? 2e-5 : 1e-2);
       }
     }

@@ -246,6 +246,14 @@ struct CudaBackend::Impl {
            static_cast<double>(passes) * code_bytes < code_bytes + 4.0;
   }
 
+  // gemv over m rows as passes of kGemvBatchRows rows (each reads the weight once; codes_in_passes).
+  void gemv_in_passes(const float* x, int64_t ldx, int64_t m, const Weight& w, float* y, int64_t ldy, float beta,
+                      int64_t group_rows) {
+    for (int64_t m0 = 0; m0 < m; m0 += kGemvBatchRows) {
+      gemv(x + m0 * ldx, ldx, std::min<int64_t>(kGemvBatchRows, m - m0), w, y + m0 * ldy, ldy, beta, group_rows, s());
+    }
+  }
+
   // A quantized weight's values in bf16, in the arena (taken after the op's arena.begin()).
   Weight dequantized(const Weight& w) {
     auto* p = arena.take<uint16_t>(w.rows * w.cols);
@@ -262,10 +270,8 @@ struct CudaBackend::Impl {
   void linear(const float* x, int64_t m, const Weight& w, float* y, float beta) {
     if (m == 0 || w.rows == 0) return;
     if (is_quantized(w.type) && !gemv_takes(w, m, w.cols, x)) {
-      if (codes_in_passes(w, m, w.cols, x)) {  // passes of kGemvBatchRows rows over the codes
-        for (int64_t m0 = 0; m0 < m; m0 += kGemvBatchRows) {
-          linear(x + m0 * w.cols, std::min<int64_t>(kGemvBatchRows, m - m0), w, y + m0 * w.rows, beta);
-        }
+      if (codes_in_passes(w, m, w.cols, x)) {
+        gemv_in_passes(x, w.cols, m, w, y, w.rows, beta, 0);
         return;
       }
       linear(x, m, dequantized(w), y, beta);
@@ -572,10 +578,7 @@ void CudaBackend::linear_grouped(const float* x, int64_t m, const Weight& wq, in
     return;
   }
   if (is_quantized(wq.type) && Impl::codes_in_passes(wq, m, groups * wq.cols, x)) {
-    for (int64_t m0 = 0; m0 < m; m0 += kGemvBatchRows) {
-      gemv(x + m0 * groups * wq.cols, groups * wq.cols, std::min<int64_t>(kGemvBatchRows, m - m0), wq,
-           y + m0 * wq.rows, wq.rows, 0.f, out, impl_->s());
-    }
+    impl_->gemv_in_passes(x, groups * wq.cols, m, wq, y, wq.rows, 0.f, out);
     return;
   }
   impl_->arena.begin();

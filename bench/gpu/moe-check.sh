@@ -8,13 +8,14 @@
 #   1. kernels_cuda_backend_test (all of it, as built), its MoE cases with TROUPE_MOE_BATCHED=0 and =2, and
 #      compute-sanitizer memcheck over the MoE cases with =2; model_tests DecoderGpu; the committed fixtures
 #      through the CUDA backend (troupe_gpu_e2e fixtures) as built and with =0
-#   2. Backend::moe alone (troupe_gpu_e2e moe) at MOE_SHAPES (experts:k:dim:inter), rows MOE_ROWS, with =0 and =2:
+#   2. Backend::moe alone (troupe_gpu_e2e moe) at MOE_SHAPES (experts:k:dim:inter), rows MOE_ROWS, with each
+#      TROUPE_MOE_BATCHED value of OP_SETTINGS (0 2) against =0:
 #      microseconds a call, touched experts' weight bytes a second, and the two outputs' relative L2 distance
 #   3. a Flash-shaped 4-layer bf16 model (init-model --preset flash-shaped --dtype bf16): the steady decode step at
 #      BATCHES of each setting in SETTINGS (step-ab.sh), then a table: step, routed experts' share of it (the
 #      bench's profile line) and how many of the last run's generated tokens (first and last a sequence) each
 #      setting shares with the first setting of the list
-# SKIP_TESTS=1, SKIP_SAN=1, SKIP_OP=1, SKIP_STEP=1; budgets TEST_S (150), OP_S (150), STEP_S (300).
+# SKIP_TESTS=1, SKIP_SAN=1, SKIP_OP=1, SKIP_STEP=1, FIXTURE_SETTINGS ("1 0"; empty: none); budgets TEST_S (150), OP_S (150), STEP_S (300).
 source "$(dirname "$0")/check-env.sh" "$@"  # here, bundle, out; NCCL_NVLS_ENABLE=0, the tokenizer, OUT/smi.txt
 count() { echo "exit $1 ($(grep -c '^\[       OK' "$2") ok, $(grep -c '^\[  FAILED' "$2") failed lines)"; }
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
@@ -40,7 +41,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     echo "model_tests DecoderGpu: $(count $? "$out/decoder_gpu.log")"
     grep -E "Failure|Expected" "$out/decoder_gpu.log" | head -6
   fi
-  for on in 1 0; do
+  for on in ${FIXTURE_SETTINGS-1 0}; do
     TROUPE_MOE_BATCHED=$on timeout 120 "$bundle/run.sh" troupe_gpu_e2e fixtures --dir "$here/tests/fixtures/model" \
       > "$out/fixtures$on.jsonl" 2> "$out/fixtures$on.err"
     echo "fixtures, TROUPE_MOE_BATCHED=$on: exit $?"
@@ -63,7 +64,7 @@ fi
 if [ "${SKIP_OP:-0}" != 1 ]; then
   for shape in ${MOE_SHAPES:-256:6:4096:2048 16:6:4096:2048}; do
     IFS=: read -r e k d i <<< "$shape"
-    for on in 0 2; do
+    for on in ${OP_SETTINGS:-0 2}; do
       TROUPE_MOE_BATCHED=$on timeout "${OP_S:-150}" "$bundle/run.sh" troupe_gpu_e2e moe --experts "$e" --k "$k" --dim "$d" \
         --inter "$i" --rows "${MOE_ROWS:-1,2,4,8,16,32,64}" --dump "$out/moe$on-$e" >> "$out/moe-op.jsonl" 2> "$out/moe-op.err"
       echo "moe op $shape TROUPE_MOE_BATCHED=$on: exit $?"
@@ -79,23 +80,25 @@ for line in open(os.path.join(out, "moe-op.jsonl")):
         r = json.loads(line)
         if r.get("kind") == "moe":
             runs[(r["experts"], r["k"], r["dim"], r["inter"], r["rows"], r["setting"])] = r
-print("| experts:k:dim:inter | rows | touched | grouped GEMVs (=0) us | GB/s | batched (=2) us | GB/s | ratio | rel L2 between |")
-print("|---|---|---|---|---|---|---|---|---|")
+print("| experts:k:dim:inter | rows | touched | grouped GEMVs (=0) us | GB/s | setting | us | GB/s | ratio | rel L2 between |")
+print("|---|---|---|---|---|---|---|---|---|---|")
 for key in sorted({k[:5] for k in runs}):
-    a, b = runs.get(key + ("0",)), runs.get(key + ("2",))
-    if not a or not b:
-        continue
-    d = ""
-    try:
-        x = np.load(os.path.join(out, f"moe0-{key[0]}", f"moe_rows{key[4]}.npy"))
-        y = np.load(os.path.join(out, f"moe2-{key[0]}", f"moe_rows{key[4]}.npy"))
-        d = f"{np.linalg.norm(x - y) / max(np.linalg.norm(x), 1e-30):.2e}"
-    except OSError:
-        pass
-    print(f"| {key[0]}:{key[1]}:{key[2]}:{key[3]} | {key[4]} | {a['touched']} | {a['us']:.1f} | {a['touched_weight_gbs']:.0f} | "
-          f"{b['us']:.1f} | {b['touched_weight_gbs']:.0f} | {a['us'] / b['us']:.2f} | {d} |")
+    a = runs.get(key + ("0",))
+    for setting in sorted({k[5] for k in runs if k[:5] == key} - {"0"}):
+        b = runs[key + (setting,)]
+        if not a:
+            continue
+        d = ""
+        try:
+            x = np.load(os.path.join(out, f"moe0-{key[0]}", f"moe_rows{key[4]}.npy"))
+            y = np.load(os.path.join(out, f"moe{setting}-{key[0]}", f"moe_rows{key[4]}.npy"))
+            d = f"{np.linalg.norm(x - y) / max(np.linalg.norm(x), 1e-30):.2e}"
+        except OSError:
+            pass
+        print(f"| {key[0]}:{key[1]}:{key[2]}:{key[3]} | {key[4]} | {a['touched']} | {a['us']:.1f} | {a['touched_weight_gbs']:.0f} | "
+              f"={setting} | {b['us']:.1f} | {b['touched_weight_gbs']:.0f} | {a['us'] / b['us']:.2f} | {d} |")
 EOF
-  rm -rf "$out"/moe[02]-*
+  rm -rf "$out"/moe[0-9]-*
 fi
 [ "${SKIP_STEP:-0}" = 1 ] && exit 0
 model=/dev/shm/flash-bf16

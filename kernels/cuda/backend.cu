@@ -199,14 +199,14 @@ constexpr int64_t kAttentionF32Queries = kGemvBatchRows;  // attention calls thi
 constexpr int64_t kAttentionF32MaxKeys = 2048;
 constexpr int64_t kPairsWithoutSync = 64;  // MoE pairs of one row handled pair by pair
 constexpr int64_t kRowsWithoutSync = 64;   // MoE rows handled without a host round trip
-// MoE calls of more than kGemvBatchRows rows whose experts average at least this many rows each
-// (pairs >= kBatchedRowsPerExpert * experts; then nearly every expert is touched) run as batched GEMMs
-// on the tensor cores over bf16 / f16 experts: each expert's weights read once, where the grouped GEMVs
-// read them once per 8 rows and spend 4-8 FMA instructions a weight. H100, run 39 (the Flash-shaped
-// model, 16 experts, top-6): batch 64 step 11.76 -> 3.29 ms (routed experts 9.9 -> 1.4 ms), batch 16
-// 4.59 -> 2.81 ms. TROUPE_MOE_BATCHED=0 turns it off; =2 takes it at any rows count past one (for
-// measuring where it starts to win).
-constexpr int64_t kBatchedRowsPerExpert = 4;
+// MoE calls of 2 to kRowsWithoutSync rows over bf16 / f16 experts run as batched GEMMs on the tensor
+// cores over the touched experts (moe_batched): each touched expert's weights read once, at ~2.4-2.8
+// TB/s, where the grouped GEMVs read them once per 8 rows at 0.3-1.5 TB/s. H100, run 39, Backend::moe
+// alone, 4096 x 2048 experts, top-6, us a call: 16 experts, 2 / 8 / 64 rows 343 / 558 / 2,466 -> 211 /
+// 306 / 339; 256 experts 914 / 1,907 / 10,420 -> 237 / 831 / 4,123. At one row the pair path (moe_pairs,
+// ~3 TB/s) stays: 101 us against 132-137 batched. TROUPE_MOE_BATCHED=0 turns it off; =2 takes it at one
+// row too, for measuring.
+constexpr int64_t kBatchedMinRows = 2;
 
 }  // namespace
 
@@ -300,55 +300,62 @@ struct CudaBackend::Impl {
     }
   }
 
-  // Whether moe() takes moe_batched for these experts and rows (see kBatchedRowsPerExpert).
-  static bool moe_batched_takes(WeightType type, int64_t rows, int64_t pairs, int experts) {
+  // Whether moe() takes moe_batched for these rows (see kBatchedMinRows).
+  static bool moe_batched_takes(WeightType type, int64_t rows) {
     static const int mode = [] {
       const char* e = std::getenv("TROUPE_MOE_BATCHED");
       return e == nullptr ? 1 : e[0] == '0' ? 0 : e[0] == '2' ? 2 : 1;
     }();
     if (mode == 0 || (type != WeightType::bf16 && type != WeightType::f16)) return false;
-    return mode == 2 ? rows > 1 : rows > kGemvBatchRows && pairs >= kBatchedRowsPerExpert * experts;
+    return rows >= (mode == 2 ? 1 : kBatchedMinRows);
   }
 
-  // MoE as batched GEMMs: the pairs sorted by expert on the device, each expert's rows gathered
-  // (as half) into a block of `rows` rows (the most an expert can have: route picks distinct experts),
-  // gate and up of every expert in one batched GEMM (their pointer tables are contiguous), swiglu at
-  // the pairs' rows, down in a second, then the weighted sum. Rows of a block past its expert's count
-  // are computed and never read. No host round trip: graph-safe.
+  // MoE as batched GEMMs over the touched experts: the pairs sorted by expert on the device, each touched
+  // expert's rows gathered (as half) into a block of `rows` rows (the most an expert can have: route picks
+  // distinct experts), gate and up of every entry in one batched GEMM, swiglu at the pairs' rows, down in
+  // a second, then the weighted sum. The batch is min(experts, pairs) entries, a bound on the touched
+  // experts known here; entries past them are spares (see moe_batch_pointers). Rows of a block past its
+  // expert's count are computed and never read. No host round trip: graph-safe.
   void moe_batched(const float* x, int64_t rows, int64_t dim, const int32_t* idx, const float* weight, int k,
                    int experts, const ExpertTables& t, float limit, float* out) {
     const int64_t pairs = rows * k, cap = rows, inter = t.inter;
+    const int n = static_cast<int>(std::min<int64_t>(experts, pairs));
     const bool split = gemm_split();
     auto* counts = arena.take<int32_t>(experts);
     auto* offsets = arena.take<int32_t>(experts + 1);
     auto* perm = arena.take<int32_t>(pairs);
     auto* inv = arena.take<int32_t>(pairs);
     auto* slot = arena.take<int32_t>(pairs);
-    const int64_t block_x = experts * cap * dim, block_h = experts * cap * inter;
+    auto* rank = arena.take<int32_t>(experts);
+    auto* touched = arena.take<int32_t>(n);
+    const int64_t block_x = n * cap * dim, block_h = n * cap * inter;
     void* xh = arena.take<uint16_t>(block_x);
     void* xl = split ? arena.take<uint16_t>(block_x) : nullptr;
-    float* gu = arena.take<float>(2 * block_h);
+    float* gu = arena.take<float>(2 * block_h + cap * inter);  // + the spares' block
     void* hh = arena.take<uint16_t>(block_h);
     void* hl = split ? arena.take<uint16_t>(block_h) : nullptr;
-    float* ys = arena.take<float>(block_x);
-    void** ptrs = arena.take<void*>(9 * static_cast<int64_t>(experts));
-    moe_sort(idx, pairs, experts, counts, offsets, perm, inv, s());
-    moe_pad_gather(x, dim, idx, perm, offsets, pairs, k, cap, t.type, xh, xl, slot, s());
-    moe_batch_pointers(experts, cap, dim, inter, xh, xl, gu, hh, hl, ys, ptrs, s());
+    float* ys = arena.take<float>(block_x + cap * dim);
+    void** ptrs = arena.take<void*>(12 * static_cast<int64_t>(n));
+    moe_sort(idx, pairs, experts, counts, offsets, perm, inv, s(), rank, touched, n);
+    moe_pad_gather(x, dim, idx, perm, offsets, rank, pairs, k, cap, t.type, xh, xl, slot, s());
+    moe_batch_pointers(n, touched, t, cap, dim, inter, xh, xl, gu, hh, hl, ys, ptrs, s());
     const cudaDataType_t ht = cuda_type(t.type);
     const float one = 1.f, zero = 0.f;
-    const int E = experts, M = static_cast<int>(cap), D = static_cast<int>(dim), I = static_cast<int>(inter);
+    const int M = static_cast<int>(cap), D = static_cast<int>(dim), I = static_cast<int>(inter);
+    void* const* p = ptrs;
     // y^T [n x cap] = W [n x K] . x^T [K x cap], column-major views as linear()'s GEMM.
     for (int pass = 0; pass < (split ? 2 : 1); ++pass) {
-      TROUPE_CUBLAS(cublasGemmBatchedEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, I, M, D, &one, t.gate, ht, D,
-                                        ptrs + 2 * E * pass, ht, D, pass == 0 ? &zero : &one, ptrs + 4 * E,
-                                        CUDA_R_32F, I, 2 * E, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      TROUPE_CUBLAS(cublasGemmBatchedEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, I, M, D, &one, p + 9 * n, ht, D,
+                                        p + 2 * n * pass, ht, D, pass == 0 ? &zero : &one,
+                                        p + 4 * n, CUDA_R_32F, I, 2 * n,
+                                        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     }
-    moe_pad_swiglu(gu, experts, cap, inter, slot, pairs, limit, t.type, hh, hl, s());
+    moe_pad_swiglu(gu, n, cap, inter, slot, pairs, limit, t.type, hh, hl, s());
     for (int pass = 0; pass < (split ? 2 : 1); ++pass) {
-      TROUPE_CUBLAS(cublasGemmBatchedEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, D, M, I, &one, t.down, ht, I,
-                                        ptrs + (6 + pass) * E, ht, I, pass == 0 ? &zero : &one, ptrs + 8 * E,
-                                        CUDA_R_32F, D, E, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      TROUPE_CUBLAS(cublasGemmBatchedEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, D, M, I, &one, p + 11 * n, ht, I,
+                                        p + (6 + pass) * n, ht, I, pass == 0 ? &zero : &one,
+                                        p + 8 * n, CUDA_R_32F, D, n, CUBLAS_COMPUTE_32F,
+                                        CUBLAS_GEMM_DEFAULT));
     }
     moe_combine(ys, slot, weight, rows, k, dim, out, s());
   }
@@ -810,7 +817,7 @@ void CudaBackend::moe(const float* x, int64_t rows, int64_t dim, const int32_t* 
       uniform &= same_grid(gate[e], gate[0]) && same_grid(up[e], up[0]) && same_grid(down[e], down[0]);
     }
   }
-  if (uniform && rows <= kRowsWithoutSync && Impl::moe_batched_takes(gate[0].type, rows, pairs, experts)) {
+  if (uniform && rows <= kRowsWithoutSync && Impl::moe_batched_takes(gate[0].type, rows)) {
     impl_->moe_batched(x, rows, dim, idx, weight, k, experts, impl_->tables(gate, up, down, experts), limit, out);
     return;
   }

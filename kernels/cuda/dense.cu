@@ -1498,7 +1498,7 @@ __global__ void moe_combine_kernel(const float* ys, const int32_t* inv, const fl
 }
 
 __global__ void moe_sort_kernel(const int32_t* idx, int64_t pairs, int experts, int32_t* counts, int32_t* offsets,
-                                int32_t* perm, int32_t* inv) {
+                                int32_t* perm, int32_t* inv, int32_t* rank, int32_t* touched, int entries) {
   pdl_entry();  // see launch_kernel
   extern __shared__ int32_t cur[];  // [experts]
   for (int e = threadIdx.x; e < experts; e += blockDim.x) cur[e] = 0;
@@ -1506,15 +1506,20 @@ __global__ void moe_sort_kernel(const int32_t* idx, int64_t pairs, int experts, 
   for (int64_t p = threadIdx.x; p < pairs; p += blockDim.x) atomicAdd(&cur[idx[p]], 1);
   __syncthreads();
   if (threadIdx.x == 0) {
-    int32_t run = 0;
+    int32_t run = 0, n = 0;
     for (int e = 0; e < experts; ++e) {
       counts[e] = cur[e];
       offsets[e] = run;
       const int32_t c = cur[e];
       cur[e] = run;
       run += c;
+      if (rank != nullptr) {
+        rank[e] = c > 0 ? n : -1;
+        if (c > 0) touched[n++] = e;
+      }
     }
     offsets[experts] = run;
+    for (int i = n; rank != nullptr && i < entries; ++i) touched[i] = -1;
   }
   __syncthreads();
   for (int64_t p = threadIdx.x; p < pairs; p += blockDim.x) {
@@ -1533,12 +1538,13 @@ __global__ void moe_gather_kernel(const float* x, int64_t dim, const int32_t* pe
 // ---- the batched MoE's pieces (see dense.hpp) ----
 template <class HT>
 __global__ void moe_pad_gather_kernel(const float* x, int64_t dim, const int32_t* idx, const int32_t* perm,
-                                      const int32_t* offsets, int k, int64_t cap, HT* xh, HT* xl, int32_t* slot) {
+                                      const int32_t* offsets, const int32_t* rank, int k, int64_t cap, HT* xh, HT* xl,
+                                      int32_t* slot) {
   pdl_entry();  // see launch_kernel
   const int64_t pos = blockIdx.x;  // sorted place
   const int32_t p = perm[pos];
   const int32_t e = idx[p];
-  const int64_t row = static_cast<int64_t>(e) * cap + (pos - offsets[e]);
+  const int64_t row = static_cast<int64_t>(rank[e]) * cap + (pos - offsets[e]);
   if (threadIdx.x == 0) slot[p] = static_cast<int32_t>(row);
   const float* src = x + static_cast<int64_t>(p / k) * dim;
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
@@ -1562,20 +1568,28 @@ __global__ void moe_pad_swiglu_kernel(const float* gu, int64_t up_base, int64_t 
   }
 }
 
-__global__ void moe_batch_pointers_kernel(int experts, int64_t cap, int64_t dim, int64_t inter, char* xh, char* xl,
-                                          float* gu, char* hh, char* hl, float* ys, void** ptrs) {
+__global__ void moe_batch_pointers_kernel(int entries, const int32_t* touched, ExpertTables t, int64_t cap,
+                                          int64_t dim, int64_t inter, char* xh, char* xl, float* gu, char* hh,
+                                          char* hl, float* ys, void** ptrs) {
   pdl_entry();  // see launch_kernel
   const int64_t half = 2;  // bytes of a bf16 / f16 value
-  for (int i = static_cast<int>(threadIdx.x); i < 2 * experts; i += static_cast<int>(blockDim.x)) {
-    const int64_t e = i % experts;
-    ptrs[i] = xh + e * cap * dim * half;
-    ptrs[2 * experts + i] = xl != nullptr ? xl + e * cap * dim * half : nullptr;
-    ptrs[4 * experts + i] = gu + static_cast<int64_t>(i) * cap * inter;
-  }
-  for (int e = static_cast<int>(threadIdx.x); e < experts; e += static_cast<int>(blockDim.x)) {
-    ptrs[6 * experts + e] = hh + e * cap * inter * half;
-    ptrs[7 * experts + e] = hl != nullptr ? hl + e * cap * inter * half : nullptr;
-    ptrs[8 * experts + e] = ys + e * cap * dim;
+  const int n = entries;
+  for (int i = static_cast<int>(threadIdx.x); i < n; i += static_cast<int>(blockDim.x)) {
+    const int32_t e = touched[i];
+    const bool real = e >= 0;
+    const int64_t in = real ? i : 0;  // a spare entry reads entry 0's rows and writes the spare blocks
+    for (int gate_or_up = 0; gate_or_up < 2; ++gate_or_up) {
+      const int j = gate_or_up * n + i;
+      ptrs[j] = xh + in * cap * dim * half;
+      ptrs[2 * n + j] = xl != nullptr ? xl + in * cap * dim * half : nullptr;
+      ptrs[4 * n + j] = gu + (real ? j : 2 * n) * cap * inter;
+      // one table of void* for cuBLAS's A, B and C arrays (it reads A and B through const pointers)
+      ptrs[9 * n + j] = const_cast<void*>((gate_or_up == 0 ? t.gate : t.up)[real ? e : touched[0]]);
+    }
+    ptrs[6 * n + i] = hh + in * cap * inter * half;
+    ptrs[7 * n + i] = hl != nullptr ? hl + in * cap * inter * half : nullptr;
+    ptrs[8 * n + i] = ys + (real ? i : n) * cap * dim;
+    ptrs[11 * n + i] = const_cast<void*>(t.down[real ? e : touched[0]]);
   }
 }
 
@@ -1923,9 +1937,9 @@ void moe_grouped(const float* x, int64_t rows, int64_t dim, const int32_t* idx, 
 }
 
 void moe_sort(const int32_t* idx, int64_t pairs, int experts, int32_t* counts, int32_t* offsets, int32_t* perm,
-              int32_t* inv, cudaStream_t s) {
+              int32_t* inv, cudaStream_t s, int32_t* rank, int32_t* touched, int entries) {
   launch_kernel(moe_sort_kernel, 1, 1024, static_cast<size_t>(experts) * 4, s, idx, pairs, experts, counts, offsets,
-                perm, inv);
+                perm, inv, rank, touched, entries);
   TROUPE_LAUNCHED();
 }
 
@@ -1936,22 +1950,22 @@ void moe_gather(const float* x, int64_t dim, const int32_t* perm, int64_t pairs,
 }
 
 void moe_pad_gather(const float* x, int64_t dim, const int32_t* idx, const int32_t* perm, const int32_t* offsets,
-                    int64_t pairs, int k, int64_t cap, WeightType type, void* xh, void* xl, int32_t* slot,
-                    cudaStream_t s) {
+                    const int32_t* rank, int64_t pairs, int k, int64_t cap, WeightType type, void* xh, void* xl,
+                    int32_t* slot, cudaStream_t s) {
   if (pairs == 0) return;
   TROUPE_REQUIRE(pairs <= 2147483647, "moe_pad_gather: too many pairs");
   by_half_type(type, [&](auto tag) {
     using HT = decltype(tag);
     launch_kernel(moe_pad_gather_kernel<HT>, static_cast<unsigned>(pairs), threads_for(dim), 0, s, x, dim, idx, perm,
-                  offsets, k, cap, static_cast<HT*>(xh), static_cast<HT*>(xl), slot);
+                  offsets, rank, k, cap, static_cast<HT*>(xh), static_cast<HT*>(xl), slot);
   });
   TROUPE_LAUNCHED();
 }
 
-void moe_pad_swiglu(const float* gu, int experts, int64_t cap, int64_t inter, const int32_t* slot, int64_t pairs,
+void moe_pad_swiglu(const float* gu, int entries, int64_t cap, int64_t inter, const int32_t* slot, int64_t pairs,
                     float limit, WeightType type, void* hh, void* hl, cudaStream_t s) {
   if (pairs == 0) return;
-  const int64_t up_base = static_cast<int64_t>(experts) * cap;
+  const int64_t up_base = static_cast<int64_t>(entries) * cap;
   by_half_type(type, [&](auto tag) {
     using HT = decltype(tag);
     launch_kernel(moe_pad_swiglu_kernel<HT>, static_cast<unsigned>(pairs), threads_for(inter), 0, s, gu, up_base,
@@ -1960,9 +1974,10 @@ void moe_pad_swiglu(const float* gu, int experts, int64_t cap, int64_t inter, co
   TROUPE_LAUNCHED();
 }
 
-void moe_batch_pointers(int experts, int64_t cap, int64_t dim, int64_t inter, void* xh, void* xl, float* gu, void* hh,
-                        void* hl, float* ys, void** ptrs, cudaStream_t s) {
-  launch_kernel(moe_batch_pointers_kernel, 1, 256, 0, s, experts, cap, dim, inter, static_cast<char*>(xh),
+void moe_batch_pointers(int entries, const int32_t* touched, const ExpertTables& t, int64_t cap, int64_t dim,
+                        int64_t inter, void* xh, void* xl, float* gu, void* hh, void* hl, float* ys, void** ptrs,
+                        cudaStream_t s) {
+  launch_kernel(moe_batch_pointers_kernel, 1, 256, 0, s, entries, touched, t, cap, dim, inter, static_cast<char*>(xh),
                 static_cast<char*>(xl), gu, static_cast<char*>(hh), static_cast<char*>(hl), ys, ptrs);
   TROUPE_LAUNCHED();
 }

@@ -112,28 +112,36 @@ void moe_grouped(const float* x, int64_t rows, int64_t dim, const int32_t* idx, 
                  int experts, const ExpertTables& t, float limit, int32_t* counts, int32_t* offsets, int32_t* perm,
                  int32_t* inv, float* xs, float* h, float* ys, float* out, cudaStream_t s);
 // Sorted path pieces: counts/offsets/permutation of the pairs by expert
-// (counts[e], offsets[e] (experts + 1), perm[pos] = pair, inv[pair] = pos).
+// (counts[e], offsets[e] (experts + 1), perm[pos] = pair, inv[pair] = pos). With rank and touched
+// (the batched MoE): rank[e] = the touched expert's place among the touched ones in expert order (-1:
+// untouched), touched[i] = the i-th touched expert, -1 past the last up to `entries`.
 void moe_sort(const int32_t* idx, int64_t pairs, int experts, int32_t* counts, int32_t* offsets, int32_t* perm,
-              int32_t* inv, cudaStream_t s);
+              int32_t* inv, cudaStream_t s, int32_t* rank = nullptr, int32_t* touched = nullptr, int entries = 0);
 void moe_gather(const float* x, int64_t dim, const int32_t* perm, int64_t pairs, int k, float* xs, cudaStream_t s);
-// The batched MoE's pieces (CudaBackend::moe: every expert's rows as one batched GEMM on the tensor
-// cores, for calls whose experts average several rows each). Each expert's rows sit in a block of
-// `cap` rows (cap >= its count; rows past the count are never written nor read back):
+// The batched MoE's pieces (CudaBackend::moe: the touched experts' rows as batched GEMMs on the tensor
+// cores). The GEMMs' batch is `entries` = min(experts, pairs), known without a host round trip; entry
+// i serves touched[i], and entries past the touched experts are spares (they read entry 0's rows and
+// the first touched expert's weights, so mostly from L2, and write spare blocks nobody reads). Each
+// entry's rows sit in a block of `cap` rows (cap >= its count; rows past the count are never written
+// nor read back):
 // moe_pad_gather: the sorted pairs' rows of x into xh (and their split's second term into xl, when
-// given) as half (bf16 or f16, `type`): pair p's row at slot[p] = idx[p] * cap + its place in the
+// given) as half (bf16 or f16, `type`): pair p's row at slot[p] = rank[idx[p]] * cap + its place in the
 // expert's rows.
 void moe_pad_gather(const float* x, int64_t dim, const int32_t* idx, const int32_t* perm, const int32_t* offsets,
-                    int64_t pairs, int k, int64_t cap, WeightType type, void* xh, void* xl, int32_t* slot,
-                    cudaStream_t s);
-// moe_pad_swiglu: h = swiglu(gate, up) at the pairs' rows (gu: [2 * experts * cap, inter], gate blocks
-// then up blocks), as half into hh (and the split's second term into hl, when given).
-void moe_pad_swiglu(const float* gu, int experts, int64_t cap, int64_t inter, const int32_t* slot, int64_t pairs,
+                    const int32_t* rank, int64_t pairs, int k, int64_t cap, WeightType type, void* xh, void* xl,
+                    int32_t* slot, cudaStream_t s);
+// moe_pad_swiglu: h = swiglu(gate, up) at the pairs' rows (gu: gate blocks of the entries, then their up
+// blocks), as half into hh (and the split's second term into hl, when given).
+void moe_pad_swiglu(const float* gu, int entries, int64_t cap, int64_t inter, const int32_t* slot, int64_t pairs,
                     float limit, WeightType type, void* hh, void* hl, cudaStream_t s);
-// The batched GEMMs' pointer arrays, 9 * experts of them: [0, 2E) gate/up inputs (xh blocks, twice),
-// [2E, 4E) the same of xl, [4E, 6E) gate/up outputs (gu blocks), [6E, 7E) down inputs (hh blocks),
-// [7E, 8E) the same of hl, [8E, 9E) down outputs (ys blocks). Null bases give null pointers.
-void moe_batch_pointers(int experts, int64_t cap, int64_t dim, int64_t inter, void* xh, void* xl, float* gu, void* hh,
-                        void* hl, float* ys, void** ptrs, cudaStream_t s);
+// The batched GEMMs' pointer arrays, 12 * entries (n) of them: [0, 2n) gate/up inputs (xh blocks, twice),
+// [2n, 4n) the same of xl, [4n, 6n) gate/up outputs (gu blocks; spares: block 2n), [6n, 7n) down inputs
+// (hh blocks), [7n, 8n) the same of hl, [8n, 9n) down outputs (ys blocks; spares: block n), [9n, 11n)
+// the touched experts' gate then up weights, [11n, 12n) their down weights. Null bases give null pointers.
+// gu holds 2n + 1 blocks of cap x inter floats, ys n + 1 of cap x dim.
+void moe_batch_pointers(int entries, const int32_t* touched, const ExpertTables& t, int64_t cap, int64_t dim,
+                        int64_t inter, void* xh, void* xl, float* gu, void* hh, void* hl, float* ys, void** ptrs,
+                        cudaStream_t s);
 // out[r] += sum_j weight[r*k+j] * ys[inv[r*k+j]]
 void moe_combine(const float* ys, const int32_t* inv, const float* weight, int64_t rows, int k, int64_t dim, float* out,
                  cudaStream_t s);

@@ -507,43 +507,49 @@ void expect_moe_like_cpu(Backend& cpu, Backend& gpu, std::mt19937& rng, const Ex
   EXPECT_CLOSE(out.gpu_host(rows * dim), out.cpu_host(rows * dim), tol);
 }
 
-// Whether CudaBackend::moe takes its batched GEMMs (bf16-rounded activations) for this call:
-// TROUPE_MOE_BATCHED unset or 1, past 8 rows whose experts average 4 rows or more; 0 never; 2 past one row.
-bool moe_batched(int64_t rows, int64_t pairs, int experts) {
+// Whether CudaBackend::moe takes its batched GEMMs (bf16-rounded activations) for this bf16 call:
+// TROUPE_MOE_BATCHED unset or 1, 2 to 64 rows; 0 never; 2 up to 64 rows.
+bool moe_batched(int64_t rows) {
   const char* e = std::getenv("TROUPE_MOE_BATCHED");
   const char mode = e == nullptr ? '1' : e[0];
-  if (mode == '0' || rows > 64) return false;
-  return mode == '2' ? rows > 1 : rows > 8 && pairs >= 4 * experts;
+  return mode != '0' && rows <= 64 && rows >= (mode == '2' ? 1 : 2);
 }
 
 TEST_F(CudaBackendTest, moe_matches_cpu_on_the_pair_and_sorted_paths) {
-  const int experts = 16, k = 6;
-  for (WeightType type : {WeightType::bf16, WeightType::f32}) {
-    for (int64_t dim : {1024, 256}) {
-      const int64_t inter = dim / 2;
-      std::vector<std::unique_ptr<MirrorWeight>> g, u, d;
-      ExpertSet set;
-      for (int e = 0; e < experts; ++e) {
-        g.push_back(std::make_unique<MirrorWeight>(cpu(), gpu(), inter, dim, type, rng_));
-        u.push_back(std::make_unique<MirrorWeight>(cpu(), gpu(), inter, dim, type, rng_));
-        d.push_back(std::make_unique<MirrorWeight>(cpu(), gpu(), dim, inter, type, rng_));
-        set.cg.push_back(g.back()->cw);
-        set.cu.push_back(u.back()->cw);
-        set.cd.push_back(d.back()->cw);
-        set.gg.push_back(g.back()->gw);
-        set.gu.push_back(u.back()->gw);
-        set.gd.push_back(d.back()->gw);
-      }
-      for (int64_t rows : {1, 3, 8, 10, 40, 64, 100}) {
-        SCOPED_TRACE("rows " + std::to_string(rows) + " dim " + std::to_string(dim));
-        // GEMVs on fp32 activations up to 64 rows (pair path for one row, grouped by expert on the
-        // device otherwise); past that, cuBLAS on bf16-rounded activations (one GEMM chain an expert).
-        // bf16 calls past 8 rows whose experts average 4 or more (40 and 64 rows; 10 rows: 60 pairs over
-        // 16 experts, not) run as batched GEMMs over every expert's rows, also on bf16-rounded activations
-        // (ctest's kernels_cuda_moe_grouped turns that off, kernels_cuda_moe_batched_always takes it past one row).
-        const bool exact = type == WeightType::f32 || (rows <= 64 && !moe_batched(rows, rows * k, experts));
-        expect_moe_like_cpu(cpu(), gpu(), rng_, set, rows, dim, k, exact ? 2e-5 : 1e-2);
-      }
+  struct Case {
+    int experts, k;
+    int64_t dim;
+    WeightType type;
+  };
+  // 64 experts, top-2: the batched path's entries (min(experts, pairs)) past the touched experts are spares
+  // whenever two rows share an expert.
+  const Case cases[] = {{16, 6, 1024, WeightType::bf16}, {16, 6, 256, WeightType::bf16}, {64, 2, 256, WeightType::bf16},
+                        {16, 6, 1024, WeightType::f32},  {16, 6, 256, WeightType::f32}};
+  for (const Case& c : cases) {
+    const int64_t dim = c.dim, inter = dim / 2;
+    std::vector<std::unique_ptr<MirrorWeight>> g, u, d;
+    ExpertSet set;
+    for (int e = 0; e < c.experts; ++e) {
+      g.push_back(std::make_unique<MirrorWeight>(cpu(), gpu(), inter, dim, c.type, rng_));
+      u.push_back(std::make_unique<MirrorWeight>(cpu(), gpu(), inter, dim, c.type, rng_));
+      d.push_back(std::make_unique<MirrorWeight>(cpu(), gpu(), dim, inter, c.type, rng_));
+      set.cg.push_back(g.back()->cw);
+      set.cu.push_back(u.back()->cw);
+      set.cd.push_back(d.back()->cw);
+      set.gg.push_back(g.back()->gw);
+      set.gu.push_back(u.back()->gw);
+      set.gd.push_back(d.back()->gw);
+    }
+    for (int64_t rows : {1, 2, 3, 8, 10, 40, 64, 100}) {
+      SCOPED_TRACE("rows " + std::to_string(rows) + " dim " + std::to_string(dim) + " experts " +
+                   std::to_string(c.experts));
+      // GEMVs on fp32 activations up to 64 rows (pair path for one row, grouped by expert on the device
+      // otherwise); past that, cuBLAS on bf16-rounded activations (one GEMM chain an expert). bf16 calls of
+      // 2 to 64 rows run as batched GEMMs over the touched experts' rows, on bf16-rounded activations
+      // (ctest's kernels_cuda_moe_grouped turns that off; kernels_cuda_moe_batched_always takes it at one
+      // row too).
+      const bool exact = c.type == WeightType::f32 || (rows <= 64 && !moe_batched(rows));
+      expect_moe_like_cpu(cpu(), gpu(), rng_, set, rows, dim, c.k, exact ? 2e-5 : 1e-2);
     }
   }
 }

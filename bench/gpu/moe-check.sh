@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# On the GPU machine, one call: the batched MoE (CudaBackend::moe's cuBLAS batched GEMMs over every expert's
-# rows; TROUPE_MOE_BATCHED unset or 1: calls past 8 rows whose experts average 4 or more; 0: off, the grouped
-# GEMVs; 2: every call past one row) checked and timed.
+# On the GPU machine, one call: the batched MoE (CudaBackend::moe's cuBLAS batched GEMMs over the touched
+# experts' rows; TROUPE_MOE_BATCHED unset or 1: bf16 / f16 calls of 2-64 rows; 0: off, the grouped GEMVs and
+# the pair path; 2: also at one row) checked and timed.
 #   bench/gpu/moe-check.sh BUNDLE OUT
 # BUNDLE: a device-bundle of troupe, troupe_gpu_e2e, kernels_cuda_backend_test (and model_tests for the GPU
 # decoder's tests). Stages (each with a time limit; a failed stage does not stop the others):
@@ -15,7 +15,9 @@
 #      BATCHES of each setting in SETTINGS (step-ab.sh), then a table: step, routed experts' share of it (the
 #      bench's profile line) and how many of the last run's generated tokens (first and last a sequence) each
 #      setting shares with the first setting of the list
-# SKIP_TESTS=1, SKIP_SAN=1, SKIP_OP=1, SKIP_STEP=1, FIXTURE_SETTINGS ("1 0"; empty: none); budgets TEST_S (150), OP_S (150), STEP_S (300).
+# BATCHES (8,16,64), SETTINGS ("TROUPE_MOE_BATCHED=0 -"), ROUNDS (1), MOE_SHAPES, MOE_ROWS, OP_SETTINGS,
+# FIXTURE_SETTINGS ("1 0"; empty: none), SKIP_TESTS=1, SKIP_SAN=1, SKIP_OP=1, SKIP_STEP=1; budgets TEST_S (150),
+# OP_S (150), STEP_S (300). A device call returns at most 8 files: point OUT at a local folder and archive it.
 source "$(dirname "$0")/check-env.sh" "$@"  # here, bundle, out; NCCL_NVLS_ENABLE=0, the tokenizer, OUT/smi.txt
 count() { echo "exit $1 ($(grep -c '^\[       OK' "$2") ok, $(grep -c '^\[  FAILED' "$2") failed lines)"; }
 if [ "${SKIP_TESTS:-0}" != 1 ]; then

@@ -634,16 +634,17 @@ int moe_bench(int experts, int k, int64_t dim, int64_t inter, const std::vector<
     be->to_device(di, idx.data(), idx.size() * 4);
     const std::vector<float> zeros(x.size(), 0.f);
     be->to_device(dout, zeros.data(), zeros.size() * 4);
-    be->moe(dx, rows, dim, di, dw, k, experts, gate.data(), up.data(), down.data(), 10.f, dout);
+    const auto call = [&] {
+      be->moe(dx, rows, dim, di, dw, k, experts, gate.data(), up.data(), down.data(), 10.f, dout);
+    };
+    call();
     be->synchronize();
     std::vector<float> first(x.size());
     be->to_host(first.data(), dout, first.size() * 4);  // one call's output (out starts at zero)
-    for (int i = 0; i < 2; ++i) be->moe(dx, rows, dim, di, dw, k, experts, gate.data(), up.data(), down.data(), 10.f, dout);
+    for (int i = 0; i < 2; ++i) call();
     be->synchronize();
     const double t0 = now();
-    for (int i = 0; i < calls; ++i) {
-      be->moe(dx, rows, dim, di, dw, k, experts, gate.data(), up.data(), down.data(), 10.f, dout);
-    }
+    for (int i = 0; i < calls; ++i) call();
     be->synchronize();
     const double us = (now() - t0) / calls * 1e6;
     const auto n_touched = std::count(touched.begin(), touched.end(), 1);

@@ -342,19 +342,18 @@ struct CudaBackend::Impl {
     const cudaDataType_t ht = cuda_type(t.type);
     const float one = 1.f, zero = 0.f;
     const int M = static_cast<int>(cap), D = static_cast<int>(dim), I = static_cast<int>(inter);
-    void* const* p = ptrs;
     // y^T [n x cap] = W [n x K] . x^T [K x cap], column-major views as linear()'s GEMM.
     for (int pass = 0; pass < (split ? 2 : 1); ++pass) {
-      TROUPE_CUBLAS(cublasGemmBatchedEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, I, M, D, &one, p + 9 * n, ht, D,
-                                        p + 2 * n * pass, ht, D, pass == 0 ? &zero : &one,
-                                        p + 4 * n, CUDA_R_32F, I, 2 * n,
+      TROUPE_CUBLAS(cublasGemmBatchedEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, I, M, D, &one, ptrs + 9 * n, ht, D,
+                                        ptrs + 2 * n * pass, ht, D, pass == 0 ? &zero : &one,
+                                        ptrs + 4 * n, CUDA_R_32F, I, 2 * n,
                                         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     }
     moe_pad_swiglu(gu, n, cap, inter, slot, pairs, limit, t.type, hh, hl, s());
     for (int pass = 0; pass < (split ? 2 : 1); ++pass) {
-      TROUPE_CUBLAS(cublasGemmBatchedEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, D, M, I, &one, p + 11 * n, ht, I,
-                                        p + (6 + pass) * n, ht, I, pass == 0 ? &zero : &one,
-                                        p + 8 * n, CUDA_R_32F, D, n, CUBLAS_COMPUTE_32F,
+      TROUPE_CUBLAS(cublasGemmBatchedEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, D, M, I, &one, ptrs + 11 * n, ht, I,
+                                        ptrs + (6 + pass) * n, ht, I, pass == 0 ? &zero : &one,
+                                        ptrs + 8 * n, CUDA_R_32F, D, n, CUBLAS_COMPUTE_32F,
                                         CUBLAS_GEMM_DEFAULT));
     }
     moe_combine(ys, slot, weight, rows, k, dim, out, s());

@@ -964,15 +964,21 @@ __device__ __forceinline__ HT round_half(float v) {
   }
 }
 
-// out = half(x); lo (when given) = half(x - out): the two terms of a split product.
+// out[i] = half(v); lo[i] (when lo is given) = half(v - out[i]): the two terms of a split product.
+template <class HT>
+__device__ __forceinline__ void store_half_split(float v, HT* out, HT* lo, int64_t i) {
+  const HT h = round_half<HT>(v);
+  out[i] = h;
+  if (lo != nullptr) lo[i] = round_half<HT>(v - static_cast<float>(h));
+}
+
+// out = half(x); lo (when given) = half(x - out).
 template <class HT>
 __global__ void to_half_kernel(const float* x, int64_t n, HT* out, HT* lo) {
   pdl_entry();  // see launch_kernel
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const HT h = round_half<HT>(x[i]);
-    out[i] = h;
-    if (lo != nullptr) lo[i] = round_half<HT>(x[i] - static_cast<float>(h));
+    store_half_split(x[i], out, lo, i);
   }
 }
 
@@ -1547,12 +1553,7 @@ __global__ void moe_pad_gather_kernel(const float* x, int64_t dim, const int32_t
   const int64_t row = static_cast<int64_t>(rank[e]) * cap + (pos - offsets[e]);
   if (threadIdx.x == 0) slot[p] = static_cast<int32_t>(row);
   const float* src = x + static_cast<int64_t>(p / k) * dim;
-  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
-    const float v = src[i];
-    const HT h = round_half<HT>(v);
-    xh[row * dim + i] = h;
-    if (xl != nullptr) xl[row * dim + i] = round_half<HT>(v - static_cast<float>(h));
-  }
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) store_half_split(src[i], xh, xl, row * dim + i);
 }
 
 template <class HT>
@@ -1561,10 +1562,7 @@ __global__ void moe_pad_swiglu_kernel(const float* gu, int64_t up_base, int64_t 
   pdl_entry();  // see launch_kernel
   const int64_t row = slot[blockIdx.x];
   for (int64_t i = threadIdx.x; i < inter; i += blockDim.x) {
-    const float v = swiglu1(gu[row * inter + i], gu[(up_base + row) * inter + i], limit);
-    const HT h = round_half<HT>(v);
-    hh[row * inter + i] = h;
-    if (hl != nullptr) hl[row * inter + i] = round_half<HT>(v - static_cast<float>(h));
+    store_half_split(swiglu1(gu[row * inter + i], gu[(up_base + row) * inter + i], limit), hh, hl, row * inter + i);
   }
 }
 

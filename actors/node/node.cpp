@@ -350,7 +350,7 @@ Expected<Outgoing> Node::build(const ProxyRef& ref, const caf::message& m) {
     out.handoff = h.handoff_id;
     request_id = h.job.id;
     std::lock_guard lock(mu_);
-    handoffs_[*lease] = {ref.peer, h.from, h.handoff_id};
+    handoffs_[*lease] = {ref.peer, h.from, h.handoff_id, Clock::now() + options_.handoff_ttl};
   } else {
     std::string why;
     if (!encode_body(m, *this, body, request_id, why)) return Error(ErrorCode::unsupported, why);
@@ -486,6 +486,15 @@ void Node::on_tick() {
     transport_->disconnect(p);
   }
   kv_->expire(now);
+  // A handoff its taker never answered (the frame reached a worker that died
+  // before confirming, or a restarted peer that no longer knows the target):
+  // the prefill worker's timer has given the request back by now.
+  size_t stale = 0;
+  {
+    std::lock_guard lock(mu_);
+    stale = std::erase_if(handoffs_, [&](const auto& kv) { return kv.second.deadline <= now; });
+  }
+  if (stale) spdlog::warn("node {}: {} handoff(s) unconfirmed past their ttl; no longer pending", options_.name, stale);
 }
 
 // ------------------------------------------------------------------ incoming
@@ -533,6 +542,14 @@ void Node::on_frame(const std::string& peer, Frame frame) {
                        v->root().getMessage().cStr());
         }
         kv_->on_release(peer, v->root().getLeaseId());
+        if (v->root().getReason() != msg::ReleaseReason::CONFIRMED) {
+          // The taker gave up on the pages: it recomputes (and confirms to the
+          // prefill worker itself) or has told that worker to give the request back.
+          std::lock_guard lock(mu_);
+          if (auto it = handoffs_.find(v->root().getLeaseId()); it != handoffs_.end() && it->second.peer == peer) {
+            handoffs_.erase(it);
+          }
+        }
       }
       return;
     case msg::Kind::KV_PULL:

@@ -62,7 +62,10 @@ struct NodeOptions {
   std::chrono::milliseconds peer_silence{5000};      // no frame for this long: the peer is dropped
   std::chrono::milliseconds dial_timeout{2000};
   std::chrono::milliseconds dial_backoff_max{2000};  // between failed dials of one peer
-  std::chrono::milliseconds handoff_ttl{30000};      // a lent image's pages are freed after this
+  // A lent image's pages are freed after this, and a handoff its taker has not
+  // confirmed by then stops counting as pending (the prefill worker's own timer,
+  // the topology's same handoff_timeout_s, has given the request back).
+  std::chrono::milliseconds handoff_ttl{30000};
   // A message for an actor of a peer that is listed but not connected (yet,
   // or again after a restart) waits this long for the connection.
   std::chrono::milliseconds pending_wait{5000};
@@ -185,6 +188,7 @@ class Node final : public RefMap, public std::enable_shared_from_this<Node> {
     std::string peer;
     caf::actor from;
     uint64_t handoff = 0;
+    std::chrono::steady_clock::time_point deadline{};  // lent + handoff_ttl
   };
 
   Node(caf::actor_system& system, NodeOptions options, std::unique_ptr<transport::Transport> transport);

@@ -329,9 +329,19 @@ def test_priority_orders_the_waiting_requests():
             with lock:
                 done.append(tag)
 
-        long = threading.Thread(target=run, args=("long", 0, 600))  # seconds: the others queue meanwhile
+        started = threading.Event()
+
+        def run_long():  # streamed: its first token says it runs (a fixed sleep did not, on a loaded machine)
+            stream = c.completions.create(model=MODEL, prompt=f"long {PROMPT}", max_tokens=600, temperature=0,
+                                          stream=True, extra_body=dict(priority=0, ignore_eos=True))
+            for _ in stream:
+                started.set()
+            with lock:
+                done.append("long")
+
+        long = threading.Thread(target=run_long)  # seconds: the others queue meanwhile
         long.start()
-        time.sleep(0.5)  # `long` runs; the others queue behind it in this order
+        assert started.wait(60), "the long request never started"
         waiting = [threading.Thread(target=run, args=(tag, prio, 2)) for tag, prio in
                    (("low", -5, ), ("mid", 0), ("high", 9))]
         for t in waiting:

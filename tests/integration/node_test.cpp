@@ -60,7 +60,7 @@ caf::behavior recorder(caf::event_based_actor* self, std::shared_ptr<Inbox> inbo
 
 struct Process {
   explicit Process(std::shared_ptr<transport::InProcessFabric> fabric, const std::string& name,
-                   std::vector<PeerSpec> peers) {
+                   std::vector<PeerSpec> peers, std::chrono::milliseconds handoff_ttl = 30000ms) {
     cfg.set("scheduler.max-threads", 2);
     cfg.set("logger.verbosity", caf::atom("quiet"));
     system = std::make_unique<caf::actor_system>(cfg);
@@ -69,6 +69,7 @@ struct Process {
     o.peers = std::move(peers);
     o.heartbeat_every = 50ms;
     o.peer_silence = 2000ms;
+    o.handoff_ttl = handoff_ttl;
     o.kv.csa_rate = 4;
     o.kv.hca_rate = 16;
     o.kv.model = "tiny";
@@ -92,7 +93,7 @@ class NodeFabric : public ::testing::Test {
  protected:
   void SetUp() override {
     fabric_ = std::make_shared<transport::InProcessFabric>();
-    a_ = std::make_unique<Process>(fabric_, "a", std::vector<PeerSpec>{{"b", "", 0, "", false, true}});
+    a_ = std::make_unique<Process>(fabric_, "a", std::vector<PeerSpec>{{"b", "", 0, "", false, true}}, handoff_ttl());
     // b dials a (workers dial the router's process).
     b_ = std::make_unique<Process>(fabric_, "b", std::vector<PeerSpec>{{"a", "", 0, "inproc://a", true, true}});
     router_ = a_->spawn_recorder(router_in_);
@@ -108,6 +109,8 @@ class NodeFabric : public ::testing::Test {
     b_.reset();
     a_.reset();
   }
+
+  virtual std::chrono::milliseconds handoff_ttl() const { return 30000ms; }  // a's
 
   // b's worker registers with a's router; returns the router's handle of it.
   caf::actor register_worker() {
@@ -329,6 +332,58 @@ TEST_F(NodeFabric, a_handoff_moves_the_pages_by_rma_and_ends_the_lease_on_confir
   m = router_in_->pop();
   ASSERT_TRUE((m.match_elements<confirm_atom, uint64_t>())) << caf::to_string(m);
   EXPECT_EQ(a_->node->stats().handoffs_pending, 0u);
+}
+
+// A handoff addressed to an actor the taker's process does not have (a peer
+// that restarted under the same name since the proxy was made): the taker
+// frees the owner's pages and tells the prefill worker to give the request
+// back, and the owner stops counting the handoff as pending.
+TEST_F(NodeFabric, a_handoff_to_a_target_the_peer_lacks_is_released_and_not_left_pending) {
+  Handoff h;
+  h.job.id = 6;
+  h.job.prompt = {1, 2, 3};
+  h.job.reply_to = router_;
+  h.image = std::make_shared<const engine::SequenceImage>(sample_image());
+  h.from = router_;  // stands for the prefill worker
+  h.handoff_id = 41;
+  caf::anon_send(a_->node->remote("b", "nobody-here"), h);
+  auto m = router_in_->pop();
+  ASSERT_TRUE((m.match_elements<release_atom, uint64_t>())) << caf::to_string(m);
+  EXPECT_EQ(m.get_as<uint64_t>(1), 41u);
+  ASSERT_TRUE(wait_until([&] { return a_->node->stats().kv.leases == 0; }));
+  ASSERT_TRUE(wait_until([&] { return a_->node->stats().handoffs_pending == 0; }));
+  EXPECT_TRUE(a_->node->connected("b"));
+}
+
+// A handoff the taker never confirms (its worker took the state and died, say)
+// stops counting as pending once the handoff ttl has passed; its pages were
+// freed when the taker pulled them.
+class NodeFabricShortTtl : public NodeFabric {
+ protected:
+  std::chrono::milliseconds handoff_ttl() const override { return 600ms; }
+};
+
+TEST_F(NodeFabricShortTtl, an_unconfirmed_handoff_stops_counting_after_its_ttl) {
+  caf::actor w = register_worker();
+  ASSERT_TRUE(w);
+  Handoff h;
+  h.job.id = 7;
+  h.job.prompt = {1, 2, 3};
+  h.job.reply_to = router_;
+  h.image = std::make_shared<const engine::SequenceImage>(sample_image());
+  h.from = router_;  // stands for the prefill worker
+  h.handoff_id = 51;
+  const auto sent = std::chrono::steady_clock::now();
+  caf::anon_send(w, h);
+  auto m = worker_in_->pop();
+  ASSERT_TRUE(m.match_elements<Handoff>()) << caf::to_string(m);  // delivered; the recorder never confirms
+  ASSERT_TRUE(wait_until([&] { return a_->node->stats().kv.leases == 0; }));
+  if (std::chrono::steady_clock::now() - sent < 500ms) {
+    EXPECT_EQ(a_->node->stats().handoffs_pending, 1u);
+  }
+  ASSERT_TRUE(wait_until([&] { return a_->node->stats().handoffs_pending == 0; }));
+  EXPECT_GE(std::chrono::steady_clock::now() - sent, 600ms);
+  EXPECT_TRUE(router_in_->pop(0ms).empty());  // nothing is sent to the prefill worker: its own timer acts
 }
 
 // The owner's pool of lent regions keeps the newest: once two other sizes

@@ -74,20 +74,15 @@ struct Chosen {
   uint32_t n_above = 0, n_tie = 0, a_incl = 0, t_incl = 0;
 };
 
-template <int EPT, class Key>
-__device__ __forceinline__ Chosen chosen_elements(Key&& key, uint32_t vmask, int drop, uint32_t prefix) {
-  const int tid = threadIdx.x;
+// Chosen from its two masks: the counts and the warp's inclusive scans of them. Every
+// lane of the warp calls it.
+__device__ __forceinline__ Chosen chosen_masks(uint32_t above_mask, uint32_t tie_mask) {
   Chosen c;
-#pragma unroll
-  for (int e = 0; e < EPT; ++e) {
-    const uint32_t hi = key(e) >> drop;
-    const uint32_t v = (vmask >> e) & 1u;
-    c.above_mask |= (v & static_cast<uint32_t>(hi > prefix)) << e;
-    c.tie_mask |= (v & static_cast<uint32_t>(hi == prefix)) << e;
-  }
-  c.n_above = __popc(c.above_mask);
-  c.n_tie = __popc(c.tie_mask);
-  const unsigned lane = tid & 31;
+  c.above_mask = above_mask;
+  c.tie_mask = tie_mask;
+  c.n_above = __popc(above_mask);
+  c.n_tie = __popc(tie_mask);
+  const unsigned lane = threadIdx.x & 31;
   c.a_incl = c.n_above;
   c.t_incl = c.n_tie;
 #pragma unroll
@@ -100,6 +95,20 @@ __device__ __forceinline__ Chosen chosen_elements(Key&& key, uint32_t vmask, int
     }
   }
   return c;
+}
+
+// Chosen for the elements whose key(e)'s top 32 - drop bits are above / equal to `prefix`.
+template <int EPT, class Key>
+__device__ __forceinline__ Chosen chosen_elements(Key&& key, uint32_t vmask, int drop, uint32_t prefix) {
+  uint32_t above = 0, tie = 0;
+#pragma unroll
+  for (int e = 0; e < EPT; ++e) {
+    const uint32_t hi = key(e) >> drop;
+    const uint32_t v = (vmask >> e) & 1u;
+    above |= (v & static_cast<uint32_t>(hi > prefix)) << e;
+    tie |= (v & static_cast<uint32_t>(hi == prefix)) << e;
+  }
+  return chosen_masks(above, tie);
 }
 
 // This thread's first places for its chosen elements above / on the prefix in two

@@ -111,26 +111,18 @@ __device__ __forceinline__ void radix_round(S& sm, uint32_t& prefix, int& pbits,
   narrow_to_threshold(sm.hist, bits, sm, prefix, pbits, need, cnt);
 }
 
-// Selects the `target` largest keys among the valid elements the cluster's CTAs hold.
-// For each chosen element, emit(position, key, index) is called once (positions
-// 0 .. target-1; index = index_of(e) of the element). Cluster-wide radix rounds run
-// until the threshold bucket is small; its elements are then gathered into the
-// leader CTA, which finishes with block-local rounds (no more cluster barriers).
-// Ends with a cluster barrier, so the caller may return or call again.
-template <class IndexOf, class Emit>
-__device__ __forceinline__ void cluster_select(const uint32_t* sk, uint32_t vmask, uint32_t target, Smem& sm,
+// Cluster-wide radix rounds over the elements the cluster's CTAs hold (this thread's:
+// e = 0 .. kEpt-1 where `mask` says, key key_of(e)): from the whole key down, the bucket
+// narrows to the digit where the count from the top reaches `need` (prefix, pbits, need
+// and cnt updated), until the bucket is taken whole (cnt == need), holds at most
+// `gather_cap` elements (returns true), or is one value (pbits == 32). `prefilled`:
+// sm.hist already holds round 0's counts. Every thread of the cluster calls it.
+template <class KeyOf>
+__device__ __forceinline__ bool cluster_rounds(KeyOf&& key_of, uint32_t mask, uint32_t gather_cap, Smem& sm,
                                                cg::cluster_group& cluster, long long* prof, bool prefilled,
-                                               IndexOf&& index_of, Emit&& emit) {
+                                               uint32_t& prefix, int& pbits, uint32_t& need, uint32_t& cnt) {
   const int tid = threadIdx.x;
   const unsigned C = cluster.num_blocks(), rank = cluster.block_rank();
-  if (tid == 0) {
-    sm.above_total = sm.tie_total = 0;
-    sm.above_ctr = sm.tie_ctr = 0;
-    sm.local_above = sm.local_tie = 0;
-  }
-  uint32_t prefix = 0, need = target, cnt = 0;
-  int pbits = 0;
-  bool gather = false;
 #pragma unroll 1
   for (int round = 0; round < 3; ++round) {
     const int shift = digit_shift(round), bits = digit_bits(round);
@@ -142,9 +134,9 @@ __device__ __forceinline__ void cluster_select(const uint32_t* sk, uint32_t vmas
       __syncthreads();
 #pragma unroll
       for (int e = 0; e < kEpt; ++e) {
-        const uint32_t key = sk[e * kThreads + tid];
-        const bool match = ((vmask >> e) & 1u) && (pbits == 0 || (key >> (32 - pbits)) == prefix);
-        if (match) atomicAdd(&sm.hist[(key >> shift) & (nbins - 1)], 1u);
+        if (!((mask >> e) & 1u)) continue;
+        const uint32_t key = key_of(e);
+        if (pbits == 0 || (key >> (32 - pbits)) == prefix) atomicAdd(&sm.hist[(key >> shift) & (nbins - 1)], 1u);
       }
     }
     if (round == 0) stamp(prof, 3);
@@ -181,19 +173,73 @@ __device__ __forceinline__ void cluster_select(const uint32_t* sk, uint32_t vmas
     if (round == 0) stamp(prof, 6);
     narrow_to_threshold(sm.ghist, bits, sm, prefix, pbits, need, cnt);
     stamp(prof, 7 + round);
-    if (cnt == need) break;  // the whole threshold bucket is taken
-    if (cnt <= kCandCap) {   // few enough to finish in one CTA
-      gather = true;
-      break;
-    }
+    if (cnt == need) return false;      // the whole threshold bucket is taken
+    if (cnt <= gather_cap) return true;  // few enough to finish in one CTA
   }
+  return false;
+}
+
+// The key that orders equal values by lower index first (the larger key wins).
+__device__ __forceinline__ uint32_t index_key(int32_t i) { return ~static_cast<uint32_t>(i); }
+
+// Of the elements in `ties` (this thread's; every one a copy of the k-th value, whose
+// keys in sk the caller has replaced with their index keys), the `need` of lowest index
+// across the cluster, as a mask: cluster-wide rounds over the index keys (indices
+// differ: they end with the bucket taken whole). Out of line, with no lambda: a rare
+// path that would cost the common one registers and local memory (measured: 1 x 1 M on
+// 16-CTA clusters 47.6 -> 56.2 us inline). Every thread of the cluster calls it.
+__device__ __noinline__ uint32_t lowest_index_ties(const uint32_t* sk, uint32_t ties, uint32_t need, Smem* sm) {
+  cg::cluster_group cluster = cg::this_cluster();
+  const int tid = threadIdx.x;
+  uint32_t prefix = 0, cnt = 0;
+  int pbits = 0;
+  cluster_rounds([&](int e) { return sk[e * kThreads + tid]; }, ties, 0, *sm, cluster, nullptr, false, prefix, pbits,
+                 need, cnt);
+  uint32_t chosen = 0;
+  for (uint32_t m = ties; m != 0; m &= m - 1) {
+    const int e = __ffs(m) - 1;
+    chosen |= static_cast<uint32_t>((sk[e * kThreads + tid] >> (32 - pbits)) >= prefix) << e;
+  }
+  return chosen;
+}
+
+// Selects the `target` largest keys among the valid elements the cluster's CTAs hold,
+// equal keys by lower index (index_of(e)), as a stable sort would. For each chosen
+// element, emit(position, key, index) is called once (positions 0 .. target-1).
+// Cluster-wide radix rounds run until the threshold bucket is small; its elements are
+// then gathered into the leader CTA, which finishes with block-local rounds (no more
+// cluster barriers). A bucket of more than kCandCap copies of the k-th value takes
+// cluster-wide rounds over its elements' indices instead. Ends with a cluster barrier,
+// so the caller may return or call again.
+template <class IndexOf, class Emit>
+__device__ __forceinline__ void cluster_select(uint32_t* sk, uint32_t vmask, uint32_t target, Smem& sm,
+                                               cg::cluster_group& cluster, long long* prof, bool prefilled,
+                                               IndexOf&& index_of, Emit&& emit) {
+  const int tid = threadIdx.x;
+  const unsigned rank = cluster.block_rank();
+  if (tid == 0) {
+    sm.above_total = sm.tie_total = 0;
+    sm.above_ctr = sm.tie_ctr = 0;
+    sm.local_above = sm.local_tie = 0;
+  }
+  uint32_t prefix = 0, need = target, cnt = 0;
+  int pbits = 0;
+  const bool gather = cluster_rounds([&](int e) { return sk[e * kThreads + tid]; }, vmask, kCandCap, sm, cluster,
+                                     prof, prefilled, prefix, pbits, need, cnt);
   const bool take_all = cnt == need;
   const uint32_t total_above = target - need;
   const int drop = 32 - pbits;
 
   // Chosen elements of this thread as bit masks, then output ranges: warp scans,
   // one shared atomic per warp, one DSMEM atomic per CTA on the leader's counters.
-  const Chosen ch = chosen_elements<kEpt>([&](int e) { return sk[e * kThreads + tid]; }, vmask, drop, prefix);
+  Chosen ch = chosen_elements<kEpt>([&](int e) { return sk[e * kThreads + tid]; }, vmask, drop, prefix);
+  if (!take_all && !gather) {  // more than kCandCap copies of the k-th value (pbits == 32): the `need` lowest indices
+    for (uint32_t m = ch.tie_mask; m != 0; m &= m - 1) {
+      const int e = __ffs(m) - 1;
+      sk[e * kThreads + tid] = index_key(index_of(e));  // the key is `prefix`
+    }
+    ch = chosen_masks(ch.above_mask, lowest_index_ties(sk, ch.tie_mask, need, &sm));
+  }
   const uint2 places = warp_places(ch, &sm.above_ctr, &sm.tie_ctr);
   __syncthreads();
   if (tid == 0) {
@@ -215,10 +261,10 @@ __device__ __forceinline__ void cluster_select(const uint32_t* sk, uint32_t vmas
       ck[g] = sk[e * kThreads + tid];
       ci[g] = index_of(e);
     }
-  } else {
+  } else {  // every tie left in the mask is chosen
     for (uint32_t m = ch.tie_mask; m != 0; m &= m - 1, ++g) {
       const int e = __ffs(m) - 1;
-      if (take_all || g < need) emit(total_above + g, sk[e * kThreads + tid], index_of(e));
+      emit(total_above + g, take_all ? sk[e * kThreads + tid] : prefix, index_of(e));
     }
   }
   stamp(prof, 10);
@@ -238,18 +284,33 @@ __device__ __forceinline__ void cluster_select(const uint32_t* sk, uint32_t vmas
         }
       });
     }
-    const bool all = lcnt == lneed;
+    // Copies of the k-th value past `lneed` (lbits == 32): the lowest indices, by
+    // rounds over their index keys (indices differ: these end with icnt == ineed).
+    uint32_t ip = 0, ineed = lneed, icnt = lcnt;
+    int ibits = 0;
+#pragma unroll 1
+    while (icnt != ineed) {
+      radix_round(sm, ip, ibits, ineed, icnt, [&](int shift, uint32_t nbins) {
+        for (uint32_t i = tid; i < cnt; i += kThreads) {
+          const uint32_t ik = index_key(sm.cand_idx[i]);
+          if (sm.cand_key[i] == lp && (ibits == 0 || (ik >> (32 - ibits)) == ip)) {
+            atomicAdd(&sm.hist[(ik >> shift) & (nbins - 1)], 1u);
+          }
+        }
+      });
+    }
     const uint32_t base = total_above, tie_base = total_above + (need - lneed);
     for (uint32_t i0 = 0; i0 < cnt; i0 += kThreads) {  // uniform trip count: ballots below
       const uint32_t i = i0 + tid;
       const bool valid = i < cnt;
       const uint32_t k = valid ? sm.cand_key[i] : 0u;
       const uint32_t hi = k >> (32 - lbits);
-      const bool is_above = valid && hi > lp, is_tie = valid && hi == lp;
+      const bool is_above = valid && hi > lp;
+      const bool is_tie = valid && hi == lp && (ibits == 0 || (index_key(sm.cand_idx[i]) >> (32 - ibits)) >= ip);
       const uint32_t a = warp_take(is_above, &sm.local_above);
       if (is_above) emit(base + a, k, sm.cand_idx[i]);
       const uint32_t t = warp_take(is_tie, &sm.local_tie);
-      if (is_tie && (all || t < lneed)) emit(tie_base + t, k, sm.cand_idx[i]);
+      if (is_tie) emit(tie_base + t, k, sm.cand_idx[i]);
     }
   }
   stamp(prof, 12);

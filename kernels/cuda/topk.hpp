@@ -2,11 +2,11 @@
 //
 // Both kernels select by radix histograms of an order-preserving 32-bit key
 // (11 + 11 + 10 bits, stopping as soon as the threshold bucket is taken whole);
-// elements above the threshold are written directly. Ties at the k-th value: the
-// grid kernel settles them as a stable sort does (lower index first, -0 equal to +0,
-// the CPU backend's rule), so its set is deterministic and equals the CPU's; the
-// cluster kernel takes any of the tied elements (the set equals a sort-based
-// reference up to ties). Both are launched as programmatic dependents of the
+// elements above the threshold are written directly. Ties at the k-th value: every
+// kernel settles them as a stable sort does (lower index first, -0 equal to +0, the
+// CPU backend's rule), so the set is deterministic and equals the CPU's (the cluster
+// kernel by radix rounds over the tied elements' indices, since session 40). Both are
+// launched as programmatic dependents of the
 // previous kernel on the stream (PDL), so the launch overlaps the producer's tail.
 //
 // Grid kernel (the default): every SM. Each CTA keeps a chunk of 4,096 (or, for

@@ -70,7 +70,7 @@ void check_topk_row(const float* v, int64_t len, int k, const int32_t* out, int3
   ASSERT_EQ(above, above_all) << "a value above the k-th was left out";
 }
 
-// The grid kernel settles ties as a stable sort does (the CPU backend's rule): the chosen
+// Every top-k kernel settles ties as a stable sort does (the CPU backend's rule): the chosen
 // set is exactly the first k of the row ordered by value, then by lower index.
 void check_topk_row_stable(const float* row, int64_t len, int k, const int32_t* out, int32_t count,
                            const std::string& what) {
@@ -222,9 +222,7 @@ class CudaKernelsTest : public ::testing::Test {
                                      std::to_string(streamed) + " sampled " + std::to_string(sampled) + " rep " +
                                      std::to_string(rep);
         check_topk_row(v.data() + r * stride, lengths[r], c.k, ho.data() + r * c.k, hc[r], row_what);
-        if (c.max_cluster == 0) {  // the grid kernel (rows this short): ties by lower index
-          check_topk_row_stable(v.data() + r * stride, lengths[r], c.k, ho.data() + r * c.k, hc[r], row_what);
-        }
+        check_topk_row_stable(v.data() + r * stride, lengths[r], c.k, ho.data() + r * c.k, hc[r], row_what);
       }
     }
   }
@@ -255,6 +253,19 @@ TEST_F(CudaKernelsTest, topk_equals_a_sort_up_to_ties) {
       // 65-128 small chunks a row (up to 524,288 scores: the grid kernel's small chunks since session 25)
       {1, 262145, 512, normal, false, 0},      {1, 300000, 512, few_values, true, 0},
       {2, 400000, 2048, fine_steps, false, 0}, {1, 524288, 512, coarse_steps, false, 0},
+  };
+  for (const auto& c : cases) run_topk_case(c);
+}
+
+// The cluster kernel (TopkArgs::max_cluster, and rows longer than the grid kernel takes) settles ties as the
+// grid kernel does: a few hundred copies of the k-th value (gathered into the leader CTA, ranked there by
+// index), more than it gathers (cluster-wide rounds over their indices), rows of one segment and of several
+// (the row's last cluster selects among the segments' candidates), clusters of 1 to 16 CTAs.
+TEST_F(CudaKernelsTest, topk_cluster_kernel_settles_ties_by_index) {
+  const TopkCase cases[] = {
+      {2, 262144, 512, fine_steps, false, 8},   {1, 1048576, 2048, fine_steps, true, 16},
+      {2, 200000, 512, all_equal, true, 2},     {1, 262144, 2048, signed_zeros, false, 16},
+      {2, 70000, 100, mostly_zeros, false, 1},  {1, 300000, 2048, few_values, false, 4},
   };
   for (const auto& c : cases) run_topk_case(c);
 }

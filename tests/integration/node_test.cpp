@@ -334,18 +334,24 @@ TEST_F(NodeFabric, a_handoff_moves_the_pages_by_rma_and_ends_the_lease_on_confir
   EXPECT_EQ(a_->node->stats().handoffs_pending, 0u);
 }
 
+// A handoff of request `job` whose prefill worker the router's recorder stands for.
+Handoff router_handoff(const caf::actor& router, RequestId job, uint64_t handoff_id) {
+  Handoff h;
+  h.job.id = job;
+  h.job.prompt = {1, 2, 3};
+  h.job.reply_to = router;
+  h.image = std::make_shared<const engine::SequenceImage>(sample_image());
+  h.from = router;
+  h.handoff_id = handoff_id;
+  return h;
+}
+
 // A handoff addressed to an actor the taker's process does not have (a peer
 // that restarted under the same name since the proxy was made): the taker
 // frees the owner's pages and tells the prefill worker to give the request
 // back, and the owner stops counting the handoff as pending.
 TEST_F(NodeFabric, a_handoff_to_a_target_the_peer_lacks_is_released_and_not_left_pending) {
-  Handoff h;
-  h.job.id = 6;
-  h.job.prompt = {1, 2, 3};
-  h.job.reply_to = router_;
-  h.image = std::make_shared<const engine::SequenceImage>(sample_image());
-  h.from = router_;  // stands for the prefill worker
-  h.handoff_id = 41;
+  const Handoff h = router_handoff(router_, 6, 41);
   caf::anon_send(a_->node->remote("b", "nobody-here"), h);
   auto m = router_in_->pop();
   ASSERT_TRUE((m.match_elements<release_atom, uint64_t>())) << caf::to_string(m);
@@ -366,13 +372,7 @@ class NodeFabricShortTtl : public NodeFabric {
 TEST_F(NodeFabricShortTtl, an_unconfirmed_handoff_stops_counting_after_its_ttl) {
   caf::actor w = register_worker();
   ASSERT_TRUE(w);
-  Handoff h;
-  h.job.id = 7;
-  h.job.prompt = {1, 2, 3};
-  h.job.reply_to = router_;
-  h.image = std::make_shared<const engine::SequenceImage>(sample_image());
-  h.from = router_;  // stands for the prefill worker
-  h.handoff_id = 51;
+  const Handoff h = router_handoff(router_, 7, 51);
   const auto sent = std::chrono::steady_clock::now();
   caf::anon_send(w, h);
   auto m = worker_in_->pop();

@@ -19,7 +19,8 @@
 # The long-context stage also emits a per-group profile of a step at each context
 # ("profile" lines); TROUPE_E2E_NCU=1 there wraps two eager steps in cudaProfilerStart/Stop.
 # SKIP_TESTS=1 skips stage 1, SKIP_HF=1 transformers, SKIP_EXTRA=1 the long-context and engine stages,
-# SKIP_B8=1 the batch-8 bench, SKIP_LOGITS=1 troupe's teacher-forced logits; NCU=1 adds a per-kernel ncu profile of batch-1 decode steps;
+# SKIP_B1=1 / SKIP_B8=1 the batch-1 / batch-8 bench, SKIP_LOGITS=1 troupe's teacher-forced logits; ALT_BUNDLES (below)
+# the served form's logits from other builds; NCU=1 adds a per-kernel ncu profile of batch-1 decode steps;
 # VARIANTS="ENV=VALUE ..." reruns the batch-1 bench under each setting; SANITIZE=FILTER runs
 # compute-sanitizer (memcheck, racecheck) over those kernels_cuda_backend_test cases.
 # POSITIONS (2304) / PREFILL (256): the agreement run's length and its prefill part (the >= 99 % top-1 target's
@@ -136,8 +137,15 @@ if [ "${PRECISION:-0}" = 1 ] && [ "${SKIP_LOGITS:-0}" != 1 ]; then
   stage logits-split-attn32 120 env TROUPE_GEMM_SPLIT=1 TROUPE_ATTENTION_FP32=1 "$bundle/run.sh" troupe_gpu_e2e \
     logits --model "$model" --ids "$shm/ids.npy" --prefill "$prefill" --out "$shm/troupe_logits_split_attn32.npy"
 fi
+# ALT_BUNDLES="NAME=BUNDLE ...": the served form's logits again from another build's troupe_gpu_e2e (an older
+# commit: a regression against a card difference, on the same card and the same oracle).
+for ab in ${ALT_BUNDLES:-}; do
+  [ "${SKIP_LOGITS:-0}" = 1 ] && break
+  stage "logits ${ab%%=*}" 60 "${ab#*=}/run.sh" troupe_gpu_e2e logits --model "$model" --ids "$shm/ids.npy" \
+    --prefill "$prefill" --out "$shm/troupe_logits_alt_${ab%%=*}.npy"
+done
 python3 "$here/e2e_report.py" "$out" "$shm" "$prefill" 2>&1 | grep -A12 "^| troupe" | tee -a "$L"
-stage bench-b1 60 "$bundle/run.sh" troupe_gpu_e2e bench --model "$model" --batch 1 --prompt 512 --new 32
+[ "${SKIP_B1:-0}" = 1 ] || stage bench-b1 60 "$bundle/run.sh" troupe_gpu_e2e bench --model "$model" --batch 1 --prompt 512 --new 32
 # VARIANTS="NAME=VALUE ...": batch 1 again with each setting (A/B in the same run).
 for v in ${VARIANTS:-}; do
   stage "bench-b1 $v" 60 env "$v" TROUPE_VARIANT="$v" "$bundle/run.sh" troupe_gpu_e2e bench --model "$model" --batch 1 \

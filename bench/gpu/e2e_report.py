@@ -4,7 +4,9 @@ and writes e2e.md: the tables of docs/benchmarks.md's end-to-end section.
 Prints the short table last.
 
   e2e_report.py OUTDIR SHM_DIR PREFILL"""
+import glob
 import json
+import os
 import sys
 
 import numpy as np
@@ -79,7 +81,8 @@ try:
         except FileNotFoundError:
             pass
     REFS = tuple(r for r in REFS if r[0] in refs)
-    for stem, label in RUNS:
+    alts = sorted(os.path.basename(f)[:-4] for f in glob.glob(f"{shm}/troupe_logits_alt_*.npy"))
+    for stem, label in RUNS + tuple((a, f"troupe, bf16 matrices, build {a[len('troupe_logits_alt_'):]}") for a in alts):
         try:
             ours = np.load(f"{shm}/{stem}.npy").astype(np.float32)
         except FileNotFoundError:

@@ -10,7 +10,6 @@ cd "$(dirname "$0")/../.."
 commit=$1 out=$2
 shift 2
 targets=("${@:-troupe_gpu_e2e}")
-[ ${#targets[@]} -gt 0 ] || targets=(troupe_gpu_e2e)
 wt=${WT:-/tmp/troupe-at}/$(git rev-parse --short "$commit")
 [ -d "$wt" ] || git worktree add -f --detach "$wt" "$commit" > /dev/null
 cmake -S "$wt" -B "$wt/build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo > "$wt/cmake.log"

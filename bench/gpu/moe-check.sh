@@ -18,8 +18,7 @@
 # BATCHES (8,16,64), SETTINGS ("TROUPE_MOE_BATCHED=0 -"), ROUNDS (1), MOE_SHAPES, MOE_ROWS, OP_SETTINGS,
 # FIXTURE_SETTINGS ("1 0"; empty: none), SKIP_TESTS=1, SKIP_SAN=1, SKIP_OP=1, SKIP_STEP=1; budgets TEST_S (150),
 # OP_S (150), STEP_S (300). A device call returns at most 8 files: point OUT at a local folder and archive it.
-source "$(dirname "$0")/check-env.sh" "$@"  # here, bundle, out; NCCL_NVLS_ENABLE=0, the tokenizer, OUT/smi.txt
-count() { echo "exit $1 ($(grep -c '^\[       OK' "$2") ok, $(grep -c '^\[  FAILED' "$2") failed lines)"; }
+source "$(dirname "$0")/check-env.sh" "$@"  # here, bundle, out, count; NCCL_NVLS_ENABLE=0, the tokenizer, OUT/smi.txt
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout "${TEST_S:-150}" "$bundle/run.sh" kernels_cuda_backend_test > "$out/backend_test.log" 2>&1
   echo "kernels_cuda_backend_test (as built): $(count $? "$out/backend_test.log")"

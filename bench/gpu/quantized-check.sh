@@ -18,11 +18,11 @@
 # lines (a step split into groups of ops) are printed last.
 # LOGITS_Q ("0 1"): the settings stage 3's logits run, each compared with the first. SKIP_SAN=1: no memcheck.
 # STEP_ONLY=1 skips stages 1 and 2, SKIP_TESTS=1 stage 1; FIX_Q ("0 1"): the settings stage 2 runs. Budgets: TEST_S (120), FIX_S (150), STEP_S (300). BATCHES (1,8,64).
-source "$(dirname "$0")/check-env.sh" "$@"  # here, bundle, out; NCCL_NVLS_ENABLE=0, the tokenizer, OUT/smi.txt
+source "$(dirname "$0")/check-env.sh" "$@"  # here, bundle, out, count; NCCL_NVLS_ENABLE=0, the tokenizer, OUT/smi.txt
 if [ "${STEP_ONLY:-0}" != 1 ] && [ "${SKIP_TESTS:-0}" != 1 ]; then
   TROUPE_CUDA_QUANTIZED=1 timeout "${TEST_S:-120}" "$bundle/run.sh" kernels_cuda_backend_test \
     --gtest_filter='*quantized*' > "$out/test.log" 2>&1
-  echo "quantized backend test: exit $? ($(grep -c '^\[       OK' "$out/test.log") ok, $(grep -c '^\[  FAILED' "$out/test.log") failed lines)"
+  echo "quantized backend test: $(count $? "$out/test.log")"
   grep -E "Failure|Expected|max|error" "$out/test.log" | head -12
   if [ "${SKIP_SAN:-0}" != 1 ]; then
     LD_LIBRARY_PATH="$bundle/lib:${LD_LIBRARY_PATH:-}" timeout "${TEST_S:-120}" compute-sanitizer --tool memcheck \

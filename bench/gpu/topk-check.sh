@@ -11,8 +11,7 @@
 #      (default 1048576x1,1048576x8,4194304x1,262144x64); the table is OUT/ab/ab.md
 # Budgets TEST_S (200), SAN_S (150 each), AB_S (240). A device call returns at most 8 files: point OUT at a
 # local folder and archive it.
-source "$(dirname "$0")/check-env.sh" "$@"  # here, bundle, out; NCCL_NVLS_ENABLE=0, OUT/smi.txt
-count() { echo "exit $1 ($(grep -c '^\[       OK' "$2") ok, $(grep -c '^\[  FAILED' "$2") failed lines)"; }
+source "$(dirname "$0")/check-env.sh" "$@"  # here, bundle, out, count; NCCL_NVLS_ENABLE=0, OUT/smi.txt
 filter=${FILTER:-*topk*}
 timeout "${TEST_S:-200}" "$bundle/run.sh" kernels_cuda_kernels_test --gtest_filter="$filter" > "$out/tests.log" 2>&1
 echo "kernels_cuda_kernels_test $filter: $(count $? "$out/tests.log")"

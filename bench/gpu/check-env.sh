@@ -1,4 +1,4 @@
-# Sourced by the one-call GPU check scripts (quantized-check.sh, moe-check.sh, topk-check.sh) with their
+# Sourced by the one-call GPU check scripts (device-check.sh, quantized-check.sh, moe-check.sh, topk-check.sh) with their
 # arguments BUNDLE OUT: sets here (the repository), bundle and out (created), the environment every run needs
 # (NCCL_NVLS_ENABLE=0, the tokenizer), records the card and its clocks in OUT/smi.txt, and defines
 # count EXIT LOG: a gtest run's exit status and its OK / FAILED line counts, as one phrase.

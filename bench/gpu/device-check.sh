@@ -6,28 +6,24 @@
 # Budgets (seconds) per stage: TEST_S, SAN_S, BENCH_S, FUZZ_S; SKIP_BENCH=1 leaves the benchmark out. model_tests (DecoderGpu) runs when the bundle has it;
 # FUZZ=N random configs through the bundle's troupe on CUDA against transformers (default 30, 0: off) when the
 # machine's python has transformers' deepseek_v4.
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-bundle=$(cd "$1" && pwd) out=$2
+source "$(dirname "$0")/check-env.sh" "$@"  # here, bundle, out, count; NCCL_NVLS_ENABLE=0, the tokenizer, OUT/smi.txt
+cd "$here"
 shift 2
-export NCCL_NVLS_ENABLE=0
-mkdir -p "$out"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$out/smi.txt"
 for t in kernels_cuda_backend_test kernels_cuda_kernels_test; do
   timeout "${TEST_S:-150}" "$bundle/run.sh" "$t" > "$out/$t.log" 2>&1
-  echo "$t: exit $? ($(grep -c '^\[       OK' "$out/$t.log") ok, $(grep -c '^\[  FAILED' "$out/$t.log") failed lines)"
+  echo "$t: $(count $? "$out/$t.log")"
 done
 # the GEMV forms the shared-memory ring displaced (ctest's kernels_cuda_linear_without_ring)
 TROUPE_GEMV_RING=0 timeout "${TEST_S:-150}" "$bundle/run.sh" kernels_cuda_backend_test --gtest_filter='*linear*:*beta*' \
   > "$out/linear_without_ring.log" 2>&1
-echo "linear without the ring: exit $? ($(grep -c '^\[       OK' "$out/linear_without_ring.log") ok, $(grep -c '^\[  FAILED' "$out/linear_without_ring.log") failed lines)"
+echo "linear without the ring: $(count $? "$out/linear_without_ring.log")"
 if [ -x "$bundle/model_tests" ]; then  # the GPU decoder against the CPU forward pass
   src=${BUILD_SOURCE_DIR:-/work/main}  # TROUPE_SOURCE_DIR of the build: where the binary looks for the fixtures
   if [ ! -e "$src/tests/fixtures/model" ]; then
     mkdir -p "$src/tests/fixtures" && ln -s "$PWD/tests/fixtures/model" "$src/tests/fixtures/model"
   fi
   timeout "${TEST_S:-150}" "$bundle/run.sh" model_tests --gtest_filter='DecoderGpu*' > "$out/decoder_gpu.log" 2>&1
-  echo "model_tests DecoderGpu: exit $? ($(grep -c '^\[       OK' "$out/decoder_gpu.log") ok, $(grep -c '^\[  FAILED' "$out/decoder_gpu.log") failed lines)"
+  echo "model_tests DecoderGpu: $(count $? "$out/decoder_gpu.log")"
 fi
 if [ "${FUZZ:-30}" -gt 0 ] && python3 -c "import transformers.models.deepseek_v4" 2> /dev/null; then
   # the CUDA backend (fp32 weights; troupe forward, and the engine through troupe generate) against transformers

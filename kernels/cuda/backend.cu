@@ -302,12 +302,13 @@ struct CudaBackend::Impl {
 
   // Whether moe() takes moe_batched for these rows (see kBatchedMinRows).
   static bool moe_batched_takes(WeightType type, int64_t rows) {
-    static const int mode = [] {
+    // TROUPE_MOE_BATCHED: 0 never, 2 from one row (an A/B of the pair path), unset or else from kBatchedMinRows.
+    static const char mode = [] {
       const char* e = std::getenv("TROUPE_MOE_BATCHED");
-      return e == nullptr ? 1 : e[0] == '0' ? 0 : e[0] == '2' ? 2 : 1;
+      return e == nullptr ? '1' : e[0];
     }();
-    if (mode == 0 || (type != WeightType::bf16 && type != WeightType::f16)) return false;
-    return rows >= (mode == 2 ? 1 : kBatchedMinRows);
+    if (mode == '0' || (type != WeightType::bf16 && type != WeightType::f16)) return false;
+    return rows >= (mode == '2' ? 1 : kBatchedMinRows);
   }
 
   // MoE as batched GEMMs over the touched experts: the pairs sorted by expert on the device, each touched
@@ -321,10 +322,8 @@ struct CudaBackend::Impl {
     const int64_t pairs = rows * k, cap = rows, inter = t.inter;
     const int n = static_cast<int>(std::min<int64_t>(experts, pairs));
     const bool split = gemm_split();
-    auto* counts = arena.take<int32_t>(experts);
     auto* offsets = arena.take<int32_t>(experts + 1);
     auto* perm = arena.take<int32_t>(pairs);
-    auto* inv = arena.take<int32_t>(pairs);
     auto* slot = arena.take<int32_t>(pairs);
     auto* rank = arena.take<int32_t>(experts);
     auto* touched = arena.take<int32_t>(n);
@@ -336,7 +335,7 @@ struct CudaBackend::Impl {
     void* hl = split ? arena.take<uint16_t>(block_h) : nullptr;
     float* ys = arena.take<float>(block_x + cap * dim);
     void** ptrs = arena.take<void*>(12 * static_cast<int64_t>(n));
-    moe_sort(idx, pairs, experts, counts, offsets, perm, inv, s(), rank, touched, n);
+    moe_sort(idx, pairs, experts, nullptr, offsets, perm, nullptr, s(), rank, touched, n);
     moe_pad_gather(x, dim, idx, perm, offsets, rank, pairs, k, cap, t.type, xh, xl, slot, s());
     moe_batch_pointers(n, touched, t, cap, dim, inter, xh, xl, gu, hh, hl, ys, ptrs, s());
     const cudaDataType_t ht = cuda_type(t.type);

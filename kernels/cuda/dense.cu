@@ -1514,7 +1514,7 @@ __global__ void moe_sort_kernel(const int32_t* idx, int64_t pairs, int experts, 
   if (threadIdx.x == 0) {
     int32_t run = 0, n = 0;
     for (int e = 0; e < experts; ++e) {
-      counts[e] = cur[e];
+      if (counts != nullptr) counts[e] = cur[e];
       offsets[e] = run;
       const int32_t c = cur[e];
       cur[e] = run;
@@ -1531,7 +1531,7 @@ __global__ void moe_sort_kernel(const int32_t* idx, int64_t pairs, int experts, 
   for (int64_t p = threadIdx.x; p < pairs; p += blockDim.x) {
     const int32_t pos = atomicAdd(&cur[idx[p]], 1);
     perm[pos] = static_cast<int32_t>(p);
-    inv[p] = pos;
+    if (inv != nullptr) inv[p] = pos;
   }
 }
 

@@ -112,7 +112,8 @@ void moe_grouped(const float* x, int64_t rows, int64_t dim, const int32_t* idx, 
                  int experts, const ExpertTables& t, float limit, int32_t* counts, int32_t* offsets, int32_t* perm,
                  int32_t* inv, float* xs, float* h, float* ys, float* out, cudaStream_t s);
 // Sorted path pieces: counts/offsets/permutation of the pairs by expert
-// (counts[e], offsets[e] (experts + 1), perm[pos] = pair, inv[pair] = pos). With rank and touched
+// (counts[e], offsets[e] (experts + 1), perm[pos] = pair, inv[pair] = pos; counts and inv may be null:
+// not written). With rank and touched
 // (the batched MoE): rank[e] = the touched expert's place among the touched ones in expert order (-1:
 // untouched), touched[i] = the i-th touched expert, -1 past the last up to `entries`.
 void moe_sort(const int32_t* idx, int64_t pairs, int experts, int32_t* counts, int32_t* offsets, int32_t* perm,

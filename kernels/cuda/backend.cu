@@ -181,15 +181,22 @@ bool mhc_unfused() {
   return off;
 }
 
-// TROUPE_GEMM_SPLIT=1: half-precision GEMMs take the activations as two terms,
-// half(x) and half(x - half(x)), two products summed in fp32 (twice the tensor-core
-// work, ~16 mantissa bits of x instead of 8). For agreement checks.
-bool gemm_split() {
-  static const bool on = [] {
+// Half-precision GEMMs (cuBLAS, past kGemvBatchRows rows) of at least kSplitMinRows rows take the
+// activations as two terms, half(x) and half(x - half(x)), two products summed in fp32: ~16 mantissa bits
+// of x instead of 8, as the tensor-core GEMV keeps at up to 8 rows. Below it (decode batches) the GEMMs
+// read their weights once per product and a second pass would cost a second read; at 128 rows and more
+// (prefill) the re-read is small against the step. Why: with bf16-rounded activations the prefill's
+// products moved the Flash-shaped model's logits off transformers' fp32 run enough to flip its top-1 on
+// 1.0 % of 2,304 positions on an H100 (run 41: 98.96 %; 11 of the 256 prefill positions, and decode
+// positions through the state the prefill wrote), 99.91 % with the split (as the fp32-matrix run).
+// TROUPE_GEMM_SPLIT=1 splits every cuBLAS GEMM (from 9 rows, the batched MoE too), =0 none.
+constexpr int64_t kSplitMinRows = 128;
+bool gemm_split(int64_t rows) {
+  static const char mode = [] {
     const char* e = std::getenv("TROUPE_GEMM_SPLIT");
-    return e != nullptr && std::strcmp(e, "1") == 0;
+    return e == nullptr ? 'r' : e[0];
   }();
-  return on;
+  return mode == '1' || (mode != '0' && rows >= kSplitMinRows);
 }
 
 constexpr int64_t kAttentionF32Queries = kGemvBatchRows;  // attention calls this small run in fp32,
@@ -289,7 +296,7 @@ struct CudaBackend::Impl {
       return;
     }
     void* xh = arena.take<uint16_t>(m * w.cols);
-    void* xl = gemm_split() ? arena.take<uint16_t>(m * w.cols) : nullptr;
+    void* xl = gemm_split(m) ? arena.take<uint16_t>(m * w.cols) : nullptr;
     to_half(x, m * w.cols, xh, w.type, s(), xl);
     int pass = 0;
     for (const void* xp : {static_cast<const void*>(xh), static_cast<const void*>(xl)}) {  // xl: the split's second term
@@ -321,7 +328,7 @@ struct CudaBackend::Impl {
                    int experts, const ExpertTables& t, float limit, float* out) {
     const int64_t pairs = rows * k, cap = rows, inter = t.inter;
     const int n = static_cast<int>(std::min<int64_t>(experts, pairs));
-    const bool split = gemm_split();
+    const bool split = gemm_split(rows);
     auto* offsets = arena.take<int32_t>(experts + 1);
     auto* perm = arena.take<int32_t>(pairs);
     auto* slot = arena.take<int32_t>(pairs);
@@ -601,7 +608,7 @@ void CudaBackend::linear_grouped(const float* x, int64_t m, const Weight& wq, in
     return;
   }
   void* xh = impl_->arena.take<uint16_t>(m * groups * w.cols);
-  void* xl = gemm_split() ? impl_->arena.take<uint16_t>(m * groups * w.cols) : nullptr;
+  void* xl = gemm_split(m) ? impl_->arena.take<uint16_t>(m * groups * w.cols) : nullptr;
   to_half(x, m * groups * w.cols, xh, w.type, impl_->s(), xl);
   int pass = 0;
   for (const void* xp : {static_cast<const void*>(xh), static_cast<const void*>(xl)}) {

@@ -183,13 +183,14 @@ bool mhc_unfused() {
 
 // Half-precision GEMMs (cuBLAS, past kGemvBatchRows rows) of at least kSplitMinRows rows take the
 // activations as two terms, half(x) and half(x - half(x)), two products summed in fp32: ~16 mantissa bits
-// of x instead of 8, as the tensor-core GEMV keeps at up to 8 rows. Below it (decode batches) the GEMMs
-// read their weights once per product and a second pass would cost a second read; at 128 rows and more
-// (prefill) the re-read is small against the step. Why: with bf16-rounded activations the prefill's
-// products moved the Flash-shaped model's logits off transformers' fp32 run enough to flip its top-1 on
-// 1.0 % of 2,304 positions on an H100 (run 41: 98.96 %; 11 of the 256 prefill positions, and decode
-// positions through the state the prefill wrote), 99.91 % with the split (as the fp32-matrix run).
-// TROUPE_GEMM_SPLIT=1 splits every cuBLAS GEMM (from 9 rows, the batched MoE too), =0 none.
+// of x instead of 8, as the tensor-core GEMV keeps at up to 8 rows. Below it (decode batches) a second
+// pass would read the weights a second time; from 128 rows (prefill) it doubles the tensor-core work:
+// 17-25 % of prefill throughput (run 41, H100, prompts of 512), taken for exactness. Why: with
+// bf16-rounded activations the prefill's products moved the Flash-shaped model's logits off
+// transformers' fp32 run enough to flip its top-1 on 1.0 % of 2,304 positions on an H100 (run 41:
+// 98.96 %; 11 of the 256 prefill positions, and decode positions through the state the prefill wrote);
+// split from 128 rows, 99.83 %. TROUPE_GEMM_SPLIT=1 splits every cuBLAS GEMM (from 9 rows, the batched
+// MoE too: 99.91 %), =0 none.
 constexpr int64_t kSplitMinRows = 128;
 bool gemm_split(int64_t rows) {
   static const char mode = [] {

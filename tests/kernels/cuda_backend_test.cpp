@@ -114,7 +114,7 @@ TEST_F(CudaBackendTest, linear_matches_cpu_for_every_weight_type_and_shape) {
       // (backend.cu's kSplitMinRows; TROUPE_GEMM_SPLIT=1 from 9 rows, =0 never): 127 x 1024 x 4096 is
       // rounded, 128 x 1024 x 4096 and 300 x 512 x 256 split.
       const char* mode = std::getenv("TROUPE_GEMM_SPLIT");
-      const bool split = mode != nullptr && mode[0] == '1' ? true : mode != nullptr && mode[0] == '0' ? false : s.m >= 128;
+      const bool split = mode == nullptr ? s.m >= 128 : mode[0] == '1' || (mode[0] != '0' && s.m >= 128);
       const bool exact = s.m <= 8 || s.n <= 64 || type == WeightType::f32 || split;
       EXPECT_CLOSE(y.gpu_host(s.m * s.n), y.cpu_host(s.m * s.n), exact ? 2e-5 : 1e-2);
     }

@@ -21,7 +21,7 @@
 # SKIP_TESTS=1 skips stage 1, SKIP_HF=1 transformers, SKIP_EXTRA=1 the long-context and engine stages,
 # SKIP_B1=1 / SKIP_B8=1 the batch-1 / batch-8 bench, SKIP_LOGITS=1 troupe's teacher-forced logits; ALT_BUNDLES (below)
 # the served form's logits from other builds; NCU=1 adds a per-kernel ncu profile of batch-1 decode steps;
-# VARIANTS="ENV=VALUE ..." reruns the batch-1 bench under each setting; SANITIZE=FILTER runs
+# VARIANTS="ENV=VALUE ..." reruns the batch-1 bench under each setting; DIGEST=1 per-position logit digests; SANITIZE=FILTER runs
 # compute-sanitizer (memcheck, racecheck) over those kernels_cuda_backend_test cases.
 # POSITIONS (2304) / PREFILL (256): the agreement run's length and its prefill part (the >= 99 % top-1 target's
 # measure since run 9; 320 / 192 was the default until run 32, whose short contexts agree less: 96.25 % there
@@ -168,4 +168,7 @@ fi
 [ "${SKIP_EXTRA:-0}" = 1 ] || stage context 90 "$bundle/run.sh" troupe_gpu_e2e context --model "$model" --contexts "${CONTEXTS:-4096,131072}" --steps 50
 tail -n 30 "$L" | grep -v "^stage" | tail -n 12
 python3 "$here/e2e_report.py" "$out" "$shm" "$prefill" > "$out/report.txt" 2>&1
+# DIGEST=1: OUT/digest.npz, every logits file's per-position top-2 and row checksum (logit_digest.py; ~20 s a
+# file), to compare with another card's run by digest_compare.py (run 41's H100 digest: docs/kernel-runs/).
+[ "${DIGEST:-0}" = 1 ] && python3 "$here/logit_digest.py" "$out/digest.npz" "$shm"/*.npy >> "$L" 2>&1
 cat "$out/report.txt"

@@ -160,6 +160,18 @@ Counter& requests_counter(GatewayState& st, const std::string& route, int status
                              {{"route", route}, {"status", std::to_string(status)}});
 }
 
+// A route label for a path a request was refused on before routing: one of the served routes, or "other"
+// (a label per client-chosen path would grow the registry without bound).
+std::string known_route(const std::string& path) {
+  for (const ApiKind kind : {ApiKind::completion, ApiKind::chat, ApiKind::responses}) {
+    if (path == gateway::route_of(kind)) return path;
+  }
+  for (const char* r : {"/v1/models", "/tokenize", "/detokenize"}) {
+    if (path == r) return path;
+  }
+  return path.rfind("/admin/", 0) == 0 ? "/admin" : "other";
+}
+
 void forget(GatewayState& st, std::map<RequestId, InFlight>::iterator it) {
   if (it->second.frames) st.frame_ids.erase(FrameKey{it->second.frames->conn->id(), it->second.frames->rid});
   st.inflight.erase(it);
@@ -1281,7 +1293,7 @@ void handle(Self self, HttpCall call) {
   if ((path.rfind("/v1/", 0) == 0 || path.rfind("/admin/", 0) == 0 || tokenizing) && !st.config.api_key.empty()) {
     auto h = req.headers.find("authorization");
     if (h == req.headers.end() || h->second != "Bearer " + st.config.api_key) {
-      requests_counter(st, path, 401).inc();
+      requests_counter(st, known_route(path), 401).inc();
       respond_error(*call.responder, ApiError{401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                                               "invalid_request_error", "", "invalid_api_key"});
       return;

@@ -99,6 +99,20 @@ class Session : public std::enable_shared_from_this<Session> {
     if (ec) return fail_read(ec);
     first_request_ = false;
     stream_.expires_after(opts_.read_timeout);
+    // A client that sent "Expect: 100-continue" (curl does for bodies past 1 MiB) waits for this before its
+    // body. Nothing else is being written here: the previous response ended before this header was read.
+    if (!parser_->is_done() && beast::iequals(parser_->get()[http::field::expect], "100-continue")) {
+      static const std::string kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
+      net::async_write(stream_, net::buffer(kContinue), [self = shared_from_this()](beast::error_code wec, size_t) {
+        if (wec) return self->fail_read(wec);
+        self->read_body();
+      });
+      return;
+    }
+    read_body();
+  }
+
+  void read_body() {
     http::async_read(stream_, buffer_, *parser_, beast::bind_front_handler(&Session::on_body, shared_from_this()));
   }
 
@@ -149,6 +163,9 @@ class Session : public std::enable_shared_from_this<Session> {
     response_done_ = false;
     stream_.expires_never();
     watch_for_close();
+    // The watch read keeps this session alive while the handler answers (the responder holds it weakly);
+    // without one (a pipelined request already buffered) the session holds itself until the answer ends.
+    if (!watching_) hold_ = shared_from_this();
     try {
       handler_(std::move(req), r);
     } catch (const std::exception& e) {
@@ -157,9 +174,11 @@ class Session : public std::enable_shared_from_this<Session> {
     }
   }
 
-  // A read while the response is pending: EOF means the client went away.
+  // A read while the response is pending: EOF means the client went away. Not when the buffer already
+  // holds bytes past this request (pipelined requests sent in one write): the next request is there, no
+  // more bytes may come, and on_write's final write parses it.
   void watch_for_close() {
-    if (watching_ || closed_ || buffer_.size() > 64 * 1024) return;
+    if (watching_ || closed_ || buffer_.size() > 0) return;
     watching_ = true;
     stream_.socket().async_read_some(buffer_.prepare(4096), [self = shared_from_this()](beast::error_code ec, size_t n) {
       self->watching_ = false;
@@ -225,6 +244,7 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     if (final_write) {
       response_done_ = true;
+      hold_.reset();  // the write's completion handler still holds this session
       if (!keep_alive_) {
         shutdown();
         return;
@@ -237,6 +257,7 @@ class Session : public std::enable_shared_from_this<Session> {
   void shutdown() {
     if (closed_) return;
     closed_ = true;
+    const auto keep = std::move(hold_);  // released when this returns (every caller holds the session too)
     if (auto r = responder_.lock(); r && !response_done_) r->mark_closed();
     beast::error_code ec;
     stream_.socket().shutdown(tcp::socket::shutdown_both, ec);
@@ -258,6 +279,7 @@ class Session : public std::enable_shared_from_this<Session> {
   std::deque<Out> queue_;
   std::weak_ptr<SessionResponder> responder_;
   bool writing_ = false;
+  std::shared_ptr<Session> hold_;  // set while a response is pending and no watch read holds the session
   bool watching_ = false;
   bool keep_alive_ = true;
   bool response_done_ = true;

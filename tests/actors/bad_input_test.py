@@ -250,6 +250,80 @@ def test_api_key_is_required():
     still_serving()
 
 
+def read_responses(s, count, deadline_s=20):
+    """Reads `count` HTTP responses (Content-Length or chunked bodies) from socket s: [(status line, body)]."""
+    s.settimeout(deadline_s)
+    data, out = b"", []
+    while len(out) < count:
+        head_end = data.find(b"\r\n\r\n")
+        if head_end >= 0:
+            head = data[:head_end].decode("latin-1")
+            lines = head.split("\r\n")
+            fields = {k.strip().lower(): v.strip() for k, _, v in (l.partition(":") for l in lines[1:])}
+            rest = data[head_end + 4:]
+            if lines[0].split(" ")[1] == "100":  # an interim response: no body
+                out.append((lines[0], b""))
+                data = rest
+                continue
+            if "content-length" in fields and len(rest) >= int(fields["content-length"]):
+                n = int(fields["content-length"])
+                out.append((lines[0], rest[:n]))
+                data = rest[n:]
+                continue
+        d = s.recv(65536)
+        if not d:
+            raise AssertionError(f"connection closed after {len(out)} of {count} responses: {data[:300]!r}")
+        data += d
+    return out
+
+
+def test_pipelined_requests_are_all_answered():
+    """Requests a client writes back to back in one send (HTTP/1.1 pipelining) are answered in order; the second
+    used to wait forever (the server watched the socket for bytes while they already sat in its buffer)."""
+    s = socket.create_connection(("127.0.0.1", srv().port), timeout=20)
+    body = json.dumps({"model": MODEL, "prompt": "pipelined", "max_tokens": 2, "temperature": 0}).encode()
+    post_req = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode() +
+                b"\r\n\r\n" + body)
+    get_req = b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n"
+    s.sendall(get_req + get_req + post_req + get_req)
+    got = read_responses(s, 4)
+    s.close()
+    assert [g[0].split(" ")[1] for g in got] == ["200"] * 4, got
+    assert json.loads(got[2][1])["usage"]["completion_tokens"] == 2, got[2]
+    still_serving()
+
+
+def test_expect_100_continue_is_answered():
+    """A client that sends "Expect: 100-continue" (curl does past 1 MiB) gets the interim 100 before it sends
+    its body, then the response."""
+    s = socket.create_connection(("127.0.0.1", srv().port), timeout=20)
+    body = json.dumps({"model": MODEL, "prompt": "continue", "max_tokens": 2, "temperature": 0}).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Authorization: Bearer " + KEY.encode() + b"\r\nExpect: 100-continue\r\nContent-Length: " +
+              str(len(body)).encode() + b"\r\n\r\n")
+    interim = read_responses(s, 1, deadline_s=1.5)  # before the body: the server's read deadline is 2 s
+    assert interim[0][0].startswith("HTTP/1.1 100"), interim
+    s.sendall(body)
+    final = read_responses(s, 1)
+    s.close()
+    assert final[0][0].startswith("HTTP/1.1 200"), final
+    assert json.loads(final[0][1])["usage"]["completion_tokens"] == 2, final
+    still_serving()
+
+
+def test_refused_paths_do_not_grow_the_metrics():
+    """401s on client-chosen paths are counted under one label, not a label per path."""
+    for i in range(50):
+        s, _, b = srv().request("GET", f"/v1/no-such-route-{i}-" + "x" * 2000)
+        expect_error(s, b, 401)
+    status, _, text = srv().request("GET", "/metrics")
+    text = text if isinstance(text, str) else json.dumps(text)
+    assert status == 200 and "no-such-route" not in text, text[:500]
+    assert 'route="other",status="401"' in text, [l for l in text.splitlines() if "401" in l]
+    still_serving()
+
+
 def test_slowloris_is_cut_off_and_others_are_served():
     """20 clients trickle header bytes; each is closed after the 2 s read
     deadline, and a normal client is answered while they trickle."""

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <random>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
@@ -139,7 +140,9 @@ struct GatewayState {
   caf::actor router;
   std::shared_ptr<MetricsRegistry> metrics;
   std::map<RequestId, InFlight> inflight;
-  RequestId next_id = 1;
+  // Request ids start at a random multiple of 2^32: a worker keys its runs by id alone, and several
+  // gateways (replicas) place requests on the same workers, so each gateway's ids must not meet another's.
+  RequestId next_id = (static_cast<RequestId>(std::random_device{}()) << 32) | 1;
   std::set<caf::actor_addr> watched;
   caf::actor supervisor;  // for the admin routes
   bool draining = false;  // shutting down: no new requests

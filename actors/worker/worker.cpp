@@ -18,9 +18,11 @@ struct Running {
   int64_t next_index = 0;         // output index of the next token
   std::vector<int32_t> sampled;   // tokens this worker sampled for the job
   bool handing_off = false;       // parked for a handoff (PD or migration), exporting
+  bool migrating = false;         // a drain moves it to handoff_to (its next park is the handoff's)
   caf::actor handoff_to;          // the worker that continues it
   bool long_tail_parked = false;  // parked by the supervisor's long-tail policy
   bool client_parked = false;     // parked by its client (frame Park): only the client's Resume continues it
+  bool park_retry = false;        // the client's Park is retried shortly (it met the request between tiers)
   bool superseded = false;        // a later attempt of the request runs here instead: silent until it ends
   int64_t prompt_next = 1;        // Job::prompt_logprobs: the next prompt token whose logprob to report
 };
@@ -266,7 +268,9 @@ void on_event(Self self, const engine::Event& e) {
   const auto me = caf::actor_cast<caf::actor>(self);
   switch (e.kind) {
     case engine::EventKind::token: {
-      if (run.superseded) break;
+      // Handing off: the target owns the stream from the continuation's generated_before on; a token the
+      // engine sampled in the step that failed to park (and is aborted now) is not the one it continues from.
+      if (run.superseded || run.handing_off) break;
       run.sampled.push_back(e.token);
       TokenBatch b = token_batch(run.job.id, run.next_index++, {e.token}, me);
       if (run.job.logprobs >= 0) b.logprobs.push_back(logprob_of(e.logits, e.token, run.job.logprobs));
@@ -274,7 +278,7 @@ void on_event(Self self, const engine::Event& e) {
       break;
     }
     case engine::EventKind::logits: {  // prompt rows (Job::prompt_logprobs)
-      if (run.superseded || run.job.prompt_logprobs < 0) break;
+      if (run.superseded || run.handing_off || run.job.prompt_logprobs < 0) break;
       const auto V = static_cast<size_t>(st.model->config().vocab_size);
       TokenBatch b = token_batch(run.job.id, run.next_index, {}, me);
       b.prompt_index = run.prompt_next;
@@ -295,6 +299,7 @@ void on_event(Self self, const engine::Event& e) {
         if (st.config.engine.host_bytes > 0 && e.message.find("no room") == std::string::npos) {
           // It was between tiers (loading, resuming): the client's park is tried again shortly.
           run.client_parked = false;
+          run.park_retry = true;  // a client Resume before the retry cancels it
           self->delayed_send(self, std::chrono::milliseconds(20), client_park_atom::value, run.job.id);
           break;
         }
@@ -310,6 +315,9 @@ void on_event(Self self, const engine::Event& e) {
         break;
       }
       if (!run.handoff_to || run.handing_off) break;  // a long-tail or client park: the stream just pauses
+      // A PD prefill's own park comes once its first token is sampled (park_after_prefill); before that a
+      // park is the engine's preemption into the host tier, which it resumes itself: not the handoff.
+      if (!run.migrating && run.sampled.empty()) break;
       run.handing_off = true;
       if (!e.ok) {
         // No state to hand over (no host tier, no room there, or the request was
@@ -328,9 +336,15 @@ void on_event(Self self, const engine::Event& e) {
       auto fut = std::make_shared<std::future<std::optional<engine::SequenceImage>>>(st.engine->export_parked(e.id));
       const engine::RequestId eid = e.id;
       std::thread([fut, me, eid] {
-        auto image = fut->get();
         std::shared_ptr<const engine::SequenceImage> shared;
-        if (image) shared = std::make_shared<const engine::SequenceImage>(std::move(*image));
+        try {
+          // Throws (std::future_error) when the engine stops before its next step fulfils the export;
+          // uncaught on this thread it would end the process.
+          auto image = fut->get();
+          if (image) shared = std::make_shared<const engine::SequenceImage>(std::move(*image));
+        } catch (const std::exception& ex) {
+          spdlog::warn("worker: export of request {} did not complete: {}", eid, ex.what());
+        }
         caf::anon_send(me, exported_atom::value, eid, shared);
       }).detach();
       break;
@@ -472,6 +486,11 @@ caf::behavior worker_actor(Self self, std::shared_ptr<model::Model> model, Worke
         auto it = s.by_request.find(id);
         if (it == s.by_request.end()) return;
         auto& run = s.by_engine.at(it->second);
+        // This worker's own retry of a Park that met the request between tiers: dropped if the client's
+        // Resume came in the meantime (else that Resume would be lost and the request stay parked).
+        const bool retry = caf::actor_cast<caf::actor_addr>(self->current_sender()) == self->address();
+        if (retry && !run.park_retry) return;
+        run.park_retry = false;
         if (run.handing_off || run.client_parked) return;
         const bool was_parked = run.long_tail_parked;
         run.client_parked = true;
@@ -483,6 +502,14 @@ caf::behavior worker_actor(Self self, std::shared_ptr<model::Model> model, Worke
         }
       },
       [=](client_resume_atom, RequestId id) {
+        auto& s = self->state;
+        if (auto it = s.by_request.find(id); it != s.by_request.end()) {
+          auto& run = s.by_engine.at(it->second);
+          if (run.park_retry) {  // its Park is still waiting for a retry: not parked, so cancel the retry
+            run.park_retry = false;
+            return;
+          }
+        }
         resume_parked(self, id, &Running::client_parked, "troupe_client_resumed_total",
                       "Requests resumed by their client (frame Resume)");
       },
@@ -496,6 +523,7 @@ caf::behavior worker_actor(Self self, std::shared_ptr<model::Model> model, Worke
         for (auto& [eid, run] : s.by_engine) {
           if (run.handing_off || run.handoff_to) continue;
           run.handoff_to = target;
+          run.migrating = true;
           if (run.long_tail_parked || run.client_parked) {  // already parked: export right away
             // (a client-parked request is parked again on the target by its gateway)
             run.long_tail_parked = run.client_parked = false;
@@ -505,7 +533,20 @@ caf::behavior worker_actor(Self self, std::shared_ptr<model::Model> model, Worke
           }
         }
       },
-      [=](drain_atom) { self->state.draining = true; },
+      [=](drain_atom) {  // no worker to move to: finish here
+        auto& s = self->state;
+        s.draining = true;
+        // The supervisor's long-tail policy stops for a draining worker: what it parked resumes now, or
+        // it would wait forever (and the drain with it).
+        std::vector<RequestId> parked;
+        for (const auto& [eid, run] : s.by_engine) {
+          if (run.long_tail_parked) parked.push_back(run.job.id);
+        }
+        for (const RequestId id : parked) {
+          resume_parked(self, id, &Running::long_tail_parked, "troupe_long_tail_resumed_total",
+                        "Requests resumed by the long-tail policy");
+        }
+      },
       [=](fence_atom, const std::string&, bool fenced) {  // back in service after a drain (the fleet's scale up)
         if (!fenced && self->state.draining) {
           spdlog::info("worker {}: back in service", self->state.config.name);

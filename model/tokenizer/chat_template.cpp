@@ -63,9 +63,6 @@ void check(std::span<const Message> messages) {
       if (!m.content) bad_message(i, m, "content is missing");
       if (!m.tool_calls.empty()) bad_message(i, m, "only assistant messages carry tool_calls");
     } else if (m.role == "assistant") {
-      if (m.content && !m.tool_calls.empty()) {
-        bad_message(i, m, "has both content and tool_calls; the DeepSeek template renders only one of them");
-      }
       if (!m.content && m.tool_calls.empty()) bad_message(i, m, "has neither content nor tool_calls");
     } else {
       bad_message(i, m, "the DeepSeek template renders only the roles system, user, assistant and tool");
@@ -107,12 +104,16 @@ std::vector<ChatPart> ChatTemplate::render_parts(std::span<const Message> messag
     r.text(call.name + "\n```json\n" + call.arguments + "\n```");
     r.marker(marker::tool_call_end);
   };
+  // Content of only white space next to tool calls (what OpenAI clients send back) counts as none.
+  auto blank = [](const std::optional<std::string>& c) {
+    return !c || c->find_first_not_of(" \t\r\n") == std::string::npos;
+  };
   for (const Message& m : messages) {
     if (m.role == "user") {
       is_tool = false;
       r.marker(marker::user);
       r.text(*m.content);
-    } else if (m.role == "assistant" && !m.content) {
+    } else if (m.role == "assistant" && !m.tool_calls.empty() && blank(m.content)) {
       is_tool = false;
       for (const ToolCall& call : m.tool_calls) {
         if (!is_first) {
@@ -135,6 +136,17 @@ std::vector<ChatPart> ChatTemplate::render_parts(std::span<const Message> messag
         r.marker(marker::assistant);
       }
       r.text(*m.content);
+      if (!m.tool_calls.empty()) {
+        // Text, then calls: what the model wrote (the gateway returns it as content and tool_calls, and
+        // clients send it back). transformers' template would render the text alone and drop the calls.
+        r.marker(marker::tool_calls_begin);
+        for (size_t c = 0; c < m.tool_calls.size(); ++c) {
+          if (c > 0) r.text("\n");
+          tool_call_body(m.tool_calls[c]);
+        }
+        r.marker(marker::tool_calls_end);
+        is_first = true;
+      }
       r.marker(marker::end_of_sentence);
     } else if (m.role == "tool") {
       is_tool = true;

@@ -72,10 +72,6 @@ TEST(TokenizerChat, conversations_the_template_cannot_render_are_refused) {
   EXPECT_NE(refused(json::parse(R"([{"role":"function","content":"x"}])")).find("roles"), std::string::npos);
   EXPECT_NE(refused(json::parse(R"([{"role":"user"}])")).find("content is missing"), std::string::npos);
   EXPECT_NE(refused(json::parse(R"([{"role":"assistant","content":null}])")).find("neither"), std::string::npos);
-  EXPECT_NE(refused(json::parse(R"([{"role":"assistant","content":"x","tool_calls":[{"type":"function",
-            "function":{"name":"f","arguments":"{}"}}]}])"))
-                .find("both content and tool_calls"),
-            std::string::npos);
   EXPECT_NE(refused(json::parse(R"([{"role":"assistant","content":null,"tool_calls":[{"type":"function",
             "function":{"name":"f","arguments":{"a":1}}}]}])"))
                 .find("arguments must be a string"),
@@ -84,6 +80,30 @@ TEST(TokenizerChat, conversations_the_template_cannot_render_are_refused) {
                 .find("only text parts"),
             std::string::npos);
   EXPECT_NE(refused(json::parse(R"({"role":"user"})")).find("must be a list"), std::string::npos);
+}
+
+TEST(TokenizerChat, an_assistant_turn_with_text_and_tool_calls_renders_both_in_the_models_order) {
+  // What the gateway returns when the model writes text before its calls, sent back by the client.
+  using nlohmann::json;
+  const auto calls = R"([{"type":"function","function":{"name":"f","arguments":"{\"a\": 1}"}},
+                          {"type":"function","function":{"name":"g","arguments":"{}"}}])";
+  const std::string text = deepseek().render_chat(messages_from_json(json::parse(
+      std::string(R"([{"role":"user","content":"hi"},{"role":"assistant","content":"Let me look.","tool_calls":)") +
+      calls + R"(},{"role":"tool","content":"1"},{"role":"tool","content":"2"}])")));
+  const std::string want =
+      "<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜>Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function"
+      "<｜tool▁sep｜>f\n```json\n{\"a\": 1}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>g\n```json\n{}"
+      "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜><｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>1"
+      "<｜tool▁output▁end｜>\n<｜tool▁output▁begin｜>2<｜tool▁output▁end｜><｜tool▁outputs▁end｜>";
+  EXPECT_EQ(text, want);
+  // White space next to the calls counts as no content: the template's own form for a turn of calls.
+  const std::string blank = deepseek().render_chat(messages_from_json(json::parse(
+      std::string(R"([{"role":"user","content":"hi"},{"role":"assistant","content":" \n","tool_calls":)") + calls +
+      "}]")));
+  const std::string none = deepseek().render_chat(messages_from_json(json::parse(
+      std::string(R"([{"role":"user","content":"hi"},{"role":"assistant","content":null,"tool_calls":)") + calls +
+      "}]")));
+  EXPECT_EQ(blank, none);
 }
 
 TEST(TokenizerChat, openai_shapes_are_accepted) {

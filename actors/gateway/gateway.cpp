@@ -587,6 +587,7 @@ std::optional<ApiError> admit(Self self, ApiRequest api, ApiKind kind, const std
     requests_counter(st, route, 503).inc();
     return ApiError{503, "the server is shutting down; retry on another replica", "service_unavailable", "", ""};
   }
+  if (api.model.empty()) api.model = st.config.model_name;  // left out by the client: the served model
   if (api.model != st.config.model_name) {
     requests_counter(st, route, 404).inc();
     return model_not_found(st, api.model);

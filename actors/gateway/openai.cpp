@@ -214,8 +214,11 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
 std::variant<ApiRequest, ApiError> parse_request(const json& j, ApiKind kind) {
   ApiRequest r;
   r.kind = kind;
-  if (!j.contains("model") || !j["model"].is_string()) return bad_request("model", "'model' is required and must be a string");
-  r.model = j["model"].get<std::string>();
+  // Left out, null or "": the served model (as vLLM does; admission fills it in).
+  if (j.contains("model") && !j["model"].is_null()) {
+    if (!j["model"].is_string()) return bad_request("model", "'model' must be a string");
+    r.model = j["model"].get<std::string>();
+  }
 
   Fields f(j);
   if (kind == ApiKind::completion) {

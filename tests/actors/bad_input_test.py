@@ -186,6 +186,15 @@ def test_prompt_longer_than_the_model_limit():
     still_serving()
 
 
+def test_a_missing_model_means_the_served_one():
+    for extra in ({}, {"model": None}, {"model": ""}):
+        s, b = post({"prompt": "which model?", "max_tokens": 2, "temperature": 0, **extra})
+        assert s == 200 and b["model"] == MODEL, (extra, s, b)
+    s, b = post({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, path="/v1/chat/completions")
+    assert s == 200 and b["model"] == MODEL, (s, b)
+    still_serving()
+
+
 def test_unknown_model_is_404():
     s, b = post({"model": "gpt-7", "prompt": "hello"})
     expect_error(s, b, 404, param="model", code="model_not_found", words=("gpt-7", MODEL))

@@ -211,9 +211,26 @@ std::variant<ApiRequest, ApiError> parse_request(const std::string& body, ApiKin
   return parse_request(std::get<json>(parsed), kind);
 }
 
+// vLLM / SGLang extensions that change what is generated or returned and that troupe does not implement:
+// refused when set to anything but their default, rather than silently ignored.
+std::optional<ApiError> refuse_unsupported_extensions(const json& j, ApiKind kind) {
+  auto set = [&](const char* k) {
+    if (!j.contains(k) || j[k].is_null()) return false;
+    const json& v = j[k];
+    return !(v == false || (v.is_array() && v.empty()) || (v.is_object() && v.empty()));
+  };
+  for (const char* k : {"include_stop_str_in_output", "allowed_token_ids", "bad_words", "prompt_logprobs",
+                        "continue_final_message", "chat_template_kwargs", "chat_template"}) {
+    if (set(k)) return bad_request(k, fmt::format("'{}' is not supported by this server", k));
+  }
+  if (chat_like(kind) && set("echo")) return bad_request("echo", "'echo' is supported on /v1/completions only");
+  return std::nullopt;
+}
+
 std::variant<ApiRequest, ApiError> parse_request(const json& j, ApiKind kind) {
   ApiRequest r;
   r.kind = kind;
+  if (auto e = refuse_unsupported_extensions(j, kind)) return *e;
   // Left out, null or "": the served model (as vLLM does; admission fills it in).
   if (j.contains("model") && !j["model"].is_null()) {
     if (!j["model"].is_string()) return bad_request("model", "'model' must be a string");

@@ -186,6 +186,20 @@ def test_prompt_longer_than_the_model_limit():
     still_serving()
 
 
+def test_unimplemented_extensions_are_refused_not_ignored():
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for field, value in (("include_stop_str_in_output", True), ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
+                         ("prompt_logprobs", 1), ("continue_final_message", True),
+                         ("chat_template_kwargs", {"thinking": True}), ("echo", True)):
+        s, b = post({**chat, field: value}, path="/v1/chat/completions")
+        expect_error(s, b, 400, param=field)
+    # Their defaults are accepted (clients send them).
+    s, b = post({**chat, "include_stop_str_in_output": False, "allowed_token_ids": None, "bad_words": [],
+                 "chat_template_kwargs": {}, "echo": False}, path="/v1/chat/completions")
+    assert s == 200, (s, b)
+    still_serving()
+
+
 def test_a_missing_model_means_the_served_one():
     for extra in ({}, {"model": None}, {"model": ""}):
         s, b = post({"prompt": "which model?", "max_tokens": 2, "temperature": 0, **extra})

@@ -41,13 +41,20 @@ class Fields {
   void integer(const char* k, F&& set, int64_t lo, int64_t hi) {
     if (error || !has(k)) return;
     const auto& v = j_.at(k);
-    if (!v.is_number_integer()) {
+    // A whole number written as a float (256.0, as some clients serialize) is taken, as vLLM does.
+    const bool whole_float = v.is_number_float() && std::isfinite(v.get<double>()) &&
+                             v.get<double>() == std::floor(v.get<double>());
+    if (!v.is_number_integer() && !whole_float) {
       error = bad_request(k, std::string("'") + k + "' must be an integer");
       return;
     }
-    const auto d = v.get<int64_t>();
-    if (d < lo || d > hi) {
-      error = bad_request(k, fmt::format("'{}' must be between {} and {}, got {}", k, lo, hi, d));
+    // Out of int64's range (an unsigned past 2^63 - 1, or a float past it) would wrap: refused as out of range.
+    const bool fits = v.is_number_unsigned() ? v.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX)
+                      : whole_float ? std::fabs(v.get<double>()) < 9.2e18
+                                    : true;
+    const auto d = fits ? (whole_float ? static_cast<int64_t>(v.get<double>()) : v.get<int64_t>()) : int64_t{0};
+    if (!fits || d < lo || d > hi) {
+      error = bad_request(k, fmt::format("'{}' must be an integer between {} and {}, got {}", k, lo, hi, v.dump()));
       return;
     }
     set(d);
@@ -153,6 +160,17 @@ std::optional<ApiError> parse_tools(const json& j, ApiRequest& r) {
         return bad_request("tools", fmt::format("{}.function nests deeper than {} levels", where, engine::kMaxSchemaNesting));
       }
       const std::string name = fn["name"];
+      // The model writes a call as NAME, a newline, then the arguments: a name holding white space or control
+      // characters (or longer than OpenAI's 64) could not be told from what follows it.
+      const bool plain = name.size() <= 64 && std::none_of(name.begin(), name.end(), [](char c) {
+                           const auto u = static_cast<unsigned char>(c);
+                           return u <= 0x20 || u == 0x7f || c == '`' || c == '<';
+                         });
+      if (!plain) {
+        return bad_request("tools", where + ".function.name '" + escape_for_error(name) +
+                                        "' must be at most 64 characters without white space, control characters, "
+                                        "'`' or '<'");
+      }
       for (const auto& other : r.tools) {
         if (other.name == name) return bad_request("tools", "two tools are named '" + escape_for_error(name) + "'");
       }
@@ -501,7 +519,7 @@ std::variant<ApiRequest, ApiError> parse_request(const json& j, ApiKind kind) {
   }
   if (j.contains("stream_options") && j["stream_options"].is_object()) {
     const auto& so = j["stream_options"];
-    if (so.contains("include_usage")) {
+    if (so.contains("include_usage") && !so["include_usage"].is_null()) {
       if (!so["include_usage"].is_boolean()) return bad_request("stream_options", "'include_usage' must be true or false");
       r.include_usage = so["include_usage"].get<bool>();
     }

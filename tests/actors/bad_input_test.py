@@ -200,6 +200,26 @@ def test_unimplemented_extensions_are_refused_not_ignored():
     still_serving()
 
 
+def test_integer_fields_take_whole_floats_and_refuse_what_would_wrap():
+    s, b = post({"model": MODEL, "prompt": "whole", "max_tokens": 3.0, "seed": 7.0, "temperature": 0})
+    assert s == 200 and b["usage"]["completion_tokens"] == 3, (s, b)
+    for field, value in (("seed", 18446744073709551615), ("seed", 1e30), ("max_tokens", 2.5)):
+        s, b = post({"model": MODEL, "prompt": "x", field: value})
+        expect_error(s, b, 400, param=field)
+    still_serving()
+
+
+def test_tool_names_the_call_format_cannot_carry_are_refused():
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for name in ("get\nweather", "get weather", "x" * 65, "a`b"):
+        s, b = post({**chat, "tools": [{"type": "function", "function": {"name": name}}]}, path="/v1/chat/completions")
+        expect_error(s, b, 400, param="tools", words=("function.name",))
+    s, b = post({**chat, "tools": [{"type": "function", "function": {"name": "get_weather-v2.1"}}]},
+                path="/v1/chat/completions")
+    assert s == 200, (s, b)
+    still_serving()
+
+
 def test_a_missing_model_means_the_served_one():
     for extra in ({}, {"model": None}, {"model": ""}):
         s, b = post({"prompt": "which model?", "max_tokens": 2, "temperature": 0, **extra})

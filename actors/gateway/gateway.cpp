@@ -1325,6 +1325,11 @@ void handle(Self self, HttpCall call) {
     call.responder->respond(200, "application/json", gateway::dump_json(model_object(st)));
     return;
   }
+  if ((path == "/v1/models" || path.rfind("/v1/models/", 0) == 0) && req.method != "GET") {
+    respond_error(*call.responder, ApiError{405, "use GET for " + path, "invalid_request_error", "", ""},
+                  {{"allow", "GET"}});
+    return;
+  }
   if (path == "/v1/models" && req.method == "GET") {
     json j = {{"object", "list"}, {"data", json::array({model_object(st)})}};
     call.responder->respond(200, "application/json", gateway::dump_json(j));

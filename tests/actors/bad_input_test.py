@@ -271,6 +271,9 @@ def test_methods_and_routes():
     expect_error(s, b, 405)
     s, _, b = srv().request("GET", "/v1/nothing", headers=AUTH)
     expect_error(s, b, 404)
+    s, h, b = srv().request("POST", "/v1/models", {}, headers=AUTH)
+    expect_error(s, b, 405)
+    assert h.get("allow", h.get("Allow")) == "GET", h
     still_serving()
 
 

@@ -165,7 +165,7 @@ class Session : public std::enable_shared_from_this<Session> {
     watch_for_close();
     // The watch read keeps this session alive while the handler answers (the responder holds it weakly);
     // without one (a pipelined request already buffered) the session holds itself until the answer ends.
-    if (!watching_) hold_ = shared_from_this();
+    if (!watching_ && !closed_) hold_ = shared_from_this();
     try {
       handler_(std::move(req), r);
     } catch (const std::exception& e) {

@@ -94,5 +94,27 @@ def test_long_request_is_parked_for_short_ones_and_resumes_exactly():
     assert harness.metric(m, "troupe_leaked_pages") == 0
 
 
+def test_a_drain_with_nowhere_to_move_resumes_what_the_policy_parked():
+    """The only worker drained while the policy has the long request parked: no worker to move it to, and
+    the policy stops for a draining worker, so the drain resumes it there; it finishes with its tokens (it
+    used to stay parked, and the drain with it)."""
+    with harness.Server(A.troupe, A.home, name="uncapped-drain") as ref_server:
+        ref = harness.Streams(ref_server.base_url, [long_body()]).join(600)
+    with harness.Server(A.troupe, A.home, CAPPED, name="long-tail-drain") as s:
+        long_run = harness.Streams(s.base_url, [long_body()])
+        s.wait_for("the long request to decode", lambda: long_run.min_tokens() >= 30, timeout=300, every=0.05)
+        shorts = harness.Streams(s.base_url, short_bodies())
+        s.wait_for("the policy to park it",
+                   lambda: harness.metric(s.metrics(), "troupe_long_tail_parked_total") >= 1, timeout=120,
+                   every=0.02)
+        st, b = s.post("/admin/drain", {"worker": "worker-0"})
+        assert st == 200, (st, b)
+        shorts.join(120)
+        long_run.join(120)
+        assert len(long_run.tokens[0]) == LONG_TOKENS, f"the long request stopped at {len(long_run.tokens[0])} tokens"
+        assert not long_run.errors and not shorts.errors, (long_run.errors, shorts.errors)
+        assert long_run.tokens[0] == ref.tokens[0], "the resumed request's tokens differ from an uncapped run"
+
+
 if __name__ == "__main__":
     raise SystemExit(harness.run(globals(), A.only))

@@ -1,6 +1,7 @@
 #include "deploy/yaml_fields.hpp"
 
 #include <cmath>
+#include <cstdlib>
 #include <regex>
 
 namespace troupe::deploy::detail {
@@ -88,7 +89,9 @@ std::optional<int64_t> read_int(Reader& r, const YAML::Node& n, const std::strin
 std::optional<double> parse_number(const std::string& s) {
   static const std::regex number(R"(^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?$)");
   if (!std::regex_match(s, number)) return std::nullopt;
-  return std::stod(s);
+  // strtod, not stod: past a double's range it gives +-HUGE_VAL (reported out of range by the caller) and
+  // below it a value near 0, where stod threw out_of_range past every diagnostic.
+  return std::strtod(s.c_str(), nullptr);
 }
 
 std::optional<double> read_number(Reader& r, const YAML::Node& n, const std::string& field, Range range) {
@@ -114,7 +117,7 @@ std::optional<uint64_t> parse_size(const std::string& s) {
   static const std::regex size(R"(^([0-9]+(\.[0-9]+)?)\s*([KMGT]i?B?|B)?$)");
   std::smatch m;
   if (!std::regex_match(s, m, size)) return std::nullopt;
-  double v = std::stod(m[1].str());
+  double v = std::strtod(m[1].str().c_str(), nullptr);  // +inf past a double: refused below
   std::string unit = m[3].str();
   double scale = 1;
   if (!unit.empty() && unit != "B") {
@@ -124,7 +127,7 @@ std::optional<uint64_t> parse_size(const std::string& s) {
     scale = std::pow(base, power);
   }
   double bytes = v * scale;
-  if (bytes > 1.8e19) return std::nullopt;
+  if (!(bytes <= 1.8e19)) return std::nullopt;  // (also +inf)
   return static_cast<uint64_t>(bytes);
 }
 

@@ -11,8 +11,8 @@ Command add_run(CLI::App& app) {
   cmd->add_option("--node", o->node, "instance to run: NODE-ORDINAL (decode-1), or NODE when it has one slot")
       ->required();
   cmd->add_option("--backend", o->backend, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
-  cmd->add_option("--step-tokens", o->step_tokens, "tokens per engine step");
-  cmd->add_option("--max-running", o->max_running, "requests a worker runs at once");
+  cmd->add_option("--step-tokens", o->step_tokens, "tokens per engine step")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  cmd->add_option("--max-running", o->max_running, "requests a worker runs at once")->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--http-port", o->http_port,
                   "HTTP port instead of the node's ports.http (several slots of one node on one host; 0: any free)")
       ->check(CLI::Range(0, 65535));

@@ -162,6 +162,19 @@ nodes:
   EXPECT_EQ(p.errors[3].line, 8);
 }
 
+TEST(DeployManifest, numbers_past_a_double_are_out_of_range_not_an_exception) {
+  const std::string big(400, '9');
+  const auto p = parse_manifest("version: 1\nname: n\nmodel: {path: embedded}\ndrain: {timeout_s: 1e999}\n"
+                                "pools: {memory_budget: 1GiB, host_tier: " + big + "}\n"
+                                "nodes:\n  - name: a\n    actors: [gateway, router, decode]\n",
+                                "n.yaml");
+  ASSERT_GE(p.errors.size(), 2u);
+  std::string all;
+  for (const auto& e : p.errors) all += e.message + "\n";
+  EXPECT_NE(all.find("1e999 is out of range"), std::string::npos) << all;
+  EXPECT_NE(all.find("is not a size"), std::string::npos) << all;
+}
+
 TEST(DeployManifest, memory_budget_is_a_size_or_a_fraction) {
   auto with_budget = [](const std::string& b) {
     std::string text = kMinimal;

@@ -86,6 +86,10 @@ struct NodeProcess::Impl {
   std::atomic<bool> stop_housekeeping{false};
   std::thread housekeeper;
 
+  bool shut_down = false;
+
+  void start(RunOptions opts);  // NodeProcess's constructor
+  void shutdown();              // stops what start() started (also after it failed part way); once
   std::string not_ready() const {
     if (draining) return "draining";
     if (!node) return "starting";
@@ -138,9 +142,21 @@ std::vector<WorkerLoad> NodeProcess::Impl::router_loads() {
   return out;
 }
 
+// A start that fails part way (the backend, a port in use) stops what it started: an exception out of the
+// constructor skips ~NodeProcess, and ~actor_system would wait forever for the actors already spawned.
 NodeProcess::NodeProcess(RunOptions options) : impl_(std::make_unique<Impl>()) {
-  auto& im = *impl_;
-  im.options = std::move(options);
+  try {
+    impl_->start(std::move(options));
+  } catch (...) {
+    impl_->shutdown();
+    throw;
+  }
+}
+
+void NodeProcess::Impl::start(RunOptions opts) {
+  auto& im = *this;
+  Impl* const self_impl = this;
+  im.options = std::move(opts);
   im.topology = deploy::load_manifest_or_throw(im.options.manifest);
   const auto& topo = im.topology;
   auto inst = topo.find_instance(im.options.node);
@@ -186,7 +202,7 @@ NodeProcess::NodeProcess(RunOptions options) : impl_(std::make_unique<Impl>()) {
     ho.address = bind_host;
     ho.port = im.options.http_port >= 0 ? static_cast<uint16_t>(im.options.http_port) : (discovery == deploy::Discovery::static_addresses ? topo.http_port(im.instance) : me.ports.http);
     ho.threads = 1;
-    Impl* raw = impl_.get();
+    Impl* raw = self_impl;
     im.health = std::make_unique<gateway::HttpServer>(
         ho, [raw](gateway::HttpRequest req, std::shared_ptr<gateway::Responder> r) { raw->serve_health(req, *r); });
     im.port = im.health->port();
@@ -311,7 +327,7 @@ NodeProcess::NodeProcess(RunOptions options) : impl_(std::make_unique<Impl>()) {
     gc.http.address = bind_host;
     gc.http.port = im.options.http_port >= 0 ? static_cast<uint16_t>(im.options.http_port) : (discovery == deploy::Discovery::static_addresses ? topo.http_port(im.instance) : me.ports.http);
     gc.min_workers_ready = 1;
-    Impl* raw = impl_.get();
+    Impl* raw = self_impl;
     gc.not_ready = [raw] { return raw->not_ready(); };
     im.gateway = spawn_gateway(*im.system, gc, tok, im.router, im.metrics, &im.port);
     im.node->publish("gateway", im.gateway);
@@ -376,7 +392,7 @@ NodeProcess::NodeProcess(RunOptions options) : impl_(std::make_unique<Impl>()) {
     im.node->set_weights_ready(true);
   }
 
-  im.housekeeper = std::thread([raw = impl_.get()] {
+  im.housekeeper = std::thread([raw = self_impl] {
     while (!raw->stop_housekeeping) {
       raw->update_metrics();
       std::this_thread::sleep_for(std::chrono::milliseconds(500));
@@ -391,8 +407,12 @@ NodeProcess::NodeProcess(RunOptions options) : impl_(std::make_unique<Impl>()) {
                im.port, im.node->address(), im.runs_router ? "here" : im.router_instance);
 }
 
-NodeProcess::~NodeProcess() {
-  auto& im = *impl_;
+NodeProcess::~NodeProcess() { impl_->shutdown(); }
+
+void NodeProcess::Impl::shutdown() {
+  auto& im = *this;
+  if (im.shut_down || !im.system) return;
+  im.shut_down = true;
   im.stop_housekeeping = true;
   if (im.housekeeper.joinable()) im.housekeeper.join();
   if (im.supervisor) {  // its workers are monitored, not linked: stopped explicitly (none restarted)

@@ -528,5 +528,30 @@ def test_port_in_use_fails_fast():
     still_serving()
 
 
+def test_run_with_its_http_port_in_use_fails_fast():
+    """`troupe run` whose node's HTTP port is taken exits with the error (it used to hang: the actors it had
+    started were never stopped, and the actor system waited for them)."""
+    import pathlib
+    import re
+    import tempfile
+    example = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "examples" / "colocated.yaml"
+    base = srv().port  # taken: the test server's HTTP port
+    text = example.read_text().replace("http: 8000", f"http: {base}")
+    with socket.socket() as probe:  # a free port for the node's transport (the range its next one)
+        probe.bind(("127.0.0.1", 0))
+        transport = probe.getsockname()[1]
+    text = re.sub(r"7400", str(transport), text).replace("7401-7463", f"{transport + 1}-{transport + 1}")
+    with tempfile.TemporaryDirectory() as d:
+        manifest = pathlib.Path(d) / "m.yaml"
+        manifest.write_text(text)
+        t0 = time.monotonic()
+        p = subprocess.run([A.troupe, "run", "--manifest", str(manifest), "--node", "serve"],
+                           env={"TROUPE_HOME": A.home, "PATH": "/usr/bin", "UCX_NET_DEVICES": "lo"},
+                           capture_output=True, text=True, timeout=120, preexec_fn=harness._die_with_parent)
+    assert p.returncode != 0 and "cannot listen" in (p.stdout + p.stderr), (p.returncode, p.stdout, p.stderr)
+    assert time.monotonic() - t0 < 60
+    still_serving()
+
+
 if __name__ == "__main__":
     raise SystemExit(harness.run(globals(), A.only))

@@ -938,9 +938,16 @@ void frame_generate(Self self, const transport::ConnectionPtr& conn, const messa
   {
     auto v = messages::open<msg::GenerateRequest>(frame);
     if (const uint64_t ns = v->root().getDeadlineUnixNanos(); ns != 0) {
-      const auto now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                              std::chrono::system_clock::now().time_since_epoch()).count();
-      origin.deadline = Clock::now() + std::chrono::nanoseconds(static_cast<int64_t>(ns) - now_ns);
+      const auto now_ns = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                              std::chrono::system_clock::now().time_since_epoch()).count());
+      // Compared unsigned: a deadline at or past 2^63 ns (year 2262) read as int64 was negative, refused as
+      // passed. Past a year from now it is no deadline at all; before now, one that has passed.
+      constexpr uint64_t kYearNs = uint64_t{365} * 24 * 3600 * 1000000000;
+      if (ns <= now_ns) {
+        origin.deadline = Clock::now();
+      } else if (ns - now_ns < kYearNs) {
+        origin.deadline = Clock::now() + std::chrono::nanoseconds(static_cast<int64_t>(ns - now_ns));
+      }
     }
   }
   if (auto e = admit(self, std::move(api), kind, kFrameRoute, std::move(origin))) refuse(code_of(*e), e->message);

@@ -149,6 +149,17 @@ def test_json_schema_matches_http():
         expect_error(lambda: c.generate(text="x", ebnf="root ::= (", max_tokens=2), "invalidArgument", "unclosed")
 
 
+def test_deadlines_far_and_past():
+    """deadlineUnixNanos is unsigned: one past 2^63 ns (read as a negative int64 before) is no deadline, one
+    in the past is refused as passed."""
+    with client() as c:
+        out = c.generate(text="far", max_tokens=3, temperature=0.0, ignore_eos=True, return_token_ids=True,
+                         deadline_unix_nanos=(1 << 64) - 1)
+        assert len(out["token_ids"]) == 3, out
+        expect_error(lambda: c.generate(text="late", max_tokens=3, deadline_unix_nanos=1), "deadlineExceeded")
+        still_serving(c)
+
+
 def test_list_models():
     with client() as c:
         models = c.list_models()

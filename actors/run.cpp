@@ -155,7 +155,6 @@ NodeProcess::NodeProcess(RunOptions options) : impl_(std::make_unique<Impl>()) {
 
 void NodeProcess::Impl::start(RunOptions opts) {
   auto& im = *this;
-  Impl* const self_impl = this;
   im.options = std::move(opts);
   im.topology = deploy::load_manifest_or_throw(im.options.manifest);
   const auto& topo = im.topology;
@@ -202,7 +201,7 @@ void NodeProcess::Impl::start(RunOptions opts) {
     ho.address = bind_host;
     ho.port = im.options.http_port >= 0 ? static_cast<uint16_t>(im.options.http_port) : (discovery == deploy::Discovery::static_addresses ? topo.http_port(im.instance) : me.ports.http);
     ho.threads = 1;
-    Impl* raw = self_impl;
+    Impl* raw = this;
     im.health = std::make_unique<gateway::HttpServer>(
         ho, [raw](gateway::HttpRequest req, std::shared_ptr<gateway::Responder> r) { raw->serve_health(req, *r); });
     im.port = im.health->port();
@@ -327,7 +326,7 @@ void NodeProcess::Impl::start(RunOptions opts) {
     gc.http.address = bind_host;
     gc.http.port = im.options.http_port >= 0 ? static_cast<uint16_t>(im.options.http_port) : (discovery == deploy::Discovery::static_addresses ? topo.http_port(im.instance) : me.ports.http);
     gc.min_workers_ready = 1;
-    Impl* raw = self_impl;
+    Impl* raw = this;
     gc.not_ready = [raw] { return raw->not_ready(); };
     im.gateway = spawn_gateway(*im.system, gc, tok, im.router, im.metrics, &im.port);
     im.node->publish("gateway", im.gateway);
@@ -401,7 +400,7 @@ void NodeProcess::Impl::start(RunOptions opts) {
     im.node->set_weights_ready(true);
   }
 
-  im.housekeeper = std::thread([raw = self_impl] {
+  im.housekeeper = std::thread([raw = this] {
     while (!raw->stop_housekeeping) {
       raw->update_metrics();
       std::this_thread::sleep_for(std::chrono::milliseconds(500));

@@ -489,20 +489,22 @@ class Topo:
     each with ports of its own. (UCX accepts connections only on an address an
     interface has, so every process shares 127.0.0.1 and differs by port.)"""
 
-    def __init__(self, decode_processes=1):
-        names = ["front", "prefill"] + (["decode"] if decode_processes == 1 else
-                                        [f"decode{chr(ord('a') + i)}" for i in range(decode_processes)])
-        base = free_port_block(10 * len(names))
+    def __init__(self, decode_processes=1, layout=None):
+        """layout: [(name, actors)] instead of front, prefill and the decode processes."""
+        if layout is None:
+            names = ["front", "prefill"] + (["decode"] if decode_processes == 1 else
+                                            [f"decode{chr(ord('a') + i)}" for i in range(decode_processes)])
+            layout = [(n, ["gateway", "router"] if n == "front" else
+                       ["prefill" if n == "prefill" else "decode", "cache_shard"]) for n in names]
+        base = free_port_block(10 * len(layout))
         self.nodes = []
         self.http = {}
-        for i, n in enumerate(names):
+        for i, (n, actors) in enumerate(layout):
             b = base + 10 * i
-            actors = ["gateway", "router"] if n == "front" else [
-                "prefill" if n == "prefill" else "decode", "cache_shard"]
             self.nodes.append({"name": n, "actors": actors, "address": "127.0.0.1", "ports": (b, b + 1, b + 2, b + 9)})
             self.http[n] = b
         self.host = "127.0.0.1"
-        self.decodes = names[2:]
+        self.decodes = [n for n, actors in layout if "decode" in actors]
 
     def port(self, node):
         return self.http[node]

@@ -24,16 +24,11 @@ class TwoGateways(unittest.TestCase):
         self.dir = Path(tempfile.mkdtemp(prefix="troupe-two-gateways-"))
         self.cluster = h.Cluster(self.dir, troupe, {"UCX_NET_DEVICES": "lo"})
         self.addCleanup(self.cluster.close)
-        layout = [("front", ["gateway", "router"]), ("front2", ["gateway"]), ("prefill", ["prefill", "cache_shard"]),
-                  ("decode", ["decode", "cache_shard"])]
-        base = h.free_port_block(10 * len(layout))
-        nodes, self.port = [], {}
-        for i, (name, actors) in enumerate(layout):
-            b = base + 10 * i
-            nodes.append({"name": name, "actors": actors, "address": HOST, "ports": (b, b + 1, b + 2, b + 9)})
-            self.port[name] = b
-        manifest = h.write_manifest(self.dir / "two-gateways.yaml", "two-gateways", model, nodes)
-        self.procs = {n: self.cluster.start(n, manifest) for n, _ in layout}
+        topo = h.Topo(layout=[("front", ["gateway", "router"]), ("front2", ["gateway"]),
+                              ("prefill", ["prefill", "cache_shard"]), ("decode", ["decode", "cache_shard"])])
+        self.port = topo.http
+        manifest = h.write_manifest(self.dir / "two-gateways.yaml", "two-gateways", model, topo.nodes)
+        self.procs = {n: self.cluster.start(n, manifest) for n in self.port}
         h.wait_all_ready(self.cluster, HOST, list(self.port.values()))
         self.model = h.model_id(HOST, self.port["front"])
 

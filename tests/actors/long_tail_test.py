@@ -107,6 +107,11 @@ def test_a_drain_with_nowhere_to_move_resumes_what_the_policy_parked():
         s.wait_for("the policy to park it",
                    lambda: harness.metric(s.metrics(), "troupe_long_tail_parked_total") >= 1, timeout=120,
                    every=0.02)
+        # Every request reached the gateway (its 200 is counted as it goes to the router): one sent after
+        # the drain has no worker to go to and is refused, as it should be, which is not what this tests.
+        s.wait_for("the gateway to take all 21 requests",
+                   lambda: harness.metric(s.metrics(), "troupe_http_requests_total", route="/v1/completions",
+                                          status="200") >= 21, timeout=120, every=0.02)
         st, b = s.post("/admin/drain", {"worker": "worker-0"})
         assert st == 200, (st, b)
         shorts.join(120)

@@ -53,7 +53,7 @@ struct FrameServer::Impl {
 
   // Requests from other threads, drained by the loop.
   std::mutex wake_mu;
-  std::set<uint64_t> want_flush, want_close;
+  std::set<uint64_t> want_flush, want_close, want_drop;
   bool want_stop = false;
 
   // Loop thread only.
@@ -75,7 +75,8 @@ struct FrameServer::Impl {
   void flush(const std::shared_ptr<TcpConn>& c);
   void on_fault(const std::shared_ptr<TcpConn>& c, const messages::FrameFault& f);
   void close_after_flush(const std::shared_ptr<TcpConn>& c, Error why);
-  void finish(const std::shared_ptr<TcpConn>& c, Error why);
+  // By value: callers may pass the conns map's own element, which this erases.
+  void finish(std::shared_ptr<TcpConn> c, Error why);
   void set_events(TcpConn& c);
   void check_timers();
 };
@@ -113,17 +114,29 @@ struct TcpConn final : Connection {
   Status send(Frame frame) override { return enqueue(std::move(frame), false); }
   Status enqueue(Frame frame, bool internal) {
     Out o{messages::encode_header(frame.header()), std::move(frame)};
-    bool was_empty;
+    bool was_empty = false;
+    std::optional<Error> dropped;
     {
       std::lock_guard lock(mu);
       if (!open_ && !internal) return Error(ErrorCode::unavailable, fmt::format("connection {} is closed", peer_));
       if (queued + o.size() > server->opt.max_queued_bytes && !internal) {
-        return Error(ErrorCode::resource_exhausted,
-                     fmt::format("client {} is not reading: {} bytes queued", peer_, queued));
+        // A client that stopped reading loses the connection, not a frame: a
+        // stream with a hole in it (a token chunk missing, later ones arriving
+        // once it reads again) would be wrong output. Nothing more is queued;
+        // the loop closes it and on_close aborts its requests.
+        open_ = false;
+        dropped = Error(ErrorCode::resource_exhausted, fmt::format("client {} is not reading: {} bytes queued", peer_, queued));
+      } else {
+        queued += o.size();
+        was_empty = out.empty();
+        out.push_back(std::move(o));
       }
-      queued += o.size();
-      was_empty = out.empty();
-      out.push_back(std::move(o));
+    }
+    if (dropped) {
+      std::lock_guard lock(server->wake_mu);
+      server->want_drop.insert(id_);
+      server->wake();
+      return *dropped;
     }
     if (was_empty) {
       std::lock_guard lock(server->wake_mu);
@@ -241,16 +254,24 @@ void FrameServer::Impl::run() {
       if (evs[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR | EPOLLRDHUP)) read_ready(c);
       if (!c->finished && (evs[i].events & EPOLLOUT)) flush(c);
     }
-    std::set<uint64_t> flushes, closes;
+    std::set<uint64_t> flushes, closes, drops;
     bool stop;
     {
       std::lock_guard lock(wake_mu);
       flushes.swap(want_flush);
       closes.swap(want_close);
+      drops.swap(want_drop);
       stop = want_stop;
     }
     for (uint64_t id : flushes) {
       if (auto it = conns.find(id); it != conns.end()) flush(it->second);
+    }
+    for (uint64_t id : drops) {
+      if (auto it = conns.find(id); it != conns.end()) {
+        spdlog::warn("frame server: {} stopped reading ({} bytes queued); dropping it", it->second->peer_,
+                     opt.max_queued_bytes);
+        finish(it->second, Error(ErrorCode::resource_exhausted, "the client stopped reading"));
+      }
     }
     for (uint64_t id : closes) {
       if (auto it = conns.find(id); it != conns.end()) {
@@ -358,7 +379,7 @@ void FrameServer::Impl::close_after_flush(const std::shared_ptr<TcpConn>& c, Err
   flush(c);
 }
 
-void FrameServer::Impl::finish(const std::shared_ptr<TcpConn>& c, Error why) {
+void FrameServer::Impl::finish(std::shared_ptr<TcpConn> c, Error why) {
   if (c->finished) return;
   c->finished = true;
   {

@@ -13,6 +13,7 @@
 #include "tests/transport/child.hpp"
 #include "tests/transport/harness.hpp"
 #include "tests/transport/pattern.hpp"
+#include "tests/transport/test_service.hpp"
 #include "transport/tcp.hpp"
 #include "transport/ucx.hpp"
 
@@ -56,7 +57,8 @@ class BadBytes : public ::testing::Test {
  protected:
   void SetUp() override {
     server_ = std::make_unique<Child>(
-        std::vector<std::string>{server_binary(), "--ucx", "--name", "server", "--partial-timeout-ms", "500"},
+        std::vector<std::string>{server_binary(), "--ucx", "--name", "server", "--partial-timeout-ms", "500",
+                                 "--max-queued-bytes", std::to_string(2 << 20)},
         log_path("bad_bytes_server"));
     auto line = server_->read_line();
     port_ = static_cast<uint16_t>(std::stoi(Child::field(line, "tcp")));
@@ -259,6 +261,47 @@ TEST_F(BadBytes, a_stalled_partial_frame_is_dropped) {
   EXPECT_EQ(messages::open<msg::Error>(*f)->root().getCode(), msg::ErrorCode::DEADLINE_EXCEEDED);
   EXPECT_FALSE(conn->receive(2s).ok());
   EXPECT_GE(log_lines("stalled"), 1u);
+}
+
+// A client that sends and never reads: once 2 MiB of answers wait for it (this
+// server's limit, past the sockets' buffers) it is dropped. What it did get is
+// answers in order from the first: no frame is skipped to go on (a stream with
+// a hole would be wrong output), and nothing arrives after, not even the answer
+// to a frame sent once it reads again. (How many it gets depends on what the
+// sockets held when the connection closed.)
+TEST_F(BadBytes, a_client_that_stops_reading_is_dropped_without_a_hole) {
+  auto conn = fresh();
+  constexpr uint64_t kFrames = 64;  // 64 MiB of echoes
+  auto echo_frame = [](uint64_t i) {
+    FrameBuilder<msg::StageActivation> b;
+    b.root().getPayload().initInline(1 << 20);
+    return b.finish(test::kEchoBit | i);
+  };
+  uint64_t sent = 0;
+  for (uint64_t i = 1; i <= kFrames; ++i) {
+    if (!conn->send(echo_frame(i)).ok()) break;  // dropped already
+    sent = i;
+  }
+  std::this_thread::sleep_for(500ms);  // the server reads and answers everything sent
+  uint64_t next = 1;
+  std::optional<Error> last;
+  for (bool resent = false;;) {
+    auto f = conn->receive(5s);
+    if (!f.ok()) {
+      last = f.error();
+      break;
+    }
+    ASSERT_EQ(f->request_id(), test::kEchoBit | next) << "answer " << next << " is missing";
+    ++next;
+    if (!resent && next > 2) {  // reading again: one more frame, which must not be answered
+      (void)conn->send(echo_frame(kFrames + 1));
+      resent = true;
+    }
+  }
+  ASSERT_TRUE(last.has_value());
+  EXPECT_EQ(last->code(), ErrorCode::unavailable) << "the connection was not closed: " << last->what();
+  EXPECT_LT(next - 1, sent) << "every answer arrived: the client was never dropped";
+  EXPECT_GE(log_lines("stopped reading"), 1u);
 }
 
 // The same over UCX: raw active messages from a misbehaving peer.

@@ -1,5 +1,5 @@
 // frame_test_server [--tcp-port N] [--ucx] [--name NAME] [--connect ADDR]...
-//   [--token-interval-ms N] [--max-body N] [--partial-timeout-ms N]
+//   [--token-interval-ms N] [--max-body N] [--partial-timeout-ms N] [--max-queued-bytes N]
 // A real troupe endpoint for two-process and cross-language
 // tests: a FrameServer on TCP and (with --ucx) a UCX transport, both served
 // by TestService. Prints one line "READY tcp=PORT ucx=ADDRESS" on stdout,
@@ -76,6 +76,7 @@ int main(int argc, char** argv) {
   std::string tcp_client = args.get("--tcp-client");
   uint32_t generate = static_cast<uint32_t>(args.num("--generate", 16));
   int partial_timeout_ms = static_cast<int>(args.num("--partial-timeout-ms", 30000));
+  size_t max_queued = static_cast<size_t>(args.num("--max-queued-bytes", 64u << 20));
   if (!tcp_client.empty()) return run_client(tcp_client, generate);
   spdlog::set_default_logger(spdlog::stderr_color_mt("server"));
   spdlog::set_pattern("[%H:%M:%S.%e] [%l] %v");
@@ -88,6 +89,7 @@ int main(int argc, char** argv) {
   so.port = static_cast<uint16_t>(tcp_port);
   so.limits.max_body_bytes = max_body;
   so.partial_frame_timeout = std::chrono::milliseconds(partial_timeout_ms);
+  so.max_queued_bytes = max_queued;
   transport::FrameServer server(so, service);
   if (auto s = server.start(); !s) {
     spdlog::error("{}", s.error().what());

@@ -23,6 +23,8 @@
 #include "actors/supervisor/supervisor.hpp"
 #include "base/error.hpp"
 #include "cache/layout.hpp"
+#include "cache/planner.hpp"
+#include "engine/engine.hpp"
 #include "deploy/manifest.hpp"
 #include "kernels/backend.hpp"
 #include "model/config.hpp"
@@ -326,6 +328,8 @@ void NodeProcess::Impl::start(RunOptions opts) {
     gc.http.address = bind_host;
     gc.http.port = im.options.http_port >= 0 ? static_cast<uint16_t>(im.options.http_port) : (discovery == deploy::Discovery::static_addresses ? topo.http_port(im.instance) : me.ports.http);
     gc.min_workers_ready = 1;
+    gc.api_key = im.options.api_key;
+    gc.http.allowed_origins = im.options.allowed_origins;
     Impl* raw = this;
     gc.not_ready = [raw] { return raw->not_ready(); };
     im.gateway = spawn_gateway(*im.system, gc, tok, im.router, im.metrics, &im.port);
@@ -344,22 +348,42 @@ void NodeProcess::Impl::start(RunOptions opts) {
     WorkerConfig wc;
     wc.name = im.instance.name;
     wc.role = im.role;
-    wc.engine.device_bytes = topo.pools.memory_budget.bytes > 0 ? topo.pools.memory_budget.bytes : uint64_t{1} << 30;
-    // Not applied yet (README, known problems): said by name rather than dropped silently.
-    if (topo.pools.memory_budget.bytes == 0) {
-      spdlog::warn("run: pools.memory_budget {} is a fraction of device memory, which troupe run does not apply "
-                   "yet: the pools get 1 GiB; give a size (e.g. 60GiB)", topo.pools.memory_budget.fraction);
+    const auto& pools = topo.pools;
+    wc.engine.device_bytes = pools.memory_budget.bytes > 0
+                                 ? pools.memory_budget.bytes
+                                 : engine::pool_budget(*im.backend, pools.memory_budget.fraction);
+    if (pools.memory_budget.bytes == 0) {
+      spdlog::info("run: KV pools get {:g} of the free {} memory: {}", pools.memory_budget.fraction,
+                   im.backend->name(), cache::format_bytes(static_cast<double>(wc.engine.device_bytes)));
     }
-    if (!topo.pools.context_mix.empty() || topo.pools.ratios) {
-      spdlog::warn("run: pools.{} is not applied by troupe run yet: the pools start from the engine's own split "
-                   "and rebalance as demand shifts", topo.pools.ratios ? "ratios" : "context_mix");
+    // Where the pools start: fixed ratios, the manifest's mix or the planner's default mix.
+    if (pools.ratios) {
+      const auto& q = *pools.ratios;
+      std::array<double, cache::kPoolKinds> r{};
+      r[cache::index(cache::PoolKind::window)] = q.swa;
+      r[cache::index(cache::PoolKind::csa_entry)] = q.csa_entries;
+      r[cache::index(cache::PoolKind::csa_index)] = q.index_keys;
+      r[cache::index(cache::PoolKind::hca_entry)] = q.hca_entries;
+      r[cache::index(cache::PoolKind::hca_ring)] = q.inflight;
+      wc.engine.pool_ratios = r;
+    } else if (!pools.context_mix.empty()) {
+      for (const auto& c : pools.context_mix) wc.engine.pool_mix.push_back({c.prompt_tokens + c.output_tokens, c.share});
+    } else {
+      wc.engine.pool_mix = cache::parse_mix(cache::kDefaultMix);
     }
-    wc.engine.host_bytes = topo.pools.host_tier;
+    wc.engine.host_bytes = pools.host_tier;
     // A request's state leaves a worker through its host tier (the PD handoff
     // exports a request parked there, and so does a drain's migration): a
     // worker always gets one, as large as its device budget unless the
-    // manifest sizes it.
-    if (wc.engine.host_bytes == 0) wc.engine.host_bytes = wc.engine.device_bytes;
+    // manifest sizes it; on the CPU backend, where both tiers are the same
+    // memory, at most what the device budget leaves of the free memory.
+    if (wc.engine.host_bytes == 0) {
+      wc.engine.host_bytes = wc.engine.device_bytes;
+      const auto info = im.backend->memory_info();
+      if (im.backend->name() == "cpu" && info && info->free > wc.engine.device_bytes) {
+        wc.engine.host_bytes = std::min(wc.engine.host_bytes, info->free - wc.engine.device_bytes);
+      }
+    }
     wc.engine.step_tokens = im.options.step_tokens;
     wc.engine.max_running = im.options.max_running;
     wc.engine.vocabulary = std::make_shared<const engine::TokenVocabulary>(tok->vocabulary_bytes());

@@ -36,6 +36,8 @@ struct RunOptions {
   // HTTP port instead of the node's ports.http (several slots of one node on
   // one host); -1: the manifest's.
   int http_port = -1;
+  std::string api_key;                            // the gateway's (troupe serve --api-key); empty: none
+  std::vector<std::string> allowed_origins{"*"};  // the gateway's CORS origins; empty: none
   // Called when the router's process asks this one to drain and stop (an
   // admin's POST /admin/drain of its worker); run_until_signal raises SIGTERM.
   std::function<void()> on_drain_request;

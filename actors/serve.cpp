@@ -12,6 +12,7 @@
 #include "actors/gateway/gateway.hpp"
 #include "actors/router/router.hpp"
 #include "base/error.hpp"
+#include "engine/engine.hpp"
 #include "kernels/backend.hpp"
 #include "model/forward.hpp"
 #include "model/init.hpp"
@@ -97,8 +98,21 @@ Graph::Graph(ServeOptions options) : options_(std::move(options)), owned_(std::m
 void Graph::spawn_actors(const model::ModelConfig& mc) {
   router_ = spawn_router(*system_, metrics_);
 
+  if (options_.kv_fraction > 0) {
+    // Every worker this process may run shares the memory (a scaled-up one too).
+    int sharers = options_.prefill_workers > 0 && options_.decode_workers > 0
+                      ? options_.prefill_workers + options_.decode_workers
+                      : std::max(1, options_.workers);
+    if (options_.scale) sharers = std::max(sharers, options_.scale->max_workers);
+    options_.kv_bytes = engine::pool_budget(*owned_->backend, options_.kv_fraction, sharers);
+    spdlog::info("KV pools: {:g} of the free {} memory over {} worker(s): {} each", options_.kv_fraction,
+                 owned_->backend->name(), sharers, cache::format_bytes(static_cast<double>(options_.kv_bytes)));
+  }
   WorkerConfig base;
   base.engine.device_bytes = options_.kv_bytes;
+  base.engine.pool_mix = options_.pool_mix;
+  base.engine.pool_ratios = options_.pool_ratios;
+  base.engine.cache_share = options_.cache_share;
   base.engine.host_bytes = options_.host_bytes;
   base.engine.cold_pages = options_.cold_pages;
   base.engine.step_tokens = options_.step_tokens;
@@ -143,6 +157,7 @@ void Graph::spawn_actors(const model::ModelConfig& mc) {
   gc.http.port = options_.port;
   gc.http.max_body_bytes = options_.max_body_bytes;
   gc.http.read_timeout = std::chrono::seconds(options_.read_timeout_s);
+  gc.http.allowed_origins = options_.allowed_origins;
   gc.min_workers_ready = 1;
   gc.test_hooks = options_.test_hooks;
   gc.frame_port = options_.frame_port;

@@ -13,6 +13,7 @@
 
 #include "actors/supervisor/supervisor.hpp"
 #include "base/metrics.hpp"
+#include "cache/planner.hpp"
 #include "model/config.hpp"
 
 namespace troupe::actors {
@@ -24,10 +25,16 @@ struct ServeOptions {
   uint16_t port = 8000;             // 0: any free port
   std::optional<uint16_t> frame_port;  // the frame endpoint (docs/messages.md); 0: any free port; unset: none
   std::string api_key;
+  std::vector<std::string> allowed_origins{"*"};  // CORS (gateway::HttpOptions); empty: none
   int workers = 1;                  // colocated workers
   int prefill_workers = 0;          // > 0 with decode_workers > 0: disaggregated inside the process
   int decode_workers = 0;
   uint64_t kv_bytes = uint64_t{1} << 30;  // device tier per worker
+  double kv_fraction = 0;                 // > 0: instead, this share of the memory free after the weights,
+                                          // split among the workers the process may run
+  std::vector<cache::ContextShare> pool_mix;  // where the pools start (engine::EngineOptions)
+  std::optional<std::array<double, cache::kPoolKinds>> pool_ratios;
+  double cache_share = 0;
   uint64_t host_bytes = 0;                // host tier per worker (park, spill)
   bool cold_pages = true;                 // long sequences' old pages may live in (and be read from) the host tier
   int64_t max_model_len = 0;        // 0: min(max_position_embeddings, 32768)

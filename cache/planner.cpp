@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+#include <optional>
 #include <sstream>
 
 #include "base/error.hpp"
@@ -155,7 +157,7 @@ uint64_t parse_bytes(const std::string& text) {
   return static_cast<uint64_t>(v * mult);
 }
 
-std::vector<ContextShare> parse_mix(const std::string& text) {
+std::vector<ContextShare> parse_mix(const std::string& text, const std::string& option) {
   std::vector<ContextShare> mix;
   std::stringstream ss(text);
   std::string item;
@@ -168,21 +170,58 @@ std::vector<ContextShare> parse_mix(const std::string& text) {
     else if (!tokens.empty() && (tokens.back() == 'M' || tokens.back() == 'm')) mult = 1024 * 1024, tokens.pop_back();
     try {
       size_t used = 0;
-      s.tokens = std::stoll(tokens, &used) * mult;
+      const int64_t n = std::stoll(tokens, &used);
       if (used != tokens.size()) throw std::invalid_argument(tokens);
+      if (n > (int64_t{1} << 40) / mult) raise(ErrorCode::invalid_argument, "{}: '{}' is longer than 2^40 tokens", option, item);
+      s.tokens = n * mult;
       if (colon != std::string::npos) {
         const std::string w = item.substr(colon + 1);
         s.weight = std::stod(w, &used);
         if (used != w.size()) throw std::invalid_argument(w);
       }
+    } catch (const Error&) {
+      throw;
     } catch (const std::exception&) {
-      raise(ErrorCode::invalid_argument, "--mix: '{}' is not TOKENS[:WEIGHT] (e.g. 4096:0.7 or 32K:0.3)", item);
+      raise(ErrorCode::invalid_argument, "{}: '{}' is not TOKENS[:WEIGHT] (e.g. 4096:0.7 or 32K:0.3)", option, item);
     }
-    if (s.tokens <= 0 || !(s.weight > 0)) raise(ErrorCode::invalid_argument, "--mix: '{}' needs tokens > 0 and weight > 0", item);
+    if (s.tokens <= 0 || !(s.weight > 0) || !std::isfinite(s.weight)) {
+      raise(ErrorCode::invalid_argument, "{}: '{}' needs tokens > 0 and a finite weight > 0", option, item);
+    }
     mix.push_back(s);
   }
-  if (mix.empty()) raise(ErrorCode::invalid_argument, "--mix: no context lengths given");
+  if (mix.empty()) raise(ErrorCode::invalid_argument, "{}: no context lengths given", option);
   return mix;
+}
+
+std::array<double, kPoolKinds> parse_ratios(const std::string& text, const std::string& option) {
+  std::array<double, kPoolKinds> r{};
+  std::array<bool, kPoolKinds> seen{};
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    const auto eq = item.find('=');
+    std::optional<PoolKind> kind;
+    for (auto k : kAllPools) {
+      if (eq != std::string::npos && item.substr(0, eq) == to_string(k)) kind = k;
+    }
+    if (!kind) {
+      raise(ErrorCode::invalid_argument,
+            "{}: '{}' is not POOL=SHARE (pools: window, csa_entry, csa_index, hca_entry, hca_ring)", option, item);
+    }
+    const auto i = static_cast<size_t>(index(*kind));
+    if (seen[i]) raise(ErrorCode::invalid_argument, "{}: {} is given twice", option, to_string(*kind));
+    seen[i] = true;
+    const std::string v = item.substr(eq + 1);
+    char* end = nullptr;
+    r[i] = std::strtod(v.c_str(), &end);
+    if (v.empty() || *end != '\0' || !(r[i] >= 0 && r[i] <= 1)) {
+      raise(ErrorCode::invalid_argument, "{}: '{}' needs a share in [0, 1] after '='", option, item);
+    }
+  }
+  double sum = 0;
+  for (double x : r) sum += x;
+  if (!(sum > 0)) raise(ErrorCode::invalid_argument, "{}: the shares sum to 0", option);
+  return r;
 }
 
 std::string format_bytes(double b) {

@@ -24,6 +24,10 @@
 
 namespace troupe::cache {
 
+// The mix a plan assumes when a deployment names none: 70% of sequences at
+// 4K tokens, 25% at 32K, 5% at 128K.
+inline constexpr const char* kDefaultMix = "4K:0.7,32K:0.25,128K:0.05";
+
 struct ContextShare {
   int64_t tokens = 0;
   double weight = 1.0;
@@ -68,7 +72,10 @@ PoolCounts pages_per_sequence(const CacheGeometry& geometry, int64_t tokens);
 // "80GiB", "512MiB", "1.5TB", "4096": bytes. Throws Error(invalid_argument).
 uint64_t parse_bytes(const std::string& text);
 // "4096:0.7,32768:0.25,131072" (weight 1 when left out; 32K, 1M allowed).
-std::vector<ContextShare> parse_mix(const std::string& text);
+// Errors name `option`.
+std::vector<ContextShare> parse_mix(const std::string& text, const std::string& option = "--mix");
+// "window=0.1,csa_entry=0.6,..." (pools left out get 0; shares in [0, 1], not all 0).
+std::array<double, kPoolKinds> parse_ratios(const std::string& text, const std::string& option = "--ratios");
 std::string format_bytes(double bytes);
 
 }  // namespace troupe::cache

@@ -253,6 +253,12 @@ class Renderer {
     envs.push(env("TROUPE_DISCOVERY", "kubernetes"));
     envs.push(env("TROUPE_CACHE_DIR", kCacheDir));
     envs.push(env("HOME", "/tmp"));
+    if (n.runs(ActorKind::gateway) && !t_.kubernetes.api_key_secret.empty()) {
+      envs.push(Value().set("name", "TROUPE_API_KEY")
+                    .set("valueFrom", Value().set("secretKeyRef", Value()
+                                                                      .set("name", t_.kubernetes.api_key_secret)
+                                                                      .set("key", "api-key"))));
+    }
     envs.push(env("UCX_TCP_PORT_RANGE",
                   fmt::format("{}-{}", n.ports.transport_range.first, n.ports.transport_range.last)));
 

@@ -58,7 +58,8 @@ const std::map<std::string, std::vector<std::string_view>>& field_table() {
       {"policies.disaggregation", {"prefill", "decode", "handoff_transport", "handoff_timeout_s"}},
       {"drain", {"timeout_s"}},
       {"kubernetes",
-       {"namespace", "image", "image_pull_policy", "cluster_domain", "gateway_service", "model_volume", "gpu_resource"}},
+       {"namespace", "image", "image_pull_policy", "cluster_domain", "gateway_service", "model_volume", "gpu_resource",
+        "api_key_secret"}},
       {"kubernetes.gateway_service", {"type", "port"}},
       {"kubernetes.model_volume", {"claim", "mount"}},
   };
@@ -255,6 +256,7 @@ class ManifestReader {
     MapReader mr(r_, n, "kubernetes", fields_of("kubernetes"));
     if (!mr.valid()) return;
     if (auto v = read_dns_label(r_, mr.get("namespace"), "kubernetes.namespace")) k.namespace_name = *v;
+    if (auto v = read_dns_label(r_, mr.get("api_key_secret"), "kubernetes.api_key_secret")) k.api_key_secret = *v;
     if (auto v = read_string(r_, mr.get("image"), "kubernetes.image")) {
       static const std::regex image(R"(^[A-Za-z0-9][A-Za-z0-9._/:@-]*$)");
       if (std::regex_match(*v, image)) {

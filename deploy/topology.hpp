@@ -170,6 +170,7 @@ struct KubernetesSpec {
   std::string model_claim;                  // PersistentVolumeClaim with the weights (read-only)
   std::string model_mount = "/models";      // where the claim is mounted; model.path lies under it
   std::string gpu_resource = "nvidia.com/gpu";
+  std::string api_key_secret;               // Secret whose key `api-key` the gateways require (TROUPE_API_KEY); empty: none
 };
 
 struct Node {

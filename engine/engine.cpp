@@ -36,12 +36,41 @@ const char* to_string(EventKind k) {
   return "?";
 }
 
+uint64_t pool_budget(const kernels::Backend& backend, double fraction, int sharers) {
+  if (!(fraction > 0 && fraction <= 1)) raise(ErrorCode::invalid_argument, "a memory fraction must be in (0, 1], got {}", fraction);
+  if (sharers < 1) raise(ErrorCode::invalid_argument, "a memory budget needs at least one worker to share it");
+  const auto info = backend.memory_info();
+  if (!info) {
+    raise(ErrorCode::invalid_argument, "the {} backend cannot tell its free memory: give the pool budget as a size",
+          backend.name());
+  }
+  return static_cast<uint64_t>(fraction * static_cast<double>(info->free) / sharers);
+}
+
 Engine::Engine(model::Model& model, EngineOptions options, std::function<void(const Event&)> on_event)
     : model_(model), options_(std::move(options)), on_event_(std::move(on_event)),
       geometry_(cache::CacheGeometry::of(model.config(), options_.page_tokens)) {
   if (options_.step_tokens < 1) raise(ErrorCode::invalid_argument, "step_tokens must be at least 1");
+  cache::PoolCounts initial = options_.initial_pages;
+  if (!options_.pool_mix.empty() || options_.pool_ratios) {
+    cache::PlanInput in;
+    in.bytes = options_.device_bytes;
+    in.mix = options_.pool_mix;
+    in.ratios = options_.pool_ratios;
+    in.cache_share = options_.cache_share;
+    in.slab_bytes = options_.slab_bytes;
+    const auto plan = cache::plan_pools(geometry_, in);
+    std::string pools;
+    for (cache::PoolKind k : cache::kAllPools) {
+      auto& n = initial[static_cast<size_t>(cache::index(k))];
+      n = std::max(n, plan.pools[static_cast<size_t>(cache::index(k))].pages);
+      if (geometry_.has(k)) pools += fmt::format(" {} {}", cache::to_string(k), n);
+    }
+    spdlog::info("engine: pools of {} start from {} (pages:{})", cache::format_bytes(static_cast<double>(in.bytes)),
+                 options_.pool_ratios ? "fixed ratios" : "a context mix", pools);
+  }
   device_ = std::make_unique<cache::PoolSet>(geometry_, cache::backend_memory(model.backend()), options_.device_bytes,
-                                             options_.slab_bytes, options_.initial_pages);
+                                             options_.slab_bytes, initial);
   if (options_.host_bytes > 0) {
     host_ = std::make_unique<cache::PoolSet>(geometry_, cache::host_tier_memory(model.backend()), options_.host_bytes,
                                              options_.slab_bytes);

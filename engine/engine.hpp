@@ -31,6 +31,7 @@
 
 #include "cache/host/copy_engine.hpp"
 #include "cache/host/page_mover.hpp"
+#include "cache/planner.hpp"
 #include "cache/pool/pool_set.hpp"
 #include "cache/radix/shadow_radix.hpp"
 #include "engine/json_schema.hpp"
@@ -45,7 +46,15 @@ struct EngineOptions {
   uint64_t host_bytes = 0;                    // host tier budget; 0: no host tier (no park, spill or cold pages)
   int64_t page_tokens = 0;                    // 0: CacheGeometry's default
   size_t slab_bytes = 0;                      // 0: PoolSet's default
-  cache::PoolCounts initial_pages{};          // pages per pool taken up front (a plan)
+  cache::PoolCounts initial_pages{};          // pages per pool taken up front (at least)
+  // Where the pools start (cache/planner.hpp): sized for a mix of expected
+  // contexts (prompt + output tokens, weight) or given fixed shares of
+  // device_bytes per pool, the pages taken up front; neither: every pool starts
+  // empty and grows as requests need it. Either way empty slabs move between
+  // pools as demand shifts.
+  std::vector<cache::ContextShare> pool_mix;
+  std::optional<std::array<double, cache::kPoolKinds>> pool_ratios;
+  double cache_share = 0;                     // with a mix: share kept for cached prefixes, [0, 1)
   int64_t step_tokens = 512;                  // tokens per forward call
   int32_t max_running = 256;                  // sequences admitted at once
   bool prefix_cache = true;
@@ -64,6 +73,12 @@ struct EngineOptions {
   // none: requests with a schema are refused.
   std::shared_ptr<const TokenVocabulary> vocabulary;
 };
+
+// The pools' budget for a fraction of memory: `fraction` (0, 1] of what the
+// backend has free now (so after the weights) split evenly among `sharers`
+// workers. Throws Error(invalid_argument) for a fraction out of range or a
+// backend that cannot tell its free memory.
+uint64_t pool_budget(const kernels::Backend& backend, double fraction, int sharers = 1);
 
 // Pages per pool, by who holds them. A page with several holders counts for
 // each; `leaked` are pages in use that no holder references.

@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace troupe::kernels {
@@ -112,6 +113,13 @@ class Backend {
   virtual void to_host(void* host_dst, const void* src, size_t bytes) = 0;
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
   virtual void synchronize() = 0;
+  // Bytes free and in all of the memory alloc() draws from (the device's; on
+  // the CPU backend host memory: available and total); nullopt when unknown.
+  // What a pool budget given as a fraction is a fraction of.
+  struct MemoryInfo {
+    uint64_t free = 0, total = 0;
+  };
+  virtual std::optional<MemoryInfo> memory_info() const { return std::nullopt; }
 
   // A copy queue beside the compute stream, for the host tier: copies between
   // host memory and backend memory issued here run in order among themselves,

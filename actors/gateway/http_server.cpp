@@ -32,10 +32,18 @@ std::string error_json(const std::string& message, const std::string& type) {
 
 class Session;
 
+// The CORS headers of one response: none without an allowed origin.
+void set_cors(http::fields& f, const std::string& allow_origin) {
+  if (allow_origin.empty()) return;
+  f.set(http::field::access_control_allow_origin, allow_origin);
+  if (allow_origin != "*") f.set(http::field::vary, "Origin");
+}
+
 // The handler's view of one request; forwards to the session on its strand.
 class SessionResponder final : public Responder {
  public:
-  explicit SessionResponder(std::shared_ptr<Session> s);
+  // allow_origin: the request's Access-Control-Allow-Origin ("" none).
+  explicit SessionResponder(std::shared_ptr<Session> s, std::string allow_origin = "");
   void respond(int status, const std::string& content_type, std::string body,
                std::map<std::string, std::string> extra_headers) override;
   void start_stream(int status, const std::string& content_type) override;
@@ -52,6 +60,7 @@ class SessionResponder final : public Responder {
 
  private:
   std::weak_ptr<Session> session_;
+  std::string allow_origin_;
 };
 
 class Session : public std::enable_shared_from_this<Session> {
@@ -119,7 +128,9 @@ class Session : public std::enable_shared_from_this<Session> {
   void fail_read(beast::error_code ec) {
     if (ec == http::error::body_limit) {
       keep_alive_ = false;
-      auto r = std::make_shared<SessionResponder>(shared_from_this());
+      // The headers were read: a browser's page learns why (CORS) too.
+      const std::string origin(parser_->get()[http::field::origin]);
+      auto r = std::make_shared<SessionResponder>(shared_from_this(), cors_allow_origin(opts_.allowed_origins, origin));
       responder_ = r;
       r->respond(413, "application/json",
                  error_json("request body exceeds " + std::to_string(opts_.max_body_bytes) + " bytes",
@@ -158,7 +169,12 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     req.body = std::move(msg.body());
     req.peer = peer_;
-    auto r = std::make_shared<SessionResponder>(shared_from_this());
+    std::string allow_origin;
+    if (!opts_.allowed_origins.empty()) {
+      const auto origin = req.headers.find("origin");
+      if (origin != req.headers.end()) allow_origin = cors_allow_origin(opts_.allowed_origins, origin->second);
+    }
+    auto r = std::make_shared<SessionResponder>(shared_from_this(), allow_origin);
     responder_ = r;
     response_done_ = false;
     stream_.expires_never();
@@ -166,6 +182,21 @@ class Session : public std::enable_shared_from_this<Session> {
     // The watch read keeps this session alive while the handler answers (the responder holds it weakly);
     // without one (a pipelined request already buffered) the session holds itself until the answer ends.
     if (!watching_ && !closed_) hold_ = shared_from_this();
+    // A browser's preflight: answered here. An origin that is not allowed gets no
+    // Access-Control-Allow-Origin, which is how a browser learns it is refused.
+    if (!opts_.allowed_origins.empty() && req.method == "OPTIONS" &&
+        req.headers.count("access-control-request-method") > 0) {
+      std::map<std::string, std::string> h;
+      if (!allow_origin.empty()) {
+        h["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS";
+        const auto asked = req.headers.find("access-control-request-headers");
+        h["Access-Control-Allow-Headers"] =
+            asked != req.headers.end() && !asked->second.empty() ? asked->second : "Authorization, Content-Type";
+        h["Access-Control-Max-Age"] = "600";
+      }
+      r->respond(204, "text/plain", "", std::move(h));
+      return;
+    }
     try {
       handler_(std::move(req), r);
     } catch (const std::exception& e) {
@@ -289,7 +320,8 @@ class Session : public std::enable_shared_from_this<Session> {
   friend class SessionResponder;
 };
 
-SessionResponder::SessionResponder(std::shared_ptr<Session> s) : session_(s) {}
+SessionResponder::SessionResponder(std::shared_ptr<Session> s, std::string allow_origin)
+    : session_(s), allow_origin_(std::move(allow_origin)) {}
 
 void SessionResponder::respond(int status, const std::string& content_type, std::string body,
                                std::map<std::string, std::string> extra_headers) {
@@ -299,6 +331,7 @@ void SessionResponder::respond(int status, const std::string& content_type, std:
   auto m = std::make_shared<http::response<http::string_body>>(static_cast<http::status>(status), 11);
   m->set(http::field::server, "troupe");
   m->set(http::field::content_type, content_type);
+  set_cors(*m, allow_origin_);
   for (auto& [k, v] : extra_headers) m->set(k, v);
   m->body() = std::move(body);
   net::post(s->stream_.get_executor(), [s, m] {
@@ -315,6 +348,7 @@ void SessionResponder::start_stream(int status, const std::string& content_type)
   m->set(http::field::server, "troupe");
   m->set(http::field::content_type, content_type);
   m->set(http::field::cache_control, "no-cache");
+  set_cors(*m, allow_origin_);
   m->chunked(true);
   net::post(s->stream_.get_executor(), [s, m] {
     m->keep_alive(s->keep_alive_);
@@ -364,6 +398,38 @@ void SessionResponder::mark_closed() {
 }
 
 }  // namespace
+
+std::string cors_allow_origin(const std::vector<std::string>& allowed, const std::string& origin) {
+  if (origin.empty()) return "";
+  for (const auto& a : allowed) {
+    if (a == "*") return "*";
+    if (a == origin) return origin;
+  }
+  return "";
+}
+
+std::vector<std::string> parse_origins(const std::string& text) {
+  std::vector<std::string> out;
+  if (text == "none") return out;
+  size_t start = 0;
+  while (start <= text.size()) {
+    const size_t comma = std::min(text.find(',', start), text.size());
+    std::string o = text.substr(start, comma - start);
+    while (!o.empty() && o.front() == ' ') o.erase(o.begin());
+    while (!o.empty() && o.back() == ' ') o.pop_back();
+    const auto scheme = o.find("://");
+    const bool ok = o == "*" || (scheme != std::string::npos && scheme > 0 && scheme + 3 < o.size() &&
+                                 o.find_first_of("/?#", scheme + 3) == std::string::npos &&
+                                 o.find_first_of(" \t\r\n") == std::string::npos);
+    if (!ok) {
+      raise(ErrorCode::invalid_argument,
+            "allowed origins: '{}' is not an origin (SCHEME://HOST[:PORT], e.g. https://ui.example.com), * or none", o);
+    }
+    out.push_back(o);
+    start = comma + 1;
+  }
+  return out;
+}
 
 struct HttpServer::Impl {
   HttpOptions opts;

@@ -50,7 +50,20 @@ struct HttpOptions {
   std::chrono::seconds read_timeout{30};              // whole request (headers + body) must arrive in time
   std::chrono::seconds idle_timeout{120};             // keep-alive connection with no request
   int threads = 2;
+  // Cross-origin requests from browsers (CORS): the origins whose pages may
+  // call this server ("https://ui.example.com"; "*": any). A request with an
+  // allowed Origin gets Access-Control-Allow-Origin on its response, and a
+  // preflight (OPTIONS with Access-Control-Request-Method) is answered 204 here
+  // without reaching the handler. Empty: no CORS headers, OPTIONS goes to the handler.
+  std::vector<std::string> allowed_origins;
 };
+
+// "*" or the origin itself when `origin` (a request's Origin header) is one of
+// `allowed`; "" when it is not (or there is none).
+std::string cors_allow_origin(const std::vector<std::string>& allowed, const std::string& origin);
+// "*", "none" (no CORS) or origins separated by commas ("https://a.example,http://localhost:3000": scheme,
+// host, optional port; no path). Throws Error(invalid_argument) naming the entry.
+std::vector<std::string> parse_origins(const std::string& text);
 
 class HttpServer {
  public:

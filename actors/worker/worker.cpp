@@ -238,6 +238,10 @@ void report_load(Self self) {
     auto& m = *st.metrics;
     m.gauge("troupe_running", "Requests running in the engine", labels).set(static_cast<double>(s.running));
     m.gauge("troupe_queue_depth", "Requests waiting for admission", labels).set(static_cast<double>(s.waiting));
+    m.gauge("troupe_kv_budget_bytes", "KV pool budget per tier (whole slabs)", {{"worker", st.config.name}, {"tier", "device"}})
+        .set(static_cast<double>(s.device_budget_bytes));
+    m.gauge("troupe_kv_budget_bytes", "KV pool budget per tier (whole slabs)", {{"worker", st.config.name}, {"tier", "host"}})
+        .set(static_cast<double>(s.host_budget_bytes));
     m.gauge("troupe_parked", "Requests parked in the host tier", labels).set(static_cast<double>(s.parked));
     m.gauge("troupe_leaked_pages", "Pages in use that no holder references", labels)
         .set(static_cast<double>(load.leaked_pages));

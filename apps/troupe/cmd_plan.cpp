@@ -14,31 +14,6 @@
 namespace troupe::app {
 namespace {
 
-std::array<double, cache::kPoolKinds> parse_ratios(const std::string& text) {
-  std::array<double, cache::kPoolKinds> r{};
-  std::stringstream ss(text);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    const auto eq = item.find('=');
-    bool found = false;
-    for (auto k : cache::kAllPools) {
-      if (eq != std::string::npos && item.substr(0, eq) == cache::to_string(k)) {
-        try {
-          r[static_cast<size_t>(cache::index(k))] = std::stod(item.substr(eq + 1));
-        } catch (const std::exception&) {
-          raise(ErrorCode::invalid_argument, "--ratios: '{}' has no number after '='", item);
-        }
-        found = true;
-      }
-    }
-    if (!found) {
-      raise(ErrorCode::invalid_argument,
-            "--ratios: '{}' is not POOL=SHARE (pools: window, csa_entry, csa_index, hca_entry, hca_ring)", item);
-    }
-  }
-  return r;
-}
-
 std::string with_k(int64_t tokens) {
   if (tokens >= 1024 * 1024 && tokens % (1024 * 1024) == 0) return fmt::format("{}M", tokens / (1024 * 1024));
   if (tokens >= 1024 && tokens % 1024 == 0) return fmt::format("{}K", tokens / 1024);
@@ -74,11 +49,11 @@ Command add_plan(CLI::App& app) {
     in.bytes = cache::parse_bytes(o->memory);
     in.cache_share = o->cache_share;
     if (!o->slab.empty()) in.slab_bytes = static_cast<size_t>(cache::parse_bytes(o->slab));
-    if (!o->ratios.empty()) in.ratios = parse_ratios(o->ratios);
+    if (!o->ratios.empty()) in.ratios = cache::parse_ratios(o->ratios);
     if (!o->ratios.empty() && o->mix.empty()) {
       // Ratios alone: the plan still reports one sequence's reach.
     } else {
-      in.mix = cache::parse_mix(o->mix.empty() ? "4K:0.7,32K:0.25,128K:0.05" : o->mix);
+      in.mix = cache::parse_mix(o->mix.empty() ? cache::kDefaultMix : o->mix);
     }
     const auto plan = cache::plan_pools(g, in);
 

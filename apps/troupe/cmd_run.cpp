@@ -1,4 +1,5 @@
 // troupe run --manifest FILE --node NAME: the actors of one node of a topology.
+#include "actors/gateway/http_server.hpp"
 #include "actors/run.hpp"
 #include "apps/troupe/commands.hpp"
 
@@ -16,7 +17,17 @@ Command add_run(CLI::App& app) {
   cmd->add_option("--http-port", o->http_port,
                   "HTTP port instead of the node's ports.http (several slots of one node on one host; 0: any free)")
       ->check(CLI::Range(0, 65535));
-  return [o] { return actors::run_until_signal(*o); };
+  cmd->add_option("--api-key", o->api_key,
+                  "a gateway node requires 'Authorization: Bearer KEY' on /v1/* and /admin/* (e.g. from a "
+                  "Kubernetes Secret through TROUPE_API_KEY)")
+      ->envname("TROUPE_API_KEY");
+  auto origins = std::make_shared<std::string>("*");
+  cmd->add_option("--allowed-origins", *origins,
+                  "a gateway node's CORS origins: *, none, or origins separated by commas");
+  return [o, origins] {
+    o->allowed_origins = gateway::parse_origins(*origins);
+    return actors::run_until_signal(*o);
+  };
 }
 
 }  // namespace troupe::app

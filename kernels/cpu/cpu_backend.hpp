@@ -18,6 +18,7 @@ class CpuBackend : public Backend {
   void to_host(void* host_dst, const void* src, size_t bytes) override;
   void copy(void* dst, const void* src, size_t bytes) override;
   void synchronize() override {}
+  std::optional<MemoryInfo> memory_info() const override;  // /proc/meminfo: MemAvailable, MemTotal
 
   void linear(const float* x, int64_t m, const Weight& w, float* y, float beta) override;
   void linear_grouped(const float* x, int64_t m, const Weight& w, int groups, float* y) override;

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <new>
 #include <stdexcept>
 #include <string>
@@ -37,6 +38,19 @@ void* CpuBackend::alloc(size_t bytes) {
   return p;
 }
 void CpuBackend::free(void* p) { std::free(p); }
+std::optional<Backend::MemoryInfo> CpuBackend::memory_info() const {
+  std::ifstream in("/proc/meminfo");
+  std::string key, unit;
+  uint64_t kib = 0;
+  std::optional<uint64_t> available, total;
+  while (in >> key >> kib) {
+    std::getline(in, unit);
+    if (key == "MemAvailable:") available = kib << 10;
+    if (key == "MemTotal:") total = kib << 10;
+  }
+  if (!available || !total) return std::nullopt;
+  return MemoryInfo{*available, *total};
+}
 void CpuBackend::to_device(void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); }
 void CpuBackend::to_host(void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); }
 void CpuBackend::copy(void* dst, const void* src, size_t bytes) { std::memmove(dst, src, bytes); }

@@ -528,6 +528,15 @@ void* CudaBackend::alloc(size_t bytes) {
   }
   return p;
 }
+std::optional<Backend::MemoryInfo> CudaBackend::memory_info() const {
+  TROUPE_CUDA(cudaSetDevice(impl_->device));
+  size_t free = 0, total = 0;
+  if (cudaMemGetInfo(&free, &total) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return std::nullopt;
+  }
+  return MemoryInfo{free, total};
+}
 void CudaBackend::free(void* p) {
   if (p != nullptr) TROUPE_CUDA(cudaFree(p));
 }

@@ -48,6 +48,7 @@ class CudaBackend final : public Backend {
   void to_host(void* host_dst, const void* src, size_t bytes) override;
   void copy(void* dst, const void* src, size_t bytes) override;
   void synchronize() override;
+  std::optional<MemoryInfo> memory_info() const override;  // cudaMemGetInfo
   // The copy queue is a second stream of the device (host tier copies).
   void copy_queue(void* dst, const void* src, size_t bytes, bool to_host_dir) override;
   void copy_queue_wait() override;

@@ -98,6 +98,23 @@ TEST(Planner, parses_sizes_and_mixes) {
   EXPECT_DOUBLE_EQ(mix[2].weight, 1.0);
   EXPECT_THROW(parse_mix("4K:-1"), Error);
   EXPECT_THROW(parse_mix("x"), Error);
+  EXPECT_THROW(parse_mix("4K:inf"), Error);
+  EXPECT_THROW(parse_mix("99999999999M"), Error);  // would overflow
+  EXPECT_THROW(parse_mix(""), Error);
+  try {
+    parse_mix("4K:x", "--pool-mix");
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--pool-mix: '4K:x'"), std::string::npos) << e.what();
+  }
+  const auto r = parse_ratios("window=0.25,hca_ring=0.75");
+  EXPECT_DOUBLE_EQ(r[index(PoolKind::window)], 0.25);
+  EXPECT_DOUBLE_EQ(r[index(PoolKind::hca_ring)], 0.75);
+  EXPECT_DOUBLE_EQ(r[index(PoolKind::csa_entry)], 0.0);
+  for (const char* bad : {"window", "window=", "window=x", "window=1.5", "window=-0.1", "window=nan", "swa=0.5",
+                          "window=0.5,window=0.5", "window=0,csa_entry=0"}) {
+    EXPECT_THROW(parse_ratios(bad), Error) << bad;
+  }
   PlanInput none;
   none.bytes = 1 << 20;
   EXPECT_THROW(plan_pools(geometry(), none), Error);

@@ -123,6 +123,16 @@ TEST(DeployRender, elastic_example_has_a_gateway_deployment_and_scale_rbac) {
   EXPECT_EQ(dep["metadata"]["namespace"].as<std::string>(), "troupe-elastic");
   EXPECT_EQ(dep["spec"]["replicas"].as<int>(), 2);
   EXPECT_EQ(env_value(container(dep), "NODE_NAME"), "gateway");
+  // The gateways take their API key from the Secret; other pods do not see it.
+  bool keyed = false;
+  for (const auto& e : container(dep)["env"]) {
+    if (e["name"].as<std::string>() != "TROUPE_API_KEY") continue;
+    keyed = true;
+    EXPECT_EQ(e["valueFrom"]["secretKeyRef"]["name"].as<std::string>(), "troupe-api-key");
+    EXPECT_EQ(e["valueFrom"]["secretKeyRef"]["key"].as<std::string>(), "api-key");
+  }
+  EXPECT_TRUE(keyed);
+  EXPECT_EQ(env_value(container(r.get("StatefulSet/elastic-decode")), "TROUPE_API_KEY"), "<absent>");
   EXPECT_EQ(r.by_id.count("Service/elastic-gateway"), 0u);  // no headless Service: nothing dials a gateway
   EXPECT_EQ(r.get("Service/elastic")["spec"]["type"].as<std::string>(), "LoadBalancer");
   auto role = r.get("Role/elastic-supervisor");

@@ -89,6 +89,24 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void enqueue(Out out) {
     if (closed_) return;
+    // What waits behind the oldest chunk (which may be one large chunk, an
+    // echoed prompt, going out to a client that reads): past the limit the
+    // client has stopped reading. Cut off (its request is aborted through
+    // on_close) rather than holding its output without bound.
+    size_t oldest = 0;
+    for (const auto& q : queue_) {
+      if (!q.data.empty()) {
+        oldest = q.data.size();
+        break;
+      }
+    }
+    if (queued_bytes_ - oldest > opts_.max_queued_bytes) {
+      spdlog::warn("http: {} stopped reading ({} bytes of its response waiting); closing the connection", peer_,
+                   queued_bytes_);
+      shutdown();
+      return;
+    }
+    queued_bytes_ += out.data.size();
     queue_.push_back(std::move(out));
     if (!writing_) write_next();
   }
@@ -262,6 +280,7 @@ class Session : public std::enable_shared_from_this<Session> {
     // The element just written is still at the front: shutdown() keeps it
     // (the write was reading its buffer) and drops only what was waiting.
     const bool final_write = queue_.front().kind == Out::full || queue_.front().kind == Out::last;
+    queued_bytes_ -= queue_.front().data.size();
     queue_.pop_front();
     if (closed_) {
       queue_.clear();
@@ -296,8 +315,10 @@ class Session : public std::enable_shared_from_this<Session> {
     // A write in flight still reads the front element's buffer; on_write pops it.
     if (writing_ && !queue_.empty()) {
       queue_.erase(std::next(queue_.begin()), queue_.end());
+      queued_bytes_ = queue_.front().data.size();
     } else {
       queue_.clear();
+      queued_bytes_ = 0;
     }
   }
 
@@ -308,6 +329,7 @@ class Session : public std::enable_shared_from_this<Session> {
   const HttpHandler& handler_;
   std::string peer_;
   std::deque<Out> queue_;
+  size_t queued_bytes_ = 0;  // chunk bytes in queue_
   std::weak_ptr<SessionResponder> responder_;
   bool writing_ = false;
   std::shared_ptr<Session> hold_;  // set while a response is pending and no watch read holds the session

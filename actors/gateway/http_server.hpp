@@ -50,6 +50,10 @@ struct HttpOptions {
   std::chrono::seconds read_timeout{30};              // whole request (headers + body) must arrive in time
   std::chrono::seconds idle_timeout{120};             // keep-alive connection with no request
   int threads = 2;
+  // Bytes of a streamed response waiting behind its oldest unsent chunk for
+  // a client that does not read; past it the connection is closed (the
+  // handler's on_close fires). One chunk of any size is always written.
+  size_t max_queued_bytes = 16u << 20;
   // Cross-origin requests from browsers (CORS): the origins whose pages may
   // call this server ("https://ui.example.com"; "*": any). A request with an
   // allowed Origin gets Access-Control-Allow-Origin on its response, and a

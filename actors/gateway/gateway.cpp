@@ -923,8 +923,18 @@ void frame_generate(Self self, const transport::ConnectionPtr& conn, const messa
     send_frame_error(conn, rid, code, message, msg::Kind::GENERATE_REQUEST);
   };
   if (rid == 0) return refuse(ErrorCode::invalid_argument, "request id 0 is reserved; number requests from 1");
-  if (st.frame_ids.count(FrameKey{conn->id(), rid})) {
-    return refuse(ErrorCode::invalid_argument, fmt::format("request {} is already running on this connection", rid));
+  if (auto k = st.frame_ids.find(FrameKey{conn->id(), rid}); k != st.frame_ids.end()) {
+    // Two requests under one id: the client cannot tell their frames apart,
+    // and the Error (about that id) reads as the end of it. So the running one
+    // ends too (aborted, its pages freed) and the Error is that id's last frame.
+    if (auto it = st.inflight.find(k->second); it != st.inflight.end()) {
+      if (it->second.worker) self->send(it->second.worker, abort_atom::value, it->second.job.id);
+      st.metrics->counter("troupe_requests_finished_total", "Requests finished by reason", {{"reason", "abort"}}).inc();
+      forget(st, it);
+    }
+    return refuse(ErrorCode::invalid_argument,
+                  fmt::format("request {} is already running on this connection: both are ended (number each "
+                              "request anew)", rid));
   }
   auto parsed = from_frame(frame, st.config.model_name);
   if (auto* e = std::get_if<ApiError>(&parsed)) {

@@ -235,6 +235,23 @@ def test_bad_requests():
             kind, msg = c._wait(rid)
             if kind in (c.kind.finish, c.kind.error):
                 break
+        # A second request under a running one's id: one Error, and it ends the running one too (aborted,
+        # its pages freed): nothing more arrives for that id.
+        rid = c.submit(text="first of two", max_tokens=400, temperature=0.0, ignore_eos=True)
+        assert c._wait(rid)[0] == c.kind.tokenChunk
+        g = c.schemas["generate"].GenerateRequest.new_message()
+        g.prompt.text = "second under the same id"
+        g.maxTokens = 4
+        c.send(c.kind.generateRequest, rid, g)
+        while True:
+            kind, msg = c._wait(rid)
+            if kind == c.kind.error:
+                assert str(msg.code) == "invalidArgument" and "already running" in msg.message, msg
+                break
+            assert kind == c.kind.tokenChunk, (kind, msg)  # sent before the duplicate arrived
+        srv().idle_pages()
+        still_serving(c)
+        assert not c._pending.get(rid), c._pending.get(rid)
         # Request id 0 is reserved.
         g = c.schemas["generate"].GenerateRequest.new_message()
         g.prompt.text = "x"

@@ -7,9 +7,15 @@ policy and origin flags a CLI error naming the flag, before anything is served.
 """
 import os
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import harness
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
+import pools  # noqa: E402
+from pools import mem_available  # noqa: E402
 
 A = harness.args() if __name__ == "__main__" else None
 POOLS = ["window", "csa_entry", "csa_index", "hca_entry", "hca_ring"]
@@ -19,22 +25,8 @@ def model_dir():
     return os.path.join(A.home, "models", "deepseek-v4-tiny")
 
 
-def mem_available():
-    for line in open("/proc/meminfo"):
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no MemAvailable in /proc/meminfo")
-
-
 def plan_pages(budget, *args):
-    out = subprocess.run([A.troupe, "plan", "--model", model_dir(), "--memory", str(int(budget)), "--markdown", *args],
-                         check=True, capture_output=True, text=True).stdout
-    pages = {}
-    for row in out.splitlines():
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        if int(cells[2]) > 0:
-            pages[cells[0]] = int(cells[2])
-    return pages
+    return pools.plan_pages(A.troupe, model_dir(), budget, *args)
 
 
 def reported(s, workers):

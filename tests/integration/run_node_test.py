@@ -16,28 +16,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness as h  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
+from pools import mem_available, plan_pages  # noqa: E402
+
 HOST = "127.0.0.1"
 POOLS = ["window", "csa_entry", "csa_index", "hca_entry", "hca_ring"]
-
-
-def mem_available():
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no MemAvailable in /proc/meminfo")
-
-
-def plan_pages(troupe, model, budget, *args):
-    """Pages per pool that `troupe plan` gives for `budget` bytes."""
-    import subprocess
-    out = subprocess.run([str(troupe), "plan", "--model", str(model), "--memory", str(int(budget)), "--markdown",
-                          *args], check=True, capture_output=True, text=True).stdout
-    pages = {}
-    for row in out.splitlines():
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        if int(cells[2]) > 0:
-            pages[cells[0]] = int(cells[2])
-    return pages
 
 
 class Pools(unittest.TestCase):

@@ -324,7 +324,10 @@ void NodeProcess::Impl::start(RunOptions opts) {
   if (im.runs_gateway) {
     GatewayConfig gc;
     gc.model_name = fs::path(model_dir).filename().string();
-    gc.max_model_len = std::min<int64_t>(config->max_position_embeddings, 32768);
+    gc.max_model_len = im.options.max_model_len > 0 ? im.options.max_model_len
+                                                    : std::min<int64_t>(config->max_position_embeddings, 32768);
+    gc.http.max_body_bytes = im.options.max_body_bytes;
+    gc.http.read_timeout = std::chrono::seconds(im.options.read_timeout_s);
     gc.http.address = bind_host;
     gc.http.port = im.options.http_port >= 0 ? static_cast<uint16_t>(im.options.http_port) : (discovery == deploy::Discovery::static_addresses ? topo.http_port(im.instance) : me.ports.http);
     gc.min_workers_ready = 1;

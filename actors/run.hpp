@@ -36,8 +36,12 @@ struct RunOptions {
   // HTTP port instead of the node's ports.http (several slots of one node on
   // one host); -1: the manifest's.
   int http_port = -1;
-  std::string api_key;                            // the gateway's (troupe serve --api-key); empty: none
-  std::vector<std::string> allowed_origins{"*"};  // the gateway's CORS origins; empty: none
+  // A gateway node's HTTP API, as troupe serve's.
+  std::string api_key;                            // empty: none
+  std::vector<std::string> allowed_origins{"*"};  // CORS origins; empty: none
+  int64_t max_model_len = 0;                      // 0: min(the model's positions, 32768)
+  size_t max_body_bytes = 8u << 20;
+  int read_timeout_s = 30;
   // Called when the router's process asks this one to drain and stop (an
   // admin's POST /admin/drain of its worker); run_until_signal raises SIGTERM.
   std::function<void()> on_drain_request;

@@ -1,7 +1,7 @@
 // troupe run --manifest FILE --node NAME: the actors of one node of a topology.
-#include "actors/gateway/http_server.hpp"
 #include "actors/run.hpp"
 #include "apps/troupe/commands.hpp"
+#include "apps/troupe/gateway_flags.hpp"
 
 namespace troupe::app {
 
@@ -17,15 +17,15 @@ Command add_run(CLI::App& app) {
   cmd->add_option("--http-port", o->http_port,
                   "HTTP port instead of the node's ports.http (several slots of one node on one host; 0: any free)")
       ->check(CLI::Range(0, 65535));
-  cmd->add_option("--api-key", o->api_key,
-                  "a gateway node requires 'Authorization: Bearer KEY' on /v1/* and /admin/* (e.g. from a "
-                  "Kubernetes Secret through TROUPE_API_KEY)")
-      ->envname("TROUPE_API_KEY");
-  auto origins = std::make_shared<std::string>("*");
-  cmd->add_option("--allowed-origins", *origins,
-                  "a gateway node's CORS origins: *, none, or origins separated by commas");
-  return [o, origins] {
-    o->allowed_origins = gateway::parse_origins(*origins);
+  // A gateway node's HTTP API (ignored by other nodes).
+  auto gw = std::make_shared<GatewayFlags>();
+  add_gateway_flags(cmd, *gw);
+  return [o, gw] {
+    o->api_key = gw->api_key;
+    o->allowed_origins = gw->allowed_origins();
+    o->max_model_len = gw->max_model_len;
+    o->max_body_bytes = gw->max_body_bytes();
+    o->read_timeout_s = gw->read_timeout_s;
     return actors::run_until_signal(*o);
   };
 }

@@ -1,13 +1,9 @@
 // troupe serve [--model DIR] [--port N] ...: every actor in one process.
-#include "actors/gateway/http_server.hpp"
 #include "actors/serve.hpp"
 #include "apps/troupe/commands.hpp"
+#include "apps/troupe/gateway_flags.hpp"
 #include "base/error.hpp"
 
-#include <fmt/format.h>
-
-#include <cmath>
-#include <cstdlib>
 #include <string>
 
 namespace troupe::app {
@@ -16,7 +12,6 @@ Command add_serve(CLI::App& app) {
   auto o = std::make_shared<actors::ServeOptions>();
   auto kv_mib = std::make_shared<int64_t>(1024);
   auto host_mib = std::make_shared<int64_t>(0);
-  auto body_mib = std::make_shared<double>(8);
   auto restart_window_s = std::make_shared<int64_t>(60);
   auto long_tail = std::make_shared<bool>(false);
   auto lt = std::make_shared<actors::LongTailPolicy>();
@@ -27,22 +22,9 @@ Command add_serve(CLI::App& app) {
   auto scale_cooldown_s = std::make_shared<int64_t>(10);
   auto frame_port = std::make_shared<int>(-1);
   auto pool_mix = std::make_shared<std::string>();
-  auto origins = std::make_shared<std::string>("*");
   auto pool_ratios = std::make_shared<std::string>();
-  // A finite number in an interval: CLI11's Range lets NaN through (no comparison fails).
-  const auto interval = [](double lo, double hi, bool lo_open, bool hi_open) {
-    return CLI::Validator(
-        [=](std::string& in) -> std::string {
-          char* end = nullptr;
-          const double v = std::strtod(in.c_str(), &end);
-          const bool ok = end != in.c_str() && *end == '\0' && std::isfinite(v) && (lo_open ? v > lo : v >= lo) &&
-                          (hi_open ? v < hi : v <= hi);
-          return ok ? "" : fmt::format("must be a number in {}{}, {}{}, got {}", lo_open ? "(" : "[", lo, hi,
-                                       hi_open ? ")" : "]", in);
-        },
-        "NUMBER");
-  };
-  const auto share = [&](bool lo_open, bool hi_open) { return interval(0, 1, lo_open, hi_open); };
+  auto gw = std::make_shared<GatewayFlags>();
+  const auto share = [](bool lo_open, bool hi_open) { return interval(0, 1, lo_open, hi_open); };
   auto* cmd = app.add_subcommand("serve", "serve a model over an OpenAI-compatible HTTP API and, with --frame-port, troupe frames (all actors in one process)");
   cmd->add_option("--model", o->model_dir, "model directory (default: the embedded tiny random-weight model)");
   cmd->add_option("--served-model-name", o->served_model_name, "model id clients send (default: directory name)");
@@ -52,11 +34,7 @@ Command add_serve(CLI::App& app) {
                   "also serve troupe frames (docs/messages.md; `troupe client`, clients/) on this TCP port "
                   "(0: any free port; default: off)")
       ->check(CLI::Range(0, 65535));
-  cmd->add_option("--api-key", o->api_key, "require 'Authorization: Bearer KEY' on /v1/* and /admin/*")
-      ->envname("TROUPE_API_KEY");
-  cmd->add_option("--allowed-origins", *origins,
-                  "web pages that may call the API from a browser (CORS): *, none, or origins separated by commas "
-                  "(https://ui.example.com,http://localhost:3000)");
+  add_gateway_flags(cmd, *gw);
   auto* workers_opt =
       cmd->add_option("--workers", o->workers, "colocated engine workers")->check(CLI::Range(1, 4096));
   cmd->add_option("--max-running", o->max_running, "requests a worker runs at once (the rest wait, by priority)")
@@ -92,19 +70,12 @@ Command add_serve(CLI::App& app) {
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   cmd->add_flag("!--no-cold-pages", o->cold_pages,
                 "keep every page of a running sequence on the device (as a GPU without mapped host memory must)");
-  cmd->add_option("--max-model-len", o->max_model_len, "prompt + completion token limit (default: min(the model's "
-                  "positions, 32768))")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
   cmd->add_option("--step-tokens", o->step_tokens, "tokens per engine step")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd->add_option("--backend", o->backend, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   cmd->add_option("--weights", o->weights,
                   "matrix type: auto (f32 on cpu, bf16 on cuda; a checkpoint's FP8 / FP4 matrices kept as they are "
                   "where the backend takes them: cpu), f32 or bf16 (every matrix; bf16 needs --backend cuda)")
       ->check(CLI::IsMember({"auto", "f32", "bf16"}));
-  cmd->add_option("--read-timeout", o->read_timeout_s, "seconds a client has to send a whole request")
-      ->check(CLI::Range(1, 86400));
-  cmd->add_option("--max-body-mib", *body_mib, "largest request body, MiB (larger ones get 413)")
-      ->check(interval(0, 1048576, true, false));
   cmd->add_option("--drain-timeout", o->drain_timeout_s,
                   "on SIGTERM: seconds the requests in flight get to finish (new ones get 503); 0: stop at once")
       ->check(interval(0, 86400, false, false));
@@ -148,15 +119,18 @@ Command add_serve(CLI::App& app) {
       ->check(CLI::Range(int64_t{0}, int64_t{3600}))
       ->needs(scale_opt);
   cmd->add_flag("--test-hooks", o->test_hooks, "enable POST /admin/crash (fault injection for tests)");
-  return [o, kv_mib, host_mib, body_mib, restart_window_s, long_tail, lt, sp, scale_cooldown_s, frame_port, pool_mix,
-          pool_ratios, origins] {
-    o->allowed_origins = gateway::parse_origins(*origins);
+  return [o, kv_mib, host_mib, restart_window_s, long_tail, lt, sp, scale_cooldown_s, frame_port, pool_mix, pool_ratios,
+          gw] {
+    o->api_key = gw->api_key;
+    o->allowed_origins = gw->allowed_origins();
+    o->max_model_len = gw->max_model_len;
+    o->max_body_bytes = gw->max_body_bytes();
+    o->read_timeout_s = gw->read_timeout_s;
     if (*frame_port >= 0) o->frame_port = static_cast<uint16_t>(*frame_port);
     if (!pool_mix->empty()) o->pool_mix = cache::parse_mix(*pool_mix, "--pool-mix");
     if (!pool_ratios->empty()) o->pool_ratios = cache::parse_ratios(*pool_ratios, "--pool-ratios");
     o->kv_bytes = static_cast<uint64_t>(*kv_mib) << 20;
     o->host_bytes = static_cast<uint64_t>(*host_mib) << 20;
-    o->max_body_bytes = static_cast<size_t>(*body_mib * (1 << 20));
     o->restart.window = std::chrono::seconds(*restart_window_s);
     if (*long_tail) {
       if (o->host_bytes == 0) {

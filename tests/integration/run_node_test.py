@@ -7,6 +7,7 @@ CORS origins (--allowed-origins).
 
 Run by ctest (tests/integration/CMakeLists.txt).
 """
+import json
 import sys
 import time
 import tempfile
@@ -107,9 +108,10 @@ class Pools(unittest.TestCase):
         self.serves_a_request()
 
 
-    def test_an_api_key_from_the_environment_and_cors_origins(self):
+    def test_the_gateway_flags(self):
+        """An API key from the environment, CORS origins and --max-model-len, as troupe serve takes them."""
         self.serve("auth", ["memory_budget: 32MiB"], env={"TROUPE_API_KEY": "k-run"},
-                   args=["--allowed-origins", "https://ui.example.com"])
+                   args=["--allowed-origins", "https://ui.example.com", "--max-model-len", "64"])
         import http.client
 
         def call(path, headers):
@@ -129,6 +131,18 @@ class Pools(unittest.TestCase):
         self.assertEqual(st, 200)
         self.assertNotIn("access-control-allow-origin", h)
         self.assertEqual(call("/health", {})[0], 200)  # probes need no key
+        c = http.client.HTTPConnection(HOST, self.port, timeout=30)
+        try:
+            # 60 prompt tokens + 10 past --max-model-len 64: a 400 naming the limit.
+            body = json.dumps({"model": self.model.name, "prompt": [5] * 60, "max_tokens": 10})
+            c.request("POST", "/v1/completions", body=body,
+                      headers={"Authorization": "Bearer k-run", "Content-Type": "application/json"})
+            r = c.getresponse()
+            text = r.read().decode()
+        finally:
+            c.close()
+        self.assertEqual(r.status, 400, text)
+        self.assertIn("64", text)
 
 
 if __name__ == "__main__":

@@ -180,6 +180,21 @@ void forget(GatewayState& st, std::map<RequestId, InFlight>::iterator it) {
   st.inflight.erase(it);
 }
 
+Counter& aborted_counter(GatewayState& st) {
+  return st.metrics->counter("troupe_requests_finished_total", "Requests finished by reason", {{"reason", "abort"}});
+}
+Counter& client_gone_counter(GatewayState& st) {
+  return st.metrics->counter("troupe_client_aborts_total", "Requests aborted because the client went away");
+}
+
+// A request that ends here without an answer from its worker: the worker aborts
+// it (its pages are freed), `counter` counts it, the gateway forgets it.
+void abort_and_forget(Self self, std::map<RequestId, InFlight>::iterator it, Counter& counter) {
+  if (it->second.worker) self->send(it->second.worker, abort_atom::value, it->first);
+  counter.inc();
+  forget(self->state, it);
+}
+
 ErrorCode code_of(const ApiError& e) {
   switch (e.status) {
     case 404: return ErrorCode::not_found;
@@ -927,11 +942,7 @@ void frame_generate(Self self, const transport::ConnectionPtr& conn, const messa
     // Two requests under one id: the client cannot tell their frames apart,
     // and the Error (about that id) reads as the end of it. So the running one
     // ends too (aborted, its pages freed) and the Error is that id's last frame.
-    if (auto it = st.inflight.find(k->second); it != st.inflight.end()) {
-      if (it->second.worker) self->send(it->second.worker, abort_atom::value, it->second.job.id);
-      st.metrics->counter("troupe_requests_finished_total", "Requests finished by reason", {{"reason", "abort"}}).inc();
-      forget(st, it);
-    }
+    if (auto it = st.inflight.find(k->second); it != st.inflight.end()) abort_and_forget(self, it, aborted_counter(st));
     return refuse(ErrorCode::invalid_argument,
                   fmt::format("request {} is already running on this connection: both are ended (number each "
                               "request anew)", rid));
@@ -982,11 +993,8 @@ void frame_abort(Self self, const transport::ConnectionPtr& conn, const messages
   auto& st = self->state;
   auto it = frame_request(st, conn, frame);
   if (it == st.inflight.end()) return;
-  InFlight& f = it->second;
-  if (f.worker) self->send(f.worker, abort_atom::value, f.job.id);
-  send_finish(*f.frames, f, msg::FinishReason::ABORTED);
-  st.metrics->counter("troupe_requests_finished_total", "Requests finished by reason", {{"reason", "abort"}}).inc();
-  forget(st, it);
+  send_finish(*it->second.frames, it->second, msg::FinishReason::ABORTED);
+  abort_and_forget(self, it, aborted_counter(st));
 }
 
 void send_ack(const transport::ConnectionPtr& conn, uint64_t rid, msg::Kind of, const std::string& detail) {
@@ -1107,11 +1115,7 @@ void frame_closed(Self self, uint64_t conn) {
     ids.push_back(k->second);
   }
   for (RequestId id : ids) {
-    auto it = st.inflight.find(id);
-    if (it == st.inflight.end()) continue;
-    if (it->second.worker) self->send(it->second.worker, abort_atom::value, id);
-    st.metrics->counter("troupe_client_aborts_total", "Requests aborted because the client went away").inc();
-    forget(st, it);
+    if (auto it = st.inflight.find(id); it != st.inflight.end()) abort_and_forget(self, it, client_gone_counter(st));
   }
   if (!ids.empty()) spdlog::info("frames: connection {} closed; aborted {} request(s)", conn, ids.size());
 }
@@ -1424,11 +1428,7 @@ caf::behavior gateway_actor(Self self, GatewayConfig config, std::shared_ptr<con
       },
       [=](gone_atom, RequestId id) {  // the client went away: free everything the request holds
         auto& s = self->state;
-        auto it = s.inflight.find(id);
-        if (it == s.inflight.end()) return;
-        if (it->second.worker) self->send(it->second.worker, abort_atom::value, id);
-        s.metrics->counter("troupe_client_aborts_total", "Requests aborted because the client went away").inc();
-        forget(s, it);
+        if (auto it = s.inflight.find(id); it != s.inflight.end()) abort_and_forget(self, it, client_gone_counter(s));
       },
       [=](const frames::FrameCall& call) { handle_frame(self, call); },
       [=](const frames::FrameClosed& c) { frame_closed(self, c.conn); },

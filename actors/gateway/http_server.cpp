@@ -187,11 +187,9 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     req.body = std::move(msg.body());
     req.peer = peer_;
-    std::string allow_origin;
-    if (!opts_.allowed_origins.empty()) {
-      const auto origin = req.headers.find("origin");
-      if (origin != req.headers.end()) allow_origin = cors_allow_origin(opts_.allowed_origins, origin->second);
-    }
+    const auto origin = req.headers.find("origin");
+    const std::string allow_origin =
+        origin == req.headers.end() ? "" : cors_allow_origin(opts_.allowed_origins, origin->second);
     auto r = std::make_shared<SessionResponder>(shared_from_this(), allow_origin);
     responder_ = r;
     response_done_ = false;

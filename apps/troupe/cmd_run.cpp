@@ -21,11 +21,7 @@ Command add_run(CLI::App& app) {
   auto gw = std::make_shared<GatewayFlags>();
   add_gateway_flags(cmd, *gw);
   return [o, gw] {
-    o->api_key = gw->api_key;
-    o->allowed_origins = gw->allowed_origins();
-    o->max_model_len = gw->max_model_len;
-    o->max_body_bytes = gw->max_body_bytes();
-    o->read_timeout_s = gw->read_timeout_s;
+    gw->apply(*o);
     return actors::run_until_signal(*o);
   };
 }

@@ -121,11 +121,7 @@ Command add_serve(CLI::App& app) {
   cmd->add_flag("--test-hooks", o->test_hooks, "enable POST /admin/crash (fault injection for tests)");
   return [o, kv_mib, host_mib, restart_window_s, long_tail, lt, sp, scale_cooldown_s, frame_port, pool_mix, pool_ratios,
           gw] {
-    o->api_key = gw->api_key;
-    o->allowed_origins = gw->allowed_origins();
-    o->max_model_len = gw->max_model_len;
-    o->max_body_bytes = gw->max_body_bytes();
-    o->read_timeout_s = gw->read_timeout_s;
+    gw->apply(*o);
     if (*frame_port >= 0) o->frame_port = static_cast<uint16_t>(*frame_port);
     if (!pool_mix->empty()) o->pool_mix = cache::parse_mix(*pool_mix, "--pool-mix");
     if (!pool_ratios->empty()) o->pool_ratios = cache::parse_ratios(*pool_ratios, "--pool-ratios");

@@ -20,9 +20,17 @@ struct GatewayFlags {
   int64_t max_model_len = 0;    // --max-model-len; 0: min(the model's positions, 32768)
   double max_body_mib = 8;      // --max-body-mib
   int read_timeout_s = 30;      // --read-timeout
-  // After parsing: the CORS origins (throws Error naming a bad one) and the body limit in bytes.
+  // After parsing, into actors::ServeOptions or actors::RunOptions (the same
+  // fields). Throws Error naming a bad origin.
+  template <class Options>
+  void apply(Options& o) const {
+    o.api_key = api_key;
+    o.allowed_origins = allowed_origins();
+    o.max_model_len = max_model_len;
+    o.max_body_bytes = static_cast<size_t>(max_body_mib * (1 << 20));
+    o.read_timeout_s = read_timeout_s;
+  }
   std::vector<std::string> allowed_origins() const;
-  size_t max_body_bytes() const { return static_cast<size_t>(max_body_mib * (1 << 20)); }
 };
 
 void add_gateway_flags(CLI::App* cmd, GatewayFlags& f);

@@ -378,12 +378,12 @@ void NodeProcess::Impl::start(RunOptions opts) {
     // A request's state leaves a worker through its host tier (the PD handoff
     // exports a request parked there, and so does a drain's migration): a
     // worker always gets one, as large as its device budget unless the
-    // manifest sizes it; on the CPU backend, where both tiers are the same
-    // memory, at most what the device budget leaves of the free memory.
+    // manifest sizes it; where both tiers are the same memory (the CPU
+    // backend: Backend::memory_is_host), at most what the device budget leaves of the free memory.
     if (wc.engine.host_bytes == 0) {
       wc.engine.host_bytes = wc.engine.device_bytes;
       const auto info = im.backend->memory_info();
-      if (im.backend->name() == "cpu" && info && info->free > wc.engine.device_bytes) {
+      if (im.backend->memory_is_host() && info && info->free > wc.engine.device_bytes) {
         wc.engine.host_bytes = std::min(wc.engine.host_bytes, info->free - wc.engine.device_bytes);
       }
     }

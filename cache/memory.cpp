@@ -83,10 +83,11 @@ std::unique_ptr<Memory> pinned_host_memory(bool backend_readable) {
   return std::make_unique<PinnedHostMemory>(backend_readable);
 }
 std::unique_ptr<Memory> host_tier_memory(kernels::Backend& backend) {
-  // On the CPU backend host memory is what the kernels read. A CUDA backend
-  // needs mapped pinned memory for in-place reads; until it offers that, its
-  // host tier is not readable and cold pages are copied back before use.
-  return pinned_host_memory(backend.name() == "cpu");
+  // Where the backend's memory is host memory (the CPU backend) the kernels
+  // read the host tier in place. A CUDA backend needs mapped pinned memory for
+  // in-place reads; until it offers that, its host tier is not readable and
+  // cold pages are copied back before use.
+  return pinned_host_memory(backend.memory_is_host());
 }
 
 }  // namespace troupe::cache

@@ -120,6 +120,10 @@ class Backend {
     uint64_t free = 0, total = 0;
   };
   virtual std::optional<MemoryInfo> memory_info() const { return std::nullopt; }
+  // Whether alloc() draws from host memory, so that the kernels read host memory
+  // as they read their own (the CPU backend): a host tier is then readable in
+  // place, and it competes with the device budget for the same memory.
+  virtual bool memory_is_host() const { return false; }
 
   // A copy queue beside the compute stream, for the host tier: copies between
   // host memory and backend memory issued here run in order among themselves,

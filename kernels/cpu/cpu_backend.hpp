@@ -10,6 +10,7 @@ namespace troupe::kernels::cpu {
 class CpuBackend : public Backend {
  public:
   std::string name() const override { return "cpu"; }
+  bool memory_is_host() const override { return true; }
   bool takes_quantized() const override { return true; }
 
   void* alloc(size_t bytes) override;

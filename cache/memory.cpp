@@ -75,6 +75,21 @@ class PinnedHostMemory final : public HostMemory {
   std::unordered_map<void*, size_t> sizes_;  // 0: not locked
 };
 
+// Host memory the backend's kernels read in place (Backend::alloc_host_mapped:
+// mapped pinned memory on CUDA).
+class MappedHostMemory final : public Memory {
+ public:
+  explicit MappedHostMemory(kernels::Backend& b) : backend_(b) {}
+  std::string name() const override { return "mapped pinned host memory"; }
+  Tier tier() const override { return Tier::host; }
+  void* alloc(size_t bytes) override { return backend_.alloc_host_mapped(bytes); }
+  void free(void* p) override { backend_.free_host_mapped(p); }
+  bool backend_readable() const override { return true; }
+
+ private:
+  kernels::Backend& backend_;
+};
+
 }  // namespace
 
 std::unique_ptr<Memory> backend_memory(kernels::Backend& backend) { return std::make_unique<BackendMemory>(backend); }
@@ -84,10 +99,12 @@ std::unique_ptr<Memory> pinned_host_memory(bool backend_readable) {
 }
 std::unique_ptr<Memory> host_tier_memory(kernels::Backend& backend) {
   // Where the backend's memory is host memory (the CPU backend) the kernels
-  // read the host tier in place. A CUDA backend needs mapped pinned memory for
-  // in-place reads; until it offers that, its host tier is not readable and
-  // cold pages are copied back before use.
-  return pinned_host_memory(backend.memory_is_host());
+  // read the host tier in place; a backend with mapped host memory (CUDA) reads
+  // it over the bus. Elsewhere the host tier is not readable: it holds parked
+  // and spilled pages, which move back before use, and no cold pages.
+  if (backend.memory_is_host()) return pinned_host_memory(true);
+  if (backend.host_mapped()) return std::make_unique<MappedHostMemory>(backend);
+  return pinned_host_memory(false);
 }
 
 }  // namespace troupe::cache

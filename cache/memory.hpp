@@ -28,7 +28,7 @@ class Memory {
   virtual void free(void* p) = 0;
   // Whether the backend's kernels may read this memory in place: always for
   // backend memory; for host memory on the CPU backend (it is the same kind of
-  // memory) and, on CUDA, for mapped pinned memory. Pages of a host tier whose
+  // memory) and for mapped pinned memory (Backend::alloc_host_mapped). Pages of a host tier whose
   // memory is not backend-readable must be copied back before use.
   virtual bool backend_readable() const = 0;
 };
@@ -42,7 +42,8 @@ std::unique_ptr<Memory> host_memory(bool backend_readable);
 // when the lock limit (RLIMIT_MEMLOCK) is reached.
 std::unique_ptr<Memory> pinned_host_memory(bool backend_readable);
 
-// The host tier's memory for a backend: pinned, readable in place on the CPU backend.
+// The host tier's memory for a backend: pinned, readable in place on the CPU
+// backend; mapped pinned memory (readable in place) where the backend offers it.
 std::unique_ptr<Memory> host_tier_memory(kernels::Backend& backend);
 
 }  // namespace troupe::cache

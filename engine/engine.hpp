@@ -61,6 +61,7 @@ struct EngineOptions {
   int64_t checkpoint_every_pages = 0;         // extra prefill checkpoints (denser resume points, more window pages)
   int64_t decode_insert_every_pages = 16;     // insert a decoding sequence's prefix every N pages (0: at finish only)
   bool cold_pages = true;                     // with a readable host tier: old entry pages of long sequences move there
+                                              // (only CSA entries where it is read over a bus: tiering.cpp's cold_pools)
   int64_t hot_pages = 2;                      // full token pages per sequence kept on the device when moving cold pages
   // Decode steps (every chunk one token) through model::Decoder: the key lists,
   // the indexer's picks and greedy samples made on the device, each batch size's

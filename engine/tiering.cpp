@@ -1,6 +1,8 @@
 // Engine: making room on the device tier and moving state between tiers
 // (park/resume, prefix spill/reload, cold pages of long sequences).
 #include <algorithm>
+#include <array>
+#include <span>
 
 #include "engine/engine.hpp"
 #include "engine/sequence.hpp"
@@ -19,6 +21,19 @@ int64_t total(const PoolCounts& c) {
   int64_t n = 0;
   for (int64_t x : c) n += x;
   return n;
+}
+
+// The pools whose pages may go cold. Where the host tier is the kernels' own
+// memory (the CPU backend) every entry pool. Where the kernels read it over a
+// bus (mapped host memory on CUDA) only the CSA entries: a decode step reads
+// the few the indexer selects (index_topk rows), where the indexer keys and the
+// HCA entries are read whole at every step. They are most of a long sequence's
+// state (a CSA layer keeps a head_dim-wide entry per compress_rate tokens,
+// its indexer key is index_head_dim wide; an HCA layer's rate is much larger).
+std::span<const PoolKind> cold_pools(const kernels::Backend& backend) {
+  static constexpr std::array<PoolKind, 1> kSparse = {PoolKind::csa_entry};
+  if (backend.memory_is_host()) return cache::kEntryPools;
+  return kSparse;
 }
 
 }  // namespace
@@ -111,7 +126,7 @@ bool Engine::move_cold_pages(int64_t want, bool wait) {
     std::vector<int64_t> index;
     int64_t k = s->cold_scan;
     for (; k < until && static_cast<int64_t>(sources.size()) < want; ++k) {
-      for (PoolKind kind : cache::kEntryPools) {
+      for (PoolKind kind : cold_pools(model_.backend())) {
         const PageRef r = s->state->pages()[static_cast<size_t>(k)].at(kind);
         // Only pages this sequence (and the tree) hold: moving others frees nothing.
         if (!r.on(Tier::device) || device_->pool(kind).refs(r.id) > 2 || mover_->moving(kind, r)) continue;

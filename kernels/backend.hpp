@@ -124,6 +124,18 @@ class Backend {
   // as they read their own (the CPU backend): a host tier is then readable in
   // place, and it competes with the device budget for the same memory.
   virtual bool memory_is_host() const { return false; }
+  // Page-locked host memory that this backend's kernels read in place, at the
+  // same address on the host and in kernels, and that its copy queue moves
+  // asynchronously (CUDA: mapped pinned memory, cudaHostAlloc): what a host
+  // tier needs for cold pages where memory_is_host() is false. host_mapped():
+  // whether the backend offers it; alloc_host_mapped() returns nullptr where it
+  // does not or the memory cannot be had (never throws).
+  virtual bool host_mapped() const { return false; }
+  virtual void* alloc_host_mapped(size_t bytes) {
+    (void)bytes;
+    return nullptr;
+  }
+  virtual void free_host_mapped(void* p) { (void)p; }
 
   // A copy queue beside the compute stream, for the host tier: copies between
   // host memory and backend memory issued here run in order among themselves,

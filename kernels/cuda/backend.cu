@@ -540,6 +540,38 @@ std::optional<Backend::MemoryInfo> CudaBackend::memory_info() const {
 void CudaBackend::free(void* p) {
   if (p != nullptr) TROUPE_CUDA(cudaFree(p));
 }
+bool CudaBackend::host_mapped() const {
+  static const bool off = [] {
+    const char* e = std::getenv("TROUPE_HOST_MAPPED");
+    return e != nullptr && e[0] == '0';
+  }();
+  if (off) return false;
+  int unified = 0, host_ptr = 0;
+  return cudaDeviceGetAttribute(&unified, cudaDevAttrUnifiedAddressing, impl_->device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&host_ptr, cudaDevAttrCanUseHostPointerForRegisteredMem, impl_->device) ==
+             cudaSuccess &&
+         unified != 0 && host_ptr != 0;
+}
+void* CudaBackend::alloc_host_mapped(size_t bytes) {
+  if (!host_mapped()) return nullptr;
+  TROUPE_CUDA(cudaSetDevice(impl_->device));  // the calling thread may be a copy thread
+  void* p = nullptr;
+  if (cudaHostAlloc(&p, std::max<size_t>(bytes, 256), cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  // Kernels take pool rows by address: the device's address of the memory must be the host's.
+  void* d = nullptr;
+  if (cudaHostGetDevicePointer(&d, p, 0) != cudaSuccess || d != p) {
+    (void)cudaGetLastError();
+    cudaFreeHost(p);
+    return nullptr;
+  }
+  return p;
+}
+void CudaBackend::free_host_mapped(void* p) {
+  if (p != nullptr) TROUPE_CUDA(cudaFreeHost(p));  // (waits for the device, as cudaFree)
+}
 void CudaBackend::to_device(void* dst, const void* src, size_t bytes) {
   if (bytes == 0) return;
   // Pageable sources are staged before the call returns; page-locked ones are read

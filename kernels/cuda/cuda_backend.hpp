@@ -49,6 +49,11 @@ class CudaBackend final : public Backend {
   void copy(void* dst, const void* src, size_t bytes) override;
   void synchronize() override;
   std::optional<MemoryInfo> memory_info() const override;  // cudaMemGetInfo
+  // cudaHostAlloc(mapped, portable) where the device addresses host memory at its host address (unified
+  // addressing and host pointers usable for registered memory); TROUPE_HOST_MAPPED=0 turns it off.
+  bool host_mapped() const override;
+  void* alloc_host_mapped(size_t bytes) override;
+  void free_host_mapped(void* p) override;
   // The copy queue is a second stream of the device (host tier copies).
   void copy_queue(void* dst, const void* src, size_t bytes, bool to_host_dir) override;
   void copy_queue_wait() override;

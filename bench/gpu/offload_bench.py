@@ -149,15 +149,17 @@ def main():
     n = int(args.factor * reach)
     vocab = json.load(open(os.path.join(args.model, "config.json")))["vocab_size"]
     rng = random.Random(7)
-    prompt = [rng.randrange(100, vocab - 100) for _ in range(n)]
+    # (ids the tokenizer has too: a server refuses ids past the smaller of the two vocabularies)
+    prompt = [rng.randrange(100, min(vocab, 128000) - 100) for _ in range(n)]
     rows = [serve_case(args, "capped", ["--kv-memory-mib", str(kv_mib)], args.port, prompt),
             serve_case(args, "capped+host", ["--kv-memory-mib", str(kv_mib), "--host-memory-mib", str(args.host_mib)],
                        args.port + 1, prompt),
             serve_case(args, "uncapped", ["--kv-memory-mib", str(args.uncapped_mib)], args.port + 2, prompt)]
     capped, host, free = rows
-    capped["ok"] = capped.get("error") is not None
+    capped["ok"] = "device tier" in (capped.get("error") or "")
     if not capped["ok"]:
-        capped["note"] = "the capped pools served the whole prompt: the case does not test the host tier"
+        capped["note"] = (f"not refused for want of device pages ({capped.get('error')}): the case does not test "
+                          "the host tier")
     for r in (host, free):
         r["ok"] = r.get("error") is None and r.get("tokens") == args.decode and not r.get("leaked")
         if not r["ok"] and not r["note"]:

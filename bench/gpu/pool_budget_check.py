@@ -64,6 +64,7 @@ def summed(m, name, *must):
 
 
 def run_case(args, name, fraction, extra, port):
+    want_workers = int(extra[extra.index("--workers") + 1]) if "--workers" in extra else 1
     cmd = shlex.split(args.troupe) + ["serve", "--backend", args.backend, "--model", args.model, "--host", "127.0.0.1",
                                       "--port", str(port), "--kv-memory-fraction", str(fraction)] + extra
     log_path = os.path.join(args.out, f"pool-budget-{name}.log")
@@ -86,8 +87,15 @@ def run_case(args, name, fraction, extra, port):
                     row["note"] = f"not ready after {args.start_s} s"
                     return row
                 time.sleep(0.2)
-            m = metrics(port)
-            budget = summed(m, "troupe_kv_budget_bytes", 'tier="device"')
+            # The workers publish their gauges once their engines run (a moment after /health answers).
+            end = time.time() + 30
+            while True:
+                m = metrics(port)
+                budget = summed(m, "troupe_kv_budget_bytes", 'tier="device"')
+                workers = sum(1 for k in m if k.startswith("troupe_kv_budget_bytes{") and 'tier="device"' in k)
+                if workers >= want_workers or time.time() > end:
+                    break
+                time.sleep(0.2)
             page_bytes = None
             free_now = smi_free_bytes(args.backend)
             # The pools' pages taken so far (with --pool-mix: the plan's, up front); free after the weights is what

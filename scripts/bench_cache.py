@@ -92,8 +92,9 @@ def main():
     w(f"| capped + host tier | {o['decode_steps_per_s_host_tier']:.1f} | {o['ratio']:.2f} |")
     w("")
     w("On the CPU backend the host tier is the same memory the kernels read, so cold pages cost only their one")
-    w("copy (on the copy thread, overlapping compute): the decode cost is within noise. On a GPU the same pages")
-    w("would be read over PCIe (mapped pinned memory) or staged back; that cost is still to be measured there.")
+    w("copy (on the copy thread, overlapping compute): the decode cost is within noise. On CUDA the host tier is")
+    w("mapped pinned memory and only the CSA entries go cold (the kernels read the ones the indexer selects over")
+    w("the bus): the GPU figures are in the \"Cold pages on CUDA\" section below.")
     w(END)
     section = "\n".join(L) + "\n"
 

@@ -11,8 +11,8 @@ servers in turn, each on 127.0.0.1:
               fail (the device tier is full); the token count where it stopped is the reach the others use;
   capped+host --kv-memory-mib B --host-memory-mib H, a prompt of --factor times that reach: must finish;
   uncapped    --kv-memory-mib U: the peer.
-The last two stream a greedy completion of --decode tokens; decode rate = tokens after the first over the
-time from the first to the last chunk. Checks: the same tokens from both, the capped run failing. Writes
+The last two stream a greedy completion of --decode tokens; decode rate = the tokens after the first chunk's
+over the time from the first chunk to the last. Checks: the same tokens from both, the capped run failing. Writes
 OUT/offload.md (a table) and OUT/offload-CASE.log; exit 1 when a check fails.
 """
 import argparse
@@ -21,23 +21,12 @@ import os
 import random
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
 import urllib.error
-import urllib.request
 
-
-def post(port, path, body, timeout):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
-    return urllib.request.urlopen(req, timeout=timeout)
-
-
-def get(port, path):
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
-        return r.status, r.read().decode()
+from served import NotServing, Served, metrics, open_request, summed
 
 
 def reach_tokens(troupe, model, kv_bytes):
@@ -67,30 +56,14 @@ def serve_case(args, name, flags, port, prompt):
                                       "--port", str(port), "--max-model-len", str(len(prompt) + args.decode + 16),
                                       "--max-body-mib", "64", "--read-timeout", "600"] + flags
     row = dict(case=name, flags=" ".join(flags), ok=False, note="")
-    with open(os.path.join(args.out, f"offload-{name}.log"), "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            end = time.time() + args.start_s
-            while True:
-                if proc.poll() is not None:
-                    row["note"] = f"exited with {proc.returncode}"
-                    return row
-                try:
-                    if get(port, "/health")[0] == 200:
-                        break
-                except OSError:
-                    pass
-                if time.time() > end:
-                    row["note"] = "not ready"
-                    return row
-                time.sleep(0.2)
-            model_id = json.loads(get(port, "/v1/models")[1])["data"][0]["id"]
-            body = {"model": model_id, "prompt": prompt, "max_tokens": args.decode, "temperature": 0,
+    try:
+        with Served(cmd, os.path.join(args.out, f"offload-{name}.log"), port, args.start_s) as server:
+            body = {"model": server.model_id(), "prompt": prompt, "max_tokens": args.decode, "temperature": 0,
                     "ignore_eos": True, "stream": True, "return_token_ids": True}
             t0 = time.time()
             stamps, tokens, error = [], [], None
             try:
-                with post(port, "/v1/completions", body, timeout=args.request_s) as r:
+                with open_request(port, "/v1/completions", body, timeout=args.request_s) as r:
                     for raw in r:
                         line = raw.decode().strip()
                         if not line.startswith("data: ") or line == "data: [DONE]":
@@ -100,32 +73,24 @@ def serve_case(args, name, flags, port, prompt):
                             error = chunk["error"].get("message", str(chunk["error"]))
                             break
                         for c in chunk.get("choices", []):
-                            for t in c.get("token_ids") or []:
-                                stamps.append(time.time())
-                                tokens.append(t)
+                            ids = c.get("token_ids") or []
+                            if ids:
+                                stamps.append((time.time(), len(ids)))  # (a chunk may carry several tokens)
+                                tokens.extend(ids)
                             if c.get("finish_reason") not in (None, "length"):
                                 error = f"finish_reason {c['finish_reason']}"
             except urllib.error.HTTPError as e:
                 error = f"HTTP {e.code}: {e.read().decode()[:200]}"
-            row["error"] = error
-            row["tokens"] = len(tokens)
-            row["ids"] = tokens
-            if stamps:
-                row["first_token_s"] = stamps[0] - t0
-                if len(stamps) > 1:
-                    row["decode_tok_s"] = (len(stamps) - 1) / (stamps[-1] - stamps[0])
-            status, metrics = get(port, "/metrics")
-            leaked = sum(float(l.rpartition(" ")[2]) for l in metrics.splitlines()
-                         if l.startswith("troupe_leaked_pages"))
-            row["leaked"] = leaked
-            return row
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            leaked = summed(metrics(port), "troupe_leaked_pages")
+    except NotServing as e:
+        row["note"] = str(e)
+        return row
+    row.update(error=error, tokens=len(tokens), ids=tokens, leaked=leaked)
+    if stamps:
+        row["first_token_s"] = stamps[0][0] - t0
+        if len(stamps) > 1 and stamps[-1][0] > stamps[0][0]:  # the tokens after the first chunk's, over their time
+            row["decode_tok_s"] = (len(tokens) - stamps[0][1]) / (stamps[-1][0] - stamps[0][0])
+    return row
 
 
 def main():

@@ -17,12 +17,11 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
+
+from served import NotServing, Served, metrics, request, summed
 
 MIB = 1 << 20
 
@@ -37,56 +36,14 @@ def smi_free_bytes(backend="cuda"):
     return int(out.split()[0]) * MIB
 
 
-def http(port, path, body=None, timeout=60):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method="POST" if body is not None else "GET",
-                                 data=json.dumps(body).encode() if body is not None else None,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
-def metrics(port):
-    status, body = http(port, "/metrics")
-    assert status == 200, body
-    out = {}
-    for line in body.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
-
-
-def summed(m, name, *must):
-    return sum(v for k, v in m.items() if (k == name or k.startswith(name + "{")) and all(s in k for s in must))
-
-
 def run_case(args, name, fraction, extra, port):
     want_workers = int(extra[extra.index("--workers") + 1]) if "--workers" in extra else 1
     cmd = shlex.split(args.troupe) + ["serve", "--backend", args.backend, "--model", args.model, "--host", "127.0.0.1",
                                       "--port", str(port), "--kv-memory-fraction", str(fraction)] + extra
-    log_path = os.path.join(args.out, f"pool-budget-{name}.log")
     free_before = smi_free_bytes(args.backend)
     row = dict(case=name, flags=" ".join(["--kv-memory-fraction", str(fraction)] + extra), ok=False, note="")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            end = time.time() + args.start_s
-            while True:
-                if proc.poll() is not None:
-                    row["note"] = f"exited with {proc.returncode} before it was ready"
-                    return row
-                try:
-                    if http(port, "/health", timeout=2)[0] == 200:
-                        break
-                except OSError:
-                    pass
-                if time.time() > end:
-                    row["note"] = f"not ready after {args.start_s} s"
-                    return row
-                time.sleep(0.2)
+    try:
+        with Served(cmd, os.path.join(args.out, f"pool-budget-{name}.log"), port, args.start_s, 30) as server:
             # The workers publish their gauges once their engines run (a moment after /health answers).
             end = time.time() + 30
             while True:
@@ -96,58 +53,53 @@ def run_case(args, name, fraction, extra, port):
                 if workers >= want_workers or time.time() > end:
                     break
                 time.sleep(0.2)
-            page_bytes = None
             free_now = smi_free_bytes(args.backend)
-            # The pools' pages taken so far (with --pool-mix: the plan's, up front); free after the weights is what
-            # is free now plus those (the engine took them after reading cudaMemGetInfo).
+            # The pools' pages taken so far (with --pool-mix: the plan's, up front).
             taken = summed(m, "troupe_pool_pages", 'state="free"') + summed(m, "troupe_pool_pages", 'state="in_use"')
             status, body = 0, ""
             texts = []
+            model = server.model_id()
             for i in range(args.requests):
-                status, body = http(port, "/v1/completions", {"model": json.loads(http(port, "/v1/models")[1])["data"][0]["id"],
-                                                              "prompt": [(7 * i + j) % 200 + 1 for j in range(24)],
-                                                              "max_tokens": 16, "temperature": 0})
+                status, body = request(port, "/v1/completions", {"model": model,
+                                                                 "prompt": [(7 * i + j) % 200 + 1 for j in range(24)],
+                                                                 "max_tokens": 16, "temperature": 0})
                 if status != 200:
                     break
                 texts.append(json.loads(body)["choices"][0]["text"])
             time.sleep(0.5)
             after = metrics(port)
-            leased = summed(after, "troupe_pool_pages", 'state="leased"')
-            leaked = summed(after, "troupe_leaked_pages")
-            row.update(free_before_mib=free_before / MIB, free_running_mib=free_now / MIB, budget_mib=budget / MIB,
-                       pool_pages=taken, requests=len(texts), leased=leased, leaked=leaked)
-            problems = []
-            if status != 200:
-                problems.append(f"completion answered {status}: {body[:200]}")
-            if any(not t for t in texts):
-                problems.append("an empty completion")
-            if leased or leaked:
-                problems.append(f"{leased:.0f} pages leased, {leaked:.0f} leaked after the requests")
-            if budget <= 0:
-                problems.append("no device budget reported")
-            if "--pool-mix" in extra and args.backend == "cuda":  # (the CPU's pages are touched lazily)
-                # The plan's pages were taken at start: the card's free memory fell by about the budget.
-                drop = free_before - free_now
-                row["free_drop_mib"] = drop / MIB
-                if not 0.9 * budget <= drop <= 1.1 * budget + 2048 * MIB:
-                    problems.append(f"free memory fell by {drop / MIB:.0f} MiB, the budget is {budget / MIB:.0f} MiB")
-                base = free_now + budget  # free after the weights, as the engine read it (pages bought since)
-            else:
-                base = free_now
-            share = budget / base if base > 0 else 0.0
-            row["share"] = share
-            if not 0.9 * fraction <= share <= 1.1 * fraction:
-                problems.append(f"budget is {share:.3f} of the free memory, asked {fraction}")
-            row["ok"] = not problems
-            row["note"] = "; ".join(problems)
-            return row
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    except NotServing as e:
+        row["note"] = str(e)
+        return row
+    leased = summed(after, "troupe_pool_pages", 'state="leased"')
+    leaked = summed(after, "troupe_leaked_pages")
+    row.update(free_before_mib=free_before / MIB, free_running_mib=free_now / MIB, budget_mib=budget / MIB,
+               pool_pages=taken, requests=len(texts), leased=leased, leaked=leaked)
+    problems = []
+    if status != 200:
+        problems.append(f"completion answered {status}: {body[:200]}")
+    if any(not t for t in texts):
+        problems.append("an empty completion")
+    if leased or leaked:
+        problems.append(f"{leased:.0f} pages leased, {leaked:.0f} leaked after the requests")
+    if budget <= 0:
+        problems.append("no device budget reported")
+    if "--pool-mix" in extra and args.backend == "cuda":  # (the CPU's pages are touched lazily)
+        # The plan's pages were taken at start: the card's free memory fell by about the budget.
+        drop = free_before - free_now
+        row["free_drop_mib"] = drop / MIB
+        if not 0.9 * budget <= drop <= 1.1 * budget + 2048 * MIB:
+            problems.append(f"free memory fell by {drop / MIB:.0f} MiB, the budget is {budget / MIB:.0f} MiB")
+        base = free_now + budget  # free after the weights, as the engine read it (pages bought since)
+    else:
+        base = free_now
+    share = budget / base if base > 0 else 0.0
+    row["share"] = share
+    if not 0.9 * fraction <= share <= 1.1 * fraction:
+        problems.append(f"budget is {share:.3f} of the free memory, asked {fraction}")
+    row["ok"] = not problems
+    row["note"] = "; ".join(problems)
+    return row
 
 
 def main():

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <random>
 
+#include "cache/planner.hpp"
 #include "tests/cache/engine_harness.hpp"
 
 namespace troupe::engine {
@@ -65,6 +66,15 @@ void reaches_further(model::Model& m, double factor, bool bitwise) {
     GTEST_SKIP() << "no device tier stops a " << longest << "-token prompt between 4 pages and 1/" << factor << " of it "
                  << "(last: " << reached << " tokens with " << bytes << " bytes): the case cannot be set up";
   }
+  // `troupe plan` says how far one sequence gets alone on that tier: whole slabs per pool, as the engine found
+  // (to a page: the engine stops at the chunk that does not fit, one page a chunk here).
+  cache::PlanInput in;
+  in.bytes = bytes;
+  in.slab_bytes = capped(m, false, bytes).slab_bytes;
+  in.mix = cache::parse_mix(cache::kDefaultMix);
+  const int64_t planned = cache::plan_pools(cache::CacheGeometry::of(m.config()), in).max_context;
+  EXPECT_GE(planned, reached);
+  EXPECT_LE(planned, reached + P);
   const int64_t target = static_cast<int64_t>(factor * reached) + 64;
   ASSERT_LE(target, longest);
   std::vector<int32_t> prompt(long_prompt.begin(), long_prompt.begin() + target);

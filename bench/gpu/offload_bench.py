@@ -118,9 +118,9 @@ def main():
     # (ids the tokenizer has too: a server refuses ids past the smaller of the two vocabularies)
     prompt = [rng.randrange(100, min(vocab, 128000) - 100) for _ in range(n)]
     capped = serve_case(args, "capped", ["--kv-memory-mib", str(kv_mib)], args.port, prompt)
-    # Where the capped pools stopped the sequence ("... at N tokens"): the plan's reach counts pages, the engine
-    # also needs a whole prefill chunk's pages and whole slabs (run 43, Flash-shaped, 24 MiB: planned 16,512,
-    # stopped at 4,736). The other two runs take --factor times that.
+    # Where the capped pools stopped the sequence ("... at N tokens"; `troupe plan` says the same since it counts
+    # whole slabs per pool, run 43: 4,736 for the Flash-shaped model on 24 MiB, which it had put at 16,512 before).
+    # The other two runs take --factor times that.
     stopped = re.search(r"at (\d+) tokens", capped.get("error") or "")
     if stopped:
         reach = int(stopped.group(1))

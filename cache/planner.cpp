@@ -121,8 +121,9 @@ Plan plan_pools(const CacheGeometry& g, const PlanInput& in) {
   }
   // One sequence alone, pools rebalanced: its fixed pages (window, ring) and an entry page of each entry
   // pool per token page, each pool in whole slabs (as the arena hands them out: a pool's last slab is partly
-  // empty, which a small budget of few slabs feels; measured in session 43: 2 MiB of the tiny model was
-  // planned at 9,472 tokens from bytes alone, served 6,144).
+  // empty, which a small budget of few slabs feels. Session 43: counted in bytes, 2 MiB of the tiny model
+  // gave 9,472 tokens and the Flash-shaped model's 24 MiB 16,512, where the engine stopped at 6,144 and 4,736,
+  // the figures this gives).
   const auto fixed = pages_per_sequence(g, std::numeric_limits<int64_t>::max() / 2);
   auto slabs_for = [&](int64_t token_pages) {
     int64_t n = 0;

@@ -66,10 +66,11 @@ Command add_serve(CLI::App& app) {
   cmd->add_option("--cache-share", o->cache_share, "with --pool-mix: share of the pools kept for cached prefixes, [0, 1)")
       ->check(share(false, true))
       ->needs(mix_opt);
-  cmd->add_option("--host-memory-mib", *host_mib, "host tier per worker, MiB (park, spill)")
+  cmd->add_option("--host-memory-mib", *host_mib, "host tier per worker, MiB (park, spill, cold pages of long sequences; on CUDA mapped pinned memory)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   cmd->add_flag("!--no-cold-pages", o->cold_pages,
-                "keep every page of a running sequence on the device (as a GPU without mapped host memory must)");
+                "keep every page of a running sequence on the device (by default old pages move to the host tier, read in place: "
+                "every entry pool on the CPU backend, the CSA entries on CUDA)");
   cmd->add_option("--step-tokens", o->step_tokens, "tokens per engine step")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd->add_option("--backend", o->backend, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   cmd->add_option("--weights", o->weights,

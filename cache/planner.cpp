@@ -119,35 +119,29 @@ Plan plan_pools(const CacheGeometry& g, const PlanInput& in) {
     }
     plan.sequences = fit == 1e300 ? 0 : fit;
   }
-  // One sequence alone, pools rebalanced: its fixed pages (window, ring) and an entry page of each entry
-  // pool per token page, each pool in whole slabs (as the arena hands them out: a pool's last slab is partly
+  // One sequence alone, pools rebalanced: the most token pages whose pages (pages_per_sequence) take no
+  // more than the budget's slabs, each pool in whole slabs (as the arena hands them out: a pool's last slab is partly
   // empty, which a small budget of few slabs feels. Session 43: counted in bytes, 2 MiB of the tiny model
   // gave 9,472 tokens and the Flash-shaped model's 24 MiB 16,512, where the engine stopped at 6,144 and 4,736,
   // the figures this gives).
-  const auto fixed = pages_per_sequence(g, std::numeric_limits<int64_t>::max() / 2);
   auto slabs_for = [&](int64_t token_pages) {
+    const auto pages = pages_per_sequence(g, token_pages * g.page_tokens);
     int64_t n = 0;
     for (PoolKind k : kAllPools) {
-      const size_t pb = g.pool(k).page_bytes;
-      if (pb == 0) continue;
-      const bool entry = k != PoolKind::window && k != PoolKind::hca_ring;
-      const int64_t pages = entry ? token_pages : fixed[static_cast<size_t>(index(k))];
-      const int64_t per_slab = static_cast<int64_t>(plan.slab_bytes / pb);
-      if (pages > 0) n += per_slab > 0 ? (pages + per_slab - 1) / per_slab : std::numeric_limits<int64_t>::max() / 4;
+      const auto i = static_cast<size_t>(index(k));
+      if (plan.pools[i].page_bytes == 0 || pages[i] == 0) continue;
+      const auto per_slab = static_cast<int64_t>(plan.slab_bytes / plan.pools[i].page_bytes);
+      n += per_slab > 0 ? (pages[i] + per_slab - 1) / per_slab : std::numeric_limits<int64_t>::max() / 4;
     }
     return n;
   };
-  int64_t lo = 0, hi = 1;  // the most token pages whose slabs fit: lo fits, hi does not
-  if (slabs_for(0) > plan.slabs) {
-    hi = 0;
-  } else {
-    while (slabs_for(hi) <= plan.slabs && hi < (int64_t{1} << 40)) lo = hi, hi *= 2;
-    while (hi - lo > 1) {
-      const int64_t mid = lo + (hi - lo) / 2;
-      (slabs_for(mid) <= plan.slabs ? lo : hi) = mid;
-    }
+  int64_t lo = 0, hi = 1;  // the most token pages whose slabs fit: lo fits (or is 0), hi does not
+  while (slabs_for(hi) <= plan.slabs && hi < (int64_t{1} << 40)) lo = hi, hi *= 2;
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    (slabs_for(mid) <= plan.slabs ? lo : hi) = mid;
   }
-  plan.max_context = hi == 0 ? 0 : lo * g.page_tokens;
+  plan.max_context = lo * g.page_tokens;
   return plan;
 }
 

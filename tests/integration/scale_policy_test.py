@@ -296,11 +296,30 @@ class ScalePrefill(ScaleCase):
         self.model = h.model_id(HOST, base)
         self.http = {"prefill-0": base + 10, "prefill-1": base + 11}
 
+    def colocated_references(self, prompts, max_tokens):
+        """Each prompt's greedy ids from a `troupe serve` of the same model, one request at a time."""
+        troupe, model = h.paths()
+        port = h.free_port_block(1)
+        serve = h.Proc("serve", [str(troupe), "serve", "--model", str(model), "--host", HOST, "--port", str(port)],
+                       self.dir / "serve.log", self.cluster.env)
+        self.cluster.every.append(serve)  # killed with the cluster if this fails
+        try:
+            h.wait_ready(HOST, port, procs=[serve])
+            self.assertEqual(h.model_id(HOST, port), self.model)
+            return h.references(HOST, port, self.model, prompts, max_tokens)
+        finally:
+            serve.kill()
+
     def test_prefill_scales_from_its_queue_and_back(self):
         self.assertEqual(self.slots(), {"prefill-0": "active", "prefill-1": "standby"})
         prompts = h.prompts(24, length=1500, seed=17)  # long prompts: prefill is the bottleneck
         max_tokens = 16
-        reference = h.references(HOST, self.front, self.model, prompts, max_tokens)
+        # The oracle: the same prompts one at a time in a colocated `troupe serve` (colocated and
+        # disaggregated give the same greedy ids: pd_equivalence_test). Not on this cluster: that would
+        # leave the wave's prompts in prefill-0's prefix cache, and a wave found there never queues.
+        reference = self.colocated_references(prompts, max_tokens)
+        # Requests one at a time (other prompts) do not scale prefill up.
+        h.references(HOST, self.front, self.model, h.prompts(3, length=1500, seed=18), max_tokens)
         self.assertEqual(self.slots()["prefill-1"], "standby", "scaled up without load")
         t0 = time.time()
         wave = h.Streams(HOST, self.front, self.model, prompts, max_tokens)

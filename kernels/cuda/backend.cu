@@ -181,23 +181,25 @@ bool mhc_unfused() {
   return off;
 }
 
-// Half-precision GEMMs (cuBLAS, past kGemvBatchRows rows) of at least kSplitMinRows rows take the
-// activations as two terms, half(x) and half(x - half(x)), two products summed in fp32: ~16 mantissa bits
-// of x instead of 8, as the tensor-core GEMV keeps at up to 8 rows. Below it (decode batches) a second
-// pass would read the weights a second time; from 128 rows (prefill) it doubles the tensor-core work:
-// 17-25 % of prefill throughput (run 41, H100, prompts of 512), taken for exactness. Why: with
-// bf16-rounded activations the prefill's products moved the Flash-shaped model's logits off
-// transformers' fp32 run enough to flip its top-1 on 1.0 % of 2,304 positions on an H100 (run 41:
-// 98.96 %; 11 of the 256 prefill positions, and decode positions through the state the prefill wrote);
-// split from 128 rows, 99.83 %. TROUPE_GEMM_SPLIT=1 splits every cuBLAS GEMM (from 9 rows, the batched
-// MoE too: 99.91 %), =0 none.
+// Half-precision GEMMs (cuBLAS, past kGemvBatchRows rows) take the activations as two terms, half(x) and
+// half(x - half(x)), two products summed in fp32: ~16 mantissa bits of x instead of 8, as the tensor-core
+// GEMV keeps at up to 8 rows, so that no batch shape rounds x to bf16. Below kSplitMinRows rows (decode
+// batches, the batched MoE, a prefill's per-expert GEMMs of few rows) the two terms' rows are stacked
+// into one GEMM of twice the rows, which reads the weights once (those GEMMs are bound by the weights'
+// bytes), and a small kernel (or the MoE's swiglu and combine) adds the two products; from kSplitMinRows
+// rows (prefill) two passes, the second accumulating: it doubles the tensor-core work, 17-25 % of prefill
+// throughput (run 41, H100, prompts of 512), taken for exactness. Why: with bf16-rounded activations the
+// prefill's products moved the Flash-shaped model's logits off transformers' fp32 run enough to flip
+// its top-1 on 1.0 % of 2,304 positions on an H100 (run 41: 98.96 %); split from 128 rows 99.83 %, split
+// everywhere 99.91 %. TROUPE_GEMM_SPLIT=0: no split (x rounded to half); =2: from kSplitMinRows rows only
+// (session 41's rule, for comparisons); unset or else: every half-precision GEMM.
 constexpr int64_t kSplitMinRows = 128;
 bool gemm_split(int64_t rows) {
   static const char mode = [] {
     const char* e = std::getenv("TROUPE_GEMM_SPLIT");
-    return e == nullptr ? 'r' : e[0];
+    return e == nullptr ? '1' : e[0];
   }();
-  return mode == '1' || (mode != '0' && rows >= kSplitMinRows);
+  return mode != '0' && (mode != '2' || rows >= kSplitMinRows);
 }
 
 constexpr int64_t kAttentionF32Queries = kGemvBatchRows;  // attention calls this small run in fp32,
@@ -296,6 +298,17 @@ struct CudaBackend::Impl {
                                 static_cast<const float*>(w.data), K, x, K, &beta, y, N));
       return;
     }
+    if (gemm_split(m) && m < kSplitMinRows) {  // both terms' rows in one GEMM (see gemm_split)
+      auto* x2 = arena.take<uint16_t>(2 * m * w.cols);
+      to_half(x, m * w.cols, x2, w.type, s(), x2 + m * w.cols);
+      float* parts = arena.take<float>(2 * m * w.rows);
+      const float zero = 0.f;
+      TROUPE_CUBLAS(cublasGemmEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, N, 2 * M, K, &one, w.data, cuda_type(w.type),
+                                 K, x2, cuda_type(w.type), K, &zero, parts, CUDA_R_32F, N, CUBLAS_COMPUTE_32F,
+                                 CUBLAS_GEMM_DEFAULT));
+      add_split_products(parts, m * w.rows, y, beta, s());
+      return;
+    }
     void* xh = arena.take<uint16_t>(m * w.cols);
     void* xl = gemm_split(m) ? arena.take<uint16_t>(m * w.cols) : nullptr;
     to_half(x, m * w.cols, xh, w.type, s(), xl);
@@ -324,46 +337,44 @@ struct CudaBackend::Impl {
   // distinct experts), gate and up of every entry in one batched GEMM, swiglu at the pairs' rows, down in
   // a second, then the weighted sum. The batch is min(experts, pairs) entries, a bound on the touched
   // experts known here; entries past them are spares (see moe_batch_pointers). Rows of a block past its
-  // expert's count are computed and never read. No host round trip: graph-safe.
+  // expert's count are computed and never read. No host round trip: graph-safe. With the split (see
+  // gemm_split) a block holds the rows' first terms, then their second terms: one GEMM over twice the rows
+  // reads each expert's weights once, and swiglu and the weighted sum add the two products.
   void moe_batched(const float* x, int64_t rows, int64_t dim, const int32_t* idx, const float* weight, int k,
                    int experts, const ExpertTables& t, float limit, float* out) {
     const int64_t pairs = rows * k, cap = rows, inter = t.inter;
     const int n = static_cast<int>(std::min<int64_t>(experts, pairs));
     const bool split = gemm_split(rows);
+    const int64_t block = split ? 2 * cap : cap;  // rows of an entry's block
     auto* offsets = arena.take<int32_t>(experts + 1);
     auto* perm = arena.take<int32_t>(pairs);
     auto* slot = arena.take<int32_t>(pairs);
     auto* rank = arena.take<int32_t>(experts);
     auto* touched = arena.take<int32_t>(n);
-    const int64_t block_x = n * cap * dim, block_h = n * cap * inter;
-    void* xh = arena.take<uint16_t>(block_x);
-    void* xl = split ? arena.take<uint16_t>(block_x) : nullptr;
-    float* gu = arena.take<float>(2 * block_h + cap * inter);  // + the spares' block
-    void* hh = arena.take<uint16_t>(block_h);
-    void* hl = split ? arena.take<uint16_t>(block_h) : nullptr;
-    float* ys = arena.take<float>(block_x + cap * dim);
+    const int64_t block_x = n * block * dim, block_h = n * block * inter;
+    auto* xh = arena.take<uint16_t>(block_x);
+    float* gu = arena.take<float>(2 * block_h + block * inter);  // + the spares' block
+    auto* hh = arena.take<uint16_t>(block_h);
+    float* ys = arena.take<float>(block_x + block * dim);
     void** ptrs = arena.take<void*>(12 * static_cast<int64_t>(n));
     moe_sort(idx, pairs, experts, nullptr, offsets, perm, nullptr, s(), rank, touched, n);
-    moe_pad_gather(x, dim, idx, perm, offsets, rank, pairs, k, cap, t.type, xh, xl, slot, s());
-    moe_batch_pointers(n, touched, t, cap, dim, inter, xh, xl, gu, hh, hl, ys, ptrs, s());
+    moe_pad_gather(x, dim, idx, perm, offsets, rank, pairs, k, block, t.type, xh, split ? xh + cap * dim : nullptr,
+                   slot, s());
+    moe_batch_pointers(n, touched, t, block, dim, inter, xh, nullptr, gu, hh, nullptr, ys, ptrs, s());
     const cudaDataType_t ht = cuda_type(t.type);
     const float one = 1.f, zero = 0.f;
-    const int M = static_cast<int>(cap), D = static_cast<int>(dim), I = static_cast<int>(inter);
-    // y^T [n x cap] = W [n x K] . x^T [K x cap], column-major views as linear()'s GEMM.
-    for (int pass = 0; pass < (split ? 2 : 1); ++pass) {
-      TROUPE_CUBLAS(cublasGemmBatchedEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, I, M, D, &one, ptrs + 9 * n, ht, D,
-                                        ptrs + 2 * n * pass, ht, D, pass == 0 ? &zero : &one,
-                                        ptrs + 4 * n, CUDA_R_32F, I, 2 * n,
-                                        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    }
-    moe_pad_swiglu(gu, n, cap, inter, slot, pairs, limit, t.type, hh, hl, s());
-    for (int pass = 0; pass < (split ? 2 : 1); ++pass) {
-      TROUPE_CUBLAS(cublasGemmBatchedEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, D, M, I, &one, ptrs + 11 * n, ht, I,
-                                        ptrs + (6 + pass) * n, ht, I, pass == 0 ? &zero : &one,
-                                        ptrs + 8 * n, CUDA_R_32F, D, n, CUBLAS_COMPUTE_32F,
-                                        CUBLAS_GEMM_DEFAULT));
-    }
-    moe_combine(ys, slot, weight, rows, k, dim, out, s());
+    const int M = static_cast<int>(block), D = static_cast<int>(dim), I = static_cast<int>(inter);
+    // y^T [n x block] = W [n x K] . x^T [K x block], column-major views as linear()'s GEMM.
+    TROUPE_CUBLAS(cublasGemmBatchedEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, I, M, D, &one, ptrs + 9 * n, ht, D, ptrs, ht,
+                                      D, &zero, ptrs + 4 * n, CUDA_R_32F, I, 2 * n, CUBLAS_COMPUTE_32F,
+                                      CUBLAS_GEMM_DEFAULT));
+    const int64_t lo_rows = split ? cap : 0;
+    moe_pad_swiglu(gu, n, block, inter, slot, pairs, lo_rows, limit, t.type, hh, split ? hh + cap * inter : nullptr,
+                   s());
+    TROUPE_CUBLAS(cublasGemmBatchedEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, D, M, I, &one, ptrs + 11 * n, ht, I,
+                                      ptrs + 6 * n, ht, I, &zero, ptrs + 8 * n, CUDA_R_32F, D, n, CUBLAS_COMPUTE_32F,
+                                      CUBLAS_GEMM_DEFAULT));
+    moe_combine(ys, slot, weight, rows, k, dim, out, s(), lo_rows);
   }
 
   // Attention in fp32 as two batched SGEMMs per chunk of queries: the keys
@@ -647,6 +658,17 @@ void CudaBackend::linear_grouped(const float* x, int64_t m, const Weight& wq, in
     TROUPE_CUBLAS(cublasSgemmStridedBatched(impl_->blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one,
                                             static_cast<const float*>(w.data), K, out * K, x, groups * K, K, &zero, y,
                                             groups * N, N, groups));
+    return;
+  }
+  if (gemm_split(m) && m < kSplitMinRows) {  // both terms' rows in one GEMM a group (see gemm_split)
+    auto* x2 = impl_->arena.take<uint16_t>(2 * m * groups * w.cols);
+    to_half(x, m * groups * w.cols, x2, w.type, impl_->s(), x2 + m * groups * w.cols);
+    float* parts = impl_->arena.take<float>(2 * m * groups * out);
+    TROUPE_CUBLAS(cublasGemmStridedBatchedEx(impl_->blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, N, 2 * M, K, &one, w.data,
+                                             cuda_type(w.type), K, out * K, x2, cuda_type(w.type), groups * K, K,
+                                             &zero, parts, CUDA_R_32F, groups * N, N, groups, CUBLAS_COMPUTE_32F,
+                                             CUBLAS_GEMM_DEFAULT));
+    add_split_products(parts, m * groups * out, y, 0.f, impl_->s());
     return;
   }
   void* xh = impl_->arena.take<uint16_t>(m * groups * w.cols);

@@ -955,6 +955,16 @@ __global__ void add_kernel(float* y, const float* x, int64_t n) {
   }
 }
 
+// y = parts[i] + parts[n + i] (+ beta y; y unread when beta is 0): a split GEMM's two products.
+__global__ void add_split_products_kernel(const float* parts, int64_t n, float* y, float beta) {
+  pdl_entry();  // see launch_kernel
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float v = parts[i] + parts[n + i];
+    y[i] = beta == 0.f ? v : v + beta * y[i];
+  }
+}
+
 template <class HT>
 __device__ __forceinline__ HT round_half(float v) {
   if constexpr (std::is_same_v<HT, __half>) {
@@ -1487,7 +1497,7 @@ __global__ void __launch_bounds__(kGemvThreads) moe_grouped_down_kernel(const fl
 }
 
 __global__ void moe_combine_kernel(const float* ys, const int32_t* inv, const float* weight, int64_t rows, int k,
-                                   int64_t dim, float* out) {
+                                   int64_t dim, int64_t lo_rows, float* out) {
   pdl_entry();  // see launch_kernel
   const int64_t total = rows * dim;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
@@ -1497,7 +1507,8 @@ __global__ void moe_combine_kernel(const float* ys, const int32_t* inv, const fl
     for (int j = 0; j < k; ++j) {
       const int64_t pair = r * k + j;
       const int64_t pos = inv != nullptr ? inv[pair] : pair;
-      acc += weight[pair] * ys[pos * dim + c];
+      const float y = lo_rows > 0 ? ys[pos * dim + c] + ys[(pos + lo_rows) * dim + c] : ys[pos * dim + c];
+      acc += weight[pair] * y;
     }
     out[i] = acc;
   }
@@ -1558,11 +1569,15 @@ __global__ void moe_pad_gather_kernel(const float* x, int64_t dim, const int32_t
 
 template <class HT>
 __global__ void moe_pad_swiglu_kernel(const float* gu, int64_t up_base, int64_t inter, const int32_t* slot,
-                                      float limit, HT* hh, HT* hl) {
+                                      int64_t lo_rows, float limit, HT* hh, HT* hl) {
   pdl_entry();  // see launch_kernel
   const int64_t row = slot[blockIdx.x];
+  const float* g = gu + row * inter;
+  const float* u = gu + (up_base + row) * inter;
   for (int64_t i = threadIdx.x; i < inter; i += blockDim.x) {
-    store_half_split(swiglu1(gu[row * inter + i], gu[(up_base + row) * inter + i], limit), hh, hl, row * inter + i);
+    const float gv = lo_rows > 0 ? g[i] + g[lo_rows * inter + i] : g[i];
+    const float uv = lo_rows > 0 ? u[i] + u[lo_rows * inter + i] : u[i];
+    store_half_split(swiglu1(gv, uv, limit), hh, hl, row * inter + i);
   }
 }
 
@@ -1766,6 +1781,12 @@ void add(float* y, const float* x, int64_t n, cudaStream_t s) {
   TROUPE_LAUNCHED();
 }
 
+void add_split_products(const float* parts, int64_t n, float* y, float beta, cudaStream_t s) {
+  if (n == 0) return;
+  launch_kernel(add_split_products_kernel, grid_for(n), 256, 0, s, parts, n, y, beta);
+  TROUPE_LAUNCHED();
+}
+
 void to_half(const float* x, int64_t n, void* out, WeightType type, cudaStream_t s, void* lo) {
   if (n == 0) return;
   by_half_type(type, [&](auto tag) {
@@ -1961,13 +1982,13 @@ void moe_pad_gather(const float* x, int64_t dim, const int32_t* idx, const int32
 }
 
 void moe_pad_swiglu(const float* gu, int entries, int64_t cap, int64_t inter, const int32_t* slot, int64_t pairs,
-                    float limit, WeightType type, void* hh, void* hl, cudaStream_t s) {
+                    int64_t lo_rows, float limit, WeightType type, void* hh, void* hl, cudaStream_t s) {
   if (pairs == 0) return;
   const int64_t up_base = static_cast<int64_t>(entries) * cap;
   by_half_type(type, [&](auto tag) {
     using HT = decltype(tag);
     launch_kernel(moe_pad_swiglu_kernel<HT>, static_cast<unsigned>(pairs), threads_for(inter), 0, s, gu, up_base,
-                  inter, slot, limit, static_cast<HT*>(hh), static_cast<HT*>(hl));
+                  inter, slot, lo_rows, limit, static_cast<HT*>(hh), static_cast<HT*>(hl));
   });
   TROUPE_LAUNCHED();
 }
@@ -1981,9 +2002,9 @@ void moe_batch_pointers(int entries, const int32_t* touched, const ExpertTables&
 }
 
 void moe_combine(const float* ys, const int32_t* inv, const float* weight, int64_t rows, int k, int64_t dim, float* out,
-                 cudaStream_t s) {
+                 cudaStream_t s, int64_t lo_rows) {
   if (rows == 0) return;
-  launch_kernel(moe_combine_kernel, grid_for(rows * dim), 256, 0, s, ys, inv, weight, rows, k, dim, out);
+  launch_kernel(moe_combine_kernel, grid_for(rows * dim), 256, 0, s, ys, inv, weight, rows, k, dim, lo_rows, out);
   TROUPE_LAUNCHED();
 }
 

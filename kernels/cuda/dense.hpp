@@ -57,6 +57,9 @@ void embed(const Weight& table, const int32_t* ids, int64_t rows, int copies, fl
 void gather_rows(const float* x, int64_t dim, const int64_t* index, int64_t count, float* out, cudaStream_t s);
 void swiglu(const float* g, const float* u, float* y, int64_t n, float limit, cudaStream_t s);
 void add(float* y, const float* x, int64_t n, cudaStream_t s);
+// y = parts[0 .. n) + parts[n .. 2n) (+ beta y; y is not read when beta is 0): the two products of a split
+// GEMM (x as half(x) and half(x - half(x))) computed as one GEMM over the two terms' stacked rows.
+void add_split_products(const float* parts, int64_t n, float* y, float beta, cudaStream_t s);
 // bf16 or f16 copy of x; with `lo`, also the rounding residual half(x - out), so that
 // W.out + W.lo carries ~16 mantissa bits of x into a half-precision product.
 void to_half(const float* x, int64_t n, void* out, WeightType type, cudaStream_t s, void* lo = nullptr);
@@ -132,9 +135,11 @@ void moe_pad_gather(const float* x, int64_t dim, const int32_t* idx, const int32
                     const int32_t* rank, int64_t pairs, int k, int64_t cap, WeightType type, void* xh, void* xl,
                     int32_t* slot, cudaStream_t s);
 // moe_pad_swiglu: h = swiglu(gate, up) at the pairs' rows (gu: gate blocks of the entries, then their up
-// blocks), as half into hh (and the split's second term into hl, when given).
+// blocks), as half into hh (and the split's second term into hl, when given). lo_rows > 0: each gate and up
+// value is the sum of the product at its row and the one lo_rows rows further (a split GEMM over stacked
+// terms: see CudaBackend's moe_batched).
 void moe_pad_swiglu(const float* gu, int entries, int64_t cap, int64_t inter, const int32_t* slot, int64_t pairs,
-                    float limit, WeightType type, void* hh, void* hl, cudaStream_t s);
+                    int64_t lo_rows, float limit, WeightType type, void* hh, void* hl, cudaStream_t s);
 // The batched GEMMs' pointer arrays, 12 * entries (n) of them: [0, 2n) gate/up inputs (xh blocks, twice),
 // [2n, 4n) the same of xl, [4n, 6n) gate/up outputs (gu blocks; spares: block 2n), [6n, 7n) down inputs
 // (hh blocks), [7n, 8n) the same of hl, [8n, 9n) down outputs (ys blocks; spares: block n), [9n, 11n)
@@ -143,8 +148,8 @@ void moe_pad_swiglu(const float* gu, int entries, int64_t cap, int64_t inter, co
 void moe_batch_pointers(int entries, const int32_t* touched, const ExpertTables& t, int64_t cap, int64_t dim,
                         int64_t inter, void* xh, void* xl, float* gu, void* hh, void* hl, float* ys, void** ptrs,
                         cudaStream_t s);
-// out[r] += sum_j weight[r*k+j] * ys[inv[r*k+j]]
+// out[r] += sum_j weight[r*k+j] * ys[inv[r*k+j]] (lo_rows > 0: ys[p] + ys[p + lo_rows] for each ys[p])
 void moe_combine(const float* ys, const int32_t* inv, const float* weight, int64_t rows, int k, int64_t dim, float* out,
-                 cudaStream_t s);
+                 cudaStream_t s, int64_t lo_rows = 0);
 
 }  // namespace troupe::kernels::cuda

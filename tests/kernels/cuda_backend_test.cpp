@@ -47,6 +47,15 @@ class CudaBackendTest : public ::testing::Test {
   std::mt19937 rng_{20261130};
 };
 
+// Whether CudaBackend's half-precision cuBLAS GEMMs of m rows take x as two 16-bit terms (backend.cu's
+// gemm_split; then fp32-exact up to the terms' ~16 bits): TROUPE_GEMM_SPLIT unset or 1 at every m, 2 from
+// 128 rows, 0 never. gemm_split(1): at every shape.
+bool gemm_split(int64_t m) {
+  const char* e = std::getenv("TROUPE_GEMM_SPLIT");
+  const char mode = e == nullptr ? '1' : e[0];
+  return mode != '0' && (mode != '2' || m >= 128);
+}
+
 // linear_multi: several weights over the same x in one launch (the decode step's projections),
 // for every row count the fused form takes (1, exact 2 and 3, 4-row tiles) and one it leaves to
 // linear (9).
@@ -72,7 +81,7 @@ TEST_F(CudaBackendTest, linear_multi_matches_cpu_for_every_row_count) {
       Mirror x(cpu(), gpu(), randn(m * k, rng_));
       cpu().linear_multi(x.cpu(), m, cw.data(), cy.data(), static_cast<int>(cw.size()));
       gpu().linear_multi(x.gpu(), m, gw.data(), gy.data(), static_cast<int>(gw.size()));
-      const bool exact = m <= 8 || type == WeightType::f32;  // as in the linear test (cuBLAS past 8 rows)
+      const bool exact = m <= 8 || type == WeightType::f32 || gemm_split(m);  // as in the linear test
       for (size_t i = 0; i < ys.size(); ++i) {
         EXPECT_CLOSE(ys[i]->gpu_host(m * outs[i]), ys[i]->cpu_host(m * outs[i]), exact ? 2e-5 : 1e-2);
       }
@@ -109,13 +118,10 @@ TEST_F(CudaBackendTest, linear_matches_cpu_for_every_weight_type_and_shape) {
       y.poison();
       cpu().linear(x.cpu(), s.m, w.cw, y.cpu(), 0.f);
       gpu().linear(x.gpu(), s.m, w.gw, y.gpu(), 0.f);
-      // Exact fp32 activations on the GEMV path and for fp32 weights; on the cuBLAS path activations
-      // rounded to the 16-bit weight type below 128 rows, split into two 16-bit terms from 128 rows
-      // (backend.cu's kSplitMinRows; TROUPE_GEMM_SPLIT=1 from 9 rows, =0 never): 127 x 1024 x 4096 is
-      // rounded, 128 x 1024 x 4096 and 300 x 512 x 256 split.
-      const char* mode = std::getenv("TROUPE_GEMM_SPLIT");
-      const bool split = mode == nullptr ? s.m >= 128 : mode[0] == '1' || (mode[0] != '0' && s.m >= 128);
-      const bool exact = s.m <= 8 || s.n <= 64 || type == WeightType::f32 || split;
+      // Exact fp32 activations on the GEMV path and for fp32 weights; on the cuBLAS path activations split
+      // into two 16-bit terms (gemm_split: the terms' rows stacked into one GEMM below 128 rows, as 17 x 1024
+      // x 4096, 64 x 4096 x 1024 and 127 x 1024 x 4096; two passes from 128 rows), else rounded.
+      const bool exact = s.m <= 8 || s.n <= 64 || type == WeightType::f32 || gemm_split(s.m);
       EXPECT_CLOSE(y.gpu_host(s.m * s.n), y.cpu_host(s.m * s.n), exact ? 2e-5 : 1e-2);
     }
   }
@@ -134,7 +140,7 @@ TEST_F(CudaBackendTest, linear_accumulates_with_beta_one) {
     Mirror y(cpu(), gpu(), randn(s.m * s.n, rng_));
     cpu().linear(x.cpu(), s.m, w.cw, y.cpu(), 1.f);
     gpu().linear(x.gpu(), s.m, w.gw, y.gpu(), 1.f);
-    EXPECT_CLOSE(y.gpu_host(s.m * s.n), y.cpu_host(s.m * s.n), s.m <= 8 ? 2e-5 : 1e-2);
+    EXPECT_CLOSE(y.gpu_host(s.m * s.n), y.cpu_host(s.m * s.n), s.m <= 8 || gemm_split(s.m) ? 2e-5 : 1e-2);
   }
 }
 
@@ -151,7 +157,7 @@ TEST_F(CudaBackendTest, linear_grouped_matches_cpu) {
       y.poison();
       cpu().linear_grouped(x.cpu(), s.m, w.cw, static_cast<int>(s.groups), y.cpu());
       gpu().linear_grouped(x.gpu(), s.m, w.gw, static_cast<int>(s.groups), y.gpu());
-      const bool exact = s.m <= 8 || type == WeightType::f32;  // the GEMV path: fp32 activations
+      const bool exact = s.m <= 8 || type == WeightType::f32 || gemm_split(s.m);  // GEMV: fp32 activations
       EXPECT_CLOSE(y.gpu_host(s.m * s.groups * s.out), y.cpu_host(s.m * s.groups * s.out), exact ? 2e-5 : 1e-2);
     }
   }
@@ -549,11 +555,11 @@ TEST_F(CudaBackendTest, moe_matches_cpu_on_the_pair_and_sorted_paths) {
       SCOPED_TRACE("rows " + std::to_string(rows) + " dim " + std::to_string(dim) + " experts " +
                    std::to_string(c.experts));
       // GEMVs on fp32 activations up to 64 rows (pair path for one row, grouped by expert on the device
-      // otherwise); past that, cuBLAS on bf16-rounded activations (one GEMM chain an expert). bf16 calls of
-      // 2 to 64 rows run as batched GEMMs over the touched experts' rows, on bf16-rounded activations
-      // (ctest's kernels_cuda_moe_grouped turns that off; kernels_cuda_moe_batched_always takes it at one
-      // row too).
-      const bool exact = c.type == WeightType::f32 || (rows <= 64 && !moe_batched(rows));
+      // otherwise); past that, cuBLAS (one GEMM chain an expert). bf16 calls of 2 to 64 rows run as batched
+      // GEMMs over the touched experts' rows (ctest's kernels_cuda_moe_grouped turns that off;
+      // kernels_cuda_moe_batched_always takes it at one row too). The cuBLAS GEMMs of both are exact where
+      // they split x (gemm_split(1): at every shape), else on bf16-rounded activations.
+      const bool exact = c.type == WeightType::f32 || gemm_split(1) || (rows <= 64 && !moe_batched(rows));
       expect_moe_like_cpu(cpu(), gpu(), rng_, set, rows, dim, c.k, exact ? 2e-5 : 1e-2);
     }
   }
@@ -561,7 +567,8 @@ TEST_F(CudaBackendTest, moe_matches_cpu_on_the_pair_and_sorted_paths) {
 
 // FP8 / FP4 weights (TROUPE_CUDA_QUANTIZED's path): the GEMVs and MoE kernels that convert the codes in
 // registers (exact fp32 products, as the CPU backend's), and the products that dequantize into bf16 first
-// (more than 8 rows of x, or shapes whose chunks cross a scale block: cuBLAS on bf16-rounded activations).
+// (more than 8 rows of x, or shapes whose chunks cross a scale block: cuBLAS, on split activations unless
+// TROUPE_GEMM_SPLIT says otherwise: see gemm_split).
 TEST_F(CudaBackendTest, quantized_weights_match_cpu) {
   struct Shape {
     int64_t m, n, k;
@@ -588,8 +595,8 @@ TEST_F(CudaBackendTest, quantized_weights_match_cpu) {
       cpu().linear(x.cpu(), s.m, cw, y.cpu(), beta);
       gpu().linear(x.gpu(), s.m, gw, y.gpu(), beta);
       // Up to 8 rows: fp32 products (codes converted in registers, or dequantized into bf16, exact for
-      // power-of-two scales, then the bf16 GEMV); more: cuBLAS on bf16-rounded activations.
-      EXPECT_CLOSE(y.gpu_host(s.m * s.n), y.cpu_host(s.m * s.n), s.m <= 8 ? 2e-5 : 1e-2);
+      // power-of-two scales, then the bf16 GEMV); more: cuBLAS over the dequantized weights (gemm_split).
+      EXPECT_CLOSE(y.gpu_host(s.m * s.n), y.cpu_host(s.m * s.n), s.m <= 8 || gemm_split(s.m) ? 2e-5 : 1e-2);
     }
   }
   // embedding rows of a quantized table (the same floats: code * scale)
@@ -612,7 +619,7 @@ TEST_F(CudaBackendTest, quantized_weights_match_cpu) {
     y.poison();
     cpu().linear_grouped(x.cpu(), m, w.cw, 8, y.cpu());
     gpu().linear_grouped(x.gpu(), m, w.gw, 8, y.gpu());
-    EXPECT_CLOSE(y.gpu_host(m * 512), y.cpu_host(m * 512), m <= 8 ? 2e-5 : 1e-2);
+    EXPECT_CLOSE(y.gpu_host(m * 512), y.cpu_host(m * 512), m <= 8 || gemm_split(m) ? 2e-5 : 1e-2);
   }
   // MoE: gate and up as rows [0, I) and [I, 2I) of one stacked matrix (up starts inside a 64-row block)
   const int experts = 8, k = 3;
@@ -633,7 +640,7 @@ TEST_F(CudaBackendTest, quantized_weights_match_cpu) {
     }
     for (int64_t rows : {1, 3, 8, 40, 100}) {
       SCOPED_TRACE(std::string(type == WeightType::e4m3 ? "e4m3" : "e2m1") + " moe rows " + std::to_string(rows));
-      expect_moe_like_cpu(cpu(), gpu(), rng_, set, rows, dim, k, rows <= 64 ? 2e-5 : 1e-2);
+      expect_moe_like_cpu(cpu(), gpu(), rng_, set, rows, dim, k, rows <= 64 || gemm_split(1) ? 2e-5 : 1e-2);
     }
   }
 }

@@ -135,16 +135,21 @@ class Arena {
       add_chunk(total);
     }
     used_ = 0;
+    epoch_ = 0;
   }
+  // A chunk added mid-epoch holds everything the epoch took so far and this region: while chunks are
+  // not consolidated (graphs live) the next epoch of that size then fits in it, where a chunk of this
+  // region's size alone would be outgrown again by every such epoch (a new chunk each op).
   template <class T>
   T* take(int64_t n) {
     const size_t bytes = (static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T) + 255) / 256 * 256;
     if (chunks_.empty() || used_ + bytes > chunks_.back().second) {
-      add_chunk(std::max<size_t>(bytes, size_t{64} << 20));
+      add_chunk(std::max<size_t>(epoch_ + bytes, size_t{64} << 20));
       used_ = 0;
     }
     void* p = static_cast<char*>(chunks_.back().first) + used_;
     used_ += bytes;
+    epoch_ += bytes;
     return static_cast<T*>(p);
   }
 
@@ -157,6 +162,7 @@ class Arena {
   Keep* keep_;
   std::vector<std::pair<void*, size_t>> chunks_;
   size_t used_ = 0;
+  size_t epoch_ = 0;  // bytes taken since begin()
 };
 
 cudaDataType_t cuda_type(WeightType t) {

@@ -114,7 +114,11 @@ class DeviceBuffer {
 
 // Scratch of one op. Regions handed out in one epoch never move; an epoch that
 // needed several chunks is consolidated into one at the next begin() (cudaFree
-// waits for the device, so queued work never loses its memory).
+// waits for the device, so queued work never loses its memory). An epoch takes
+// from the chunks in order, from the first, and adds one only past the last: while
+// chunks are not consolidated (graphs live) an op of any size reuses them, where
+// taking from the last chunk alone added a chunk at every call of an op larger
+// than it.
 class Arena {
  public:
   explicit Arena(Keep* keep) : keep_(keep) {}
@@ -134,22 +138,22 @@ class Arena {
       chunks_.clear();
       add_chunk(total);
     }
+    at_ = 0;
     used_ = 0;
-    epoch_ = 0;
   }
-  // A chunk added mid-epoch holds everything the epoch took so far and this region: while chunks are
-  // not consolidated (graphs live) the next epoch of that size then fits in it, where a chunk of this
-  // region's size alone would be outgrown again by every such epoch (a new chunk each op).
   template <class T>
   T* take(int64_t n) {
     const size_t bytes = (static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T) + 255) / 256 * 256;
-    if (chunks_.empty() || used_ + bytes > chunks_.back().second) {
-      add_chunk(std::max<size_t>(epoch_ + bytes, size_t{64} << 20));
+    while (at_ < chunks_.size() && used_ + bytes > chunks_[at_].second) {
+      ++at_;
       used_ = 0;
     }
-    void* p = static_cast<char*>(chunks_.back().first) + used_;
+    if (at_ == chunks_.size()) {
+      add_chunk(std::max<size_t>(bytes, size_t{64} << 20));
+      used_ = 0;
+    }
+    void* p = static_cast<char*>(chunks_[at_].first) + used_;
     used_ += bytes;
-    epoch_ += bytes;
     return static_cast<T*>(p);
   }
 
@@ -161,8 +165,8 @@ class Arena {
   }
   Keep* keep_;
   std::vector<std::pair<void*, size_t>> chunks_;
-  size_t used_ = 0;
-  size_t epoch_ = 0;  // bytes taken since begin()
+  size_t at_ = 0;    // the chunk this epoch takes from
+  size_t used_ = 0;  // bytes of it taken
 };
 
 cudaDataType_t cuda_type(WeightType t) {

@@ -201,8 +201,11 @@ bool mhc_unfused() {
 // throughput (run 41, H100, prompts of 512), taken for exactness. Why: with bf16-rounded activations the
 // prefill's products moved the Flash-shaped model's logits off transformers' fp32 run enough to flip
 // its top-1 on 1.0 % of 2,304 positions on an H100 (run 41: 98.96 %); split from 128 rows 99.83 %, split
-// everywhere 99.91 %. TROUPE_GEMM_SPLIT=0: no split (x rounded to half); =2: from kSplitMinRows rows only
-// (session 41's rule, for comparisons); unset or else: every half-precision GEMM.
+// everywhere 99.91 % (run 44), with the greedy tokens of a request the same in batches of 16 and 64 where
+// the rounded forms' were not, for +4.5 % / +10.4 % a decode step at batch 16 / 64 against split from 128
+// rows (the batched MoE's doubled blocks; docs/kernel-runs/run44-split.md). TROUPE_GEMM_SPLIT=0: no split
+// (x rounded to half); =2: from kSplitMinRows rows only (session 41's rule: faster decode at 9-127 rows);
+// unset or else: every half-precision GEMM.
 constexpr int64_t kSplitMinRows = 128;
 bool gemm_split(int64_t rows) {
   static const char mode = [] {

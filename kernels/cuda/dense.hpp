@@ -143,7 +143,8 @@ void moe_pad_swiglu(const float* gu, int entries, int64_t cap, int64_t inter, co
 // The batched GEMMs' pointer arrays, 12 * entries (n) of them: [0, 2n) gate/up inputs (xh blocks, twice),
 // [2n, 4n) the same of xl, [4n, 6n) gate/up outputs (gu blocks; spares: block 2n), [6n, 7n) down inputs
 // (hh blocks), [7n, 8n) the same of hl, [8n, 9n) down outputs (ys blocks; spares: block n), [9n, 11n)
-// the touched experts' gate then up weights, [11n, 12n) their down weights. Null bases give null pointers.
+// the touched experts' gate then up weights, [11n, 12n) their down weights. Null bases give null pointers
+// (CudaBackend::moe_batched passes null xl and hl: its blocks hold both terms of the split).
 // gu holds 2n + 1 blocks of cap x inter floats, ys n + 1 of cap x dim.
 void moe_batch_pointers(int entries, const int32_t* touched, const ExpertTables& t, int64_t cap, int64_t dim,
                         int64_t inter, void* xh, void* xl, float* gu, void* hh, void* hl, float* ys, void** ptrs,

@@ -8,6 +8,7 @@ still answered.
 import json
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -537,9 +538,12 @@ def test_run_with_its_http_port_in_use_fails_fast():
     example = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "examples" / "colocated.yaml"
     base = srv().port  # taken: the test server's HTTP port
     text = example.read_text().replace("http: 8000", f"http: {base}")
-    with socket.socket() as probe:  # a free port for the node's transport (the range its next one)
-        probe.bind(("127.0.0.1", 0))
-        transport = probe.getsockname()[1]
+    # Two free ports for the node's transport and its range, below the ephemeral range: a port bind(0) gave
+    # (and the one after it) could be taken by another test's client socket before the node bound it, and
+    # the node then failed at its transport ("ucp_worker_create: Device is busy"), not at its HTTP port.
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "support"))
+    from ports import free_port_block
+    transport = free_port_block(2)
     text = re.sub(r"7400", str(transport), text).replace("7401-7463", f"{transport + 1}-{transport + 1}")
     with tempfile.TemporaryDirectory() as d:
         manifest = pathlib.Path(d) / "m.yaml"

@@ -21,11 +21,20 @@
 namespace troupe::testing {
 namespace {
 
+// A folder removed when the process exits.
+struct RemovedAtExit {
+  std::string path;
+  ~RemovedAtExit() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+};
+
 // The tiny preset (window 32, CSA rate 4 with top-16, HCA rate 16, a hash-routed
-// layer), generated once per process.
+// layer), generated once per process (and removed at its exit).
 std::string tiny_model() {
   namespace fs = std::filesystem;
-  static const std::string dir = [] {
+  static const RemovedAtExit dir{[] {
     const fs::path d = fs::temp_directory_path() / ("troupe-decoder-test-" + std::to_string(getpid()));
     model::InitOptions o;
     o.preset = "tiny";
@@ -33,8 +42,8 @@ std::string tiny_model() {
     o.seed = 11;
     model::init_model(d.string(), o);
     return d.string();
-  }();
-  return dir;
+  }()};
+  return dir.path;
 }
 
 struct Seq {

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 
 #include "tests/tokenizer/support.hpp"
@@ -20,9 +21,18 @@ struct Outcome {
 };
 
 // Per process: ctest runs the cases of this file in parallel processes.
-std::string temp(const std::string& name) {
-  return ::testing::TempDir() + "troupe_tokenize_" + std::to_string(::getpid()) + "_" + name;
-}
+std::string temp_prefix() { return "troupe_tokenize_" + std::to_string(::getpid()) + "_"; }
+std::string temp(const std::string& name) { return ::testing::TempDir() + temp_prefix() + name; }
+
+// This process's temp files go when it exits.
+struct RemoveTempFiles {
+  ~RemoveTempFiles() {
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(::testing::TempDir(), ec)) {
+      if (e.path().filename().string().rfind(temp_prefix(), 0) == 0) std::filesystem::remove(e.path(), ec);
+    }
+  }
+} remove_temp_files;
 
 void write(const std::string& path, const std::string& bytes) { std::ofstream(path, std::ios::binary) << bytes; }
 

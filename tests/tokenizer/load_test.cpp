@@ -17,8 +17,18 @@ namespace {
 using namespace testing;
 namespace fs = std::filesystem;
 
+fs::path temp_dir() { return fs::path(::testing::TempDir()) / ("troupe_tokenizer_load_" + std::to_string(::getpid())); }
+
+// This process's temp folder goes when it exits.
+struct RemoveTempDir {
+  ~RemoveTempDir() {
+    std::error_code ec;
+    fs::remove_all(temp_dir(), ec);
+  }
+} remove_temp_dir;
+
 std::string load_error(const std::string& tokenizer_json) {
-  const fs::path dir = fs::path(::testing::TempDir()) / ("troupe_tokenizer_load_" + std::to_string(::getpid()));
+  const fs::path dir = temp_dir();
   fs::create_directories(dir);
   std::ofstream(dir / "tokenizer.json") << tokenizer_json;
   try {

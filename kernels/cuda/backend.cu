@@ -311,27 +311,35 @@ struct CudaBackend::Impl {
                                 static_cast<const float*>(w.data), K, x, K, &beta, y, N));
       return;
     }
-    if (gemm_split(m) && m < kSplitMinRows) {  // both terms' rows in one GEMM (see gemm_split)
-      auto* x2 = arena.take<uint16_t>(2 * m * w.cols);
-      to_half(x, m * w.cols, x2, w.type, s(), x2 + m * w.cols);
-      float* parts = arena.take<float>(2 * m * w.rows);
-      const float zero = 0.f;
-      TROUPE_CUBLAS(cublasGemmEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, N, 2 * M, K, &one, w.data, cuda_type(w.type),
-                                 K, x2, cuda_type(w.type), K, &zero, parts, CUDA_R_32F, N, CUBLAS_COMPUTE_32F,
-                                 CUBLAS_GEMM_DEFAULT));
-      add_split_products(parts, m * w.rows, y, beta, s());
+    half_products(x, m, w.cols, w.type, w.rows, y, beta, [&](const void* xp, int64_t rows, const float* b, float* out) {
+      TROUPE_CUBLAS(cublasGemmEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, N, static_cast<int>(rows), K, &one, w.data,
+                                 cuda_type(w.type), K, xp, cuda_type(w.type), K, b, out, CUDA_R_32F, N,
+                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    });
+  }
+
+  // y (m rows of `outs` floats) = the product of x (m rows of `cols` floats) in the weights' half `type`,
+  // with the activations split as gemm_split says (or rounded), + beta y (y unread when beta is 0).
+  // gemm(xp, rows, beta, out): the caller's cuBLAS GEMM of `rows` rows of half activations at xp into out
+  // (out = beta out + the product). Below kSplitMinRows the two terms' rows in one GEMM, then
+  // add_split_products; else the rounded term, and the split's second term accumulated in a second pass.
+  template <class Gemm>
+  void half_products(const float* x, int64_t m, int64_t cols, WeightType type, int64_t outs, float* y, float beta,
+                     Gemm&& gemm) {
+    const float one = 1.f, zero = 0.f;
+    if (gemm_split(m) && m < kSplitMinRows) {
+      auto* x2 = arena.take<uint16_t>(2 * m * cols);
+      to_half(x, m * cols, x2, type, s(), x2 + m * cols);
+      float* parts = arena.take<float>(2 * m * outs);
+      gemm(x2, 2 * m, &zero, parts);
+      add_split_products(parts, m * outs, y, beta, s());
       return;
     }
-    void* xh = arena.take<uint16_t>(m * w.cols);
-    void* xl = gemm_split(m) ? arena.take<uint16_t>(m * w.cols) : nullptr;
-    to_half(x, m * w.cols, xh, w.type, s(), xl);
-    int pass = 0;
-    for (const void* xp : {static_cast<const void*>(xh), static_cast<const void*>(xl)}) {  // xl: the split's second term
-      if (xp == nullptr) continue;
-      TROUPE_CUBLAS(cublasGemmEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, w.data, cuda_type(w.type), K, xp,
-                                 cuda_type(w.type), K, pass++ == 0 ? &beta : &one, y, CUDA_R_32F, N,
-                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    }
+    void* xh = arena.take<uint16_t>(m * cols);
+    void* xl = gemm_split(m) ? arena.take<uint16_t>(m * cols) : nullptr;
+    to_half(x, m * cols, xh, type, s(), xl);
+    gemm(xh, m, &beta, y);
+    if (xl != nullptr) gemm(xl, m, &one, y);
   }
 
   // Whether moe() takes moe_batched for these rows (see kBatchedMinRows).
@@ -369,23 +377,23 @@ struct CudaBackend::Impl {
     float* gu = arena.take<float>(2 * block_h + block * inter);  // + the spares' block
     auto* hh = arena.take<uint16_t>(block_h);
     float* ys = arena.take<float>(block_x + block * dim);
-    void** ptrs = arena.take<void*>(12 * static_cast<int64_t>(n));
+    void** ptrs = arena.take<void*>(9 * static_cast<int64_t>(n));
     moe_sort(idx, pairs, experts, nullptr, offsets, perm, nullptr, s(), rank, touched, n);
     moe_pad_gather(x, dim, idx, perm, offsets, rank, pairs, k, block, t.type, xh, split ? xh + cap * dim : nullptr,
                    slot, s());
-    moe_batch_pointers(n, touched, t, block, dim, inter, xh, nullptr, gu, hh, nullptr, ys, ptrs, s());
+    moe_batch_pointers(n, touched, t, block, dim, inter, xh, gu, hh, ys, ptrs, s());
     const cudaDataType_t ht = cuda_type(t.type);
     const float one = 1.f, zero = 0.f;
     const int M = static_cast<int>(block), D = static_cast<int>(dim), I = static_cast<int>(inter);
     // y^T [n x block] = W [n x K] . x^T [K x block], column-major views as linear()'s GEMM.
-    TROUPE_CUBLAS(cublasGemmBatchedEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, I, M, D, &one, ptrs + 9 * n, ht, D, ptrs, ht,
-                                      D, &zero, ptrs + 4 * n, CUDA_R_32F, I, 2 * n, CUBLAS_COMPUTE_32F,
+    TROUPE_CUBLAS(cublasGemmBatchedEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, I, M, D, &one, ptrs + 6 * n, ht, D, ptrs, ht,
+                                      D, &zero, ptrs + 2 * n, CUDA_R_32F, I, 2 * n, CUBLAS_COMPUTE_32F,
                                       CUBLAS_GEMM_DEFAULT));
     const int64_t lo_rows = split ? cap : 0;
     moe_pad_swiglu(gu, n, block, inter, slot, pairs, lo_rows, limit, t.type, hh, split ? hh + cap * inter : nullptr,
                    s());
-    TROUPE_CUBLAS(cublasGemmBatchedEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, D, M, I, &one, ptrs + 11 * n, ht, I,
-                                      ptrs + 6 * n, ht, I, &zero, ptrs + 8 * n, CUDA_R_32F, D, n, CUBLAS_COMPUTE_32F,
+    TROUPE_CUBLAS(cublasGemmBatchedEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, D, M, I, &one, ptrs + 8 * n, ht, I,
+                                      ptrs + 4 * n, ht, I, &zero, ptrs + 5 * n, CUDA_R_32F, D, n, CUBLAS_COMPUTE_32F,
                                       CUBLAS_GEMM_DEFAULT));
     moe_combine(ys, slot, weight, rows, k, dim, out, s(), lo_rows);
   }
@@ -673,28 +681,13 @@ void CudaBackend::linear_grouped(const float* x, int64_t m, const Weight& wq, in
                                             groups * N, N, groups));
     return;
   }
-  if (gemm_split(m) && m < kSplitMinRows) {  // both terms' rows in one GEMM a group (see gemm_split)
-    auto* x2 = impl_->arena.take<uint16_t>(2 * m * groups * w.cols);
-    to_half(x, m * groups * w.cols, x2, w.type, impl_->s(), x2 + m * groups * w.cols);
-    float* parts = impl_->arena.take<float>(2 * m * groups * out);
-    TROUPE_CUBLAS(cublasGemmStridedBatchedEx(impl_->blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, N, 2 * M, K, &one, w.data,
-                                             cuda_type(w.type), K, out * K, x2, cuda_type(w.type), groups * K, K,
-                                             &zero, parts, CUDA_R_32F, groups * N, N, groups, CUBLAS_COMPUTE_32F,
-                                             CUBLAS_GEMM_DEFAULT));
-    add_split_products(parts, m * groups * out, y, 0.f, impl_->s());
-    return;
-  }
-  void* xh = impl_->arena.take<uint16_t>(m * groups * w.cols);
-  void* xl = gemm_split(m) ? impl_->arena.take<uint16_t>(m * groups * w.cols) : nullptr;
-  to_half(x, m * groups * w.cols, xh, w.type, impl_->s(), xl);
-  int pass = 0;
-  for (const void* xp : {static_cast<const void*>(xh), static_cast<const void*>(xl)}) {
-    if (xp == nullptr) continue;
-    TROUPE_CUBLAS(cublasGemmStridedBatchedEx(impl_->blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, w.data,
-                                             cuda_type(w.type), K, out * K, xp, cuda_type(w.type), groups * K, K,
-                                             pass++ == 0 ? &zero : &one, y, CUDA_R_32F, groups * N, N, groups,
-                                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-  }
+  impl_->half_products(x, m, groups * w.cols, w.type, groups * out, y, 0.f,
+                       [&](const void* xp, int64_t rows, const float* b, float* o) {
+                         TROUPE_CUBLAS(cublasGemmStridedBatchedEx(
+                             impl_->blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, N, static_cast<int>(rows), K, &one, w.data,
+                             cuda_type(w.type), K, out * K, xp, cuda_type(w.type), groups * K, K, b, o, CUDA_R_32F,
+                             groups * N, N, groups, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+                       });
 }
 
 void CudaBackend::rmsnorm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim, float eps) {

@@ -1582,8 +1582,8 @@ __global__ void moe_pad_swiglu_kernel(const float* gu, int64_t up_base, int64_t 
 }
 
 __global__ void moe_batch_pointers_kernel(int entries, const int32_t* touched, ExpertTables t, int64_t cap,
-                                          int64_t dim, int64_t inter, char* xh, char* xl, float* gu, char* hh,
-                                          char* hl, float* ys, void** ptrs) {
+                                          int64_t dim, int64_t inter, char* xh, float* gu, char* hh, float* ys,
+                                          void** ptrs) {
   pdl_entry();  // see launch_kernel
   const int64_t half = 2;  // bytes of a bf16 / f16 value
   const int n = entries;
@@ -1594,15 +1594,13 @@ __global__ void moe_batch_pointers_kernel(int entries, const int32_t* touched, E
     for (int gate_or_up = 0; gate_or_up < 2; ++gate_or_up) {
       const int j = gate_or_up * n + i;
       ptrs[j] = xh + in * cap * dim * half;
-      ptrs[2 * n + j] = xl != nullptr ? xl + in * cap * dim * half : nullptr;
-      ptrs[4 * n + j] = gu + (real ? j : 2 * n) * cap * inter;
+      ptrs[2 * n + j] = gu + (real ? j : 2 * n) * cap * inter;
       // one table of void* for cuBLAS's A, B and C arrays (it reads A and B through const pointers)
-      ptrs[9 * n + j] = const_cast<void*>((gate_or_up == 0 ? t.gate : t.up)[real ? e : touched[0]]);
+      ptrs[6 * n + j] = const_cast<void*>((gate_or_up == 0 ? t.gate : t.up)[real ? e : touched[0]]);
     }
-    ptrs[6 * n + i] = hh + in * cap * inter * half;
-    ptrs[7 * n + i] = hl != nullptr ? hl + in * cap * inter * half : nullptr;
-    ptrs[8 * n + i] = ys + (real ? i : n) * cap * dim;
-    ptrs[11 * n + i] = const_cast<void*>(t.down[real ? e : touched[0]]);
+    ptrs[4 * n + i] = hh + in * cap * inter * half;
+    ptrs[5 * n + i] = ys + (real ? i : n) * cap * dim;
+    ptrs[8 * n + i] = const_cast<void*>(t.down[real ? e : touched[0]]);
   }
 }
 
@@ -1994,10 +1992,9 @@ void moe_pad_swiglu(const float* gu, int entries, int64_t cap, int64_t inter, co
 }
 
 void moe_batch_pointers(int entries, const int32_t* touched, const ExpertTables& t, int64_t cap, int64_t dim,
-                        int64_t inter, void* xh, void* xl, float* gu, void* hh, void* hl, float* ys, void** ptrs,
-                        cudaStream_t s) {
+                        int64_t inter, void* xh, float* gu, void* hh, float* ys, void** ptrs, cudaStream_t s) {
   launch_kernel(moe_batch_pointers_kernel, 1, 256, 0, s, entries, touched, t, cap, dim, inter, static_cast<char*>(xh),
-                static_cast<char*>(xl), gu, static_cast<char*>(hh), static_cast<char*>(hl), ys, ptrs);
+                gu, static_cast<char*>(hh), ys, ptrs);
   TROUPE_LAUNCHED();
 }
 

@@ -140,15 +140,13 @@ void moe_pad_gather(const float* x, int64_t dim, const int32_t* idx, const int32
 // terms: see CudaBackend's moe_batched).
 void moe_pad_swiglu(const float* gu, int entries, int64_t cap, int64_t inter, const int32_t* slot, int64_t pairs,
                     int64_t lo_rows, float limit, WeightType type, void* hh, void* hl, cudaStream_t s);
-// The batched GEMMs' pointer arrays, 12 * entries (n) of them: [0, 2n) gate/up inputs (xh blocks, twice),
-// [2n, 4n) the same of xl, [4n, 6n) gate/up outputs (gu blocks; spares: block 2n), [6n, 7n) down inputs
-// (hh blocks), [7n, 8n) the same of hl, [8n, 9n) down outputs (ys blocks; spares: block n), [9n, 11n)
-// the touched experts' gate then up weights, [11n, 12n) their down weights. Null bases give null pointers
-// (CudaBackend::moe_batched passes null xl and hl: its blocks hold both terms of the split).
-// gu holds 2n + 1 blocks of cap x inter floats, ys n + 1 of cap x dim.
+// The batched GEMMs' pointer arrays, 9 * entries (n) of them: [0, 2n) gate/up inputs (xh blocks, twice),
+// [2n, 4n) gate/up outputs (gu blocks; spares: block 2n), [4n, 5n) down inputs (hh blocks), [5n, 6n) down
+// outputs (ys blocks; spares: block n), [6n, 8n) the touched experts' gate then up weights, [8n, 9n) their down
+// weights. gu holds 2n + 1 blocks of cap x inter floats, ys n + 1 of cap x dim. (A split's second terms sit in
+// the same blocks: see CudaBackend's moe_batched.)
 void moe_batch_pointers(int entries, const int32_t* touched, const ExpertTables& t, int64_t cap, int64_t dim,
-                        int64_t inter, void* xh, void* xl, float* gu, void* hh, void* hl, float* ys, void** ptrs,
-                        cudaStream_t s);
+                        int64_t inter, void* xh, float* gu, void* hh, float* ys, void** ptrs, cudaStream_t s);
 // out[r] += sum_j weight[r*k+j] * ys[inv[r*k+j]] (lo_rows > 0: ys[p] + ys[p + lo_rows] for each ys[p])
 void moe_combine(const float* ys, const int32_t* inv, const float* weight, int64_t rows, int k, int64_t dim, float* out,
                  cudaStream_t s, int64_t lo_rows = 0);

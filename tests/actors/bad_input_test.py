@@ -11,10 +11,14 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import openai
 
 import harness
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
+from ports import free_port_block  # noqa: E402
 
 A = harness.args()
 MODEL = "deepseek-v4-tiny"
@@ -541,8 +545,6 @@ def test_run_with_its_http_port_in_use_fails_fast():
     # Two free ports for the node's transport and its range, below the ephemeral range: a port bind(0) gave
     # (and the one after it) could be taken by another test's client socket before the node bound it, and
     # the node then failed at its transport ("ucp_worker_create: Device is busy"), not at its HTTP port.
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "support"))
-    from ports import free_port_block
     transport = free_port_block(2)
     text = re.sub(r"7400", str(transport), text).replace("7401-7463", f"{transport + 1}-{transport + 1}")
     with tempfile.TemporaryDirectory() as d:

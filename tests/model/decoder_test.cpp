@@ -17,33 +17,25 @@
 #include "model/state.hpp"
 
 #include "tests/model/fixtures.hpp"
+#include "tests/support/process.hpp"
 
 namespace troupe::testing {
 namespace {
 
-// A folder removed when the process exits.
-struct RemovedAtExit {
-  std::string path;
-  ~RemovedAtExit() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-};
-
 // The tiny preset (window 32, CSA rate 4 with top-16, HCA rate 16, a hash-routed
-// layer), generated once per process (and removed at its exit).
+// layer), generated once per process in a temporary folder removed at its exit.
 std::string tiny_model() {
-  namespace fs = std::filesystem;
-  static const RemovedAtExit dir{[] {
-    const fs::path d = fs::temp_directory_path() / ("troupe-decoder-test-" + std::to_string(getpid()));
+  static const TempDir dir;
+  static const std::string model = [] {
+    const std::string d = dir.path() + "/tiny";
     model::InitOptions o;
     o.preset = "tiny";
     o.vocab = 700;
     o.seed = 11;
-    model::init_model(d.string(), o);
-    return d.string();
-  }()};
-  return dir.path;
+    model::init_model(d, o);
+    return d;
+  }();
+  return model;
 }
 
 struct Seq {

@@ -5,9 +5,9 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 
+#include "tests/support/process.hpp"
 #include "tests/tokenizer/support.hpp"
 
 namespace troupe::tokenizer {
@@ -20,19 +20,12 @@ struct Outcome {
   std::string out, err;
 };
 
-// Per process: ctest runs the cases of this file in parallel processes.
-std::string temp_prefix() { return "troupe_tokenize_" + std::to_string(::getpid()) + "_"; }
-std::string temp(const std::string& name) { return ::testing::TempDir() + temp_prefix() + name; }
-
-// This process's temp files go when it exits.
-struct RemoveTempFiles {
-  ~RemoveTempFiles() {
-    std::error_code ec;
-    for (const auto& e : std::filesystem::directory_iterator(::testing::TempDir(), ec)) {
-      if (e.path().filename().string().rfind(temp_prefix(), 0) == 0) std::filesystem::remove(e.path(), ec);
-    }
-  }
-} remove_temp_files;
+// Per process (ctest runs the cases of this file in parallel processes), in a temporary folder removed at
+// its exit.
+std::string temp(const std::string& name) {
+  static const troupe::testing::TempDir dir;
+  return dir.path() + "/" + name;
+}
 
 void write(const std::string& path, const std::string& bytes) { std::ofstream(path, std::ios::binary) << bytes; }
 

@@ -9,6 +9,7 @@
 
 #include "base/error.hpp"
 #include "model/tokenizer/default_tokenizer.hpp"
+#include "tests/support/process.hpp"
 #include "tests/tokenizer/support.hpp"
 
 namespace troupe::tokenizer {
@@ -17,15 +18,11 @@ namespace {
 using namespace testing;
 namespace fs = std::filesystem;
 
-fs::path temp_dir() { return fs::path(::testing::TempDir()) / ("troupe_tokenizer_load_" + std::to_string(::getpid())); }
-
-// This process's temp folder goes when it exits.
-struct RemoveTempDir {
-  ~RemoveTempDir() {
-    std::error_code ec;
-    fs::remove_all(temp_dir(), ec);
-  }
-} remove_temp_dir;
+// This process's temporary folder, removed at its exit.
+fs::path temp_dir() {
+  static const troupe::testing::TempDir dir;
+  return dir.path();
+}
 
 std::string load_error(const std::string& tokenizer_json) {
   const fs::path dir = temp_dir();

@@ -649,7 +649,8 @@ int moe_bench(int experts, int k, int64_t dim, int64_t inter, const std::vector<
     const double us = (now() - t0) / calls * 1e6;
     const auto n_touched = std::count(touched.begin(), touched.end(), 1);
     const double bytes = static_cast<double>(n_touched) * static_cast<double>(per_expert) * 2;
-    const char* setting = std::getenv("TROUPE_MOE_BATCHED");
+    const char* setting = std::getenv("TROUPE_VARIANT");  // the run's label, else its TROUPE_MOE_BATCHED
+    if (setting == nullptr) setting = std::getenv("TROUPE_MOE_BATCHED");
     emit({{"kind", "moe"}, {"setting", setting != nullptr ? setting : ""}, {"experts", experts}, {"k", k},
           {"dim", dim}, {"inter", inter}, {"rows", rows}, {"touched", n_touched}, {"us", us},
           {"touched_weight_gbs", bytes / us * 1e-3}});

@@ -9,7 +9,8 @@
 #      compute-sanitizer memcheck over the MoE cases with =2; model_tests DecoderGpu; the committed fixtures
 #      through the CUDA backend (troupe_gpu_e2e fixtures) as built and with =0
 #   2. Backend::moe alone (troupe_gpu_e2e moe) at MOE_SHAPES (experts:k:dim:inter), rows MOE_ROWS, with each
-#      TROUPE_MOE_BATCHED value of OP_SETTINGS (0 2) against =0:
+#      setting of OP_SETTINGS ("0 2": TROUPE_MOE_BATCHED values, or NAME=VALUE[,NAME=VALUE...]) against
+#      TROUPE_MOE_BATCHED=0 (the grouped GEMVs on fp32 x; keep 0 in the list):
 #      microseconds a call, touched experts' weight bytes a second, and the two outputs' relative L2 distance
 #   3. a Flash-shaped 4-layer bf16 model (init-model --preset flash-shaped --dtype bf16): the steady decode step at
 #      BATCHES of each setting in SETTINGS (step-ab.sh), then a table: step, routed experts' share of it (the
@@ -66,15 +67,20 @@ if [ "${SKIP_OP:-0}" != 1 ]; then
   for shape in ${MOE_SHAPES:-256:6:4096:2048 16:6:4096:2048}; do
     IFS=: read -r e k d i <<< "$shape"
     for on in ${OP_SETTINGS:-0 2}; do
-      TROUPE_MOE_BATCHED=$on timeout "${OP_S:-150}" "$bundle/run.sh" troupe_gpu_e2e moe --experts "$e" --k "$k" --dim "$d" \
-        --inter "$i" --rows "${MOE_ROWS:-1,2,4,8,16,32,64}" --dump "$out/moe$on-$e" >> "$out/moe-op.jsonl" 2> "$out/moe-op.err"
-      echo "moe op $shape TROUPE_MOE_BATCHED=$on: exit $?"
+      # a TROUPE_MOE_BATCHED value, or NAME=VALUE[,NAME=VALUE...]
+      if [[ $on == *=* ]]; then envs=(${on//,/ }); else envs=(TROUPE_MOE_BATCHED=$on); fi
+      tag=$(printf '%s' "$on" | tr -c 'A-Za-z0-9_' '_')
+      env "${envs[@]}" TROUPE_VARIANT="$on" timeout "${OP_S:-150}" "$bundle/run.sh" troupe_gpu_e2e moe --experts "$e" \
+        --k "$k" --dim "$d" --inter "$i" --rows "${MOE_ROWS:-1,2,4,8,16,32,64}" --dump "$out/moe-$tag-$e" \
+        >> "$out/moe-op.jsonl" 2>> "$out/moe-op.err"
+      echo "moe op $shape ${envs[*]}: exit $?"
     done
   done
   python3 - "$out" << 'EOF'
-import json, sys, os
+import json, sys, os, re
 import numpy as np
 out = sys.argv[1]
+tag = lambda s: re.sub(r"[^A-Za-z0-9_]", "_", s)
 runs = {}
 for line in open(os.path.join(out, "moe-op.jsonl")):
     if line.startswith("{"):
@@ -91,15 +97,15 @@ for key in sorted({k[:5] for k in runs}):
             continue
         d = ""
         try:
-            x = np.load(os.path.join(out, f"moe0-{key[0]}", f"moe_rows{key[4]}.npy"))
-            y = np.load(os.path.join(out, f"moe{setting}-{key[0]}", f"moe_rows{key[4]}.npy"))
+            x = np.load(os.path.join(out, f"moe-0-{key[0]}", f"moe_rows{key[4]}.npy"))
+            y = np.load(os.path.join(out, f"moe-{tag(setting)}-{key[0]}", f"moe_rows{key[4]}.npy"))
             d = f"{np.linalg.norm(x - y) / max(np.linalg.norm(x), 1e-30):.2e}"
         except OSError:
             pass
         print(f"| {key[0]}:{key[1]}:{key[2]}:{key[3]} | {key[4]} | {a['touched']} | {a['us']:.1f} | {a['touched_weight_gbs']:.0f} | "
               f"={setting} | {b['us']:.1f} | {b['touched_weight_gbs']:.0f} | {a['us'] / b['us']:.2f} | {d} |")
 EOF
-  rm -rf "$out"/moe[0-9]-*
+  find "$out" -maxdepth 1 -type d -name 'moe-*' -exec rm -rf {} +
 fi
 [ "${SKIP_STEP:-0}" = 1 ] && exit 0
 model=/dev/shm/flash-bf16

@@ -1496,6 +1496,151 @@ __global__ void __launch_bounds__(kGemvThreads) moe_grouped_down_kernel(const fl
   }
 }
 
+// ---- the tensor-core grouped MoE (moe_mma; see dense.hpp) ----
+// A CTA multiplies one touched expert's rows (at most kMoeMmaRows: route picks distinct experts, so an
+// expert has at most `rows` of a call's pairs) by kMoeMmaWarps x 16 of its weight rows: gate/up (kGateUp)
+// 64 gate rows (warps 0-3) and the same 64 up rows (warps 4-7), down 128 rows. Each warp streams its 16
+// weight rows once, blocks of 64 k in gemv_mma_kernel's lane layout (two ahead in registers), and
+// multiplies each block by every 8-row group of x as mma_block does: x's hi and lo bf16 terms from fp32
+// in registers (~16 bits of x; no rounded copy of x is stored). x comes through shared memory in windows
+// of kMoeMmaWindow k (fp32, cp.async, two windows in flight), shared by the CTA's warps: x is read from
+// L2 once a CTA, where gemv_mma_kernel's warps read it once each. The gate/up CTAs read their rows of x
+// straight from the unsorted input through perm (no gathered copy); the epilogue applies swiglu (the up
+// warps' sums meet the gate warps' in shared memory) and writes h at the pairs' sorted places; down reads
+// h's rows and writes ys there.
+constexpr int kMoeMmaWarps = 8;
+constexpr int kMoeMmaRows = 64;
+constexpr int kMoeMmaWindow = 2 * kMmaBlock;                         // k a window of x
+constexpr int kMoeMmaStride = kMoeMmaWindow + 4;                     // floats a row of a window: rows 4 banks apart
+constexpr int kMoeMmaBuf = kMoeMmaRows * kMoeMmaStride;              // floats a window buffer
+constexpr size_t kMoeMmaSmem = 2 * sizeof(float) * kMoeMmaBuf;        // 67,584 bytes: two CTAs an SM
+static_assert(kMoeMmaWarps * 4 * 32 * 8 <= 2 * kMoeMmaBuf, "the up warps' sums fit the window buffers");
+
+template <bool kGateUp>
+__global__ void __launch_bounds__(kMoeMmaWarps * 32, 2)
+    moe_mma_kernel(const float* x, const int32_t* perm, int k, const int32_t* counts, const int32_t* offsets,
+                   ExpertTables t, int64_t dim, float limit, float* out) {
+  pdl_entry();  // see launch_kernel (counts, offsets and perm are the sort's output)
+  extern __shared__ float4 moe_mma_smem[];
+  float* xw = reinterpret_cast<float*>(moe_mma_smem);  // [2][kMoeMmaRows][kMoeMmaStride]
+  const int e = blockIdx.y;
+  const int cnt = counts[e];
+  if (cnt == 0) return;  // the whole CTA: an untouched expert
+  const int64_t base = offsets[e];
+  const int64_t K = kGateUp ? dim : t.inter, N = kGateUp ? t.inter : dim;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int64_t row0 = kGateUp ? static_cast<int64_t>(blockIdx.x) * 64 + 16 * (warp & 3)
+                               : static_cast<int64_t>(blockIdx.x) * 128 + 16 * warp;
+  const auto* w = static_cast<const __nv_bfloat16*>(kGateUp ? (warp < 4 ? t.gate : t.up)[e] : t.down[e]);
+  const bool ok0 = row0 + g < N, ok1 = row0 + g + 8 < N;
+  const __nv_bfloat16* w0 = w + (row0 + g) * K + 8 * c;
+  const __nv_bfloat16* w1 = w0 + 8 * K;
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  auto load_w = [&](int64_t blk, uint4 (&r)[4]) {  // weight rows g and g + 8 of a block: 2 x 16 bytes each
+    const int64_t o = blk * kMmaBlock;
+    r[0] = ok0 ? ld_stream(w0 + o) : zero;
+    r[1] = ok0 ? ld_stream(w0 + o + 32) : zero;
+    r[2] = ok1 ? ld_stream(w1 + o) : zero;
+    r[3] = ok1 ? ld_stream(w1 + o + 32) : zero;
+  };
+  const int64_t blocks = K / kMmaBlock, windows = K / kMoeMmaWindow;
+  constexpr int kAhead = 2;
+  // Passes of at most kMoeMmaRows of the expert's rows (one pass unless a row named an expert twice).
+  for (int m0 = 0; m0 < cnt; m0 += kMoeMmaRows) {
+    const int pc = min(cnt - m0, kMoeMmaRows), nt = (pc + 7) >> 3;  // rows of the pass, 8-row groups
+    // A window of x: the pass's rows 0 .. 8 nt - 1 (zeros past pc), one commit group a call.
+    auto load_window = [&](int64_t win, int b) {
+      float* dst = xw + b * kMoeMmaBuf;
+      constexpr int kChunks = kMoeMmaWindow / 4;  // 16-byte copies a row
+      for (int i = threadIdx.x; i < 8 * nt * kChunks; i += kMoeMmaWarps * 32) {
+        const int r = i / kChunks, q = i % kChunks;
+        const bool real = r < pc;
+        const int64_t src_row = !real ? 0 : kGateUp ? perm[base + m0 + r] / k : base + m0 + r;
+        cp_async16(dst + r * kMoeMmaStride + 4 * q, x + src_row * K + win * kMoeMmaWindow + 4 * q, real);
+      }
+      cp_async_commit();
+    };
+    uint4 buf[kAhead][4];
+#pragma unroll
+    for (int a = 0; a < kAhead; ++a) {
+      if (a < blocks) load_w(a, buf[a]);
+    }
+    load_window(0, 0);
+    if (windows > 1) {
+      load_window(1, 1);
+    } else {
+      cp_async_commit();
+    }
+    float d[8][4];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) d[i][0] = d[i][1] = d[i][2] = d[i][3] = 0.f;
+    for (int64_t win = 0; win < windows; ++win) {
+      cp_async_wait<1>();  // this window's copies (the next one's may still be in flight)
+      __syncthreads();     // and every other thread's
+      const float* xb = xw + (win & 1) * kMoeMmaBuf;
+#pragma unroll
+      for (int j = 0; j < kMoeMmaWindow / kMmaBlock; ++j) {
+        const int64_t blk = win * (kMoeMmaWindow / kMmaBlock) + j;
+        uint4 after[4];
+        if (blk + kAhead < blocks) load_w(blk + kAhead, after);
+#pragma unroll
+        for (int tt = 0; tt < 8; ++tt) {
+          if (tt < nt) {
+            uint32_t hi[8], lo[8];
+            x_words(xb + (8 * tt + g) * kMoeMmaStride + kMmaBlock * j + 8 * c, true, hi, lo);
+            mma_block(d[tt], buf[0], hi, lo);
+          }
+        }
+        ring_shift<kAhead>(buf, after);
+      }
+      __syncthreads();  // every warp is done with this buffer
+      if (win + 2 < windows) {
+        load_window(win + 2, static_cast<int>(win & 1));
+      } else {
+        cp_async_commit();
+      }
+    }
+    cp_async_wait<0>();
+    // d[tt][u]: weight row row0 + g + 8 (u / 2), x row m0 + 8 tt + 2c + u % 2 of the expert's.
+    if constexpr (kGateUp) {
+      float* ups = xw;  // [4 warps][8 groups][4][32]: the up warps' sums (the windows are done)
+      if (warp >= 4) {
+#pragma unroll
+        for (int tt = 0; tt < 8; ++tt) {
+#pragma unroll
+          for (int u = 0; u < 4; ++u) ups[(((warp - 4) * 8 + tt) * 4 + u) * 32 + lane] = d[tt][u];
+        }
+      }
+      __syncthreads();
+      if (warp < 4) {
+#pragma unroll
+        for (int tt = 0; tt < 8; ++tt) {
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            const int64_t row = row0 + g + 8 * (u >> 1);
+            const int col = 8 * tt + 2 * c + (u & 1);
+            if (tt < nt && col < pc && row < N) {
+              out[(base + m0 + col) * N + row] =
+                  swiglu1(d[tt][u], ups[((warp * 8 + tt) * 4 + u) * 32 + lane], limit);
+            }
+          }
+        }
+      }
+      __syncthreads();  // ups is the next pass's first window
+    } else {
+#pragma unroll
+      for (int tt = 0; tt < 8; ++tt) {
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int64_t row = row0 + g + 8 * (u >> 1);
+          const int col = 8 * tt + 2 * c + (u & 1);
+          if (tt < nt && col < pc && row < N) out[(base + m0 + col) * N + row] = d[tt][u];
+        }
+      }
+    }
+  }
+}
+
 __global__ void moe_combine_kernel(const float* ys, const int32_t* inv, const float* weight, int64_t rows, int k,
                                    int64_t dim, int64_t lo_rows, float* out) {
   pdl_entry();  // see launch_kernel
@@ -1949,6 +2094,38 @@ void moe_grouped(const float* x, int64_t rows, int64_t dim, const int32_t* idx, 
     TROUPE_LAUNCHED();
     launch_kernel(moe_grouped_down_kernel<WT>, g2, kGemvThreads, 0, s, h, dim, counts, offsets, t, ys);
   });
+  TROUPE_LAUNCHED();
+  moe_combine(ys, inv, weight, rows, k, dim, out, s);
+}
+
+bool moe_mma_fits(const ExpertTables& t, int64_t rows, int64_t dim) {
+  return t.type == WeightType::bf16 && rows >= 1 && rows <= kMoeMmaRows && dim % kMoeMmaWindow == 0 &&
+         t.inter % kMoeMmaWindow == 0 && t.experts <= 65535;
+}
+
+void moe_mma(const float* x, int64_t rows, int64_t dim, const int32_t* idx, const float* weight, int k, int experts,
+             const ExpertTables& t, float limit, int32_t* counts, int32_t* offsets, int32_t* perm, int32_t* inv,
+             float* h, float* ys, float* out, cudaStream_t s) {
+  const int64_t pairs = rows * k;
+  if (pairs == 0) return;
+  TROUPE_REQUIRE(moe_mma_fits(t, rows, dim) && experts == t.experts,
+                 "moe_mma: bf16 experts, 1-64 rows, widths multiples of 128");
+  static const bool attributes = [] {
+    TROUPE_CUDA(cudaFuncSetAttribute(moe_mma_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(kMoeMmaSmem)));
+    TROUPE_CUDA(cudaFuncSetAttribute(moe_mma_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(kMoeMmaSmem)));
+    return true;
+  }();
+  (void)attributes;
+  moe_sort(idx, pairs, experts, counts, offsets, perm, inv, s);
+  const dim3 g1(static_cast<unsigned>(ceil_div(t.inter, 64)), static_cast<unsigned>(experts));
+  const dim3 g2(static_cast<unsigned>(ceil_div(dim, 128)), static_cast<unsigned>(experts));
+  launch_kernel(moe_mma_kernel<true>, g1, kMoeMmaWarps * 32, kMoeMmaSmem, s, x, perm, k, counts, offsets, t, dim,
+                limit, h);
+  TROUPE_LAUNCHED();
+  launch_kernel(moe_mma_kernel<false>, g2, kMoeMmaWarps * 32, kMoeMmaSmem, s, h, perm, k, counts, offsets, t, dim,
+                0.f, ys);
   TROUPE_LAUNCHED();
   moe_combine(ys, inv, weight, rows, k, dim, out, s);
 }

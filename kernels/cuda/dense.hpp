@@ -114,6 +114,16 @@ void moe_pairs(const float* x, int64_t rows, int64_t dim, const int32_t* idx, co
 void moe_grouped(const float* x, int64_t rows, int64_t dim, const int32_t* idx, const float* weight, int k,
                  int experts, const ExpertTables& t, float limit, int32_t* counts, int32_t* offsets, int32_t* perm,
                  int32_t* inv, float* xs, float* h, float* ys, float* out, cudaStream_t s);
+// The tensor-core grouped MoE for 1-64 rows over bf16 experts whose widths (dim, inter) are multiples
+// of 128 (moe_mma_fits): the pairs sorted by expert on the device, then each touched expert's rows (at
+// most `rows`) through its gate/up and down weights once on mma.sync, x split into bf16 hi and lo terms
+// in registers (~16 bits of x, as the split GEMMs keep), swiglu fused; no host round trip, no rows padded
+// (the batched GEMMs pad every expert's block to `rows` rows, twice that with the split). Scratch: counts
+// [experts], offsets [experts + 1], perm/inv [rows*k], h [rows*k, inter], ys [rows*k, dim].
+bool moe_mma_fits(const ExpertTables& t, int64_t rows, int64_t dim);
+void moe_mma(const float* x, int64_t rows, int64_t dim, const int32_t* idx, const float* weight, int k, int experts,
+             const ExpertTables& t, float limit, int32_t* counts, int32_t* offsets, int32_t* perm, int32_t* inv,
+             float* h, float* ys, float* out, cudaStream_t s);
 // Sorted path pieces: counts/offsets/permutation of the pairs by expert
 // (counts[e], offsets[e] (experts + 1), perm[pos] = pair, inv[pair] = pos; counts and inv may be null:
 // not written). With rank and touched

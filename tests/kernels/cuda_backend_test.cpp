@@ -526,6 +526,16 @@ bool moe_batched(int64_t rows) {
   return mode != '0' && rows <= 64 && rows >= (mode == '2' ? 1 : 2);
 }
 
+// Whether CudaBackend::moe takes its tensor-core grouped MoE (x split in registers whatever
+// TROUPE_GEMM_SPLIT says) for this bf16 call: TROUPE_MOE_MMA 1, 2 to 64 rows; 2, 1 to 64 rows; else never;
+// widths multiples of 128.
+bool moe_mma(int64_t rows, int64_t dim, int64_t inter) {
+  const char* e = std::getenv("TROUPE_MOE_MMA");
+  const char mode = e == nullptr ? '0' : e[0];
+  return (mode == '1' || mode == '2') && rows <= 64 && rows >= (mode == '2' ? 1 : 2) && dim % 128 == 0 &&
+         inter % 128 == 0;
+}
+
 TEST_F(CudaBackendTest, moe_matches_cpu_on_the_pair_and_sorted_paths) {
   struct Case {
     int experts, k;
@@ -534,7 +544,10 @@ TEST_F(CudaBackendTest, moe_matches_cpu_on_the_pair_and_sorted_paths) {
   };
   // 64 experts, top-2: the batched path's entries (min(experts, pairs)) past the touched experts are spares
   // whenever two rows share an expert.
+  // 4 experts, top-3 at 1,280 (moe_mma: down over 5 windows of h, an odd count): each expert takes about
+  // three rows in four, up to 64 rows of one CTA.
   const Case cases[] = {{16, 6, 1024, WeightType::bf16}, {16, 6, 256, WeightType::bf16}, {64, 2, 256, WeightType::bf16},
+                        {4, 3, 1280, WeightType::bf16},
                         {16, 6, 1024, WeightType::f32},  {16, 6, 256, WeightType::f32}};
   for (const Case& c : cases) {
     const int64_t dim = c.dim, inter = dim / 2;
@@ -559,7 +572,8 @@ TEST_F(CudaBackendTest, moe_matches_cpu_on_the_pair_and_sorted_paths) {
       // GEMMs over the touched experts' rows (ctest's kernels_cuda_moe_grouped turns that off;
       // kernels_cuda_moe_batched_always takes it at one row too). The cuBLAS GEMMs of both are exact where
       // they split x (gemm_split(1): at every shape), else on bf16-rounded activations.
-      const bool exact = c.type == WeightType::f32 || gemm_split(1) || (rows <= 64 && !moe_batched(rows));
+      const bool exact = c.type == WeightType::f32 || gemm_split(1) || (rows <= 64 && !moe_batched(rows)) ||
+                         moe_mma(rows, dim, inter);
       expect_moe_like_cpu(cpu(), gpu(), rng_, set, rows, dim, c.k, exact ? 2e-5 : 1e-2);
     }
   }

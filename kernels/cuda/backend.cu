@@ -315,6 +315,11 @@ struct CudaBackend::Impl {
                                 static_cast<const float*>(w.data), K, x, K, &beta, y, N));
       return;
     }
+    if (w.type == WeightType::bf16 && linear_mma_takes(m) && linear_mma_fits(m, w.cols, w.cols, 0)) {
+      float* scratch = arena.take<float>(linear_mma_scratch(m, w.rows, w.cols));
+      linear_mma(x, w.cols, m, w.data, w.rows, w.cols, 0, y, w.rows, beta, scratch, s());
+      return;
+    }
     half_products(x, m, w.cols, w.type, w.rows, y, beta, [&](const void* xp, int64_t rows, const float* b, float* out) {
       TROUPE_CUBLAS(cublasGemmEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, N, static_cast<int>(rows), K, &one, w.data,
                                  cuda_type(w.type), K, xp, cuda_type(w.type), K, b, out, CUDA_R_32F, N,
@@ -344,6 +349,13 @@ struct CudaBackend::Impl {
     to_half(x, m * cols, xh, type, s(), xl);
     gemm(xh, m, &beta, y);
     if (xl != nullptr) gemm(xl, m, &one, y);
+  }
+
+  // Whether linear() and linear_grouped() take linear_mma for m rows of x over bf16 weights where it fits
+  // (past the GEMVs' kGemvBatchRows): TROUPE_LINEAR_MMA=1 (unset or else: the split cuBLAS GEMMs).
+  static bool linear_mma_takes(int64_t m) {
+    static const bool on = env_switch("TROUPE_LINEAR_MMA") > 0;
+    return on && m > kGemvBatchRows;
   }
 
   // Whether moe() takes moe_mma for these rows where it fits (see kMoeMmaMinRows).
@@ -695,6 +707,11 @@ void CudaBackend::linear_grouped(const float* x, int64_t m, const Weight& wq, in
     TROUPE_CUBLAS(cublasSgemmStridedBatched(impl_->blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one,
                                             static_cast<const float*>(w.data), K, out * K, x, groups * K, K, &zero, y,
                                             groups * N, N, groups));
+    return;
+  }
+  if (w.type == WeightType::bf16 && Impl::linear_mma_takes(m) && linear_mma_fits(m, w.cols, groups * w.cols, out)) {
+    float* scratch = impl_->arena.take<float>(linear_mma_scratch(m, groups * out, w.cols));
+    linear_mma(x, groups * w.cols, m, w.data, groups * out, w.cols, out, y, groups * out, 0.f, scratch, impl_->s());
     return;
   }
   impl_->half_products(x, m, groups * w.cols, w.type, groups * out, y, 0.f,

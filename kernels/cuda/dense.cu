@@ -1496,33 +1496,107 @@ __global__ void __launch_bounds__(kGemvThreads) moe_grouped_down_kernel(const fl
   }
 }
 
-// ---- the tensor-core grouped MoE (moe_mma; see dense.hpp) ----
-// A CTA multiplies one touched expert's rows (at most kMoeMmaRows: route picks distinct experts, so an
-// expert has at most `rows` of a call's pairs) by kMoeMmaWarps x 16 of its weight rows: gate/up (kGateUp)
-// 64 gate rows (warps 0-3) and the same 64 up rows (warps 4-7), down 128 rows. Each warp streams its 16
-// weight rows once, blocks of 64 k in gemv_mma_kernel's lane layout (two ahead in registers), and
-// multiplies each block by every 8-row group of x as mma_block does: x's hi and lo bf16 terms from fp32
-// in registers (~16 bits of x; no rounded copy of x is stored). x comes through shared memory in windows
-// of kMoeMmaWindow k (fp32, cp.async, two windows in flight), shared by the CTA's warps: x is read from
-// L2 once a CTA, where gemv_mma_kernel's warps read it once each. The gate/up CTAs read their rows of x
-// straight from the unsorted input through perm (no gathered copy); the epilogue applies swiglu (the up
-// warps' sums meet the gate warps' in shared memory) and writes h at the pairs' sorted places; down reads
-// h's rows and writes ys there.
-constexpr int kMoeMmaWarps = 8;
-constexpr int kMoeMmaRows = 64;
-constexpr int kMoeMmaWindow = 2 * kMmaBlock;                         // k a window of x
-constexpr int kMoeMmaStride = kMoeMmaWindow + 4;                     // floats a row of a window: rows 4 banks apart
-constexpr int kMoeMmaBuf = kMoeMmaRows * kMoeMmaStride;              // floats a window buffer
-constexpr size_t kMoeMmaSmem = 2 * sizeof(float) * kMoeMmaBuf;        // 67,584 bytes: two CTAs an SM
-static_assert(kMoeMmaWarps * 4 * 32 * 8 <= 2 * kMoeMmaBuf, "the up warps' sums fit the window buffers");
+// ---- products of 1-64 rows of x on the tensor cores, x split in registers (moe_mma, linear_mma) ----
+// A CTA of kXmWarps warps multiplies up to 8 kTiles rows of x at a time (a pass) by kXmWarps x 16 weight
+// rows. Each warp streams its 16 bf16 weight rows once a pass, blocks of 64 k in gemv_mma_kernel's lane
+// layout (kAhead blocks in flight in registers), and multiplies each block by every 8-row group of x as
+// mma_block does: x's hi and lo bf16 terms made from fp32 in registers (~16 bits of x, as the split GEMMs
+// keep; no rounded copy of x is stored). x comes through shared memory in windows of kXmWindow k (fp32,
+// cp.async, two windows in flight), shared by the CTA's warps: read from L2 once a CTA, where
+// gemv_mma_kernel's warps read it once each.
+constexpr int kXmWarps = 8;
+constexpr int kXmWindow = 2 * kMmaBlock;  // k a window of x
+constexpr int kXmStride = kXmWindow + 4;  // floats a row of a window: rows 4 banks apart
+template <int kTiles>
+constexpr size_t xm_smem() {  // two windows of 8 kTiles rows
+  return 2 * sizeof(float) * 8 * kTiles * kXmStride;
+}
 
-template <bool kGateUp>
-__global__ void __launch_bounds__(kMoeMmaWarps * 32, 2)
+// One pass: d[tt] (zeroed by the caller) += this warp's 16 weight rows over k in [0, span) (w0: weight row
+// g at the span's first k, at the lane's chunk 8c; w1: row g + 8; ok0 / ok1: whether those rows exist)
+// times x's rows 0 .. pc - 1 (xrow(r): row r at the span's first k; 1 <= pc <= 8 kTiles), through the
+// window buffers xw. span a multiple of kXmWindow. Every thread of the CTA calls it with the same pc and
+// span; it ends past a barrier, xw free again.
+template <int kAhead, int kTiles, class XRow>
+__device__ __forceinline__ void xm_pass(const __nv_bfloat16* w0, const __nv_bfloat16* w1, bool ok0, bool ok1,
+                                        int64_t span, int pc, XRow&& xrow, float* xw, float (&d)[kTiles][4]) {
+  constexpr int kBuf = 8 * kTiles * kXmStride;  // floats a window buffer
+  const int g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3, nt = (pc + 7) >> 3;
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  auto load_w = [&](int64_t blk, uint4 (&r)[4]) {  // weight rows g and g + 8 of a block: 2 x 16 bytes each
+    const int64_t o = blk * kMmaBlock;
+    r[0] = ok0 ? ld_stream(w0 + o) : zero;
+    r[1] = ok0 ? ld_stream(w0 + o + 32) : zero;
+    r[2] = ok1 ? ld_stream(w1 + o) : zero;
+    r[3] = ok1 ? ld_stream(w1 + o + 32) : zero;
+  };
+  // Window `win` of rows 0 .. 8 nt - 1 into buffer b (zeros past pc), one commit group a call.
+  auto load_window = [&](int64_t win, int b) {
+    float* dst = xw + b * kBuf;
+    constexpr int kChunks = kXmWindow / 4;  // 16-byte copies a row
+    for (int i = threadIdx.x; i < 8 * nt * kChunks; i += kXmWarps * 32) {
+      const int r = i / kChunks, q = i % kChunks;
+      const bool real = r < pc;
+      cp_async16(dst + r * kXmStride + 4 * q, xrow(real ? r : 0) + win * kXmWindow + 4 * q, real);
+    }
+    cp_async_commit();
+  };
+  const int64_t blocks = span / kMmaBlock, windows = span / kXmWindow;
+  uint4 buf[kAhead][4];
+#pragma unroll
+  for (int a = 0; a < kAhead; ++a) {
+    if (a < blocks) load_w(a, buf[a]);
+  }
+  load_window(0, 0);
+  if (windows > 1) {
+    load_window(1, 1);
+  } else {
+    cp_async_commit();
+  }
+  for (int64_t win = 0; win < windows; ++win) {
+    cp_async_wait<1>();  // this window's copies (the next one's may still be in flight)
+    __syncthreads();     // and every other thread's
+    const float* xb = xw + (win & 1) * kBuf;
+#pragma unroll
+    for (int j = 0; j < kXmWindow / kMmaBlock; ++j) {
+      const int64_t blk = win * (kXmWindow / kMmaBlock) + j;
+      uint4 after[4];
+      if (blk + kAhead < blocks) load_w(blk + kAhead, after);
+#pragma unroll
+      for (int tt = 0; tt < kTiles; ++tt) {
+        if (tt < nt) {
+          uint32_t hi[8], lo[8];
+          x_words(xb + (8 * tt + g) * kXmStride + kMmaBlock * j + 8 * c, true, hi, lo);
+          mma_block(d[tt], buf[0], hi, lo);
+        }
+      }
+      ring_shift<kAhead>(buf, after);
+    }
+    __syncthreads();  // every warp is done with this buffer
+    if (win + 2 < windows) {
+      load_window(win + 2, static_cast<int>(win & 1));
+    } else {
+      cp_async_commit();
+    }
+  }
+  cp_async_wait<0>();
+}
+
+// The MoE (see dense.hpp's moe_mma): a CTA takes one touched expert's rows (the pairs' sorted places
+// offsets[e] ..), in passes of 8 kTiles (one pass unless an expert has more of the call's pairs), and
+// kXmWarps x 16 of its weight rows: gate/up (kGateUp) 64 gate rows (warps 0-3) and the same 64 up rows
+// (warps 4-7), down 128 rows. gate/up reads its rows of x from the unsorted input through perm (no
+// gathered copy) and applies swiglu (the up warps' sums meet the gate warps' in shared memory), writing
+// h at the pairs' sorted places; down reads h's rows and writes ys there.
+template <bool kGateUp, int kAhead, int kTiles>
+__global__ void __launch_bounds__(kXmWarps * 32, 2)
     moe_mma_kernel(const float* x, const int32_t* perm, int k, const int32_t* counts, const int32_t* offsets,
                    ExpertTables t, int64_t dim, float limit, float* out) {
   pdl_entry();  // see launch_kernel (counts, offsets and perm are the sort's output)
-  extern __shared__ float4 moe_mma_smem[];
-  float* xw = reinterpret_cast<float*>(moe_mma_smem);  // [2][kMoeMmaRows][kMoeMmaStride]
+  extern __shared__ float4 xm_smem_words[];
+  float* xw = reinterpret_cast<float*>(xm_smem_words);
+  constexpr int kPassRows = 8 * kTiles;
+  static_assert(4 * kTiles * 4 * 32 <= 2 * kPassRows * kXmStride, "the up warps' sums fit the window buffers");
   const int e = blockIdx.y;
   const int cnt = counts[e];
   if (cnt == 0) return;  // the whole CTA: an untouched expert
@@ -1532,96 +1606,35 @@ __global__ void __launch_bounds__(kMoeMmaWarps * 32, 2)
   const int64_t row0 = kGateUp ? static_cast<int64_t>(blockIdx.x) * 64 + 16 * (warp & 3)
                                : static_cast<int64_t>(blockIdx.x) * 128 + 16 * warp;
   const auto* w = static_cast<const __nv_bfloat16*>(kGateUp ? (warp < 4 ? t.gate : t.up)[e] : t.down[e]);
-  const bool ok0 = row0 + g < N, ok1 = row0 + g + 8 < N;
   const __nv_bfloat16* w0 = w + (row0 + g) * K + 8 * c;
-  const __nv_bfloat16* w1 = w0 + 8 * K;
-  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-  auto load_w = [&](int64_t blk, uint4 (&r)[4]) {  // weight rows g and g + 8 of a block: 2 x 16 bytes each
-    const int64_t o = blk * kMmaBlock;
-    r[0] = ok0 ? ld_stream(w0 + o) : zero;
-    r[1] = ok0 ? ld_stream(w0 + o + 32) : zero;
-    r[2] = ok1 ? ld_stream(w1 + o) : zero;
-    r[3] = ok1 ? ld_stream(w1 + o + 32) : zero;
-  };
-  const int64_t blocks = K / kMmaBlock, windows = K / kMoeMmaWindow;
-  constexpr int kAhead = 2;
-  // Passes of at most kMoeMmaRows of the expert's rows (one pass unless a row named an expert twice).
-  for (int m0 = 0; m0 < cnt; m0 += kMoeMmaRows) {
-    const int pc = min(cnt - m0, kMoeMmaRows), nt = (pc + 7) >> 3;  // rows of the pass, 8-row groups
-    // A window of x: the pass's rows 0 .. 8 nt - 1 (zeros past pc), one commit group a call.
-    auto load_window = [&](int64_t win, int b) {
-      float* dst = xw + b * kMoeMmaBuf;
-      constexpr int kChunks = kMoeMmaWindow / 4;  // 16-byte copies a row
-      for (int i = threadIdx.x; i < 8 * nt * kChunks; i += kMoeMmaWarps * 32) {
-        const int r = i / kChunks, q = i % kChunks;
-        const bool real = r < pc;
-        const int64_t src_row = !real ? 0 : kGateUp ? perm[base + m0 + r] / k : base + m0 + r;
-        cp_async16(dst + r * kMoeMmaStride + 4 * q, x + src_row * K + win * kMoeMmaWindow + 4 * q, real);
-      }
-      cp_async_commit();
-    };
-    uint4 buf[kAhead][4];
+  for (int m0 = 0; m0 < cnt; m0 += kPassRows) {
+    const int pc = min(cnt - m0, kPassRows), nt = (pc + 7) >> 3;
+    float d[kTiles][4];
 #pragma unroll
-    for (int a = 0; a < kAhead; ++a) {
-      if (a < blocks) load_w(a, buf[a]);
-    }
-    load_window(0, 0);
-    if (windows > 1) {
-      load_window(1, 1);
-    } else {
-      cp_async_commit();
-    }
-    float d[8][4];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) d[i][0] = d[i][1] = d[i][2] = d[i][3] = 0.f;
-    for (int64_t win = 0; win < windows; ++win) {
-      cp_async_wait<1>();  // this window's copies (the next one's may still be in flight)
-      __syncthreads();     // and every other thread's
-      const float* xb = xw + (win & 1) * kMoeMmaBuf;
-#pragma unroll
-      for (int j = 0; j < kMoeMmaWindow / kMmaBlock; ++j) {
-        const int64_t blk = win * (kMoeMmaWindow / kMmaBlock) + j;
-        uint4 after[4];
-        if (blk + kAhead < blocks) load_w(blk + kAhead, after);
-#pragma unroll
-        for (int tt = 0; tt < 8; ++tt) {
-          if (tt < nt) {
-            uint32_t hi[8], lo[8];
-            x_words(xb + (8 * tt + g) * kMoeMmaStride + kMmaBlock * j + 8 * c, true, hi, lo);
-            mma_block(d[tt], buf[0], hi, lo);
-          }
-        }
-        ring_shift<kAhead>(buf, after);
-      }
-      __syncthreads();  // every warp is done with this buffer
-      if (win + 2 < windows) {
-        load_window(win + 2, static_cast<int>(win & 1));
-      } else {
-        cp_async_commit();
-      }
-    }
-    cp_async_wait<0>();
-    // d[tt][u]: weight row row0 + g + 8 (u / 2), x row m0 + 8 tt + 2c + u % 2 of the expert's.
+    for (int i = 0; i < kTiles; ++i) d[i][0] = d[i][1] = d[i][2] = d[i][3] = 0.f;
+    xm_pass<kAhead, kTiles>(w0, w0 + 8 * K, row0 + g < N, row0 + g + 8 < N, K, pc,
+                            [&](int r) { return x + (kGateUp ? perm[base + m0 + r] / k : base + m0 + r) * K; }, xw,
+                            d);
+    // d[tt][u]: weight row row0 + g + 8 (u / 2), the pass's x row 8 tt + 2c + u % 2.
     if constexpr (kGateUp) {
-      float* ups = xw;  // [4 warps][8 groups][4][32]: the up warps' sums (the windows are done)
+      float* ups = xw;  // [4 warps][kTiles groups][4][32]: the up warps' sums
       if (warp >= 4) {
 #pragma unroll
-        for (int tt = 0; tt < 8; ++tt) {
+        for (int tt = 0; tt < kTiles; ++tt) {
 #pragma unroll
-          for (int u = 0; u < 4; ++u) ups[(((warp - 4) * 8 + tt) * 4 + u) * 32 + lane] = d[tt][u];
+          for (int u = 0; u < 4; ++u) ups[(((warp - 4) * kTiles + tt) * 4 + u) * 32 + lane] = d[tt][u];
         }
       }
       __syncthreads();
       if (warp < 4) {
 #pragma unroll
-        for (int tt = 0; tt < 8; ++tt) {
+        for (int tt = 0; tt < kTiles; ++tt) {
 #pragma unroll
           for (int u = 0; u < 4; ++u) {
             const int64_t row = row0 + g + 8 * (u >> 1);
             const int col = 8 * tt + 2 * c + (u & 1);
             if (tt < nt && col < pc && row < N) {
-              out[(base + m0 + col) * N + row] =
-                  swiglu1(d[tt][u], ups[((warp * 8 + tt) * 4 + u) * 32 + lane], limit);
+              out[(base + m0 + col) * N + row] = swiglu1(d[tt][u], ups[((warp * kTiles + tt) * 4 + u) * 32 + lane], limit);
             }
           }
         }
@@ -1629,7 +1642,7 @@ __global__ void __launch_bounds__(kMoeMmaWarps * 32, 2)
       __syncthreads();  // ups is the next pass's first window
     } else {
 #pragma unroll
-      for (int tt = 0; tt < 8; ++tt) {
+      for (int tt = 0; tt < kTiles; ++tt) {
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
           const int64_t row = row0 + g + 8 * (u >> 1);
@@ -1638,6 +1651,63 @@ __global__ void __launch_bounds__(kMoeMmaWarps * 32, 2)
         }
       }
     }
+  }
+}
+
+// y [m, ldy] = x [m, ldx] . w^T over w's n rows (+ beta y), or with several splits of k (gridDim.y > 1)
+// each split's sums into partial [split][m][n] (summed by split_sum_kernel). A CTA takes 128 weight rows
+// (all of one group: group_rows, when > 0, a multiple of 128, and the group's x at (row / group_rows) k)
+// and k in [split kspan, + kspan).
+template <int kAhead, int kTiles>
+__global__ void __launch_bounds__(kXmWarps * 32, 2)
+    linear_mma_kernel(const float* x, int64_t ldx, int64_t m, const __nv_bfloat16* w, int64_t n, int64_t k,
+                      int64_t group_rows, int64_t kspan, float* y, int64_t ldy, float beta, float* partial) {
+  pdl_entry();  // see launch_kernel
+  extern __shared__ float4 xm_smem_words[];
+  float* xw = reinterpret_cast<float*>(xm_smem_words);
+  constexpr int kPassRows = 8 * kTiles;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int64_t tile0 = static_cast<int64_t>(blockIdx.x) * 128, row0 = tile0 + 16 * warp;
+  const int64_t k0 = static_cast<int64_t>(blockIdx.y) * kspan, span = min(kspan, k - k0);
+  const int64_t xoff = (group_rows > 0 ? (tile0 / group_rows) * k : 0) + k0;
+  const __nv_bfloat16* w0 = w + (row0 + g) * k + k0 + 8 * c;
+  for (int64_t m0 = 0; m0 < m; m0 += kPassRows) {
+    const int pc = static_cast<int>(min(m - m0, static_cast<int64_t>(kPassRows))), nt = (pc + 7) >> 3;
+    float d[kTiles][4];
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i) d[i][0] = d[i][1] = d[i][2] = d[i][3] = 0.f;
+    xm_pass<kAhead, kTiles>(w0, w0 + 8 * k, row0 + g < n, row0 + g + 8 < n, span, pc,
+                            [&](int r) { return x + (m0 + r) * ldx + xoff; }, xw, d);
+#pragma unroll
+    for (int tt = 0; tt < kTiles; ++tt) {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int64_t row = row0 + g + 8 * (u >> 1);
+        const int64_t col = m0 + 8 * tt + 2 * c + (u & 1);
+        if (tt < nt && col < m0 + pc && row < n) {
+          if (partial != nullptr) {
+            partial[(blockIdx.y * m + col) * n + row] = d[tt][u];
+          } else {
+            float* yy = y + col * ldy + row;
+            *yy = beta == 0.f ? d[tt][u] : d[tt][u] + beta * *yy;
+          }
+        }
+      }
+    }
+  }
+}
+
+// y [m, ldy] = the sum over splits of partial [split][m][n], in split order (+ beta y).
+__global__ void split_sum_kernel(const float* partial, int splits, int64_t m, int64_t n, float* y, int64_t ldy,
+                                 float beta) {
+  pdl_entry();  // see launch_kernel
+  const int64_t total = m * n;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float sum = 0.f;
+    for (int sp = 0; sp < splits; ++sp) sum += partial[sp * total + i];
+    float* yy = y + (i / n) * ldy + i % n;
+    *yy = beta == 0.f ? sum : sum + beta * *yy;
   }
 }
 
@@ -2098,9 +2168,50 @@ void moe_grouped(const float* x, int64_t rows, int64_t dim, const int32_t* idx, 
   moe_combine(ys, inv, weight, rows, k, dim, out, s);
 }
 
+namespace {
+// Calls fn(kAhead, kTiles) (integral constants) with the form of the x-split tensor-core kernels that
+// TROUPE_XM_FORM (read once) picks: 1 = two weight blocks ahead, 64 rows a pass; 0 = four ahead, 32 rows
+// (spills: a measured alternative); unset or else = three ahead, 32 rows.
+template <class Fn>
+void by_xm_form(Fn&& fn) {
+  static const int form = env_switch("TROUPE_XM_FORM");
+  if (form == 1) {
+    fn(std::integral_constant<int, 2>{}, std::integral_constant<int, 8>{});
+  } else if (form == -1) {
+    fn(std::integral_constant<int, 4>{}, std::integral_constant<int, 4>{});
+  } else {
+    fn(std::integral_constant<int, 3>{}, std::integral_constant<int, 4>{});
+  }
+}
+// Raises the kernel's dynamic shared memory limit to `bytes`, once a kernel (a static per kernel, not per
+// signature).
+template <auto kKernel>
+void xm_attributes(size_t bytes) {
+  static const bool done = [&] {
+    TROUPE_CUDA(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+    return true;
+  }();
+  (void)done;
+}
+// k's splits for linear_mma: one where the weight tiles alone fill the device twice over; else enough
+// splits to fill it, at most a split a window and at most k / (16 m) (the partial sums' bytes at most
+// 1/8 of the weights').
+struct XmSplit {
+  int splits;
+  int64_t kspan;
+};
+XmSplit xm_split(int64_t m, int64_t n, int64_t k) {
+  const int64_t tiles = ceil_div(n, 128), slots = 2 * static_cast<int64_t>(sm_count());
+  int64_t want = tiles >= slots ? 1 : ceil_div(slots, tiles);
+  want = std::min({want, k / kXmWindow, std::max<int64_t>(1, k / (16 * m))});
+  const int64_t kspan = ceil_div(ceil_div(k, want), kXmWindow) * kXmWindow;
+  return {static_cast<int>(ceil_div(k, kspan)), kspan};
+}
+}  // namespace
+
 bool moe_mma_fits(const ExpertTables& t, int64_t rows, int64_t dim) {
-  return t.type == WeightType::bf16 && rows >= 1 && rows <= kMoeMmaRows && dim % kMoeMmaWindow == 0 &&
-         t.inter % kMoeMmaWindow == 0 && t.experts <= 65535;
+  return t.type == WeightType::bf16 && rows >= 1 && rows <= 64 && dim % kXmWindow == 0 &&
+         t.inter % kXmWindow == 0 && t.experts <= 65535;
 }
 
 void moe_mma(const float* x, int64_t rows, int64_t dim, const int32_t* idx, const float* weight, int k, int experts,
@@ -2110,24 +2221,53 @@ void moe_mma(const float* x, int64_t rows, int64_t dim, const int32_t* idx, cons
   if (pairs == 0) return;
   TROUPE_REQUIRE(moe_mma_fits(t, rows, dim) && experts == t.experts,
                  "moe_mma: bf16 experts, 1-64 rows, widths multiples of 128");
-  static const bool attributes = [] {
-    TROUPE_CUDA(cudaFuncSetAttribute(moe_mma_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(kMoeMmaSmem)));
-    TROUPE_CUDA(cudaFuncSetAttribute(moe_mma_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(kMoeMmaSmem)));
-    return true;
-  }();
-  (void)attributes;
   moe_sort(idx, pairs, experts, counts, offsets, perm, inv, s);
   const dim3 g1(static_cast<unsigned>(ceil_div(t.inter, 64)), static_cast<unsigned>(experts));
   const dim3 g2(static_cast<unsigned>(ceil_div(dim, 128)), static_cast<unsigned>(experts));
-  launch_kernel(moe_mma_kernel<true>, g1, kMoeMmaWarps * 32, kMoeMmaSmem, s, x, perm, k, counts, offsets, t, dim,
-                limit, h);
-  TROUPE_LAUNCHED();
-  launch_kernel(moe_mma_kernel<false>, g2, kMoeMmaWarps * 32, kMoeMmaSmem, s, h, perm, k, counts, offsets, t, dim,
-                0.f, ys);
-  TROUPE_LAUNCHED();
+  by_xm_form([&](auto ahead, auto tiles) {
+    constexpr int kA = decltype(ahead)::value, kT = decltype(tiles)::value;
+    constexpr size_t smem = xm_smem<kT>();
+    xm_attributes<moe_mma_kernel<true, kA, kT>>(smem);
+    xm_attributes<moe_mma_kernel<false, kA, kT>>(smem);
+    launch_kernel(moe_mma_kernel<true, kA, kT>, g1, kXmWarps * 32, smem, s, x, perm, k, counts, offsets, t, dim,
+                  limit, h);
+    TROUPE_LAUNCHED();
+    launch_kernel(moe_mma_kernel<false, kA, kT>, g2, kXmWarps * 32, smem, s, h, perm, k, counts, offsets, t, dim,
+                  0.f, ys);
+    TROUPE_LAUNCHED();
+  });
   moe_combine(ys, inv, weight, rows, k, dim, out, s);
+}
+
+bool linear_mma_fits(int64_t m, int64_t k, int64_t ldx, int64_t group_rows) {
+  return m >= 1 && m <= 64 && k % kXmWindow == 0 && ldx % 4 == 0 && (group_rows == 0 || group_rows % 128 == 0);
+}
+
+int64_t linear_mma_scratch(int64_t m, int64_t n, int64_t k) {
+  const XmSplit sp = xm_split(m, n, k);
+  return sp.splits > 1 ? sp.splits * m * n : 0;
+}
+
+void linear_mma(const float* x, int64_t ldx, int64_t m, const void* w, int64_t n, int64_t k, int64_t group_rows,
+                float* y, int64_t ldy, float beta, float* scratch, cudaStream_t s) {
+  if (m == 0 || n == 0) return;
+  TROUPE_REQUIRE(linear_mma_fits(m, k, ldx, group_rows), "linear_mma: 1-64 rows, k a multiple of 128");
+  const XmSplit sp = xm_split(m, n, k);
+  TROUPE_REQUIRE(sp.splits == 1 || scratch != nullptr, "linear_mma: no scratch for the split sums");
+  float* partial = sp.splits > 1 ? scratch : nullptr;
+  const dim3 grid(static_cast<unsigned>(ceil_div(n, 128)), static_cast<unsigned>(sp.splits));
+  by_xm_form([&](auto ahead, auto tiles) {
+    constexpr int kA = decltype(ahead)::value, kT = decltype(tiles)::value;
+    constexpr size_t smem = xm_smem<kT>();
+    xm_attributes<linear_mma_kernel<kA, kT>>(smem);
+    launch_kernel(linear_mma_kernel<kA, kT>, grid, kXmWarps * 32, smem, s, x, ldx, m,
+                  static_cast<const __nv_bfloat16*>(w), n, k, group_rows, sp.kspan, y, ldy, beta, partial);
+    TROUPE_LAUNCHED();
+  });
+  if (partial != nullptr) {
+    launch_kernel(split_sum_kernel, grid_for(m * n), 256, 0, s, partial, sp.splits, m, n, y, ldy, beta);
+    TROUPE_LAUNCHED();
+  }
 }
 
 void moe_sort(const int32_t* idx, int64_t pairs, int experts, int32_t* counts, int32_t* offsets, int32_t* perm,

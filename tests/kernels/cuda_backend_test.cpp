@@ -56,6 +56,14 @@ bool gemm_split(int64_t m) {
   return mode != '0' && (mode != '2' || m >= 128);
 }
 
+// Whether CudaBackend's bf16 products of m rows of x over k columns take linear_mma (x split in registers
+// whatever TROUPE_GEMM_SPLIT says): TROUPE_LINEAR_MMA=1, 9-64 rows, k a multiple of 128 (grouped: each
+// group's outputs a multiple of 128 too).
+bool linear_mma(int64_t m, int64_t k, int64_t group_out = 128) {
+  const char* e = std::getenv("TROUPE_LINEAR_MMA");
+  return e != nullptr && e[0] == '1' && m > 8 && m <= 64 && k % 128 == 0 && group_out % 128 == 0;
+}
+
 // linear_multi: several weights over the same x in one launch (the decode step's projections),
 // for every row count the fused form takes (1, exact 2 and 3, 4-row tiles) and one it leaves to
 // linear (9).
@@ -99,7 +107,7 @@ TEST_F(CudaBackendTest, linear_matches_cpu_for_every_weight_type_and_shape) {
                           {2, 4096, 1024}, {2, 300, 256}, {3, 2048, 1024}, {4, 600, 512},
                           {4, 16388, 1024}, {6, 4500, 4096}, {8, 4400, 6144}, {3, 4500, 4096}, {8, 4400, 6208},
                           {8, 4400, 2112}, {3, 4500, 2048}, {4, 4096, 8192}, {5, 4500, 4416},
-                          {127, 1024, 4096}, {128, 1024, 4096}};
+                          {127, 1024, 4096}, {128, 1024, 4096}, {24, 1000, 1024}, {40, 4100, 2048}};
   // (3 x 2500, 4 x 600: x rows 3-4 on gemv_core's 4-row tiles (more outputs than one wave of 16-row tensor-core
   // CTAs, or fewer than 1,024); 3 x 2048 and 4 x 2000 on the tensor cores' one-wave form (16 warps); 4 and 7 rows
   // on the tensor cores, three blocks in flight (4 x 4096 x 1024, 7 x 1000: partial 16-row tiles) and two (4 x
@@ -121,7 +129,10 @@ TEST_F(CudaBackendTest, linear_matches_cpu_for_every_weight_type_and_shape) {
       // Exact fp32 activations on the GEMV path and for fp32 weights; on the cuBLAS path activations split
       // into two 16-bit terms (gemm_split: the terms' rows stacked into one GEMM below 128 rows, as 17 x 1024
       // x 4096, 64 x 4096 x 1024 and 127 x 1024 x 4096; two passes from 128 rows), else rounded.
-      const bool exact = s.m <= 8 || s.n <= 64 || type == WeightType::f32 || gemm_split(s.m);
+      // With TROUPE_LINEAR_MMA=1, bf16 products of 9-64 rows on linear_mma (24 x 1000: a partial row tile;
+      // 17 x 1024 x 4096 and 40 x 4100 x 2048: k split across CTAs, 40 rows in two passes).
+      const bool exact = s.m <= 8 || s.n <= 64 || type == WeightType::f32 || gemm_split(s.m) ||
+                         (type == WeightType::bf16 && linear_mma(s.m, s.k));
       EXPECT_CLOSE(y.gpu_host(s.m * s.n), y.cpu_host(s.m * s.n), exact ? 2e-5 : 1e-2);
     }
   }
@@ -134,13 +145,14 @@ TEST_F(CudaBackendTest, linear_accumulates_with_beta_one) {
   // (4 x 4500 x 1024: the persistent tensor-core GEMV; 5 x 4500 x 4096: its shared-memory ring form; 3 x 4500 x
   // 8192: the ring's two windows of k, the second adding to the first)
   for (const auto& s : {Shape{1, 384, 512}, Shape{6, 384, 512}, Shape{40, 384, 512}, Shape{4, 4500, 1024},
-                        Shape{5, 4500, 4096}, Shape{3, 4500, 8192}}) {
+                        Shape{5, 4500, 4096}, Shape{3, 4500, 8192}, Shape{40, 384, 4096}}) {
     MirrorWeight w(cpu(), gpu(), s.n, s.k, WeightType::bf16, rng_);
     Mirror x(cpu(), gpu(), randn(s.m * s.k, rng_));
     Mirror y(cpu(), gpu(), randn(s.m * s.n, rng_));
     cpu().linear(x.cpu(), s.m, w.cw, y.cpu(), 1.f);
     gpu().linear(x.gpu(), s.m, w.gw, y.gpu(), 1.f);
-    EXPECT_CLOSE(y.gpu_host(s.m * s.n), y.cpu_host(s.m * s.n), s.m <= 8 || gemm_split(s.m) ? 2e-5 : 1e-2);
+    EXPECT_CLOSE(y.gpu_host(s.m * s.n), y.cpu_host(s.m * s.n),
+                 s.m <= 8 || gemm_split(s.m) || linear_mma(s.m, s.k) ? 2e-5 : 1e-2);
   }
 }
 
@@ -149,7 +161,7 @@ TEST_F(CudaBackendTest, linear_grouped_matches_cpu) {
     int64_t m, groups, out, k;
   };
   for (const auto& s : {Shape{1, 8, 1024, 4096}, Shape{3, 8, 256, 512}, Shape{6, 4, 256, 512}, Shape{40, 4, 64, 128},
-                        Shape{9, 2, 64, 64}}) {
+                        Shape{9, 2, 64, 64}, Shape{24, 4, 256, 512}, Shape{33, 8, 128, 1024}}) {
     for (WeightType type : {WeightType::f32, WeightType::bf16}) {
       MirrorWeight w(cpu(), gpu(), s.groups * s.out, s.k, type, rng_);
       Mirror x(cpu(), gpu(), randn(s.m * s.groups * s.k, rng_));
@@ -157,7 +169,8 @@ TEST_F(CudaBackendTest, linear_grouped_matches_cpu) {
       y.poison();
       cpu().linear_grouped(x.cpu(), s.m, w.cw, static_cast<int>(s.groups), y.cpu());
       gpu().linear_grouped(x.gpu(), s.m, w.gw, static_cast<int>(s.groups), y.gpu());
-      const bool exact = s.m <= 8 || type == WeightType::f32 || gemm_split(s.m);  // GEMV: fp32 activations
+      const bool exact = s.m <= 8 || type == WeightType::f32 || gemm_split(s.m) ||  // GEMV: fp32 activations
+                         (type == WeightType::bf16 && linear_mma(s.m, s.k, s.out));
       EXPECT_CLOSE(y.gpu_host(s.m * s.groups * s.out), y.cpu_host(s.m * s.groups * s.out), exact ? 2e-5 : 1e-2);
     }
   }

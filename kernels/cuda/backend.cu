@@ -230,10 +230,6 @@ constexpr int64_t kRowsWithoutSync = 64;   // MoE rows handled without a host ro
 // ~3 TB/s) stays: 101 us against 132-137 batched. TROUPE_MOE_BATCHED=0 turns it off; =2 takes it at one
 // row too, for measuring.
 constexpr int64_t kBatchedMinRows = 2;
-// MoE calls of 2 to kRowsWithoutSync rows over bf16 experts of widths that are multiples of 128 run on
-// moe_mma (dense.hpp: each touched expert's rows through its weights once on mma.sync, x split in
-// registers, no padded blocks) when TROUPE_MOE_MMA is 1 (2: from one row too).
-constexpr int64_t kMoeMmaMinRows = 2;
 
 }  // namespace
 
@@ -315,11 +311,6 @@ struct CudaBackend::Impl {
                                 static_cast<const float*>(w.data), K, x, K, &beta, y, N));
       return;
     }
-    if (w.type == WeightType::bf16 && linear_mma_takes(m) && linear_mma_fits(m, w.cols, w.cols, 0)) {
-      float* scratch = arena.take<float>(linear_mma_scratch(m, w.rows, w.cols));
-      linear_mma(x, w.cols, m, w.data, w.rows, w.cols, 0, y, w.rows, beta, scratch, s());
-      return;
-    }
     half_products(x, m, w.cols, w.type, w.rows, y, beta, [&](const void* xp, int64_t rows, const float* b, float* out) {
       TROUPE_CUBLAS(cublasGemmEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, N, static_cast<int>(rows), K, &one, w.data,
                                  cuda_type(w.type), K, xp, cuda_type(w.type), K, b, out, CUDA_R_32F, N,
@@ -349,25 +340,6 @@ struct CudaBackend::Impl {
     to_half(x, m * cols, xh, type, s(), xl);
     gemm(xh, m, &beta, y);
     if (xl != nullptr) gemm(xl, m, &one, y);
-  }
-
-  // Whether linear() and linear_grouped() take linear_mma for m rows of x over bf16 weights where it fits
-  // (past the GEMVs' kGemvBatchRows): TROUPE_LINEAR_MMA=1 (unset or else: the split cuBLAS GEMMs).
-  static bool linear_mma_takes(int64_t m) {
-    static const bool on = env_switch("TROUPE_LINEAR_MMA") > 0;
-    return on && m > kGemvBatchRows;
-  }
-
-  // Whether moe() takes moe_mma for these rows where it fits (see kMoeMmaMinRows).
-  static bool moe_mma_takes(int64_t rows) {
-    // TROUPE_MOE_MMA: 1 from kMoeMmaMinRows rows, 2 from one row too (an A/B of the pair path), unset or
-    // else never.
-    static const char mode = [] {
-      const char* e = std::getenv("TROUPE_MOE_MMA");
-      return e == nullptr ? '0' : e[0];
-    }();
-    if (mode != '1' && mode != '2') return false;
-    return rows >= (mode == '2' ? 1 : kMoeMmaMinRows) && rows <= kRowsWithoutSync;
   }
 
   // Whether moe() takes moe_batched for these rows (see kBatchedMinRows).
@@ -709,11 +681,6 @@ void CudaBackend::linear_grouped(const float* x, int64_t m, const Weight& wq, in
                                             groups * N, N, groups));
     return;
   }
-  if (w.type == WeightType::bf16 && Impl::linear_mma_takes(m) && linear_mma_fits(m, w.cols, groups * w.cols, out)) {
-    float* scratch = impl_->arena.take<float>(linear_mma_scratch(m, groups * out, w.cols));
-    linear_mma(x, groups * w.cols, m, w.data, groups * out, w.cols, out, y, groups * out, 0.f, scratch, impl_->s());
-    return;
-  }
   impl_->half_products(x, m, groups * w.cols, w.type, groups * out, y, 0.f,
                        [&](const void* xp, int64_t rows, const float* b, float* o) {
                          TROUPE_CUBLAS(cublasGemmStridedBatchedEx(
@@ -924,17 +891,6 @@ void CudaBackend::moe(const float* x, int64_t rows, int64_t dim, const int32_t* 
     if (is_quantized(gate[0].type)) {
       uniform &= same_grid(gate[e], gate[0]) && same_grid(up[e], up[0]) && same_grid(down[e], down[0]);
     }
-  }
-  if (uniform && Impl::moe_mma_takes(rows) && moe_mma_fits(Impl::expert_shape(gate, up, down, experts), rows, dim)) {
-    const ExpertTables t = impl_->tables(gate, up, down, experts);
-    auto* counts = impl_->arena.take<int32_t>(experts);
-    auto* offsets = impl_->arena.take<int32_t>(experts + 1);
-    auto* perm = impl_->arena.take<int32_t>(pairs);
-    auto* inv = impl_->arena.take<int32_t>(pairs);
-    float* h = impl_->arena.take<float>(pairs * inter);
-    float* ys = impl_->arena.take<float>(pairs * dim);
-    moe_mma(x, rows, dim, idx, weight, k, experts, t, limit, counts, offsets, perm, inv, h, ys, out, impl_->s());
-    return;
   }
   if (uniform && rows <= kRowsWithoutSync && Impl::moe_batched_takes(gate[0].type, rows)) {
     impl_->moe_batched(x, rows, dim, idx, weight, k, experts, impl_->tables(gate, up, down, experts), limit, out);

@@ -114,26 +114,6 @@ void moe_pairs(const float* x, int64_t rows, int64_t dim, const int32_t* idx, co
 void moe_grouped(const float* x, int64_t rows, int64_t dim, const int32_t* idx, const float* weight, int k,
                  int experts, const ExpertTables& t, float limit, int32_t* counts, int32_t* offsets, int32_t* perm,
                  int32_t* inv, float* xs, float* h, float* ys, float* out, cudaStream_t s);
-// The tensor-core grouped MoE for 1-64 rows over bf16 experts whose widths (dim, inter) are multiples
-// of 128 (moe_mma_fits): the pairs sorted by expert on the device, then each touched expert's rows (at
-// most `rows`) through its gate/up and down weights once on mma.sync, x split into bf16 hi and lo terms
-// in registers (~16 bits of x, as the split GEMMs keep), swiglu fused; no host round trip, no rows padded
-// (the batched GEMMs pad every expert's block to `rows` rows, twice that with the split). Scratch: counts
-// [experts], offsets [experts + 1], perm/inv [rows*k], h [rows*k, inter], ys [rows*k, dim].
-bool moe_mma_fits(const ExpertTables& t, int64_t rows, int64_t dim);
-void moe_mma(const float* x, int64_t rows, int64_t dim, const int32_t* idx, const float* weight, int k, int experts,
-             const ExpertTables& t, float limit, int32_t* counts, int32_t* offsets, int32_t* perm, int32_t* inv,
-             float* h, float* ys, float* out, cudaStream_t s);
-// The same kernels' dense product: y [m, ldy] = x [m, ldx] . w^T (+ beta y) for bf16 w of n rows and k
-// columns, 1-64 rows of x, k a multiple of 128 (linear_mma_fits), weights read once, x split in registers.
-// group_rows > 0 (a multiple of 128): weight rows [g group_rows, + group_rows) take x's columns [g k, + k)
-// (a grouped projection; ldx >= groups k). Where its weight tiles alone would not fill the device, k is
-// split across CTAs and the splits' sums added in a fixed order: scratch of linear_mma_scratch(m, n, k)
-// floats (0: none needed).
-bool linear_mma_fits(int64_t m, int64_t k, int64_t ldx, int64_t group_rows);
-int64_t linear_mma_scratch(int64_t m, int64_t n, int64_t k);
-void linear_mma(const float* x, int64_t ldx, int64_t m, const void* w, int64_t n, int64_t k, int64_t group_rows,
-                float* y, int64_t ldy, float beta, float* scratch, cudaStream_t s);
 // Sorted path pieces: counts/offsets/permutation of the pairs by expert
 // (counts[e], offsets[e] (experts + 1), perm[pos] = pair, inv[pair] = pos; counts and inv may be null:
 // not written). With rank and touched

@@ -56,14 +56,6 @@ bool gemm_split(int64_t m) {
   return mode != '0' && (mode != '2' || m >= 128);
 }
 
-// Whether CudaBackend's bf16 products of m rows of x over k columns take linear_mma (x split in registers
-// whatever TROUPE_GEMM_SPLIT says): TROUPE_LINEAR_MMA=1, 9-64 rows, k a multiple of 128 (grouped: each
-// group's outputs a multiple of 128 too).
-bool linear_mma(int64_t m, int64_t k, int64_t group_out = 128) {
-  const char* e = std::getenv("TROUPE_LINEAR_MMA");
-  return e != nullptr && e[0] == '1' && m > 8 && m <= 64 && k % 128 == 0 && group_out % 128 == 0;
-}
-
 // linear_multi: several weights over the same x in one launch (the decode step's projections),
 // for every row count the fused form takes (1, exact 2 and 3, 4-row tiles) and one it leaves to
 // linear (9).
@@ -129,10 +121,7 @@ TEST_F(CudaBackendTest, linear_matches_cpu_for_every_weight_type_and_shape) {
       // Exact fp32 activations on the GEMV path and for fp32 weights; on the cuBLAS path activations split
       // into two 16-bit terms (gemm_split: the terms' rows stacked into one GEMM below 128 rows, as 17 x 1024
       // x 4096, 64 x 4096 x 1024 and 127 x 1024 x 4096; two passes from 128 rows), else rounded.
-      // With TROUPE_LINEAR_MMA=1, bf16 products of 9-64 rows on linear_mma (24 x 1000: a partial row tile;
-      // 17 x 1024 x 4096 and 40 x 4100 x 2048: k split across CTAs, 40 rows in two passes).
-      const bool exact = s.m <= 8 || s.n <= 64 || type == WeightType::f32 || gemm_split(s.m) ||
-                         (type == WeightType::bf16 && linear_mma(s.m, s.k));
+      const bool exact = s.m <= 8 || s.n <= 64 || type == WeightType::f32 || gemm_split(s.m);
       EXPECT_CLOSE(y.gpu_host(s.m * s.n), y.cpu_host(s.m * s.n), exact ? 2e-5 : 1e-2);
     }
   }
@@ -151,8 +140,7 @@ TEST_F(CudaBackendTest, linear_accumulates_with_beta_one) {
     Mirror y(cpu(), gpu(), randn(s.m * s.n, rng_));
     cpu().linear(x.cpu(), s.m, w.cw, y.cpu(), 1.f);
     gpu().linear(x.gpu(), s.m, w.gw, y.gpu(), 1.f);
-    EXPECT_CLOSE(y.gpu_host(s.m * s.n), y.cpu_host(s.m * s.n),
-                 s.m <= 8 || gemm_split(s.m) || linear_mma(s.m, s.k) ? 2e-5 : 1e-2);
+    EXPECT_CLOSE(y.gpu_host(s.m * s.n), y.cpu_host(s.m * s.n), s.m <= 8 || gemm_split(s.m) ? 2e-5 : 1e-2);
   }
 }
 
@@ -169,8 +157,7 @@ TEST_F(CudaBackendTest, linear_grouped_matches_cpu) {
       y.poison();
       cpu().linear_grouped(x.cpu(), s.m, w.cw, static_cast<int>(s.groups), y.cpu());
       gpu().linear_grouped(x.gpu(), s.m, w.gw, static_cast<int>(s.groups), y.gpu());
-      const bool exact = s.m <= 8 || type == WeightType::f32 || gemm_split(s.m) ||  // GEMV: fp32 activations
-                         (type == WeightType::bf16 && linear_mma(s.m, s.k, s.out));
+      const bool exact = s.m <= 8 || type == WeightType::f32 || gemm_split(s.m);  // GEMV: fp32 activations
       EXPECT_CLOSE(y.gpu_host(s.m * s.groups * s.out), y.cpu_host(s.m * s.groups * s.out), exact ? 2e-5 : 1e-2);
     }
   }
@@ -539,16 +526,6 @@ bool moe_batched(int64_t rows) {
   return mode != '0' && rows <= 64 && rows >= (mode == '2' ? 1 : 2);
 }
 
-// Whether CudaBackend::moe takes its tensor-core grouped MoE (x split in registers whatever
-// TROUPE_GEMM_SPLIT says) for this bf16 call: TROUPE_MOE_MMA 1, 2 to 64 rows; 2, 1 to 64 rows; else never;
-// widths multiples of 128.
-bool moe_mma(int64_t rows, int64_t dim, int64_t inter) {
-  const char* e = std::getenv("TROUPE_MOE_MMA");
-  const char mode = e == nullptr ? '0' : e[0];
-  return (mode == '1' || mode == '2') && rows <= 64 && rows >= (mode == '2' ? 1 : 2) && dim % 128 == 0 &&
-         inter % 128 == 0;
-}
-
 TEST_F(CudaBackendTest, moe_matches_cpu_on_the_pair_and_sorted_paths) {
   struct Case {
     int experts, k;
@@ -557,8 +534,8 @@ TEST_F(CudaBackendTest, moe_matches_cpu_on_the_pair_and_sorted_paths) {
   };
   // 64 experts, top-2: the batched path's entries (min(experts, pairs)) past the touched experts are spares
   // whenever two rows share an expert.
-  // 4 experts, top-3 at 1,280 (moe_mma: down over 5 windows of h, an odd count): each expert takes about
-  // three rows in four, up to 64 rows of one CTA.
+  // 4 experts, top-3 at 1,280: each expert takes about three rows in four (the batched path's blocks nearly
+  // full, up to 64 rows).
   const Case cases[] = {{16, 6, 1024, WeightType::bf16}, {16, 6, 256, WeightType::bf16}, {64, 2, 256, WeightType::bf16},
                         {4, 3, 1280, WeightType::bf16},
                         {16, 6, 1024, WeightType::f32},  {16, 6, 256, WeightType::f32}};
@@ -585,8 +562,7 @@ TEST_F(CudaBackendTest, moe_matches_cpu_on_the_pair_and_sorted_paths) {
       // GEMMs over the touched experts' rows (ctest's kernels_cuda_moe_grouped turns that off;
       // kernels_cuda_moe_batched_always takes it at one row too). The cuBLAS GEMMs of both are exact where
       // they split x (gemm_split(1): at every shape), else on bf16-rounded activations.
-      const bool exact = c.type == WeightType::f32 || gemm_split(1) || (rows <= 64 && !moe_batched(rows)) ||
-                         moe_mma(rows, dim, inter);
+      const bool exact = c.type == WeightType::f32 || gemm_split(1) || (rows <= 64 && !moe_batched(rows));
       expect_moe_like_cpu(cpu(), gpu(), rng_, set, rows, dim, c.k, exact ? 2e-5 : 1e-2);
     }
   }

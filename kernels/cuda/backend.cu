@@ -203,7 +203,8 @@ bool mhc_unfused() {
 // its top-1 on 1.0 % of 2,304 positions on an H100 (run 41: 98.96 %); split from 128 rows 99.83 %, split
 // everywhere 99.91 % (run 44), with the greedy tokens of a request the same in batches of 16 and 64 where
 // the rounded forms' were not, for +4.5 % / +10.4 % a decode step at batch 16 / 64 against split from 128
-// rows (the batched MoE's doubled blocks; docs/kernel-runs/run44-split.md). TROUPE_GEMM_SPLIT=0: no split
+// rows (docs/kernel-runs/run44-split.md; at batch 64 nearly all of it in the dense products, the routed
+// experts +18 of +328 us, run45-xsplit.md). TROUPE_GEMM_SPLIT=0: no split
 // (x rounded to half); =2: from kSplitMinRows rows only (session 41's rule: faster decode at 9-127 rows);
 // unset or else: every half-precision GEMM.
 constexpr int64_t kSplitMinRows = 128;

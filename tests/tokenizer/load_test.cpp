@@ -26,7 +26,6 @@ fs::path temp_dir() {
 
 std::string load_error(const std::string& tokenizer_json) {
   const fs::path dir = temp_dir();
-  fs::create_directories(dir);
   std::ofstream(dir / "tokenizer.json") << tokenizer_json;
   try {
     Tokenizer::load(dir.string());

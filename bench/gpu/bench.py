@@ -125,6 +125,7 @@ class Bench:
         L.tb_indexer_topk_ws.restype = lg
         L.tb_indexer_topk_ws.argtypes = [it, lg, it]
         L.tb_ws_init.argtypes = [vp, lg, vp]
+        L.tb_floor.argtypes = [vp, it, vp]
         L.tb_topk.argtypes = [vp, lg, vp, it, lg, it, vp, vp, vp, it, vp]
         L.tb_topk_profiled.argtypes = [vp, lg, vp, it, lg, it, vp, vp, vp, it, vp, vp]
         comp = [it, it, lg, vp, vp, fl, vp, lg, fl, vp, vp]
@@ -192,6 +193,12 @@ class Bench:
         # The floor under any one-kernel call timed this way: a 1-element add_ per graph node.
         z = torch.zeros(1, device="cuda")
         self.add(kernel="launch floor", shape="1-element add_, graph node", ours_us=graph_time(lambda i: z.add_(1.0)))
+        # ... and under the kernels here: one 512-thread CTA that only enters as they do (PDL's wait and trigger),
+        # launched with the PDL attribute as they are, and without it.
+        flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+        for pdl in (1, 0):
+            self.add(kernel="launch floor", shape=f"empty 512-thread CTA, graph node, PDL {'on' if pdl else 'off'}",
+                     ours_us=graph_time(lambda i: self.ok(L.tb_floor(ptr(flag), pdl, stream()), "floor")))
         # 4,096 / 16,384: rows of one small / large chunk (decode at short context), selected inside one CTA each
         shapes = [(4096, 512), (16384, 512), (65536, 512), (262144, 512), (1048576, 2048)]
         batches = [1, 8, 64] if not self.quick else [1, 64]

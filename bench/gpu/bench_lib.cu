@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "kernels/cuda/attention.hpp"
+#include "kernels/cuda/common.cuh"
 #include "kernels/cuda/compressor.hpp"
 #include "kernels/cuda/dense.hpp"
 #include "kernels/cuda/indexer.hpp"
@@ -13,6 +14,14 @@
 
 using namespace troupe::kernels;
 using namespace troupe::kernels::cuda;
+
+// The launch floor of the kernels here: one CTA of 512 threads that does nothing but
+// PDL's entry (griddepcontrol.wait / launch_dependents, as every kernel here does) and
+// one store, launched as they are (launch_kernel: with the PDL attribute) or without it.
+__global__ void __launch_bounds__(512) floor_kernel(int* flag) {
+  pdl_entry();
+  if (threadIdx.x == 0) *flag += 1;
+}
 
 template <class F>
 static int guarded(F&& f) {
@@ -26,6 +35,18 @@ static int guarded(F&& f) {
 }
 
 extern "C" {
+
+int tb_floor(int* flag, int pdl, void* stream) {
+  return guarded([&] {
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (pdl != 0) {
+      launch_kernel(floor_kernel, dim3(1), dim3(512), 0, s, flag);
+    } else {
+      floor_kernel<<<1, 512, 0, s>>>(flag);
+      TROUPE_REQUIRE(cudaGetLastError() == cudaSuccess, "floor_kernel launch");
+    }
+  });
+}
 
 long tb_indexer_topk_ws(int batch, long max_keys, int k) {
   return static_cast<long>(indexer_topk_workspace_bytes(batch, max_keys, k));

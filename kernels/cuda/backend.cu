@@ -305,42 +305,72 @@ struct CudaBackend::Impl {
       gemv(x, w.cols, m, w, y, w.rows, beta, 0, s());
       return;
     }
-    const float one = 1.f;
-    const int N = static_cast<int>(w.rows), K = static_cast<int>(w.cols), M = static_cast<int>(m);
     if (w.type == WeightType::f32) {
+      const float one = 1.f;
+      const int N = static_cast<int>(w.rows), K = static_cast<int>(w.cols), M = static_cast<int>(m);
       TROUPE_CUBLAS(cublasSgemm(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one,
                                 static_cast<const float*>(w.data), K, x, K, &beta, y, N));
       return;
     }
-    half_products(x, m, w.cols, w.type, w.rows, y, beta, [&](const void* xp, int64_t rows, const float* b, float* out) {
-      TROUPE_CUBLAS(cublasGemmEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, N, static_cast<int>(rows), K, &one, w.data,
-                                 cuda_type(w.type), K, xp, cuda_type(w.type), K, b, out, CUDA_R_32F, N,
-                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    });
+    half_products(x, m, w.cols, w.type, 1, &w.rows, &y, beta,
+                  [&](int, const void* xp, int64_t rows, const float* b, float* out) { half_gemm(w, xp, rows, b, out); });
   }
 
-  // y (m rows of `outs` floats) = the product of x (m rows of `cols` floats) in the weights' half `type`,
-  // with the activations split as gemm_split says (or rounded), + beta y (y unread when beta is 0).
-  // gemm(xp, rows, beta, out): the caller's cuBLAS GEMM of `rows` rows of half activations at xp into out
-  // (out = beta out + the product). Below kSplitMinRows the two terms' rows in one GEMM, then
-  // add_split_products; else the rounded term, and the split's second term accumulated in a second pass.
+  // y[i] (m rows of outs[i] floats), i < count: the products of x (m rows of `cols` floats) in the weights'
+  // half `type`, with the activations split as gemm_split says (or rounded), + beta y[i] (unread when beta
+  // is 0); x converted once for all of them. gemm(i, xp, rows, beta, out): the caller's cuBLAS GEMM of
+  // product i over `rows` rows of half activations at xp into out (out = beta out + the product). Below
+  // kSplitMinRows the two terms' rows in one GEMM a product, then their halves added (one launch for all
+  // products; several take beta 0); else the rounded term, and the split's second term accumulated in a
+  // second pass.
   template <class Gemm>
-  void half_products(const float* x, int64_t m, int64_t cols, WeightType type, int64_t outs, float* y, float beta,
-                     Gemm&& gemm) {
+  void half_products(const float* x, int64_t m, int64_t cols, WeightType type, int count, const int64_t* outs,
+                     float* const* y, float beta, Gemm&& gemm) {
     const float one = 1.f, zero = 0.f;
     if (gemm_split(m) && m < kSplitMinRows) {
       auto* x2 = arena.take<uint16_t>(2 * m * cols);
       to_half(x, m * cols, x2, type, s(), x2 + m * cols);
-      float* parts = arena.take<float>(2 * m * outs);
-      gemm(x2, 2 * m, &zero, parts);
-      add_split_products(parts, m * outs, y, beta, s());
+      if (count == 1) {
+        float* parts = arena.take<float>(2 * m * outs[0]);
+        gemm(0, x2, 2 * m, &zero, parts);
+        add_split_products(parts, m * outs[0], y[0], beta, s());
+        return;
+      }
+      TROUPE_REQUIRE(beta == 0.f && count <= kMaxSplitSums, "half_products: several products take beta 0, at most 8");
+      SplitSums sums{};
+      sums.count = count;
+      for (int i = 0; i < count; ++i) {
+        float* parts = arena.take<float>(2 * m * outs[i]);
+        gemm(i, x2, 2 * m, &zero, parts);
+        sums.parts[i] = parts;
+        sums.y[i] = y[i];
+        sums.start[i + 1] = sums.start[i] + m * outs[i];
+      }
+      add_split_products_multi(sums, s());
       return;
     }
     void* xh = arena.take<uint16_t>(m * cols);
     void* xl = gemm_split(m) ? arena.take<uint16_t>(m * cols) : nullptr;
     to_half(x, m * cols, xh, type, s(), xl);
-    gemm(xh, m, &beta, y);
-    if (xl != nullptr) gemm(xl, m, &one, y);
+    for (int i = 0; i < count; ++i) {
+      gemm(i, xh, m, &beta, y[i]);
+      if (xl != nullptr) gemm(i, xl, m, &one, y[i]);
+    }
+  }
+
+  // The cuBLAS GEMM of linear(): y^T [n x rows] = W [n x K] . x^T [K x rows] (column-major views).
+  void half_gemm(const Weight& w, const void* xp, int64_t rows, const float* beta, float* out) {
+    const float one = 1.f;
+    const int N = static_cast<int>(w.rows), K = static_cast<int>(w.cols);
+    TROUPE_CUBLAS(cublasGemmEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, N, static_cast<int>(rows), K, &one, w.data,
+                               cuda_type(w.type), K, xp, cuda_type(w.type), K, beta, out, CUDA_R_32F, N,
+                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  }
+
+  // Whether linear(x, m, w) runs as half_products' cuBLAS GEMM (a half-precision matrix of more than 64
+  // rows, past the GEMV's rows), so that linear_multi can convert x once for several such weights.
+  static bool linear_takes_half_gemm(int64_t m, const Weight& w) {
+    return m > kGemvBatchRows && w.rows > 64 && (w.type == WeightType::bf16 || w.type == WeightType::f16);
   }
 
   // Whether moe() takes moe_batched for these rows (see kBatchedMinRows).
@@ -654,7 +684,44 @@ void CudaBackend::linear_multi(const float* x, int64_t m, const Weight* w, float
     return e != nullptr && std::strcmp(e, "0") == 0;
   }();
   if (!off && gemv_multi(x, m, w, y, count, impl_->s())) return;
-  for (int i = 0; i < count; ++i) linear(x, m, w[i], y[i], 0.f);
+  // The weights linear() would run as half-precision cuBLAS GEMMs, grouped by type and width: x converted
+  // (and split) once a group, and the split products' halves added in one launch, instead of a conversion
+  // and an add a weight; the others one by one. TROUPE_MULTI_GEMM=0: every weight by linear() (an A/B switch).
+  static const bool one_by_one = [] {
+    const char* e = std::getenv("TROUPE_MULTI_GEMM");
+    return e != nullptr && std::strcmp(e, "0") == 0;
+  }();
+  std::vector<bool> done(static_cast<size_t>(count), false);
+  for (int i = 0; i < count && !one_by_one; ++i) {
+    if (done[static_cast<size_t>(i)] || !Impl::linear_takes_half_gemm(m, w[i])) continue;
+    const Weight* group[kMaxSplitSums];
+    float* gy[kMaxSplitSums];
+    int64_t outs[kMaxSplitSums];
+    int n = 0;
+    for (int j = i; j < count && n < kMaxSplitSums; ++j) {
+      if (done[static_cast<size_t>(j)] || !Impl::linear_takes_half_gemm(m, w[j]) || w[j].type != w[i].type ||
+          w[j].cols != w[i].cols) {
+        continue;
+      }
+      group[n] = &w[j];
+      gy[n] = y[j];
+      outs[n] = w[j].rows;
+      ++n;
+      done[static_cast<size_t>(j)] = true;
+    }
+    if (n == 1) {
+      done[static_cast<size_t>(i)] = false;  // alone: linear() below
+      continue;
+    }
+    impl_->arena.begin();
+    impl_->half_products(x, m, w[i].cols, w[i].type, n, outs, gy, 0.f,
+                         [&](int g, const void* xp, int64_t rows, const float* b, float* out) {
+                           impl_->half_gemm(*group[g], xp, rows, b, out);
+                         });
+  }
+  for (int i = 0; i < count; ++i) {
+    if (!done[static_cast<size_t>(i)]) linear(x, m, w[i], y[i], 0.f);
+  }
 }
 
 void CudaBackend::linear_grouped(const float* x, int64_t m, const Weight& wq, int groups, float* y) {
@@ -682,8 +749,9 @@ void CudaBackend::linear_grouped(const float* x, int64_t m, const Weight& wq, in
                                             groups * N, N, groups));
     return;
   }
-  impl_->half_products(x, m, groups * w.cols, w.type, groups * out, y, 0.f,
-                       [&](const void* xp, int64_t rows, const float* b, float* o) {
+  const int64_t outs = groups * out;
+  impl_->half_products(x, m, groups * w.cols, w.type, 1, &outs, &y, 0.f,
+                       [&](int, const void* xp, int64_t rows, const float* b, float* o) {
                          TROUPE_CUBLAS(cublasGemmStridedBatchedEx(
                              impl_->blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, N, static_cast<int>(rows), K, &one, w.data,
                              cuda_type(w.type), K, out * K, xp, cuda_type(w.type), groups * K, K, b, o, CUDA_R_32F,

@@ -57,21 +57,30 @@ bool gemm_split(int64_t m) {
 }
 
 // linear_multi: several weights over the same x in one launch (the decode step's projections),
-// for every row count the fused form takes (1, exact 2 and 3, 4-row tiles) and one it leaves to
-// linear (9).
+// for every row count the fused form takes (1, exact 2 and 3, 4-row tiles) and those it leaves to
+// cuBLAS (9 and 40: x converted once for the half weights, the split products' halves added in one
+// launch; 130: two passes); and a list of mixed types (an f32 weight and a 64-row one among bf16 ones:
+// the half GEMMs grouped, the others one by one).
 TEST_F(CudaBackendTest, linear_multi_matches_cpu_for_every_row_count) {
   const int64_t k = 1024;
-  const int64_t outs[] = {1536, 512, 64};
-  for (WeightType type : {WeightType::bf16, WeightType::f32}) {
-    for (int64_t m : {1, 2, 3, 4, 9}) {
-      SCOPED_TRACE("type " + std::to_string(static_cast<int>(type)) + " m " + std::to_string(m));
+  struct Case {
+    std::vector<WeightType> types;
+    std::vector<int64_t> outs;
+  };
+  const Case cases[] = {{{WeightType::bf16, WeightType::bf16, WeightType::bf16}, {1536, 512, 64}},
+                        {{WeightType::f32, WeightType::f32, WeightType::f32}, {1536, 512, 64}},
+                        {{WeightType::bf16, WeightType::f32, WeightType::bf16, WeightType::bf16}, {1536, 512, 64, 700}}};
+  for (const Case& c : cases) {
+    for (int64_t m : {1, 2, 3, 4, 9, 40, 130}) {
+      SCOPED_TRACE("types " + std::to_string(c.types.size()) + " first " +
+                   std::to_string(static_cast<int>(c.types[0])) + " m " + std::to_string(m));
       std::vector<std::unique_ptr<MirrorWeight>> ws;
       std::vector<std::unique_ptr<Mirror>> ys;
       std::vector<Weight> cw, gw;
       std::vector<float*> cy, gy;
-      for (int64_t n : outs) {
-        ws.push_back(std::make_unique<MirrorWeight>(cpu(), gpu(), n, k, type, rng_));
-        ys.push_back(std::make_unique<Mirror>(cpu(), gpu(), m * n * 4));
+      for (size_t i = 0; i < c.outs.size(); ++i) {
+        ws.push_back(std::make_unique<MirrorWeight>(cpu(), gpu(), c.outs[i], k, c.types[i], rng_));
+        ys.push_back(std::make_unique<Mirror>(cpu(), gpu(), m * c.outs[i] * 4));
         ys.back()->poison();
         cw.push_back(ws.back()->cw);
         gw.push_back(ws.back()->gw);
@@ -81,9 +90,9 @@ TEST_F(CudaBackendTest, linear_multi_matches_cpu_for_every_row_count) {
       Mirror x(cpu(), gpu(), randn(m * k, rng_));
       cpu().linear_multi(x.cpu(), m, cw.data(), cy.data(), static_cast<int>(cw.size()));
       gpu().linear_multi(x.gpu(), m, gw.data(), gy.data(), static_cast<int>(gw.size()));
-      const bool exact = m <= 8 || type == WeightType::f32 || gemm_split(m);  // as in the linear test
       for (size_t i = 0; i < ys.size(); ++i) {
-        EXPECT_CLOSE(ys[i]->gpu_host(m * outs[i]), ys[i]->cpu_host(m * outs[i]), exact ? 2e-5 : 1e-2);
+        const bool exact = m <= 8 || c.types[i] == WeightType::f32 || gemm_split(m);  // as in the linear test
+        EXPECT_CLOSE(ys[i]->gpu_host(m * c.outs[i]), ys[i]->cpu_host(m * c.outs[i]), exact ? 2e-5 : 1e-2);
       }
     }
   }

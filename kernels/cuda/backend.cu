@@ -204,7 +204,8 @@ bool mhc_unfused() {
 // everywhere 99.91 % (run 44), with the greedy tokens of a request the same in batches of 16 and 64 where
 // the rounded forms' were not, for +4.5 % / +10.4 % a decode step at batch 16 / 64 against split from 128
 // rows (docs/kernel-runs/run44-split.md; at batch 64 nearly all of it in the dense products, the routed
-// experts +18 of +328 us, run45-xsplit.md). TROUPE_GEMM_SPLIT=0: no split
+// experts +18 of +328 us, run45-xsplit.md; H200, run 46, with linear_multi's grouped conversions and adds:
+// +4.2 % / +8.6 %). TROUPE_GEMM_SPLIT=0: no split
 // (x rounded to half); =2: from kSplitMinRows rows only (session 41's rule: faster decode at 9-127 rows);
 // unset or else: every half-precision GEMM.
 constexpr int64_t kSplitMinRows = 128;

@@ -31,37 +31,42 @@ namespace {
       ::troupe::kernels::cuda::fail(#call, __FILE__, __LINE__, cublasGetStatusString(troupe_st_));   \
   } while (0)
 
-// RAII owners of CUDA handles.
-class Stream {
+// RAII owners of CUDA handles: made through out(), destroyed with Destroy.
+template <class H, auto Destroy>
+class Owned {
  public:
-  Stream() { TROUPE_CUDA(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
-  ~Stream() {
-    if (s_ != nullptr) cudaStreamDestroy(s_);
+  Owned() = default;
+  ~Owned() {
+    if (h_ != nullptr) Destroy(h_);
   }
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-  cudaStream_t get() const { return s_; }
+  Owned(const Owned&) = delete;
+  Owned& operator=(const Owned&) = delete;
+  H get() const { return h_; }
+
+ protected:
+  H* out() { return &h_; }
 
  private:
-  cudaStream_t s_ = nullptr;
+  H h_ = nullptr;
 };
 
-class Cublas {
+class Stream : public Owned<cudaStream_t, cudaStreamDestroy> {
+ public:
+  Stream() { TROUPE_CUDA(cudaStreamCreateWithFlags(out(), cudaStreamNonBlocking)); }
+};
+
+class Cublas : public Owned<cublasHandle_t, cublasDestroy> {
  public:
   explicit Cublas(cudaStream_t s) {
-    TROUPE_CUBLAS(cublasCreate(&h_));
-    TROUPE_CUBLAS(cublasSetStream(h_, s));
-    TROUPE_CUBLAS(cublasSetMathMode(h_, CUBLAS_DEFAULT_MATH));  // no TF32 for fp32 GEMMs
+    TROUPE_CUBLAS(cublasCreate(out()));
+    TROUPE_CUBLAS(cublasSetStream(get(), s));
+    TROUPE_CUBLAS(cublasSetMathMode(get(), CUBLAS_DEFAULT_MATH));  // no TF32 for fp32 GEMMs
   }
-  ~Cublas() {
-    if (h_ != nullptr) cublasDestroy(h_);
-  }
-  Cublas(const Cublas&) = delete;
-  Cublas& operator=(const Cublas&) = delete;
-  cublasHandle_t get() const { return h_; }
+};
 
- private:
-  cublasHandle_t h_ = nullptr;
+class CublasLt : public Owned<cublasLtHandle_t, cublasLtDestroy> {
+ public:
+  CublasLt() { TROUPE_CUBLAS(cublasLtCreate(out())); }
 };
 
 // TROUPE_GEMM_TUNE=1 (an experiment, off by default): linear()'s half-precision GEMMs through cuBLASLt, the
@@ -76,20 +81,6 @@ bool gemm_tune() {
   }();
   return on;
 }
-
-class CublasLt {
- public:
-  CublasLt() { TROUPE_CUBLAS(cublasLtCreate(&h_)); }
-  ~CublasLt() {
-    if (h_ != nullptr) cublasLtDestroy(h_);
-  }
-  CublasLt(const CublasLt&) = delete;
-  CublasLt& operator=(const CublasLt&) = delete;
-  cublasLtHandle_t get() const { return h_; }
-
- private:
-  cublasLtHandle_t h_ = nullptr;
-};
 
 // One GEMM shape's cuBLASLt plan (gemm_tune): y^T [n x m] = W [n x k] . x^T [k x m], half inputs, fp32 out.
 struct LtPlan {

@@ -454,7 +454,8 @@ struct CudaBackend::Impl {
   }
 
   // Times each candidate on these operands into scratch (beta 0) and keeps the fastest when it beats the
-  // first candidate by 5 % or more. Synchronizes the stream: outside graph recordings only.
+  // first candidate by 5 % or more (or the first fails here). Synchronizes the stream: outside graph
+  // recordings only.
   void tune_lt(LtPlan& plan, const void* w, const void* xp, int64_t N, int64_t M) {
     plan.tuned = true;
     if (plan.candidates.size() < 2) return;
@@ -464,8 +465,7 @@ struct CudaBackend::Impl {
     TROUPE_CUDA(cudaEventCreate(&e0));
     TROUPE_CUDA(cudaEventCreate(&e1));
     constexpr int kWarm = 2, kTimed = 8;
-    float first_ms = 0.f, best_ms = 0.f;
-    size_t best = 0;
+    std::vector<float> ms(plan.candidates.size(), -1.f);  // -1: failed here
     for (size_t i = 0; i < plan.candidates.size(); ++i) {
       auto run = [&] {
         return cublasLtMatmul(lt.get(), plan.op, &one, w, plan.a, xp, plan.b, &zero, scratch, plan.c, scratch, plan.c,
@@ -478,22 +478,21 @@ struct CudaBackend::Impl {
       for (int r = 0; r < kTimed; ++r) TROUPE_CUBLAS(run());
       TROUPE_CUDA(cudaEventRecord(e1, s()));
       TROUPE_CUDA(cudaEventSynchronize(e1));
-      float ms = 0.f;
-      TROUPE_CUDA(cudaEventElapsedTime(&ms, e0, e1));
-      if (i == 0) first_ms = ms;
-      if (i == 0 || ms < best_ms) {
-        best_ms = ms;
-        best = i;
-      }
+      TROUPE_CUDA(cudaEventElapsedTime(&ms[i], e0, e1));
     }
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);
-    if (best != 0 && best_ms < 0.95f * first_ms) plan.algo = plan.candidates[best];
+    size_t best = 0;
+    for (size_t i = 1; i < ms.size(); ++i) {
+      if (ms[i] >= 0.f && (ms[best] < 0.f || ms[i] < ms[best])) best = i;
+    }
+    const size_t chosen = ms[0] < 0.f || (ms[best] >= 0.f && ms[best] < 0.95f * ms[0]) ? best : 0;
+    TROUPE_REQUIRE(ms[chosen] >= 0.f, "linear: no cuBLASLt algorithm ran for this GEMM");
+    plan.algo = plan.candidates[chosen];
     if (std::getenv("TROUPE_GEMM_TUNE_LOG") != nullptr) {
       std::fprintf(stderr, "troupe gemm tune: n %lld m %lld: %zu candidates, first %.2f us, chose #%zu %.2f us\n",
-                   static_cast<long long>(N), static_cast<long long>(M), plan.candidates.size(),
-                   1e3f * first_ms / kTimed, best != 0 && best_ms < 0.95f * first_ms ? best : size_t{0},
-                   1e3f * (best != 0 && best_ms < 0.95f * first_ms ? best_ms : first_ms) / kTimed);
+                   static_cast<long long>(N), static_cast<long long>(M), ms.size(), 1e3f * ms[0] / kTimed, chosen,
+                   1e3f * ms[chosen] / kTimed);
     }
   }
 

@@ -43,7 +43,7 @@ int tb_floor(int* flag, int pdl, void* stream) {
       launch_kernel(floor_kernel, dim3(1), dim3(512), 0, s, flag);
     } else {
       floor_kernel<<<1, 512, 0, s>>>(flag);
-      TROUPE_REQUIRE(cudaGetLastError() == cudaSuccess, "floor_kernel launch");
+      TROUPE_LAUNCHED();
     }
   });
 }

@@ -4,6 +4,7 @@
 #include <cublas_v2.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -291,7 +292,7 @@ struct CudaBackend::Impl {
   Cublas blas;
   void* blas_ws = nullptr;
   CublasLt lt;  // gemm_tune's
-  std::map<std::vector<int64_t>, std::unique_ptr<LtPlan>> lt_plans;
+  std::map<std::array<int64_t, 4>, std::unique_ptr<LtPlan>> lt_plans;  // by {n, m, k, type}
   Arena arena;
   DeviceBuffer topk_ws;  // zero between calls
   // Device tables of expert weight pointers, one per distinct expert set (layer).
@@ -362,24 +363,18 @@ struct CudaBackend::Impl {
   // is 0); x converted once for all of them. gemm(i, xp, rows, beta, out): the caller's cuBLAS GEMM of
   // product i over `rows` rows of half activations at xp into out (out = beta out + the product). Below
   // kSplitMinRows the two terms' rows in one GEMM a product, then their halves added (one launch for all
-  // products; several take beta 0); else the rounded term, and the split's second term accumulated in a
-  // second pass.
+  // products); else the rounded term, and the split's second term accumulated in a second pass.
   template <class Gemm>
   void half_products(const float* x, int64_t m, int64_t cols, WeightType type, int count, const int64_t* outs,
                      float* const* y, float beta, Gemm&& gemm) {
     const float one = 1.f, zero = 0.f;
     if (gemm_split(m) && m < kSplitMinRows) {
+      TROUPE_REQUIRE(count <= kMaxSplitSums, "half_products: at most 8 products");
       auto* x2 = arena.take<uint16_t>(2 * m * cols);
       to_half(x, m * cols, x2, type, s(), x2 + m * cols);
-      if (count == 1) {
-        float* parts = arena.take<float>(2 * m * outs[0]);
-        gemm(0, x2, 2 * m, &zero, parts);
-        add_split_products(parts, m * outs[0], y[0], beta, s());
-        return;
-      }
-      TROUPE_REQUIRE(beta == 0.f && count <= kMaxSplitSums, "half_products: several products take beta 0, at most 8");
       SplitSums sums{};
       sums.count = count;
+      sums.beta = beta;
       for (int i = 0; i < count; ++i) {
         float* parts = arena.take<float>(2 * m * outs[i]);
         gemm(i, x2, 2 * m, &zero, parts);
@@ -387,7 +382,7 @@ struct CudaBackend::Impl {
         sums.y[i] = y[i];
         sums.start[i + 1] = sums.start[i] + m * outs[i];
       }
-      add_split_products_multi(sums, s());
+      add_split_products(sums, s());
       return;
     }
     void* xh = arena.take<uint16_t>(m * cols);
@@ -823,29 +818,26 @@ void CudaBackend::linear_multi(const float* x, int64_t m, const Weight* w, float
   std::vector<bool> done(static_cast<size_t>(count), false);
   for (int i = 0; i < count && !one_by_one; ++i) {
     if (done[static_cast<size_t>(i)] || !Impl::linear_takes_half_gemm(m, w[i])) continue;
-    const Weight* group[kMaxSplitSums];
-    float* gy[kMaxSplitSums];
-    int64_t outs[kMaxSplitSums];
+    int members[kMaxSplitSums];  // w[i] and the later weights it can share x with
     int n = 0;
     for (int j = i; j < count && n < kMaxSplitSums; ++j) {
-      if (done[static_cast<size_t>(j)] || !Impl::linear_takes_half_gemm(m, w[j]) || w[j].type != w[i].type ||
-          w[j].cols != w[i].cols) {
-        continue;
+      if (!done[static_cast<size_t>(j)] && Impl::linear_takes_half_gemm(m, w[j]) && w[j].type == w[i].type &&
+          w[j].cols == w[i].cols) {
+        members[n++] = j;
       }
-      group[n] = &w[j];
-      gy[n] = y[j];
-      outs[n] = w[j].rows;
-      ++n;
-      done[static_cast<size_t>(j)] = true;
     }
-    if (n == 1) {
-      done[static_cast<size_t>(i)] = false;  // alone: linear() below
-      continue;
+    if (n == 1) continue;  // alone: linear() below
+    float* gy[kMaxSplitSums];
+    int64_t outs[kMaxSplitSums];
+    for (int g = 0; g < n; ++g) {
+      done[static_cast<size_t>(members[g])] = true;
+      gy[g] = y[members[g]];
+      outs[g] = w[members[g]].rows;
     }
     impl_->arena.begin();
     impl_->half_products(x, m, w[i].cols, w[i].type, n, outs, gy, 0.f,
                          [&](int g, const void* xp, int64_t rows, const float* b, float* out) {
-                           impl_->half_gemm(*group[g], xp, rows, b, out);
+                           impl_->half_gemm(w[members[g]], xp, rows, b, out);
                          });
   }
   for (int i = 0; i < count; ++i) {

@@ -955,20 +955,10 @@ __global__ void add_kernel(float* y, const float* x, int64_t n) {
   }
 }
 
-// y = parts[i] + parts[n + i] (+ beta y; y unread when beta is 0): a split GEMM's two products.
-__global__ void add_split_products_kernel(const float* parts, int64_t n, float* y, float beta) {
-  pdl_entry();  // see launch_kernel
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float v = parts[i] + parts[n + i];
-    y[i] = beta == 0.f ? v : v + beta * y[i];
-  }
-}
-
-// add_split_products over several GEMMs' products at once (linear_multi's split GEMMs): segment j's
-// elements are i in [start[j], start[j + 1]) of the call's range, y[j][i - start[j]] = parts[j][i - start[j]]
-// + parts[j][n_j + i - start[j]] with n_j = start[j + 1] - start[j].
-__global__ void add_split_products_multi_kernel(const SplitSums s) {
+// The split GEMMs' sums (see SplitSums): segment j's elements are i in [start[j], start[j + 1]) of the call's
+// range, y[j][at] = parts[j][at] + parts[j][n_j + at] (+ beta y[j][at]; unread when beta is 0), at = i -
+// start[j], n_j = start[j + 1] - start[j].
+__global__ void add_split_products_kernel(const SplitSums s) {
   pdl_entry();  // see launch_kernel
   const int64_t total = s.start[s.count];
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
@@ -976,7 +966,8 @@ __global__ void add_split_products_multi_kernel(const SplitSums s) {
     int j = 0;
     while (i >= s.start[j + 1]) ++j;
     const int64_t at = i - s.start[j], n = s.start[j + 1] - s.start[j];
-    s.y[j][at] = s.parts[j][at] + s.parts[j][n + at];
+    const float v = s.parts[j][at] + s.parts[j][n + at];
+    s.y[j][at] = s.beta == 0.f ? v : v + s.beta * s.y[j][at];
   }
 }
 
@@ -1794,17 +1785,11 @@ void add(float* y, const float* x, int64_t n, cudaStream_t s) {
   TROUPE_LAUNCHED();
 }
 
-void add_split_products(const float* parts, int64_t n, float* y, float beta, cudaStream_t s) {
-  if (n == 0) return;
-  launch_kernel(add_split_products_kernel, grid_for(n), 256, 0, s, parts, n, y, beta);
-  TROUPE_LAUNCHED();
-}
-
-void add_split_products_multi(const SplitSums& sums, cudaStream_t s) {
-  TROUPE_REQUIRE(sums.count >= 1 && sums.count <= kMaxSplitSums, "add_split_products_multi: 1 to 8 products");
+void add_split_products(const SplitSums& sums, cudaStream_t s) {
+  TROUPE_REQUIRE(sums.count >= 1 && sums.count <= kMaxSplitSums, "add_split_products: 1 to 8 products");
   const int64_t total = sums.start[sums.count];
   if (total == 0) return;
-  launch_kernel(add_split_products_multi_kernel, grid_for(total), 256, 0, s, sums);
+  launch_kernel(add_split_products_kernel, grid_for(total), 256, 0, s, sums);
   TROUPE_LAUNCHED();
 }
 

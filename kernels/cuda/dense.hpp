@@ -57,19 +57,18 @@ void embed(const Weight& table, const int32_t* ids, int64_t rows, int copies, fl
 void gather_rows(const float* x, int64_t dim, const int64_t* index, int64_t count, float* out, cudaStream_t s);
 void swiglu(const float* g, const float* u, float* y, int64_t n, float limit, cudaStream_t s);
 void add(float* y, const float* x, int64_t n, cudaStream_t s);
-// y = parts[0 .. n) + parts[n .. 2n) (+ beta y; y is not read when beta is 0): the two products of a split
-// GEMM (x as half(x) and half(x - half(x))) computed as one GEMM over the two terms' stacked rows.
-void add_split_products(const float* parts, int64_t n, float* y, float beta, cudaStream_t s);
-// add_split_products for up to kMaxSplitSums GEMMs in one launch (beta 0): y[j] = parts[j][0 .. n_j) +
-// parts[j][n_j .. 2 n_j), n_j = start[j + 1] - start[j], start[0] = 0.
+// The two products of up to kMaxSplitSums split GEMMs (x as half(x) and half(x - half(x)), each computed as
+// one GEMM over the two terms' stacked rows) added in one launch: y[j] = parts[j][0 .. n_j) + parts[j][n_j ..
+// 2 n_j) (+ beta y[j]; y is not read when beta is 0), n_j = start[j + 1] - start[j], start[0] = 0.
 constexpr int kMaxSplitSums = 8;
 struct SplitSums {
   const float* parts[kMaxSplitSums];
   float* y[kMaxSplitSums];
   int64_t start[kMaxSplitSums + 1];
   int count;
+  float beta;
 };
-void add_split_products_multi(const SplitSums& sums, cudaStream_t s);
+void add_split_products(const SplitSums& sums, cudaStream_t s);
 // bf16 or f16 copy of x; with `lo`, also the rounding residual half(x - out), so that
 // W.out + W.lo carries ~16 mantissa bits of x into a half-precision product.
 void to_half(const float* x, int64_t n, void* out, WeightType type, cudaStream_t s, void* lo = nullptr);

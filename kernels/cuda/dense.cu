@@ -1,5 +1,7 @@
 // Dense kernels of the CUDA backend (see dense.hpp).
 #include <algorithm>
+#include <cstdlib>
+#include <string_view>
 #include <type_traits>
 
 #include <cuda_fp8.h>
@@ -1306,6 +1308,114 @@ __global__ void __launch_bounds__(256)
   }
 }
 
+// The elements of a row each of mhc_finish_rows_kernel's y threads holds in registers (rows of at most
+// kFinishMaxPer * 256 floats; longer rows take mhc_fused_finish_kernel).
+constexpr int kFinishMaxPer = 32;
+constexpr int kFinishYThreads = 256;
+
+// 256 threads' sum with named barrier 1 (the y threads of mhc_finish_rows_kernel, while its Sinkhorn warp
+// runs on): block_sum's order over those threads, so the same bits as block_sum in a block of nt <= 256
+// threads whose others hold 0.
+__device__ __forceinline__ float y_threads_sum(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = warp_sum(v);
+  if (lane == 0) scratch[warp] = v;
+  asm volatile("bar.sync 1, %0;" ::"n"(kFinishYThreads) : "memory");
+  const float t = lane < kFinishYThreads / 32 ? scratch[lane] : 0.f;
+  return warp_sum(t);
+}
+
+// mhc_fused_finish_kernel's work with y in registers: one block a row, the mix from the partials, pre
+// (and post), then threads 0 .. nt-1 (nt: rmsnorm_kernel's block size for the dim) each form y at
+// i = t, t + nt, ... (every load of X in flight together, no store between them), its sum of squares in
+// rmsnorm_kernel's order, and write y (normalised with `norm`) once; for HC > 0 and !HEAD an extra warp
+// (threads 256 .. 287) runs the Sinkhorn of comb beside them, joining no barrier after the mix. The old
+// kernel's y loop and norm pass waited a round trip an iteration (a store between loads of one pointer's
+// rows; the norm's weight read after each store): ~9 us a call at batch 1 (ncu, runs 7 and 47).
+// Same bits as mhc_fused_finish_kernel (y's sums per element in j order; the norm's as rmsnorm_kernel's).
+template <int HC, bool HEAD>
+__global__ void __launch_bounds__(kFinishYThreads + 32)
+    mhc_finish_rows_kernel(const float* X, const float* partial, int slices, const float* base, const float* scale,
+                           MhcParams p, float* y, float* post, float* comb, bool norm, const float* norm_weight,
+                           float norm_eps, int nt) {
+  pdl_entry();  // see launch_kernel
+  constexpr int hc = HC;
+  constexpr int n_mix = HEAD ? hc : (2 + hc) * hc;
+  constexpr int kSl = 32;  // slices staged in shared memory at a time
+  __shared__ float m[n_mix + 1];
+  __shared__ float pre[hc];
+  __shared__ float buf[kSl * (n_mix + 1)];
+  __shared__ float scratch[32];
+  const int64_t r = blockIdx.x;
+  const int t = threadIdx.x;
+  const int64_t dim = p.dim;
+  const bool ythread = t < nt;
+  // The norm's weights do not depend on the previous kernel: requested before the partials.
+  float w[kFinishMaxPer];
+#pragma unroll
+  for (int c = 0; c < kFinishMaxPer; ++c) {
+    const int64_t i = t + static_cast<int64_t>(nt) * c;
+    w[c] = norm && norm_weight != nullptr && ythread && i < dim ? norm_weight[i] : 1.f;
+  }
+  const float* pr = partial + r * slices * (n_mix + 1);
+  float run = 0.f;
+  for (int k0 = 0; k0 < slices; k0 += kSl) {
+    const int nk = slices - k0 < kSl ? slices - k0 : kSl;
+    for (int i = t; i < nk * (n_mix + 1); i += blockDim.x) buf[i] = pr[k0 * (n_mix + 1) + i];
+    __syncthreads();
+    if (t <= n_mix)
+      for (int k = 0; k < nk; ++k) run += buf[k * (n_mix + 1) + t];
+    __syncthreads();
+  }
+  if (t <= n_mix) m[t] = run;
+  __syncthreads();
+  const float inv = 1.0f / sqrtf(m[n_mix] / static_cast<float>(hc * dim) + p.norm_eps);
+  if (t < hc) {
+    pre[t] = sigmoidf(m[t] * inv * scale[0] + base[t]) + p.hc_eps;
+    if (!HEAD) post[r * hc + t] = 2.0f * sigmoidf(m[hc + t] * inv * scale[1] + base[hc + t]);
+  }
+  __syncthreads();  // pre and m are read below
+  if constexpr (!HEAD) {
+    if (t >= kFinishYThreads) {
+      sinkhorn_warp<HC>(m + 2 * hc, inv, scale[2], base + 2 * hc, p, comb + r * hc * hc);
+      return;
+    }
+  }
+  const float* xr = X + r * hc * dim;
+  float* yr = y + r * dim;
+  float pj[hc];
+#pragma unroll
+  for (int j = 0; j < hc; ++j) pj[j] = pre[j];
+  float yv[kFinishMaxPer];
+  float ss = 0.f;
+#pragma unroll
+  for (int c = 0; c < kFinishMaxPer; ++c) {
+    const int64_t i = t + static_cast<int64_t>(nt) * c;
+    float acc = 0.f;
+    if (ythread && i < dim) {
+#pragma unroll
+      for (int j = 0; j < hc; ++j) acc += pj[j] * __ldg(xr + j * dim + i);
+    }
+    yv[c] = acc;
+    ss += acc * acc;  // 0 past the row: rmsnorm_kernel's sum, in its order
+  }
+  if (!norm) {
+#pragma unroll
+    for (int c = 0; c < kFinishMaxPer; ++c) {
+      const int64_t i = t + static_cast<int64_t>(nt) * c;
+      if (ythread && i < dim) yr[i] = yv[c];
+    }
+    return;
+  }
+  ss = y_threads_sum(ss, scratch);
+  const float inv_y = 1.0f / sqrtf(ss / static_cast<float>(dim) + norm_eps);
+#pragma unroll
+  for (int c = 0; c < kFinishMaxPer; ++c) {
+    const int64_t i = t + static_cast<int64_t>(nt) * c;
+    if (ythread && i < dim) yr[i] = norm_weight != nullptr ? w[c] * (yv[c] * inv_y) : yv[c] * inv_y;
+  }
+}
+
 __global__ void mhc_post_kernel(float* X, int64_t rows, const float* f, const float* post, const float* comb,
                                 MhcParams p) {
   pdl_entry();  // see launch_kernel
@@ -1855,9 +1965,24 @@ void mhc_fused_finish(const float* X, const float* partial, int64_t rows, int sl
       mhc_fused_finish_kernel<1, HEAD>, mhc_fused_finish_kernel<2, HEAD>, mhc_fused_finish_kernel<3, HEAD>,
       mhc_fused_finish_kernel<4, HEAD>, mhc_fused_finish_kernel<5, HEAD>, mhc_fused_finish_kernel<6, HEAD>,
       mhc_fused_finish_kernel<7, HEAD>, mhc_fused_finish_kernel<8, HEAD>};
+  static constexpr decltype(&mhc_finish_rows_kernel<1, HEAD>) kRowsByHc[kMaxHc] = {
+      mhc_finish_rows_kernel<1, HEAD>, mhc_finish_rows_kernel<2, HEAD>, mhc_finish_rows_kernel<3, HEAD>,
+      mhc_finish_rows_kernel<4, HEAD>, mhc_finish_rows_kernel<5, HEAD>, mhc_finish_rows_kernel<6, HEAD>,
+      mhc_finish_rows_kernel<7, HEAD>, mhc_finish_rows_kernel<8, HEAD>};
   if (p.hc < 1 || p.hc > kMaxHc) return;
-  launch_kernel(kByHc[p.hc - 1], static_cast<unsigned>(rows), 256, 0, s, X, partial, slices, base, scale, p, y, post,
-                comb, norm, norm_weight, norm_eps, nt);
+  // TROUPE_MHC_FINISH=2: mhc_finish_rows_kernel (y in registers; not yet run on a GPU, so not the default);
+  // else the older finish (y and its norm through global memory).
+  static const bool rows_finish = [] {
+    const char* e = std::getenv("TROUPE_MHC_FINISH");
+    return e != nullptr && std::string_view(e) == "2";
+  }();
+  if (rows_finish && p.dim <= static_cast<int64_t>(kFinishMaxPer) * nt) {
+    launch_kernel(kRowsByHc[p.hc - 1], static_cast<unsigned>(rows), HEAD ? kFinishYThreads : kFinishYThreads + 32, 0,
+                  s, X, partial, slices, base, scale, p, y, post, comb, norm, norm_weight, norm_eps, nt);
+  } else {
+    launch_kernel(kByHc[p.hc - 1], static_cast<unsigned>(rows), 256, 0, s, X, partial, slices, base, scale, p, y,
+                  post, comb, norm, norm_weight, norm_eps, nt);
+  }
   TROUPE_LAUNCHED();
 }
 }  // namespace

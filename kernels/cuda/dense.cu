@@ -1328,11 +1328,13 @@ __device__ __forceinline__ float y_threads_sum(float v, float* scratch) {
 // mhc_fused_finish_kernel's work with y in registers: one block a row, the mix from the partials, pre
 // (and post), then threads 0 .. nt-1 (nt: rmsnorm_kernel's block size for the dim) each form y at
 // i = t, t + nt, ... (every load of X in flight together, no store between them), its sum of squares in
-// rmsnorm_kernel's order, and write y (normalised with `norm`) once; for HC > 0 and !HEAD an extra warp
-// (threads 256 .. 287) runs the Sinkhorn of comb beside them, joining no barrier after the mix. The old
-// kernel's y loop and norm pass waited a round trip an iteration (a store between loads of one pointer's
-// rows; the norm's weight read after each store): ~9 us a call at batch 1 (ncu, runs 7 and 47).
-// Same bits as mhc_fused_finish_kernel (y's sums per element in j order; the norm's as rmsnorm_kernel's).
+// rmsnorm_kernel's order, and write y (normalised with `norm`) once; for !HEAD an extra warp (threads
+// 256 .. 287) runs the Sinkhorn of comb beside them, joining no barrier after the mix. The older kernel's y
+// loop and norm pass waited a round trip an iteration (a store between loads of one pointer's rows; the
+// norm's weight read after each store). Measured (run 47, H100): 13.5 -> 10.9 us a call under ncu at batch
+// 16 (the kernel still ends with its Sinkhorn warp), the decode step -16 to -18 us at batch 1, -22 to -25 at
+// batch 16. Same bits as mhc_fused_finish_kernel (y's sums per element in j order; the norm's as
+// rmsnorm_kernel's).
 template <int HC, bool HEAD>
 __global__ void __launch_bounds__(kFinishYThreads + 32)
     mhc_finish_rows_kernel(const float* X, const float* partial, int slices, const float* base, const float* scale,
@@ -1970,13 +1972,13 @@ void mhc_fused_finish(const float* X, const float* partial, int64_t rows, int sl
       mhc_finish_rows_kernel<4, HEAD>, mhc_finish_rows_kernel<5, HEAD>, mhc_finish_rows_kernel<6, HEAD>,
       mhc_finish_rows_kernel<7, HEAD>, mhc_finish_rows_kernel<8, HEAD>};
   if (p.hc < 1 || p.hc > kMaxHc) return;
-  // TROUPE_MHC_FINISH=2: mhc_finish_rows_kernel (y in registers; not yet run on a GPU, so not the default);
-  // else the older finish (y and its norm through global memory).
-  static const bool rows_finish = [] {
+  // mhc_finish_rows_kernel where a row fits its registers (run 47, H100: the decode step -16 to -18 us at batch
+  // 1, -22 to -25 at batch 16); TROUPE_MHC_FINISH=1: the older finish (y and its norm through global memory).
+  static const bool old_finish = [] {
     const char* e = std::getenv("TROUPE_MHC_FINISH");
-    return e != nullptr && std::string_view(e) == "2";
+    return e != nullptr && std::string_view(e) == "1";
   }();
-  if (rows_finish && p.dim <= static_cast<int64_t>(kFinishMaxPer) * nt) {
+  if (!old_finish && p.dim <= static_cast<int64_t>(kFinishMaxPer) * nt) {
     launch_kernel(kRowsByHc[p.hc - 1], static_cast<unsigned>(rows), HEAD ? kFinishYThreads : kFinishYThreads + 32, 0,
                   s, X, partial, slices, base, scale, p, y, post, comb, norm, norm_weight, norm_eps, nt);
   } else {

@@ -1224,6 +1224,45 @@ __global__ void __launch_bounds__(kMixThreads)
   }
 }
 
+// The mix of a row from the mix kernel's partials (summed in slice order: thread j keeps mix j's running sum;
+// the loads of a group of slices all in flight together), then pre and (unless HEAD) post. Returns the
+// row's 1 / rms; fm.m and fm.pre are set for every thread of the block (ends with a barrier). Every thread
+// of the block calls it.
+template <int HC, bool HEAD>
+struct FinishMix {
+  static constexpr int kMix = HEAD ? HC : (2 + HC) * HC;
+  static constexpr int kSl = 32;  // slices staged in shared memory at a time
+  float m[kMix + 1];
+  float pre[HC];
+  float buf[kSl * (kMix + 1)];
+};
+
+template <int HC, bool HEAD>
+__device__ __forceinline__ float finish_mix(const float* partial, int slices, const float* base, const float* scale,
+                                            const MhcParams& p, int64_t r, float* post, FinishMix<HC, HEAD>& fm) {
+  constexpr int n_mix = FinishMix<HC, HEAD>::kMix, kSl = FinishMix<HC, HEAD>::kSl;
+  const int t = threadIdx.x;
+  const float* pr = partial + r * slices * (n_mix + 1);
+  float run = 0.f;
+  for (int k0 = 0; k0 < slices; k0 += kSl) {
+    const int nk = slices - k0 < kSl ? slices - k0 : kSl;
+    for (int i = t; i < nk * (n_mix + 1); i += blockDim.x) fm.buf[i] = pr[k0 * (n_mix + 1) + i];
+    __syncthreads();
+    if (t <= n_mix)
+      for (int k = 0; k < nk; ++k) run += fm.buf[k * (n_mix + 1) + t];
+    __syncthreads();
+  }
+  if (t <= n_mix) fm.m[t] = run;
+  __syncthreads();
+  const float inv = 1.0f / sqrtf(fm.m[n_mix] / static_cast<float>(HC * p.dim) + p.norm_eps);
+  if (t < HC) {
+    fm.pre[t] = sigmoidf(fm.m[t] * inv * scale[0] + base[t]) + p.hc_eps;
+    if (!HEAD) post[r * HC + t] = 2.0f * sigmoidf(fm.m[HC + t] * inv * scale[1] + base[HC + t]);
+  }
+  __syncthreads();  // pre and m are read after it by every warp
+  return inv;
+}
+
 // One block per row: the mix from the partials, then (HEAD: pre only) pre, post and
 // the Sinkhorn-normalised comb, then y = sum_j pre[j] * X[j].
 // With `norm`, y is then RMS-normalised (times norm_weight when not null) exactly as
@@ -1235,38 +1274,15 @@ __global__ void __launch_bounds__(256)
                             float norm_eps, int norm_threads) {
   pdl_entry();  // see launch_kernel
   constexpr int hc = HC;
-  constexpr int n_mix = HEAD ? hc : (2 + hc) * hc;
-  constexpr int kSl = 32;  // slices staged in shared memory at a time
-  __shared__ float m[n_mix + 1];
-  __shared__ float pre[hc];
-  __shared__ float buf[kSl * (n_mix + 1)];
+  __shared__ FinishMix<HC, HEAD> fm;
   __shared__ float scratch[32];
   const int64_t r = blockIdx.x;
   const int t = threadIdx.x;
-  const float* pr = partial + r * slices * (n_mix + 1);
-  // The slices' partials, summed in slice order (thread j keeps mix j's running sum);
-  // the loads of a group of slices are all in flight together.
-  float run = 0.f;
-  for (int k0 = 0; k0 < slices; k0 += kSl) {
-    const int nk = slices - k0 < kSl ? slices - k0 : kSl;
-    for (int i = t; i < nk * (n_mix + 1); i += blockDim.x) buf[i] = pr[k0 * (n_mix + 1) + i];
-    __syncthreads();
-    if (t <= n_mix)
-      for (int k = 0; k < nk; ++k) run += buf[k * (n_mix + 1) + t];
-    __syncthreads();
-  }
-  if (t <= n_mix) m[t] = run;
-  __syncthreads();
-  const float inv = 1.0f / sqrtf(m[n_mix] / static_cast<float>(hc * p.dim) + p.norm_eps);
-  if (t < hc) {
-    pre[t] = sigmoidf(m[t] * inv * scale[0] + base[t]) + p.hc_eps;
-    if (!HEAD) post[r * hc + t] = 2.0f * sigmoidf(m[hc + t] * inv * scale[1] + base[hc + t]);
-  }
-  // pre and m are read below by every warp
-  __syncthreads();
+  const float inv = finish_mix(partial, slices, base, scale, p, r, post, fm);
+  const float* pre = fm.pre;
   // Warp 0 runs the Sinkhorn normalisation of comb while the other warps form y.
   if constexpr (!HEAD) {
-    if ((t >> 5) == 0) sinkhorn_warp<HC>(m + 2 * hc, inv, scale[2], base + 2 * hc, p, comb + r * hc * hc);
+    if ((t >> 5) == 0) sinkhorn_warp<HC>(fm.m + 2 * hc, inv, scale[2], base + 2 * hc, p, comb + r * hc * hc);
   }
   // y = sum_j pre[j] * X[j] on the threads not busy with the warp Sinkhorn.
   const int y0 = HEAD ? 0 : 32;
@@ -1342,11 +1358,7 @@ __global__ void __launch_bounds__(kFinishYThreads + 32)
                            float norm_eps, int nt) {
   pdl_entry();  // see launch_kernel
   constexpr int hc = HC;
-  constexpr int n_mix = HEAD ? hc : (2 + hc) * hc;
-  constexpr int kSl = 32;  // slices staged in shared memory at a time
-  __shared__ float m[n_mix + 1];
-  __shared__ float pre[hc];
-  __shared__ float buf[kSl * (n_mix + 1)];
+  __shared__ FinishMix<HC, HEAD> fm;
   __shared__ float scratch[32];
   const int64_t r = blockIdx.x;
   const int t = threadIdx.x;
@@ -1359,30 +1371,14 @@ __global__ void __launch_bounds__(kFinishYThreads + 32)
     const int64_t i = t + static_cast<int64_t>(nt) * c;
     w[c] = norm && norm_weight != nullptr && ythread && i < dim ? norm_weight[i] : 1.f;
   }
-  const float* pr = partial + r * slices * (n_mix + 1);
-  float run = 0.f;
-  for (int k0 = 0; k0 < slices; k0 += kSl) {
-    const int nk = slices - k0 < kSl ? slices - k0 : kSl;
-    for (int i = t; i < nk * (n_mix + 1); i += blockDim.x) buf[i] = pr[k0 * (n_mix + 1) + i];
-    __syncthreads();
-    if (t <= n_mix)
-      for (int k = 0; k < nk; ++k) run += buf[k * (n_mix + 1) + t];
-    __syncthreads();
-  }
-  if (t <= n_mix) m[t] = run;
-  __syncthreads();
-  const float inv = 1.0f / sqrtf(m[n_mix] / static_cast<float>(hc * dim) + p.norm_eps);
-  if (t < hc) {
-    pre[t] = sigmoidf(m[t] * inv * scale[0] + base[t]) + p.hc_eps;
-    if (!HEAD) post[r * hc + t] = 2.0f * sigmoidf(m[hc + t] * inv * scale[1] + base[hc + t]);
-  }
-  __syncthreads();  // pre and m are read below
+  const float inv = finish_mix(partial, slices, base, scale, p, r, post, fm);
   if constexpr (!HEAD) {
     if (t >= kFinishYThreads) {
-      sinkhorn_warp<HC>(m + 2 * hc, inv, scale[2], base + 2 * hc, p, comb + r * hc * hc);
+      sinkhorn_warp<HC>(fm.m + 2 * hc, inv, scale[2], base + 2 * hc, p, comb + r * hc * hc);
       return;
     }
   }
+  const float* pre = fm.pre;
   const float* xr = X + r * hc * dim;
   float* yr = y + r * dim;
   float pj[hc];
@@ -1396,7 +1392,7 @@ __global__ void __launch_bounds__(kFinishYThreads + 32)
     float acc = 0.f;
     if (ythread && i < dim) {
 #pragma unroll
-      for (int j = 0; j < hc; ++j) acc += pj[j] * __ldg(xr + j * dim + i);
+      for (int j = 0; j < hc; ++j) acc += pj[j] * xr[j * dim + i];
     }
     yv[c] = acc;
     ss += acc * acc;  // 0 past the row: rmsnorm_kernel's sum, in its order

@@ -1224,10 +1224,7 @@ __global__ void __launch_bounds__(kMixThreads)
   }
 }
 
-// The mix of a row from the mix kernel's partials (summed in slice order: thread j keeps mix j's running sum;
-// the loads of a group of slices all in flight together), then pre and (unless HEAD) post. Returns the
-// row's 1 / rms; fm.m and fm.pre are set for every thread of the block (ends with a barrier). Every thread
-// of the block calls it.
+// The mHC finish kernels' shared memory for a row's mix (finish_mix).
 template <int HC, bool HEAD>
 struct FinishMix {
   static constexpr int kMix = HEAD ? HC : (2 + HC) * HC;
@@ -1237,6 +1234,10 @@ struct FinishMix {
   float buf[kSl * (kMix + 1)];
 };
 
+// The mix of a row from the mix kernel's partials (summed in slice order: thread j keeps mix j's running sum;
+// the loads of a group of slices all in flight together), then pre and (unless HEAD) post. Returns the
+// row's 1 / rms; fm.m and fm.pre are set for every thread of the block (ends with a barrier). Every thread
+// of the block calls it.
 template <int HC, bool HEAD>
 __device__ __forceinline__ float finish_mix(const float* partial, int slices, const float* base, const float* scale,
                                             const MhcParams& p, int64_t r, float* post, FinishMix<HC, HEAD>& fm) {

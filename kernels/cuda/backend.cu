@@ -1,11 +1,8 @@
 // The CUDA backend (see cuda_backend.hpp): owns the stream, the cuBLAS handle
 // and scratch memory, and maps every Backend op onto the kernels of this folder.
-#include <cublasLt.h>
 #include <cublas_v2.h>
 
 #include <algorithm>
-#include <array>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -62,42 +59,6 @@ class Cublas : public Owned<cublasHandle_t, cublasDestroy> {
     TROUPE_CUBLAS(cublasCreate(out()));
     TROUPE_CUBLAS(cublasSetStream(get(), s));
     TROUPE_CUBLAS(cublasSetMathMode(get(), CUBLAS_DEFAULT_MATH));  // no TF32 for fp32 GEMMs
-  }
-};
-
-class CublasLt : public Owned<cublasLtHandle_t, cublasLtDestroy> {
- public:
-  CublasLt() { TROUPE_CUBLAS(cublasLtCreate(out())); }
-};
-
-// TROUPE_GEMM_TUNE=1 (an experiment, off by default): linear()'s half-precision GEMMs through cuBLASLt, the
-// algorithm of each shape timed among the heuristic's first candidates the first time the shape runs outside
-// a graph recording (into scratch, beta 0) and kept when it is at least 5 % faster than the first candidate
-// (the one cublasGemmEx would take). The choice rests on timings, so two processes may choose differently
-// and their products differ in the last bits (split-K sums in another order).
-bool gemm_tune() {
-  static const bool on = [] {
-    const char* e = std::getenv("TROUPE_GEMM_TUNE");
-    return e != nullptr && std::strcmp(e, "1") == 0;
-  }();
-  return on;
-}
-
-// One GEMM shape's cuBLASLt plan (gemm_tune): y^T [n x m] = W [n x k] . x^T [k x m], half inputs, fp32 out.
-struct LtPlan {
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-  std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's, best first
-  cublasLtMatmulAlgo_t algo{};
-  bool tuned = false;
-  LtPlan() = default;
-  LtPlan(const LtPlan&) = delete;
-  LtPlan& operator=(const LtPlan&) = delete;
-  ~LtPlan() {
-    if (c != nullptr) cublasLtMatrixLayoutDestroy(c);
-    if (b != nullptr) cublasLtMatrixLayoutDestroy(b);
-    if (a != nullptr) cublasLtMatrixLayoutDestroy(a);
-    if (op != nullptr) cublasLtMatmulDescDestroy(op);
   }
 };
 
@@ -291,8 +252,6 @@ struct CudaBackend::Impl {
   Stream stream;
   Cublas blas;
   void* blas_ws = nullptr;
-  CublasLt lt;  // gemm_tune's
-  std::map<std::array<int64_t, 4>, std::unique_ptr<LtPlan>> lt_plans;  // by {n, m, k, type}
   Arena arena;
   DeviceBuffer topk_ws;  // zero between calls
   // Device tables of expert weight pointers, one per distinct expert set (layer).
@@ -396,99 +355,11 @@ struct CudaBackend::Impl {
 
   // The cuBLAS GEMM of linear(): y^T [n x rows] = W [n x K] . x^T [K x rows] (column-major views).
   void half_gemm(const Weight& w, const void* xp, int64_t rows, const float* beta, float* out) {
-    if (gemm_tune()) {
-      lt_gemm(w, xp, rows, beta, out);
-      return;
-    }
     const float one = 1.f;
     const int N = static_cast<int>(w.rows), K = static_cast<int>(w.cols);
     TROUPE_CUBLAS(cublasGemmEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, N, static_cast<int>(rows), K, &one, w.data,
                                cuda_type(w.type), K, xp, cuda_type(w.type), K, beta, out, CUDA_R_32F, N,
                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-  }
-
-  // half_gemm through cuBLASLt with the shape's tuned algorithm (gemm_tune).
-  void lt_gemm(const Weight& w, const void* xp, int64_t rows, const float* beta, float* out) {
-    const int64_t N = w.rows, M = rows, K = w.cols;
-    std::unique_ptr<LtPlan>& plan = lt_plans[{N, M, K, static_cast<int64_t>(w.type)}];
-    if (!plan) plan = make_lt_plan(N, M, K, cuda_type(w.type));
-    if (!plan->tuned && !capturing) tune_lt(*plan, w.data, xp, N, M);
-    const float one = 1.f;
-    TROUPE_CUBLAS(cublasLtMatmul(lt.get(), plan->op, &one, w.data, plan->a, xp, plan->b, beta, out, plan->c, out,
-                                 plan->c, &plan->algo, blas_ws, kBlasWorkspace, s()));
-  }
-
-  std::unique_ptr<LtPlan> make_lt_plan(int64_t N, int64_t M, int64_t K, cudaDataType_t type) {
-    auto plan = std::make_unique<LtPlan>();
-    TROUPE_CUBLAS(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-    TROUPE_CUBLAS(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
-    TROUPE_CUBLAS(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
-    TROUPE_CUBLAS(cublasLtMatrixLayoutCreate(&plan->a, type, K, N, K));  // W as stored: K x N, column-major
-    TROUPE_CUBLAS(cublasLtMatrixLayoutCreate(&plan->b, type, K, M, K));
-    TROUPE_CUBLAS(cublasLtMatrixLayoutCreate(&plan->c, CUDA_R_32F, N, M, N));
-    cublasLtMatmulPreference_t pref = nullptr;
-    TROUPE_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
-    const size_t ws = kBlasWorkspace;
-    TROUPE_CUBLAS(
-        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-    constexpr int kCandidates = 8;
-    cublasLtMatmulHeuristicResult_t found[kCandidates] = {};
-    int n = 0;
-    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt.get(), plan->op, plan->a, plan->b, plan->c, plan->c,
-                                                             pref, kCandidates, found, &n);
-    cublasLtMatmulPreferenceDestroy(pref);
-    TROUPE_CUBLAS(st);
-    TROUPE_REQUIRE(n > 0, "linear: cuBLASLt has no algorithm for this GEMM");
-    for (int i = 0; i < n; ++i) {
-      if (found[i].state == CUBLAS_STATUS_SUCCESS) plan->candidates.push_back(found[i].algo);
-    }
-    TROUPE_REQUIRE(!plan->candidates.empty(), "linear: cuBLASLt has no usable algorithm for this GEMM");
-    plan->algo = plan->candidates.front();
-    return plan;
-  }
-
-  // Times each candidate on these operands into scratch (beta 0) and keeps the fastest when it beats the
-  // first candidate by 5 % or more (or the first fails here). Synchronizes the stream: outside graph
-  // recordings only.
-  void tune_lt(LtPlan& plan, const void* w, const void* xp, int64_t N, int64_t M) {
-    plan.tuned = true;
-    if (plan.candidates.size() < 2) return;
-    float* scratch = arena.take<float>(N * M);
-    const float one = 1.f, zero = 0.f;
-    cudaEvent_t e0 = nullptr, e1 = nullptr;
-    TROUPE_CUDA(cudaEventCreate(&e0));
-    TROUPE_CUDA(cudaEventCreate(&e1));
-    constexpr int kWarm = 2, kTimed = 8;
-    std::vector<float> ms(plan.candidates.size(), -1.f);  // -1: failed here
-    for (size_t i = 0; i < plan.candidates.size(); ++i) {
-      auto run = [&] {
-        return cublasLtMatmul(lt.get(), plan.op, &one, w, plan.a, xp, plan.b, &zero, scratch, plan.c, scratch, plan.c,
-                              &plan.candidates[i], blas_ws, kBlasWorkspace, s());
-      };
-      bool ok = true;
-      for (int r = 0; r < kWarm && ok; ++r) ok = run() == CUBLAS_STATUS_SUCCESS;
-      if (!ok) continue;
-      TROUPE_CUDA(cudaEventRecord(e0, s()));
-      for (int r = 0; r < kTimed; ++r) TROUPE_CUBLAS(run());
-      TROUPE_CUDA(cudaEventRecord(e1, s()));
-      TROUPE_CUDA(cudaEventSynchronize(e1));
-      TROUPE_CUDA(cudaEventElapsedTime(&ms[i], e0, e1));
-    }
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
-    size_t best = 0;
-    for (size_t i = 1; i < ms.size(); ++i) {
-      if (ms[i] >= 0.f && (ms[best] < 0.f || ms[i] < ms[best])) best = i;
-    }
-    const size_t chosen = ms[0] < 0.f || (ms[best] >= 0.f && ms[best] < 0.95f * ms[0]) ? best : 0;
-    TROUPE_REQUIRE(ms[chosen] >= 0.f, "linear: no cuBLASLt algorithm ran for this GEMM");
-    plan.algo = plan.candidates[chosen];
-    if (std::getenv("TROUPE_GEMM_TUNE_LOG") != nullptr) {
-      std::fprintf(stderr, "troupe gemm tune: n %lld m %lld: %zu candidates, first %.2f us, chose #%zu %.2f us\n",
-                   static_cast<long long>(N), static_cast<long long>(M), ms.size(), 1e3f * ms[0] / kTimed, chosen,
-                   1e3f * ms[chosen] / kTimed);
-    }
   }
 
   // Whether linear(x, m, w) runs as half_products' cuBLAS GEMM (a half-precision matrix of more than 64

@@ -1,7 +1,5 @@
 // Dense kernels of the CUDA backend (see dense.hpp).
 #include <algorithm>
-#include <cstdlib>
-#include <string_view>
 #include <type_traits>
 
 #include <cuda_fp8.h>
@@ -1971,10 +1969,7 @@ void mhc_fused_finish(const float* X, const float* partial, int64_t rows, int sl
   if (p.hc < 1 || p.hc > kMaxHc) return;
   // mhc_finish_rows_kernel where a row fits its registers (run 47, H100: the decode step -16 to -18 us at batch
   // 1, -22 to -25 at batch 16); TROUPE_MHC_FINISH=1: the older finish (y and its norm through global memory).
-  static const bool old_finish = [] {
-    const char* e = std::getenv("TROUPE_MHC_FINISH");
-    return e != nullptr && std::string_view(e) == "1";
-  }();
+  static const bool old_finish = env_switch("TROUPE_MHC_FINISH") > 0;
   if (!old_finish && p.dim <= static_cast<int64_t>(kFinishMaxPer) * nt) {
     launch_kernel(kRowsByHc[p.hc - 1], static_cast<unsigned>(rows), HEAD ? kFinishYThreads : kFinishYThreads + 32, 0,
                   s, X, partial, slices, base, scale, p, y, post, comb, norm, norm_weight, norm_eps, nt);

@@ -190,6 +190,13 @@ class Backend {
   // negated when `inverse`. In place.
   virtual void rope(float* x, int64_t rows, int heads, int64_t head_dim, const RopeTable& rope,
                     const int64_t* positions, bool inverse) = 0;
+  // rmsnorm over each head row of x [rows, heads, head_dim] (weight [head_dim] or null), then rope
+  // (not inverse) on y: the two calls as one, which a backend may fuse. x == y is allowed.
+  virtual void rmsnorm_rope(const float* x, const float* weight, float* y, int64_t rows, int heads, int64_t head_dim,
+                            float eps, const RopeTable& rope, const int64_t* positions) {
+    rmsnorm(x, weight, y, rows * heads, head_dim, eps);
+    this->rope(y, rows, heads, head_dim, rope, positions, false);
+  }
   // x[r, :] += bias[positions[r] % period, :]
   virtual void add_position_bias(float* x, int64_t rows, int64_t dim, const int64_t* positions,
                                  const float* bias, int64_t period) = 0;

@@ -463,10 +463,8 @@ void Decoder::attention_ops(int layer, int64_t n, const float* h, float* out) {
     be.linear_multi(b.qr, n, ws.data(), ys.data(), static_cast<int>(ws.size()));
   }
   mark("q_b projections");
-  be.rmsnorm(b.q, nullptr, b.q, n * H, hd, c.rms_norm_eps);
-  be.rope(b.q, n, static_cast<int>(H), hd, rope, b.positions, false);
-  be.rmsnorm(b.kv, aw.kv_norm, b.kv, n, hd, c.rms_norm_eps);
-  be.rope(b.kv, n, 1, hd, rope, b.positions, false);
+  be.rmsnorm_rope(b.q, nullptr, b.q, n, static_cast<int>(H), hd, c.rms_norm_eps, rope, b.positions);
+  be.rmsnorm_rope(b.kv, aw.kv_norm, b.kv, n, 1, hd, c.rms_norm_eps, rope, b.positions);
   mark("q/kv norms and rope");
 
   const int64_t rate = c.compress_rate(layer);

@@ -335,13 +335,11 @@ void Model::attention_block(int layer, Batch& b, const float* h, float* out) {
   backend_.rmsnorm(b.qr, aw.q_a_norm, b.qr, T, c.q_lora_rank, c.rms_norm_eps);
   float* q = b.scratch.floats(T * H * hd);
   backend_.linear(b.qr, T, aw.q_b_proj, q);
-  backend_.rmsnorm(q, nullptr, q, T * H, hd, c.rms_norm_eps);
-  backend_.rope(q, T, static_cast<int>(H), hd, rope, b.positions, false);
+  backend_.rmsnorm_rope(q, nullptr, q, T, static_cast<int>(H), hd, c.rms_norm_eps, rope, b.positions);
   // The shared K=V head.
   float* kv = b.scratch.floats(T * hd);
   backend_.linear(h, T, aw.kv_proj, kv);
-  backend_.rmsnorm(kv, aw.kv_norm, kv, T, hd, c.rms_norm_eps);
-  backend_.rope(kv, T, 1, hd, rope, b.positions, false);
+  backend_.rmsnorm_rope(kv, aw.kv_norm, kv, T, 1, hd, c.rms_norm_eps, rope, b.positions);
 
   const int64_t rate = c.compress_rate(layer);
   if (aw.compressor) compress_block(layer, b, *aw.compressor, Ring::compressor, h, false);

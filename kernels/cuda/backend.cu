@@ -758,6 +758,10 @@ void CudaBackend::rope(float* x, int64_t rows, int heads, int64_t head_dim, cons
                        const int64_t* positions, bool inverse) {
   cuda::rope(x, rows, heads, head_dim, r, positions, inverse, impl_->s());
 }
+void CudaBackend::rmsnorm_rope(const float* x, const float* weight, float* y, int64_t rows, int heads,
+                               int64_t head_dim, float eps, const RopeTable& r, const int64_t* positions) {
+  cuda::rmsnorm_rope(x, weight, y, rows, heads, head_dim, eps, r, positions, impl_->s());
+}
 void CudaBackend::add_position_bias(float* x, int64_t rows, int64_t dim, const int64_t* positions, const float* bias,
                                     int64_t period) {
   cuda::add_position_bias(x, rows, dim, positions, bias, period, impl_->s());

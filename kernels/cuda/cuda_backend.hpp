@@ -68,6 +68,8 @@ class CudaBackend final : public Backend {
   void rmsnorm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim, float eps) override;
   void rope(float* x, int64_t rows, int heads, int64_t head_dim, const RopeTable& rope, const int64_t* positions,
             bool inverse) override;
+  void rmsnorm_rope(const float* x, const float* weight, float* y, int64_t rows, int heads, int64_t head_dim, float eps,
+                    const RopeTable& rope, const int64_t* positions) override;
   void add_position_bias(float* x, int64_t rows, int64_t dim, const int64_t* positions, const float* bias,
                          int64_t period) override;
   void copy_rows(float* const* dst_rows, const float* const* src_rows, int64_t count, int64_t n) override;

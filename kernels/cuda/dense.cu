@@ -890,6 +890,32 @@ __global__ void rope_kernel(float* x, int64_t rows, int heads, int64_t head_dim,
   }
 }
 
+// rmsnorm_kernel over each head row of x [rows, heads, head_dim] (block = head row), then RoPE on the
+// row's trailing rope_dim channels as rope_kernel turns them: the same sums in the same order and the
+// same products, so y holds the bits of rmsnorm() then rope() (checked bit for bit in the backend
+// tests), in one launch instead of two.
+__global__ void rmsnorm_rope_kernel(const float* x, const float* weight, float* y, int64_t dim, float eps, int heads,
+                                    RopeTable rope, const int64_t* positions) {
+  pdl_entry();  // see launch_kernel
+  __shared__ float scratch[32];
+  const float* xr = x + blockIdx.x * dim;
+  float* yr = y + blockIdx.x * dim;
+  float ss = 0.f;
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
+  ss = block_sum(ss, scratch);
+  const float inv = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
+  const int64_t plain = dim - rope.rope_dim;
+  auto normed = [&](int64_t i) { return weight != nullptr ? weight[i] * (xr[i] * inv) : xr[i] * inv; };
+  for (int64_t i = threadIdx.x; i < plain; i += blockDim.x) yr[i] = normed(i);
+  const float pos = static_cast<float>(positions[blockIdx.x / static_cast<unsigned>(heads)]);
+  for (int64_t pair = threadIdx.x; pair < rope.rope_dim / 2; pair += blockDim.x) {
+    float a = normed(plain + 2 * pair), b = normed(plain + 2 * pair + 1);
+    rope_pair<true>(a, b, rope.inv_freq[pair] * pos, rope.scale, false);
+    yr[plain + 2 * pair] = a;
+    yr[plain + 2 * pair + 1] = b;
+  }
+}
+
 __global__ void position_bias_kernel(float* x, int64_t rows, int64_t dim, const int64_t* positions, const float* bias,
                                      int64_t period) {
   pdl_entry();  // see launch_kernel
@@ -1831,6 +1857,17 @@ void rope(float* x, int64_t rows, int heads, int64_t head_dim, const RopeTable& 
   const int64_t total = rows * heads * (r.rope_dim / 2);
   if (total == 0) return;
   launch_kernel(rope_kernel, grid_for(total), 256, 0, s, x, rows, heads, head_dim, r, positions, inverse);
+  TROUPE_LAUNCHED();
+}
+
+void rmsnorm_rope(const float* x, const float* weight, float* y, int64_t rows, int heads, int64_t head_dim, float eps,
+                  const RopeTable& r, const int64_t* positions, cudaStream_t s) {
+  const int64_t blocks = rows * heads;
+  if (blocks == 0) return;
+  TROUPE_REQUIRE(blocks <= 0x7fffffff, "rmsnorm_rope: too many rows");
+  TROUPE_REQUIRE(r.rope_dim <= head_dim && r.rope_dim % 2 == 0, "rmsnorm_rope: rope_dim must be even and fit the head");
+  launch_kernel(rmsnorm_rope_kernel, static_cast<unsigned>(blocks), threads_for(head_dim), 0, s, x, weight, y,
+                head_dim, eps, heads, r, positions);
   TROUPE_LAUNCHED();
 }
 

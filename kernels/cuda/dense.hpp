@@ -50,6 +50,9 @@ bool gemv_multi(const float* x, int64_t m, const Weight* w, float* const* y, int
 void rmsnorm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim, float eps, cudaStream_t s);
 void rope(float* x, int64_t rows, int heads, int64_t head_dim, const RopeTable& rope, const int64_t* positions,
           bool inverse, cudaStream_t s);
+// rmsnorm over each head row of x [rows, heads, head_dim], then rope (not inverse): one launch.
+void rmsnorm_rope(const float* x, const float* weight, float* y, int64_t rows, int heads, int64_t head_dim, float eps,
+                  const RopeTable& rope, const int64_t* positions, cudaStream_t s);
 void add_position_bias(float* x, int64_t rows, int64_t dim, const int64_t* positions, const float* bias,
                        int64_t period, cudaStream_t s);
 void copy_rows(float* const* dst, const float* const* src, int64_t count, int64_t n, cudaStream_t s);

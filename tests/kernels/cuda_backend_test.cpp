@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <set>
@@ -205,6 +206,51 @@ TEST_F(CudaBackendTest, rope_turns_and_unturns_like_cpu) {
       gpu().rope(x.gpu(), rows, heads, hd, tg, p.gpu<int64_t>(), inverse);
       EXPECT_CLOSE(x.gpu_host(rows * heads * hd), x.cpu_host(rows * heads * hd), 1e-5);
     }
+  }
+}
+
+// The fused norm and RoPE: within rounding of the CPU's two calls, and bit for bit the GPU's own
+// rmsnorm() then rope() (the decode step and prefill take the fused form).
+TEST_F(CudaBackendTest, rmsnorm_rope_matches_cpu_and_the_two_calls) {
+  struct Shape {
+    int64_t rows;
+    int heads;
+    int64_t hd, rope_dim;
+    bool weighted, in_place;
+  };
+  for (const auto& s : {Shape{6, 64, 512, 64, false, true}, Shape{5, 1, 512, 64, true, true},
+                        Shape{3, 8, 48, 24, true, false}, Shape{2, 3, 1032, 64, false, false},
+                        Shape{4, 2, 64, 64, true, true}, Shape{1, 5, 16, 0, false, false}}) {
+    const int64_t n = s.rows * s.heads * s.hd;
+    std::vector<float> inv(std::max<int64_t>(s.rope_dim / 2, 1));
+    for (size_t i = 0; i < inv.size(); ++i) inv[i] = std::pow(10000.f, -2.f * i / std::max<int64_t>(s.rope_dim, 2));
+    Mirror f(cpu(), gpu(), inv);
+    std::vector<int64_t> pos = {0, 1, 127, 4096, 262143, 1048575};
+    pos.resize(s.rows);
+    Mirror p(cpu(), gpu(), pos);
+    Mirror x(cpu(), gpu(), randn(n, rng_, 3.f));
+    Mirror w(cpu(), gpu(), randn(s.hd, rng_));
+    Mirror y(cpu(), gpu(), n * 4);
+    Mirror two(cpu(), gpu(), n * 4);  // the GPU's rmsnorm() then rope()
+    y.poison();
+    two.poison();
+    const float* wc = s.weighted ? w.cpu() : nullptr;
+    const float* wg = s.weighted ? w.gpu() : nullptr;
+    RopeTable tc{f.cpu(), s.rope_dim, 1.25f}, tg{f.gpu(), s.rope_dim, 1.25f};
+    gpu().rmsnorm(x.gpu(), wg, two.gpu(), s.rows * s.heads, s.hd, 1e-6f);
+    gpu().rope(two.gpu(), s.rows, s.heads, s.hd, tg, p.gpu<int64_t>(), false);
+    float* yc = s.in_place ? x.cpu() : y.cpu();
+    float* yg = s.in_place ? x.gpu() : y.gpu();
+    const auto x_before = x.gpu_host(n);
+    cpu().rmsnorm_rope(x.cpu(), wc, yc, s.rows, s.heads, s.hd, 1e-6f, tc, p.cpu<int64_t>());
+    gpu().rmsnorm_rope(x.gpu(), wg, yg, s.rows, s.heads, s.hd, 1e-6f, tg, p.gpu<int64_t>());
+    const auto got = s.in_place ? x.gpu_host(n) : y.gpu_host(n);
+    EXPECT_CLOSE(got, s.in_place ? x.cpu_host(n) : y.cpu_host(n), 1e-5);
+    const auto ref = two.gpu_host(n);
+    size_t differ = 0;
+    for (int64_t i = 0; i < n; ++i) differ += std::memcmp(&got[i], &ref[i], 4) != 0;
+    EXPECT_EQ(differ, 0u) << "rows " << s.rows << " heads " << s.heads << " hd " << s.hd;
+    if (!s.in_place) EXPECT_EQ(x.gpu_host(n), x_before);
   }
 }
 

@@ -287,10 +287,14 @@ class Backend {
   //   or           entries[t * entry_stride + picked[b * k + s]] for s < picked_count[b] (picked given)
   // (t = table row; window_len 0 or entries null: none of that part). Written to out_rows
   // from out_offsets[b]; out_offsets has batch + 1 entries, out_offsets[0] = 0.
+  // With `store` (window given, window_len >= 1): row b of store (store_dim floats) is also
+  // written into query b's own window row, window[t * window_stride + p % window_slots]
+  // (the new token's key, listed last among the window rows).
   virtual void decode_rows(int64_t batch, const int64_t* positions, const int32_t* table_of,
                            const float* const* window, int64_t window_stride, int64_t window_slots, int64_t window_len,
                            const float* const* entries, int64_t entry_stride, int64_t rate, const int32_t* picked,
-                           const int32_t* picked_count, int k, const float** out_rows, int64_t* out_offsets) = 0;
+                           const int32_t* picked_count, int k, const float** out_rows, int64_t* out_offsets,
+                           const float* store = nullptr, int64_t store_dim = 0) = 0;
   // The compressor of one decode token per sequence (rate r; overlap: CSA's two
   // windows over rows of width 2*dim, else rows of width dim). Token p = positions[b]
   // closes entry i = p / r when (p + 1) % r == 0: then out[b] = entries[t * entry_stride + i],

@@ -65,10 +65,7 @@ struct Decoder::Buffers {
   int64_t* ioffs = nullptr;
   const float** krows = nullptr;
   int64_t* koffs = nullptr;
-  int64_t* soffs = nullptr;
   kernels::Backend::DecodeCompressScratch compress;  // decode_compress's slot lists and ring store
-  float** swa_dst = nullptr;
-  const float** kv_rows = nullptr;  // kv + b * head_dim
 };
 
 Decoder::Decoder(Model& model, Options options) : model_(model), options_(options) {
@@ -166,21 +163,12 @@ Decoder::Decoder(Model& model, Options options) : model_(model), options_(option
   b.ioffs = b.alloc<int64_t>(B + 1);
   b.krows = b.alloc<const float*>(B * (W + std::max(topk, max_cap)));
   b.koffs = b.alloc<int64_t>(B + 1);
-  b.soffs = b.alloc<int64_t>(B + 1);
   b.compress.kv_src = b.alloc<const float*>(B * max_slots);
   b.compress.score_src = b.alloc<const float*>(B * max_slots);
   b.compress.out = b.alloc<float*>(B);
   b.compress.entry_pos = b.alloc<int64_t>(B);
   b.compress.ring_dst = b.alloc<float*>(2 * B);
   b.compress.ring_src = b.alloc<const float*>(2 * B);
-  b.swa_dst = b.alloc<float*>(B);
-  b.kv_rows = b.alloc<const float*>(B);
-  {
-    std::vector<const float*> rows(static_cast<size_t>(B));
-    for (int64_t i = 0; i < B; ++i) rows[static_cast<size_t>(i)] = b.kv + i * hd;
-    be.to_device(b.kv_rows, rows.data(), rows.size() * sizeof(void*));
-    be.synchronize();
-  }
   graphs_ = options_.graphs && be.graphs_supported();
 }
 
@@ -488,23 +476,21 @@ void Decoder::attention_ops(int layer, int64_t n, const float* h, float* out) {
     mark("compressors");
   }
 
-  // The window keeps the new token (its old occupant, p - W, is out of every window read now).
-  be.decode_rows(n, b.positions, b.table_of, table(t.swa), slot_stride_, W, 1, nullptr, slot_stride_, 1, nullptr,
-                 nullptr, 0, const_cast<const float**>(b.swa_dst), b.soffs);
-  be.copy_rows(b.swa_dst, b.kv_rows, n, hd);
-  // Keys of each query: its window, then its compressed entries (all, or the indexer's picks).
+  // Keys of each query: its window, then its compressed entries (all, or the indexer's picks). The same
+  // call stores the new token's kv in its window row (its old occupant, p - W, is out of every window
+  // read now).
   int64_t bound = W;
   if (type == LayerType::hca) {
     be.decode_rows(n, b.positions, b.table_of, table(t.swa), slot_stride_, W, W, table(t.entries), slot_stride_, rate,
-                   nullptr, nullptr, 0, b.krows, b.koffs);
+                   nullptr, nullptr, 0, b.krows, b.koffs, b.kv, hd);
     bound += t.cap;
   } else if (type == LayerType::csa) {
     be.decode_rows(n, b.positions, b.table_of, table(t.swa), slot_stride_, W, W, table(t.entries), slot_stride_, rate,
-                   b.picked, b.picked_count, static_cast<int>(topk), b.krows, b.koffs);
+                   b.picked, b.picked_count, static_cast<int>(topk), b.krows, b.koffs, b.kv, hd);
     bound += topk;
   } else {
     be.decode_rows(n, b.positions, b.table_of, table(t.swa), slot_stride_, W, W, nullptr, slot_stride_, 1, nullptr,
-                   nullptr, 0, b.krows, b.koffs);
+                   nullptr, 0, b.krows, b.koffs, b.kv, hd);
   }
   mark("window store and key lists");
   be.attention(b.q, n, static_cast<int>(H), hd, {b.krows, b.koffs, bound}, aw.sinks,

@@ -2,6 +2,7 @@
 // tables, the compressor's slot lists, pointer scatter, argmax (see backend.hpp).
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
 
 #include "kernels/cpu/cpu_backend.hpp"
 
@@ -10,12 +11,18 @@ namespace troupe::kernels::cpu {
 void CpuBackend::decode_rows(int64_t batch, const int64_t* positions, const int32_t* table_of,
                              const float* const* window, int64_t window_stride, int64_t window_slots, int64_t win,
                              const float* const* entries, int64_t entry_stride, int64_t rate, const int32_t* picked,
-                             const int32_t* picked_count, int k, const float** out_rows, int64_t* out_offsets) {
+                             const int32_t* picked_count, int k, const float** out_rows, int64_t* out_offsets,
+                             const float* store, int64_t store_dim) {
+  if (store != nullptr && (window == nullptr || win < 1)) throw std::invalid_argument("decode_rows: a store needs the window");
   int64_t o = 0;
   out_offsets[0] = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t p = positions[b];
     const int64_t t = table_of != nullptr ? table_of[b] : b;
+    if (store != nullptr) {
+      float* own = const_cast<float*>(window[t * window_stride + p % window_slots]);
+      std::copy(store + b * store_dim, store + (b + 1) * store_dim, own);
+    }
     if (window != nullptr && win > 0) {
       for (int64_t j = std::max<int64_t>(0, p - win + 1); j <= p; ++j) {
         out_rows[o++] = window[t * window_stride + j % window_slots];

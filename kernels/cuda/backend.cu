@@ -1018,9 +1018,9 @@ void CudaBackend::decode_rows(int64_t batch, const int64_t* positions, const int
                               const float* const* window, int64_t window_stride, int64_t window_slots,
                               int64_t window_len, const float* const* entries, int64_t entry_stride, int64_t rate,
                               const int32_t* picked, const int32_t* picked_count, int k, const float** out_rows,
-                              int64_t* out_offsets) {
+                              int64_t* out_offsets, const float* store, int64_t store_dim) {
   cuda::decode_rows(batch, positions, table_of, window, window_stride, window_slots, window_len, entries, entry_stride,
-                    rate, picked, picked_count, k, out_rows, out_offsets, impl_->s());
+                    rate, picked, picked_count, k, out_rows, out_offsets, store, store_dim, impl_->s());
 }
 void CudaBackend::decode_compress_rows(int64_t batch, const int64_t* positions, const int32_t* table_of, int64_t rate,
                                        bool overlap, int64_t dim, const float* kv, float* score, const float* bias,

@@ -23,6 +23,8 @@ struct RowsArgs {
   int k;
   const float** out_rows;
   int64_t* out_offsets;
+  const float* store;  // with store_dim: row b goes into query b's own window row
+  int64_t store_dim;
 };
 
 __device__ __forceinline__ int64_t wlen_of(const RowsArgs& a, int64_t p) {
@@ -58,6 +60,11 @@ __global__ void decode_rows_kernel(const RowsArgs a, int64_t batch) {
   const int64_t wl = wlen_of(a, p), el = entry_len(a, b, p);
   const float** out = a.out_rows + off;
   if (blockIdx.y == 0) {
+    if (a.store != nullptr) {
+      float* own = const_cast<float*>(a.window[t * a.window_stride + p % a.window_slots]);
+      const float* src = a.store + b * a.store_dim;
+      for (int64_t i = threadIdx.x; i < a.store_dim; i += blockDim.x) own[i] = src[i];
+    }
     if (threadIdx.x == 0) {
       a.out_offsets[b + 1] = off + wl + el;
       if (b == 0) a.out_offsets[0] = 0;
@@ -318,12 +325,14 @@ void attention_softmax(float* scores, int64_t n_queries, int heads, int64_t max_
 void decode_rows(int64_t batch, const int64_t* positions, const int32_t* table_of, const float* const* window,
                  int64_t window_stride, int64_t window_slots, int64_t window_len, const float* const* entries,
                  int64_t entry_stride, int64_t rate, const int32_t* picked, const int32_t* picked_count, int k,
-                 const float** out_rows, int64_t* out_offsets, cudaStream_t s) {
+                 const float** out_rows, int64_t* out_offsets, const float* store, int64_t store_dim,
+                 cudaStream_t s) {
   if (batch == 0) return;
   TROUPE_REQUIRE(batch <= 65535, "decode_rows: too many queries");
+  TROUPE_REQUIRE(store == nullptr || (window != nullptr && window_len >= 1), "decode_rows: a store needs the window");
   TROUPE_REQUIRE(entries == nullptr || rate > 0 || picked != nullptr, "decode_rows: rate must be positive");
   RowsArgs a{positions, table_of, window, window_stride, window_slots, window_len, entries, entry_stride,
-             rate > 0 ? rate : 1, picked, picked_count, k, out_rows, out_offsets};
+             rate > 0 ? rate : 1, picked, picked_count, k, out_rows, out_offsets, store, store_dim};
   // Entry chunks from the table's capacity (picked lists hold at most k; the table's stride bounds the
   // others, and is the whole slot's table: every layer's), over at most ~two blocks an SM in all.
   const int64_t most = entries == nullptr ? 0 : picked != nullptr ? k : entry_stride;

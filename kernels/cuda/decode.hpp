@@ -14,7 +14,8 @@ namespace troupe::kernels::cuda {
 void decode_rows(int64_t batch, const int64_t* positions, const int32_t* table_of, const float* const* window,
                  int64_t window_stride, int64_t window_slots, int64_t window_len, const float* const* entries,
                  int64_t entry_stride, int64_t rate, const int32_t* picked, const int32_t* picked_count, int k,
-                 const float** out_rows, int64_t* out_offsets, cudaStream_t s);
+                 const float** out_rows, int64_t* out_offsets, const float* store, int64_t store_dim,
+                 cudaStream_t s);
 void decode_compress_rows(int64_t batch, const int64_t* positions, const int32_t* table_of, int64_t rate, bool overlap,
                           int64_t dim, const float* kv, float* score, const float* bias, float* const* ring,
                           int64_t ring_stride,

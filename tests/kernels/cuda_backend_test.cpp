@@ -11,6 +11,7 @@
 #include <limits>
 #include <numeric>
 #include <set>
+#include <stdexcept>
 
 #include "tests/kernels/backend_pair.hpp"
 
@@ -250,7 +251,9 @@ TEST_F(CudaBackendTest, rmsnorm_rope_matches_cpu_and_the_two_calls) {
     size_t differ = 0;
     for (int64_t i = 0; i < n; ++i) differ += std::memcmp(&got[i], &ref[i], 4) != 0;
     EXPECT_EQ(differ, 0u) << "rows " << s.rows << " heads " << s.heads << " hd " << s.hd;
-    if (!s.in_place) EXPECT_EQ(x.gpu_host(n), x_before);
+    if (!s.in_place) {
+      EXPECT_EQ(x.gpu_host(n), x_before);
+    }
   }
 }
 
@@ -786,6 +789,41 @@ TEST_F(CudaBackendTest, decode_rows_and_compress_lists_match_cpu) {
       const auto cr = rows.cpu_host<const float*>(co[n]), gr = rows.gpu_host<const float*>(co[n]);
       EXPECT_EQ(row_numbers(gr, pool.gpu(), width), row_numbers(cr, pool.cpu(), width));
     }
+  }
+  // The listing with a store: each query's new row written into its own window row (five queries, each
+  // (table, p % W) once), the rows around it untouched.
+  {
+    pool.set(randn(pool_rows * width, rng_));
+    const std::vector<int64_t> sp{0, 3, 5000, 95, 7};
+    const std::vector<int32_t> st{2, 0, 1, 0, 2};
+    const int64_t n = static_cast<int64_t>(sp.size());
+    Mirror pos(cpu(), gpu(), sp), tof(cpu(), gpu(), st);
+    const auto src = randn(n * width, rng_);
+    Mirror kv(cpu(), gpu(), src);
+    Mirror rows(cpu(), gpu(), n * W * 8), offs(cpu(), gpu(), (n + 1) * 8);
+    const auto before = pool.cpu_host(pool_rows * width);
+    for (Backend* b : {&cpu(), &gpu()}) {
+      const bool g = b == &gpu();
+      b->decode_rows(n, g ? pos.gpu<int64_t>() : pos.cpu<int64_t>(), g ? tof.gpu<int32_t>() : tof.cpu<int32_t>(),
+                     (g ? gt : ct) + off_w, stride, W, W, nullptr, stride, 1, nullptr, nullptr, 0,
+                     g ? rows.gpu<const float*>() : rows.cpu<const float*>(), g ? offs.gpu<int64_t>() : offs.cpu<int64_t>(),
+                     g ? kv.gpu() : kv.cpu(), width);
+    }
+    const auto after = pool.cpu_host(pool_rows * width);
+    EXPECT_EQ(pool.gpu_host(pool_rows * width), after);
+    std::vector<float> expect = before;
+    for (int64_t b = 0; b < n; ++b) {
+      const int64_t row = table_rows[st[b] * stride + off_w + sp[b] % W];
+      std::copy(src.begin() + b * width, src.begin() + (b + 1) * width, expect.begin() + row * width);
+    }
+    EXPECT_EQ(after, expect);
+    const auto co = offs.cpu_host<int64_t>(n + 1);
+    EXPECT_EQ(offs.gpu_host<int64_t>(n + 1), co);
+    EXPECT_EQ(row_numbers(rows.gpu_host<const float*>(co[n]), pool.gpu(), width),
+              row_numbers(rows.cpu_host<const float*>(co[n]), pool.cpu(), width));
+    EXPECT_THROW(cpu().decode_rows(n, pos.cpu<int64_t>(), tof.cpu<int32_t>(), nullptr, stride, W, W, nullptr, stride, 1,
+                                   nullptr, nullptr, 0, rows.cpu<const float*>(), offs.cpu<int64_t>(), kv.cpu(), width),
+                 std::invalid_argument);
   }
   // The compressor's lists: the five queries.
   const std::vector<int64_t> pos_host{0, 3, 5000, 95, 7};

@@ -301,7 +301,183 @@ __global__ void attention_softmax_kernel(float* scores, int heads, int64_t max_k
   for (int64_t j = threadIdx.x; j < max_keys; j += blockDim.x) p[j] = j < n ? p[j] * inv : 0.f;
 }
 
+// ---- fp32 attention of decode size in two launches (TROUPE_ATTENTION_ROWS=1) -----------------
+// attention_f32's math (scale * q.k over each query's listed rows, softmax with the head's sink in the
+// denominator, the probabilities times the same rows: K = V) without the gathered key copy, the score
+// matrix in global memory and two SGEMMs: a split kernel, CTA (split s, group g of kArHeads heads,
+// query t), takes the query's keys [s * kArKeys, +kArKeys) into shared memory once, scores them for its
+// heads (one warp a key, lanes over the dims), keeps each head's local max m and sum l of exp(score - m)
+// and the unnormalised sum of p * key; the combine kernel, a block a (head, query), weighs the splits by
+// exp(m_s - M) (M: the largest m and the sink) and divides by the total. fp32 throughout; the sums run in
+// another order than the SGEMMs' (within fp32 rounding of the CPU). Rows must be 16-byte aligned (dim a
+// multiple of 4 over pool pages).
+constexpr int kArHeads = 8, kArKeys = 32, kArThreads = 256, kArMaxDim = 512;
+
+__global__ void __launch_bounds__(kArThreads) attention_rows_split_kernel(const float* q, const float* const* rows,
+                                                                        const int64_t* offsets, int heads, int dim,
+                                                                        float scale, float* part_o, float* part_ml) {
+  pdl_entry();  // see launch_kernel
+  extern __shared__ float4 ar_smem[];
+  float* ks = reinterpret_cast<float*>(ar_smem);  // [kArKeys][dim]
+  float* qs = ks + kArKeys * dim;                 // [kArHeads][dim]
+  float* ps = qs + kArHeads * dim;                // [kArHeads][kArKeys]
+  const int s = static_cast<int>(blockIdx.x), S = static_cast<int>(gridDim.x);
+  const int h0 = static_cast<int>(blockIdx.y) * kArHeads, hn = min(kArHeads, heads - h0);
+  const int64_t t = blockIdx.z;
+  const int64_t beg = offsets[t], n = offsets[t + 1] - beg, j0 = static_cast<int64_t>(s) * kArKeys;
+  const int kn = static_cast<int>(n - j0 < 0 ? 0 : n - j0 < kArKeys ? n - j0 : kArKeys);
+  const int d4 = dim / 4, tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
+  for (int i = tid; i < kArKeys * d4; i += kArThreads) {  // every load in flight before any use
+    const int jj = i / d4;
+    reinterpret_cast<float4*>(ks)[i] =
+        jj < kn ? reinterpret_cast<const float4*>(rows[beg + j0 + jj])[i % d4] : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  for (int i = tid; i < kArHeads * d4; i += kArThreads) {
+    const int h = i / d4;
+    reinterpret_cast<float4*>(qs)[i] = h < hn ? reinterpret_cast<const float4*>(q + (t * heads + h0 + h) * dim)[i % d4]
+                                              : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  __syncthreads();
+  for (int jj = warp; jj < kArKeys; jj += kArThreads / 32) {  // scores: a warp a key
+    float acc[kArHeads];
+#pragma unroll
+    for (int h = 0; h < kArHeads; ++h) acc[h] = 0.f;
+    if (jj < kn) {
+      for (int c = lane; c < d4; c += 32) {
+        const float4 k4 = reinterpret_cast<const float4*>(ks + jj * dim)[c];
+#pragma unroll
+        for (int h = 0; h < kArHeads; ++h) {
+          const float4 q4 = reinterpret_cast<const float4*>(qs + h * dim)[c];
+          acc[h] += k4.x * q4.x + k4.y * q4.y + k4.z * q4.z + k4.w * q4.w;
+        }
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < kArHeads; ++h) {
+      const float v = warp_sum(acc[h]);
+      if (lane == 0) ps[h * kArKeys + jj] = jj < kn ? v * scale : -INFINITY;
+    }
+  }
+  __syncthreads();
+  static_assert(kArKeys == 32 && kArThreads / 32 == kArHeads, "a warp a head, a lane a key");
+  {  // each head's local softmax over the split's keys: warp h, lane jj
+    const float v = ps[warp * kArKeys + lane];
+    float m = v;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const float p = lane < kn ? expf(v - m) : 0.f;
+    const float l = warp_sum(p);
+    ps[warp * kArKeys + lane] = p;
+    if (lane == 0 && warp < hn) {
+      float* ml = part_ml + ((t * heads + h0 + warp) * S + s) * 2;
+      ml[0] = kn > 0 ? m : -INFINITY;
+      ml[1] = l;
+    }
+  }
+  __syncthreads();
+  constexpr int kPer = kArMaxDim / kArThreads;  // dims a thread sums
+  float o[kArHeads][kPer];
+#pragma unroll
+  for (int h = 0; h < kArHeads; ++h)
+#pragma unroll
+    for (int c = 0; c < kPer; ++c) o[h][c] = 0.f;
+  for (int jj = 0; jj < kn; ++jj) {
+    float kv[kPer];
+#pragma unroll
+    for (int c = 0; c < kPer; ++c) kv[c] = tid + kArThreads * c < dim ? ks[jj * dim + tid + kArThreads * c] : 0.f;
+#pragma unroll
+    for (int h = 0; h < kArHeads; ++h) {
+      const float p = ps[h * kArKeys + jj];
+#pragma unroll
+      for (int c = 0; c < kPer; ++c) o[h][c] += p * kv[c];
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < kArHeads; ++h) {
+    if (h >= hn) break;
+    float* dst = part_o + ((t * heads + h0 + h) * S + s) * dim;
+#pragma unroll
+    for (int c = 0; c < kPer; ++c) {
+      const int d = tid + kArThreads * c;
+      if (d < dim) dst[d] = o[h][c];
+    }
+  }
+}
+
+// Block (head h, query t): out[t, h, :] from the S splits of attention_rows_split_kernel. Warp 0 weighs the
+// splits (w_s = exp(m_s - M) / L, L = sum w_s l_s + exp(sink - M)); every thread then sums its dims.
+__global__ void attention_rows_combine_kernel(const float* part_o, const float* part_ml, const float* sinks, int heads,
+                                              int dim, int S, float* out) {
+  pdl_entry();  // see launch_kernel
+  extern __shared__ float ar_w[];  // [S]
+  const int h = static_cast<int>(blockIdx.x);
+  const int64_t t = blockIdx.y;
+  const float* ml = part_ml + (t * heads + h) * S * 2;
+  if (threadIdx.x < 32) {
+    const int lane = static_cast<int>(threadIdx.x);
+    float M = sinks != nullptr ? sinks[h] : -INFINITY;
+    for (int s = lane; s < S; s += 32) M = fmaxf(M, ml[2 * s]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    float L = 0.f;
+    for (int s = lane; s < S; s += 32) {
+      const float m = ml[2 * s];
+      const float w = m == -INFINITY ? 0.f : expf(m - M);
+      ar_w[s] = w;
+      L += w * ml[2 * s + 1];
+    }
+    L = warp_sum(L);
+    if (sinks != nullptr && M != -INFINITY) L += expf(sinks[h] - M);
+    const float inv = L > 0.f ? 1.f / L : 0.f;
+    __syncwarp();
+    for (int s = lane; s < S; s += 32) ar_w[s] *= inv;
+  }
+  __syncthreads();
+  const float* po = part_o + (t * heads + h) * S * dim;
+  float* dst = out + (t * heads + h) * dim;
+  for (int d = static_cast<int>(threadIdx.x); d < dim; d += static_cast<int>(blockDim.x)) {
+    float acc = 0.f;
+    for (int s = 0; s < S; ++s) acc += ar_w[s] * po[s * dim + d];
+    dst[d] = acc;
+  }
+}
+
 }  // namespace
+
+size_t attention_rows_workspace_bytes(int64_t n_queries, int heads, int64_t dim, int64_t max_keys) {
+  const int64_t S = ceil_div(std::max<int64_t>(max_keys, 1), kArKeys);
+  return static_cast<size_t>(n_queries * heads * S * (dim + 2)) * sizeof(float);
+}
+
+bool attention_rows_takes(int64_t n_queries, int64_t dim, int64_t max_keys) {
+  return n_queries <= 65535 && dim % 4 == 0 && dim <= kArMaxDim && dim > 0 && max_keys <= (int64_t{1} << 20);
+}
+
+void attention_rows(const float* q, int64_t n_queries, int heads, int64_t dim, const float* const* rows,
+                    const int64_t* offsets, int64_t max_keys, const float* sinks, float scale, void* workspace,
+                    float* out, cudaStream_t s) {
+  if (n_queries == 0) return;
+  TROUPE_REQUIRE(attention_rows_takes(n_queries, dim, max_keys), "attention_rows: shape not taken");
+  const int S = static_cast<int>(ceil_div(std::max<int64_t>(max_keys, 1), kArKeys));
+  auto* part_o = static_cast<float*>(workspace);
+  float* part_ml = part_o + n_queries * heads * S * dim;
+  const size_t smem = static_cast<size_t>(kArKeys * dim + kArHeads * dim + kArHeads * kArKeys) * sizeof(float);
+  static const bool attr = [] {
+    TROUPE_CUDA(cudaFuncSetAttribute(attention_rows_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>((kArKeys + kArHeads) * kArMaxDim * 4 + kArHeads * kArKeys * 4)));
+    return true;
+  }();
+  (void)attr;
+  const dim3 grid(static_cast<unsigned>(S), static_cast<unsigned>(ceil_div(heads, kArHeads)),
+                  static_cast<unsigned>(n_queries));
+  launch_kernel(attention_rows_split_kernel, grid, kArThreads, smem, s, q, rows, offsets, heads, static_cast<int>(dim),
+                scale, part_o, part_ml);
+  TROUPE_LAUNCHED();
+  launch_kernel(attention_rows_combine_kernel, dim3(static_cast<unsigned>(heads), static_cast<unsigned>(n_queries)),
+                128, static_cast<size_t>(S) * sizeof(float), s, part_o, part_ml, sinks, heads, static_cast<int>(dim), S,
+                out);
+  TROUPE_LAUNCHED();
+}
 
 void gather_key_rows(const float* const* rows, const int64_t* offsets, int64_t n_queries, int64_t max_keys,
                      int64_t dim, float* keys, cudaStream_t s) {

@@ -862,15 +862,21 @@ void gemv_typed(const float* x, int64_t ldx, int64_t m, const WT* w, int64_t n, 
 }
 
 // ---- elementwise -----------------------------------------------------------------
+// 1 / rms of a row of `width` floats (the block's threads stride over it, then block_sum); every thread
+// gets it. rmsnorm_kernel's order, which the fused kernels that promise its bits follow.
+__device__ __forceinline__ float row_inv_rms(const float* xr, int64_t width, float eps, float* scratch) {
+  float ss = 0.f;
+  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) ss += xr[i] * xr[i];
+  ss = block_sum(ss, scratch);
+  return 1.0f / sqrtf(ss / static_cast<float>(width) + eps);
+}
+
 __global__ void rmsnorm_kernel(const float* x, const float* weight, float* y, int64_t dim, float eps) {
   pdl_entry();  // see launch_kernel
   __shared__ float scratch[32];
   const float* xr = x + blockIdx.x * dim;
   float* yr = y + blockIdx.x * dim;
-  float ss = 0.f;
-  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
-  ss = block_sum(ss, scratch);
-  const float inv = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
+  const float inv = row_inv_rms(xr, dim, eps, scratch);
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
     yr[i] = weight != nullptr ? weight[i] * (xr[i] * inv) : xr[i] * inv;
   }
@@ -900,10 +906,7 @@ __global__ void rmsnorm_rope_kernel(const float* x, const float* weight, float* 
   __shared__ float scratch[32];
   const float* xr = x + blockIdx.x * dim;
   float* yr = y + blockIdx.x * dim;
-  float ss = 0.f;
-  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
-  ss = block_sum(ss, scratch);
-  const float inv = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
+  const float inv = row_inv_rms(xr, dim, eps, scratch);
   const int64_t plain = dim - rope.rope_dim;
   auto normed = [&](int64_t i) { return weight != nullptr ? weight[i] * (xr[i] * inv) : xr[i] * inv; };
   for (int64_t i = threadIdx.x; i < plain; i += blockDim.x) yr[i] = normed(i);
@@ -1033,14 +1036,6 @@ constexpr int kMaxHc = 8;
 
 __device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-// Row sum of squares of X (hc*dim) -> inv rms; every thread gets it.
-__device__ float hc_inv_rms(const float* xr, int64_t width, float eps, float* scratch) {
-  float ss = 0.f;
-  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) ss += xr[i] * xr[i];
-  ss = block_sum(ss, scratch);
-  return 1.0f / sqrtf(ss / static_cast<float>(width) + eps);
-}
-
 // HC = p.hc as a compile-time constant: the Sinkhorn matrix stays in registers
 // (with a run-time hc it went to local memory, and the one thread that runs the
 // 20 iterations took ~30 us a call, most of an mHC step at batch 1).
@@ -1114,7 +1109,7 @@ __global__ void mhc_pre_kernel(const float* X, const float* mix, const float* ba
   constexpr int hc = HC;
   const int64_t r = blockIdx.x;
   const float* xr = X + r * hc * p.dim;
-  const float inv = hc_inv_rms(xr, hc * p.dim, p.norm_eps, scratch);
+  const float inv = row_inv_rms(xr, hc * p.dim, p.norm_eps, scratch);
   if (threadIdx.x == 0) {
     const int n_mix = (2 + hc) * hc;
     const float* m = mix + r * n_mix;
@@ -1140,7 +1135,7 @@ __global__ void mhc_head_kernel(const float* X, const float* mix, const float* b
   const int hc = p.hc;
   const int64_t r = blockIdx.x;
   const float* xr = X + r * hc * p.dim;
-  const float inv = hc_inv_rms(xr, hc * p.dim, p.norm_eps, scratch);
+  const float inv = row_inv_rms(xr, hc * p.dim, p.norm_eps, scratch);
   if (threadIdx.x < hc) pre[threadIdx.x] = sigmoidf(mix[r * hc + threadIdx.x] * inv * scale[0] + base[threadIdx.x]) + p.hc_eps;
   __syncthreads();
   for (int64_t i = threadIdx.x; i < p.dim; i += blockDim.x) {

@@ -327,16 +327,30 @@ __global__ void __launch_bounds__(kArThreads) attention_rows_split_kernel(const 
   const int64_t beg = offsets[t], n = offsets[t + 1] - beg, j0 = static_cast<int64_t>(s) * kArKeys;
   const int kn = static_cast<int>(n - j0 < 0 ? 0 : n - j0 < kArKeys ? n - j0 : kArKeys);
   const int d4 = dim / 4, tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
-  for (int i = tid; i < kArKeys * d4; i += kArThreads) {  // every load in flight before any use
-    const int jj = i / d4;
-    reinterpret_cast<float4*>(ks)[i] =
-        jj < kn ? reinterpret_cast<const float4*>(rows[beg + j0 + jj])[i % d4] : make_float4(0.f, 0.f, 0.f, 0.f);
+  if (kn == 0) {  // past the query's keys: no partial sums (the combine skips a split whose max is -inf)
+    if (tid < hn) {
+      float* ml = part_ml + ((t * heads + h0 + tid) * S + s) * 2;
+      ml[0] = -INFINITY;
+      ml[1] = 0.f;
+    }
+    return;
   }
+  // Every copy in flight before any is waited for (cp.async; the row pointers first, through shared
+  // memory, so no copy waits on a pointer load of its own): the first form, a plain load and store a
+  // float4, ran one dependent pointer + row round trip after another (21 us a call on the H100, run 49).
+  __shared__ const float* kp[kArKeys];
+  if (tid < kArKeys) kp[tid] = tid < kn ? rows[beg + j0 + tid] : q;
   for (int i = tid; i < kArHeads * d4; i += kArThreads) {
     const int h = i / d4;
-    reinterpret_cast<float4*>(qs)[i] = h < hn ? reinterpret_cast<const float4*>(q + (t * heads + h0 + h) * dim)[i % d4]
-                                              : make_float4(0.f, 0.f, 0.f, 0.f);
+    cp_async16(qs + 4 * i, h < hn ? q + (t * heads + h0 + h) * dim + 4 * (i % d4) : q, h < hn);
   }
+  __syncthreads();
+  for (int i = tid; i < kArKeys * d4; i += kArThreads) {
+    const int jj = i / d4;
+    cp_async16(ks + 4 * i, kp[jj] + (jj < kn ? 4 * (i % d4) : 0), jj < kn);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
   __syncthreads();
   for (int jj = warp; jj < kArKeys; jj += kArThreads / 32) {  // scores: a warp a key
     float acc[kArHeads];
@@ -433,12 +447,31 @@ __global__ void attention_rows_combine_kernel(const float* part_o, const float* 
     for (int s = lane; s < S; s += 32) ar_w[s] *= inv;
   }
   __syncthreads();
-  const float* po = part_o + (t * heads + h) * S * dim;
-  float* dst = out + (t * heads + h) * dim;
-  for (int d = static_cast<int>(threadIdx.x); d < dim; d += static_cast<int>(blockDim.x)) {
-    float acc = 0.f;
-    for (int s = 0; s < S; ++s) acc += ar_w[s] * po[s * dim + d];
-    dst[d] = acc;
+  // A thread a float4 of the head's dims; four splits' loads in flight at a time, summed in split order.
+  // Splits with no weight (past the query's keys) are not read.
+  const float4* po = reinterpret_cast<const float4*>(part_o + (t * heads + h) * S * dim);
+  float4* dst = reinterpret_cast<float4*>(out + (t * heads + h) * dim);
+  const int d4 = dim / 4;
+  for (int c = static_cast<int>(threadIdx.x); c < d4; c += static_cast<int>(blockDim.x)) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = 0; s0 < S; s0 += 4) {
+      float4 v[4];
+      float w[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        w[u] = s0 + u < S ? ar_w[s0 + u] : 0.f;
+        v[u] = w[u] != 0.f ? po[(s0 + u) * d4 + c] : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        if (w[u] == 0.f) continue;
+        acc.x += w[u] * v[u].x;
+        acc.y += w[u] * v[u].y;
+        acc.z += w[u] * v[u].z;
+        acc.w += w[u] * v[u].w;
+      }
+    }
+    dst[c] = acc;
   }
 }
 

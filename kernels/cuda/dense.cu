@@ -1348,6 +1348,9 @@ __global__ void __launch_bounds__(256)
 // kFinishMaxPer * 256 floats; longer rows take mhc_fused_finish_kernel).
 constexpr int kFinishMaxPer = 32;
 constexpr int kFinishYThreads = 256;
+// The largest row (hc x dim floats) mhc_finish_rows_kernel stages in shared memory (Flash 4 x 4,096: 64 KB;
+// 4 x 7,168: 112 KB).
+constexpr size_t kFinishStageBytes = 128 * 1024;
 
 // 256 threads' sum with named barrier 1 (the y threads of mhc_finish_rows_kernel, while its Sinkhorn warp
 // runs on): block_sum's order over those threads, so the same bits as block_sum in a block of nt <= 256
@@ -1375,15 +1378,24 @@ template <int HC, bool HEAD>
 __global__ void __launch_bounds__(kFinishYThreads + 32)
     mhc_finish_rows_kernel(const float* X, const float* partial, int slices, const float* base, const float* scale,
                            MhcParams p, float* y, float* post, float* comb, bool norm, const float* norm_weight,
-                           float norm_eps, int nt) {
+                           float norm_eps, int nt, bool staged) {
   pdl_entry();  // see launch_kernel
   constexpr int hc = HC;
   __shared__ FinishMix<HC, HEAD> fm;
   __shared__ float scratch[32];
+  extern __shared__ float4 fin_x4[];  // staged: the row's X, [hc][dim]
+  float* xs = reinterpret_cast<float*>(fin_x4);
   const int64_t r = blockIdx.x;
   const int t = threadIdx.x;
   const int64_t dim = p.dim;
   const bool ythread = t < nt;
+  const float* xr = X + r * hc * dim;
+  // staged: the y threads copy the row's X into shared memory (cp.async, every copy in flight at once) while
+  // the block sums the mix below; y then reads it there.
+  if (staged && t < kFinishYThreads) {
+    for (int64_t i = t; i < hc * dim / 4; i += kFinishYThreads) cp_async16(xs + 4 * i, xr + 4 * i, true);
+    cp_async_commit();
+  }
   // The norm's weights do not depend on the previous kernel: requested before the partials.
   float w[kFinishMaxPer];
 #pragma unroll
@@ -1399,20 +1411,27 @@ __global__ void __launch_bounds__(kFinishYThreads + 32)
     }
   }
   const float* pre = fm.pre;
-  const float* xr = X + r * hc * dim;
   float* yr = y + r * dim;
+  if (staged) {
+    cp_async_wait<0>();
+    asm volatile("bar.sync 1, %0;" ::"n"(kFinishYThreads) : "memory");  // every y thread's copies landed
+  }
+  const float* xsrc = staged ? xs : xr;
   float pj[hc];
 #pragma unroll
   for (int j = 0; j < hc; ++j) pj[j] = pre[j];
   float yv[kFinishMaxPer];
   float ss = 0.f;
+  // Each element's loads and sums sit behind its bounds test: from global memory (a row too wide to stage)
+  // that is one round trip to X an element (10 us a call for one row of 4 x 4,096 on the H100, run 49, before
+  // rows were staged); from shared memory a few cycles.
 #pragma unroll
   for (int c = 0; c < kFinishMaxPer; ++c) {
     const int64_t i = t + static_cast<int64_t>(nt) * c;
     float acc = 0.f;
     if (ythread && i < dim) {
 #pragma unroll
-      for (int j = 0; j < hc; ++j) acc += pj[j] * xr[j * dim + i];
+      for (int j = 0; j < hc; ++j) acc += pj[j] * xsrc[j * dim + i];
     }
     yv[c] = acc;
     ss += acc * acc;  // 0 past the row: rmsnorm_kernel's sum, in its order
@@ -2003,8 +2022,20 @@ void mhc_fused_finish(const float* X, const float* partial, int64_t rows, int sl
   // 1, -22 to -25 at batch 16); TROUPE_MHC_FINISH=1: the older finish (y and its norm through global memory).
   static const bool old_finish = env_switch("TROUPE_MHC_FINISH") > 0;
   if (!old_finish && p.dim <= static_cast<int64_t>(kFinishMaxPer) * nt) {
-    launch_kernel(kRowsByHc[p.hc - 1], static_cast<unsigned>(rows), HEAD ? kFinishYThreads : kFinishYThreads + 32, 0,
-                  s, X, partial, slices, base, scale, p, y, post, comb, norm, norm_weight, norm_eps, nt);
+    // X staged in shared memory where a row fits kFinishStageBytes (TROUPE_MHC_STAGE=0: never).
+    static const bool may_stage = !env_off("TROUPE_MHC_STAGE");
+    const size_t row_bytes = static_cast<size_t>(p.hc * p.dim) * sizeof(float);
+    const bool staged = may_stage && row_bytes <= kFinishStageBytes;
+    static const bool attr = [&] {
+      for (auto* k : kRowsByHc)
+        TROUPE_CUDA(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(kFinishStageBytes)));
+      return true;
+    }();
+    (void)attr;
+    launch_kernel(kRowsByHc[p.hc - 1], static_cast<unsigned>(rows), HEAD ? kFinishYThreads : kFinishYThreads + 32,
+                  staged ? row_bytes : 0, s, X, partial, slices, base, scale, p, y, post, comb, norm, norm_weight,
+                  norm_eps, nt, staged);
   } else {
     launch_kernel(kByHc[p.hc - 1], static_cast<unsigned>(rows), 256, 0, s, X, partial, slices, base, scale, p, y,
                   post, comb, norm, norm_weight, norm_eps, nt);

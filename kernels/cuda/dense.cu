@@ -1344,17 +1344,15 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-// The elements of a row each of mhc_finish_rows_kernel's y threads holds in registers (rows of at most
-// kFinishMaxPer * 256 floats; longer rows take mhc_fused_finish_kernel).
-constexpr int kFinishMaxPer = 32;
-constexpr int kFinishYThreads = 256;
-// The largest row (hc x dim floats) mhc_finish_rows_kernel stages in shared memory (Flash 4 x 4,096: 64 KB;
-// 4 x 7,168: 112 KB).
+// mhc_finish_rows_kernel's y threads (a Sinkhorn warp beside them unless HEAD), and the largest row
+// (hc x dim floats) it stages in shared memory (Flash 4 x 4,096: 64 KB; 4 x 7,168: 112 KB).
+constexpr int kFinishYThreads = 512;
 constexpr size_t kFinishStageBytes = 128 * 1024;
+constexpr int kFinishWPre = 4;  // norm-weight float4s a thread requests before the mix (dim <= 8,192)
 
-// 256 threads' sum with named barrier 1 (the y threads of mhc_finish_rows_kernel, while its Sinkhorn warp
-// runs on): block_sum's order over those threads, so the same bits as block_sum in a block of nt <= 256
-// threads whose others hold 0.
+// The y threads' sum with named barrier 1 (the Sinkhorn warp runs on): block_sum's order over those
+// threads, so the same bits as block_sum in a block of nt <= 256 threads whose others hold 0 (the
+// butterfly adds exact zeros for the warps past nt).
 __device__ __forceinline__ float y_threads_sum(float v, float* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   v = warp_sum(v);
@@ -1364,18 +1362,19 @@ __device__ __forceinline__ float y_threads_sum(float v, float* scratch) {
   return warp_sum(t);
 }
 
-// mhc_fused_finish_kernel's work with y in registers: one block a row, the mix from the partials, pre
-// (and post), then threads 0 .. nt-1 (nt: rmsnorm_kernel's block size for the dim) each form y at
-// i = t, t + nt, ... (every load of X in flight together, no store between them), its sum of squares in
-// rmsnorm_kernel's order, and write y (normalised with `norm`) once; for !HEAD an extra warp (threads
-// 256 .. 287) runs the Sinkhorn of comb beside them, joining no barrier after the mix. The older kernel's y
-// loop and norm pass waited a round trip an iteration (a store between loads of one pointer's rows; the
-// norm's weight read after each store). Measured (run 47, H100): 13.5 -> 10.9 us a call under ncu at batch
-// 16 (the kernel still ends with its Sinkhorn warp), the decode step -16 to -18 us at batch 1, -22 to -25 at
-// batch 16. Same bits as mhc_fused_finish_kernel (y's sums per element in j order; the norm's as
-// rmsnorm_kernel's).
+// mhc_fused_finish_kernel's work for rows whose dim is a multiple of 4: one block a row. The y threads
+// request the row's X (staged: cp.async into shared memory, every copy in flight at once) and their
+// norm-weight float4s, then the block sums the mix from the partials (pre, post); for !HEAD an extra warp
+// (threads kFinishYThreads ..) then runs the Sinkhorn of comb, joining no barrier after the mix. y is
+// formed a float4 a thread (each element's sum in j order, as before) into shared memory, its sum of
+// squares taken by threads 0 .. nt-1 (nt: rmsnorm_kernel's block size for the dim) over i = t, t + nt, ...
+// in rmsnorm_kernel's order, and written (normalised with `norm`) a float4 a thread. Same bits as
+// mhc_fused_finish_kernel. Run 49 (H100, batch 1, 4 x 4,096): the first form (256 threads, y elements
+// t + 256c in registers, X from global memory) ran one round trip to X an element (ptxas kept each
+// element's loads behind its bounds test) and ~2,000 dependent instructions a warp: 10.1 us a call under
+// ncu; staging X alone: 8.5.
 template <int HC, bool HEAD>
-__global__ void __launch_bounds__(kFinishYThreads + 32)
+__global__ void __launch_bounds__(kFinishYThreads + 32, 1)
     mhc_finish_rows_kernel(const float* X, const float* partial, int slices, const float* base, const float* scale,
                            MhcParams p, float* y, float* post, float* comb, bool norm, const float* norm_weight,
                            float norm_eps, int nt, bool staged) {
@@ -1383,74 +1382,75 @@ __global__ void __launch_bounds__(kFinishYThreads + 32)
   constexpr int hc = HC;
   __shared__ FinishMix<HC, HEAD> fm;
   __shared__ float scratch[32];
-  extern __shared__ float4 fin_x4[];  // staged: the row's X, [hc][dim]
-  float* xs = reinterpret_cast<float*>(fin_x4);
+  extern __shared__ float4 fin_smem[];  // staged: the row's X [hc][dim], y then in its first dim; else y [dim]
+  float* xs = reinterpret_cast<float*>(fin_smem);
   const int64_t r = blockIdx.x;
   const int t = threadIdx.x;
-  const int64_t dim = p.dim;
-  const bool ythread = t < nt;
+  const int64_t dim = p.dim, d4 = dim / 4;
   const float* xr = X + r * hc * dim;
-  // staged: the y threads copy the row's X into shared memory (cp.async, every copy in flight at once) while
-  // the block sums the mix below; y then reads it there.
-  if (staged && t < kFinishYThreads) {
-    for (int64_t i = t; i < hc * dim / 4; i += kFinishYThreads) cp_async16(xs + 4 * i, xr + 4 * i, true);
+  const bool ythread = t < kFinishYThreads;
+  if (staged && ythread) {
+    for (int64_t i = t; i < hc * d4; i += kFinishYThreads) cp_async16(xs + 4 * i, xr + 4 * i, true);
     cp_async_commit();
   }
-  // The norm's weights do not depend on the previous kernel: requested before the partials.
-  float w[kFinishMaxPer];
+  const bool scaled = norm && norm_weight != nullptr;
+  float4 wv[kFinishWPre];
 #pragma unroll
-  for (int c = 0; c < kFinishMaxPer; ++c) {
-    const int64_t i = t + static_cast<int64_t>(nt) * c;
-    w[c] = norm && norm_weight != nullptr && ythread && i < dim ? norm_weight[i] : 1.f;
+  for (int c = 0; c < kFinishWPre; ++c) {
+    const int64_t i = t + static_cast<int64_t>(kFinishYThreads) * c;
+    wv[c] = scaled && ythread && i < d4 ? reinterpret_cast<const float4*>(norm_weight)[i]
+                                        : make_float4(1.f, 1.f, 1.f, 1.f);
   }
   const float inv = finish_mix(partial, slices, base, scale, p, r, post, fm);
   if constexpr (!HEAD) {
-    if (t >= kFinishYThreads) {
+    if (!ythread) {
       sinkhorn_warp<HC>(fm.m + 2 * hc, inv, scale[2], base + 2 * hc, p, comb + r * hc * hc);
       return;
     }
   }
-  const float* pre = fm.pre;
-  float* yr = y + r * dim;
+  float pj[hc];
+#pragma unroll
+  for (int j = 0; j < hc; ++j) pj[j] = fm.pre[j];
   if (staged) {
     cp_async_wait<0>();
     asm volatile("bar.sync 1, %0;" ::"n"(kFinishYThreads) : "memory");  // every y thread's copies landed
   }
   const float* xsrc = staged ? xs : xr;
-  float pj[hc];
+  float4* ys4 = reinterpret_cast<float4*>(xs);
+  float4* yr4 = reinterpret_cast<float4*>(y + r * dim);
+  for (int64_t i = t; i < d4; i += kFinishYThreads) {  // a thread reads and writes only its own column
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-  for (int j = 0; j < hc; ++j) pj[j] = pre[j];
-  float yv[kFinishMaxPer];
+    for (int j = 0; j < hc; ++j) {
+      const float4 v = reinterpret_cast<const float4*>(xsrc + j * dim)[i];
+      acc.x += pj[j] * v.x;
+      acc.y += pj[j] * v.y;
+      acc.z += pj[j] * v.z;
+      acc.w += pj[j] * v.w;
+    }
+    if (norm)
+      ys4[i] = acc;
+    else
+      yr4[i] = acc;
+  }
+  if (!norm) return;
+  asm volatile("bar.sync 1, %0;" ::"n"(kFinishYThreads) : "memory");  // y complete in shared memory
   float ss = 0.f;
-  // Each element's loads and sums sit behind its bounds test: from global memory (a row too wide to stage)
-  // that is one round trip to X an element (10 us a call for one row of 4 x 4,096 on the H100, run 49, before
-  // rows were staged); from shared memory a few cycles.
-#pragma unroll
-  for (int c = 0; c < kFinishMaxPer; ++c) {
-    const int64_t i = t + static_cast<int64_t>(nt) * c;
-    float acc = 0.f;
-    if (ythread && i < dim) {
-#pragma unroll
-      for (int j = 0; j < hc; ++j) acc += pj[j] * xsrc[j * dim + i];
-    }
-    yv[c] = acc;
-    ss += acc * acc;  // 0 past the row: rmsnorm_kernel's sum, in its order
-  }
-  if (!norm) {
-#pragma unroll
-    for (int c = 0; c < kFinishMaxPer; ++c) {
-      const int64_t i = t + static_cast<int64_t>(nt) * c;
-      if (ythread && i < dim) yr[i] = yv[c];
-    }
-    return;
-  }
+  if (t < nt)
+    for (int64_t i = t; i < dim; i += nt) ss += xs[i] * xs[i];
   ss = y_threads_sum(ss, scratch);
   const float inv_y = 1.0f / sqrtf(ss / static_cast<float>(dim) + norm_eps);
+  const auto out = [&](float4 v, float4 w) {
+    return scaled ? make_float4(w.x * (v.x * inv_y), w.y * (v.y * inv_y), w.z * (v.z * inv_y), w.w * (v.w * inv_y))
+                  : make_float4(v.x * inv_y, v.y * inv_y, v.z * inv_y, v.w * inv_y);
+  };
 #pragma unroll
-  for (int c = 0; c < kFinishMaxPer; ++c) {
-    const int64_t i = t + static_cast<int64_t>(nt) * c;
-    if (ythread && i < dim) yr[i] = norm_weight != nullptr ? w[c] * (yv[c] * inv_y) : yv[c] * inv_y;
+  for (int c = 0; c < kFinishWPre; ++c) {
+    const int64_t i = t + static_cast<int64_t>(kFinishYThreads) * c;
+    if (i < d4) yr4[i] = out(ys4[i], wv[c]);
   }
+  for (int64_t i = t + static_cast<int64_t>(kFinishYThreads) * kFinishWPre; i < d4; i += kFinishYThreads)
+    yr4[i] = out(ys4[i], scaled ? reinterpret_cast<const float4*>(norm_weight)[i] : make_float4(1.f, 1.f, 1.f, 1.f));
 }
 
 __global__ void mhc_post_kernel(float* X, int64_t rows, const float* f, const float* post, const float* comb,
@@ -2018,14 +2018,17 @@ void mhc_fused_finish(const float* X, const float* partial, int64_t rows, int sl
       mhc_finish_rows_kernel<4, HEAD>, mhc_finish_rows_kernel<5, HEAD>, mhc_finish_rows_kernel<6, HEAD>,
       mhc_finish_rows_kernel<7, HEAD>, mhc_finish_rows_kernel<8, HEAD>};
   if (p.hc < 1 || p.hc > kMaxHc) return;
-  // mhc_finish_rows_kernel where a row fits its registers (run 47, H100: the decode step -16 to -18 us at batch
-  // 1, -22 to -25 at batch 16); TROUPE_MHC_FINISH=1: the older finish (y and its norm through global memory).
+  // mhc_finish_rows_kernel for dims that are a multiple of 4 (y in shared memory, float4 rows and norm weights),
+  // X staged where a row fits kFinishStageBytes (TROUPE_MHC_STAGE=0: never); TROUPE_MHC_FINISH=1: the older
+  // finish (y and its norm through global memory). Run 47 (H100; the first rows form): the decode step -16 to
+  // -18 us at batch 1, -22 to -25 at batch 16.
   static const bool old_finish = env_switch("TROUPE_MHC_FINISH") > 0;
-  if (!old_finish && p.dim <= static_cast<int64_t>(kFinishMaxPer) * nt) {
-    // X staged in shared memory where a row fits kFinishStageBytes (TROUPE_MHC_STAGE=0: never).
-    static const bool may_stage = !env_off("TROUPE_MHC_STAGE");
-    const size_t row_bytes = static_cast<size_t>(p.hc * p.dim) * sizeof(float);
-    const bool staged = may_stage && row_bytes <= kFinishStageBytes;
+  static const bool may_stage = !env_off("TROUPE_MHC_STAGE");
+  const size_t row_bytes = static_cast<size_t>(p.hc * p.dim) * sizeof(float);
+  const bool staged = may_stage && row_bytes <= kFinishStageBytes;
+  const size_t smem = staged ? row_bytes : static_cast<size_t>(p.dim) * sizeof(float);
+  const bool aligned = reinterpret_cast<uintptr_t>(norm_weight) % 16 == 0;  // X and y: checked by mhc_fused
+  if (!old_finish && p.dim % 4 == 0 && aligned && smem <= kFinishStageBytes) {
     static const bool attr = [&] {
       for (auto* k : kRowsByHc)
         TROUPE_CUDA(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -2034,8 +2037,7 @@ void mhc_fused_finish(const float* X, const float* partial, int64_t rows, int sl
     }();
     (void)attr;
     launch_kernel(kRowsByHc[p.hc - 1], static_cast<unsigned>(rows), HEAD ? kFinishYThreads : kFinishYThreads + 32,
-                  staged ? row_bytes : 0, s, X, partial, slices, base, scale, p, y, post, comb, norm, norm_weight,
-                  norm_eps, nt, staged);
+                  smem, s, X, partial, slices, base, scale, p, y, post, comb, norm, norm_weight, norm_eps, nt, staged);
   } else {
     launch_kernel(kByHc[p.hc - 1], static_cast<unsigned>(rows), 256, 0, s, X, partial, slices, base, scale, p, y,
                   post, comb, norm, norm_weight, norm_eps, nt);

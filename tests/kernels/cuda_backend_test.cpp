@@ -297,11 +297,12 @@ TEST_F(CudaBackendTest, row_moves_match_cpu) {
 }
 
 TEST_F(CudaBackendTest, mhc_pre_post_head_match_cpu) {
-  // hc 4 x 4096: V4's shape (the fused kernels, width split in 32 slices); 200: a
-  // partial last slice; hc 8 x 1032: the most streams (the finish's y in registers, 5 an element a
-  // thread); hc 2 x 8200: a row longer than the finish holds in registers (its older form); hc 3 x 6: a
-  // width the fused form refuses (the unfused path).
-  const std::pair<int, int64_t> shapes[] = {{4, 4096}, {4, 256}, {4, 200}, {3, 1000}, {8, 1032}, {2, 8200}, {3, 6}};
+  // hc 4 x 4096: V4's shape (the fused kernels, width split in 32 slices, the row staged in shared memory);
+  // 200: a partial last slice; hc 8 x 1032: the most streams; hc 2 x 8200: more norm-weight float4s a thread
+  // than the finish requests early; hc 8 x 4200: a row too wide to stage (X read from global memory); hc 3 x 6:
+  // a width the fused form refuses (the unfused path).
+  const std::pair<int, int64_t> shapes[] = {{4, 4096}, {4, 256}, {4, 200},  {3, 1000},
+                                            {8, 1032}, {2, 8200}, {8, 4200}, {3, 6}};
   for (const auto& [hc, dim] : shapes) {
     for (int64_t rows : {1, 5, 33}) {
       SCOPED_TRACE("hc " + std::to_string(hc) + " dim " + std::to_string(dim) + " rows " + std::to_string(rows));

@@ -1164,35 +1164,17 @@ constexpr int kMixSlice = 512;  // columns of X per block of kernel 1
 template <class WT, int M>
 __global__ void __launch_bounds__(kMixThreads)
     mhc_mix_kernel(const float* X, int64_t rows, int64_t width, const WT* __restrict__ fn, int n_mix, float* partial) {
-  pdl_entry();  // see launch_kernel
+  // pdl-prologue: fn (the warp's first fn rows are requested before pdl_entry: no kernel writes them)
   constexpr int VEC = WLoad<WT>::kVec;
   constexpr int CPL = kMixSlice / (32 * VEC);  // 16-byte weight chunks per lane and fn row
   constexpr int kWarps = kMixThreads / 32;
   static_assert(M <= kWarps, "one warp per row for the sum of squares");
-  __shared__ __align__(16) float xs[M][kMixSlice];
   const int s = static_cast<int>(blockIdx.x), slices = static_cast<int>(gridDim.x);
-  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * M;
-  const int mh = rows - r0 < M ? static_cast<int>(rows - r0) : M;
   const int64_t c0 = static_cast<int64_t>(s) * kMixSlice;
   const int len = width - c0 < kMixSlice ? static_cast<int>(width - c0) : kMixSlice;  // a multiple of 4
-  for (int i = threadIdx.x; i < M * (kMixSlice / 4); i += kMixThreads) {
-    const int mm = i / (kMixSlice / 4), c = (i % (kMixSlice / 4)) * 4;
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (mm < mh && c < len) v = *reinterpret_cast<const float4*>(X + (r0 + mm) * width + c0 + c);
-    *reinterpret_cast<float4*>(&xs[mm][c]) = v;
-  }
-  __syncthreads();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int stride = n_mix + 1;
-  if (warp < mh) {
-    float ss = 0.f;
-    for (int c = lane; c < kMixSlice; c += 32) ss = fmaf(xs[warp][c], xs[warp][c], ss);
-    ss = warp_sum(ss);
-    if (lane == 0) partial[((r0 + warp) * slices + s) * stride + n_mix] = ss;
-  }
   // Warp w takes fn rows w, w + kWarps, ... two at a time (their loads in flight together).
-  for (int j0 = warp; j0 < n_mix; j0 += 2 * kWarps) {
-    uint4 raw[2][CPL];
+  const auto load_rows = [&](int j0, uint4 (&raw)[2][CPL]) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const int j = j0 + u * kWarps;
@@ -1203,6 +1185,28 @@ __global__ void __launch_bounds__(kMixThreads)
                                            : make_uint4(0u, 0u, 0u, 0u);
       }
     }
+  };
+  uint4 first[2][CPL];
+  load_rows(warp, first);
+  pdl_entry();  // see launch_kernel
+  __shared__ __align__(16) float xs[M][kMixSlice];
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * M;
+  const int mh = rows - r0 < M ? static_cast<int>(rows - r0) : M;
+  for (int i = threadIdx.x; i < M * (kMixSlice / 4); i += kMixThreads) {
+    const int mm = i / (kMixSlice / 4), c = (i % (kMixSlice / 4)) * 4;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (mm < mh && c < len) v = *reinterpret_cast<const float4*>(X + (r0 + mm) * width + c0 + c);
+    *reinterpret_cast<float4*>(&xs[mm][c]) = v;
+  }
+  __syncthreads();
+  const int stride = n_mix + 1;
+  if (warp < mh) {
+    float ss = 0.f;
+    for (int c = lane; c < kMixSlice; c += 32) ss = fmaf(xs[warp][c], xs[warp][c], ss);
+    ss = warp_sum(ss);
+    if (lane == 0) partial[((r0 + warp) * slices + s) * stride + n_mix] = ss;
+  }
+  const auto rows_times_x = [&](int j0, const uint4 (&raw)[2][CPL]) {
     float acc[2][M];
 #pragma unroll
     for (int u = 0; u < 2; ++u)
@@ -1240,6 +1244,12 @@ __global__ void __launch_bounds__(kMixThreads)
         if (lane == 0 && j < n_mix && mm < mh) partial[((r0 + mm) * slices + s) * stride + j] = v;
       }
     }
+  };
+  if (warp < n_mix) rows_times_x(warp, first);
+  for (int j0 = warp + 2 * kWarps; j0 < n_mix; j0 += 2 * kWarps) {
+    uint4 raw[2][CPL];
+    load_rows(j0, raw);
+    rows_times_x(j0, raw);
   }
 }
 
@@ -1453,21 +1463,27 @@ __global__ void __launch_bounds__(kFinishYThreads + 32, 1)
     yr4[i] = out(ys4[i], scaled ? reinterpret_cast<const float4*>(norm_weight)[i] : make_float4(1.f, 1.f, 1.f, 1.f));
 }
 
+// HC = p.hc as a compile-time constant: a thread's hc values of X stay in registers (as a runtime count they
+// went to the stack).
+template <int HC>
 __global__ void mhc_post_kernel(float* X, int64_t rows, const float* f, const float* post, const float* comb,
                                 MhcParams p) {
   pdl_entry();  // see launch_kernel
-  const int hc = p.hc;
+  constexpr int hc = HC;
   const int64_t total = rows * p.dim;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = idx / p.dim, i = idx % p.dim;
     float* x = X + r * hc * p.dim;
-    float xs[kMaxHc];
+    float xs[hc];
+#pragma unroll
     for (int j = 0; j < hc; ++j) xs[j] = x[j * p.dim + i];
     const float fv = f[r * p.dim + i];
     const float* c = comb + r * hc * hc;
+#pragma unroll
     for (int k = 0; k < hc; ++k) {
       float o = post[r * hc + k] * fv;
+#pragma unroll
       for (int j = 0; j < hc; ++j) o += c[j * hc + k] * xs[j];
       x[k * p.dim + i] = o;
     }
@@ -1975,7 +1991,10 @@ void mhc_post(float* X, int64_t rows, const float* f, const float* post, const f
               cudaStream_t s) {
   TROUPE_REQUIRE(p.hc >= 1 && p.hc <= kMaxHc, "mhc: hc_mult must be 1..8");
   if (rows == 0) return;
-  launch_kernel(mhc_post_kernel, grid_for(rows * p.dim), 256, 0, s, X, rows, f, post, comb, p);
+  static constexpr decltype(&mhc_post_kernel<1>) kPostByHc[kMaxHc] = {
+      mhc_post_kernel<1>, mhc_post_kernel<2>, mhc_post_kernel<3>, mhc_post_kernel<4>,
+      mhc_post_kernel<5>, mhc_post_kernel<6>, mhc_post_kernel<7>, mhc_post_kernel<8>};
+  launch_kernel(kPostByHc[p.hc - 1], grid_for(rows * p.dim), 256, 0, s, X, rows, f, post, comb, p);
   TROUPE_LAUNCHED();
 }
 

@@ -37,7 +37,7 @@ void gather_key_rows(const float* const* rows, const int64_t* offsets, int64_t n
                      int64_t dim, float* keys, cudaStream_t s);
 void attention_softmax(float* scores, int64_t n_queries, int heads, int64_t max_keys, const int64_t* offsets,
                        const float* sinks, cudaStream_t s);
-// The same fp32 attention in two launches (a split kernel over groups of 32 keys and 8 heads, then a
+// The same fp32 attention in two launches (a split kernel over groups of 16 keys and 4 heads, then a
 // combine), with no gathered copy of the keys: out[t, h, :] for queries t < n_queries whose rows (16-byte
 // aligned, dim floats each) are rows[offsets[t] .. offsets[t + 1]), at most max_keys of them. workspace:
 // attention_rows_workspace_bytes. attention_rows_takes: the shapes it runs (dim a multiple of 4, <= 512).

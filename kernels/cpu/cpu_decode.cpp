@@ -13,7 +13,9 @@ void CpuBackend::decode_rows(int64_t batch, const int64_t* positions, const int3
                              const float* const* entries, int64_t entry_stride, int64_t rate, const int32_t* picked,
                              const int32_t* picked_count, int k, const float** out_rows, int64_t* out_offsets,
                              const float* store, int64_t store_dim) {
-  if (store != nullptr && (window == nullptr || win < 1)) throw std::invalid_argument("decode_rows: a store needs the window");
+  if (store != nullptr && (window == nullptr || win < 1)) {
+    throw std::invalid_argument("decode_rows: a store needs the window");
+  }
   int64_t o = 0;
   out_offsets[0] = 0;
   for (int64_t b = 0; b < batch; ++b) {

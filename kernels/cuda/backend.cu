@@ -909,16 +909,17 @@ void CudaBackend::attention(const float* q, int64_t n_queries, int heads, int64_
   const bool decode_size = n_queries <= kAttentionF32Queries && max_keys <= kAttentionF32MaxKeys;
   if (forced == 1 || !tc_dim || (forced == -1 && decode_size)) {
     // TROUPE_ATTENTION_ROWS=1: decode-sized calls by cuda::attention_rows (split and combine kernels, no
-    // gathered keys; compiled, not yet measured on a GPU) instead of the gather, two SGEMMs and the softmax.
+    // gathered keys) instead of the gather, two SGEMMs and the softmax; exact, within 2 us of them a step on
+    // the H100 (run 49), so not the default.
     static const bool rows_form = env_switch("TROUPE_ATTENTION_ROWS") > 0;
+    const int64_t bound = std::max<int64_t>(max_keys, 1);
     if (rows_form && decode_size && attention_rows_takes(n_queries, dim, max_keys)) {
-      void* ws = impl_->arena.take<char>(
-          static_cast<int64_t>(attention_rows_workspace_bytes(n_queries, heads, dim, std::max<int64_t>(max_keys, 1))));
-      attention_rows(q, n_queries, heads, dim, keys.rows, keys.offsets, std::max<int64_t>(max_keys, 1), sinks, scale,
-                     ws, out, impl_->s());
+      void* ws =
+          impl_->arena.take<char>(static_cast<int64_t>(attention_rows_workspace_bytes(n_queries, heads, dim, bound)));
+      attention_rows(q, n_queries, heads, dim, keys.rows, keys.offsets, bound, sinks, scale, ws, out, impl_->s());
       return;
     }
-    impl_->attention_f32(q, n_queries, heads, dim, keys, std::max<int64_t>(max_keys, 1), sinks, scale, out);
+    impl_->attention_f32(q, n_queries, heads, dim, keys, bound, sinks, scale, out);
     return;
   }
   for (int64_t t0 = 0; t0 < n_queries; t0 += 65535) {

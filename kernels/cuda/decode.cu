@@ -387,7 +387,7 @@ __global__ void __launch_bounds__(kArThreads) attention_rows_split_kernel(const 
     if (lane < kArKeys) ps[warp * kArKeys + lane] = p;
     if (lane == 0 && warp < hn) {
       float* ml = part_ml + ((t * heads + h0 + warp) * S + s) * 2;
-      ml[0] = kn > 0 ? m : -INFINITY;
+      ml[0] = m;  // kn > 0 here
       ml[1] = l;
     }
   }

@@ -301,7 +301,7 @@ __global__ void attention_softmax_kernel(float* scores, int heads, int64_t max_k
   for (int64_t j = threadIdx.x; j < max_keys; j += blockDim.x) p[j] = j < n ? p[j] * inv : 0.f;
 }
 
-// ---- fp32 attention of decode size in two launches (TROUPE_ATTENTION_ROWS=1) -----------------
+// ---- fp32 attention of decode size in two launches (the default; TROUPE_ATTENTION_ROWS=0: SGEMMs) -----
 // attention_f32's math (scale * q.k over each query's listed rows, softmax with the head's sink in the
 // denominator, the probabilities times the same rows: K = V) without the gathered key copy, the score
 // matrix in global memory and two SGEMMs: a split kernel, CTA (split s, group g of kArHeads heads,

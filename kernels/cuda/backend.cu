@@ -849,9 +849,9 @@ void CudaBackend::indexer_topk(const float* q, const float* w, int64_t n_queries
   impl_->arena.begin();
   auto* lengths = impl_->arena.take<int32_t>(n_queries);
   int64_t max_len = 0;
-  if (keys.max_rows > 0) {  // bounded: lengths on the device, no round trip
+  const bool bounded = keys.max_rows > 0;
+  if (bounded) {  // lengths on the device, no round trip: written by the scoring launch below
     max_len = keys.max_rows;
-    ragged_lengths(keys.offsets, n_queries, lengths, impl_->s());
   } else {
     const std::vector<int64_t> off = impl_->host_offsets(keys.offsets, n_queries);
     std::vector<int32_t> len(static_cast<size_t>(n_queries));
@@ -871,7 +871,7 @@ void CudaBackend::indexer_topk(const float* q, const float* w, int64_t n_queries
     const int64_t nq = std::min(chunk, n_queries - t0);
     RaggedRows sub{keys.rows, keys.offsets + t0};
     indexer_scores_ragged(q + t0 * heads * dim, w + t0 * heads, nq, heads, dim, scale, weight_scale, sub, scores,
-                          stride, max_len, impl_->s());
+                          stride, max_len, impl_->s(), RaggedForm::automatic, bounded ? lengths + t0 : nullptr);
     TopkArgs ta;
     ta.scores = scores;
     ta.row_stride = stride;
@@ -883,7 +883,7 @@ void CudaBackend::indexer_topk(const float* q, const float* w, int64_t n_queries
     ta.out_stride = k;
     ta.out_count = out_count + t0;
     topk(ta, impl_->topk_ws.get(), impl_->s());
-    sort_rows_ascending(out_idx + t0 * k, k, out_count + t0, static_cast<int>(nq), k, impl_->s());
+    sort_rows_ascending(out_idx + t0 * k, k, out_count + t0, static_cast<int>(nq), k, ta.max_len, impl_->s());
   }
 }
 

@@ -255,14 +255,6 @@ __global__ void argmax_merge_kernel(const float* pv, const int32_t* pi, int spli
   if (threadIdx.x == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
 }
 
-__global__ void ragged_lengths_kernel(const int64_t* offsets, int64_t n, int32_t* lengths) {
-  pdl_entry();  // see launch_kernel
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < n;
-       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    lengths[t] = static_cast<int32_t>(offsets[t + 1] - offsets[t]);
-  }
-}
-
 // keys[t, j, :] = rows[offsets[t] + j] for j below the query's length, zeros
 // up to max_keys (so that padded scores are finite and padded products zero).
 __global__ void gather_key_rows_kernel(const float* const* rows, const int64_t* offsets, int64_t max_keys,
@@ -597,13 +589,6 @@ void argmax_rows_split(const float* x, int64_t rows, int64_t n, int32_t* out, fl
                 ws_i);
   TROUPE_LAUNCHED();
   launch_kernel(argmax_merge_kernel, static_cast<unsigned>(rows), 32, 0, s, ws_v, ws_i, kArgmaxSplits, out);
-  TROUPE_LAUNCHED();
-}
-
-void ragged_lengths(const int64_t* offsets, int64_t n, int32_t* lengths, cudaStream_t s) {
-  if (n == 0) return;
-  const unsigned blocks = static_cast<unsigned>(std::clamp<int64_t>(ceil_div(n, 256), 1, 1024));
-  launch_kernel(ragged_lengths_kernel, blocks, 256, 0, s, offsets, n, lengths);
   TROUPE_LAUNCHED();
 }
 

@@ -53,7 +53,5 @@ struct GemvSegment {
   int64_t rows = 0;
   float* y = nullptr;
 };
-// lengths[t] = offsets[t + 1] - offsets[t]
-void ragged_lengths(const int64_t* offsets, int64_t n, int32_t* lengths, cudaStream_t s);
 
 }  // namespace troupe::kernels::cuda

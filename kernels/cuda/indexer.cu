@@ -1035,7 +1035,7 @@ __device__ __forceinline__ void split_bf16x2(float x0, float x1, uint32_t& hi, u
 
 __global__ void __launch_bounds__(kSplitGroups * 128, 1)
     indexer_split_kernel(const float* q, const float* w, int heads, float wscale, RaggedRows keys, float* scores,
-                         int64_t score_stride) {
+                         int64_t score_stride, int32_t* lengths) {
   pdl_entry();  // see launch_kernel
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* qs = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);  // swizzled tiles need 1,024 alignment
@@ -1044,6 +1044,7 @@ __global__ void __launch_bounds__(kSplitGroups * 128, 1)
   uint8_t* ring = qs + 2 * kUnitBytes + wg * (kSplitRing * kSplitUnit);
   const int b = blockIdx.y;
   const int64_t begin = keys.offsets[b], n = keys.offsets[b + 1] - begin;
+  if (lengths != nullptr && blockIdx.x == 0 && threadIdx.x == 0) lengths[b] = static_cast<int32_t>(n);
   const int64_t units = (n + kWgKeys - 1) / kWgKeys;
   if (static_cast<int64_t>(blockIdx.x) * kSplitGroups >= units) return;  // the whole CTA: nothing to score
   const int64_t gw = static_cast<int64_t>(blockIdx.x) * kSplitGroups + wg;
@@ -1191,7 +1192,8 @@ constexpr int kThreadsRagged = 256;
 template <int CHUNK, int KG>
 __global__ void __launch_bounds__(kThreadsRagged, CHUNK == 64 && KG == 16 ? 4 : 1)  // 4: 64 registers a thread
     indexer_ragged_kernel(const float* q, const float* w, int heads, int dim, int dpass, float scale,
-                          float weight_scale, RaggedRows keys, float* scores, int64_t score_stride) {
+                          float weight_scale, RaggedRows keys, float* scores, int64_t score_stride,
+                          int32_t* lengths) {
   pdl_entry();  // see launch_kernel
   constexpr int HG = kThreadsRagged / KG;
   constexpr int KPT = CHUNK / KG;  // keys a thread scores
@@ -1204,6 +1206,7 @@ __global__ void __launch_bounds__(kThreadsRagged, CHUNK == 64 && KG == 16 ? 4 : 
   const int64_t t = blockIdx.y;
   const int64_t begin = keys.offsets[t];
   const int64_t n = keys.offsets[t + 1] - begin;
+  if (lengths != nullptr && blockIdx.x == 0 && threadIdx.x == 0) lengths[t] = static_cast<int32_t>(n);
   const int64_t s0 = static_cast<int64_t>(blockIdx.x) * CHUNK;
   if (s0 >= n) return;
   for (int i = threadIdx.x; i < heads * (dim / 4); i += blockDim.x) {
@@ -1469,11 +1472,12 @@ static bool ragged_split(int64_t dim, RaggedForm form) {
 
 void indexer_scores_ragged(const float* q, const float* w, int64_t n_queries, int heads, int64_t dim, float scale,
                            float weight_scale, RaggedRows keys, float* scores, int64_t score_stride, int64_t max_keys,
-                           cudaStream_t stream, RaggedForm form) {
+                           cudaStream_t stream, RaggedForm form, int32_t* lengths) {
   TROUPE_REQUIRE(heads >= 1 && heads <= 64, "indexer: 1..64 heads");
   TROUPE_REQUIRE(dim % 4 == 0 && dim <= 512, "indexer: dim must be a multiple of 4, <= 512");
   TROUPE_REQUIRE(form != RaggedForm::split || dim == kDim, "indexer: the split form takes 128-channel keys");
-  if (n_queries == 0 || max_keys == 0) return;
+  // No keys: nothing to score, but the lengths (all 0) are still written, by one CTA a query.
+  if (n_queries == 0 || (max_keys == 0 && lengths == nullptr)) return;
   if (ragged_split(dim, form)) {
     static bool split_attr = [] {
       TROUPE_CUDA(cudaFuncSetAttribute(indexer_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1484,10 +1488,10 @@ void indexer_scores_ragged(const float* q, const float* w, int64_t n_queries, in
     // One CTA an SM: a query's units over at most as many CTAs as leave every query one wave's share.
     static const int sms = sm_count();
     const int64_t per_query = std::max<int64_t>(1, sms / n_queries);
-    const int64_t ctas = std::min(ceil_div(ceil_div(max_keys, kWgKeys), kSplitGroups), per_query);
+    const int64_t ctas = std::max<int64_t>(1, std::min(ceil_div(ceil_div(max_keys, kWgKeys), kSplitGroups), per_query));
     const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(n_queries));
     launch_kernel(indexer_split_kernel, grid, kSplitGroups * 128, kSplitSmem, stream, q, w, heads,
-                  weight_scale * scale, keys, scores, score_stride);
+                  weight_scale * scale, keys, scores, score_stride, lengths);
     TROUPE_LAUNCHED();
     return;
   }
@@ -1507,12 +1511,13 @@ void indexer_scores_ragged(const float* q, const float* w, int64_t n_queries, in
   const int dpass = wide ? static_cast<int>(std::min<int64_t>(dim, 64)) : static_cast<int>(dim);
   const size_t smem = (static_cast<size_t>(heads) * dim +
                        static_cast<size_t>(chunk) * std::max(dpass + 4, head_groups)) * sizeof(float);
-  const dim3 grid(static_cast<unsigned>(ceil_div(max_keys, chunk)), static_cast<unsigned>(n_queries));
+  const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, ceil_div(max_keys, chunk))),
+                  static_cast<unsigned>(n_queries));
   const auto kernel = !wide  ? indexer_ragged_kernel<16, 16>
                       : tile ? indexer_ragged_kernel<64, 16>
                              : indexer_ragged_kernel<64, 64>;
   launch_kernel(kernel, grid, kThreadsRagged, smem, stream, q, w, heads, static_cast<int>(dim), dpass, scale,
-                weight_scale, keys, scores, score_stride);
+                weight_scale, keys, scores, score_stride, lengths);
   TROUPE_LAUNCHED();
 }
 

@@ -82,10 +82,13 @@ void indexer_topk(const IndexerArgs& a, const IndexerTopk& t, void* workspace, c
 // fp32 (any dim); `split`, 128-channel keys on the tensor cores with query and keys split into
 // two bf16 each (x = hi + lo; q . k = qh . kh + qh . kl + ql . kh, fp32 sums: within ~2^-16 of
 // each product). `automatic`: split wherever dim is 128, unless TROUPE_INDEXER_SPLIT=0.
+// `lengths` (optional, [n_queries]): each query's key count as int32, written by the scoring launch
+// (offsets[t + 1] - offsets[t]; no launch of its own: run 50 had one at ~2.4 us a call under ncu).
 enum class RaggedForm : uint8_t { automatic, fp32, split };
 void indexer_scores_ragged(const float* q, const float* w, int64_t n_queries, int heads, int64_t dim, float scale,
                            float weight_scale, RaggedRows keys, float* scores, int64_t score_stride,
-                           int64_t max_keys, cudaStream_t stream, RaggedForm form = RaggedForm::automatic);
+                           int64_t max_keys, cudaStream_t stream, RaggedForm form = RaggedForm::automatic,
+                           int32_t* lengths = nullptr);
 
 // rows x 128 fp32 -> e4m3 with one scale per row (amax / 448).
 void quantize_keys_e4m3(const float* x, int64_t rows, uint8_t* q, float* scales, cudaStream_t stream);

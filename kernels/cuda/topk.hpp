@@ -94,7 +94,9 @@ size_t topk_workspace_bytes(int rows, int64_t max_len, int k, int max_cluster = 
 void topk_workspace_init(void* workspace, size_t bytes, cudaStream_t stream);
 void topk(const TopkArgs& args, void* workspace, cudaStream_t stream);
 
-// Sorts the first count[r] (or k when count is null) indices of each row ascending, in place.
-void sort_rows_ascending(int32_t* idx, int64_t stride, const int32_t* count, int rows, int k, cudaStream_t stream);
+// Sorts the first min(count[r], k) (or k when count is null) indices of each row ascending, in place;
+// every one of them in [0, bound) (radix passes over the bits below bound only).
+void sort_rows_ascending(int32_t* idx, int64_t stride, const int32_t* count, int rows, int k, int64_t bound,
+                         cudaStream_t stream);
 
 }  // namespace troupe::kernels::cuda

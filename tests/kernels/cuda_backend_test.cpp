@@ -520,14 +520,24 @@ TEST_F(CudaBackendTest, attention_with_sinks_matches_cpu) {
   }
 }
 
+// Expert counts on both of the kernel's ways of picking (by rank up to 256, by rounds past it), at one warp
+// and several; `ties`: logits and bias on coarse steps, so that many keyed scores are equal (lower index first).
 TEST_F(CudaBackendTest, route_matches_cpu_for_every_score_function) {
   const int64_t rows = 9;
-  for (int experts : {256, 16, 8}) {
-    const int k = experts == 8 ? 2 : 6;
+  for (int experts : {256, 16, 8, 48, 300}) {
+    const int k = experts == 8 ? 2 : experts == 300 ? 8 : 6;
     for (ScoreFn fn : {ScoreFn::sqrtsoftplus, ScoreFn::sigmoid, ScoreFn::softmax}) {
-      for (bool hash : {false, true}) {
-        Mirror logits(cpu(), gpu(), randn(rows * experts, rng_, 2.f));
-        Mirror bias(cpu(), gpu(), randn(experts, rng_, 0.1f));
+      for (int variant = 0; variant < 3; ++variant) {
+        const bool hash = variant == 1, ties = variant == 2;
+        SCOPED_TRACE(std::to_string(experts) + " experts, fn " + std::to_string(static_cast<int>(fn)) +
+                     (hash ? ", hash" : ties ? ", ties" : ""));
+        std::vector<float> lg = randn(rows * experts, rng_, 2.f), bs = randn(experts, rng_, 0.1f);
+        if (ties) {
+          for (float& x : lg) x = std::round(x * 2.f) / 2.f;
+          for (float& x : bs) x = std::round(x * 4.f) / 4.f;
+        }
+        Mirror logits(cpu(), gpu(), lg);
+        Mirror bias(cpu(), gpu(), bs);
         std::vector<int64_t> table(50 * k);
         for (size_t i = 0; i < table.size(); ++i) table[i] = static_cast<int64_t>((i * 7919) % experts);
         Mirror tab(cpu(), gpu(), table);

@@ -284,6 +284,50 @@ TEST_F(CudaKernelsTest, topk_rows_of_one_chunk) {
   for (const auto& c : cases) run_topk_case(c);
 }
 
+// sort_rows_ascending: each row's first min(count, k) distinct indices below `bound` come back ascending, the
+// slots past them untouched; every ITEMS form (k up to 256, 512, 1,024, 2,048) and bounds from 1 to 2^31
+// (padding sorts at the largest value of the bits, which a row may hold too).
+TEST_F(CudaKernelsTest, sort_rows_ascending_sorts_each_rows_count) {
+  struct Case {
+    int k;
+    int64_t bound;
+  };
+  const Case cases[] = {{1, 1},       {7, 8},         {100, 128},      {256, 4096},          {257, 300},
+                        {512, 512},   {512, 262144},  {700, 1 << 20},  {1024, 1024},        {1025, 65536},
+                        {2048, 2048}, {2048, 1 << 30}, {64, int64_t{1} << 31}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE("k " + std::to_string(c.k) + ", bound " + std::to_string(c.bound));
+    const int rows = 5;
+    const int64_t stride = c.k + 3;
+    std::vector<int32_t> idx(rows * stride, -7), count(rows);
+    for (int r = 0; r < rows; ++r) {
+      // counts: k, fewer, none, one, and more than k (only k sorted)
+      const int64_t want[] = {c.k, c.k / 2, 0, 1, c.k + 5};
+      const int n = static_cast<int>(std::min<int64_t>({want[r], c.k, c.bound}));
+      count[r] = static_cast<int32_t>(r == 4 ? c.k + 5 : n);
+      // n distinct values below bound, the largest (bound - 1) among them, in random order
+      std::set<int64_t> chosen;
+      if (n > 0) chosen.insert(c.bound - 1);
+      std::uniform_int_distribution<int64_t> pick(0, c.bound - 1);
+      while (static_cast<int>(chosen.size()) < n) chosen.insert(pick(rng_));
+      std::vector<int32_t> v(chosen.begin(), chosen.end());
+      std::shuffle(v.begin(), v.end(), rng_);
+      std::copy(v.begin(), v.end(), idx.begin() + r * stride);
+    }
+    int32_t* d_idx = dev(idx);
+    const int32_t* d_cnt = dev(count);
+    cuda::sort_rows_ascending(d_idx, stride, d_cnt, rows, c.k, c.bound, stream());
+    const auto got = host(d_idx, idx.size());
+    for (int r = 0; r < rows; ++r) {
+      const int n = std::min(count[r], c.k);
+      std::vector<int32_t> want(idx.begin() + r * stride, idx.begin() + r * stride + n);
+      std::sort(want.begin(), want.end());
+      want.insert(want.end(), idx.begin() + r * stride + n, idx.begin() + (r + 1) * stride);
+      ASSERT_EQ(std::vector<int32_t>(got.begin() + r * stride, got.begin() + (r + 1) * stride), want) << "row " << r;
+    }
+  }
+}
+
 // One workspace, sized once, serves calls of every shape within its bounds in any order (as the backend's
 // decode steps change batch size and context): each path leaves zeroed what the next may read as counters.
 TEST_F(CudaKernelsTest, topk_calls_of_any_shape_share_a_workspace) {

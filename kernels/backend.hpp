@@ -257,6 +257,14 @@ class Backend {
   // q, out [n, heads, dim]; K = V (shared head).
   virtual void attention(const float* q, int64_t n_queries, int heads, int64_t dim, RaggedRows keys,
                          const float* sinks, float scale, float* out) = 0;
+  // attention, then the inverse rope on each head of out (V carried RoPE: K = V), positions[t] the
+  // query's: the two calls as one, which a backend may fuse.
+  virtual void attention_derotated(const float* q, int64_t n_queries, int heads, int64_t dim, RaggedRows keys,
+                                   const float* sinks, float scale, const RopeTable& rope, const int64_t* positions,
+                                   float* out) {
+    attention(q, n_queries, heads, dim, keys, sinks, scale, out);
+    this->rope(out, n_queries, heads, dim, rope, positions, true);
+  }
 
   // ---- MoE ----------------------------------------------------------------------
   // Router: logits [rows, experts] -> scores by `fn`; picks the top `k` experts by

@@ -493,13 +493,11 @@ void Decoder::attention_ops(int layer, int64_t n, const float* h, float* out) {
                    nullptr, 0, b.krows, b.koffs, b.kv, hd);
   }
   mark("window store and key lists");
-  be.attention(b.q, n, static_cast<int>(H), hd, {b.krows, b.koffs, bound}, aw.sinks,
-               1.0f / std::sqrt(static_cast<float>(hd)), b.o);
-  mark("attention");
-
-  // V carried RoPE (K = V): turn the output back, then the grouped projection.
-  be.rope(b.o, n, static_cast<int>(H), hd, rope, b.positions, true);
-  mark("attention output rope");
+  // V carried RoPE (K = V): the output turned back by the inverse rope (fused where the backend can), then
+  // the grouped projection.
+  be.attention_derotated(b.q, n, static_cast<int>(H), hd, {b.krows, b.koffs, bound}, aw.sinks,
+                         1.0f / std::sqrt(static_cast<float>(hd)), rope, b.positions, b.o);
+  mark("attention and its output rope");
   be.linear_grouped(b.o, n, aw.o_a_proj, static_cast<int>(c.o_groups), b.g);
   be.linear(b.g, n, aw.o_b_proj, out);
   mark("output projections (o_a, o_b)");

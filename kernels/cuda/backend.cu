@@ -889,6 +889,18 @@ void CudaBackend::indexer_topk(const float* q, const float* w, int64_t n_queries
 
 void CudaBackend::attention(const float* q, int64_t n_queries, int heads, int64_t dim, RaggedRows keys,
                             const float* sinks, float scale, float* out) {
+  attend(q, n_queries, heads, dim, keys, sinks, scale, nullptr, nullptr, out);
+}
+
+void CudaBackend::attention_derotated(const float* q, int64_t n_queries, int heads, int64_t dim, RaggedRows keys,
+                                      const float* sinks, float scale, const RopeTable& rope,
+                                      const int64_t* positions, float* out) {
+  attend(q, n_queries, heads, dim, keys, sinks, scale, &rope, positions, out);
+}
+
+void CudaBackend::attend(const float* q, int64_t n_queries, int heads, int64_t dim, RaggedRows keys,
+                         const float* sinks, float scale, const RopeTable* rope, const int64_t* positions,
+                         float* out) {
   if (n_queries == 0) return;
   impl_->arena.begin();
   int64_t max_keys = keys.max_rows;
@@ -917,10 +929,13 @@ void CudaBackend::attention(const float* q, int64_t n_queries, int heads, int64_
     if (rows_form && decode_size && attention_rows_takes(n_queries, dim, max_keys)) {
       void* ws =
           impl_->arena.take<char>(static_cast<int64_t>(attention_rows_workspace_bytes(n_queries, heads, dim, bound)));
-      attention_rows(q, n_queries, heads, dim, keys.rows, keys.offsets, bound, sinks, scale, ws, out, impl_->s());
+      // (the inverse rope in the combine: run 50, a rope launch less a layer)
+      attention_rows(q, n_queries, heads, dim, keys.rows, keys.offsets, bound, sinks, scale, ws, out, impl_->s(), rope,
+                     positions);
       return;
     }
     impl_->attention_f32(q, n_queries, heads, dim, keys, bound, sinks, scale, out);
+    if (positions != nullptr) this->rope(out, n_queries, heads, dim, *rope, positions, true);
     return;
   }
   for (int64_t t0 = 0; t0 < n_queries; t0 += 65535) {
@@ -940,6 +955,7 @@ void CudaBackend::attention(const float* q, int64_t n_queries, int heads, int64_
     void* workspace = ws > 0 ? impl_->arena.take<char>(static_cast<int64_t>(ws)) : nullptr;
     cuda::attention(a, workspace, impl_->s());
   }
+  if (positions != nullptr) this->rope(out, n_queries, heads, dim, *rope, positions, true);
 }
 
 void CudaBackend::route(const float* logits, int64_t rows, int experts, ScoreFn fn, const float* bias, int k,

@@ -95,6 +95,9 @@ class CudaBackend final : public Backend {
                     float weight_scale, RaggedRows keys, int k, int32_t* out_idx, int32_t* out_count) override;
   void attention(const float* q, int64_t n_queries, int heads, int64_t dim, RaggedRows keys, const float* sinks,
                  float scale, float* out) override;
+  void attention_derotated(const float* q, int64_t n_queries, int heads, int64_t dim, RaggedRows keys,
+                           const float* sinks, float scale, const RopeTable& rope, const int64_t* positions,
+                           float* out) override;
 
   void route(const float* logits, int64_t rows, int experts, ScoreFn fn, const float* bias, int k,
              const int64_t* hash_table, const int32_t* ids, float route_scale, int32_t* out_idx,
@@ -124,6 +127,10 @@ class CudaBackend final : public Backend {
   void argmax(const float* x, int64_t rows, int64_t n, int32_t* out) override;
 
  private:
+  // attention and attention_derotated: the inverse rope (rope and positions, else null) fused into the
+  // rows form's combine where that form runs, else a rope() call after.
+  void attend(const float* q, int64_t n_queries, int heads, int64_t dim, RaggedRows keys, const float* sinks,
+              float scale, const RopeTable* rope, const int64_t* positions, float* out);
   struct Impl;
   std::unique_ptr<Impl> impl_;
   std::mutex copy_mu_;

@@ -413,23 +413,40 @@ __global__ void __launch_bounds__(kArThreads) attention_rows_split_kernel(const 
   }
 }
 
-// Block (head h, query t): out[t, h, :] from the S splits of attention_rows_split_kernel. Warp 0 weighs the
-// splits (w_s = exp(m_s - M) / L, L = sum w_s l_s + exp(sink - M)); every thread then sums its dims.
-__global__ void attention_rows_combine_kernel(const float* part_o, const float* part_ml, const float* sinks, int heads,
-                                              int dim, int S, float* out) {
+// Block (head h, query t): out[t, h, :] from the query's splits of attention_rows_split_kernel (those
+// holding keys: ceil(n / kArKeys) of the S). Warp 0 weighs them (w_s = exp(m_s - M) / L, L = sum w_s l_s +
+// exp(sink - M)) while every thread's first kArBatch splits of its float4 of the head's dims are in flight
+// (requested before the weights: run 50's form waited for the weights, then read the splits four at a
+// time, 6.8 us a call under ncu); the sum runs in split order. With `positions`, the inverse rope of the
+// query's position on the rope slice (the trailing rope.rope_dim dims), as rope_kernel computes it.
+constexpr int kArBatch = 16;
+static_assert(kArMaxDim / 4 <= kArThreads, "a thread a float4 of the head");
+
+__global__ void __launch_bounds__(kArThreads) attention_rows_combine_kernel(const float* part_o, const float* part_ml,
+                                                                          const float* sinks, const int64_t* offsets,
+                                                                          int heads, int dim, int S, RopeTable rope,
+                                                                          const int64_t* positions, float* out) {
   pdl_entry();  // see launch_kernel
   extern __shared__ float ar_w[];  // [S]
   const int h = static_cast<int>(blockIdx.x);
   const int64_t t = blockIdx.y;
+  const int64_t n = offsets[t + 1] - offsets[t];
+  const int64_t splits = (n + kArKeys - 1) / kArKeys;
+  const int active = static_cast<int>(splits < S ? splits : S);
   const float* ml = part_ml + (t * heads + h) * S * 2;
+  const float4* po = reinterpret_cast<const float4*>(part_o + (t * heads + h) * S * dim);
+  const int d4 = dim / 4, c = static_cast<int>(threadIdx.x);  // this thread's float4 (dim <= 4 * kArThreads)
+  float4 v[kArBatch];
+#pragma unroll
+  for (int u = 0; u < kArBatch; ++u) v[u] = c < d4 && u < active ? po[u * d4 + c] : make_float4(0.f, 0.f, 0.f, 0.f);
   if (threadIdx.x < 32) {
     const int lane = static_cast<int>(threadIdx.x);
     float M = sinks != nullptr ? sinks[h] : -INFINITY;
-    for (int s = lane; s < S; s += 32) M = fmaxf(M, ml[2 * s]);
+    for (int s = lane; s < active; s += 32) M = fmaxf(M, ml[2 * s]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
     float L = 0.f;
-    for (int s = lane; s < S; s += 32) {
+    for (int s = lane; s < active; s += 32) {
       const float m = ml[2 * s];
       const float w = m == -INFINITY ? 0.f : expf(m - M);
       ar_w[s] = w;
@@ -439,35 +456,42 @@ __global__ void attention_rows_combine_kernel(const float* part_o, const float* 
     if (sinks != nullptr && M != -INFINITY) L += expf(sinks[h] - M);
     const float inv = L > 0.f ? 1.f / L : 0.f;
     __syncwarp();
-    for (int s = lane; s < S; s += 32) ar_w[s] *= inv;
+    for (int s = lane; s < active; s += 32) ar_w[s] *= inv;
   }
   __syncthreads();
-  // A thread a float4 of the head's dims; four splits' loads in flight at a time, summed in split order.
-  // Splits with no weight (past the query's keys) are not read.
-  const float4* po = reinterpret_cast<const float4*>(part_o + (t * heads + h) * S * dim);
-  float4* dst = reinterpret_cast<float4*>(out + (t * heads + h) * dim);
-  const int d4 = dim / 4;
-  for (int c = static_cast<int>(threadIdx.x); c < d4; c += static_cast<int>(blockDim.x)) {
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s0 = 0; s0 < S; s0 += 4) {
-      float4 v[4];
-      float w[4];
+  if (c >= d4) return;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s0 = 0; s0 < active; s0 += kArBatch) {
+    if (s0 > 0) {
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        w[u] = s0 + u < S ? ar_w[s0 + u] : 0.f;
-        v[u] = w[u] != 0.f ? po[(s0 + u) * d4 + c] : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        if (w[u] == 0.f) continue;
-        acc.x += w[u] * v[u].x;
-        acc.y += w[u] * v[u].y;
-        acc.z += w[u] * v[u].z;
-        acc.w += w[u] * v[u].w;
+      for (int u = 0; u < kArBatch; ++u) {
+        v[u] = s0 + u < active ? po[(s0 + u) * d4 + c] : make_float4(0.f, 0.f, 0.f, 0.f);
       }
     }
-    dst[c] = acc;
+#pragma unroll
+    for (int u = 0; u < kArBatch; ++u) {
+      const float w = s0 + u < active ? ar_w[s0 + u] : 0.f;
+      if (w == 0.f) continue;  // (a split of no weight adds nothing: its signed zeros stay out of the sum)
+      acc.x += w * v[u].x;
+      acc.y += w * v[u].y;
+      acc.z += w * v[u].z;
+      acc.w += w * v[u].w;
+    }
   }
+  if (positions != nullptr) {
+    const int first = dim - static_cast<int>(rope.rope_dim);  // even: dim % 4 == 0, rope_dim even
+    const float pos = static_cast<float>(positions[t]);
+    float* a = &acc.x;
+#pragma unroll
+    for (int j = 0; j < 4; j += 2) {
+      const int d = 4 * c + j;
+      if (d >= first) {
+        const int pair = (d - first) / 2;
+        rope_pair<true>(a[j], a[j + 1], rope.inv_freq[pair] * pos, rope.scale, true);
+      }
+    }
+  }
+  reinterpret_cast<float4*>(out + (t * heads + h) * dim)[c] = acc;
 }
 
 }  // namespace
@@ -483,7 +507,7 @@ bool attention_rows_takes(int64_t n_queries, int64_t dim, int64_t max_keys) {
 
 void attention_rows(const float* q, int64_t n_queries, int heads, int64_t dim, const float* const* rows,
                     const int64_t* offsets, int64_t max_keys, const float* sinks, float scale, void* workspace,
-                    float* out, cudaStream_t s) {
+                    float* out, cudaStream_t s, const RopeTable* rope, const int64_t* positions) {
   if (n_queries == 0) return;
   TROUPE_REQUIRE(attention_rows_takes(n_queries, dim, max_keys), "attention_rows: shape not taken");
   const int S = static_cast<int>(ceil_div(std::max<int64_t>(max_keys, 1), kArKeys));
@@ -501,9 +525,11 @@ void attention_rows(const float* q, int64_t n_queries, int heads, int64_t dim, c
   launch_kernel(attention_rows_split_kernel, grid, kArThreads, smem, s, q, rows, offsets, heads, static_cast<int>(dim),
                 scale, part_o, part_ml);
   TROUPE_LAUNCHED();
+  TROUPE_REQUIRE(positions == nullptr || (rope != nullptr && rope->rope_dim % 2 == 0 && rope->rope_dim <= dim),
+                 "attention_rows: a rope slice must be an even count of the head's dims");
   launch_kernel(attention_rows_combine_kernel, dim3(static_cast<unsigned>(heads), static_cast<unsigned>(n_queries)),
-                128, static_cast<size_t>(S) * sizeof(float), s, part_o, part_ml, sinks, heads, static_cast<int>(dim), S,
-                out);
+                kArThreads, static_cast<size_t>(S) * sizeof(float), s, part_o, part_ml, sinks, offsets, heads,
+                static_cast<int>(dim), S, positions != nullptr ? *rope : RopeTable{}, positions, out);
   TROUPE_LAUNCHED();
 }
 

@@ -1,6 +1,6 @@
 // Decode-step helpers on the device (see Backend::decode_rows and friends in
 // kernels/backend.hpp): key lists built from per-sequence row tables, the
-// compressor's slot lists, pointer scatter, argmax sampling, ragged lengths.
+// compressor's slot lists, pointer scatter, argmax sampling, fp32 attention of decode size.
 // None of them reads anything back to the host, so a decode step built from
 // them can be captured into a CUDA graph.
 #pragma once
@@ -8,6 +8,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "kernels/backend.hpp"
 
 namespace troupe::kernels::cuda {
 
@@ -41,11 +43,13 @@ void attention_softmax(float* scores, int64_t n_queries, int heads, int64_t max_
 // combine), with no gathered copy of the keys: out[t, h, :] for queries t < n_queries whose rows (16-byte
 // aligned, dim floats each) are rows[offsets[t] .. offsets[t + 1]), at most max_keys of them. workspace:
 // attention_rows_workspace_bytes. attention_rows_takes: the shapes it runs (dim a multiple of 4, <= 512).
+// With `positions` (else null), the combine turns each head's output back by the inverse rope of
+// `rope` at positions[t] (Backend::attention_derotated; the bits of a rope() call after it).
 size_t attention_rows_workspace_bytes(int64_t n_queries, int heads, int64_t dim, int64_t max_keys);
 bool attention_rows_takes(int64_t n_queries, int64_t dim, int64_t max_keys);
 void attention_rows(const float* q, int64_t n_queries, int heads, int64_t dim, const float* const* rows,
                     const int64_t* offsets, int64_t max_keys, const float* sinks, float scale, void* workspace,
-                    float* out, cudaStream_t s);
+                    float* out, cudaStream_t s, const RopeTable* rope = nullptr, const int64_t* positions = nullptr);
 // Several GEMVs over the same rows of x in one launch: y_i[m, w_i.rows] = x[m, k] @ w_i^T,
 // every w_i of the same type with k columns, m <= 8.
 struct GemvSegment {

@@ -520,6 +520,61 @@ TEST_F(CudaBackendTest, attention_with_sinks_matches_cpu) {
   }
 }
 
+// attention then the inverse rope on its output as one call: within rounding of the CPU's, and bit for bit the
+// GPU's own attention() then rope() (the rows form turns the output back in its combine; the other forms call
+// rope after). Rope slices of the whole head, of 64 of 512 dims, and of 6 of 64 (starting in a float4's middle).
+TEST_F(CudaBackendTest, attention_derotated_matches_cpu_and_the_two_calls) {
+  struct Case {
+    int64_t n, dim, rope_dim;
+    int heads;
+    std::vector<int64_t> lengths;
+  };
+  const Case cases[] = {{2, 512, 64, 64, {128 + 512, 300}}, {3, 64, 6, 8, {33, 64, 0}}, {1, 128, 128, 80, {100}},
+                        // more than kAttentionF32Queries queries: the bf16 tensor-core kernel, then rope()
+                        {10, 64, 16, 8, {33, 64, 5, 1, 0, 90, 64, 64, 64, 7}}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE("n " + std::to_string(c.n) + " dim " + std::to_string(c.dim) + " rope " + std::to_string(c.rope_dim));
+    const int64_t pool_rows = 1000, total = c.n * c.heads * c.dim;
+    Mirror P(cpu(), gpu(), randn(pool_rows * c.dim, rng_));
+    Mirror Q(cpu(), gpu(), randn(total, rng_, 0.5f));
+    Mirror sinks(cpu(), gpu(), randn(c.heads, rng_));
+    std::vector<float> inv(c.rope_dim / 2);
+    for (size_t i = 0; i < inv.size(); ++i) inv[i] = std::pow(10000.f, -2.f * i / c.rope_dim);
+    Mirror f(cpu(), gpu(), inv);
+    std::vector<int64_t> pos = {7, 1048575, 4096, 0, 1, 2, 3, 4, 5, 6};
+    pos.resize(c.n);
+    Mirror positions(cpu(), gpu(), pos);
+    std::vector<const float*> crows, grows;
+    std::vector<int64_t> offsets{0};
+    for (int64_t t = 0; t < c.n; ++t) {
+      for (int64_t s = 0; s < c.lengths[t]; ++s) {
+        const int64_t r = (s * 31 + t * 7) % pool_rows;
+        crows.push_back(P.cpu() + r * c.dim);
+        grows.push_back(P.gpu() + r * c.dim);
+      }
+      offsets.push_back(static_cast<int64_t>(crows.size()));
+    }
+    const RaggedRows ck{upload(cpu(), crows), upload(cpu(), offsets)}, gk{upload(gpu(), grows), upload(gpu(), offsets)};
+    const RopeTable tc{f.cpu(), c.rope_dim, 1.25f}, tg{f.gpu(), c.rope_dim, 1.25f};
+    const float scale = 1.f / std::sqrt(static_cast<float>(c.dim));
+    Mirror out(cpu(), gpu(), total * 4), two(cpu(), gpu(), total * 4);
+    out.poison();
+    two.poison();
+    cpu().attention_derotated(Q.cpu(), c.n, c.heads, c.dim, ck, sinks.cpu(), scale, tc, positions.cpu<int64_t>(),
+                              out.cpu());
+    gpu().attention_derotated(Q.gpu(), c.n, c.heads, c.dim, gk, sinks.gpu(), scale, tg, positions.gpu<int64_t>(),
+                              out.gpu());
+    gpu().attention(Q.gpu(), c.n, c.heads, c.dim, gk, sinks.gpu(), scale, two.gpu());
+    gpu().rope(two.gpu(), c.n, c.heads, c.dim, tg, positions.gpu<int64_t>(), true);
+    const bool tc_form = c.n > 8;
+    EXPECT_CLOSE(out.gpu_host(total), out.cpu_host(total), tc_form ? 1e-2 : 1e-5);
+    const auto fused = out.gpu_host(total), apart = two.gpu_host(total);
+    for (int64_t i = 0; i < total; ++i) {
+      ASSERT_EQ(std::memcmp(&fused[i], &apart[i], 4), 0) << "element " << i << ": " << fused[i] << " vs " << apart[i];
+    }
+  }
+}
+
 // Expert counts on both of the kernel's ways of picking (by rank up to 256, by rounds past it), at one warp
 // and several; `ties`: logits and bias on coarse steps, so that many keyed scores are equal (lower index first).
 TEST_F(CudaBackendTest, route_matches_cpu_for_every_score_function) {

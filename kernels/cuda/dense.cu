@@ -934,26 +934,27 @@ __global__ void copy_rows_kernel(float* const* dst, const float* const* src, int
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) d[i] = s[i];
 }
 
+// The embedding kernels: CTA b takes row b / chunks, its columns [(b % chunks) * blockDim, +blockDim), an
+// element a thread, so that every load of a row is in flight at once (a CTA a row looping over the columns
+// waited for each load before the next: 10.9 us for one row of 4,096 under ncu, run 50).
 template <class WT>
-__global__ void embed_kernel(const WT* table, int64_t cols, const int32_t* ids, int copies, float* out) {
+__global__ void embed_kernel(const WT* table, int64_t cols, const int32_t* ids, int copies, int64_t chunks,
+                             float* out) {
   pdl_entry();  // see launch_kernel
-  const int64_t r = blockIdx.x;
-  const WT* src = table + static_cast<int64_t>(ids[r]) * cols;
-  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
-    const float v = to_f32(src[i]);
-    for (int c = 0; c < copies; ++c) out[(r * copies + c) * cols + i] = v;
-  }
+  const int64_t r = blockIdx.x / chunks, i = (blockIdx.x % chunks) * blockDim.x + threadIdx.x;
+  if (i >= cols) return;
+  const float v = to_f32(table[static_cast<int64_t>(ids[r]) * cols + i]);
+  for (int c = 0; c < copies; ++c) out[(r * copies + c) * cols + i] = v;
 }
 
 // Rows of an FP8 / FP4 table (code * scale).
 __global__ void embed_quantized_kernel(const uint8_t* codes, bool fp4, int64_t cols, QuantLayout q, const int32_t* ids,
-                                       int copies, float* out) {
+                                       int copies, int64_t chunks, float* out) {
   pdl_entry();  // see launch_kernel
-  const int64_t r = blockIdx.x, row = ids[r];
-  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
-    const float v = quantized_value(codes, fp4, row, i, cols, q);
-    for (int c = 0; c < copies; ++c) out[(r * copies + c) * cols + i] = v;
-  }
+  const int64_t r = blockIdx.x / chunks, i = (blockIdx.x % chunks) * blockDim.x + threadIdx.x;
+  if (i >= cols) return;
+  const float v = quantized_value(codes, fp4, ids[r], i, cols, q);
+  for (int c = 0; c < copies; ++c) out[(r * copies + c) * cols + i] = v;
 }
 
 __global__ void gather_rows_kernel(const float* x, int64_t dim, const int64_t* index, float* out) {
@@ -1950,26 +1951,28 @@ void copy_rows(float* const* dst, const float* const* src, int64_t count, int64_
 }
 
 void embed(const Weight& table, const int32_t* ids, int64_t rows, int copies, float* out, cudaStream_t s) {
-  if (rows == 0) return;
-  const unsigned grid = static_cast<unsigned>(rows);
+  if (rows == 0 || table.cols == 0) return;
   const int threads = threads_for(table.cols);
+  const int64_t chunks = ceil_div(table.cols, threads);
+  TROUPE_REQUIRE(rows * chunks <= INT32_MAX, "embed: too many rows for one launch");
+  const unsigned grid = static_cast<unsigned>(rows * chunks);
   switch (table.type) {
     case WeightType::f32:
       launch_kernel(embed_kernel<float>, grid, threads, 0, s, static_cast<const float*>(table.data), table.cols, ids,
-                    copies, out);
+                    copies, chunks, out);
       break;
     case WeightType::bf16:
       launch_kernel(embed_kernel<__nv_bfloat16>, grid, threads, 0, s, static_cast<const __nv_bfloat16*>(table.data),
-                    table.cols, ids, copies, out);
+                    table.cols, ids, copies, chunks, out);
       break;
     case WeightType::f16:
       launch_kernel(embed_kernel<__half>, grid, threads, 0, s, static_cast<const __half*>(table.data), table.cols, ids,
-                    copies, out);
+                    copies, chunks, out);
       break;
     case WeightType::e4m3:
     case WeightType::e2m1:
       launch_kernel(embed_quantized_kernel, grid, threads, 0, s, static_cast<const uint8_t*>(table.data),
-                    table.type == WeightType::e2m1, table.cols, quant_layout(table), ids, copies, out);
+                    table.type == WeightType::e2m1, table.cols, quant_layout(table), ids, copies, chunks, out);
       break;
   }
   TROUPE_LAUNCHED();

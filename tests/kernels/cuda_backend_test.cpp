@@ -294,6 +294,14 @@ TEST_F(CudaBackendTest, row_moves_match_cpu) {
   cpu().embed(table.cw, ids.cpu<int32_t>(), 4, 4, e.cpu());
   gpu().embed(table.gw, ids.gpu<int32_t>(), 4, 4, e.gpu());
   EXPECT_CLOSE(e.gpu_host(4 * 4 * 256), e.cpu_host(4 * 4 * 256), 0.0);
+  // rows wider than a CTA's columns, the last chunk partial (4,100 = 16 x 256 + 4)
+  MirrorWeight wide(cpu(), gpu(), 40, 4100, WeightType::bf16, rng_);
+  Mirror wide_ids(cpu(), gpu(), std::vector<int32_t>{39, 0, 7});
+  Mirror we(cpu(), gpu(), 3 * 2 * 4100 * 4);
+  we.poison();
+  cpu().embed(wide.cw, wide_ids.cpu<int32_t>(), 3, 2, we.cpu());
+  gpu().embed(wide.gw, wide_ids.gpu<int32_t>(), 3, 2, we.gpu());
+  EXPECT_CLOSE(we.gpu_host(3 * 2 * 4100), we.cpu_host(3 * 2 * 4100), 0.0);
 }
 
 TEST_F(CudaBackendTest, mhc_pre_post_head_match_cpu) {

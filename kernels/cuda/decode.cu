@@ -481,15 +481,9 @@ __global__ void __launch_bounds__(kArThreads) attention_rows_combine_kernel(cons
   if (positions != nullptr) {
     const int first = dim - static_cast<int>(rope.rope_dim);  // even: dim % 4 == 0, rope_dim even
     const float pos = static_cast<float>(positions[t]);
-    float* a = &acc.x;
-#pragma unroll
-    for (int j = 0; j < 4; j += 2) {
-      const int d = 4 * c + j;
-      if (d >= first) {
-        const int pair = (d - first) / 2;
-        rope_pair<true>(a[j], a[j + 1], rope.inv_freq[pair] * pos, rope.scale, true);
-      }
-    }
+    const int d = 4 * c;  // pairs (d, d + 1) and (d + 2, d + 3)
+    if (d >= first) rope_pair<true>(acc.x, acc.y, rope.inv_freq[(d - first) / 2] * pos, rope.scale, true);
+    if (d + 2 >= first) rope_pair<true>(acc.z, acc.w, rope.inv_freq[(d + 2 - first) / 2] * pos, rope.scale, true);
   }
   reinterpret_cast<float4*>(out + (t * heads + h) * dim)[c] = acc;
 }

@@ -482,6 +482,26 @@ TEST_F(CudaBackendTest, indexer_topk_picks_the_cpu_set) {
   }
 }
 
+// Key lists of queries with these lengths over a pool of rows of `dim` floats (key s of query t: row
+// (s * 31 + t * 7) % pool_rows), as row pointers on each side and the offsets.
+struct KeyLists {
+  std::vector<const float*> cpu, gpu;
+  std::vector<int64_t> offsets{0};
+};
+KeyLists key_lists(const float* cpu_pool, const float* gpu_pool, int64_t dim, int64_t pool_rows,
+                   const std::vector<int64_t>& lengths) {
+  KeyLists kl;
+  for (int64_t t = 0; t < static_cast<int64_t>(lengths.size()); ++t) {
+    for (int64_t s = 0; s < lengths[t]; ++s) {
+      const int64_t r = (s * 31 + t * 7) % pool_rows;
+      kl.cpu.push_back(cpu_pool + r * dim);
+      kl.gpu.push_back(gpu_pool + r * dim);
+    }
+    kl.offsets.push_back(static_cast<int64_t>(kl.cpu.size()));
+  }
+  return kl;
+}
+
 TEST_F(CudaBackendTest, attention_with_sinks_matches_cpu) {
   struct Case {
     int64_t n, dim;
@@ -501,16 +521,8 @@ TEST_F(CudaBackendTest, attention_with_sinks_matches_cpu) {
     Mirror P(cpu(), gpu(), randn(pool_rows * c.dim, rng_));
     Mirror Q(cpu(), gpu(), randn(c.n * c.heads * c.dim, rng_, 0.5f));
     Mirror sinks(cpu(), gpu(), randn(c.heads, rng_));
-    std::vector<const float*> crows, grows;
-    std::vector<int64_t> offsets{0};
-    for (int64_t t = 0; t < c.n; ++t) {
-      for (int64_t s = 0; s < c.lengths[t]; ++s) {
-        const int64_t r = (s * 31 + t * 7) % pool_rows;
-        crows.push_back(P.cpu() + r * c.dim);
-        grows.push_back(P.gpu() + r * c.dim);
-      }
-      offsets.push_back(static_cast<int64_t>(crows.size()));
-    }
+    const KeyLists kl = key_lists(P.cpu(), P.gpu(), c.dim, pool_rows, c.lengths);
+    const auto& [crows, grows, offsets] = kl;
     Mirror out(cpu(), gpu(), c.n * c.heads * c.dim * 4);
     out.poison();
     const float scale = 1.f / std::sqrt(static_cast<float>(c.dim));
@@ -552,16 +564,8 @@ TEST_F(CudaBackendTest, attention_derotated_matches_cpu_and_the_two_calls) {
     std::vector<int64_t> pos = {7, 1048575, 4096, 0, 1, 2, 3, 4, 5, 6};
     pos.resize(c.n);
     Mirror positions(cpu(), gpu(), pos);
-    std::vector<const float*> crows, grows;
-    std::vector<int64_t> offsets{0};
-    for (int64_t t = 0; t < c.n; ++t) {
-      for (int64_t s = 0; s < c.lengths[t]; ++s) {
-        const int64_t r = (s * 31 + t * 7) % pool_rows;
-        crows.push_back(P.cpu() + r * c.dim);
-        grows.push_back(P.gpu() + r * c.dim);
-      }
-      offsets.push_back(static_cast<int64_t>(crows.size()));
-    }
+    const KeyLists kl = key_lists(P.cpu(), P.gpu(), c.dim, pool_rows, c.lengths);
+    const auto& [crows, grows, offsets] = kl;
     const RaggedRows ck{upload(cpu(), crows), upload(cpu(), offsets)}, gk{upload(gpu(), grows), upload(gpu(), offsets)};
     const RopeTable tc{f.cpu(), c.rope_dim, 1.25f}, tg{f.gpu(), c.rope_dim, 1.25f};
     const float scale = 1.f / std::sqrt(static_cast<float>(c.dim));

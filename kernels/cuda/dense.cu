@@ -2150,8 +2150,8 @@ void route(const float* logits, int64_t rows, int experts, ScoreFn fn, const flo
   if (rows == 0) return;
   // One warp for every 32 experts, up to 8 (a row of 16 experts on one warp: its barriers cost least).
   const unsigned threads = static_cast<unsigned>(std::min(256, (experts + 31) / 32 * 32));
-  launch_kernel(route_kernel, static_cast<unsigned>(rows), threads, static_cast<size_t>(experts) * 8, s, logits, experts,
-                fn, bias, k, hash_table, ids, route_scale, out_idx, out_weight);
+  launch_kernel(route_kernel, static_cast<unsigned>(rows), threads, static_cast<size_t>(experts) * 8, s, logits,
+                experts, fn, bias, k, hash_table, ids, route_scale, out_idx, out_weight);
   TROUPE_LAUNCHED();
 }
 

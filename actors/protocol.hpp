@@ -113,6 +113,9 @@ struct WorkerLoad {
   int64_t largest_tokens = 0;     // its projected length (prompt + max tokens)
   double largest_share = 0;       // the device pool budget its pages take now
   std::vector<RequestId> parked_ids;  // requests parked by the long-tail policy
+  // The worker each of its requests moves to (a PD prefill's decode target, a drain's migration target),
+  // one entry a request, until the move is confirmed: a draining worker stays up while any load names it.
+  std::vector<caf::actor> handoff_targets;
   caf::actor actor;
 };
 

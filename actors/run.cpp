@@ -472,12 +472,13 @@ bool NodeProcess::drain(std::chrono::milliseconds timeout) {
 
   // The gateway: no new requests; wait for those in flight.
   bool gateway_idle = !im.gateway;
-  // A worker: fenced at the router, its requests moved to another worker of its role, and idle for
-  // kDrainQuiet on end: a job the router dispatched before the fence (a PD prefill naming this worker as its
-  // decode target) reaches it only when its prefill ends, as a handoff this loop then moves on. Run 50's
+  // A worker: fenced at the router, its requests moved to another worker of its role; it stops when no
+  // other worker's load names it as a handoff target (a job the router dispatched before the fence, a PD
+  // prefill naming this worker as its decode target, reaches it only when its prefill ends, as a handoff
+  // this loop then moves on) and it has been idle for kDrainQuiet (loads are reported every 50 ms: a job
+  // the router sent to a prefill just before the fence shows in that prefill's next report). Session 50's
   // make test caught a drain that stopped in the 1 ms before such a handoff arrived (the gateway resubmitted
-  // the request: nothing lost, but not the drain's promise). Prefills longer than the quiet time still fall
-  // back to that resubmission.
+  // the request: nothing lost, but not the drain's promise).
   constexpr auto kDrainQuiet = std::chrono::milliseconds(1000);
   bool worker_idle = !im.runs_worker;
   bool fenced = false;
@@ -517,8 +518,16 @@ bool NodeProcess::drain(std::chrono::milliseconds timeout) {
         else self->send(mine->actor, drain_atom::value);
         last_migrate = Clock::now();
       }
+      // Requests other workers still mean to move here (a PD prefill that names this worker as its decode
+      // target, dispatched before the fence): they arrive as handoffs, which the migrations above move on.
+      int64_t inbound = 0;
+      if (mine != nullptr) {
+        for (const auto& l : loads) {
+          if (&l != mine) inbound += std::count(l.handoff_targets.begin(), l.handoff_targets.end(), mine->actor);
+        }
+      }
       bool idle = (mine == nullptr || (mine->running == 0 && mine->waiting == 0 && mine->parked == 0)) &&
-                  s.handoffs_pending == 0 && s.kv.leases == 0 && s.kv.pulls == 0;
+                  inbound == 0 && s.handoffs_pending == 0 && s.kv.leases == 0 && s.kv.pulls == 0;
       if (mine == nullptr && loads.empty()) idle = false;  // the router did not answer: keep waiting
       if (!idle) idle_since.reset();
       else if (!idle_since) idle_since = Clock::now();

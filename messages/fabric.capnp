@@ -140,6 +140,7 @@ struct WorkerLoad {
   largestTokens @11 :Int64;
   parkedIds @12 :List(UInt64);
   actor @13 :ActorRef;
+  handoffTargets @14 :List(ActorRef);  # the worker each of its requests moves to, until confirmed
 }
 
 struct Assigned {

@@ -205,6 +205,10 @@ void to_wire(const WorkerLoad& l, RefMap& refs, msg::WorkerLoad::Builder out) {
   auto ids = out.initParkedIds(static_cast<unsigned>(l.parked_ids.size()));
   for (size_t i = 0; i < l.parked_ids.size(); ++i) ids.set(static_cast<unsigned>(i), l.parked_ids[i]);
   refs.to_wire(l.actor, out.initActor());
+  auto targets = out.initHandoffTargets(static_cast<unsigned>(l.handoff_targets.size()));
+  for (size_t i = 0; i < l.handoff_targets.size(); ++i) {
+    refs.to_wire(l.handoff_targets[i], targets[static_cast<unsigned>(i)]);
+  }
 }
 
 WorkerLoad from_wire(msg::WorkerLoad::Reader in, RefMap& refs) {
@@ -223,6 +227,7 @@ WorkerLoad from_wire(msg::WorkerLoad::Reader in, RefMap& refs) {
   l.largest_tokens = in.getLargestTokens();
   for (auto id : in.getParkedIds()) l.parked_ids.push_back(id);
   l.actor = refs.from_wire(in.getActor());
+  for (auto t : in.getHandoffTargets()) l.handoff_targets.push_back(refs.from_wire(t));
   return l;
 }
 

@@ -212,6 +212,9 @@ void report_load(Self self) {
   for (const auto& a : s.host) load.leaked_pages += a.leaked;
   load.draining = st.draining;
   load.actor = caf::actor_cast<caf::actor>(self);
+  for (const auto& [eid, run] : st.by_engine) {
+    if (run.handoff_to) load.handoff_targets.push_back(run.handoff_to);
+  }
   // Pressure is what requests hold: pages only the prefix cache keeps are
   // given back on demand, so counting them would park requests (and keep them
   // parked) while the pool could still serve everyone. From the audit (every

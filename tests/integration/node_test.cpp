@@ -48,11 +48,13 @@ caf::behavior recorder(caf::event_based_actor* self, std::shared_ptr<Inbox> inbo
     return caf::message{};
   });
   return {
-      [](workers_atom) {
+      [self](workers_atom) {
         WorkerLoad l;
         l.name = "decode-7";
         l.role = WorkerRole::decode;
         l.running = 3;
+        l.actor = caf::actor_cast<caf::actor>(self);
+        l.handoff_targets = {l.actor, l.actor};  // (a drain counts the loads that name it)
         return std::vector<WorkerLoad>{l};
       },
   };
@@ -222,6 +224,11 @@ TEST_F(NodeFabric, a_request_through_a_proxy_gets_the_remote_reply) {
   ASSERT_EQ(loads.size(), 1u);
   EXPECT_EQ(loads[0].name, "decode-7");
   EXPECT_EQ(loads[0].running, 3);
+  // Actor refs come back as one handle each: the handoff targets equal the load's own actor.
+  ASSERT_TRUE(loads[0].actor);
+  ASSERT_EQ(loads[0].handoff_targets.size(), 2u);
+  EXPECT_EQ(loads[0].handoff_targets[0], loads[0].actor);
+  EXPECT_EQ(loads[0].handoff_targets[1], loads[0].actor);
 }
 
 TEST_F(NodeFabric, a_lost_peer_is_a_down_msg_for_local_monitors) {

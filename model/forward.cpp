@@ -396,9 +396,10 @@ void Model::attention_block(int layer, Batch& b, const float* h, float* out) {
       offsets.push_back(static_cast<int64_t>(keys.size()));
     }
   }
+  // V carried RoPE (K = V): the output turned back by the inverse rope (fused where the backend can).
   float* o = b.scratch.floats(T * H * hd);
-  backend_.attention(q, T, static_cast<int>(H), hd, {b.scratch.upload(keys), b.scratch.upload(offsets)}, aw.sinks,
-                     1.0f / std::sqrt(static_cast<float>(hd)), o);
+  backend_.attention_derotated(q, T, static_cast<int>(H), hd, {b.scratch.upload(keys), b.scratch.upload(offsets)},
+                               aw.sinks, 1.0f / std::sqrt(static_cast<float>(hd)), rope, b.positions, o);
 
   // The window keeps the chunk's last tokens (after attention has read the old ones).
   std::vector<float*> dst;
@@ -411,8 +412,7 @@ void Model::attention_block(int layer, Batch& b, const float* h, float* out) {
   }
   backend_.copy_rows(b.scratch.upload(dst), b.scratch.upload(src), static_cast<int64_t>(dst.size()), hd);
 
-  // V carried RoPE (K = V): turn the output back, then the grouped projection.
-  backend_.rope(o, T, static_cast<int>(H), hd, rope, b.positions, true);
+  // The grouped output projection.
   float* g = b.scratch.floats(T * c.o_groups * c.o_lora_rank);
   backend_.linear_grouped(o, T, aw.o_a_proj, static_cast<int>(c.o_groups), g);
   backend_.linear(g, T, aw.o_b_proj, out);

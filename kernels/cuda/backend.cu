@@ -935,25 +935,24 @@ void CudaBackend::attend(const float* q, int64_t n_queries, int heads, int64_t d
       return;
     }
     impl_->attention_f32(q, n_queries, heads, dim, keys, bound, sinks, scale, out);
-    if (positions != nullptr) this->rope(out, n_queries, heads, dim, *rope, positions, true);
-    return;
-  }
-  for (int64_t t0 = 0; t0 < n_queries; t0 += 65535) {
-    AttentionArgs a;
-    a.q = q + t0 * heads * dim;
-    a.n_queries = std::min<int64_t>(65535, n_queries - t0);
-    a.heads = heads;
-    a.dim = dim;
-    a.key_type = KeyType::f32;
-    a.rows = reinterpret_cast<const void* const*>(keys.rows);
-    a.offsets = keys.offsets + t0;
-    a.max_keys = max_keys;
-    a.sinks = sinks;
-    a.scale = scale;
-    a.out = out + t0 * heads * dim;
-    const size_t ws = attention_workspace_bytes(a);
-    void* workspace = ws > 0 ? impl_->arena.take<char>(static_cast<int64_t>(ws)) : nullptr;
-    cuda::attention(a, workspace, impl_->s());
+  } else {
+    for (int64_t t0 = 0; t0 < n_queries; t0 += 65535) {
+      AttentionArgs a;
+      a.q = q + t0 * heads * dim;
+      a.n_queries = std::min<int64_t>(65535, n_queries - t0);
+      a.heads = heads;
+      a.dim = dim;
+      a.key_type = KeyType::f32;
+      a.rows = reinterpret_cast<const void* const*>(keys.rows);
+      a.offsets = keys.offsets + t0;
+      a.max_keys = max_keys;
+      a.sinks = sinks;
+      a.scale = scale;
+      a.out = out + t0 * heads * dim;
+      const size_t ws = attention_workspace_bytes(a);
+      void* workspace = ws > 0 ? impl_->arena.take<char>(static_cast<int64_t>(ws)) : nullptr;
+      cuda::attention(a, workspace, impl_->s());
+    }
   }
   if (positions != nullptr) this->rope(out, n_queries, heads, dim, *rope, positions, true);
 }

@@ -572,6 +572,7 @@ struct GridParams {
   uint32_t* tickets;   // [2]: next ticket, CTAs finished; zero between calls
   long long* profile;  // optional: %globaltimer (ns) at phase ends (row 0)
   bool counted_finish; // TopkArgs::finish == 2: the gathering CTAs also count the bucket's next digit
+  bool fused;          // the sampled path's finish after fused_filter_topk_kernel (its candidate histograms)
 };
 
 // A one-chunk row's second digit (select_one_chunk): 8 bits under round 0's 11, counted into
@@ -591,6 +592,7 @@ struct GSmem {
                               // (the sampled finish: its row's count)
   // radix_select's open ties: more elements equal the k-th value than slots remain.
   uint32_t tie_key, tie_need, tie_base;
+  uint32_t max_key;  // sample_row's largest sampled key
 };
 
 static_assert(offsetof(GSmem, hist) == 0 && kZeroWords % 4 == 0, "load_row_hist's 16-byte reads");
@@ -1539,14 +1541,16 @@ __device__ __forceinline__ uint32_t sample_rank(int k, int64_t len) {
 // among kSample of its scores (runs of 8 at even steps over the row: a thread pair's two 16-byte loads are
 // one sector), or of rank k among all of a row of at most kSample, by two radix rounds: the threshold is
 // the lowest key of the rank's 22-bit bucket (11-bit, when the rank is the last of that bucket), so that
-// at least that many of the sample reach it. Rows of at most k scores are the finish's alone. One CTA a row.
-__global__ void __launch_bounds__(kThreads) sample_topk_kernel(const GridParams p) {
-  pdl_entry();  // see launch_kernel
-  __shared__ GSmem sm;
-  const int tid = threadIdx.x, lrow = static_cast<int>(blockIdx.x), row = p.row0 + lrow;
+// at least that many of the sample reach it. The second word: the shift that puts the sample's keys at or
+// above the threshold into the first 1,024 of kGBins bins of (key - threshold) >> shift (the fused path's
+// candidate histogram, candidate_bin). Rows of at most k scores are the finish's alone (nothing written).
+// Every thread of the block calls it.
+__device__ __forceinline__ void sample_row(const GridParams& p, int lrow, GSmem& sm) {
+  const int tid = threadIdx.x, row = p.row0 + lrow;
   const int64_t len = row_length(p, row);
   if (len <= p.k) return;
   for (int i = tid; i < kGBins; i += kThreads) sm.hist[i] = 0;
+  if (tid == 0) sm.max_key = 0;
   __syncthreads();
   const float* src = p.scores + row * p.row_stride;
   const bool whole = len <= kSample;
@@ -1573,15 +1577,19 @@ __global__ void __launch_bounds__(kThreads) sample_topk_kernel(const GridParams 
       }
     }
   }
-  uint32_t key[kSampleEpt], vmask = 0;
+  uint32_t key[kSampleEpt], vmask = 0, mx = 0;
 #pragma unroll
   for (int e = 0; e < kSampleEpt; ++e) {
     key[e] = order_key(f[e]);
     if (!whole || (e / 4) * (kSample / 4) + 4 * tid + (e % 4) < len) {
       vmask |= 1u << e;
+      mx = max(mx, key[e]);
       atomicAdd(&sm.hist[key[e] >> digit_shift(0)], 1u);
     }
   }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  if ((tid & 31) == 0) atomicMax(&sm.max_key, mx);
   uint32_t prefix = 0, need = whole ? static_cast<uint32_t>(p.k) : sample_rank(p.k, len), cnt = 0;
   int pbits = 0;
   __syncthreads();  // every thread's counts
@@ -1596,22 +1604,31 @@ __global__ void __launch_bounds__(kThreads) sample_topk_kernel(const GridParams 
       }
     });
   }
-  if (tid == 0) p.scratch[lrow * p.scratch_words] = prefix << (32 - pbits);
+  if (tid == 0) {
+    const uint32_t thr = prefix << (32 - pbits), range = sm.max_key - thr;
+    uint32_t* scratch = p.scratch + lrow * p.scratch_words;
+    scratch[0] = thr;
+    scratch[1] = range < 1024u ? 0u : static_cast<uint32_t>(32 - __clz(range) - 10);
+  }
 }
 
-// Appends the keys at or above the row's threshold among the blockIdx.x-th kFilterSpan scores of the
-// launch's row blockIdx.y to the row's list: one global atomic a warp for the warp's places; places past
-// the list's capacity are counted, not written.
-__global__ void __launch_bounds__(kThreads, 3) filter_topk_kernel(const GridParams p) {
+// The sampled path's first kernel: sample_row, a CTA a row.
+__global__ void __launch_bounds__(kThreads) sample_topk_kernel(const GridParams p) {
   pdl_entry();  // see launch_kernel
-  const int lrow = static_cast<int>(blockIdx.y), row = p.row0 + lrow;
-  uint32_t* scratch = p.scratch + lrow * p.scratch_words;
-  const uint32_t thr = __ldcg(scratch);  // requested with the row's length
-  const int64_t len = row_length(p, row);
-  const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kFilterSpan;
-  if (len <= p.k || i0 >= len) return;
-  uint32_t key[kFilterEpt];
-  const uint32_t vmask = load_keys<kFilterEpt>(p.scores + row * p.row_stride + i0, len - i0, p.vec_ok, key);
+  __shared__ GSmem sm;
+  sample_row(p, static_cast<int>(blockIdx.x), sm);
+}
+
+// The fused path's candidate histogram bin of a key at or above the row's threshold thr (sample_row).
+__device__ __forceinline__ uint32_t candidate_bin(uint32_t key, uint32_t thr, uint32_t shift) {
+  return min((key - thr) >> shift, static_cast<uint32_t>(kGBins - 1));
+}
+
+// Appends the keys at or above thr among a span's scores (those of vmask; scores i0 + elem_offset(e)) to
+// launch row lrow's list: one global atomic a warp for the warp's places; places past the list's capacity
+// are counted, not written.
+__device__ __forceinline__ void append_hits(const GridParams& p, int lrow, int64_t i0, const uint32_t (&key)[kFilterEpt],
+                                            uint32_t vmask, uint32_t thr) {
   uint32_t hits = 0;
 #pragma unroll
   for (int e = 0; e < kFilterEpt; ++e) hits |= static_cast<uint32_t>(key[e] >= thr) << e;
@@ -1627,13 +1644,439 @@ __global__ void __launch_bounds__(kThreads, 3) filter_topk_kernel(const GridPara
   uint32_t base = 0;
   if (lane == 31 && incl != 0) base = atomicAdd(&p.ws[lrow * kZeroWords + kGRounds * kGBins + kCand], incl);
   uint32_t pos = __shfl_sync(0xffffffffu, base, 31) + incl - n;
-  uint2* list = reinterpret_cast<uint2*>(scratch + kListOffset);
+  uint2* list = reinterpret_cast<uint2*>(p.scratch + lrow * p.scratch_words + kListOffset);
 #pragma unroll
   for (int e = 0; e < kFilterEpt; ++e) {
     if ((hits >> e) & 1u) {
       if (pos < p.cand_cap) list[pos] = make_uint2(key[e], static_cast<uint32_t>(i0 + elem_offset(e)));
       ++pos;
     }
+  }
+}
+
+// Appends the keys at or above the row's threshold among the blockIdx.x-th kFilterSpan scores of the
+// launch's row blockIdx.y to the row's list (append_hits). (Requesting the scores before the wait on the
+// sample kernel measured faster at 8 rows and slower at 64: run 51.)
+__global__ void __launch_bounds__(kThreads, 3) filter_topk_kernel(const GridParams p) {
+  pdl_entry();  // see launch_kernel
+  const int lrow = static_cast<int>(blockIdx.y), row = p.row0 + lrow;
+  const uint32_t thr = __ldcg(p.scratch + lrow * p.scratch_words);  // requested with the row's length
+  const int64_t len = row_length(p, row);
+  const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kFilterSpan;
+  if (len <= p.k || i0 >= len) return;
+  uint32_t key[kFilterEpt];
+  const uint32_t vmask = load_keys<kFilterEpt>(p.scores + row * p.row_stride + i0, len - i0, p.vec_ok, key);
+  append_hits(p, lrow, i0, key, vmask, thr);
+}
+
+// The fused path's finish of a row whose list holds all n (k <= n <= capacity) of its candidates: the bin
+// of the k-th from the histogram (h: this thread's bins 4 tid .. 4 tid + 3, counted from the top), one pass
+// over the list writing the candidates of higher bins to out[0 .. above) and gathering that bin's into
+// ck / ci, then the bin's need = k - above largest, ties by lower index, to out[above .. k): by each one's
+// rank among them (at most a candidate a thread) or block_select. False, with nothing written, when that
+// bin holds more than bucket_cap candidates. Every thread of the block calls it.
+__device__ __forceinline__ bool finish_from_histogram(const GridParams& p, int row, int lrow, const uint2* list,
+                                                      uint32_t n, uint4 h, int32_t* out, GSmem& sm, uint32_t* ck,
+                                                      int32_t* ci, uint32_t bucket_cap) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const uint32_t kk = static_cast<uint32_t>(p.k), lt = (1u << lane) - 1u;
+  const uint32_t* scratch = p.scratch + lrow * p.scratch_words;
+  const uint32_t thr = __ldcg(scratch), shift = __ldcg(scratch + 1);
+  // Candidates in bins from 4 tid up: a suffix sum over the threads (a warp's by shuffles, then the warps').
+  const uint32_t mine = h.x + h.y + h.z + h.w;
+  uint32_t suffix = mine;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t x = __shfl_down_sync(0xffffffffu, suffix, o);
+    if (lane + o < 32) suffix += x;
+  }
+  if (lane == 0) sm.scan[warp] = suffix;
+  if (tid == 0) sm.above_ctr = sm.tie_ctr = 0;
+  __syncthreads();
+  for (int w = warp + 1; w < kThreads / 32; ++w) suffix += sm.scan[w];
+  if (suffix >= kk && suffix - mine < kk) {  // the k-th candidate is in one of this thread's bins
+    const uint32_t bins[4] = {h.x, h.y, h.z, h.w};
+    uint32_t above = suffix - mine;
+#pragma unroll
+    for (int j = 3; j >= 0; --j) {
+      if (above + bins[j] >= kk) {
+        sm.thr_bin = 4u * tid + j;
+        sm.thr_above = above;
+        sm.thr_cnt = bins[j];
+        break;
+      }
+      above += bins[j];
+    }
+  }
+  __syncthreads();
+  const uint32_t bin_k = sm.thr_bin, above = sm.thr_above;
+  if (sm.thr_cnt > bucket_cap) return false;  // (the same in every thread)
+  for (uint32_t b0 = 0; b0 < n; b0 += kListBatch * kThreads) {  // uniform trip count: ballots below
+    uint2 c[kListBatch];
+#pragma unroll
+    for (int j = 0; j < kListBatch; ++j) {
+      const uint32_t i = b0 + j * kThreads + tid;
+      c[j] = i < n ? __ldcg(&list[i]) : make_uint2(0u, 0u);
+    }
+#pragma unroll
+    for (int j = 0; j < kListBatch; ++j) {
+      const bool valid = b0 + j * kThreads + tid < n;
+      const uint32_t bin = valid ? candidate_bin(c[j].x, thr, shift) : 0u;
+      const uint32_t up = __ballot_sync(0xffffffffu, valid && bin > bin_k);
+      const uint32_t at = __ballot_sync(0xffffffffu, valid && bin == bin_k);
+      uint32_t up_base = 0, at_base = 0;
+      if (lane == 0) {
+        if (up != 0u) up_base = atomicAdd(&sm.above_ctr, __popc(up));
+        if (at != 0u) at_base = atomicAdd(&sm.tie_ctr, __popc(at));
+      }
+      up_base = __shfl_sync(0xffffffffu, up_base, 0);
+      at_base = __shfl_sync(0xffffffffu, at_base, 0);
+      if ((up >> lane) & 1u) out[up_base + __popc(up & lt)] = translate_g(p, row, c[j].y);
+      if ((at >> lane) & 1u) {
+        ck[at_base + __popc(at & lt)] = c[j].x;
+        ci[at_base + __popc(at & lt)] = static_cast<int32_t>(c[j].y);
+      }
+    }
+  }
+  __syncthreads();
+  const uint32_t m = sm.tie_ctr, need = kk - above;
+  if (m <= static_cast<uint32_t>(kThreads)) {
+    if (static_cast<uint32_t>(tid) < m) {
+      const uint32_t key = ck[tid];
+      const int32_t idx = ci[tid];
+      uint32_t rank = 0;
+      for (uint32_t j = 0; j < m; ++j) {
+        const uint32_t kj = ck[j];
+        rank += kj > key || (kj == key && ci[j] < idx);
+      }
+      if (rank < need) out[above + rank] = translate_g(p, row, idx);
+    }
+  } else {
+    block_select(
+        ck, m, [](uint32_t) { return true; }, [&](uint32_t i) { return static_cast<uint32_t>(ci[i]); }, 0u, 0, need,
+        sm, [&](uint32_t pos, uint32_t i) { out[above + pos] = translate_g(p, row, ci[i]); });
+  }
+  return true;
+}
+
+// ---- the fused sampled path: samples and filter in one persistent grid ------------
+// One CTA an SM streams the launch's spans (kFilterSpan scores, row-major) through a ring of kRingStages
+// shared-memory stages filled by bulk copies (cp.async.bulk, completion on an mbarrier a stage), so that
+// 160 KB an SM are in flight however long the CTA spends on a span. The CTAs of the first rows also sample
+// those rows (sample_row) while their first stages load, and publish each row's threshold with a flag;
+// a CTA reaching a row's spans waits for that flag. Candidates go to a staging list and a histogram by
+// candidate_bin in shared memory, flushed to the row's list and histogram in the workspace when the CTA
+// leaves a row (one global atomic a flush), so that the finish finds the k-th candidate's bin from the
+// histogram instead of radix rounds over the list.
+constexpr int kRingStages = 5;
+constexpr int kStagingCap = 2048;  // candidates a CTA stages before they go straight to the row's list
+
+struct FusedSmem {
+  float ring[kRingStages][kFilterSpan];
+  uint2 staging[kStagingCap];
+  uint32_t hist[kGBins];
+  uint64_t full[kRingStages];
+  uint32_t staged_n, flush_n, flush_base, thr, shift;
+  float thr_f;
+  GSmem g;  // sample_row's
+};
+constexpr int kFusedSmemBytes = static_cast<int>(sizeof(FusedSmem));
+static_assert(kGBins == 4 * kThreads, "finish_from_histogram: four bins a thread");
+
+__device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+// Arrives on the barrier (its one expected arrival) and expects `bytes` of bulk copies to complete on it.
+__device__ __forceinline__ void mbar_arrive_expect(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global src to shared dst, completing on bar.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+__device__ __forceinline__ uint32_t load_acquire(const uint32_t* ptr) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+__device__ __forceinline__ void store_release(uint32_t* ptr, uint32_t v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
+}
+
+// Launch row lrow's words of the workspace that are zero between calls: its candidate count, the flag
+// that its threshold is written (the fused path), and (the first kGBins words) its candidate histogram.
+__device__ __forceinline__ uint32_t* row_count(const GridParams& p, int lrow) {
+  return p.ws + lrow * kZeroWords + kGRounds * kGBins + kCand;
+}
+__device__ __forceinline__ uint32_t* row_ready(const GridParams& p, int lrow) {
+  return p.ws + lrow * kZeroWords + kGRounds * kGBins + kDone;
+}
+// (TROUPE_TOPK_FUSED_FINISH=1) the row's spans its CTAs are done with, and whether its last CTA finished it.
+__device__ __forceinline__ uint32_t* row_spans_done(const GridParams& p, int lrow) {
+  return p.ws + lrow * kZeroWords + kGRounds * kGBins + kArrive0 + 1;
+}
+__device__ __forceinline__ uint32_t* row_finished(const GridParams& p, int lrow) {
+  return p.ws + lrow * kZeroWords + kGRounds * kGBins + kArrive0 + 2;
+}
+
+// The launch's spans from `start` to `end` of this CTA, in proportion to what each CTA has to do: a span
+// costs 1 and sampling a row `sample_cost` (CTA c samples rows c, c + gridDim.x, ...: the first rows %
+// gridDim.x CTAs one more than the others), so the samplers take fewer spans. A CTA's end is the next
+// one's start by the same expression: the ranges tile the spans.
+__device__ __forceinline__ int2 fused_range(int items, int rows, float sample_cost) {
+  const int G = static_cast<int>(gridDim.x), b = static_cast<int>(blockIdx.x);
+  const int q = rows / G, rem = rows % G;
+  const float target = (static_cast<float>(items) + static_cast<float>(rows) * sample_cost) / static_cast<float>(G);
+  const float hi = fmaxf(0.f, target - static_cast<float>(q + 1) * sample_cost);  // CTAs c < rem
+  const float lo = fmaxf(0.f, target - static_cast<float>(q) * sample_cost);
+  const float total = static_cast<float>(rem) * hi + static_cast<float>(G - rem) * lo;
+  const auto start = [&](int c) {
+    if (c >= G) return items;
+    if (total <= 0.f) return static_cast<int>(static_cast<int64_t>(items) * c / G);
+    const float before = static_cast<float>(min(c, rem)) * hi + static_cast<float>(max(c - rem, 0)) * lo;
+    return min(items, static_cast<int>(static_cast<float>(items) * (before / total)));
+  };
+  return make_int2(start(b), start(b + 1));
+}
+
+__global__ void __launch_bounds__(kThreads, 1) fused_filter_topk_kernel(const GridParams p, int spans_per_row,
+                                                                        int rows, float sample_cost, int probe,
+                                                                        int split) {
+  pdl_entry();  // see launch_kernel (the scores are read below, by bulk copies too)
+  extern __shared__ __align__(128) uint8_t fsmem[];
+  FusedSmem& fs = *reinterpret_cast<FusedSmem*>(fsmem);
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int items = spans_per_row * rows;
+  // p.profile (bench stamps, %globaltimer ns): CTA 0's in [0, 8), the last CTA's in [8, 16): entry, ring
+  // issued, samples published, first threshold, first stage, last span, end; then its spans
+  long long* prof = p.profile != nullptr && tid == 0 && (blockIdx.x == 0 || blockIdx.x + 1 == gridDim.x)
+                        ? p.profile + (blockIdx.x == 0 ? 0 : 8)
+                        : nullptr;
+  if (prof) prof[0] = global_ns();
+  const int2 range = fused_range(items, rows, sample_cost);
+  // Span j: launch row j / spans_per_row, scores from i0; live: the row has more than k scores and some here.
+  struct Span {
+    int lrow;
+    int64_t i0, n;  // n: scores here (0: not live)
+  };
+  const auto span_of = [&](int j) {
+    Span s;
+    s.lrow = j / spans_per_row;
+    s.i0 = static_cast<int64_t>(j - s.lrow * spans_per_row) * kFilterSpan;
+    const int64_t len = row_length(p, p.row0 + s.lrow);
+    s.n = len > p.k && s.i0 < len ? min(static_cast<int64_t>(kFilterSpan), len - s.i0) : 0;
+    return s;
+  };
+  // Stage (j - range.x) % kRingStages gets span j: its whole 16-byte groups by one bulk copy (an arrival
+  // with no bytes when there are none, so that the stage's phase still completes). Thread 0 only.
+  const auto issue = [&](int j) {
+    const Span s = span_of(j);
+    const int st = (j - range.x) % kRingStages;
+    const uint32_t bytes = static_cast<uint32_t>(s.n / 4 * 16);
+    mbar_arrive_expect(&fs.full[st], bytes);
+    const float* src = p.scores + (p.row0 + s.lrow) * p.row_stride + s.i0;
+    if (split > 1 && bytes == kFilterSpan * 4) {
+      const uint32_t piece = bytes / split;
+      for (int q = 0; q < split; ++q) bulk_load(fs.ring[st] + q * piece / 4, src + q * piece / 4, piece, &fs.full[st]);
+    } else if (bytes != 0) {
+      bulk_load(fs.ring[st], src, bytes, &fs.full[st]);
+    }
+  };
+  if (tid == 0) {
+    for (int st = 0; st < kRingStages; ++st) mbar_init(&fs.full[st], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    fs.staged_n = 0;
+  }
+  for (int i = tid; i < kGBins; i += kThreads) fs.hist[i] = 0;
+  __syncthreads();
+  if (tid == 0) {
+    for (int j = range.x; j < min(range.y, range.x + kRingStages); ++j) issue(j);
+  }
+  if (prof) prof[1] = global_ns();
+  for (int r = static_cast<int>(blockIdx.x); r < rows; r += static_cast<int>(gridDim.x)) {
+    sample_row(p, r, fs.g);  // (nothing for rows of at most k scores: the flag all the same)
+    __syncthreads();         // thread 0's words written
+    if (tid == 0) {
+      __threadfence();
+      store_release(row_ready(p, r), 1u);
+    }
+  }
+  // The CTA's staged candidates and histogram of launch row lrow to the row's list and histogram.
+  const auto flush = [&](int lrow) {
+    __syncthreads();  // every warp's candidates staged
+    if (tid == 0) {
+      const uint32_t n = min(fs.staged_n, static_cast<uint32_t>(kStagingCap));
+      fs.staged_n = 0;  // (no warp stages again before the barriers below)
+      fs.flush_n = n;
+      fs.flush_base = n != 0 ? atomicAdd(row_count(p, lrow), n) : 0u;
+    }
+    uint32_t* ghist = p.ws + lrow * kZeroWords;
+    for (int i = tid; i < kGBins; i += kThreads) {
+      const uint32_t v = fs.hist[i];
+      if (v != 0) {
+        atomicAdd(&ghist[i], v);
+        fs.hist[i] = 0;
+      }
+    }
+    __syncthreads();
+    uint2* list = reinterpret_cast<uint2*>(p.scratch + lrow * p.scratch_words + kListOffset);
+    const uint32_t n = fs.flush_n, base = fs.flush_base;
+    for (uint32_t i = tid; i < n; i += kThreads) {
+      if (base + i < p.cand_cap) list[base + i] = fs.staging[i];
+    }
+    if (probe & 2) __threadfence();  // (the row's last CTA reads them: arrive)
+    __syncthreads();  // the staging read before it is reused
+  };
+  // (probe & 2: TROUPE_TOPK_FUSED_FINISH=1) after the flush of launch row lrow, this CTA's `spans` of it are
+  // done; the CTA that completes the row's spans finishes it (finish_from_histogram, with the staging
+  // memory for the k-th bin's candidates), unless that bin holds more than the staging does or the row's
+  // count is out of the list's range: then the finish kernel does.
+  const auto arrive = [&](int lrow, int spans) {
+    if (tid == 0) {
+      const uint32_t before = atomicAdd(row_spans_done(p, lrow), static_cast<uint32_t>(spans));
+      fs.flush_n = before + static_cast<uint32_t>(spans) == static_cast<uint32_t>(spans_per_row);
+    }
+    __syncthreads();
+    if (fs.flush_n == 0u) return;  // (the same in every thread)
+    __threadfence();
+    const int row = p.row0 + lrow;
+    const uint32_t n = __ldcg(row_count(p, lrow)), kk = static_cast<uint32_t>(p.k);
+    if (row_length(p, row) <= p.k || n < kk || n > p.cand_cap) return;
+    uint4* ghist = reinterpret_cast<uint4*>(p.ws + lrow * kZeroWords);
+    const uint4 h = __ldcg(ghist + tid);
+    uint32_t* ck = reinterpret_cast<uint32_t*>(fs.staging);
+    int32_t* ci = reinterpret_cast<int32_t*>(ck + kStagingCap);
+    const uint2* list = reinterpret_cast<const uint2*>(p.scratch + lrow * p.scratch_words + kListOffset);
+    int32_t* out = p.out_idx + row * p.out_stride;
+    if (finish_from_histogram(p, row, lrow, list, n, h, out, fs.g, ck, ci, kStagingCap)) {
+      ghist[tid] = make_uint4(0u, 0u, 0u, 0u);
+      if (tid == 0) {
+        *row_finished(p, lrow) = 1u;
+        if (p.out_count != nullptr) p.out_count[row] = p.k;
+      }
+    }
+    __syncthreads();  // the staging memory free again
+  };
+  if (prof) prof[2] = global_ns();
+  int cur = -1, cur_spans = 0;  // the launch row whose threshold fs holds, and this CTA's spans of it
+  for (int j = range.x; j < range.y; ++j) {
+    const Span s = span_of(j);
+    if (s.lrow != cur) {
+      if (cur >= 0) {
+        flush(cur);
+        if (probe & 2) arrive(cur, cur_spans);
+      }
+      cur_spans = 0;
+      if (tid == 0) {
+        const uint32_t* ready = row_ready(p, s.lrow);
+        while (load_acquire(ready) == 0u) __nanosleep(64);
+        const uint32_t* scratch = p.scratch + s.lrow * p.scratch_words;
+        fs.thr = __ldcg(scratch);
+        fs.shift = __ldcg(scratch + 1);
+        // the float whose key is the threshold (order_key's inverse)
+        fs.thr_f = __uint_as_float(fs.thr & 0x80000000u ? fs.thr & 0x7fffffffu : ~fs.thr);
+        if (prof && cur < 0) prof[3] = global_ns();
+      }
+      __syncthreads();
+      cur = s.lrow;
+    }
+    ++cur_spans;
+    const int u = j - range.x, st = u % kRingStages;
+    mbar_wait(&fs.full[st], static_cast<uint32_t>(u / kRingStages) & 1u);
+    if (prof && u == 0) prof[4] = global_ns();
+    float f[kFilterEpt];
+#pragma unroll
+    for (int q = 0; q < kFilterEpt / 4; ++q) {
+      const float4 v = reinterpret_cast<const float4*>(fs.ring[st])[q * kThreads + tid];
+      f[4 * q] = v.x;
+      f[4 * q + 1] = v.y;
+      f[4 * q + 2] = v.z;
+      f[4 * q + 3] = v.w;
+    }
+    const int n = static_cast<int>(s.n);  // (at most kFilterSpan)
+    const bool whole = n == kFilterSpan;
+    if (!whole) {
+#pragma unroll
+      for (int e = 0; e < kFilterEpt; ++e) {  // the row's last 1-3 scores past its last 16-byte group
+        const int at = elem_offset(e);
+        if (at >= (n & ~3) && at < n) f[e] = __ldcg(p.scores + (p.row0 + s.lrow) * p.row_stride + s.i0 + at);
+      }
+    }
+    __syncthreads();  // every thread has read the stage
+    if (tid == 0 && j + kRingStages < range.y) issue(j + kRingStages);
+    if (n == 0 || (probe & 1)) continue;
+    // Most warps hold no candidate: a float comparison that every candidate passes (NaN too, and either
+    // zero at a threshold of zero) clears them; the rest compare keys.
+    bool maybe = false;
+#pragma unroll
+    for (int e = 0; e < kFilterEpt; ++e) maybe |= !(f[e] < fs.thr_f);
+    if (!__any_sync(0xffffffffu, maybe)) continue;
+    const uint32_t thr = fs.thr, shift = fs.shift;
+    uint32_t key[kFilterEpt], hits = 0;
+#pragma unroll
+    for (int e = 0; e < kFilterEpt; ++e) {
+      key[e] = order_key(f[e]);
+      hits |= static_cast<uint32_t>(key[e] >= thr && (whole || elem_offset(e) < n)) << e;
+    }
+    const uint32_t nh = __popc(hits);
+    uint32_t incl = nh;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const uint32_t x = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += x;
+    }
+    // The warp's places in the staging list; those past its capacity go straight to the row's list.
+    uint32_t base = 0, over = 0;
+    if (lane == 31) {
+      base = atomicAdd(&fs.staged_n, incl);
+      const uint32_t end = base + incl, cap = static_cast<uint32_t>(kStagingCap);
+      if (end > cap) over = atomicAdd(row_count(p, s.lrow), end - max(base, cap));
+    }
+    base = __shfl_sync(0xffffffffu, base, 31);
+    over = __shfl_sync(0xffffffffu, over, 31);
+    uint32_t pos = base + incl - nh;
+    uint2* list = reinterpret_cast<uint2*>(p.scratch + s.lrow * p.scratch_words + kListOffset);
+    const uint32_t cap = static_cast<uint32_t>(kStagingCap), first_over = max(base, cap);
+#pragma unroll
+    for (int e = 0; e < kFilterEpt; ++e) {
+      if ((hits >> e) & 1u) {
+        const uint2 c = make_uint2(key[e], static_cast<uint32_t>(s.i0 + elem_offset(e)));
+        atomicAdd(&fs.hist[candidate_bin(key[e], thr, shift)], 1u);
+        if (pos < cap) {
+          fs.staging[pos] = c;
+        } else if (over + (pos - first_over) < p.cand_cap) {
+          list[over + (pos - first_over)] = c;
+        }
+        ++pos;
+      }
+    }
+  }
+  if (prof) prof[5] = global_ns();
+  if (cur >= 0) {
+    flush(cur);
+    if (probe & 2) arrive(cur, cur_spans);
+  }
+  if (prof) {
+    prof[6] = global_ns();
+    prof[7] = range.y - range.x;
   }
 }
 
@@ -1705,18 +2148,33 @@ __global__ void __launch_bounds__(kThreads, 1) finish_sampled_topk_kernel(const 
   uint32_t* ck = reinterpret_cast<uint32_t*>(gsmem + kGKeysOffset);  // [kSampledCap] candidate keys
   int32_t* ci = reinterpret_cast<int32_t*>(ck + kSampledCap);        // and their indices
   const int tid = threadIdx.x, lrow = static_cast<int>(blockIdx.x), row = p.row0 + lrow;
-  uint32_t* count = p.ws + lrow * kZeroWords + kGRounds * kGBins + kCand;
   if (tid == 0) {
-    sm.cand_n = __ldcg(count);
-    *count = 0;  // ready for the next call
+    sm.cand_n = __ldcg(row_count(p, lrow));
+    *row_count(p, lrow) = 0;  // ready for the next call
+    sm.last = 0;
+    if (p.fused) {
+      *row_ready(p, lrow) = 0;
+      *row_spans_done(p, lrow) = 0;
+      sm.last = __ldcg(row_finished(p, lrow));
+      *row_finished(p, lrow) = 0;
+    }
   }
   __syncthreads();
+  if (sm.last != 0u) return;  // finished by the fused filter's last CTA of the row (which zeroed its histogram)
   const int64_t len = row_length(p, row);
   int32_t* out = p.out_idx + row * p.out_stride;
-  if (all_chosen(p, row, len, 0, out)) return;
+  if (all_chosen(p, row, len, 0, out)) return;  // (the fused filter adds nothing to such rows' histograms)
   const uint32_t n = sm.cand_n, kk = static_cast<uint32_t>(p.k);
-  if (n >= kk && n <= p.cand_cap) [[likely]] {
-    const uint2* list = reinterpret_cast<const uint2*>(p.scratch + lrow * p.scratch_words + kListOffset);
+  const uint2* list = reinterpret_cast<const uint2*>(p.scratch + lrow * p.scratch_words + kListOffset);
+  uint4 h = make_uint4(0u, 0u, 0u, 0u);  // the fused path's histogram: bins 4 tid .. 4 tid + 3, zeroed here
+  if (p.fused) {
+    uint4* ghist = reinterpret_cast<uint4*>(p.ws + lrow * kZeroWords);
+    h = __ldcg(ghist + tid);
+    ghist[tid] = make_uint4(0u, 0u, 0u, 0u);
+  }
+  if (n >= kk && n <= p.cand_cap && p.fused) [[likely]] {
+    finish_from_histogram(p, row, lrow, list, n, h, out, sm, ck, ci, kSampledCap);
+  } else if (n >= kk && n <= p.cand_cap) [[likely]] {
     for (uint32_t b0 = 0; b0 < n; b0 += kListBatch * kThreads) {  // a batch's loads in flight together
       uint2 c[kListBatch];
 #pragma unroll
@@ -1926,7 +2384,7 @@ void launch_grid_topk(const TopkArgs& a, const GridPlan& g, void* workspace, cud
 // 64 x 131,072 28.8 -> 25.6, 16 x 524,288 27.8 -> 25.9, 16 / 64 x 1 M 49.5 / 148 -> 44.2 / 113; but
 // 16 x 262,144 15.2 against 19.9, 8 x 1 M 30.6 against 32.4, 8 x 2 M 46.7 against 47.1, 64 x 65,536 16.1
 // against 20.2 (the sample and the finish are latency around a short read).
-constexpr int kSampledMinRows = 2;
+constexpr int kSampledMinRows = 1;
 constexpr int64_t kSampledMinLen = 65536;
 constexpr int kSampledAutoRows = 16;
 constexpr int64_t kSampledAutoScores = 6 << 20;
@@ -1945,27 +2403,62 @@ bool takes_sampled(const TopkArgs& a, const GridPlan& g) {
          topk_sampled(a);
 }
 
-// The sampled path's three kernels for each kLaunchRows rows (the launch rows' counters and scratch in
-// the grid kernel's workspace layout).
+// TROUPE_TOPK_FUSED=1 (read at each call): the fused filter (fused_filter_topk_kernel) instead of the sample
+// and filter kernels, for 16-byte aligned rows. Off by default until its current form has been timed on a GPU
+// (session 51: its first form was exact but slower than the three kernels; see docs/kernels-notes.md).
+bool topk_fused(const GridParams& p) { return p.vec_ok && env_switch("TROUPE_TOPK_FUSED") == 1; }
+
+// What a row's sample costs the fused filter's CTA that takes it, in spans (fused_range):
+// TROUPE_TOPK_SAMPLE_COST (read at each call), else 3.
+float fused_sample_cost() {
+  const char* e = std::getenv("TROUPE_TOPK_SAMPLE_COST");
+  const float v = e != nullptr ? std::strtof(e, nullptr) : 3.f;
+  return v >= 0.f && v < 1e6f ? v : 3.f;
+}
+
+// The sampled path for each kLaunchRows rows (the launch rows' counters and scratch in the grid kernel's
+// workspace layout): the fused filter (samples and filter in one persistent grid, one CTA an SM) or the
+// sample and filter kernels, then the finish.
 void launch_sampled_topk(const TopkArgs& a, void* workspace, cudaStream_t stream) {
   TROUPE_REQUIRE(workspace != nullptr, "top-k: this row length needs a workspace");
-  static std::once_flag once;
-  std::call_once(once, [] {
+  static const int fused_cap = [] {
     TROUPE_CUDA(cudaFuncSetAttribute(finish_sampled_topk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      kFinishSmemBytes));
-  });
+    TROUPE_CUDA(cudaFuncSetAttribute(fused_filter_topk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     kFusedSmemBytes));
+    int per = 0;
+    TROUPE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, fused_filter_topk_kernel, kThreads,
+                                                              kFusedSmemBytes));
+    return per * sm_count();
+  }();
   GridParams p{};
   set_call(a, p);
   p.ws = static_cast<uint32_t*>(workspace) + 64;  // after the 256 bytes of tickets
   p.scratch = p.ws + static_cast<int64_t>(kLaunchRows) * kZeroWords;
   p.scratch_words = kSampledScratchWords;
   p.cand_cap = kSampledCap;
+  p.fused = topk_fused(p) && fused_cap > 0;  // (its grid: at most what the device holds at once)
+  const float sample_cost = fused_sample_cost();
+  // A/B probes (read at each call): TROUPE_TOPK_FUSED_PROBE=1 skips the candidates (the ring's own rate;
+  // results wrong), TROUPE_TOPK_FUSED_SPLIT=N copies a stage in N pieces.
+  const char* pe = std::getenv("TROUPE_TOPK_FUSED_PROBE");
+  const int probe = (pe != nullptr ? std::atoi(pe) : 0) | (env_switch("TROUPE_TOPK_FUSED_FINISH") == 1 ? 2 : 0);
+  const char* se = std::getenv("TROUPE_TOPK_FUSED_SPLIT");
+  const int split = se != nullptr && (std::atoi(se) == 2 || std::atoi(se) == 4 || std::atoi(se) == 8) ? std::atoi(se) : 1;
   const unsigned spans = static_cast<unsigned>(ceil_div(a.max_len, kFilterSpan));
   for (int r0 = 0; r0 < a.rows; r0 += kLaunchRows) {
     p.row0 = r0;
     const unsigned rows = static_cast<unsigned>(std::min(kLaunchRows, a.rows - r0));
-    launch_kernel(sample_topk_kernel, dim3(rows, 1, 1), kThreads, 0, stream, p);
-    launch_kernel(filter_topk_kernel, dim3(spans, rows, 1), kThreads, 0, stream, p);
+    if (p.fused) {
+      const int items = static_cast<int>(spans * rows);
+      const int grid = std::min(fused_cap, std::max(items, static_cast<int>(rows)));
+      launch_kernel(fused_filter_topk_kernel, dim3(static_cast<unsigned>(grid), 1, 1), kThreads,
+                    static_cast<size_t>(kFusedSmemBytes), stream, p, static_cast<int>(spans), static_cast<int>(rows),
+                    sample_cost, probe, split);
+    } else {
+      launch_kernel(sample_topk_kernel, dim3(rows, 1, 1), kThreads, 0, stream, p);
+      launch_kernel(filter_topk_kernel, dim3(spans, rows, 1), kThreads, 0, stream, p);
+    }
     launch_kernel(finish_sampled_topk_kernel, dim3(rows, 1, 1), kThreads, kFinishSmemBytes, stream, p);
   }
 }

@@ -404,7 +404,7 @@ TEST_F(CudaKernelsTest, topk_translates_indices_to_pool_pages) {
   }
 }
 
-// The sampled path (TopkArgs::sampled = 1) against a stable sort on shapes it takes (2 to 4 rows of 65,536 to
+// The sampled path (TopkArgs::sampled = 1) against a stable sort on shapes it takes (1 to 40 rows of 65,536 to
 // 1 M scores, k 1 / 512 / 2,048): scores its sample judges well, rows sorted either way, and rows that go to the
 // finish's fallback over the row's scores: all equal, all but one in 1,000 zero, infinities (more equal to the
 // threshold than the list holds), high runs on the sample's own places (fewer than k reach the threshold).
@@ -433,6 +433,9 @@ TEST_F(CudaKernelsTest, topk_sampled_path_equals_a_stable_sort) {
       {{2, 65536, 512, periodic_peaks, false, 0}, true, 0, 0},
       {{2, 262144, 512, periodic_peaks, false, 0}, false, 0, 0},
       {{2, 1048576, 2048, periodic_peaks, false, 0}, true, 0, 0},
+      {{40, 70000, 512, normal, true, 0}, true, 4, 0},  // the fused filter's CTAs across rows, ragged
+      {{1, 1048576, 2048, normal, false, 0}, false, 4, 0},
+      {{1, 300001, 512, normal, false, 0}, true, 4, 0},
   };
   for (const auto& [c, with_lengths, pad, page_bits] : cases) {
     const std::string what = "rows " + std::to_string(c.rows) + " len " + std::to_string(c.len) + " k " +

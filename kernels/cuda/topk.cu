@@ -1669,6 +1669,16 @@ __global__ void __launch_bounds__(kThreads, 3) filter_topk_kernel(const GridPara
   append_hits(p, lrow, i0, key, vmask, thr);
 }
 
+// Entries b0 + j * kThreads + tid (j < kListBatch) of a row's candidate list of n, requested together (zero
+// past n).
+__device__ __forceinline__ void load_list_batch(const uint2* list, uint32_t n, uint32_t b0, uint2 (&c)[kListBatch]) {
+#pragma unroll
+  for (int j = 0; j < kListBatch; ++j) {
+    const uint32_t i = b0 + j * kThreads + threadIdx.x;
+    c[j] = i < n ? __ldcg(&list[i]) : make_uint2(0u, 0u);
+  }
+}
+
 // The fused path's finish of a row whose list holds all n (k <= n <= capacity) of its candidates: the bin
 // of the k-th from the histogram (h: this thread's bins 4 tid .. 4 tid + 3, counted from the top), one pass
 // over the list writing the candidates of higher bins to out[0 .. above) and gathering that bin's into
@@ -1713,11 +1723,7 @@ __device__ __forceinline__ bool finish_from_histogram(const GridParams& p, int r
   if (sm.thr_cnt > bucket_cap) return false;  // (the same in every thread)
   for (uint32_t b0 = 0; b0 < n; b0 += kListBatch * kThreads) {  // uniform trip count: ballots below
     uint2 c[kListBatch];
-#pragma unroll
-    for (int j = 0; j < kListBatch; ++j) {
-      const uint32_t i = b0 + j * kThreads + tid;
-      c[j] = i < n ? __ldcg(&list[i]) : make_uint2(0u, 0u);
-    }
+    load_list_batch(list, n, b0, c);
 #pragma unroll
     for (int j = 0; j < kListBatch; ++j) {
       const bool valid = b0 + j * kThreads + tid < n;
@@ -2177,11 +2183,7 @@ __global__ void __launch_bounds__(kThreads, 1) finish_sampled_topk_kernel(const 
   } else if (n >= kk && n <= p.cand_cap) [[likely]] {
     for (uint32_t b0 = 0; b0 < n; b0 += kListBatch * kThreads) {  // a batch's loads in flight together
       uint2 c[kListBatch];
-#pragma unroll
-      for (int j = 0; j < kListBatch; ++j) {
-        const uint32_t i = b0 + j * kThreads + tid;
-        c[j] = i < n ? __ldcg(&list[i]) : make_uint2(0u, 0u);
-      }
+      load_list_batch(list, n, b0, c);
 #pragma unroll
       for (int j = 0; j < kListBatch; ++j) {
         const uint32_t i = b0 + j * kThreads + tid;

@@ -1863,8 +1863,8 @@ __device__ __forceinline__ int2 fused_range(int items, int rows, float sample_co
 }
 
 __global__ void __launch_bounds__(kThreads, 1) fused_filter_topk_kernel(const GridParams p, int spans_per_row,
-                                                                        int rows, float sample_cost, int probe,
-                                                                        int split) {
+                                                                        int rows, float sample_cost,
+                                                                        bool finish_rows, int split) {
   pdl_entry();  // see launch_kernel (the scores are read below, by bulk copies too)
   extern __shared__ __align__(128) uint8_t fsmem[];
   FusedSmem& fs = *reinterpret_cast<FusedSmem*>(fsmem);
@@ -1948,10 +1948,10 @@ __global__ void __launch_bounds__(kThreads, 1) fused_filter_topk_kernel(const Gr
     for (uint32_t i = tid; i < n; i += kThreads) {
       if (base + i < p.cand_cap) list[base + i] = fs.staging[i];
     }
-    if (probe & 2) __threadfence();  // (the row's last CTA reads them: arrive)
+    if (finish_rows) __threadfence();  // (the row's last CTA reads them: arrive)
     __syncthreads();  // the staging read before it is reused
   };
-  // (probe & 2: TROUPE_TOPK_FUSED_FINISH=1) after the flush of launch row lrow, this CTA's `spans` of it are
+  // (finish_rows: TROUPE_TOPK_FUSED_FINISH=1) after the flush of launch row lrow, this CTA's `spans` of it are
   // done; the CTA that completes the row's spans finishes it (finish_from_histogram, with the staging
   // memory for the k-th bin's candidates), unless that bin holds more than the staging does or the row's
   // count is out of the list's range: then the finish kernel does.
@@ -1988,7 +1988,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_filter_topk_kernel(const Gr
     if (s.lrow != cur) {
       if (cur >= 0) {
         flush(cur);
-        if (probe & 2) arrive(cur, cur_spans);
+        if (finish_rows) arrive(cur, cur_spans);
       }
       cur_spans = 0;
       if (tid == 0) {
@@ -2028,7 +2028,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_filter_topk_kernel(const Gr
     }
     __syncthreads();  // every thread has read the stage
     if (tid == 0 && j + kRingStages < range.y) issue(j + kRingStages);
-    if (n == 0 || (probe & 1)) continue;
+    if (n == 0) continue;
     // Most warps hold no candidate: a float comparison that every candidate passes (NaN too, and either
     // zero at a threshold of zero) clears them; the rest compare keys.
     bool maybe = false;
@@ -2078,7 +2078,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_filter_topk_kernel(const Gr
   if (prof) prof[5] = global_ns();
   if (cur >= 0) {
     flush(cur);
-    if (probe & 2) arrive(cur, cur_spans);
+    if (finish_rows) arrive(cur, cur_spans);
   }
   if (prof) {
     prof[6] = global_ns();
@@ -2441,10 +2441,9 @@ void launch_sampled_topk(const TopkArgs& a, void* workspace, cudaStream_t stream
   p.cand_cap = kSampledCap;
   p.fused = topk_fused(p) && fused_cap > 0;  // (its grid: at most what the device holds at once)
   const float sample_cost = fused_sample_cost();
-  // A/B probes (read at each call): TROUPE_TOPK_FUSED_PROBE=1 skips the candidates (the ring's own rate;
-  // results wrong), TROUPE_TOPK_FUSED_SPLIT=N copies a stage in N pieces.
-  const char* pe = std::getenv("TROUPE_TOPK_FUSED_PROBE");
-  const int probe = (pe != nullptr ? std::atoi(pe) : 0) | (env_switch("TROUPE_TOPK_FUSED_FINISH") == 1 ? 2 : 0);
+  // A/B switches (read at each call): TROUPE_TOPK_FUSED_FINISH=1 (rows finished in the fused grid),
+  // TROUPE_TOPK_FUSED_SPLIT=2|4|8 (a stage copied in that many pieces).
+  const bool finish_rows = env_switch("TROUPE_TOPK_FUSED_FINISH") == 1;
   const char* se = std::getenv("TROUPE_TOPK_FUSED_SPLIT");
   const int split = se != nullptr && (std::atoi(se) == 2 || std::atoi(se) == 4 || std::atoi(se) == 8) ? std::atoi(se) : 1;
   const unsigned spans = static_cast<unsigned>(ceil_div(a.max_len, kFilterSpan));
@@ -2456,7 +2455,7 @@ void launch_sampled_topk(const TopkArgs& a, void* workspace, cudaStream_t stream
       const int grid = std::min(fused_cap, std::max(items, static_cast<int>(rows)));
       launch_kernel(fused_filter_topk_kernel, dim3(static_cast<unsigned>(grid), 1, 1), kThreads,
                     static_cast<size_t>(kFusedSmemBytes), stream, p, static_cast<int>(spans), static_cast<int>(rows),
-                    sample_cost, probe, split);
+                    sample_cost, finish_rows, split);
     } else {
       launch_kernel(sample_topk_kernel, dim3(rows, 1, 1), kThreads, 0, stream, p);
       launch_kernel(filter_topk_kernel, dim3(spans, rows, 1), kThreads, 0, stream, p);

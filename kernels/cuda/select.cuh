@@ -51,6 +51,17 @@ __device__ __forceinline__ int32_t page_translate(const int32_t* table, int64_t 
   return (page << bits) | static_cast<int32_t>(i & ((int64_t{1} << bits) - 1));
 }
 
+// The sum of v over lanes 0 .. this lane of the warp. Every lane of the warp calls it.
+__device__ __forceinline__ uint32_t warp_inclusive_sum(uint32_t v) {
+  const unsigned lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t t = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= static_cast<unsigned>(o)) v += t;
+  }
+  return v;
+}
+
 // The lanes of a warp where `pred` holds take consecutive places from a shared
 // counter, one atomic a warp: returns this lane's place (meaningful where pred
 // holds). Every lane of the warp calls it.

@@ -915,12 +915,7 @@ __device__ __forceinline__ void find_threshold_digit1(uint32_t need, GSmem& sm) 
     uint32_t local = 0;
 #pragma unroll
     for (int j = 0; j < 8; ++j) local += c[j];
-    uint32_t incl = local;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const uint32_t t = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += t;
-    }
+    const uint32_t incl = warp_inclusive_sum(local);
     uint32_t run = incl - local;
     if (run < need && need <= incl) {
 #pragma unroll
@@ -1624,6 +1619,22 @@ __device__ __forceinline__ uint32_t candidate_bin(uint32_t key, uint32_t thr, ui
   return min((key - thr) >> shift, static_cast<uint32_t>(kGBins - 1));
 }
 
+// Launch row lrow's words of the workspace that are zero between calls: its candidate count, the flag
+// that its threshold is written (the fused path), and (the first kGBins words) its candidate histogram.
+__device__ __forceinline__ uint32_t* row_count(const GridParams& p, int lrow) {
+  return p.ws + lrow * kZeroWords + kGRounds * kGBins + kCand;
+}
+__device__ __forceinline__ uint32_t* row_ready(const GridParams& p, int lrow) {
+  return p.ws + lrow * kZeroWords + kGRounds * kGBins + kDone;
+}
+// (TROUPE_TOPK_FUSED_FINISH=1) the row's spans its CTAs are done with, and whether its last CTA finished it.
+__device__ __forceinline__ uint32_t* row_spans_done(const GridParams& p, int lrow) {
+  return p.ws + lrow * kZeroWords + kGRounds * kGBins + kArrive0 + 1;
+}
+__device__ __forceinline__ uint32_t* row_finished(const GridParams& p, int lrow) {
+  return p.ws + lrow * kZeroWords + kGRounds * kGBins + kArrive0 + 2;
+}
+
 // Appends the keys at or above thr among a span's scores (those of vmask; scores i0 + elem_offset(e)) to
 // launch row lrow's list: one global atomic a warp for the warp's places; places past the list's capacity
 // are counted, not written.
@@ -1634,15 +1645,9 @@ __device__ __forceinline__ void append_hits(const GridParams& p, int lrow, int64
   for (int e = 0; e < kFilterEpt; ++e) hits |= static_cast<uint32_t>(key[e] >= thr) << e;
   hits &= vmask;
   const unsigned lane = threadIdx.x & 31;
-  const uint32_t n = __popc(hits);
-  uint32_t incl = n;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const uint32_t x = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= static_cast<unsigned>(o)) incl += x;
-  }
+  const uint32_t n = __popc(hits), incl = warp_inclusive_sum(n);
   uint32_t base = 0;
-  if (lane == 31 && incl != 0) base = atomicAdd(&p.ws[lrow * kZeroWords + kGRounds * kGBins + kCand], incl);
+  if (lane == 31 && incl != 0) base = atomicAdd(row_count(p, lrow), incl);
   uint32_t pos = __shfl_sync(0xffffffffu, base, 31) + incl - n;
   uint2* list = reinterpret_cast<uint2*>(p.scratch + lrow * p.scratch_words + kListOffset);
 #pragma unroll
@@ -1689,7 +1694,7 @@ __device__ __forceinline__ bool finish_from_histogram(const GridParams& p, int r
                                                       uint32_t n, uint4 h, int32_t* out, GSmem& sm, uint32_t* ck,
                                                       int32_t* ci, uint32_t bucket_cap) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const uint32_t kk = static_cast<uint32_t>(p.k), lt = (1u << lane) - 1u;
+  const uint32_t kk = static_cast<uint32_t>(p.k);
   const uint32_t* scratch = p.scratch + lrow * p.scratch_words;
   const uint32_t thr = __ldcg(scratch), shift = __ldcg(scratch + 1);
   // Candidates in bins from 4 tid up: a suffix sum over the threads (a warp's by shuffles, then the warps').
@@ -1728,19 +1733,12 @@ __device__ __forceinline__ bool finish_from_histogram(const GridParams& p, int r
     for (int j = 0; j < kListBatch; ++j) {
       const bool valid = b0 + j * kThreads + tid < n;
       const uint32_t bin = valid ? candidate_bin(c[j].x, thr, shift) : 0u;
-      const uint32_t up = __ballot_sync(0xffffffffu, valid && bin > bin_k);
-      const uint32_t at = __ballot_sync(0xffffffffu, valid && bin == bin_k);
-      uint32_t up_base = 0, at_base = 0;
-      if (lane == 0) {
-        if (up != 0u) up_base = atomicAdd(&sm.above_ctr, __popc(up));
-        if (at != 0u) at_base = atomicAdd(&sm.tie_ctr, __popc(at));
-      }
-      up_base = __shfl_sync(0xffffffffu, up_base, 0);
-      at_base = __shfl_sync(0xffffffffu, at_base, 0);
-      if ((up >> lane) & 1u) out[up_base + __popc(up & lt)] = translate_g(p, row, c[j].y);
-      if ((at >> lane) & 1u) {
-        ck[at_base + __popc(at & lt)] = c[j].x;
-        ci[at_base + __popc(at & lt)] = static_cast<int32_t>(c[j].y);
+      const bool up = valid && bin > bin_k, at = valid && bin == bin_k;
+      const uint32_t up_place = warp_take(up, &sm.above_ctr), at_place = warp_take(at, &sm.tie_ctr);
+      if (up) out[up_place] = translate_g(p, row, c[j].y);
+      if (at) {
+        ck[at_place] = c[j].x;
+        ci[at_place] = static_cast<int32_t>(c[j].y);
       }
     }
   }
@@ -1783,6 +1781,7 @@ struct FusedSmem {
   uint32_t hist[kGBins];
   uint64_t full[kRingStages];
   uint32_t staged_n, flush_n, flush_base, thr, shift;
+  uint32_t row_last;  // arrive: this CTA completed the row's spans
   float thr_f;
   GSmem g;  // sample_row's
 };
@@ -1826,22 +1825,6 @@ __device__ __forceinline__ void store_release(uint32_t* ptr, uint32_t v) {
   asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
 }
 
-// Launch row lrow's words of the workspace that are zero between calls: its candidate count, the flag
-// that its threshold is written (the fused path), and (the first kGBins words) its candidate histogram.
-__device__ __forceinline__ uint32_t* row_count(const GridParams& p, int lrow) {
-  return p.ws + lrow * kZeroWords + kGRounds * kGBins + kCand;
-}
-__device__ __forceinline__ uint32_t* row_ready(const GridParams& p, int lrow) {
-  return p.ws + lrow * kZeroWords + kGRounds * kGBins + kDone;
-}
-// (TROUPE_TOPK_FUSED_FINISH=1) the row's spans its CTAs are done with, and whether its last CTA finished it.
-__device__ __forceinline__ uint32_t* row_spans_done(const GridParams& p, int lrow) {
-  return p.ws + lrow * kZeroWords + kGRounds * kGBins + kArrive0 + 1;
-}
-__device__ __forceinline__ uint32_t* row_finished(const GridParams& p, int lrow) {
-  return p.ws + lrow * kZeroWords + kGRounds * kGBins + kArrive0 + 2;
-}
-
 // The launch's spans from `start` to `end` of this CTA, in proportion to what each CTA has to do: a span
 // costs 1 and sampling a row `sample_cost` (CTA c samples rows c, c + gridDim.x, ...: the first rows %
 // gridDim.x CTAs one more than the others), so the samplers take fewer spans. A CTA's end is the next
@@ -1864,7 +1847,7 @@ __device__ __forceinline__ int2 fused_range(int items, int rows, float sample_co
 
 __global__ void __launch_bounds__(kThreads, 1) fused_filter_topk_kernel(const GridParams p, int spans_per_row,
                                                                         int rows, float sample_cost,
-                                                                        bool finish_rows, int split) {
+                                                                        bool finish_rows) {
   pdl_entry();  // see launch_kernel (the scores are read below, by bulk copies too)
   extern __shared__ __align__(128) uint8_t fsmem[];
   FusedSmem& fs = *reinterpret_cast<FusedSmem*>(fsmem);
@@ -1897,13 +1880,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_filter_topk_kernel(const Gr
     const int st = (j - range.x) % kRingStages;
     const uint32_t bytes = static_cast<uint32_t>(s.n / 4 * 16);
     mbar_arrive_expect(&fs.full[st], bytes);
-    const float* src = p.scores + (p.row0 + s.lrow) * p.row_stride + s.i0;
-    if (split > 1 && bytes == kFilterSpan * 4) {
-      const uint32_t piece = bytes / split;
-      for (int q = 0; q < split; ++q) bulk_load(fs.ring[st] + q * piece / 4, src + q * piece / 4, piece, &fs.full[st]);
-    } else if (bytes != 0) {
-      bulk_load(fs.ring[st], src, bytes, &fs.full[st]);
-    }
+    if (bytes != 0) bulk_load(fs.ring[st], p.scores + (p.row0 + s.lrow) * p.row_stride + s.i0, bytes, &fs.full[st]);
   };
   if (tid == 0) {
     for (int st = 0; st < kRingStages; ++st) mbar_init(&fs.full[st], 1);
@@ -1958,10 +1935,10 @@ __global__ void __launch_bounds__(kThreads, 1) fused_filter_topk_kernel(const Gr
   const auto arrive = [&](int lrow, int spans) {
     if (tid == 0) {
       const uint32_t before = atomicAdd(row_spans_done(p, lrow), static_cast<uint32_t>(spans));
-      fs.flush_n = before + static_cast<uint32_t>(spans) == static_cast<uint32_t>(spans_per_row);
+      fs.row_last = before + static_cast<uint32_t>(spans) == static_cast<uint32_t>(spans_per_row);
     }
     __syncthreads();
-    if (fs.flush_n == 0u) return;  // (the same in every thread)
+    if (fs.row_last == 0u) return;  // (the same in every thread)
     __threadfence();
     const int row = p.row0 + lrow;
     const uint32_t n = __ldcg(row_count(p, lrow)), kk = static_cast<uint32_t>(p.k);
@@ -2042,13 +2019,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_filter_topk_kernel(const Gr
       key[e] = order_key(f[e]);
       hits |= static_cast<uint32_t>(key[e] >= thr && (whole || elem_offset(e) < n)) << e;
     }
-    const uint32_t nh = __popc(hits);
-    uint32_t incl = nh;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const uint32_t x = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += x;
-    }
+    const uint32_t nh = __popc(hits), incl = warp_inclusive_sum(nh);
     // The warp's places in the staging list; those past its capacity go straight to the row's list.
     uint32_t base = 0, over = 0;
     if (lane == 31) {
@@ -2441,11 +2412,8 @@ void launch_sampled_topk(const TopkArgs& a, void* workspace, cudaStream_t stream
   p.cand_cap = kSampledCap;
   p.fused = topk_fused(p) && fused_cap > 0;  // (its grid: at most what the device holds at once)
   const float sample_cost = fused_sample_cost();
-  // A/B switches (read at each call): TROUPE_TOPK_FUSED_FINISH=1 (rows finished in the fused grid),
-  // TROUPE_TOPK_FUSED_SPLIT=2|4|8 (a stage copied in that many pieces).
+  // TROUPE_TOPK_FUSED_FINISH=1 (read at each call): rows finished in the fused grid by their last CTA.
   const bool finish_rows = env_switch("TROUPE_TOPK_FUSED_FINISH") == 1;
-  const char* se = std::getenv("TROUPE_TOPK_FUSED_SPLIT");
-  const int split = se != nullptr && (std::atoi(se) == 2 || std::atoi(se) == 4 || std::atoi(se) == 8) ? std::atoi(se) : 1;
   const unsigned spans = static_cast<unsigned>(ceil_div(a.max_len, kFilterSpan));
   for (int r0 = 0; r0 < a.rows; r0 += kLaunchRows) {
     p.row0 = r0;
@@ -2455,7 +2423,7 @@ void launch_sampled_topk(const TopkArgs& a, void* workspace, cudaStream_t stream
       const int grid = std::min(fused_cap, std::max(items, static_cast<int>(rows)));
       launch_kernel(fused_filter_topk_kernel, dim3(static_cast<unsigned>(grid), 1, 1), kThreads,
                     static_cast<size_t>(kFusedSmemBytes), stream, p, static_cast<int>(spans), static_cast<int>(rows),
-                    sample_cost, finish_rows, split);
+                    sample_cost, finish_rows);
     } else {
       launch_kernel(sample_topk_kernel, dim3(rows, 1, 1), kThreads, 0, stream, p);
       launch_kernel(filter_topk_kernel, dim3(spans, rows, 1), kThreads, 0, stream, p);

@@ -14,8 +14,11 @@ duration and DRAM read rate, and the call's sum.
 
   python3 bench/gpu/topk_ncu.py stamps LIB N ROWS
 
-prints the fused sampled filter's %globaltimer stamps (CTA 0 and the last CTA; topk.cu,
-fused_filter_topk_kernel) of a third call, in microseconds from CTA 0's entry."""
+prints the sampled path's %globaltimer stamps: the fused filter's (CTA 0 and the last CTA; topk.cu,
+fused_filter_topk_kernel) of a third call, in microseconds from CTA 0's entry (its first sample's steps
+too, and sums over the CTA: time at row changes, in stage waits, in the last flush), or the sample kernel's
+(row 0; TROUPE_TOPK_FUSED unset), the finish kernel's (row 0), then the time of a
+call unstamped (20 eager calls back to back, inputs in rotation)."""
 import csv
 import io
 import re
@@ -64,23 +67,56 @@ def stamps(lib, n, rows):
     L.tb_topk_ws.restype = lg
     L.tb_topk_profiled.argtypes = [vp, lg, vp, it, lg, it, vp, vp, vp, it, vp, vp]
     k = 2048 if n >= 1048576 else 512
-    x = torch.randn(rows, n, device="cuda")
+    # Inputs in rotation (~150 MB in all, at least two): the calls read DRAM, not L2, as the bench's do.
+    xs = [torch.randn(rows, n, device="cuda") for _ in range(max(2, min(64, -(-150 * 2**20 // (rows * n * 4)))))]
     out = torch.empty(rows, k, dtype=torch.int32, device="cuda")
     cnt = torch.empty(rows, dtype=torch.int32, device="cuda")
     ws = torch.zeros(max(L.tb_topk_ws(rows, n, k, 0), 16), dtype=torch.uint8, device="cuda")
-    prof = torch.zeros(16, dtype=torch.int64, device="cuda")
+    turn = [0]
+    prof = torch.zeros(48, dtype=torch.int64, device="cuda")
     s = vp(torch.cuda.current_stream().cuda_stream)
+
+    def call(profile):
+        x = xs[turn[0] % len(xs)]
+        turn[0] += 1
+        assert L.tb_topk_profiled(vp(x.data_ptr()), n, None, rows, n, k, vp(out.data_ptr()), vp(cnt.data_ptr()),
+                                  vp(ws.data_ptr()), 0, profile, s) == 0
+
     for _ in range(3):
         prof.zero_()
-        assert L.tb_topk_profiled(vp(x.data_ptr()), n, None, rows, n, k, vp(out.data_ptr()), vp(cnt.data_ptr()),
-                                  vp(ws.data_ptr()), 0, vp(prof.data_ptr()), s) == 0
+        call(vp(prof.data_ptr()))
         torch.cuda.synchronize()
     st = prof.tolist()
+    # The same call unstamped, back to back (eager launches; the bench's figures are graph replays).
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = 20
+    begin.record()
+    for _ in range(reps):
+        call(None)
+    end.record()
+    torch.cuda.synchronize()
+    per_call = begin.elapsed_time(end) * 1000.0 / reps
     names = ["entry", "ring_issued", "sampled", "first_thr", "first_stage", "last_span", "end"]
-    t0 = st[0]
-    for base, who in ((0, "cta0"), (8, "last")):
+    inner = ["s_loaded", "s_thr", "s_radix"]  # the CTA's first sample (absolute stamps)
+    sums = ["row_change_us", "wait_us", "last_flush_us"]  # durations summed over the CTA
+    t0 = st[0] or st[40]  # the fused kernel's CTA 0, else the sample kernel's row 0
+    for base, who in ((0, "cta0"), (16, "last")):
+        if not st[base]:
+            continue
         cells = " ".join(f"{nm}={(st[base + i] - t0) / 1000.0:.2f}" for i, nm in enumerate(names) if st[base + i])
-        print(f"stamps {rows}x{n} {who}: {cells} spans={st[base + 7]}", flush=True)
+        cells += "".join(f" {nm}={(st[base + 8 + i] - t0) / 1000.0:.2f}" for i, nm in enumerate(inner)
+                         if st[base + 8 + i])
+        cells += "".join(f" {nm}={st[base + 11 + i] / 1000.0:.2f}" for i, nm in enumerate(sums))
+        print(f"stamps {rows}x{n} {who}: {cells} spans={st[base + 7]} row_changes={st[base + 14]} "
+              f"staged={st[base + 15]}", flush=True)
+    if st[40]:  # the three-kernel path: the sample kernel's row 0
+        cells = " ".join(f"{nm}={(st[40 + i] - t0) / 1000.0:.2f}" for i, nm in
+                         enumerate(["entry", "s_loaded", "s_thr", "s_radix"]) if st[40 + i])
+        print(f"stamps {rows}x{n} sample row 0: {cells}", flush=True)
+    cells = " ".join(f"{nm}={(st[32 + i] - t0) / 1000.0:.2f}" for i, nm in
+                     enumerate(["entry", "count", "candidates", "end"]) if st[32 + i])
+    print(f"stamps {rows}x{n} finish row 0: {cells}", flush=True)
+    print(f"stamps {rows}x{n} eager call: {per_call:.2f} us", flush=True)
 
 
 def short(name):

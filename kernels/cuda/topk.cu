@@ -573,6 +573,8 @@ struct GridParams {
   long long* profile;  // optional: %globaltimer (ns) at phase ends (row 0)
   bool counted_finish; // TopkArgs::finish == 2: the gathering CTAs also count the bucket's next digit
   bool fused;          // the sampled path's finish after fused_filter_topk_kernel (its candidate histograms)
+  bool sample_bins;    // sample_row by distance from the sample's largest key (else two radix rounds)
+  bool finish_bins;    // the three-kernel finish from its list's candidate histogram (else block_select)
 };
 
 // A one-chunk row's second digit (select_one_chunk): 8 bits under round 0's 11, counted into
@@ -1532,20 +1534,33 @@ __device__ __forceinline__ uint32_t sample_rank(int k, int64_t len) {
   return r < kSample ? r : kSample;
 }
 
-// A row's threshold for the filter (the first word of the row's scratch): the key of rank sample_rank
-// among kSample of its scores (runs of 8 at even steps over the row: a thread pair's two 16-byte loads are
-// one sector), or of rank k among all of a row of at most kSample, by two radix rounds: the threshold is
-// the lowest key of the rank's 22-bit bucket (11-bit, when the rank is the last of that bucket), so that
-// at least that many of the sample reach it. The second word: the shift that puts the sample's keys at or
-// above the threshold into the first 1,024 of kGBins bins of (key - threshold) >> shift (the fused path's
-// candidate histogram, candidate_bin). Rows of at most k scores are the finish's alone (nothing written).
-// Every thread of the block calls it.
-__device__ __forceinline__ void sample_row(const GridParams& p, int lrow, GSmem& sm) {
+// The sample's bins (sample_row): keys within kGBins << kSampleBinShift of the sample's largest (2^27: 16
+// octaves of floats), 1/128 octave a bin.
+constexpr int kSampleBinShift = 16;
+
+// A row's threshold for the filter (the first word of the row's scratch): a key that at least
+// sample_rank of kSample of its scores reach (runs of 8 at even steps over the row: a thread pair's two
+// 16-byte loads are one sector), or k of a row of at most kSample. One pass over the sample: its largest
+// key, then a histogram of the keys below it by distance (kSampleBinShift), the threshold the lowest key
+// of the bin where the count from the top reaches the rank. When the rank's keys lie further below the
+// largest than the bins reach (a sample of many zeros or of a wide range of magnitudes), two radix rounds
+// over the keys instead: the lowest key of the rank's 22-bit bucket (11-bit, when the rank is the last of
+// that bucket). The second word: the shift that puts the sample's keys at or above the threshold into the
+// first 1,024 of kGBins bins of (key - threshold) >> shift (the fused path's candidate histogram,
+// candidate_bin). Rows of at most k scores are the finish's alone (nothing written). Every thread of the
+// block calls it. (Measured, run 52 on an H100: the two radix rounds alone took 5.6 us a sample.)
+// prof (bench stamps, thread 0's): %globaltimer ns after the loads and largest key, the threshold, the
+// radix rounds (when taken).
+__device__ __forceinline__ void sample_row(const GridParams& p, int lrow, GSmem& sm, long long* prof = nullptr) {
   const int tid = threadIdx.x, row = p.row0 + lrow;
   const int64_t len = row_length(p, row);
   if (len <= p.k) return;
+  constexpr uint32_t kNone = 0xffffffffu;
   for (int i = tid; i < kGBins; i += kThreads) sm.hist[i] = 0;
-  if (tid == 0) sm.max_key = 0;
+  if (tid == 0) {
+    sm.max_key = 0;
+    sm.thr_bin = kNone;
+  }
   __syncthreads();
   const float* src = p.scores + row * p.row_stride;
   const bool whole = len <= kSample;
@@ -1579,28 +1594,58 @@ __device__ __forceinline__ void sample_row(const GridParams& p, int lrow, GSmem&
     if (!whole || (e / 4) * (kSample / 4) + 4 * tid + (e % 4) < len) {
       vmask |= 1u << e;
       mx = max(mx, key[e]);
-      atomicAdd(&sm.hist[key[e] >> digit_shift(0)], 1u);
     }
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   if ((tid & 31) == 0) atomicMax(&sm.max_key, mx);
-  uint32_t prefix = 0, need = whole ? static_cast<uint32_t>(p.k) : sample_rank(p.k, len), cnt = 0;
-  int pbits = 0;
-  __syncthreads();  // every thread's counts
-  narrow_to_threshold(sm.hist, digit_bits(0), sm, prefix, pbits, need, cnt);
-  if (cnt != need) {  // the same in every thread
+  __syncthreads();  // the largest key
+  const uint32_t top = sm.max_key;
+  if (prof && tid == 0) prof[0] = global_ns();
+  const uint32_t need0 = whole ? static_cast<uint32_t>(p.k) : sample_rank(p.k, len);
+  if (p.sample_bins) {
+#pragma unroll
+    for (int e = 0; e < kSampleEpt; ++e) {
+      const uint32_t d = top - key[e];  // (top is the largest: no wrap)
+      if (((vmask >> e) & 1u) && d < (static_cast<uint32_t>(kGBins) << kSampleBinShift)) {
+        atomicAdd(&sm.hist[kGBins - 1 - (d >> kSampleBinShift)], 1u);
+      }
+    }
+    __syncthreads();  // every thread's counts
+    find_threshold<kThreads>(sm.hist, kGBins, need0, sm);  // (leaves sm.thr_bin at kNone when the bins hold fewer)
+    if (prof && tid == 0) prof[1] = global_ns();
+  }
+  uint32_t thr;
+  if (sm.thr_bin != kNone) [[likely]] {  // (the same in every thread)
+    // The bin's lowest key: top + 1 - (kGBins - bin) << kSampleBinShift, or 0 below the keys' range.
+    const uint64_t below = static_cast<uint64_t>(kGBins - sm.thr_bin) << kSampleBinShift;
+    const uint64_t up = static_cast<uint64_t>(top) + 1u;
+    thr = up > below ? static_cast<uint32_t>(up - below) : 0u;
+  } else {
+    __syncthreads();  // sm.thr_bin read
+    uint32_t prefix = 0, need = need0, cnt = 0;
+    int pbits = 0;
     radix_round(sm, prefix, pbits, need, cnt, [&](int shift, uint32_t nbins) {
 #pragma unroll
       for (int e = 0; e < kSampleEpt; ++e) {
-        if (((vmask >> e) & 1u) && (key[e] >> digit_shift(0)) == prefix) {
-          atomicAdd(&sm.hist[(key[e] >> shift) & (nbins - 1)], 1u);
-        }
+        if ((vmask >> e) & 1u) atomicAdd(&sm.hist[(key[e] >> shift) & (nbins - 1)], 1u);
       }
     });
+    if (cnt != need) {  // the same in every thread
+      radix_round(sm, prefix, pbits, need, cnt, [&](int shift, uint32_t nbins) {
+#pragma unroll
+        for (int e = 0; e < kSampleEpt; ++e) {
+          if (((vmask >> e) & 1u) && (key[e] >> digit_shift(0)) == prefix) {
+            atomicAdd(&sm.hist[(key[e] >> shift) & (nbins - 1)], 1u);
+          }
+        }
+      });
+    }
+    thr = prefix << (32 - pbits);
+    if (prof && tid == 0) prof[2] = global_ns();
   }
   if (tid == 0) {
-    const uint32_t thr = prefix << (32 - pbits), range = sm.max_key - thr;
+    const uint32_t range = top - thr;
     uint32_t* scratch = p.scratch + lrow * p.scratch_words;
     scratch[0] = thr;
     scratch[1] = range < 1024u ? 0u : static_cast<uint32_t>(32 - __clz(range) - 10);
@@ -1608,10 +1653,13 @@ __device__ __forceinline__ void sample_row(const GridParams& p, int lrow, GSmem&
 }
 
 // The sampled path's first kernel: sample_row, a CTA a row.
+// p.profile (bench stamps): row 0's in [40, 44): entry, then sample_row's.
 __global__ void __launch_bounds__(kThreads) sample_topk_kernel(const GridParams p) {
   pdl_entry();  // see launch_kernel
   __shared__ GSmem sm;
-  sample_row(p, static_cast<int>(blockIdx.x), sm);
+  long long* prof = p.profile != nullptr && blockIdx.x == 0 && threadIdx.x == 0 ? p.profile + 40 : nullptr;
+  if (prof) prof[0] = global_ns();
+  sample_row(p, static_cast<int>(blockIdx.x), sm, prof ? prof + 1 : nullptr);
 }
 
 // The fused path's candidate histogram bin of a key at or above the row's threshold thr (sample_row).
@@ -1684,14 +1732,16 @@ __device__ __forceinline__ void load_list_batch(const uint2* list, uint32_t n, u
   }
 }
 
-// The fused path's finish of a row whose list holds all n (k <= n <= capacity) of its candidates: the bin
-// of the k-th from the histogram (h: this thread's bins 4 tid .. 4 tid + 3, counted from the top), one pass
-// over the list writing the candidates of higher bins to out[0 .. above) and gathering that bin's into
-// ck / ci, then the bin's need = k - above largest, ties by lower index, to out[above .. k): by each one's
-// rank among them (at most a candidate a thread) or block_select. False, with nothing written, when that
-// bin holds more than bucket_cap candidates. Every thread of the block calls it.
-__device__ __forceinline__ bool finish_from_histogram(const GridParams& p, int row, int lrow, const uint2* list,
-                                                      uint32_t n, uint4 h, int32_t* out, GSmem& sm, uint32_t* ck,
+// The sampled path's finish of a row whose list holds all n (k <= n <= capacity) of its candidates, from
+// their histogram by candidate_bin (h: this thread's bins 4 tid .. 4 tid + 3, counted from the top): the
+// k-th's bin, one pass over the candidates (load_batch(b0, c): entries b0 + j * kThreads + tid, as
+// load_list_batch) writing those of higher bins to out[0 .. above) and gathering that bin's into ck / ci,
+// then the bin's need = k - above largest, ties by lower index, to out[above .. k): by each one's rank among
+// them (at most a candidate a thread) or block_select. False, with nothing written, when that bin holds
+// more than bucket_cap candidates. Every thread of the block calls it.
+template <class LoadBatch>
+__device__ __forceinline__ bool finish_from_histogram(const GridParams& p, int row, int lrow, uint32_t n, uint4 h,
+                                                      int32_t* out, GSmem& sm, LoadBatch&& load_batch, uint32_t* ck,
                                                       int32_t* ci, uint32_t bucket_cap) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const uint32_t kk = static_cast<uint32_t>(p.k);
@@ -1728,7 +1778,7 @@ __device__ __forceinline__ bool finish_from_histogram(const GridParams& p, int r
   if (sm.thr_cnt > bucket_cap) return false;  // (the same in every thread)
   for (uint32_t b0 = 0; b0 < n; b0 += kListBatch * kThreads) {  // uniform trip count: ballots below
     uint2 c[kListBatch];
-    load_list_batch(list, n, b0, c);
+    load_batch(b0, c);
 #pragma unroll
     for (int j = 0; j < kListBatch; ++j) {
       const bool valid = b0 + j * kThreads + tid < n;
@@ -1853,10 +1903,13 @@ __global__ void __launch_bounds__(kThreads, 1) fused_filter_topk_kernel(const Gr
   FusedSmem& fs = *reinterpret_cast<FusedSmem*>(fsmem);
   const int tid = threadIdx.x, lane = tid & 31;
   const int items = spans_per_row * rows;
-  // p.profile (bench stamps, %globaltimer ns): CTA 0's in [0, 8), the last CTA's in [8, 16): entry, ring
-  // issued, samples published, first threshold, first stage, last span, end; then its spans
+  // p.profile (bench stamps, %globaltimer ns; bench/gpu/topk_ncu.py stamps): CTA 0's in [0, 16), the last
+  // CTA's in [16, 32): entry, ring issued, samples published, first threshold, first stage, last span, end,
+  // its spans; its first sample's stamps (sample_row: loaded, threshold, radix rounds); then sums over
+  // the CTA: ns at row changes (flush, arrive, the next row's flag), ns in thread 0's stage waits, the last
+  // flush and arrive, row changes, candidates staged
   long long* prof = p.profile != nullptr && tid == 0 && (blockIdx.x == 0 || blockIdx.x + 1 == gridDim.x)
-                        ? p.profile + (blockIdx.x == 0 ? 0 : 8)
+                        ? p.profile + (blockIdx.x == 0 ? 0 : 16)
                         : nullptr;
   if (prof) prof[0] = global_ns();
   const int2 range = fused_range(items, rows, sample_cost);
@@ -1890,12 +1943,15 @@ __global__ void __launch_bounds__(kThreads, 1) fused_filter_topk_kernel(const Gr
   }
   for (int i = tid; i < kGBins; i += kThreads) fs.hist[i] = 0;
   __syncthreads();
+  // (Issuing these only once the first row's threshold is known lets the samples' loads return sooner, but
+  // measured no faster in all: run 52.)
   if (tid == 0) {
     for (int j = range.x; j < min(range.y, range.x + kRingStages); ++j) issue(j);
   }
   if (prof) prof[1] = global_ns();
   for (int r = static_cast<int>(blockIdx.x); r < rows; r += static_cast<int>(gridDim.x)) {
-    sample_row(p, r, fs.g);  // (nothing for rows of at most k scores: the flag all the same)
+    // (nothing for rows of at most k scores: the flag all the same)
+    sample_row(p, r, fs.g, prof != nullptr && r == static_cast<int>(blockIdx.x) ? prof + 8 : nullptr);
     __syncthreads();         // thread 0's words written
     if (tid == 0) {
       __threadfence();
@@ -1907,6 +1963,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_filter_topk_kernel(const Gr
     __syncthreads();  // every warp's candidates staged
     if (tid == 0) {
       const uint32_t n = min(fs.staged_n, static_cast<uint32_t>(kStagingCap));
+      if (prof) prof[15] += fs.staged_n;
       fs.staged_n = 0;  // (no warp stages again before the barriers below)
       fs.flush_n = n;
       fs.flush_base = n != 0 ? atomicAdd(row_count(p, lrow), n) : 0u;
@@ -1949,7 +2006,8 @@ __global__ void __launch_bounds__(kThreads, 1) fused_filter_topk_kernel(const Gr
     int32_t* ci = reinterpret_cast<int32_t*>(ck + kStagingCap);
     const uint2* list = reinterpret_cast<const uint2*>(p.scratch + lrow * p.scratch_words + kListOffset);
     int32_t* out = p.out_idx + row * p.out_stride;
-    if (finish_from_histogram(p, row, lrow, list, n, h, out, fs.g, ck, ci, kStagingCap)) {
+    const auto load = [&](uint32_t b0, uint2(&c)[kListBatch]) { load_list_batch(list, n, b0, c); };
+    if (finish_from_histogram(p, row, lrow, n, h, out, fs.g, load, ck, ci, kStagingCap)) {
       ghist[tid] = make_uint4(0u, 0u, 0u, 0u);
       if (tid == 0) {
         *row_finished(p, lrow) = 1u;
@@ -1963,6 +2021,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_filter_topk_kernel(const Gr
   for (int j = range.x; j < range.y; ++j) {
     const Span s = span_of(j);
     if (s.lrow != cur) {
+      const long long t_change = prof ? global_ns() : 0;
       if (cur >= 0) {
         flush(cur);
         if (finish_rows) arrive(cur, cur_spans);
@@ -1979,12 +2038,21 @@ __global__ void __launch_bounds__(kThreads, 1) fused_filter_topk_kernel(const Gr
         if (prof && cur < 0) prof[3] = global_ns();
       }
       __syncthreads();
+      if (prof && cur >= 0) {
+        prof[11] += global_ns() - t_change;
+        ++prof[14];
+      }
       cur = s.lrow;
     }
     ++cur_spans;
     const int u = j - range.x, st = u % kRingStages;
+    const long long t_wait = prof ? global_ns() : 0;
     mbar_wait(&fs.full[st], static_cast<uint32_t>(u / kRingStages) & 1u);
-    if (prof && u == 0) prof[4] = global_ns();
+    if (prof) {
+      const long long now = global_ns();
+      if (u == 0) prof[4] = now;
+      prof[12] += now - t_wait;
+    }
     float f[kFilterEpt];
 #pragma unroll
     for (int q = 0; q < kFilterEpt / 4; ++q) {
@@ -2007,42 +2075,48 @@ __global__ void __launch_bounds__(kThreads, 1) fused_filter_topk_kernel(const Gr
     if (tid == 0 && j + kRingStages < range.y) issue(j + kRingStages);
     if (n == 0) continue;
     // Most warps hold no candidate: a float comparison that every candidate passes (NaN too, and either
-    // zero at a threshold of zero) clears them; the rest compare keys.
+    // zero at a threshold of zero) clears them. In the rest, a thread looks only at its elements that pass
+    // it (a branch an element, no key or mask for the others): the key and the exact test, the candidate's
+    // histogram bin, its place in the staging list by a shared atomic; places past the list's capacity
+    // mark the element in `over`, and those go straight to the row's list after the loop (one global
+    // atomic a warp). Measured (run 52): the first form here, keys and a mask for every element and a warp
+    // scan for the places, cost ~2 us a span where a warp held any candidate.
+    const float thr_f = fs.thr_f;
     bool maybe = false;
 #pragma unroll
-    for (int e = 0; e < kFilterEpt; ++e) maybe |= !(f[e] < fs.thr_f);
+    for (int e = 0; e < kFilterEpt; ++e) maybe |= !(f[e] < thr_f);
     if (!__any_sync(0xffffffffu, maybe)) continue;
     const uint32_t thr = fs.thr, shift = fs.shift;
-    uint32_t key[kFilterEpt], hits = 0;
+    uint32_t over = 0;
+    if (maybe) {
 #pragma unroll
-    for (int e = 0; e < kFilterEpt; ++e) {
-      key[e] = order_key(f[e]);
-      hits |= static_cast<uint32_t>(key[e] >= thr && (whole || elem_offset(e) < n)) << e;
-    }
-    const uint32_t nh = __popc(hits), incl = warp_inclusive_sum(nh);
-    // The warp's places in the staging list; those past its capacity go straight to the row's list.
-    uint32_t base = 0, over = 0;
-    if (lane == 31) {
-      base = atomicAdd(&fs.staged_n, incl);
-      const uint32_t end = base + incl, cap = static_cast<uint32_t>(kStagingCap);
-      if (end > cap) over = atomicAdd(row_count(p, s.lrow), end - max(base, cap));
-    }
-    base = __shfl_sync(0xffffffffu, base, 31);
-    over = __shfl_sync(0xffffffffu, over, 31);
-    uint32_t pos = base + incl - nh;
-    uint2* list = reinterpret_cast<uint2*>(p.scratch + s.lrow * p.scratch_words + kListOffset);
-    const uint32_t cap = static_cast<uint32_t>(kStagingCap), first_over = max(base, cap);
-#pragma unroll
-    for (int e = 0; e < kFilterEpt; ++e) {
-      if ((hits >> e) & 1u) {
-        const uint2 c = make_uint2(key[e], static_cast<uint32_t>(s.i0 + elem_offset(e)));
-        atomicAdd(&fs.hist[candidate_bin(key[e], thr, shift)], 1u);
-        if (pos < cap) {
-          fs.staging[pos] = c;
-        } else if (over + (pos - first_over) < p.cand_cap) {
-          list[over + (pos - first_over)] = c;
+      for (int e = 0; e < kFilterEpt; ++e) {
+        if (!(f[e] < thr_f) && (whole || elem_offset(e) < n)) {
+          const uint32_t key = order_key(f[e]);
+          if (key >= thr) {
+            atomicAdd(&fs.hist[candidate_bin(key, thr, shift)], 1u);
+            const uint32_t pos = atomicAdd(&fs.staged_n, 1u);
+            if (pos < static_cast<uint32_t>(kStagingCap)) {
+              fs.staging[pos] = make_uint2(key, static_cast<uint32_t>(s.i0 + elem_offset(e)));
+            } else {
+              over |= 1u << e;
+            }
+          }
         }
-        ++pos;
+      }
+    }
+    if (__any_sync(0xffffffffu, over != 0u)) [[unlikely]] {  // the staging list is full
+      const uint32_t nh = __popc(over), incl = warp_inclusive_sum(nh);
+      uint32_t base = 0;
+      if (lane == 31) base = atomicAdd(row_count(p, s.lrow), incl);
+      uint32_t pos = __shfl_sync(0xffffffffu, base, 31) + incl - nh;
+      uint2* list = reinterpret_cast<uint2*>(p.scratch + s.lrow * p.scratch_words + kListOffset);
+#pragma unroll
+      for (int e = 0; e < kFilterEpt; ++e) {
+        if ((over >> e) & 1u) {
+          if (pos < p.cand_cap) list[pos] = make_uint2(order_key(f[e]), static_cast<uint32_t>(s.i0 + elem_offset(e)));
+          ++pos;
+        }
       }
     }
   }
@@ -2054,6 +2128,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_filter_topk_kernel(const Gr
   if (prof) {
     prof[6] = global_ns();
     prof[7] = range.y - range.x;
+    prof[13] = prof[6] - prof[5];
   }
 }
 
@@ -2125,6 +2200,9 @@ __global__ void __launch_bounds__(kThreads, 1) finish_sampled_topk_kernel(const 
   uint32_t* ck = reinterpret_cast<uint32_t*>(gsmem + kGKeysOffset);  // [kSampledCap] candidate keys
   int32_t* ci = reinterpret_cast<int32_t*>(ck + kSampledCap);        // and their indices
   const int tid = threadIdx.x, lrow = static_cast<int>(blockIdx.x), row = p.row0 + lrow;
+  // p.profile (bench stamps): row 0's in [32, 36): entry, its count read, its candidates in hand, end.
+  long long* prof = p.profile != nullptr && lrow == 0 && tid == 0 ? p.profile + 32 : nullptr;
+  if (prof) prof[0] = global_ns();
   if (tid == 0) {
     sm.cand_n = __ldcg(row_count(p, lrow));
     *row_count(p, lrow) = 0;  // ready for the next call
@@ -2137,6 +2215,7 @@ __global__ void __launch_bounds__(kThreads, 1) finish_sampled_topk_kernel(const 
     }
   }
   __syncthreads();
+  if (prof) prof[1] = global_ns();
   if (sm.last != 0u) return;  // finished by the fused filter's last CTA of the row (which zeroed its histogram)
   const int64_t len = row_length(p, row);
   int32_t* out = p.out_idx + row * p.out_stride;
@@ -2150,8 +2229,20 @@ __global__ void __launch_bounds__(kThreads, 1) finish_sampled_topk_kernel(const 
     ghist[tid] = make_uint4(0u, 0u, 0u, 0u);
   }
   if (n >= kk && n <= p.cand_cap && p.fused) [[likely]] {
-    finish_from_histogram(p, row, lrow, list, n, h, out, sm, ck, ci, kSampledCap);
+    if (prof) prof[2] = global_ns();
+    const auto load = [&](uint32_t b0, uint2(&c)[kListBatch]) { load_list_batch(list, n, b0, c); };
+    finish_from_histogram(p, row, lrow, n, h, out, sm, load, ck, ci, kSampledCap);
   } else if (n >= kk && n <= p.cand_cap) [[likely]] {
+    // The list into shared memory, its histogram by candidate_bin counted on the way (the fused filter's,
+    // built here), then finish_from_histogram over the copy, gathering the k-th's bin past it. Radix rounds
+    // over the list (block_select) instead only when that bin does not fit there (or p.finish_bins is off):
+    // their first digit puts most candidates in a few bins (the top 11 bits of keys in a row's tail), whose
+    // counts serialize.
+    const uint32_t* scratch = p.scratch + lrow * p.scratch_words;
+    const uint32_t thr = __ldcg(scratch), shift = __ldcg(scratch + 1);
+    const bool bins = p.finish_bins;
+    for (int i = tid; i < kGBins; i += kThreads) sm.hist[i] = 0;
+    __syncthreads();
     for (uint32_t b0 = 0; b0 < n; b0 += kListBatch * kThreads) {  // a batch's loads in flight together
       uint2 c[kListBatch];
       load_list_batch(list, n, b0, c);
@@ -2161,17 +2252,31 @@ __global__ void __launch_bounds__(kThreads, 1) finish_sampled_topk_kernel(const 
         if (i < n) {
           ck[i] = c[j].x;
           ci[i] = static_cast<int32_t>(c[j].y);
+          if (bins) atomicAdd(&sm.hist[candidate_bin(c[j].x, thr, shift)], 1u);
         }
       }
     }
     __syncthreads();
-    block_select(
-        ck, n, [](uint32_t) { return true; }, [&](uint32_t i) { return static_cast<uint32_t>(ci[i]); }, 0u, 0, kk,
-        sm, [&](uint32_t pos, uint32_t i) { out[pos] = translate_g(p, row, ci[i]); });
+    if (prof) prof[2] = global_ns();
+    const uint4 hl = reinterpret_cast<const uint4*>(sm.hist)[tid];  // (read before finish_from_histogram's barrier)
+    const auto load = [&](uint32_t b0, uint2(&c)[kListBatch]) {
+#pragma unroll
+      for (int j = 0; j < kListBatch; ++j) {
+        const uint32_t i = b0 + j * kThreads + tid;
+        c[j] = i < n ? make_uint2(ck[i], static_cast<uint32_t>(ci[i])) : make_uint2(0u, 0u);
+      }
+    };
+    if (!bins || !finish_from_histogram(p, row, lrow, n, hl, out, sm, load, ck + n, ci + n, kSampledCap - n)) {
+      __syncthreads();  // (finish_from_histogram's reads of sm done)
+      block_select(
+          ck, n, [](uint32_t) { return true; }, [&](uint32_t i) { return static_cast<uint32_t>(ci[i]); }, 0u, 0, kk,
+          sm, [&](uint32_t pos, uint32_t i) { out[pos] = translate_g(p, row, ci[i]); });
+    }
   } else [[unlikely]] {
     select_row_from_scores(p, row, len, out, sm);
   }
   if (p.out_count != nullptr && tid == 0) p.out_count[row] = p.k;
+  if (prof) prof[3] = global_ns();
 }
 
 template <int EPT>
@@ -2411,6 +2516,10 @@ void launch_sampled_topk(const TopkArgs& a, void* workspace, cudaStream_t stream
   p.scratch_words = kSampledScratchWords;
   p.cand_cap = kSampledCap;
   p.fused = topk_fused(p) && fused_cap > 0;  // (its grid: at most what the device holds at once)
+  // TROUPE_TOPK_SAMPLE_BINS=1, TROUPE_TOPK_FINISH_BINS=1 (read at each call): sample_row's distance histogram
+  // and the three-kernel finish's candidate histogram (not yet timed on a GPU: off by default).
+  p.sample_bins = env_switch("TROUPE_TOPK_SAMPLE_BINS") == 1;
+  p.finish_bins = env_switch("TROUPE_TOPK_FINISH_BINS") == 1;
   const float sample_cost = fused_sample_cost();
   // TROUPE_TOPK_FUSED_FINISH=1 (read at each call): rows finished in the fused grid by their last CTA.
   const bool finish_rows = env_switch("TROUPE_TOPK_FUSED_FINISH") == 1;

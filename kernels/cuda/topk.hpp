@@ -69,7 +69,8 @@ struct TopkArgs {
   long long* profile = nullptr;     // debugging aid: phase-end stamps of row 0 (cluster kernel: 12 SM clocks;
                                     // grid and streamed kernels: 11 %globaltimer ns values, see
                                     // bench/gpu/bench.py; the streamed kernel then the row's candidates,
-                                    // whether they overflowed, and two stamps of its list pass: 15 values)
+                                    // whether they overflowed, and two stamps of its list pass: 15 values;
+                                    // the sampled path: 48, see bench/gpu/topk_ncu.py stamps)
   int finish = 0;                   // the grid kernel's last step over a row's gathered bucket: 1 = radix rounds
                                     // in the row's last CTA; 2 = every CTA also counts the bucket's next digit,
                                     // the last CTA takes the threshold from that count and ranks the few on it;

@@ -573,8 +573,6 @@ struct GridParams {
   long long* profile;  // optional: %globaltimer (ns) at phase ends (row 0)
   bool counted_finish; // TopkArgs::finish == 2: the gathering CTAs also count the bucket's next digit
   bool fused;          // the sampled path's finish after fused_filter_topk_kernel (its candidate histograms)
-  bool sample_bins;    // sample_row by distance from the sample's largest key (else two radix rounds)
-  bool finish_bins;    // the three-kernel finish from its list's candidate histogram (else block_select)
 };
 
 // A one-chunk row's second digit (select_one_chunk): 8 bits under round 0's 11, counted into
@@ -1548,7 +1546,7 @@ constexpr int kSampleBinShift = 16;
 // that bucket). The second word: the shift that puts the sample's keys at or above the threshold into the
 // first 1,024 of kGBins bins of (key - threshold) >> shift (the fused path's candidate histogram,
 // candidate_bin). Rows of at most k scores are the finish's alone (nothing written). Every thread of the
-// block calls it. (Measured, run 52 on an H100: the two radix rounds alone took 5.6 us a sample.)
+// block calls it. (Measured, run 52 on an H100: a sample 4.5-7.6 us -> 4.0-6.1 from the kernel's entry.)
 // prof (bench stamps, thread 0's): %globaltimer ns after the loads and largest key, the threshold, the
 // radix rounds (when taken).
 __device__ __forceinline__ void sample_row(const GridParams& p, int lrow, GSmem& sm, long long* prof = nullptr) {
@@ -1602,19 +1600,17 @@ __device__ __forceinline__ void sample_row(const GridParams& p, int lrow, GSmem&
   __syncthreads();  // the largest key
   const uint32_t top = sm.max_key;
   if (prof && tid == 0) prof[0] = global_ns();
-  const uint32_t need0 = whole ? static_cast<uint32_t>(p.k) : sample_rank(p.k, len);
-  if (p.sample_bins) {
 #pragma unroll
-    for (int e = 0; e < kSampleEpt; ++e) {
-      const uint32_t d = top - key[e];  // (top is the largest: no wrap)
-      if (((vmask >> e) & 1u) && d < (static_cast<uint32_t>(kGBins) << kSampleBinShift)) {
-        atomicAdd(&sm.hist[kGBins - 1 - (d >> kSampleBinShift)], 1u);
-      }
+  for (int e = 0; e < kSampleEpt; ++e) {
+    const uint32_t d = top - key[e];  // (top is the largest: no wrap)
+    if (((vmask >> e) & 1u) && d < (static_cast<uint32_t>(kGBins) << kSampleBinShift)) {
+      atomicAdd(&sm.hist[kGBins - 1 - (d >> kSampleBinShift)], 1u);
     }
-    __syncthreads();  // every thread's counts
-    find_threshold<kThreads>(sm.hist, kGBins, need0, sm);  // (leaves sm.thr_bin at kNone when the bins hold fewer)
-    if (prof && tid == 0) prof[1] = global_ns();
   }
+  const uint32_t need0 = whole ? static_cast<uint32_t>(p.k) : sample_rank(p.k, len);
+  __syncthreads();  // every thread's counts
+  find_threshold<kThreads>(sm.hist, kGBins, need0, sm);  // (leaves sm.thr_bin at kNone when the bins hold fewer)
+  if (prof && tid == 0) prof[1] = global_ns();
   uint32_t thr;
   if (sm.thr_bin != kNone) [[likely]] {  // (the same in every thread)
     // The bin's lowest key: top + 1 - (kGBins - bin) << kSampleBinShift, or 0 below the keys' range.
@@ -2235,12 +2231,11 @@ __global__ void __launch_bounds__(kThreads, 1) finish_sampled_topk_kernel(const 
   } else if (n >= kk && n <= p.cand_cap) [[likely]] {
     // The list into shared memory, its histogram by candidate_bin counted on the way (the fused filter's,
     // built here), then finish_from_histogram over the copy, gathering the k-th's bin past it. Radix rounds
-    // over the list (block_select) instead only when that bin does not fit there (or p.finish_bins is off):
-    // their first digit puts most candidates in a few bins (the top 11 bits of keys in a row's tail), whose
-    // counts serialize.
+    // over the list (block_select) instead only when that bin does not fit there: their first digit puts
+    // most candidates in a few bins (the top 11 bits of keys in a row's tail), whose counts serialize
+    // (measured, run 52 on an H100: 8 x 1 M's finish 9.0 -> 5.1 us, 64 x 1 M 7.9 -> 7.4).
     const uint32_t* scratch = p.scratch + lrow * p.scratch_words;
     const uint32_t thr = __ldcg(scratch), shift = __ldcg(scratch + 1);
-    const bool bins = p.finish_bins;
     for (int i = tid; i < kGBins; i += kThreads) sm.hist[i] = 0;
     __syncthreads();
     for (uint32_t b0 = 0; b0 < n; b0 += kListBatch * kThreads) {  // a batch's loads in flight together
@@ -2252,7 +2247,7 @@ __global__ void __launch_bounds__(kThreads, 1) finish_sampled_topk_kernel(const 
         if (i < n) {
           ck[i] = c[j].x;
           ci[i] = static_cast<int32_t>(c[j].y);
-          if (bins) atomicAdd(&sm.hist[candidate_bin(c[j].x, thr, shift)], 1u);
+          atomicAdd(&sm.hist[candidate_bin(c[j].x, thr, shift)], 1u);
         }
       }
     }
@@ -2266,7 +2261,7 @@ __global__ void __launch_bounds__(kThreads, 1) finish_sampled_topk_kernel(const 
         c[j] = i < n ? make_uint2(ck[i], static_cast<uint32_t>(ci[i])) : make_uint2(0u, 0u);
       }
     };
-    if (!bins || !finish_from_histogram(p, row, lrow, n, hl, out, sm, load, ck + n, ci + n, kSampledCap - n)) {
+    if (!finish_from_histogram(p, row, lrow, n, hl, out, sm, load, ck + n, ci + n, kSampledCap - n)) {
       __syncthreads();  // (finish_from_histogram's reads of sm done)
       block_select(
           ck, n, [](uint32_t) { return true; }, [&](uint32_t i) { return static_cast<uint32_t>(ci[i]); }, 0u, 0, kk,
@@ -2516,10 +2511,6 @@ void launch_sampled_topk(const TopkArgs& a, void* workspace, cudaStream_t stream
   p.scratch_words = kSampledScratchWords;
   p.cand_cap = kSampledCap;
   p.fused = topk_fused(p) && fused_cap > 0;  // (its grid: at most what the device holds at once)
-  // TROUPE_TOPK_SAMPLE_BINS=1, TROUPE_TOPK_FINISH_BINS=1 (read at each call): sample_row's distance histogram
-  // and the three-kernel finish's candidate histogram (not yet timed on a GPU: off by default).
-  p.sample_bins = env_switch("TROUPE_TOPK_SAMPLE_BINS") == 1;
-  p.finish_bins = env_switch("TROUPE_TOPK_FINISH_BINS") == 1;
   const float sample_cost = fused_sample_cost();
   // TROUPE_TOPK_FUSED_FINISH=1 (read at each call): rows finished in the fused grid by their last CTA.
   const bool finish_rows = env_switch("TROUPE_TOPK_FUSED_FINISH") == 1;

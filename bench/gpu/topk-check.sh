@@ -13,12 +13,12 @@
 #   4. STAMPS (NxROWS,...; none by default): the fused sampled filter's %globaltimer stamps
 #      (bench/gpu/topk_ncu.py stamps) with lib-STAMP_LIB (default the last of AB_NAMES) under
 #      TROUPE_TOPK_SAMPLED=1 and the environment as given, into OUT/stamps.txt
-# Session 51's next call (the fused path, TROUPE_TOPK_FUSED=1, against 97be96d's kernels as "head"):
+# Example (session 51's, run in session 52: the fused path against 97be96d's kernels as "head"):
 #   FILTER='*topk_sampled*:*share_a_workspace*' SAN_FILTER='*topk_sampled*' AB_NAMES="head tree treef" \
 #   AB_ENV_head= AB_ENV_tree=TROUPE_TOPK_FUSED=1 AB_ENV_treef="TROUPE_TOPK_FUSED=1 TROUPE_TOPK_FUSED_FINISH=1" \
 #   CASES=65536x1,65536x8,65536x64,262144x1,262144x8,262144x64,1048576x1,1048576x8,1048576x64 \
 #   STAMPS=65536x8,262144x8,1048576x1,1048576x8,1048576x64 STAMP_LIB=tree TROUPE_TOPK_FUSED=1 \
-#   bench/gpu/topk-check.sh BUNDLE OUT   (then once more with TROUPE_TOPK_FUSED_FINISH=1 and SKIP_SAN=1)
+#   bench/gpu/topk-check.sh BUNDLE OUT
 # Budgets TEST_S (200), SAN_S (150 each), AB_S (240). A device call returns at most 8 files: point OUT at a
 # local folder and archive it.
 source "$(dirname "$0")/check-env.sh" "$@"  # here, bundle, out, count; NCCL_NVLS_ENABLE=0, OUT/smi.txt

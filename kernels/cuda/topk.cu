@@ -2456,10 +2456,12 @@ void launch_grid_topk(const TopkArgs& a, const GridPlan& g, void* workspace, cud
 // against sampled: 24 / 32 / 48 / 64 x 262,144 25.2 / 28.6 / 38.6 / 46.1 -> 22.4 / 25.5 / 31.0 / 36.5 us,
 // 64 x 131,072 28.8 -> 25.6, 16 x 524,288 27.8 -> 25.9, 16 / 64 x 1 M 49.5 / 148 -> 44.2 / 113; but
 // 16 x 262,144 15.2 against 19.9, 8 x 1 M 30.6 against 32.4, 8 x 2 M 46.7 against 47.1, 64 x 65,536 16.1
-// against 20.2 (the sample and the finish are latency around a short read).
+// against 20.2 (the sample and the finish are latency around a short read). Since the sample's distance
+// histogram and the histogram finish (session 52, runs 52 calls 3 and 4, H100): 8 x 1 M 30.3 / 30.2 against
+// 29.7 / 29.5, so from 8 rows (8 x 262,144, 2 M scores in all, stays on the grid kernel: 11.2 against 15.3).
 constexpr int kSampledMinRows = 1;
 constexpr int64_t kSampledMinLen = 65536;
-constexpr int kSampledAutoRows = 16;
+constexpr int kSampledAutoRows = 8;
 constexpr int64_t kSampledAutoScores = 6 << 20;
 
 // TopkArgs::sampled, or TROUPE_TOPK_SAMPLED (read at each call) when it is 0: 1 = wherever the path
@@ -2477,8 +2479,8 @@ bool takes_sampled(const TopkArgs& a, const GridPlan& g) {
 }
 
 // TROUPE_TOPK_FUSED=1 (read at each call): the fused filter (fused_filter_topk_kernel) instead of the sample
-// and filter kernels, for 16-byte aligned rows. Off by default until its current form has been timed on a GPU
-// (session 51: its first form was exact but slower than the three kernels; see docs/kernels-notes.md).
+// and filter kernels, for 16-byte aligned rows. Off by default: exact, but slower than the three kernels at
+// every shape measured (runs 51-52: its grid streams at ~2.1 TB/s; see docs/kernels-notes.md).
 bool topk_fused(const GridParams& p) { return p.vec_ok && env_switch("TROUPE_TOPK_FUSED") == 1; }
 
 // What a row's sample costs the fused filter's CTA that takes it, in spans (fused_range):

@@ -78,12 +78,12 @@ struct TopkArgs {
   int stream = 0;                   // the streamed kernel: 1 = whenever the grid kernel would run; -1 = never;
                                     // 0 = TROUPE_TOPK_STREAM (1 / 0), else never (the grid kernel measured
                                     // faster at every wave count since run 21)
-  int sampled = 0;                  // the sampled path: 1 = where it applies (at least 2 rows of which the
-                                    // longest is at least 65,536 scores, where the grid kernel would run over
-                                    // rows of several chunks; a streamed call stays streamed); -1 = never;
+  int sampled = 0;                  // the sampled path: 1 = where it applies (rows of which the longest is
+                                    // at least 65,536 scores, where the grid kernel would run over rows of
+                                    // several chunks; a streamed call stays streamed); -1 = never;
                                     // 0 = TROUPE_TOPK_SAMPLED (read at each call: 1 = on, 0 = never), else
-                                    // calls of at least 16 rows and 6 M scores (rows x longest) where it
-                                    // applies (measured faster there, topk.cu). Ignores `profile`
+                                    // calls of at least 8 rows and 6 M scores (rows x longest) where it
+                                    // applies (measured faster there, topk.cu)
 };
 
 // Scratch the call needs (enough for any call with at most `rows` rows and this

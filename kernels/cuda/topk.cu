@@ -573,6 +573,7 @@ struct GridParams {
   long long* profile;  // optional: %globaltimer (ns) at phase ends (row 0)
   bool counted_finish; // TopkArgs::finish == 2: the gathering CTAs also count the bucket's next digit
   bool fused;          // the sampled path's finish after fused_filter_topk_kernel (its candidate histograms)
+  int sample_run_bits; // sample_row's runs: 2^bits contiguous scores (3..10)
 };
 
 // A one-chunk row's second digit (select_one_chunk): 8 bits under round 0's 11, counted into
@@ -1479,7 +1480,8 @@ __global__ void __launch_bounds__(kThreads, 2) stream_topk_kernel(const GridPara
 // zeroed counters (kCand; the finish reads it and zeroes it for the next call). No profile stamps.
 
 constexpr int kSample = 8192;                   // scores in a row's sample
-constexpr int kSampleRuns = kSample / 8;        // runs of 8 (a 32-byte sector), at even steps over the row
+constexpr int kSampleBits = 13;                 // kSample = 2^13
+static_assert(kSample == 1 << kSampleBits, "kSampleBits");
 constexpr int kSampleEpt = kSample / kThreads;  // 16 a thread
 constexpr int kFilterEpt = 16;  // a thread: 40 registers, three CTAs an SM (32: 64 registers and spills)
 constexpr int kFilterSpan = kThreads * kFilterEpt;  // 8,192 scores a filter CTA (and a fallback pass's step)
@@ -1562,8 +1564,12 @@ __device__ __forceinline__ void sample_row(const GridParams& p, int lrow, GSmem&
   __syncthreads();
   const float* src = p.scores + row * p.row_stride;
   const bool whole = len <= kSample;
-  const int64_t step = len / 8;  // whole runs of 8 in the row (at least kSampleRuns unless whole)
-  // Element 4 q + c of this thread: sample place s = q * kSample / 4 + 4 tid + c, in run s / 8 at offset s % 8.
+  // Runs of 2^rb scores at even steps over the row (p.sample_run_bits: 8 scores, a 32-byte sector, unless
+  // TROUPE_TOPK_SAMPLE_RUN says otherwise), kSample >> rb of them.
+  const int rb = min(max(p.sample_run_bits, 3), 10);
+  const int64_t step = len >> rb;  // whole runs in the row (at least kSample >> rb unless whole)
+  // Element 4 q + c of this thread: sample place s = q * kSample / 4 + 4 tid + c, in run s >> rb at offset
+  // s % 2^rb.
   float f[kSampleEpt];
 #pragma unroll
   for (int q = 0; q < kSampleEpt / 4; ++q) {
@@ -1572,7 +1578,7 @@ __device__ __forceinline__ void sample_row(const GridParams& p, int lrow, GSmem&
 #pragma unroll
       for (int c = 0; c < 4; ++c) f[4 * q + c] = s + c < len ? __ldcg(src + s + c) : 0.f;
     } else {
-      const int64_t at = static_cast<int64_t>(s / 8) * step / kSampleRuns * 8 + (s & 7);
+      const int64_t at = (static_cast<int64_t>(s >> rb) * step >> (kSampleBits - rb) << rb) + (s & ((1 << rb) - 1));
       if (p.vec_ok) {
         const float4 v = __ldcg(reinterpret_cast<const float4*>(src + at));
         f[4 * q] = v.x;
@@ -2514,6 +2520,15 @@ void launch_sampled_topk(const TopkArgs& a, void* workspace, cudaStream_t stream
   p.scratch_words = kSampledScratchWords;
   p.cand_cap = kSampledCap;
   p.fused = topk_fused(p) && fused_cap > 0;  // (its grid: at most what the device holds at once)
+  // TROUPE_TOPK_SAMPLE_RUN=N (read at each call; an A/B switch, not yet timed): the sample's runs of N
+  // contiguous scores (a power of two, 8..1024; 8 otherwise: 1,024 runs of a 32-byte sector each).
+  p.sample_run_bits = 3;
+  if (const char* e = std::getenv("TROUPE_TOPK_SAMPLE_RUN"); e != nullptr) {
+    const int n = std::atoi(e);
+    for (int b = 3; b <= 10; ++b) {
+      if (n == 1 << b) p.sample_run_bits = b;
+    }
+  }
   const float sample_cost = fused_sample_cost();
   // TROUPE_TOPK_FUSED_FINISH=1 (read at each call): rows finished in the fused grid by their last CTA.
   const bool finish_rows = env_switch("TROUPE_TOPK_FUSED_FINISH") == 1;

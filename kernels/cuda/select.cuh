@@ -15,27 +15,27 @@ __device__ __forceinline__ uint32_t order_key(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// The sum of v over lanes 0 .. this lane of the warp. Every lane of the warp calls it.
+__device__ __forceinline__ uint32_t warp_inclusive_sum(uint32_t v) {
+  const unsigned lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t t = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= static_cast<unsigned>(o)) v += t;
+  }
+  return v;
+}
+
 // The sum of v over the block's threads before this one (warp_tot: 32 words of shared
 // memory). Every thread of the block calls it; three barriers.
 __device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* warp_tot) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  uint32_t incl = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const uint32_t t = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += t;
-  }
+  const uint32_t incl = warp_inclusive_sum(v);
   if (lane == 31) warp_tot[warp] = incl;
   __syncthreads();
   if (warp == 0) {
     const uint32_t t = warp_tot[lane];
-    uint32_t s = t;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const uint32_t u = __shfl_up_sync(0xffffffffu, s, o);
-      if (lane >= o) s += u;
-    }
-    warp_tot[lane] = s - t;
+    warp_tot[lane] = warp_inclusive_sum(t) - t;
   }
   __syncthreads();
   const uint32_t r = warp_tot[warp] + incl - v;
@@ -49,17 +49,6 @@ __device__ __forceinline__ int32_t page_translate(const int32_t* table, int64_t 
   if (table == nullptr) return static_cast<int32_t>(i);
   const int32_t page = table[row * stride + (i >> bits)];
   return (page << bits) | static_cast<int32_t>(i & ((int64_t{1} << bits) - 1));
-}
-
-// The sum of v over lanes 0 .. this lane of the warp. Every lane of the warp calls it.
-__device__ __forceinline__ uint32_t warp_inclusive_sum(uint32_t v) {
-  const unsigned lane = threadIdx.x & 31;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const uint32_t t = __shfl_up_sync(0xffffffffu, v, o);
-    if (lane >= static_cast<unsigned>(o)) v += t;
-  }
-  return v;
 }
 
 // The lanes of a warp where `pred` holds take consecutive places from a shared

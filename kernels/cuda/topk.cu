@@ -574,6 +574,7 @@ struct GridParams {
   bool counted_finish; // TopkArgs::finish == 2: the gathering CTAs also count the bucket's next digit
   bool fused;          // the sampled path's finish after fused_filter_topk_kernel (its candidate histograms)
   int sample_run_bits; // sample_row's runs: 2^bits contiguous scores (3..10)
+  bool early_filter;   // filter_topk_kernel requests its scores before it waits on the sample kernel
 };
 
 // A one-chunk row's second digit (select_one_chunk): 8 bits under round 0's 11, counted into
@@ -781,7 +782,24 @@ __device__ __forceinline__ void counted_select(const GridParams& p, int row, uin
                                                int pbits, uint32_t need, int32_t* out, GSmem& sm, long long* lprof) {
   const int tid = threadIdx.x;
   const uint32_t nbins = nmask + 1;
-  CandidatePass c = load_candidates(cand_key, cand_idx, 0, cnt);
+  // More candidates than one pass holds (rows of 1 M at k = 2,048 gather ~5,000: three passes, each waiting
+  // on its loads, 2.5 us in all on an H100, run 52) and room for them in sk: the whole list copied into sk
+  // (keys at sk[0 .. cnt4), indices after them) by 16-byte cp.async, one round trip, and read from there.
+  // (cand_key and cand_idx hold cnt rounded up to four entries: both callers' arrays hold a multiple of
+  // four at least cnt.)
+  const uint32_t cnt4 = (cnt + 3u) & ~3u;
+  const bool staged = cnt > static_cast<uint32_t>(kPass * kThreads) && 2 * cnt4 <= sk_cap &&
+                      ((reinterpret_cast<uintptr_t>(cand_key) | reinterpret_cast<uintptr_t>(cand_idx)) & 15u) == 0;
+  CandidatePass c;
+  if (staged) {
+    for (uint32_t i = 4u * tid; i < cnt; i += 4u * kThreads) {
+      cp_async16(sk + i, cand_key + i, true);
+      cp_async16(sk + cnt4 + i, cand_idx + i, true);
+    }
+    cp_async_commit();
+  } else {
+    c = load_candidates(cand_key, cand_idx, 0, cnt);
+  }
   if (gh_next != nullptr) {  // else the caller counted into sm.hist
     load_row_hist(gh_next, nbins, sm);
   }
@@ -797,6 +815,10 @@ __device__ __forceinline__ void counted_select(const GridParams& p, int row, uin
     find_threshold<kThreads>(sm.hist, kGBins / 2, need, sm);
   } else {
     find_threshold<kThreads>(sm.hist, nbins, need, sm);
+  }
+  if (staged) {  // (the same in every thread) the list in sk before anyone reads it or block_select writes sk
+    cp_async_wait<0>();
+    __syncthreads();
   }
   const uint32_t thr = sm.thr_bin, above = sm.thr_above, on = sm.thr_cnt, need_on = need - above;
   const bool all_on = on == need_on;
@@ -817,10 +839,19 @@ __device__ __forceinline__ void counted_select(const GridParams& p, int row, uin
   // with prefix:thr compares the digit.
   const uint32_t pthr = (prefix << __popc(nmask)) | thr;
   for (uint32_t b0 = 0; b0 < cnt; b0 += kPass * kThreads) {  // uniform trip counts: shuffles below
-    // The next pass's candidates requested before this one's are placed (rows of 1 M
-    // gather ~5,000: three passes, each waited on its loads).
-    const CandidatePass cur = c;
-    if (b0 + kPass * kThreads < cnt) c = load_candidates(cand_key, cand_idx, b0 + kPass * kThreads, cnt);
+    // From sk when staged; else the next pass's candidates requested before this one's are placed.
+    CandidatePass cur;
+    if (staged) {
+#pragma unroll
+      for (int j = 0; j < kPass; ++j) {
+        const uint32_t i = min(b0 + j * kThreads + tid, cnt - 1);  // (past cnt: masked below)
+        cur.key[j] = sk[i];
+        cur.idx[j] = static_cast<int32_t>(sk[cnt4 + i]);
+      }
+    } else {
+      cur = c;
+      if (b0 + kPass * kThreads < cnt) c = load_candidates(cand_key, cand_idx, b0 + kPass * kThreads, cnt);
+    }
     uint32_t vmask = 0;
 #pragma unroll
     for (int j = 0; j < kPass; ++j) vmask |= static_cast<uint32_t>(b0 + j * kThreads + tid < cnt) << j;
@@ -1710,17 +1741,31 @@ __device__ __forceinline__ void append_hits(const GridParams& p, int lrow, int64
 }
 
 // Appends the keys at or above the row's threshold among the blockIdx.x-th kFilterSpan scores of the
-// launch's row blockIdx.y to the row's list (append_hits). (Requesting the scores before the wait on the
-// sample kernel measured faster at 8 rows and slower at 64: run 51.)
+// launch's row blockIdx.y to the row's list (append_hits). p.early_filter: the scores (and the row's
+// length) requested before the wait on the sample kernel, which lets this grid launch only after its own
+// wait on the scores' producer, so that they are final; only the threshold (the sample kernel's) and the
+// list (written after the wait) depend on it. Measured on an H100 (run 51): faster at 8 rows (8 x 1 M
+// 32.4 -> 30.4 us, 8 x 262,144 16.3 -> 14.0), slower at 64 (64 x 1 M 113.2 -> 116.7: the early loads slow
+// the 64 sample CTAs, the critical path there).
 __global__ void __launch_bounds__(kThreads, 3) filter_topk_kernel(const GridParams p) {
-  pdl_entry();  // see launch_kernel
+  // pdl-prologue: p (with p.early_filter its scores and the row's length, final by then: see above)
+  const bool early = p.early_filter;
   const int lrow = static_cast<int>(blockIdx.y), row = p.row0 + lrow;
-  const uint32_t thr = __ldcg(p.scratch + lrow * p.scratch_words);  // requested with the row's length
+  const uint32_t* thr_word = p.scratch + lrow * p.scratch_words;
+  uint32_t thr = 0;
+  if (!early) {
+    pdl_entry();  // see launch_kernel
+    thr = __ldcg(thr_word);  // requested with the row's length
+  }
   const int64_t len = row_length(p, row);
   const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kFilterSpan;
   if (len <= p.k || i0 >= len) return;
   uint32_t key[kFilterEpt];
   const uint32_t vmask = load_keys<kFilterEpt>(p.scores + row * p.row_stride + i0, len - i0, p.vec_ok, key);
+  if (early) {
+    pdl_entry();
+    thr = __ldcg(thr_word);
+  }
   append_hits(p, lrow, i0, key, vmask, thr);
 }
 
@@ -1778,19 +1823,29 @@ __device__ __forceinline__ bool finish_from_histogram(const GridParams& p, int r
   __syncthreads();
   const uint32_t bin_k = sm.thr_bin, above = sm.thr_above;
   if (sm.thr_cnt > bucket_cap) return false;  // (the same in every thread)
-  for (uint32_t b0 = 0; b0 < n; b0 += kListBatch * kThreads) {  // uniform trip count: ballots below
+  // Places: a batch's chosen entries as masks, one shared atomic a warp a batch for each kind (a
+  // warp_take an entry was two ballots and, in nearly every warp, a returning atomic on one shared word
+  // an entry: ~14 serial atomics a warp at 8 x 1 M, contended by the block's 16 warps).
+  for (uint32_t b0 = 0; b0 < n; b0 += kListBatch * kThreads) {  // uniform trip count: shuffles below
     uint2 c[kListBatch];
     load_batch(b0, c);
+    uint32_t up_mask = 0, at_mask = 0;
 #pragma unroll
     for (int j = 0; j < kListBatch; ++j) {
       const bool valid = b0 + j * kThreads + tid < n;
-      const uint32_t bin = valid ? candidate_bin(c[j].x, thr, shift) : 0u;
-      const bool up = valid && bin > bin_k, at = valid && bin == bin_k;
-      const uint32_t up_place = warp_take(up, &sm.above_ctr), at_place = warp_take(at, &sm.tie_ctr);
-      if (up) out[up_place] = translate_g(p, row, c[j].y);
-      if (at) {
+      const uint32_t bin = candidate_bin(c[j].x, thr, shift);
+      up_mask |= static_cast<uint32_t>(valid && bin > bin_k) << j;
+      at_mask |= static_cast<uint32_t>(valid && bin == bin_k) << j;
+    }
+    const uint2 places = warp_places(chosen_masks(up_mask, at_mask), &sm.above_ctr, &sm.tie_ctr);
+    uint32_t up_place = places.x, at_place = places.y;
+#pragma unroll
+    for (int j = 0; j < kListBatch; ++j) {
+      if ((up_mask >> j) & 1u) out[up_place++] = translate_g(p, row, c[j].y);
+      if ((at_mask >> j) & 1u) {
         ck[at_place] = c[j].x;
         ci[at_place] = static_cast<int32_t>(c[j].y);
+        ++at_place;
       }
     }
   }
@@ -2236,28 +2291,23 @@ __global__ void __launch_bounds__(kThreads, 1) finish_sampled_topk_kernel(const 
     const auto load = [&](uint32_t b0, uint2(&c)[kListBatch]) { load_list_batch(list, n, b0, c); };
     finish_from_histogram(p, row, lrow, n, h, out, sm, load, ck, ci, kSampledCap);
   } else if (n >= kk && n <= p.cand_cap) [[likely]] {
-    // The list into shared memory, its histogram by candidate_bin counted on the way (the fused filter's,
-    // built here), then finish_from_histogram over the copy, gathering the k-th's bin past it. Radix rounds
-    // over the list (block_select) instead only when that bin does not fit there: their first digit puts
-    // most candidates in a few bins (the top 11 bits of keys in a row's tail), whose counts serialize
-    // (measured, run 52 on an H100: 8 x 1 M's finish 9.0 -> 5.1 us, 64 x 1 M 7.9 -> 7.4).
+    // The list into shared memory (cl: its entries as they are, by 16-byte cp.async, one round trip; it was
+    // batches of loads, each waited on, 1.8 us at 8 x 1 M on an H100, run 52), then its histogram by
+    // candidate_bin (the fused filter's, built here) from that copy, then finish_from_histogram over it,
+    // gathering the k-th's bin past it. Radix rounds over the list (block_select) instead only when that
+    // bin does not fit there: their first digit puts most candidates in a few bins (the top 11 bits of keys
+    // in a row's tail), whose counts serialize (measured, run 52 on an H100: 8 x 1 M's finish 9.0 -> 5.1 us,
+    // 64 x 1 M 7.9 -> 7.4). (The list is 16-byte aligned and holds an even number of entries: the copy's
+    // last 16 bytes may hold one entry past n.)
+    uint2* cl = reinterpret_cast<uint2*>(ck);  // [n]
+    for (uint32_t i = 2u * tid; i < n; i += 2u * kThreads) cp_async16(cl + i, list + i, true);
+    cp_async_commit();
     const uint32_t* scratch = p.scratch + lrow * p.scratch_words;
     const uint32_t thr = __ldcg(scratch), shift = __ldcg(scratch + 1);
     for (int i = tid; i < kGBins; i += kThreads) sm.hist[i] = 0;
+    cp_async_wait<0>();
     __syncthreads();
-    for (uint32_t b0 = 0; b0 < n; b0 += kListBatch * kThreads) {  // a batch's loads in flight together
-      uint2 c[kListBatch];
-      load_list_batch(list, n, b0, c);
-#pragma unroll
-      for (int j = 0; j < kListBatch; ++j) {
-        const uint32_t i = b0 + j * kThreads + tid;
-        if (i < n) {
-          ck[i] = c[j].x;
-          ci[i] = static_cast<int32_t>(c[j].y);
-          atomicAdd(&sm.hist[candidate_bin(c[j].x, thr, shift)], 1u);
-        }
-      }
-    }
+    for (uint32_t i = tid; i < n; i += kThreads) atomicAdd(&sm.hist[candidate_bin(cl[i].x, thr, shift)], 1u);
     __syncthreads();
     if (prof) prof[2] = global_ns();
     const uint4 hl = reinterpret_cast<const uint4*>(sm.hist)[tid];  // (read before finish_from_histogram's barrier)
@@ -2265,11 +2315,19 @@ __global__ void __launch_bounds__(kThreads, 1) finish_sampled_topk_kernel(const 
 #pragma unroll
       for (int j = 0; j < kListBatch; ++j) {
         const uint32_t i = b0 + j * kThreads + tid;
-        c[j] = i < n ? make_uint2(ck[i], static_cast<uint32_t>(ci[i])) : make_uint2(0u, 0u);
+        c[j] = i < n ? cl[i] : make_uint2(0u, 0u);
       }
     };
-    if (!finish_from_histogram(p, row, lrow, n, hl, out, sm, load, ck + n, ci + n, kSampledCap - n)) {
-      __syncthreads();  // (finish_from_histogram's reads of sm done)
+    uint32_t* gk = reinterpret_cast<uint32_t*>(cl + n);  // the k-th's bin: keys, then indices, past the copy
+    int32_t* gi = reinterpret_cast<int32_t*>(gk + (kSampledCap - n));
+    if (!finish_from_histogram(p, row, lrow, n, hl, out, sm, load, gk, gi, kSampledCap - n)) [[unlikely]] {
+      __syncthreads();  // (finish_from_histogram's reads of sm and cl done)
+      for (uint32_t i = tid; i < n; i += kThreads) {  // keys and indices apart, from the list again
+        const uint2 e = __ldcg(&list[i]);
+        ck[i] = e.x;
+        ci[i] = static_cast<int32_t>(e.y);
+      }
+      __syncthreads();
       block_select(
           ck, n, [](uint32_t) { return true; }, [&](uint32_t i) { return static_cast<uint32_t>(ci[i]); }, 0u, 0, kk,
           sm, [&](uint32_t pos, uint32_t i) { out[pos] = translate_g(p, row, ci[i]); });
@@ -2455,6 +2513,10 @@ void launch_grid_topk(const TopkArgs& a, const GridPlan& g, void* workspace, cud
   }
 }
 
+// The sampled path's filter requests its scores before it waits for the rows' thresholds in launches of
+// at most this many rows (filter_topk_kernel; run 51 on an H100: 8 rows faster, 64 slower).
+constexpr int kEarlyFilterRows = 8;
+
 // The sampled path's rule: calls the grid kernel would run over rows of several chunks (not the
 // cluster kernel, not rows of one chunk, not the streamed kernel when that is asked for) of at least
 // kSampledMinRows rows, the longest at least kSampledMinLen scores. By default it takes those of at
@@ -2529,6 +2591,9 @@ void launch_sampled_topk(const TopkArgs& a, void* workspace, cudaStream_t stream
       if (n == 1 << b) p.sample_run_bits = b;
     }
   }
+  // The filter's scores requested before its wait on the sample kernel: for launches of at most
+  // kEarlyFilterRows rows (TROUPE_TOPK_EARLY_FILTER=1 / 0, read at each call: always / never).
+  const int early = env_switch("TROUPE_TOPK_EARLY_FILTER");
   const float sample_cost = fused_sample_cost();
   // TROUPE_TOPK_FUSED_FINISH=1 (read at each call): rows finished in the fused grid by their last CTA.
   const bool finish_rows = env_switch("TROUPE_TOPK_FUSED_FINISH") == 1;
@@ -2536,6 +2601,7 @@ void launch_sampled_topk(const TopkArgs& a, void* workspace, cudaStream_t stream
   for (int r0 = 0; r0 < a.rows; r0 += kLaunchRows) {
     p.row0 = r0;
     const unsigned rows = static_cast<unsigned>(std::min(kLaunchRows, a.rows - r0));
+    p.early_filter = early != 0 ? early == 1 : rows <= static_cast<unsigned>(kEarlyFilterRows);
     if (p.fused) {
       const int items = static_cast<int>(spans * rows);
       const int grid = std::min(fused_cap, std::max(items, static_cast<int>(rows)));

@@ -1779,22 +1779,13 @@ __device__ __forceinline__ void load_list_batch(const uint2* list, uint32_t n, u
   }
 }
 
-// The sampled path's finish of a row whose list holds all n (k <= n <= capacity) of its candidates, from
-// their histogram by candidate_bin (h: this thread's bins 4 tid .. 4 tid + 3, counted from the top): the
-// k-th's bin, one pass over the candidates (load_batch(b0, c): entries b0 + j * kThreads + tid, as
-// load_list_batch) writing those of higher bins to out[0 .. above) and gathering that bin's into ck / ci,
-// then the bin's need = k - above largest, ties by lower index, to out[above .. k): by each one's rank among
-// them (at most a candidate a thread) or block_select. False, with nothing written, when that bin holds
-// more than bucket_cap candidates. Every thread of the block calls it.
-template <class LoadBatch>
-__device__ __forceinline__ bool finish_from_histogram(const GridParams& p, int row, int lrow, uint32_t n, uint4 h,
-                                                      int32_t* out, GSmem& sm, LoadBatch&& load_batch, uint32_t* ck,
-                                                      int32_t* ci, uint32_t bucket_cap) {
+// The bin where the count from the top reaches `need`, of 4 * kThreads bins held four a thread (h: bins
+// 4 tid .. 4 tid + 3; fewer bins: zeros past them): sm.thr_bin, sm.thr_above (in the bins above it),
+// sm.thr_cnt (in it); unwritten when the bins hold fewer than `need`. Zeroes sm.above_ctr and sm.tie_ctr.
+// Every thread of the block calls it; ends with a barrier.
+__device__ __forceinline__ void kth_bin_of_quads(uint4 h, uint32_t need, GSmem& sm) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const uint32_t kk = static_cast<uint32_t>(p.k);
-  const uint32_t* scratch = p.scratch + lrow * p.scratch_words;
-  const uint32_t thr = __ldcg(scratch), shift = __ldcg(scratch + 1);
-  // Candidates in bins from 4 tid up: a suffix sum over the threads (a warp's by shuffles, then the warps').
+  // Counts in bins from 4 tid up: a suffix sum over the threads (a warp's by shuffles, then the warps').
   const uint32_t mine = h.x + h.y + h.z + h.w;
   uint32_t suffix = mine;
 #pragma unroll
@@ -1806,12 +1797,12 @@ __device__ __forceinline__ bool finish_from_histogram(const GridParams& p, int r
   if (tid == 0) sm.above_ctr = sm.tie_ctr = 0;
   __syncthreads();
   for (int w = warp + 1; w < kThreads / 32; ++w) suffix += sm.scan[w];
-  if (suffix >= kk && suffix - mine < kk) {  // the k-th candidate is in one of this thread's bins
+  if (suffix >= need && suffix - mine < need) {  // the need-th is in one of this thread's bins
     const uint32_t bins[4] = {h.x, h.y, h.z, h.w};
     uint32_t above = suffix - mine;
 #pragma unroll
     for (int j = 3; j >= 0; --j) {
-      if (above + bins[j] >= kk) {
+      if (above + bins[j] >= need) {
         sm.thr_bin = 4u * tid + j;
         sm.thr_above = above;
         sm.thr_cnt = bins[j];
@@ -1821,6 +1812,24 @@ __device__ __forceinline__ bool finish_from_histogram(const GridParams& p, int r
     }
   }
   __syncthreads();
+}
+
+// The sampled path's finish of a row whose list holds all n (k <= n <= capacity) of its candidates, from
+// their histogram by candidate_bin (h: this thread's bins 4 tid .. 4 tid + 3, counted from the top): the
+// k-th's bin, one pass over the candidates (load_batch(b0, c): entries b0 + j * kThreads + tid, as
+// load_list_batch) writing those of higher bins to out[0 .. above) and gathering that bin's into ck / ci,
+// then the bin's need = k - above largest, ties by lower index, to out[above .. k): by each one's rank among
+// them (at most a candidate a thread) or block_select. False, with nothing written, when that bin holds
+// more than bucket_cap candidates. Every thread of the block calls it.
+template <class LoadBatch>
+__device__ __forceinline__ bool finish_from_histogram(const GridParams& p, int row, int lrow, uint32_t n, uint4 h,
+                                                      int32_t* out, GSmem& sm, LoadBatch&& load_batch, uint32_t* ck,
+                                                      int32_t* ci, uint32_t bucket_cap) {
+  const int tid = threadIdx.x;
+  const uint32_t kk = static_cast<uint32_t>(p.k);
+  const uint32_t* scratch = p.scratch + lrow * p.scratch_words;
+  const uint32_t thr = __ldcg(scratch), shift = __ldcg(scratch + 1);
+  kth_bin_of_quads(h, kk, sm);
   const uint32_t bin_k = sm.thr_bin, above = sm.thr_above;
   if (sm.thr_cnt > bucket_cap) return false;  // (the same in every thread)
   // Places: a batch's chosen entries as masks, one shared atomic a warp a batch for each kind (a
@@ -1868,6 +1877,217 @@ __device__ __forceinline__ bool finish_from_histogram(const GridParams& p, int r
         sm, [&](uint32_t pos, uint32_t i) { out[above + pos] = translate_g(p, row, ci[i]); });
   }
   return true;
+}
+
+// ---- cluster rows: a row's chunks in one thread-block cluster ----------------------
+// Rows of 2 .. 16 small chunks (4,097 .. 65,536 scores). On the grid kernel such a row's CTAs meet through
+// global memory: its row barrier (~1.7 us of a 1 x 65,536 call's ~8 on an H100, run 52's stamps), its
+// last CTA's arrival (~1.0) and that CTA's load of the gathered bucket (~0.5) are round trips to L2.
+// Here the row's C CTAs (a power of two, chunk r on CTA rank r) form one cluster and meet at cluster
+// barriers, and the row's histogram is summed through distributed shared memory. A radix round (round 0
+// counted by the load; later ones only while the bucket is neither taken whole nor at most
+// kClusterBucket elements): barrier; CTA r sums the bins [r S, (r + 1) S) (S = bins / C) of every CTA's
+// histogram into its `red` (a 16-byte load a thread, shared atomics); barrier; each thread reads its four bins
+// of the row's histogram from their owner, and kth_bin_of_quads finds the bucket. Then each CTA writes its
+// elements above the bucket to the output (places from one DSMEM atomic a CTA on the leader's counter)
+// and the bucket's to the leader's shared memory, their next digit counted there (or to the output when
+// the bucket is taken whole); barrier; the leader alone selects the bucket's `need` largest: the next
+// digit's threshold from that count, one pass, the elements on it ranked (block_select past kRankMax of
+// them; copies of one value past kClusterBucket: ties_in_index_order over the row).
+constexpr int kClusterEPT = kSmallEPT;
+constexpr int kClusterChunk = kThreads * kClusterEPT;  // 4,096
+constexpr int kClusterMax = 16;                        // CTAs a cluster (non-portable past 8)
+constexpr int kClusterBucket = 6144;                   // bucket elements the leader holds
+
+struct CSmem {
+  GSmem g;                                // g.hist: even rounds' histogram
+  alignas(16) uint32_t hist_odd[kGBins];  // odd rounds' (another CTA may still read the last round's)
+  alignas(16) uint32_t red[kGBins];       // this CTA's slice of the row's histogram (its first S bins)
+  alignas(16) uint32_t next[kGBins];      // the leader's: the gathered bucket's next digit, counted
+  uint32_t above_total, tie_total;        // the leader's: the row's places taken
+};
+constexpr int kCKeysOffset = static_cast<int>((sizeof(CSmem) + 15) / 16 * 16);
+constexpr int kCBucketOffset = kCKeysOffset + kClusterChunk * 4;
+constexpr int kClusterSmemBytes = kCBucketOffset + kClusterBucket * 8;  // ~106 KB: two CTAs an SM
+
+// p.profile (bench stamps, row 0's leader; the grid kernel's slots): [1] entry, [2] loaded, [3] every CTA's
+// round-0 counts (the first cluster barrier), [4] round 0's bucket, [5] emitted, [6] the bucket in the
+// leader (the last barrier), [7] its next digit's threshold, [9] its pass, [10] end.
+__global__ void __launch_bounds__(kThreads, 2) cluster_row_topk_kernel(const GridParams p) {
+  pdl_entry();  // see launch_kernel
+  extern __shared__ __align__(16) uint8_t csmem[];
+  CSmem& cs = *reinterpret_cast<CSmem*>(csmem);
+  GSmem& sm = cs.g;
+  uint32_t* sk = reinterpret_cast<uint32_t*>(csmem + kCKeysOffset);   // [kClusterEPT][kThreads]
+  uint32_t* bk = reinterpret_cast<uint32_t*>(csmem + kCBucketOffset);  // the leader's: bucket keys
+  int32_t* bi = reinterpret_cast<int32_t*>(bk + kClusterBucket);       // and indices
+  cg::cluster_group cluster = cg::this_cluster();
+  const unsigned C = cluster.num_blocks(), rank = cluster.block_rank();
+  const int tid = threadIdx.x;
+  const int row = p.row0 + static_cast<int>(blockIdx.x / C);
+  long long* prof = p.profile != nullptr && blockIdx.x == 0 && tid == 0 ? p.profile : nullptr;
+  if (prof) prof[1] = global_ns();
+  const int64_t len = row_length(p, row);
+  int32_t* out = p.out_idx + row * p.out_stride;
+  if (all_chosen(p, row, len, static_cast<int>(rank), out)) return;  // (every CTA of the cluster)
+  if (tid == 0) cs.above_total = cs.tie_total = 0;
+  for (int i = tid; i < kGBins; i += kThreads) cs.next[i] = 0;
+  const uint32_t vmask = load_row_chunk<kClusterEPT>(p, row, len, static_cast<int>(rank), sk, sm);
+  const int64_t c0 = static_cast<int64_t>(rank) * kClusterChunk;
+  if (prof) prof[2] = global_ns();
+  const uint32_t kk = static_cast<uint32_t>(p.k);
+  uint32_t prefix = 0, need = kk, cnt = 0;
+  int pbits = 0, round = 0;
+  bool gather = false;
+#pragma unroll 1
+  for (; round < kGRounds; ++round) {
+    const int shift = digit_shift(round), bits = digit_bits(round);
+    const uint32_t nbins = 1u << bits, slice = nbins / C;
+    uint32_t* hist = (round & 1) != 0 ? cs.hist_odd : sm.hist;
+    if (round > 0) {
+      for (uint32_t i = tid; i < nbins; i += kThreads) hist[i] = 0;
+      __syncthreads();
+      count_bucket_digit<kClusterEPT>(sk, vmask, 32 - pbits, prefix, shift, nbins, hist);
+    }
+    cluster.sync();  // every CTA's counts
+    if (prof && round == 0) prof[3] = global_ns();
+    {  // this CTA's slice summed over the cluster: a 16-byte load a thread (C sources x slice / 4), all in
+       // flight at once, added into red (zeroed meanwhile: its last remote reads were before the barrier)
+      const uint32_t quads = slice / 4, q = tid / quads, j = tid % quads;
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (4u * tid < nbins) v = *reinterpret_cast<const uint4*>(cluster.map_shared_rank(hist, q) + rank * slice + 4 * j);
+      for (uint32_t i = tid; i < slice; i += kThreads) cs.red[i] = 0;
+      __syncthreads();
+      if (v.x != 0) atomicAdd(&cs.red[4 * j], v.x);
+      if (v.y != 0) atomicAdd(&cs.red[4 * j + 1], v.y);
+      if (v.z != 0) atomicAdd(&cs.red[4 * j + 2], v.z);
+      if (v.w != 0) atomicAdd(&cs.red[4 * j + 3], v.w);
+    }
+    cluster.sync();  // every slice summed
+    uint4 h = make_uint4(0u, 0u, 0u, 0u);
+    if (4u * tid < nbins) {
+      const uint32_t b = 4u * tid;
+      h = *reinterpret_cast<const uint4*>(cluster.map_shared_rank(cs.red, b / slice) + b % slice);
+    }
+    kth_bin_of_quads(h, need, sm);  // (zeroes sm.above_ctr / tie_ctr for the emission)
+    need -= sm.thr_above;
+    cnt = sm.thr_cnt;
+    prefix = (prefix << bits) | sm.thr_bin;
+    pbits += bits;
+    if (prof && round == 0) prof[4] = global_ns();
+    if (cnt == need) break;  // the whole bucket is taken
+    if (cnt <= static_cast<uint32_t>(kClusterBucket)) {
+      gather = true;
+      break;
+    }
+  }
+  // Loops that run out: pbits == 32 and more than kClusterBucket copies of the k-th value.
+  const bool take_all = cnt == need;
+  const bool counted = gather && pbits < 32;
+  const int nshift = counted ? digit_shift(round + 1) : 0;
+  const uint32_t nmask = counted ? (1u << digit_bits(round + 1)) - 1u : 0u;
+  const uint32_t total_above = kk - need;
+  const Chosen ch = chosen_elements<kClusterEPT>([&](int e) { return sk[e * kThreads + tid]; }, vmask, 32 - pbits,
+                                                 prefix);
+  const uint2 places = warp_places(ch, &sm.above_ctr, &sm.tie_ctr);
+  __syncthreads();
+  if (tid == 0) {
+    sm.base_above = sm.above_ctr != 0 ? atomicAdd(cluster.map_shared_rank(&cs.above_total, 0), sm.above_ctr) : 0u;
+    sm.base_tie = (take_all || gather) && sm.tie_ctr != 0
+                      ? atomicAdd(cluster.map_shared_rank(&cs.tie_total, 0), sm.tie_ctr)
+                      : 0u;
+  }
+  __syncthreads();
+  uint32_t pos = sm.base_above + places.x;
+  for (uint32_t m = ch.above_mask; m != 0; m &= m - 1) {
+    const int e = __ffs(m) - 1;
+    out[pos++] = translate_g(p, row, chunk_index(c0, e * kThreads + tid));
+  }
+  uint32_t g = sm.base_tie + places.y;
+  if (gather) {
+    uint32_t* lk = cluster.map_shared_rank(bk, 0);
+    int32_t* li = cluster.map_shared_rank(bi, 0);
+    uint32_t* ln = cluster.map_shared_rank(cs.next, 0);
+    for (uint32_t m = ch.tie_mask; m != 0; m &= m - 1, ++g) {
+      const int e = __ffs(m) - 1;
+      const uint32_t key = sk[e * kThreads + tid];
+      lk[g] = key;
+      li[g] = static_cast<int32_t>(chunk_index(c0, e * kThreads + tid));
+      if (counted) atomicAdd(&ln[(key >> nshift) & nmask], 1u);
+    }
+  } else if (take_all) {
+    for (uint32_t m = ch.tie_mask; m != 0; m &= m - 1, ++g) {
+      const int e = __ffs(m) - 1;
+      out[total_above + g] = translate_g(p, row, chunk_index(c0, e * kThreads + tid));
+    }
+  }
+  if (prof) prof[5] = global_ns();
+  cluster.sync();  // the bucket in the leader; no CTA leaves while another may touch its shared memory
+  if (rank != 0) return;
+  if (prof) prof[6] = global_ns();
+  int32_t* ob = out + total_above;
+  if (counted) {
+    // The next digit's threshold from the leader's count, one pass over the bucket (kPass entries a
+    // thread at a time; places by masks, one shared atomic a warp), those on the threshold ranked.
+    if (tid == 0) sm.local_above = sm.local_tie = 0;
+    if (nmask + 1 == static_cast<uint32_t>(kGBins)) {
+      find_threshold<kThreads>(cs.next, kGBins, need, sm);
+    } else {
+      find_threshold<kThreads>(cs.next, kGBins / 2, need, sm);
+    }
+    if (prof) prof[7] = global_ns();
+    const uint32_t thr2 = sm.thr_bin, above2 = sm.thr_above, on2 = sm.thr_cnt, need_on = need - above2;
+    const bool all_on = on2 == need_on;
+    if (!all_on && on2 > kRankMax) [[unlikely]] {  // (the same in every thread)
+      __syncthreads();  // every thread has read sm.thr_*
+      block_select(
+          bk, cnt, [](uint32_t) { return true; }, [&](uint32_t i) { return static_cast<uint32_t>(bi[i]); }, prefix,
+          pbits, need, sm, [&](uint32_t at, uint32_t i) { ob[at] = translate_g(p, row, bi[i]); });
+    } else {
+      uint64_t* on_list = reinterpret_cast<uint64_t*>(sm.hist);  // (no CTA reads the leader's histograms now)
+      const uint32_t pthr = (prefix << __popc(nmask)) | thr2;
+      for (uint32_t b0 = 0; b0 < cnt; b0 += kPass * kThreads) {  // uniform trip count: shuffles below
+        uint32_t key[kPass];
+        int32_t idx[kPass];
+        uint32_t vm = 0;
+#pragma unroll
+        for (int j = 0; j < kPass; ++j) {
+          const uint32_t i = min(b0 + j * kThreads + tid, cnt - 1);
+          key[j] = bk[i];
+          idx[j] = bi[i];
+          vm |= static_cast<uint32_t>(b0 + j * kThreads + tid < cnt) << j;
+        }
+        const Chosen c2 = chosen_elements<kPass>([&](int j) { return key[j]; }, vm, nshift, pthr);
+        const uint2 pl = warp_places(c2, &sm.local_above, &sm.local_tie);
+        uint32_t a = pl.x, o = pl.y;
+#pragma unroll
+        for (int j = 0; j < kPass; ++j) {
+          if ((c2.above_mask >> j) & 1u) ob[a++] = translate_g(p, row, idx[j]);
+          if ((c2.tie_mask >> j) & 1u) {
+            if (all_on) {
+              ob[above2 + o] = translate_g(p, row, idx[j]);
+            } else {
+              on_list[o] = static_cast<uint64_t>(key[j]) << 32 | ~static_cast<uint32_t>(idx[j]);
+            }
+            ++o;
+          }
+        }
+      }
+      if (prof) prof[9] = global_ns();
+      if (!all_on) {
+        __syncthreads();
+        rank_on_list(p, row, on_list, on2, need_on, above2, ob);
+      }
+    }
+  } else if (gather) [[unlikely]] {  // the bucket is copies of one value (pbits == 32): the lowest indices
+    block_select(
+        bk, cnt, [](uint32_t) { return true; }, [&](uint32_t i) { return static_cast<uint32_t>(bi[i]); }, prefix,
+        pbits, need, sm, [&](uint32_t at, uint32_t i) { ob[at] = translate_g(p, row, bi[i]); });
+  } else if (!take_all) [[unlikely]] {  // more than kClusterBucket copies of the k-th value
+    ties_in_index_order(p, row, len, prefix, need, ob, sm);
+  }
+  if (p.out_count != nullptr && tid == 0) p.out_count[row] = p.k;
+  if (prof) prof[10] = global_ns();
 }
 
 // ---- the fused sampled path: samples and filter in one persistent grid ------------
@@ -2616,6 +2836,48 @@ void launch_sampled_topk(const TopkArgs& a, void* workspace, cudaStream_t stream
   }
 }
 
+// The cluster-rows path (cluster_row_topk_kernel): TopkArgs::cluster_rows, or TROUPE_TOPK_CLUSTER_ROWS
+// (read at each call) when it is 0; off by default until measured. Where it applies: calls the grid kernel
+// would run whose longest row is 4,097 .. 65,536 scores, on a device that holds a 16-CTA cluster of it.
+bool takes_cluster_rows(const TopkArgs& a) {
+  const int ask = a.cluster_rows != 0 ? a.cluster_rows : env_switch("TROUPE_TOPK_CLUSTER_ROWS");
+  if (ask != 1 || a.max_len <= kClusterChunk || a.max_len > static_cast<int64_t>(kClusterMax) * kClusterChunk) {
+    return false;
+  }
+  static const bool fits = [] {
+    TROUPE_CUDA(cudaFuncSetAttribute(cluster_row_topk_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    TROUPE_CUDA(cudaFuncSetAttribute(cluster_row_topk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     kClusterSmemBytes));
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(kClusterMax, 1, 1);
+    cfg.blockDim = dim3(kThreads, 1, 1);
+    cfg.dynamicSmemBytes = kClusterSmemBytes;
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = kClusterMax;
+    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    return cudaOccupancyMaxActiveClusters(&clusters, cluster_row_topk_kernel, &cfg) == cudaSuccess && clusters > 0;
+  }();
+  return fits;
+}
+
+void launch_cluster_rows(const TopkArgs& a, cudaStream_t stream) {
+  GridParams p{};
+  set_call(a, p);
+  int c = 2;
+  while (static_cast<int64_t>(c) * kClusterChunk < a.max_len) c *= 2;
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = static_cast<unsigned>(c);
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  launch_kernel_ex(cluster_row_topk_kernel, dim3(static_cast<unsigned>(a.rows * c), 1, 1), kThreads,
+                   static_cast<size_t>(kClusterSmemBytes), stream, &cluster, 1, p);
+}
+
 }  // namespace
 
 // TROUPE_TOPK_CLUSTER=N (1..16, power of two): calls that leave max_cluster at 0 use the
@@ -2659,6 +2921,10 @@ void topk(const TopkArgs& args, void* workspace, cudaStream_t stream) {
     const GridPlan g = make_grid_plan(a.rows, std::max<int64_t>(a.max_len, 1), topk_stream(a));
     if (takes_sampled(a, g)) {
       launch_sampled_topk(a, workspace, stream);
+      return;
+    }
+    if (g.ok && !g.stream && takes_cluster_rows(a)) {
+      launch_cluster_rows(a, stream);
       return;
     }
     if (g.ok) {

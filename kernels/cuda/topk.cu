@@ -1880,24 +1880,27 @@ __device__ __forceinline__ bool finish_from_histogram(const GridParams& p, int r
 }
 
 // ---- cluster rows: a row's chunks in one thread-block cluster ----------------------
-// Rows of 2 .. 16 small chunks (4,097 .. 65,536 scores). On the grid kernel such a row's CTAs meet through
+// Rows of 2 .. 16 chunks (4,097 .. 262,144 scores). On the grid kernel such a row's CTAs meet through
 // global memory: its row barrier (~1.7 us of a 1 x 65,536 call's ~8 on an H100, run 52's stamps), its
 // last CTA's arrival (~1.0) and that CTA's load of the gathered bucket (~0.5) are round trips to L2.
 // Here the row's C CTAs (a power of two, chunk r on CTA rank r) form one cluster and meet at cluster
 // barriers, and the row's histogram is summed through distributed shared memory. A radix round (round 0
 // counted by the load; later ones only while the bucket is neither taken whole nor at most
-// kClusterBucket elements): barrier; CTA r sums the bins [r S, (r + 1) S) (S = bins / C) of every CTA's
+// cluster_bucket() elements): barrier; CTA r sums the bins [r S, (r + 1) S) (S = bins / C) of every CTA's
 // histogram into its `red` (a 16-byte load a thread, shared atomics); barrier; each thread reads its four bins
 // of the row's histogram from their owner, and kth_bin_of_quads finds the bucket. Then each CTA writes its
 // elements above the bucket to the output (places from one DSMEM atomic a CTA on the leader's counter)
 // and the bucket's to the leader's shared memory, their next digit counted there (or to the output when
 // the bucket is taken whole); barrier; the leader alone selects the bucket's `need` largest: the next
 // digit's threshold from that count, one pass, the elements on it ranked (block_select past kRankMax of
-// them; copies of one value past kClusterBucket: ties_in_index_order over the row).
-constexpr int kClusterEPT = kSmallEPT;
-constexpr int kClusterChunk = kThreads * kClusterEPT;  // 4,096
-constexpr int kClusterMax = 16;                        // CTAs a cluster (non-portable past 8)
-constexpr int kClusterBucket = 6144;                   // bucket elements the leader holds
+// them; copies of one value past the bucket's capacity: ties_in_index_order over the row).
+// Two forms: chunks of 4,096 (rows up to 65,536; two CTAs an SM, a bucket of 6,144) and of 16,384 (rows up
+// to 262,144; one CTA an SM, a bucket of 12,288).
+constexpr int kClusterMax = 16;  // CTAs a cluster (non-portable past 8)
+template <int EPT>
+constexpr int cluster_bucket() {  // bucket elements the leader holds
+  return EPT == kSmallEPT ? 6144 : 12288;
+}
 
 struct CSmem {
   GSmem g;                                // g.hist: even rounds' histogram
@@ -1907,20 +1910,28 @@ struct CSmem {
   uint32_t above_total, tie_total;        // the leader's: the row's places taken
 };
 constexpr int kCKeysOffset = static_cast<int>((sizeof(CSmem) + 15) / 16 * 16);
-constexpr int kCBucketOffset = kCKeysOffset + kClusterChunk * 4;
-constexpr int kClusterSmemBytes = kCBucketOffset + kClusterBucket * 8;  // ~106 KB: two CTAs an SM
+template <int EPT>
+constexpr int cluster_bucket_offset() {
+  return kCKeysOffset + kThreads * EPT * 4;
+}
+template <int EPT>
+constexpr int cluster_smem_bytes() {  // ~106 KB (two CTAs an SM) / ~194 KB
+  return cluster_bucket_offset<EPT>() + cluster_bucket<EPT>() * 8;
+}
 
 // p.profile (bench stamps, row 0's leader; the grid kernel's slots): [1] entry, [2] loaded, [3] every CTA's
 // round-0 counts (the first cluster barrier), [4] round 0's bucket, [5] emitted, [6] the bucket in the
 // leader (the last barrier), [7] its next digit's threshold, [9] its pass, [10] end.
-__global__ void __launch_bounds__(kThreads, 2) cluster_row_topk_kernel(const GridParams p) {
+template <int EPT>
+__global__ void __launch_bounds__(kThreads, EPT == kSmallEPT ? 2 : 1) cluster_row_topk_kernel(const GridParams p) {
   pdl_entry();  // see launch_kernel
+  constexpr int kChunk = kThreads * EPT, kBucket = cluster_bucket<EPT>();
   extern __shared__ __align__(16) uint8_t csmem[];
   CSmem& cs = *reinterpret_cast<CSmem*>(csmem);
   GSmem& sm = cs.g;
-  uint32_t* sk = reinterpret_cast<uint32_t*>(csmem + kCKeysOffset);   // [kClusterEPT][kThreads]
-  uint32_t* bk = reinterpret_cast<uint32_t*>(csmem + kCBucketOffset);  // the leader's: bucket keys
-  int32_t* bi = reinterpret_cast<int32_t*>(bk + kClusterBucket);       // and indices
+  uint32_t* sk = reinterpret_cast<uint32_t*>(csmem + kCKeysOffset);                  // [EPT][kThreads]
+  uint32_t* bk = reinterpret_cast<uint32_t*>(csmem + cluster_bucket_offset<EPT>());  // the leader's: bucket keys
+  int32_t* bi = reinterpret_cast<int32_t*>(bk + kBucket);                            // and indices
   cg::cluster_group cluster = cg::this_cluster();
   const unsigned C = cluster.num_blocks(), rank = cluster.block_rank();
   const int tid = threadIdx.x;
@@ -1932,8 +1943,8 @@ __global__ void __launch_bounds__(kThreads, 2) cluster_row_topk_kernel(const Gri
   if (all_chosen(p, row, len, static_cast<int>(rank), out)) return;  // (every CTA of the cluster)
   if (tid == 0) cs.above_total = cs.tie_total = 0;
   for (int i = tid; i < kGBins; i += kThreads) cs.next[i] = 0;
-  const uint32_t vmask = load_row_chunk<kClusterEPT>(p, row, len, static_cast<int>(rank), sk, sm);
-  const int64_t c0 = static_cast<int64_t>(rank) * kClusterChunk;
+  const uint32_t vmask = load_row_chunk<EPT>(p, row, len, static_cast<int>(rank), sk, sm);
+  const int64_t c0 = static_cast<int64_t>(rank) * kChunk;
   if (prof) prof[2] = global_ns();
   const uint32_t kk = static_cast<uint32_t>(p.k);
   uint32_t prefix = 0, need = kk, cnt = 0;
@@ -1947,7 +1958,7 @@ __global__ void __launch_bounds__(kThreads, 2) cluster_row_topk_kernel(const Gri
     if (round > 0) {
       for (uint32_t i = tid; i < nbins; i += kThreads) hist[i] = 0;
       __syncthreads();
-      count_bucket_digit<kClusterEPT>(sk, vmask, 32 - pbits, prefix, shift, nbins, hist);
+      count_bucket_digit<EPT>(sk, vmask, 32 - pbits, prefix, shift, nbins, hist);
     }
     cluster.sync();  // every CTA's counts
     if (prof && round == 0) prof[3] = global_ns();
@@ -1976,19 +1987,18 @@ __global__ void __launch_bounds__(kThreads, 2) cluster_row_topk_kernel(const Gri
     pbits += bits;
     if (prof && round == 0) prof[4] = global_ns();
     if (cnt == need) break;  // the whole bucket is taken
-    if (cnt <= static_cast<uint32_t>(kClusterBucket)) {
+    if (cnt <= static_cast<uint32_t>(kBucket)) {
       gather = true;
       break;
     }
   }
-  // Loops that run out: pbits == 32 and more than kClusterBucket copies of the k-th value.
+  // Loops that run out: pbits == 32 and more than kBucket copies of the k-th value.
   const bool take_all = cnt == need;
   const bool counted = gather && pbits < 32;
   const int nshift = counted ? digit_shift(round + 1) : 0;
   const uint32_t nmask = counted ? (1u << digit_bits(round + 1)) - 1u : 0u;
   const uint32_t total_above = kk - need;
-  const Chosen ch = chosen_elements<kClusterEPT>([&](int e) { return sk[e * kThreads + tid]; }, vmask, 32 - pbits,
-                                                 prefix);
+  const Chosen ch = chosen_elements<EPT>([&](int e) { return sk[e * kThreads + tid]; }, vmask, 32 - pbits, prefix);
   const uint2 places = warp_places(ch, &sm.above_ctr, &sm.tie_ctr);
   __syncthreads();
   if (tid == 0) {
@@ -2083,7 +2093,7 @@ __global__ void __launch_bounds__(kThreads, 2) cluster_row_topk_kernel(const Gri
     block_select(
         bk, cnt, [](uint32_t) { return true; }, [&](uint32_t i) { return static_cast<uint32_t>(bi[i]); }, prefix,
         pbits, need, sm, [&](uint32_t at, uint32_t i) { ob[at] = translate_g(p, row, bi[i]); });
-  } else if (!take_all) [[unlikely]] {  // more than kClusterBucket copies of the k-th value
+  } else if (!take_all) [[unlikely]] {  // more than kBucket copies of the k-th value
     ties_in_index_order(p, row, len, prefix, need, ob, sm);
   }
   if (p.out_count != nullptr && tid == 0) p.out_count[row] = p.k;
@@ -2838,20 +2848,18 @@ void launch_sampled_topk(const TopkArgs& a, void* workspace, cudaStream_t stream
 
 // The cluster-rows path (cluster_row_topk_kernel): TopkArgs::cluster_rows, or TROUPE_TOPK_CLUSTER_ROWS
 // (read at each call) when it is 0; off by default until measured. Where it applies: calls the grid kernel
-// would run whose longest row is 4,097 .. 65,536 scores, on a device that holds a 16-CTA cluster of it.
-bool takes_cluster_rows(const TopkArgs& a) {
-  const int ask = a.cluster_rows != 0 ? a.cluster_rows : env_switch("TROUPE_TOPK_CLUSTER_ROWS");
-  if (ask != 1 || a.max_len <= kClusterChunk || a.max_len > static_cast<int64_t>(kClusterMax) * kClusterChunk) {
-    return false;
-  }
+// would run whose longest row is 4,097 .. 262,144 scores (chunks of 4,096 up to 65,536, else of 16,384), on
+// a device that holds a 16-CTA cluster of that form.
+template <int EPT>
+bool cluster_rows_fit() {
   static const bool fits = [] {
-    TROUPE_CUDA(cudaFuncSetAttribute(cluster_row_topk_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    TROUPE_CUDA(cudaFuncSetAttribute(cluster_row_topk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     kClusterSmemBytes));
+    const auto kernel = cluster_row_topk_kernel<EPT>;
+    TROUPE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    TROUPE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, cluster_smem_bytes<EPT>()));
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = dim3(kClusterMax, 1, 1);
     cfg.blockDim = dim3(kThreads, 1, 1);
-    cfg.dynamicSmemBytes = kClusterSmemBytes;
+    cfg.dynamicSmemBytes = cluster_smem_bytes<EPT>();
     cudaLaunchAttribute attr{};
     attr.id = cudaLaunchAttributeClusterDimension;
     attr.val.clusterDim.x = kClusterMax;
@@ -2859,23 +2867,38 @@ bool takes_cluster_rows(const TopkArgs& a) {
     cfg.attrs = &attr;
     cfg.numAttrs = 1;
     int clusters = 0;
-    return cudaOccupancyMaxActiveClusters(&clusters, cluster_row_topk_kernel, &cfg) == cudaSuccess && clusters > 0;
+    return cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0;
   }();
   return fits;
+}
+
+bool takes_cluster_rows(const TopkArgs& a) {
+  const int ask = a.cluster_rows != 0 ? a.cluster_rows : env_switch("TROUPE_TOPK_CLUSTER_ROWS");
+  if (ask != 1 || a.max_len <= kThreads * kSmallEPT) return false;
+  if (a.max_len <= static_cast<int64_t>(kClusterMax) * kThreads * kSmallEPT) return cluster_rows_fit<kSmallEPT>();
+  return a.max_len <= static_cast<int64_t>(kClusterMax) * kThreads * kLargeEPT && cluster_rows_fit<kLargeEPT>();
 }
 
 void launch_cluster_rows(const TopkArgs& a, cudaStream_t stream) {
   GridParams p{};
   set_call(a, p);
+  const bool small = a.max_len <= static_cast<int64_t>(kClusterMax) * kThreads * kSmallEPT;
+  const int64_t chunk = static_cast<int64_t>(kThreads) * (small ? kSmallEPT : kLargeEPT);
   int c = 2;
-  while (static_cast<int64_t>(c) * kClusterChunk < a.max_len) c *= 2;
+  while (c * chunk < a.max_len) c *= 2;
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;
   cluster.val.clusterDim.x = static_cast<unsigned>(c);
   cluster.val.clusterDim.y = 1;
   cluster.val.clusterDim.z = 1;
-  launch_kernel_ex(cluster_row_topk_kernel, dim3(static_cast<unsigned>(a.rows * c), 1, 1), kThreads,
-                   static_cast<size_t>(kClusterSmemBytes), stream, &cluster, 1, p);
+  const dim3 grid(static_cast<unsigned>(a.rows * c), 1, 1);
+  if (small) {
+    launch_kernel_ex(cluster_row_topk_kernel<kSmallEPT>, grid, kThreads,
+                     static_cast<size_t>(cluster_smem_bytes<kSmallEPT>()), stream, &cluster, 1, p);
+  } else {
+    launch_kernel_ex(cluster_row_topk_kernel<kLargeEPT>, grid, kThreads,
+                     static_cast<size_t>(cluster_smem_bytes<kLargeEPT>()), stream, &cluster, 1, p);
+  }
 }
 
 }  // namespace

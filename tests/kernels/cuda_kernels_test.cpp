@@ -286,10 +286,10 @@ TEST_F(CudaKernelsTest, topk_rows_of_one_chunk) {
   for (const auto& c : cases) run_topk_case(c);
 }
 
-// Rows of 4,097 .. 65,536 scores on the cluster rows (TopkArgs::cluster_rows; every case runs them): buckets the
+// Rows of 4,097 .. 262,144 scores on the cluster rows (TopkArgs::cluster_rows; every case runs them): buckets the
 // leader ranks, a bucket of more than it holds narrowed by a second cluster round (fine steps at k = 2,048), one
 // value's copies past its capacity (few values, all equal: the ties by index over the row), rows shorter than the
-// cluster's chunks (ragged), k near the row's length, clusters of 2 to 16 CTAs.
+// cluster's chunks (ragged), k near the row's length, clusters of 2 to 16 CTAs, chunks of 4,096 and 16,384.
 TEST_F(CudaKernelsTest, topk_cluster_rows_equal_a_stable_sort) {
   const TopkCase cases[] = {
       {2, 65536, 512, normal, false, 0},        {3, 65536, 2048, few_values, false, 0},
@@ -298,6 +298,9 @@ TEST_F(CudaKernelsTest, topk_cluster_rows_equal_a_stable_sort) {
       {4, 65536, 512, mostly_zeros, true, 0},   {2, 65536, 2048, signed_zeros, false, 0},
       {3, 8192, 512, with_infinities, false, 0}, {2, 4097, 4000, normal, false, 0},
       {3, 30000, 1, normal, true, 0},           {9, 65536, 512, normal, true, 0},
+      // chunks of 16,384 (rows of 65,537 .. 262,144)
+      {2, 262144, 512, normal, false, 0},       {1, 262144, 2048, fine_steps, false, 0},
+      {3, 100000, 512, coarse_steps, true, 0},  {2, 65537, 2048, few_values, false, 0},
   };
   for (const auto& c : cases) run_topk_case(c);
 }

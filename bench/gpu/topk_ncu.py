@@ -114,7 +114,9 @@ def stamps(lib, n, rows):
                          enumerate(["entry", "s_loaded", "s_thr", "s_radix"]) if st[40 + i])
         print(f"stamps {rows}x{n} sample row 0: {cells}", flush=True)
     cells = " ".join(f"{nm}={(st[32 + i] - t0) / 1000.0:.2f}" for i, nm in
-                     enumerate(["entry", "count", "candidates", "end"]) if st[32 + i])
+                     enumerate(["entry", "count", "candidates", "end", "kth_bin", "pass", "ranked"]) if st[32 + i])
+    if st[39]:
+        cells += f" bin_count={st[39]}"
     print(f"stamps {rows}x{n} finish row 0: {cells}", flush=True)
     print(f"stamps {rows}x{n} eager call: {per_call:.2f} us", flush=True)
 

@@ -782,24 +782,7 @@ __device__ __forceinline__ void counted_select(const GridParams& p, int row, uin
                                                int pbits, uint32_t need, int32_t* out, GSmem& sm, long long* lprof) {
   const int tid = threadIdx.x;
   const uint32_t nbins = nmask + 1;
-  // More candidates than one pass holds (rows of 1 M at k = 2,048 gather ~5,000: three passes, each waiting
-  // on its loads, 2.5 us in all on an H100, run 52) and room for them in sk: the whole list copied into sk
-  // (keys at sk[0 .. cnt4), indices after them) by 16-byte cp.async, one round trip, and read from there.
-  // (cand_key and cand_idx hold cnt rounded up to four entries: both callers' arrays hold a multiple of
-  // four at least cnt.)
-  const uint32_t cnt4 = (cnt + 3u) & ~3u;
-  const bool staged = cnt > static_cast<uint32_t>(kPass * kThreads) && 2 * cnt4 <= sk_cap &&
-                      ((reinterpret_cast<uintptr_t>(cand_key) | reinterpret_cast<uintptr_t>(cand_idx)) & 15u) == 0;
-  CandidatePass c;
-  if (staged) {
-    for (uint32_t i = 4u * tid; i < cnt; i += 4u * kThreads) {
-      cp_async16(sk + i, cand_key + i, true);
-      cp_async16(sk + cnt4 + i, cand_idx + i, true);
-    }
-    cp_async_commit();
-  } else {
-    c = load_candidates(cand_key, cand_idx, 0, cnt);
-  }
+  CandidatePass c = load_candidates(cand_key, cand_idx, 0, cnt);
   if (gh_next != nullptr) {  // else the caller counted into sm.hist
     load_row_hist(gh_next, nbins, sm);
   }
@@ -815,10 +798,6 @@ __device__ __forceinline__ void counted_select(const GridParams& p, int row, uin
     find_threshold<kThreads>(sm.hist, kGBins / 2, need, sm);
   } else {
     find_threshold<kThreads>(sm.hist, nbins, need, sm);
-  }
-  if (staged) {  // (the same in every thread) the list in sk before anyone reads it or block_select writes sk
-    cp_async_wait<0>();
-    __syncthreads();
   }
   const uint32_t thr = sm.thr_bin, above = sm.thr_above, on = sm.thr_cnt, need_on = need - above;
   const bool all_on = on == need_on;
@@ -839,19 +818,11 @@ __device__ __forceinline__ void counted_select(const GridParams& p, int row, uin
   // with prefix:thr compares the digit.
   const uint32_t pthr = (prefix << __popc(nmask)) | thr;
   for (uint32_t b0 = 0; b0 < cnt; b0 += kPass * kThreads) {  // uniform trip counts: shuffles below
-    // From sk when staged; else the next pass's candidates requested before this one's are placed.
-    CandidatePass cur;
-    if (staged) {
-#pragma unroll
-      for (int j = 0; j < kPass; ++j) {
-        const uint32_t i = min(b0 + j * kThreads + tid, cnt - 1);  // (past cnt: masked below)
-        cur.key[j] = sk[i];
-        cur.idx[j] = static_cast<int32_t>(sk[cnt4 + i]);
-      }
-    } else {
-      cur = c;
-      if (b0 + kPass * kThreads < cnt) c = load_candidates(cand_key, cand_idx, b0 + kPass * kThreads, cnt);
-    }
+    // The next pass's candidates requested before this one's are placed (rows of 1 M
+    // gather ~5,000: three passes. Staging the whole list in shared memory first by
+    // cp.async measured no faster: run 53, the passes are not waiting on their loads.)
+    const CandidatePass cur = c;
+    if (b0 + kPass * kThreads < cnt) c = load_candidates(cand_key, cand_idx, b0 + kPass * kThreads, cnt);
     uint32_t vmask = 0;
 #pragma unroll
     for (int j = 0; j < kPass; ++j) vmask |= static_cast<uint32_t>(b0 + j * kThreads + tid < cnt) << j;
@@ -1595,7 +1566,7 @@ __device__ __forceinline__ void sample_row(const GridParams& p, int lrow, GSmem&
   __syncthreads();
   const float* src = p.scores + row * p.row_stride;
   const bool whole = len <= kSample;
-  // Runs of 2^rb scores at even steps over the row (p.sample_run_bits: 8 scores, a 32-byte sector, unless
+  // Runs of 2^rb scores at even steps over the row (p.sample_run_bits: kSampleRunBits unless
   // TROUPE_TOPK_SAMPLE_RUN says otherwise), kSample >> rb of them.
   const int rb = min(max(p.sample_run_bits, 3), 10);
   const int64_t step = len >> rb;  // whole runs in the row (at least kSample >> rb unless whole)
@@ -1779,13 +1750,22 @@ __device__ __forceinline__ void load_list_batch(const uint2* list, uint32_t n, u
   }
 }
 
-// The bin where the count from the top reaches `need`, of 4 * kThreads bins held four a thread (h: bins
-// 4 tid .. 4 tid + 3; fewer bins: zeros past them): sm.thr_bin, sm.thr_above (in the bins above it),
-// sm.thr_cnt (in it); unwritten when the bins hold fewer than `need`. Zeroes sm.above_ctr and sm.tie_ctr.
-// Every thread of the block calls it; ends with a barrier.
-__device__ __forceinline__ void kth_bin_of_quads(uint4 h, uint32_t need, GSmem& sm) {
+// The sampled path's finish of a row whose list holds all n (k <= n <= capacity) of its candidates, from
+// their histogram by candidate_bin (h: this thread's bins 4 tid .. 4 tid + 3, counted from the top): the
+// k-th's bin, one pass over the candidates (load_batch(b0, c): entries b0 + j * kThreads + tid, as
+// load_list_batch) writing those of higher bins to out[0 .. above) and gathering that bin's into ck / ci,
+// then the bin's need = k - above largest, ties by lower index, to out[above .. k): by each one's rank among
+// them (at most a candidate a thread) or block_select. False, with nothing written, when that bin holds
+// more than bucket_cap candidates. Every thread of the block calls it.
+template <class LoadBatch>
+__device__ __forceinline__ bool finish_from_histogram(const GridParams& p, int row, int lrow, uint32_t n, uint4 h,
+                                                      int32_t* out, GSmem& sm, LoadBatch&& load_batch, uint32_t* ck,
+                                                      int32_t* ci, uint32_t bucket_cap, long long* prof = nullptr) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  // Counts in bins from 4 tid up: a suffix sum over the threads (a warp's by shuffles, then the warps').
+  const uint32_t kk = static_cast<uint32_t>(p.k);
+  const uint32_t* scratch = p.scratch + lrow * p.scratch_words;
+  const uint32_t thr = __ldcg(scratch), shift = __ldcg(scratch + 1);
+  // Candidates in bins from 4 tid up: a suffix sum over the threads (a warp's by shuffles, then the warps').
   const uint32_t mine = h.x + h.y + h.z + h.w;
   uint32_t suffix = mine;
 #pragma unroll
@@ -1797,12 +1777,12 @@ __device__ __forceinline__ void kth_bin_of_quads(uint4 h, uint32_t need, GSmem& 
   if (tid == 0) sm.above_ctr = sm.tie_ctr = 0;
   __syncthreads();
   for (int w = warp + 1; w < kThreads / 32; ++w) suffix += sm.scan[w];
-  if (suffix >= need && suffix - mine < need) {  // the need-th is in one of this thread's bins
+  if (suffix >= kk && suffix - mine < kk) {  // the k-th candidate is in one of this thread's bins
     const uint32_t bins[4] = {h.x, h.y, h.z, h.w};
     uint32_t above = suffix - mine;
 #pragma unroll
     for (int j = 3; j >= 0; --j) {
-      if (above + bins[j] >= need) {
+      if (above + bins[j] >= kk) {
         sm.thr_bin = 4u * tid + j;
         sm.thr_above = above;
         sm.thr_cnt = bins[j];
@@ -1812,25 +1792,8 @@ __device__ __forceinline__ void kth_bin_of_quads(uint4 h, uint32_t need, GSmem& 
     }
   }
   __syncthreads();
-}
-
-// The sampled path's finish of a row whose list holds all n (k <= n <= capacity) of its candidates, from
-// their histogram by candidate_bin (h: this thread's bins 4 tid .. 4 tid + 3, counted from the top): the
-// k-th's bin, one pass over the candidates (load_batch(b0, c): entries b0 + j * kThreads + tid, as
-// load_list_batch) writing those of higher bins to out[0 .. above) and gathering that bin's into ck / ci,
-// then the bin's need = k - above largest, ties by lower index, to out[above .. k): by each one's rank among
-// them (at most a candidate a thread) or block_select. False, with nothing written, when that bin holds
-// more than bucket_cap candidates. Every thread of the block calls it.
-template <class LoadBatch>
-__device__ __forceinline__ bool finish_from_histogram(const GridParams& p, int row, int lrow, uint32_t n, uint4 h,
-                                                      int32_t* out, GSmem& sm, LoadBatch&& load_batch, uint32_t* ck,
-                                                      int32_t* ci, uint32_t bucket_cap) {
-  const int tid = threadIdx.x;
-  const uint32_t kk = static_cast<uint32_t>(p.k);
-  const uint32_t* scratch = p.scratch + lrow * p.scratch_words;
-  const uint32_t thr = __ldcg(scratch), shift = __ldcg(scratch + 1);
-  kth_bin_of_quads(h, kk, sm);
   const uint32_t bin_k = sm.thr_bin, above = sm.thr_above;
+  if (prof) prof[0] = global_ns();
   if (sm.thr_cnt > bucket_cap) return false;  // (the same in every thread)
   // Places: a batch's chosen entries as masks, one shared atomic a warp a batch for each kind (a
   // warp_take an entry was two ballots and, in nearly every warp, a returning atomic on one shared word
@@ -1860,6 +1823,10 @@ __device__ __forceinline__ bool finish_from_histogram(const GridParams& p, int r
   }
   __syncthreads();
   const uint32_t m = sm.tie_ctr, need = kk - above;
+  if (prof) {
+    prof[1] = global_ns();
+    prof[3] = m;
+  }
   if (m <= static_cast<uint32_t>(kThreads)) {
     if (static_cast<uint32_t>(tid) < m) {
       const uint32_t key = ck[tid];
@@ -1876,228 +1843,8 @@ __device__ __forceinline__ bool finish_from_histogram(const GridParams& p, int r
         ck, m, [](uint32_t) { return true; }, [&](uint32_t i) { return static_cast<uint32_t>(ci[i]); }, 0u, 0, need,
         sm, [&](uint32_t pos, uint32_t i) { out[above + pos] = translate_g(p, row, ci[i]); });
   }
-  return true;
-}
-
-// ---- cluster rows: a row's chunks in one thread-block cluster ----------------------
-// Rows of 2 .. 16 chunks (4,097 .. 262,144 scores). On the grid kernel such a row's CTAs meet through
-// global memory: its row barrier (~1.7 us of a 1 x 65,536 call's ~8 on an H100, run 52's stamps), its
-// last CTA's arrival (~1.0) and that CTA's load of the gathered bucket (~0.5) are round trips to L2.
-// Here the row's C CTAs (a power of two, chunk r on CTA rank r) form one cluster and meet at cluster
-// barriers, and the row's histogram is summed through distributed shared memory. A radix round (round 0
-// counted by the load; later ones only while the bucket is neither taken whole nor at most
-// cluster_bucket() elements): barrier; CTA r sums the bins [r S, (r + 1) S) (S = bins / C) of every CTA's
-// histogram into its `red` (a 16-byte load a thread, shared atomics); barrier; each thread reads its four bins
-// of the row's histogram from their owner, and kth_bin_of_quads finds the bucket. Then each CTA writes its
-// elements above the bucket to the output (places from one DSMEM atomic a CTA on the leader's counter)
-// and the bucket's to the leader's shared memory, their next digit counted there (or to the output when
-// the bucket is taken whole); barrier; the leader alone selects the bucket's `need` largest: the next
-// digit's threshold from that count, one pass, the elements on it ranked (block_select past kRankMax of
-// them; copies of one value past the bucket's capacity: ties_in_index_order over the row).
-// Two forms: chunks of 4,096 (rows up to 65,536; two CTAs an SM, a bucket of 6,144) and of 16,384 (rows up
-// to 262,144; one CTA an SM, a bucket of 12,288).
-constexpr int kClusterMax = 16;  // CTAs a cluster (non-portable past 8)
-template <int EPT>
-constexpr int cluster_bucket() {  // bucket elements the leader holds
-  return EPT == kSmallEPT ? 6144 : 12288;
-}
-
-struct CSmem {
-  GSmem g;                                // g.hist: even rounds' histogram
-  alignas(16) uint32_t hist_odd[kGBins];  // odd rounds' (another CTA may still read the last round's)
-  alignas(16) uint32_t red[kGBins];       // this CTA's slice of the row's histogram (its first S bins)
-  alignas(16) uint32_t next[kGBins];      // the leader's: the gathered bucket's next digit, counted
-  uint32_t above_total, tie_total;        // the leader's: the row's places taken
-};
-constexpr int kCKeysOffset = static_cast<int>((sizeof(CSmem) + 15) / 16 * 16);
-template <int EPT>
-constexpr int cluster_bucket_offset() {
-  return kCKeysOffset + kThreads * EPT * 4;
-}
-template <int EPT>
-constexpr int cluster_smem_bytes() {  // ~106 KB (two CTAs an SM) / ~194 KB
-  return cluster_bucket_offset<EPT>() + cluster_bucket<EPT>() * 8;
-}
-
-// p.profile (bench stamps, row 0's leader; the grid kernel's slots): [1] entry, [2] loaded, [3] every CTA's
-// round-0 counts (the first cluster barrier), [4] round 0's bucket, [5] emitted, [6] the bucket in the
-// leader (the last barrier), [7] its next digit's threshold, [9] its pass, [10] end.
-template <int EPT>
-__global__ void __launch_bounds__(kThreads, EPT == kSmallEPT ? 2 : 1) cluster_row_topk_kernel(const GridParams p) {
-  pdl_entry();  // see launch_kernel
-  constexpr int kChunk = kThreads * EPT, kBucket = cluster_bucket<EPT>();
-  extern __shared__ __align__(16) uint8_t csmem[];
-  CSmem& cs = *reinterpret_cast<CSmem*>(csmem);
-  GSmem& sm = cs.g;
-  uint32_t* sk = reinterpret_cast<uint32_t*>(csmem + kCKeysOffset);                  // [EPT][kThreads]
-  uint32_t* bk = reinterpret_cast<uint32_t*>(csmem + cluster_bucket_offset<EPT>());  // the leader's: bucket keys
-  int32_t* bi = reinterpret_cast<int32_t*>(bk + kBucket);                            // and indices
-  cg::cluster_group cluster = cg::this_cluster();
-  const unsigned C = cluster.num_blocks(), rank = cluster.block_rank();
-  const int tid = threadIdx.x;
-  const int row = p.row0 + static_cast<int>(blockIdx.x / C);
-  long long* prof = p.profile != nullptr && blockIdx.x == 0 && tid == 0 ? p.profile : nullptr;
-  if (prof) prof[1] = global_ns();
-  const int64_t len = row_length(p, row);
-  int32_t* out = p.out_idx + row * p.out_stride;
-  if (all_chosen(p, row, len, static_cast<int>(rank), out)) return;  // (every CTA of the cluster)
-  if (tid == 0) cs.above_total = cs.tie_total = 0;
-  for (int i = tid; i < kGBins; i += kThreads) cs.next[i] = 0;
-  const uint32_t vmask = load_row_chunk<EPT>(p, row, len, static_cast<int>(rank), sk, sm);
-  const int64_t c0 = static_cast<int64_t>(rank) * kChunk;
   if (prof) prof[2] = global_ns();
-  const uint32_t kk = static_cast<uint32_t>(p.k);
-  uint32_t prefix = 0, need = kk, cnt = 0;
-  int pbits = 0, round = 0;
-  bool gather = false;
-#pragma unroll 1
-  for (; round < kGRounds; ++round) {
-    const int shift = digit_shift(round), bits = digit_bits(round);
-    const uint32_t nbins = 1u << bits, slice = nbins / C;
-    uint32_t* hist = (round & 1) != 0 ? cs.hist_odd : sm.hist;
-    if (round > 0) {
-      for (uint32_t i = tid; i < nbins; i += kThreads) hist[i] = 0;
-      __syncthreads();
-      count_bucket_digit<EPT>(sk, vmask, 32 - pbits, prefix, shift, nbins, hist);
-    }
-    cluster.sync();  // every CTA's counts
-    if (prof && round == 0) prof[3] = global_ns();
-    {  // this CTA's slice summed over the cluster: a 16-byte load a thread (C sources x slice / 4), all in
-       // flight at once, added into red (zeroed meanwhile: its last remote reads were before the barrier)
-      const uint32_t quads = slice / 4, q = tid / quads, j = tid % quads;
-      uint4 v = make_uint4(0u, 0u, 0u, 0u);
-      if (4u * tid < nbins) v = *reinterpret_cast<const uint4*>(cluster.map_shared_rank(hist, q) + rank * slice + 4 * j);
-      for (uint32_t i = tid; i < slice; i += kThreads) cs.red[i] = 0;
-      __syncthreads();
-      if (v.x != 0) atomicAdd(&cs.red[4 * j], v.x);
-      if (v.y != 0) atomicAdd(&cs.red[4 * j + 1], v.y);
-      if (v.z != 0) atomicAdd(&cs.red[4 * j + 2], v.z);
-      if (v.w != 0) atomicAdd(&cs.red[4 * j + 3], v.w);
-    }
-    cluster.sync();  // every slice summed
-    uint4 h = make_uint4(0u, 0u, 0u, 0u);
-    if (4u * tid < nbins) {
-      const uint32_t b = 4u * tid;
-      h = *reinterpret_cast<const uint4*>(cluster.map_shared_rank(cs.red, b / slice) + b % slice);
-    }
-    kth_bin_of_quads(h, need, sm);  // (zeroes sm.above_ctr / tie_ctr for the emission)
-    need -= sm.thr_above;
-    cnt = sm.thr_cnt;
-    prefix = (prefix << bits) | sm.thr_bin;
-    pbits += bits;
-    if (prof && round == 0) prof[4] = global_ns();
-    if (cnt == need) break;  // the whole bucket is taken
-    if (cnt <= static_cast<uint32_t>(kBucket)) {
-      gather = true;
-      break;
-    }
-  }
-  // Loops that run out: pbits == 32 and more than kBucket copies of the k-th value.
-  const bool take_all = cnt == need;
-  const bool counted = gather && pbits < 32;
-  const int nshift = counted ? digit_shift(round + 1) : 0;
-  const uint32_t nmask = counted ? (1u << digit_bits(round + 1)) - 1u : 0u;
-  const uint32_t total_above = kk - need;
-  const Chosen ch = chosen_elements<EPT>([&](int e) { return sk[e * kThreads + tid]; }, vmask, 32 - pbits, prefix);
-  const uint2 places = warp_places(ch, &sm.above_ctr, &sm.tie_ctr);
-  __syncthreads();
-  if (tid == 0) {
-    sm.base_above = sm.above_ctr != 0 ? atomicAdd(cluster.map_shared_rank(&cs.above_total, 0), sm.above_ctr) : 0u;
-    sm.base_tie = (take_all || gather) && sm.tie_ctr != 0
-                      ? atomicAdd(cluster.map_shared_rank(&cs.tie_total, 0), sm.tie_ctr)
-                      : 0u;
-  }
-  __syncthreads();
-  uint32_t pos = sm.base_above + places.x;
-  for (uint32_t m = ch.above_mask; m != 0; m &= m - 1) {
-    const int e = __ffs(m) - 1;
-    out[pos++] = translate_g(p, row, chunk_index(c0, e * kThreads + tid));
-  }
-  uint32_t g = sm.base_tie + places.y;
-  if (gather) {
-    uint32_t* lk = cluster.map_shared_rank(bk, 0);
-    int32_t* li = cluster.map_shared_rank(bi, 0);
-    uint32_t* ln = cluster.map_shared_rank(cs.next, 0);
-    for (uint32_t m = ch.tie_mask; m != 0; m &= m - 1, ++g) {
-      const int e = __ffs(m) - 1;
-      const uint32_t key = sk[e * kThreads + tid];
-      lk[g] = key;
-      li[g] = static_cast<int32_t>(chunk_index(c0, e * kThreads + tid));
-      if (counted) atomicAdd(&ln[(key >> nshift) & nmask], 1u);
-    }
-  } else if (take_all) {
-    for (uint32_t m = ch.tie_mask; m != 0; m &= m - 1, ++g) {
-      const int e = __ffs(m) - 1;
-      out[total_above + g] = translate_g(p, row, chunk_index(c0, e * kThreads + tid));
-    }
-  }
-  if (prof) prof[5] = global_ns();
-  cluster.sync();  // the bucket in the leader; no CTA leaves while another may touch its shared memory
-  if (rank != 0) return;
-  if (prof) prof[6] = global_ns();
-  int32_t* ob = out + total_above;
-  if (counted) {
-    // The next digit's threshold from the leader's count, one pass over the bucket (kPass entries a
-    // thread at a time; places by masks, one shared atomic a warp), those on the threshold ranked.
-    if (tid == 0) sm.local_above = sm.local_tie = 0;
-    if (nmask + 1 == static_cast<uint32_t>(kGBins)) {
-      find_threshold<kThreads>(cs.next, kGBins, need, sm);
-    } else {
-      find_threshold<kThreads>(cs.next, kGBins / 2, need, sm);
-    }
-    if (prof) prof[7] = global_ns();
-    const uint32_t thr2 = sm.thr_bin, above2 = sm.thr_above, on2 = sm.thr_cnt, need_on = need - above2;
-    const bool all_on = on2 == need_on;
-    if (!all_on && on2 > kRankMax) [[unlikely]] {  // (the same in every thread)
-      __syncthreads();  // every thread has read sm.thr_*
-      block_select(
-          bk, cnt, [](uint32_t) { return true; }, [&](uint32_t i) { return static_cast<uint32_t>(bi[i]); }, prefix,
-          pbits, need, sm, [&](uint32_t at, uint32_t i) { ob[at] = translate_g(p, row, bi[i]); });
-    } else {
-      uint64_t* on_list = reinterpret_cast<uint64_t*>(sm.hist);  // (no CTA reads the leader's histograms now)
-      const uint32_t pthr = (prefix << __popc(nmask)) | thr2;
-      for (uint32_t b0 = 0; b0 < cnt; b0 += kPass * kThreads) {  // uniform trip count: shuffles below
-        uint32_t key[kPass];
-        int32_t idx[kPass];
-        uint32_t vm = 0;
-#pragma unroll
-        for (int j = 0; j < kPass; ++j) {
-          const uint32_t i = min(b0 + j * kThreads + tid, cnt - 1);
-          key[j] = bk[i];
-          idx[j] = bi[i];
-          vm |= static_cast<uint32_t>(b0 + j * kThreads + tid < cnt) << j;
-        }
-        const Chosen c2 = chosen_elements<kPass>([&](int j) { return key[j]; }, vm, nshift, pthr);
-        const uint2 pl = warp_places(c2, &sm.local_above, &sm.local_tie);
-        uint32_t a = pl.x, o = pl.y;
-#pragma unroll
-        for (int j = 0; j < kPass; ++j) {
-          if ((c2.above_mask >> j) & 1u) ob[a++] = translate_g(p, row, idx[j]);
-          if ((c2.tie_mask >> j) & 1u) {
-            if (all_on) {
-              ob[above2 + o] = translate_g(p, row, idx[j]);
-            } else {
-              on_list[o] = static_cast<uint64_t>(key[j]) << 32 | ~static_cast<uint32_t>(idx[j]);
-            }
-            ++o;
-          }
-        }
-      }
-      if (prof) prof[9] = global_ns();
-      if (!all_on) {
-        __syncthreads();
-        rank_on_list(p, row, on_list, on2, need_on, above2, ob);
-      }
-    }
-  } else if (gather) [[unlikely]] {  // the bucket is copies of one value (pbits == 32): the lowest indices
-    block_select(
-        bk, cnt, [](uint32_t) { return true; }, [&](uint32_t i) { return static_cast<uint32_t>(bi[i]); }, prefix,
-        pbits, need, sm, [&](uint32_t at, uint32_t i) { ob[at] = translate_g(p, row, bi[i]); });
-  } else if (!take_all) [[unlikely]] {  // more than kBucket copies of the k-th value
-    ties_in_index_order(p, row, len, prefix, need, ob, sm);
-  }
-  if (p.out_count != nullptr && tid == 0) p.out_count[row] = p.k;
-  if (prof) prof[10] = global_ns();
+  return true;
 }
 
 // ---- the fused sampled path: samples and filter in one persistent grid ------------
@@ -2488,7 +2235,8 @@ __global__ void __launch_bounds__(kThreads, 1) finish_sampled_topk_kernel(const 
   uint32_t* ck = reinterpret_cast<uint32_t*>(gsmem + kGKeysOffset);  // [kSampledCap] candidate keys
   int32_t* ci = reinterpret_cast<int32_t*>(ck + kSampledCap);        // and their indices
   const int tid = threadIdx.x, lrow = static_cast<int>(blockIdx.x), row = p.row0 + lrow;
-  // p.profile (bench stamps): row 0's in [32, 36): entry, its count read, its candidates in hand, end.
+  // p.profile (bench stamps): row 0's in [32, 40): entry, its count read, its candidates in hand, end; then
+  // (finish_from_histogram's) the k-th's bin found, the pass done, the bin ranked, and the bin's count.
   long long* prof = p.profile != nullptr && lrow == 0 && tid == 0 ? p.profile + 32 : nullptr;
   if (prof) prof[0] = global_ns();
   if (tid == 0) {
@@ -2550,7 +2298,8 @@ __global__ void __launch_bounds__(kThreads, 1) finish_sampled_topk_kernel(const 
     };
     uint32_t* gk = reinterpret_cast<uint32_t*>(cl + n);  // the k-th's bin: keys, then indices, past the copy
     int32_t* gi = reinterpret_cast<int32_t*>(gk + (kSampledCap - n));
-    if (!finish_from_histogram(p, row, lrow, n, hl, out, sm, load, gk, gi, kSampledCap - n)) [[unlikely]] {
+    if (!finish_from_histogram(p, row, lrow, n, hl, out, sm, load, gk, gi, kSampledCap - n,
+                               prof ? prof + 4 : nullptr)) [[unlikely]] {
       __syncthreads();  // (finish_from_histogram's reads of sm and cl done)
       for (uint32_t i = tid; i < n; i += kThreads) {  // keys and indices apart, from the list again
         const uint2 e = __ldcg(&list[i]);
@@ -2743,6 +2492,9 @@ void launch_grid_topk(const TopkArgs& a, const GridPlan& g, void* workspace, cud
   }
 }
 
+// The sample's runs of contiguous scores: 2^kSampleRunBits each (8: 1,024 runs of a 32-byte sector).
+constexpr int kSampleRunBits = 3;
+
 // The sampled path's filter requests its scores before it waits for the rows' thresholds in launches of
 // at most this many rows (filter_topk_kernel; run 51 on an H100: 8 rows faster, 64 slower).
 constexpr int kEarlyFilterRows = 8;
@@ -2812,9 +2564,9 @@ void launch_sampled_topk(const TopkArgs& a, void* workspace, cudaStream_t stream
   p.scratch_words = kSampledScratchWords;
   p.cand_cap = kSampledCap;
   p.fused = topk_fused(p) && fused_cap > 0;  // (its grid: at most what the device holds at once)
-  // TROUPE_TOPK_SAMPLE_RUN=N (read at each call; an A/B switch, not yet timed): the sample's runs of N
-  // contiguous scores (a power of two, 8..1024; 8 otherwise: 1,024 runs of a 32-byte sector each).
-  p.sample_run_bits = 3;
+  // TROUPE_TOPK_SAMPLE_RUN=N (read at each call): the sample's runs of N contiguous scores (a power of two,
+  // 8..1024); kSampleRunBits otherwise.
+  p.sample_run_bits = kSampleRunBits;
   if (const char* e = std::getenv("TROUPE_TOPK_SAMPLE_RUN"); e != nullptr) {
     const int n = std::atoi(e);
     for (int b = 3; b <= 10; ++b) {
@@ -2843,61 +2595,6 @@ void launch_sampled_topk(const TopkArgs& a, void* workspace, cudaStream_t stream
       launch_kernel(filter_topk_kernel, dim3(spans, rows, 1), kThreads, 0, stream, p);
     }
     launch_kernel(finish_sampled_topk_kernel, dim3(rows, 1, 1), kThreads, kFinishSmemBytes, stream, p);
-  }
-}
-
-// The cluster-rows path (cluster_row_topk_kernel): TopkArgs::cluster_rows, or TROUPE_TOPK_CLUSTER_ROWS
-// (read at each call) when it is 0; off by default until measured. Where it applies: calls the grid kernel
-// would run whose longest row is 4,097 .. 262,144 scores (chunks of 4,096 up to 65,536, else of 16,384), on
-// a device that holds a 16-CTA cluster of that form.
-template <int EPT>
-bool cluster_rows_fit() {
-  static const bool fits = [] {
-    const auto kernel = cluster_row_topk_kernel<EPT>;
-    TROUPE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    TROUPE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, cluster_smem_bytes<EPT>()));
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(kClusterMax, 1, 1);
-    cfg.blockDim = dim3(kThreads, 1, 1);
-    cfg.dynamicSmemBytes = cluster_smem_bytes<EPT>();
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = kClusterMax;
-    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    int clusters = 0;
-    return cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0;
-  }();
-  return fits;
-}
-
-bool takes_cluster_rows(const TopkArgs& a) {
-  const int ask = a.cluster_rows != 0 ? a.cluster_rows : env_switch("TROUPE_TOPK_CLUSTER_ROWS");
-  if (ask != 1 || a.max_len <= kThreads * kSmallEPT) return false;
-  if (a.max_len <= static_cast<int64_t>(kClusterMax) * kThreads * kSmallEPT) return cluster_rows_fit<kSmallEPT>();
-  return a.max_len <= static_cast<int64_t>(kClusterMax) * kThreads * kLargeEPT && cluster_rows_fit<kLargeEPT>();
-}
-
-void launch_cluster_rows(const TopkArgs& a, cudaStream_t stream) {
-  GridParams p{};
-  set_call(a, p);
-  const bool small = a.max_len <= static_cast<int64_t>(kClusterMax) * kThreads * kSmallEPT;
-  const int64_t chunk = static_cast<int64_t>(kThreads) * (small ? kSmallEPT : kLargeEPT);
-  int c = 2;
-  while (c * chunk < a.max_len) c *= 2;
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = static_cast<unsigned>(c);
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  const dim3 grid(static_cast<unsigned>(a.rows * c), 1, 1);
-  if (small) {
-    launch_kernel_ex(cluster_row_topk_kernel<kSmallEPT>, grid, kThreads,
-                     static_cast<size_t>(cluster_smem_bytes<kSmallEPT>()), stream, &cluster, 1, p);
-  } else {
-    launch_kernel_ex(cluster_row_topk_kernel<kLargeEPT>, grid, kThreads,
-                     static_cast<size_t>(cluster_smem_bytes<kLargeEPT>()), stream, &cluster, 1, p);
   }
 }
 
@@ -2944,10 +2641,6 @@ void topk(const TopkArgs& args, void* workspace, cudaStream_t stream) {
     const GridPlan g = make_grid_plan(a.rows, std::max<int64_t>(a.max_len, 1), topk_stream(a));
     if (takes_sampled(a, g)) {
       launch_sampled_topk(a, workspace, stream);
-      return;
-    }
-    if (g.ok && !g.stream && takes_cluster_rows(a)) {
-      launch_cluster_rows(a, stream);
       return;
     }
     if (g.ok) {

@@ -84,10 +84,6 @@ struct TopkArgs {
                                     // 0 = TROUPE_TOPK_SAMPLED (read at each call: 1 = on, 0 = never), else
                                     // calls of at least 8 rows and 6 M scores (rows x longest) where it
                                     // applies (measured faster there, topk.cu)
-  int cluster_rows = 0;             // rows of 4,097 .. 262,144 scores selected each in one thread-block
-                                    // cluster of 2 .. 16 CTAs (4,096 or 16,384 scores a CTA) where the grid kernel
-                                    // would run: 1 = on, -1 = never, 0 = TROUPE_TOPK_CLUSTER_ROWS (read at
-                                    // each call: 1 = on), else off (not yet measured)
 };
 
 // Scratch the call needs (enough for any call with at most `rows` rows and this

@@ -182,8 +182,8 @@ class CudaKernelsTest : public ::testing::Test {
   }
 
   // One top-k case: each way of finishing a row on the grid kernel (TopkArgs::finish), the sampled path (the
-  // grid kernel where it does not apply), the streamed kernel, then the cluster rows (the grid kernel where they
-  // do not apply), each twice (a cluster case: the cluster kernel twice), checked against a sort. The runs share one workspace: each must leave it zeroed for the next.
+  // grid kernel where it does not apply), then the streamed kernel, each twice (a cluster case: the cluster
+  // kernel twice), checked against a sort. The runs share one workspace: each must leave it zeroed for the next.
   void run_topk_case(const TopkCase& c) {
     const std::string what = "rows " + std::to_string(c.rows) + " len " + std::to_string(c.len) + " k " +
                              std::to_string(c.k) + " dist " + std::to_string(c.dist) + " cluster " +
@@ -201,12 +201,12 @@ class CudaKernelsTest : public ::testing::Test {
     void* ws = ws_bytes > 0 ? dev<char>(ws_bytes) : nullptr;
     cuda::topk_workspace_init(ws, ws_bytes, stream());
     struct Variant {
-      int finish, streamed, sampled, cluster_rows;
+      int finish, streamed, sampled;
     };
-    const Variant variants[] = {{1, -1, -1, -1}, {2, -1, 1, -1}, {2, -1, -1, -1}, {2, 1, -1, -1}, {2, -1, -1, 1}};
-    const int runs = c.max_cluster > 0 ? 2 : 10;  // the cluster kernel has no variants: the first, twice
+    const Variant variants[] = {{1, -1, -1}, {2, -1, 1}, {2, -1, -1}, {2, 1, -1}};
+    const int runs = c.max_cluster > 0 ? 2 : 8;  // the cluster kernel has no variants: the first, twice
     for (int run = 0; run < runs; ++run) {
-      const auto [finish, streamed, sampled, cluster_rows] = variants[run / 2];
+      const auto [finish, streamed, sampled] = variants[run / 2];
       const int rep = run % 2;
       poison(out, c.rows * c.k * 4);
       poison(cnt, c.rows * 4);
@@ -215,14 +215,12 @@ class CudaKernelsTest : public ::testing::Test {
       a.finish = finish;
       a.stream = streamed;
       a.sampled = sampled;
-      a.cluster_rows = cluster_rows;
       cuda::topk(a, ws, stream());
       const auto ho = host(out, c.rows * c.k);
       const auto hc = host(cnt, c.rows);
       for (int r = 0; r < c.rows; ++r) {
         const std::string row_what = "row " + std::to_string(r) + " finish " + std::to_string(finish) + " stream " +
-                                     std::to_string(streamed) + " sampled " + std::to_string(sampled) +
-                                     " cluster rows " + std::to_string(cluster_rows) + " rep " +
+                                     std::to_string(streamed) + " sampled " + std::to_string(sampled) + " rep " +
                                      std::to_string(rep);
         check_topk_row(v.data() + r * stride, lengths[r], c.k, ho.data() + r * c.k, hc[r], row_what);
         check_topk_row_stable(v.data() + r * stride, lengths[r], c.k, ho.data() + r * c.k, hc[r], row_what);
@@ -282,25 +280,6 @@ TEST_F(CudaKernelsTest, topk_rows_of_one_chunk) {
       {3, 4096, 512, normal, false, 0},     {4, 4096, 512, fine_steps, false, 0}, {2, 4096, 512, coarse_steps, false, 0},
       {2, 4096, 512, few_values, false, 0}, {6, 4000, 64, normal, true, 0},       {3, 16000, 2048, fine_steps, true, 0},
       {3, 16000, 2048, coarse_steps, false, 0},
-  };
-  for (const auto& c : cases) run_topk_case(c);
-}
-
-// Rows of 4,097 .. 262,144 scores on the cluster rows (TopkArgs::cluster_rows; every case runs them): buckets the
-// leader ranks, a bucket of more than it holds narrowed by a second cluster round (fine steps at k = 2,048), one
-// value's copies past its capacity (few values, all equal: the ties by index over the row), rows shorter than the
-// cluster's chunks (ragged), k near the row's length, clusters of 2 to 16 CTAs, chunks of 4,096 and 16,384.
-TEST_F(CudaKernelsTest, topk_cluster_rows_equal_a_stable_sort) {
-  const TopkCase cases[] = {
-      {2, 65536, 512, normal, false, 0},        {3, 65536, 2048, few_values, false, 0},
-      {2, 65536, 512, all_equal, false, 0},     {3, 50000, 512, fine_steps, true, 0},
-      {2, 65536, 2048, fine_steps, false, 0},   {2, 20000, 100, coarse_steps, false, 0},
-      {4, 65536, 512, mostly_zeros, true, 0},   {2, 65536, 2048, signed_zeros, false, 0},
-      {3, 8192, 512, with_infinities, false, 0}, {2, 4097, 4000, normal, false, 0},
-      {3, 30000, 1, normal, true, 0},           {9, 65536, 512, normal, true, 0},
-      // chunks of 16,384 (rows of 65,537 .. 262,144)
-      {2, 262144, 512, normal, false, 0},       {1, 262144, 2048, fine_steps, false, 0},
-      {3, 100000, 512, coarse_steps, true, 0},  {2, 65537, 2048, few_values, false, 0},
   };
   for (const auto& c : cases) run_topk_case(c);
 }

@@ -1755,16 +1755,16 @@ __device__ __forceinline__ void load_list_batch(const uint2* list, uint32_t n, u
 // k-th's bin, one pass over the candidates (load_batch(b0, c): entries b0 + j * kThreads + tid, as
 // load_list_batch) writing those of higher bins to out[0 .. above) and gathering that bin's into ck / ci,
 // then the bin's need = k - above largest, ties by lower index, to out[above .. k): by each one's rank among
-// them (at most a candidate a thread) or block_select. False, with nothing written, when that bin holds
-// more than bucket_cap candidates. Every thread of the block calls it.
+// them (at most a candidate a thread) or block_select. thr, shift: the row's threshold and bin shift (sample_row's,
+// in the row's scratch). False, with nothing written, when that bin holds more than bucket_cap candidates.
+// Every thread of the block calls it.
 template <class LoadBatch>
-__device__ __forceinline__ bool finish_from_histogram(const GridParams& p, int row, int lrow, uint32_t n, uint4 h,
-                                                      int32_t* out, GSmem& sm, LoadBatch&& load_batch, uint32_t* ck,
-                                                      int32_t* ci, uint32_t bucket_cap, long long* prof = nullptr) {
+__device__ __forceinline__ bool finish_from_histogram(const GridParams& p, int row, uint32_t thr, uint32_t shift,
+                                                      uint32_t n, uint4 h, int32_t* out, GSmem& sm,
+                                                      LoadBatch&& load_batch, uint32_t* ck, int32_t* ci,
+                                                      uint32_t bucket_cap, long long* prof = nullptr) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const uint32_t kk = static_cast<uint32_t>(p.k);
-  const uint32_t* scratch = p.scratch + lrow * p.scratch_words;
-  const uint32_t thr = __ldcg(scratch), shift = __ldcg(scratch + 1);
   // Candidates in bins from 4 tid up: a suffix sum over the threads (a warp's by shuffles, then the warps').
   const uint32_t mine = h.x + h.y + h.z + h.w;
   uint32_t suffix = mine;
@@ -1797,7 +1797,9 @@ __device__ __forceinline__ bool finish_from_histogram(const GridParams& p, int r
   if (sm.thr_cnt > bucket_cap) return false;  // (the same in every thread)
   // Places: a batch's chosen entries as masks, one shared atomic a warp a batch for each kind (a
   // warp_take an entry was two ballots and, in nearly every warp, a returning atomic on one shared word
-  // an entry: ~14 serial atomics a warp at 8 x 1 M, contended by the block's 16 warps).
+  // an entry). Measured with the list's cp.async copy (run 53, H100 stamps, list in hand to end): 64 x 1 M
+  // 7.4 -> 4.5 us, 8 x 1 M unchanged at ~5.2 (the pass then ~2.6 us for ~6,800 candidates, the rank of
+  // ~10 a further 0.8: steps that look like instruction fetches, not arithmetic).
   for (uint32_t b0 = 0; b0 < n; b0 += kListBatch * kThreads) {  // uniform trip count: shuffles below
     uint2 c[kListBatch];
     load_batch(b0, c);
@@ -1827,7 +1829,7 @@ __device__ __forceinline__ bool finish_from_histogram(const GridParams& p, int r
     prof[1] = global_ns();
     prof[3] = m;
   }
-  if (m <= static_cast<uint32_t>(kThreads)) {
+  if (m <= static_cast<uint32_t>(kThreads)) [[likely]] {
     if (static_cast<uint32_t>(tid) < m) {
       const uint32_t key = ck[tid];
       const int32_t idx = ci[tid];
@@ -1838,7 +1840,7 @@ __device__ __forceinline__ bool finish_from_histogram(const GridParams& p, int r
       }
       if (rank < need) out[above + rank] = translate_g(p, row, idx);
     }
-  } else {
+  } else [[unlikely]] {
     block_select(
         ck, m, [](uint32_t) { return true; }, [&](uint32_t i) { return static_cast<uint32_t>(ci[i]); }, 0u, 0, need,
         sm, [&](uint32_t pos, uint32_t i) { out[above + pos] = translate_g(p, row, ci[i]); });
@@ -2041,7 +2043,9 @@ __global__ void __launch_bounds__(kThreads, 1) fused_filter_topk_kernel(const Gr
     const uint2* list = reinterpret_cast<const uint2*>(p.scratch + lrow * p.scratch_words + kListOffset);
     int32_t* out = p.out_idx + row * p.out_stride;
     const auto load = [&](uint32_t b0, uint2(&c)[kListBatch]) { load_list_batch(list, n, b0, c); };
-    if (finish_from_histogram(p, row, lrow, n, h, out, fs.g, load, ck, ci, kStagingCap)) {
+    const uint32_t* scratch = p.scratch + lrow * p.scratch_words;
+    if (finish_from_histogram(p, row, __ldcg(scratch), __ldcg(scratch + 1), n, h, out, fs.g, load, ck, ci,
+                              kStagingCap)) {
       ghist[tid] = make_uint4(0u, 0u, 0u, 0u);
       if (tid == 0) {
         *row_finished(p, lrow) = 1u;
@@ -2264,13 +2268,11 @@ __global__ void __launch_bounds__(kThreads, 1) finish_sampled_topk_kernel(const 
     h = __ldcg(ghist + tid);
     ghist[tid] = make_uint4(0u, 0u, 0u, 0u);
   }
-  if (n >= kk && n <= p.cand_cap && p.fused) [[likely]] {
-    if (prof) prof[2] = global_ns();
-    const auto load = [&](uint32_t b0, uint2(&c)[kListBatch]) { load_list_batch(list, n, b0, c); };
-    finish_from_histogram(p, row, lrow, n, h, out, sm, load, ck, ci, kSampledCap);
-  } else if (n >= kk && n <= p.cand_cap) [[likely]] {
-    // The list into shared memory (cl: its entries as they are, by 16-byte cp.async, one round trip; it was
-    // batches of loads, each waited on, 1.8 us at 8 x 1 M on an H100, run 52), then its histogram by
+  // (The three-kernel path's code first: the fused path is opt-in, and a jump over its code to cold lines
+  // costs instruction fetches; run 53's stamps put ~0.5-0.8 us on such steps.)
+  if (n >= kk && n <= p.cand_cap && !p.fused) [[likely]] {
+    // The list into shared memory (cl: its entries as they are, by 16-byte cp.async, one round trip; batches
+    // of loads before it, each waited on, took as long: 1.8-2.2 us at 8 x 1 M, runs 52-53), then its histogram by
     // candidate_bin (the fused filter's, built here) from that copy, then finish_from_histogram over it,
     // gathering the k-th's bin past it. Radix rounds over the list (block_select) instead only when that
     // bin does not fit there: their first digit puts most candidates in a few bins (the top 11 bits of keys
@@ -2298,7 +2300,7 @@ __global__ void __launch_bounds__(kThreads, 1) finish_sampled_topk_kernel(const 
     };
     uint32_t* gk = reinterpret_cast<uint32_t*>(cl + n);  // the k-th's bin: keys, then indices, past the copy
     int32_t* gi = reinterpret_cast<int32_t*>(gk + (kSampledCap - n));
-    if (!finish_from_histogram(p, row, lrow, n, hl, out, sm, load, gk, gi, kSampledCap - n,
+    if (!finish_from_histogram(p, row, thr, shift, n, hl, out, sm, load, gk, gi, kSampledCap - n,
                                prof ? prof + 4 : nullptr)) [[unlikely]] {
       __syncthreads();  // (finish_from_histogram's reads of sm and cl done)
       for (uint32_t i = tid; i < n; i += kThreads) {  // keys and indices apart, from the list again
@@ -2311,6 +2313,11 @@ __global__ void __launch_bounds__(kThreads, 1) finish_sampled_topk_kernel(const 
           ck, n, [](uint32_t) { return true; }, [&](uint32_t i) { return static_cast<uint32_t>(ci[i]); }, 0u, 0, kk,
           sm, [&](uint32_t pos, uint32_t i) { out[pos] = translate_g(p, row, ci[i]); });
     }
+  } else if (n >= kk && n <= p.cand_cap) {
+    if (prof) prof[2] = global_ns();
+    const auto load = [&](uint32_t b0, uint2(&c)[kListBatch]) { load_list_batch(list, n, b0, c); };
+    const uint32_t* scratch = p.scratch + lrow * p.scratch_words;
+    finish_from_histogram(p, row, __ldcg(scratch), __ldcg(scratch + 1), n, h, out, sm, load, ck, ci, kSampledCap);
   } else [[unlikely]] {
     select_row_from_scores(p, row, len, out, sm);
   }
@@ -2492,8 +2499,11 @@ void launch_grid_topk(const TopkArgs& a, const GridPlan& g, void* workspace, cud
   }
 }
 
-// The sample's runs of contiguous scores: 2^kSampleRunBits each (8: 1,024 runs of a 32-byte sector).
-constexpr int kSampleRunBits = 3;
+// The sample's runs of contiguous scores: 2^kSampleRunBits each (32 runs of 256 scores, 1 KB each). Measured
+// on an H200 (run 53, same run, sampled calls): runs of 8 (a 32-byte sector each) -> 256 / 1,024: 64 x 262,144
+// 30.56 -> 29.53 / 29.58 us, 64 x 1 M 98.05 -> 96.60 / 96.36, 8 x 262,144 11.93 -> 11.31 / 11.33, 1 x 1 M
+// 15.40 -> 14.27 / 14.31; 256 kept (32 runs over the row, not 8: less exposed to scores that vary by place).
+constexpr int kSampleRunBits = 8;
 
 // The sampled path's filter requests its scores before it waits for the rows' thresholds in launches of
 // at most this many rows (filter_topk_kernel; run 51 on an H100: 8 rows faster, 64 slower).

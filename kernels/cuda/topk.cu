@@ -1755,16 +1755,16 @@ __device__ __forceinline__ void load_list_batch(const uint2* list, uint32_t n, u
 // k-th's bin, one pass over the candidates (load_batch(b0, c): entries b0 + j * kThreads + tid, as
 // load_list_batch) writing those of higher bins to out[0 .. above) and gathering that bin's into ck / ci,
 // then the bin's need = k - above largest, ties by lower index, to out[above .. k): by each one's rank among
-// them (at most a candidate a thread) or block_select. thr, shift: the row's threshold and bin shift (sample_row's,
-// in the row's scratch). False, with nothing written, when that bin holds more than bucket_cap candidates.
-// Every thread of the block calls it.
+// them (at most a candidate a thread) or block_select. False, with nothing written, when that bin holds
+// more than bucket_cap candidates. Every thread of the block calls it.
 template <class LoadBatch>
-__device__ __forceinline__ bool finish_from_histogram(const GridParams& p, int row, uint32_t thr, uint32_t shift,
-                                                      uint32_t n, uint4 h, int32_t* out, GSmem& sm,
-                                                      LoadBatch&& load_batch, uint32_t* ck, int32_t* ci,
-                                                      uint32_t bucket_cap, long long* prof = nullptr) {
+__device__ __forceinline__ bool finish_from_histogram(const GridParams& p, int row, int lrow, uint32_t n, uint4 h,
+                                                      int32_t* out, GSmem& sm, LoadBatch&& load_batch, uint32_t* ck,
+                                                      int32_t* ci, uint32_t bucket_cap, long long* prof = nullptr) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const uint32_t kk = static_cast<uint32_t>(p.k);
+  const uint32_t* scratch = p.scratch + lrow * p.scratch_words;
+  const uint32_t thr = __ldcg(scratch), shift = __ldcg(scratch + 1);
   // Candidates in bins from 4 tid up: a suffix sum over the threads (a warp's by shuffles, then the warps').
   const uint32_t mine = h.x + h.y + h.z + h.w;
   uint32_t suffix = mine;
@@ -1829,7 +1829,7 @@ __device__ __forceinline__ bool finish_from_histogram(const GridParams& p, int r
     prof[1] = global_ns();
     prof[3] = m;
   }
-  if (m <= static_cast<uint32_t>(kThreads)) [[likely]] {
+  if (m <= static_cast<uint32_t>(kThreads)) {
     if (static_cast<uint32_t>(tid) < m) {
       const uint32_t key = ck[tid];
       const int32_t idx = ci[tid];
@@ -1840,7 +1840,7 @@ __device__ __forceinline__ bool finish_from_histogram(const GridParams& p, int r
       }
       if (rank < need) out[above + rank] = translate_g(p, row, idx);
     }
-  } else [[unlikely]] {
+  } else {
     block_select(
         ck, m, [](uint32_t) { return true; }, [&](uint32_t i) { return static_cast<uint32_t>(ci[i]); }, 0u, 0, need,
         sm, [&](uint32_t pos, uint32_t i) { out[above + pos] = translate_g(p, row, ci[i]); });
@@ -2043,9 +2043,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_filter_topk_kernel(const Gr
     const uint2* list = reinterpret_cast<const uint2*>(p.scratch + lrow * p.scratch_words + kListOffset);
     int32_t* out = p.out_idx + row * p.out_stride;
     const auto load = [&](uint32_t b0, uint2(&c)[kListBatch]) { load_list_batch(list, n, b0, c); };
-    const uint32_t* scratch = p.scratch + lrow * p.scratch_words;
-    if (finish_from_histogram(p, row, __ldcg(scratch), __ldcg(scratch + 1), n, h, out, fs.g, load, ck, ci,
-                              kStagingCap)) {
+    if (finish_from_histogram(p, row, lrow, n, h, out, fs.g, load, ck, ci, kStagingCap)) {
       ghist[tid] = make_uint4(0u, 0u, 0u, 0u);
       if (tid == 0) {
         *row_finished(p, lrow) = 1u;
@@ -2268,9 +2266,11 @@ __global__ void __launch_bounds__(kThreads, 1) finish_sampled_topk_kernel(const 
     h = __ldcg(ghist + tid);
     ghist[tid] = make_uint4(0u, 0u, 0u, 0u);
   }
-  // (The three-kernel path's code first: the fused path is opt-in, and a jump over its code to cold lines
-  // costs instruction fetches; run 53's stamps put ~0.5-0.8 us on such steps.)
-  if (n >= kk && n <= p.cand_cap && !p.fused) [[likely]] {
+  if (n >= kk && n <= p.cand_cap && p.fused) [[likely]] {
+    if (prof) prof[2] = global_ns();
+    const auto load = [&](uint32_t b0, uint2(&c)[kListBatch]) { load_list_batch(list, n, b0, c); };
+    finish_from_histogram(p, row, lrow, n, h, out, sm, load, ck, ci, kSampledCap);
+  } else if (n >= kk && n <= p.cand_cap) [[likely]] {
     // The list into shared memory (cl: its entries as they are, by 16-byte cp.async, one round trip; batches
     // of loads before it, each waited on, took as long: 1.8-2.2 us at 8 x 1 M, runs 52-53), then its histogram by
     // candidate_bin (the fused filter's, built here) from that copy, then finish_from_histogram over it,
@@ -2300,7 +2300,7 @@ __global__ void __launch_bounds__(kThreads, 1) finish_sampled_topk_kernel(const 
     };
     uint32_t* gk = reinterpret_cast<uint32_t*>(cl + n);  // the k-th's bin: keys, then indices, past the copy
     int32_t* gi = reinterpret_cast<int32_t*>(gk + (kSampledCap - n));
-    if (!finish_from_histogram(p, row, thr, shift, n, hl, out, sm, load, gk, gi, kSampledCap - n,
+    if (!finish_from_histogram(p, row, lrow, n, hl, out, sm, load, gk, gi, kSampledCap - n,
                                prof ? prof + 4 : nullptr)) [[unlikely]] {
       __syncthreads();  // (finish_from_histogram's reads of sm and cl done)
       for (uint32_t i = tid; i < n; i += kThreads) {  // keys and indices apart, from the list again
@@ -2313,11 +2313,6 @@ __global__ void __launch_bounds__(kThreads, 1) finish_sampled_topk_kernel(const 
           ck, n, [](uint32_t) { return true; }, [&](uint32_t i) { return static_cast<uint32_t>(ci[i]); }, 0u, 0, kk,
           sm, [&](uint32_t pos, uint32_t i) { out[pos] = translate_g(p, row, ci[i]); });
     }
-  } else if (n >= kk && n <= p.cand_cap) {
-    if (prof) prof[2] = global_ns();
-    const auto load = [&](uint32_t b0, uint2(&c)[kListBatch]) { load_list_batch(list, n, b0, c); };
-    const uint32_t* scratch = p.scratch + lrow * p.scratch_words;
-    finish_from_histogram(p, row, __ldcg(scratch), __ldcg(scratch + 1), n, h, out, sm, load, ck, ci, kSampledCap);
   } else [[unlikely]] {
     select_row_from_scores(p, row, len, out, sm);
   }

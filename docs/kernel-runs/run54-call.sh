@@ -2,10 +2,11 @@
 # Session 54's prepared device call (not run: no device machine was lent). On the GPU machine, from the
 # repository root, with bundle/b54.tar.xz carried. Three top-k sources: head (HEAD's topk.cu), rare (with
 # docs/kernel-runs/run54-topk-rare-paths.patch), sb (rare with run54-topk-span-bounds.patch, timed under
-# TROUPE_TOPK_LOCAL_BOUNDS=1; the test binary is built from sb, whose default equals rare). Stages: the top-k
-# tests; head / rare / sb at the nine PERF-TARGETS shapes; the sampled tests under TROUPE_TOPK_LOCAL_BOUNDS=2
-# and =1, TROUPE_TOPK_EARLY_FILTER=0 and TROUPE_TOPK_FUSED=1; memcheck (default and LOCAL_BOUNDS=2); the
-# sampled path's stamps; ncu of 8 x 1 M's kernels; racecheck. Results in $OUT/all.tgz.
+# TROUPE_TOPK_LOCAL_BOUNDS=1; the test binary is built from sb, whose default equals rare). bench/gpu/topk-check.sh
+# runs the top-k tests, memcheck, head / rare / sb at the nine PERF-TARGETS shapes and rare's sampled-path stamps;
+# then the sampled tests under TROUPE_TOPK_LOCAL_BOUNDS=2 and =1, TROUPE_TOPK_EARLY_FILTER=0 and
+# TROUPE_TOPK_FUSED=1; memcheck under LOCAL_BOUNDS=2; sb's stamps; ncu of 8 x 1 M's kernels; racecheck over the
+# one-chunk rows. Results in $OUT/all.tgz.
 # The bundle, here (~6 min on 2 cores):
 #   git apply docs/kernel-runs/run54-topk-rare-paths.patch && cp kernels/cuda/topk.cu /tmp/topk_rare.cu
 #   git apply docs/kernel-runs/run54-topk-span-bounds.patch
@@ -20,29 +21,22 @@
 R=$OUT/r; mkdir -p $R
 trap 'cd $OUT && tar czf all.tgz r' EXIT
 cd /tmp && tar xJf $OLDPWD/bundle/b54.tar.xz && cd $OLDPWD
-B=/tmp/b54
-export NCCL_NVLS_ENABLE=0
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,driver_version --format=csv > $R/gpu.txt 2>&1
-T=$B/kernels_cuda_kernels_test
-( time timeout 120 $B/run.sh $T --gtest_filter='*topk*' ; echo "rc=$?" ) > $R/tests.log 2>&1
-tail -3 $R/tests.log
+B=/tmp/b54 T=/tmp/b54/kernels_cuda_kernels_test
+FILTER='*topk*' SAN_TOOLS=memcheck SAN_FILTER='*topk_sampled*:*topk_rows_of_one_chunk*' \
+  AB_NAMES="head rare sb" AB_ENV_head= AB_ENV_rare= AB_ENV_sb=TROUPE_TOPK_LOCAL_BOUNDS=1 AB_LIB_DIR=$B/ab \
+  CASES=65536x1,65536x8,65536x64,262144x1,262144x8,262144x64,1048576x1,1048576x8,1048576x64 \
+  STAMPS=1048576x8,262144x64 STAMP_LIB=rare bench/gpu/topk-check.sh $B $R/check
 for e in TROUPE_TOPK_LOCAL_BOUNDS=2 TROUPE_TOPK_LOCAL_BOUNDS=1 TROUPE_TOPK_EARLY_FILTER=0 TROUPE_TOPK_FUSED=1; do
   ( env $e timeout 30 $B/run.sh $T --gtest_filter='*topk_sampled*:*share_a_workspace*'; echo "rc=$?" ) > $R/tests-$e.log 2>&1
 done
 tail -2 $R/tests-*.log
-CASES=65536x1,65536x8,65536x64,262144x1,262144x8,262144x64,1048576x1,1048576x8,1048576x64
-AB_ENV_sb="TROUPE_TOPK_LOCAL_BOUNDS=1" AB_PREBUILT=1 AB_LIB_DIR=$B/ab timeout 240 bench/gpu/kernel-ab.sh $R/ab \
-  kernels/cuda/topk.cu head=x rare=x sb=x -- --only topk --topk-cases $CASES > $R/ab.log 2>&1
-cat $R/ab.log | cut -c1-400
 export LD_LIBRARY_PATH=$B/lib:$LD_LIBRARY_PATH
-( timeout 50 compute-sanitizer --tool memcheck $T --gtest_filter='*topk_sampled*:*topk_rows_of_one_chunk*' | tail -4 ) > $R/memcheck.log 2>&1
 ( TROUPE_TOPK_LOCAL_BOUNDS=2 timeout 40 compute-sanitizer --tool memcheck $T --gtest_filter='*topk_sampled*' | tail -4 ) > $R/memcheck-lb.log 2>&1
-tail -3 $R/memcheck*.log
-for L in head rare sb; do for s in 1048576:8 262144:64; do
-  E=; [ $L = sb ] && E=TROUPE_TOPK_LOCAL_BOUNDS=1
-  env $E TROUPE_TOPK_SAMPLED=1 timeout 15 python3 bench/gpu/topk_ncu.py stamps $B/ab/lib-$L/lib.so ${s%:*} ${s#*:} 2>&1 | sed "s/^/$L /"
-done; done > $R/stamps.log 2>&1
-cat $R/stamps.log
+tail -3 $R/memcheck-lb.log
+for s in 1048576x8 262144x64; do
+  TROUPE_TOPK_LOCAL_BOUNDS=1 TROUPE_TOPK_SAMPLED=1 timeout 15 python3 bench/gpu/topk_ncu.py stamps $B/ab/lib-sb/lib.so ${s%x*} ${s#*x}
+done > $R/stamps-sb.log 2>&1
+cat $R/stamps-sb.log
 timeout 60 bench/gpu/topk-ncu.sh $B/ab/lib-sb/lib.so $R/ncu 1048576x8:TROUPE_TOPK_SAMPLED=1 \
   1048576x8:TROUPE_TOPK_SAMPLED=1,TROUPE_TOPK_LOCAL_BOUNDS=1 > $R/ncu.log 2>&1; cat $R/ncu.log
 ( timeout 40 compute-sanitizer --tool racecheck $T --gtest_filter='*topk_rows_of_one_chunk*' | tail -4 ) > $R/racecheck.log 2>&1

@@ -94,11 +94,7 @@ def layout(cubin, kernel, source, min_bytes):
         else:
             runs.append([addr, addr + 16, key, set(inner)])
         if "CALL" in m.group(2):
-            callee = re.sub(r".*\$", "", m.group(2)).rstrip(" );")
-            if shutil.which("c++filt"):
-                callee = subprocess.run(["c++filt", callee], capture_output=True, text=True).stdout.strip()
-            callee = callee.replace("(anonymous namespace)::", "")
-            calls.append((addr, re.sub(r"\(.*", "", callee).split("::")[-1]))
+            calls.append((addr, re.sub(r".*\$", "", m.group(2)).rstrip(" );")))
         stores += "STL" in m.group(2)
     if not runs:
         sys.exit(f"sass_layout: no kernel matching {kernel!r} in {cubin}")
@@ -106,8 +102,12 @@ def layout(cubin, kernel, source, min_bytes):
     for a, b, key, inner in runs:
         if b - a >= min_bytes:
             print(f"{a:6x}-{b:6x} {b - a:6d} {key:34s} {','.join(sorted(inner))[:100]}")
-    for a, what in calls:
-        print(f"call at {a:6x}: {what}")
+    names = [c for _, c in calls]
+    if names and shutil.which("c++filt"):  # every callee demangled by one c++filt
+        names = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True).stdout.split("\n")
+    for (a, _), what in zip(calls, names):
+        what = what.strip().replace("(anonymous namespace)::", "")
+        print(f"call at {a:6x}: {re.sub(r'[(].*', '', what).split('::')[-1]}")
 
 
 def main():
